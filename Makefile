@@ -1,0 +1,15 @@
+# The two commands of the README. Both are idempotent.
+export DAGSTER_HOME := $(CURDIR)/.dagster
+
+.PHONY: setup demo test dev
+setup:
+	./scripts/setup.sh
+
+demo: setup   ## tiny model + demo data, then materialize every stage; prints the LoRA and video paths
+	.venv/bin/loraflow demo
+
+test: setup   ## the whole test suite
+	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+
+dev: setup    ## the Dagster UI on http://127.0.0.1:3000 (loopback only)
+	.venv/bin/dagster dev -h 127.0.0.1 -p 3000

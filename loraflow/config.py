@@ -1,0 +1,243 @@
+"""The one config model: the seed guides' names, validated once at load, every problem named at once.
+
+A config is YAML or JSON. Dataset entries have the shape of SimpleTuner's `multidatabackend.json`; they
+go inline under `datasets:` or in a separate file named by `dataset_backend_config`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+VAE_TEMPORAL_FACTOR = 4  # all three families' VAEs compress time 4x: video clips have 4k+1 frames
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. `problems` lists every issue, each naming the key path."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        super().__init__(f"{source} has {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def check_4k_plus_1(name: str, frames: int | None) -> int | None:
+    """Video frame counts must be 4k+1 for the 4x temporal VAE; suggest the two nearest legal values."""
+    if frames is None:
+        return frames
+    if frames < 1:
+        raise ValueError(f"`{name}` must be >= 1; got {frames}")
+    if (frames - 1) % VAE_TEMPORAL_FACTOR:
+        lower = (frames - 1) // VAE_TEMPORAL_FACTOR * VAE_TEMPORAL_FACTOR + 1
+        raise ValueError(
+            f"`{name} - 1` must be divisible by {VAE_TEMPORAL_FACTOR} (the VAE's temporal factor); "
+            f"got {frames}. Use {lower} or {lower + VAE_TEMPORAL_FACTOR}."
+        )
+    return frames
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class VideoSettings(StrictModel):
+    """How frames are chosen from one video (the `video:` block of a dataset)."""
+
+    num_frames: int = Field(17, description="frames per training clip; 4k+1")
+    min_frames: int | None = Field(None, description="videos with fewer frames (after fps resampling) are skipped")
+    max_frames: int | None = Field(None, description="videos with more frames are skipped; caps `full` clips")
+    frame_rate: float | None = Field(None, description="resample to this fps; default: the flavour's fps")
+    bucket_strategy: Literal["aspect_ratio", "resolution_frames"] = "aspect_ratio"
+    frame_interval: int | None = Field(None, description="resolution_frames: round frame counts down to this step")
+    frame_extraction: Literal["head", "chunk", "slide", "uniform", "full"] = "head"
+    frame_stride: int = Field(1, ge=1, description="slide: start offset between clips, in frames")
+    frame_sample: int = Field(1, ge=1, description="uniform: number of clips spread over the video")
+
+    @field_validator("num_frames")
+    @classmethod
+    def _num_frames(cls, v: int) -> int:
+        return check_4k_plus_1("num_frames", v)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> VideoSettings:
+        if self.max_frames is not None and self.max_frames < self.num_frames:
+            raise ValueError(f"`max_frames` ({self.max_frames}) is below `num_frames` ({self.num_frames})")
+        return self
+
+
+class DatasetConfig(StrictModel):
+    """One entry of the dataset list (the seeds' multidatabackend.json)."""
+
+    id: str
+    type: Literal["local"] = "local"
+    dataset_type: Literal["video", "image", "text_embeds"] = "video"
+    instance_data_dir: str | None = None
+    caption_strategy: Literal["textfile", "filename", "instanceprompt"] = "textfile"
+    instance_prompt: str | None = None
+    resolution: int = Field(512, gt=0, description="pixels of the shorter side (resolution_type: pixel)")
+    video: VideoSettings = VideoSettings()
+    crop_style: Literal["center", "random", "none"] = "center"
+    repeats: int = Field(1, ge=1, description="how many times each clip is seen per epoch")
+    cache_dir: str | None = None
+    default: bool = False
+    disabled: bool = False
+
+    @model_validator(mode="after")
+    def _needs(self) -> DatasetConfig:
+        if self.dataset_type != "text_embeds" and not self.instance_data_dir:
+            raise ValueError(f"dataset '{self.id}' needs `instance_data_dir` (a folder of videos/images)")
+        if self.caption_strategy == "instanceprompt" and not self.instance_prompt:
+            raise ValueError(f"dataset '{self.id}' uses caption_strategy instanceprompt but has no `instance_prompt`")
+        return self
+
+
+class LoraflowConfig(StrictModel):
+    """A whole run: model, data, training and validation. Units are in each field's description."""
+
+    model_family: str = Field(description="kandinsky5-video | kandinsky5-image | hunyuanvideo-1.5")
+    model_flavour: str | None = Field(None, description="one of the family's flavours; default: the family's")
+    pretrained_model_name_or_path: str = Field(description="a local diffusers-layout directory")
+    output_dir: str = "output"
+    cache_dir: str = Field("cache", description="store root: a local path or an fsspec URL (s3://...)")
+    dataset_backend_config: str | None = Field(None, description="JSON file with the dataset list")
+    datasets: tuple[DatasetConfig, ...] = ()
+
+    lora_rank: int = Field(16, gt=0)
+    lora_alpha: float | None = Field(None, description="default: lora_rank (scale 1.0)")
+    learning_rate: float = Field(1e-4, gt=0)
+    train_batch_size: int = Field(1, ge=1)
+    max_train_steps: int = Field(100, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_include_ffn: bool = Field(False, description="also adapt the feed-forward layers")
+    caption_dropout_probability: float = Field(0.0, ge=0, le=1, description="train on the empty prompt this often")
+    flow_sigma_sampling: Literal["sigmoid", "logit_normal", "uniform"] = "sigmoid"
+    flow_sigmoid_scale: float = Field(1.0, gt=0)
+    checkpointing_steps: int = Field(50, ge=1, description="save a resumable checkpoint every N optimizer steps")
+    checkpoints_total_limit: int | None = Field(2, ge=1, description="keep the newest N checkpoints")
+    seed: int = 42
+
+    validation_prompt: str | None = None
+    validation_resolution: str = Field("768x512", description="WIDTHxHEIGHT in pixels")
+    validation_num_video_frames: int | None = Field(None, description="4k+1; default: the flavour's")
+    validation_guidance: float | None = Field(None, description="default: the flavour's")
+    validation_num_inference_steps: int = Field(30, ge=1)
+
+    offload_during_startup: bool = Field(False, description="never keep the VAE and text encoders on the GPU together")
+    vae_enable_patch_conv: bool = Field(False, description="exact slab-wise VAE convs: same numbers, lower peak")
+    flow_schedule_shift: float | None = Field(None, description="sigma shift for training; default: the flavour's")
+
+    @field_validator("validation_num_video_frames")
+    @classmethod
+    def _validation_frames(cls, v: int | None) -> int | None:
+        return check_4k_plus_1("validation_num_video_frames", v)
+
+    @field_validator("validation_resolution")
+    @classmethod
+    def _resolution(cls, v: str) -> str:
+        parts = v.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"`validation_resolution` must look like 768x512 (WIDTHxHEIGHT); got {v!r}")
+        return v
+
+    @field_validator("model_family")
+    @classmethod
+    def _family(cls, v: str) -> str:
+        from loraflow.pipelines import family_names
+
+        if v not in family_names():
+            raise ValueError(_unknown("model_family", v, family_names()))
+        return v
+
+    @field_validator("model_flavour")
+    @classmethod
+    def _flavour(cls, v: str | None, info: ValidationInfo) -> str | None:
+        from loraflow.pipelines import family_names, flavour_names
+
+        family = info.data.get("model_family")
+        if v is not None and family in family_names() and v not in flavour_names(family):
+            raise ValueError(_unknown("model_flavour", v, flavour_names(family)))
+        return v
+
+    @field_validator("datasets")
+    @classmethod
+    def _datasets(cls, v: tuple[DatasetConfig, ...]) -> tuple[DatasetConfig, ...]:
+        if not any(d.dataset_type != "text_embeds" and not d.disabled for d in v):
+            raise ValueError("no enabled video/image dataset: add one under `datasets`")
+        return v
+
+    @property
+    def training_datasets(self) -> tuple[DatasetConfig, ...]:
+        return tuple(d for d in self.datasets if d.dataset_type != "text_embeds" and not d.disabled)
+
+    @property
+    def validation_size(self) -> tuple[int, int]:
+        """(height, width) in pixels."""
+        width, height = (int(p) for p in self.validation_resolution.lower().split("x"))
+        return height, width
+
+
+def _unknown(key: str, value: str, allowed: list[str]) -> str:
+    return f"`{key}` {value!r} is not known; allowed: {', '.join(allowed)}"
+
+
+def _nearest(key: str, model: type[BaseModel]) -> str:
+    close = difflib.get_close_matches(key, list(model.model_fields), n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(model.model_fields)}"
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
+    """The pydantic model that owns the key at `loc` (for 'did you mean' suggestions)."""
+    model: type[BaseModel] = LoraflowConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        annotation = model.model_fields[part].annotation
+        model = {"datasets": DatasetConfig, "video": VideoSettings}.get(part, annotation)
+    return model
+
+
+def _describe(error: dict[str, Any]) -> str:
+    loc = error["loc"]
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "config"
+    if error["type"] == "extra_forbidden":
+        return f"{path}: unknown key{_nearest(str(loc[-1]), _model_at(loc))}"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing":
+        return f"{path}: required key is missing"
+    if "input" in error and error["type"] not in ("value_error",):
+        return f"{path}: {message} (got {error['input']!r})"
+    return f"{path}: {message}"
+
+
+def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | None = None) -> LoraflowConfig:
+    """Validate a config dict; raise ConfigError listing every problem with its key path."""
+    data = dict(data)
+    backend = data.get("dataset_backend_config")
+    if backend and "datasets" not in data:
+        path = Path(backend) if base_dir is None or Path(backend).is_absolute() else base_dir / backend
+        if not path.is_file():
+            raise ConfigError([f"dataset_backend_config: file {path} does not exist"], source)
+        data["datasets"] = json.loads(path.read_text())
+    try:
+        return LoraflowConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError([_describe(e) for e in exc.errors()], source) from None
+
+
+def load_config(path: str | Path) -> LoraflowConfig:
+    """Read a YAML or JSON config file (JSON is YAML) and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"config file {path} does not exist"], str(path))
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(["the top level must be a mapping of keys to values"], str(path))
+    return parse_config(data, str(path), path.parent)

@@ -1,0 +1,68 @@
+"""Content keys: a hash of everything that determines an item, so a key changes exactly when its content would.
+
+Each stage bumps its CODE_VERSION when its numbers change; the version is part of every key it makes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+
+def content_key(**fields: Any) -> str:
+    """sha256 of canonical JSON (sorted keys, no whitespace); 32 hex chars is plenty for a cache."""
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def data_version(keys: Iterable[str]) -> str:
+    """A stage's data version: hash of its sorted item keys, so lineage follows content, not time."""
+    return content_key(keys=sorted(keys))
+
+
+def file_identity(path: str | Path, root: str | Path, content_hash: bool = False) -> dict[str, Any]:
+    """A source file's identity: dataset-relative path, size and mtime (and its bytes' hash when asked)."""
+    path = Path(path)
+    stat = path.stat()
+    identity: dict[str, Any] = {
+        "path": path.relative_to(root).as_posix(),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+    }
+    if content_hash:
+        identity["sha256"] = file_sha256(path)
+    return identity
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def directory_fingerprint(path: str | Path) -> str:
+    """A checkpoint folder's fingerprint from its files' names, sizes and mtimes (cheap: no weights read).
+
+    Config files are hashed by content: editing a config changes the model even when its size does not.
+    """
+    root = Path(path)
+    entries = []
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        stat = file.stat()
+        entry: dict[str, Any] = {"path": file.relative_to(root).as_posix(), "size": stat.st_size}
+        if file.suffix == ".json":
+            entry["sha256"] = file_sha256(file)
+        else:
+            entry["mtime_ns"] = stat.st_mtime_ns
+        entries.append(entry)
+    return content_key(files=entries)
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

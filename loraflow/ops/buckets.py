@@ -1,0 +1,97 @@
+"""Pure clip planning: which source frames a clip keeps, and the size (bucket) it is cropped to.
+
+No I/O here, so the rules are property-tested on their own (tests/ops/test_buckets.py).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+FPS_TOLERANCE = 1.01  # sources within 1% of the target fps are not resampled
+
+
+class TooShort(ValueError):
+    """The video has fewer usable frames than the clip needs."""
+
+
+def resampled_indices(num_frames: int, source_fps: float, target_fps: float | None) -> list[int]:
+    """Source frame indices of the timeline resampled down to target_fps (never up: no invented frames)."""
+    if not target_fps or source_fps <= target_fps * FPS_TOLERANCE:
+        return list(range(num_frames))
+    step = source_fps / target_fps
+    count = int((num_frames - 1) / step) + 1
+    return [min(num_frames - 1, round(i * step)) for i in range(count)]
+
+
+def round_down_4k1(frames: int) -> int:
+    """Largest 4k+1 <= frames (49 stays 49; 48 becomes 45)."""
+    return (frames - 1) // 4 * 4 + 1
+
+
+def clip_starts(available: int, clip_frames: int, mode: str, stride: int = 1, samples: int = 1) -> list[int]:
+    """Start positions (on the resampled timeline) of the clips a video yields."""
+    if available < clip_frames:
+        raise TooShort(f"{available} frames available, {clip_frames} needed")
+    last = available - clip_frames
+    if mode == "head":
+        return [0]
+    if mode == "chunk":
+        return list(range(0, last + 1, clip_frames))
+    if mode == "slide":
+        return list(range(0, last + 1, stride))
+    if mode == "uniform":
+        if samples == 1:
+            return [0]
+        return sorted({round(i * last / (samples - 1)) for i in range(samples)})
+    raise ValueError(f"frame_extraction {mode!r} is not known; allowed: head, chunk, slide, uniform, full")
+
+
+def select_clips(
+    timeline: list[int], num_frames: int, mode: str, max_frames: int | None, stride: int = 1, samples: int = 1
+) -> list[list[int]]:
+    """Source-frame index lists, one per clip. `full` keeps the whole video rounded down to 4k+1."""
+    if mode == "full":
+        usable = min(len(timeline), max_frames or len(timeline))
+        return [timeline[: round_down_4k1(usable)]]
+    return [timeline[s : s + num_frames] for s in clip_starts(len(timeline), num_frames, mode, stride, samples)]
+
+
+def frames_for_bucket(frames: int, frame_interval: int | None) -> int:
+    """resolution_frames: round a clip's frame count down to the interval, keeping 4k+1."""
+    if not frame_interval or frames <= frame_interval:
+        return frames
+    return round_down_4k1(frames // frame_interval * frame_interval + 1)
+
+
+def bucket_size(height: int, width: int, resolution: int, multiple: int) -> tuple[int, int]:
+    """(height, width) for a source: shorter side `resolution`, aspect kept, both sides multiples of `multiple`."""
+    scale = resolution / min(height, width)
+    return _snap(height * scale, multiple), _snap(width * scale, multiple)
+
+
+def _snap(value: float, multiple: int) -> int:
+    return max(multiple, round(value / multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class CropPlan:
+    resize: tuple[int, int]  # (height, width) the decoder resizes to
+    box: tuple[int, int, int, int]  # (top, left, height, width) cut from the resized frames
+
+
+def crop_plan(source: tuple[int, int], target: tuple[int, int], style: str, seed: str = "") -> CropPlan:
+    """Resize so the target fits inside (cover), then cut the target box; `none` stretches instead."""
+    (sh, sw), (th, tw) = source, target
+    if style == "none":
+        return CropPlan((th, tw), (0, 0, th, tw))
+    scale = max(th / sh, tw / sw)
+    rh, rw = max(th, round(sh * scale)), max(tw, round(sw * scale))
+    if style == "center":
+        top, left = (rh - th) // 2, (rw - tw) // 2
+    elif style == "random":  # seeded by the clip, so the same clip always gets the same crop
+        rng = random.Random(seed)
+        top, left = rng.randint(0, rh - th), rng.randint(0, rw - tw)
+    else:
+        raise ValueError(f"crop_style {style!r} is not known; allowed: center, random, none")
+    return CropPlan((rh, rw), (top, left, th, tw))

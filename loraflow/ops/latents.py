@@ -1,0 +1,86 @@
+"""The latents stage: VAE-encode the stored frames of every clip the store lacks.
+
+The VAE is the only model loaded here; with `offload_during_startup` the text encoders are never on the
+accelerator with it (they live in another stage and load only after this one freed the VAE).
+"""
+
+from __future__ import annotations
+
+import logging
+from itertools import groupby
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from loraflow.config import LoraflowConfig
+from loraflow.keys import content_key, data_version
+from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
+from loraflow.ops.report import StageReport
+from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
+from loraflow.store import Store
+
+log = logging.getLogger(__name__)
+CODE_VERSION = "latents-1"
+SHARD_CLIPS = 8
+
+
+def latent_rows(config: LoraflowConfig, store: Store) -> list[dict[str, Any]]:
+    """One row per current clip with the key its latent has. Patch conv is exact, so it is not in the key."""
+    vae_id = component_fingerprint(config.pretrained_model_name_or_path, "vae")
+    return [
+        {
+            "key": content_key(clip=clip["key"], vae=vae_id, dtype="float32", sampling="mode", code=CODE_VERSION),
+            "clip_key": clip["key"],
+            "bucket": clip["bucket"],
+        }
+        for clip in store.read_manifest("clips")
+    ]
+
+
+def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store) -> StageReport:
+    rows = latent_rows(config, store)
+    have = store.keys("latents")
+    todo = sorted((r for r in rows if r["key"] not in have), key=lambda r: r["bucket"])
+    quarantined: list[dict[str, str]] = []
+    device = pick_device()
+    if todo:
+        vae = load_component(config.pretrained_model_name_or_path, "vae", torch.float32, str(device))
+        if config.vae_enable_patch_conv:
+            from loraflow.kernels.patch_conv import enable_patch_conv
+
+            enable_patch_conv(vae)
+        quarantined = _encode(todo, vae, family, store, device)
+        free_models(vae)
+    bad = {q["key"] for q in quarantined}
+    rows = [r for r in rows if r["key"] not in bad]
+    store.write_manifest("latents", rows)
+    return StageReport(
+        data_version=data_version(r["key"] for r in rows),
+        computed=len(todo) - len(bad),
+        reused=len(rows) - (len(todo) - len(bad)),
+        quarantined=quarantined,
+        facts={"device": str(device), "peak_gib": round(peak_memory_gib(device), 3)},
+    )
+
+
+@torch.no_grad()
+def _encode(todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device) -> list:
+    quarantined = []
+    progress = tqdm(total=len(todo), desc="latents", unit="clip")
+    for _, group in groupby(todo, key=lambda r: r["bucket"]):
+        group = list(group)
+        for start in range(0, len(group), SHARD_CLIPS):
+            done = []
+            for row in group[start : start + SHARD_CLIPS]:
+                frames = store.get("clips", [row["clip_key"]])[row["clip_key"]]["frames"]
+                latent = family.vae_encode(vae, torch.from_numpy(np.asarray(frames))[None].to(device))[0]
+                if not torch.isfinite(latent).all():
+                    quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "reason": "non_finite_latent"})
+                else:
+                    done.append({"key": row["key"], "latent": latent.cpu().numpy()})
+                progress.update()
+            store.put("latents", done)
+    progress.close()
+    return quarantined

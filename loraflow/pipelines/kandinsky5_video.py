@@ -1,0 +1,197 @@
+"""Kandinsky 5.0 Video (Lite/Pro, t2v): prompt template, scaling, transformer call, LoRA targets, render.
+
+Mirrors diffusers' `Kandinsky5T2VPipeline` (pipelines/kandinsky5/pipeline_kandinsky.py); the parity
+tests hold this file to its numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline
+from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
+
+from loraflow.keys import content_key
+from loraflow.pipelines.base import RenderSettings, TextRow
+from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
+
+# The pipeline's system prompt (its `prompt_template`); we crop the hidden states after its prefix.
+PROMPT_TEMPLATE = "\n".join(
+    [
+        "<|im_start|>system\nYou are a prompt engineer. Describe the video in detail.",
+        "Describe how the camera moves or shakes, describe the zoom and view angle, whether it follows the objects.",
+        "Describe the location of the video, main characters or objects and their action.",
+        "Describe the dynamism of the video and presented actions.",
+        "Name the visual style of the video: whether it is a professional footage, user generated content, some "
+        "kind of animation, video game or scren content.",
+        "Describe the visual effects, postprocessing and transitions if they are presented in the video.",
+        "Pay attention to the order of key actions shown in the scene.<|im_end|>",
+        "<|im_start|>user\n{}<|im_end|>",
+    ]
+)
+NEGATIVE_PROMPT = (
+    "Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, ugly, deformed, "
+    "walking backwards"
+)
+MAX_TEXT_TOKENS = 512  # the pipeline's max_sequence_length
+CLIP_TOKENS = 77
+TEXT_SIGNATURE = content_key(template=PROMPT_TEMPLATE, max_tokens=MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS)
+
+
+def template_crop(tokenizer: Any) -> int:
+    """Tokens in the template before the user text; 128 for the real Qwen2.5 tokenizer.
+
+    Computed, not hard-coded: a different tokenizer (the tiny offline one) splits the prefix differently.
+    """
+    prefix = PROMPT_TEMPLATE.split("{}")[0]
+    return len(tokenizer(prefix)["input_ids"])
+
+
+@dataclass(frozen=True)
+class Kandinsky5Video:
+    flavour: Flavour
+    name: str = "kandinsky5-video"
+    spatial_multiple: int = 16  # VAE 8x, patch 2x2
+    vae_temporal_factor: int = 4
+    text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    default_negative_prompt: str = NEGATIVE_PROMPT
+    text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
+
+    # 1. text -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
+        """Qwen2.5-VL last hidden state after the template + CLIP-L pooled output, one text at a time.
+
+        One at a time because the transformer has no text mask: each row keeps exactly its valid tokens.
+        """
+        tokenizer, qwen = components["tokenizer"], components["text_encoder"]
+        clip_tokenizer, clip = components["tokenizer_2"], components["text_encoder_2"]
+        crop = template_crop(tokenizer)
+        rows = []
+        for text in texts:
+            text = prompt_clean(text)
+            ids = tokenizer(
+                PROMPT_TEMPLATE.format(text), max_length=crop + MAX_TEXT_TOKENS, truncation=True, return_tensors="pt"
+            )["input_ids"].to(qwen.device)
+            hidden = qwen(input_ids=ids, output_hidden_states=True, return_dict=True)["hidden_states"][-1]
+            clip_ids = clip_tokenizer(
+                [text], max_length=CLIP_TOKENS, truncation=True, padding="max_length", return_tensors="pt"
+            ).to(clip.device)
+            pooled = clip(**clip_ids)["pooler_output"]
+            rows.append(
+                {
+                    "text_embeds": hidden[0, crop:].float().cpu().numpy(),  # (L, 3584)
+                    "pooled_embeds": pooled[0].float().cpu().numpy(),  # (768,)
+                }
+            )
+        return rows
+
+    def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
+        lengths = {len(r["text_embeds"]) for r in rows}
+        if len(lengths) != 1:
+            # No text mask in this transformer: padding would be attended to (REFERENCE.md). Batches are
+            # grouped by token length upstream; reaching here is a bug, not a user error.
+            raise ValueError(f"Kandinsky 5 batches need equal text lengths; got {sorted(lengths)}")
+        return {
+            "text_embeds": torch.from_numpy(np.stack([r["text_embeds"] for r in rows])).to(device),
+            "pooled_embeds": torch.from_numpy(np.stack([r["pooled_embeds"] for r in rows])).to(device),
+        }
+
+    # 2. latents ----------------------------------------------------------------------------------
+    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor) -> torch.Tensor:
+        pixels = frames.permute(0, 4, 1, 2, 3).to(vae.dtype) / 127.5 - 1.0  # (B, 3, F, H, W) in [-1, 1]
+        latents = vae.encode(pixels).latent_dist.mode()
+        return latents.float() * vae.config.scaling_factor  # the pipeline divides by it, no shift
+
+    # 3. transformer --------------------------------------------------------------------------------
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        noisy: torch.Tensor,
+        sigma: torch.Tensor,
+        text: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        batch, _, frames, height, width = noisy.shape
+        hidden = noisy.permute(0, 2, 3, 4, 1)  # (B, T, h, w, C): channels-last DiT layout
+        if transformer.config.visual_cond:  # t2v: zero condition latents and a zero mask
+            cond = torch.zeros_like(hidden)
+            mask = torch.zeros(*hidden.shape[:-1], 1, dtype=hidden.dtype, device=hidden.device)
+            hidden = torch.cat([hidden, cond, mask], dim=-1)
+        dtype = transformer.dtype
+        out = transformer(
+            hidden_states=hidden.to(dtype),
+            encoder_hidden_states=text["text_embeds"].to(dtype),
+            pooled_projections=text["pooled_embeds"].to(dtype),
+            timestep=(sigma * 1000).to(dtype),
+            visual_rope_pos=[
+                torch.arange(frames, device=noisy.device),
+                torch.arange(height // 2, device=noisy.device),
+                torch.arange(width // 2, device=noisy.device),
+            ],
+            text_rope_pos=torch.arange(text["text_embeds"].shape[1], device=noisy.device),
+            scale_factor=_rope_scale(height * 8, width * 8),
+            sparse_params=None,
+            return_dict=True,  # with False this model returns the bare tensor, unlike most diffusers models
+        ).sample
+        return out.permute(0, 4, 1, 2, 3).float()  # (B, C, T, h, w)
+
+    def lora_targets(self, include_ffn: bool) -> list[str]:
+        # Qualified suffixes: a bare `out_layer` would also hit modulation, time embedding and the final layer.
+        targets = [f"{block}.{proj}" for block in ("self_attention", "cross_attention")
+                   for proj in ("to_query", "to_key", "to_value", "out_layer")]
+        if include_ffn:
+            targets += ["feed_forward.in_layer", "feed_forward.out_layer"]
+        return targets
+
+    def save_lora(self, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> None:
+        """diffusers format (`transformer.` prefix): loads with `Kandinsky5T2VPipeline.load_lora_weights`."""
+        Kandinsky5T2VPipeline.save_lora_weights(out_dir, transformer_lora_layers=state_dict, safe_serialization=True)
+
+    # 4. render ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def render(
+        self, model_path: str, lora_dir: str | None, prompt: TextRow, negative: TextRow, settings: RenderSettings
+    ) -> np.ndarray:
+        pipe = Kandinsky5T2VPipeline.from_pretrained(
+            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None
+        )
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
+        if lora_dir is not None:
+            pipe.load_lora_weights(lora_dir)
+        pos, neg = self.collate_text([prompt], "cpu"), self.collate_text([negative], "cpu")
+        video = pipe(
+            prompt_embeds_qwen=pos["text_embeds"],
+            prompt_embeds_clip=pos["pooled_embeds"],
+            prompt_cu_seqlens=_cu_seqlens(pos["text_embeds"]),
+            negative_prompt_embeds_qwen=neg["text_embeds"],
+            negative_prompt_embeds_clip=neg["pooled_embeds"],
+            negative_prompt_cu_seqlens=_cu_seqlens(neg["text_embeds"]),
+            height=settings.height,
+            width=settings.width,
+            num_frames=settings.num_frames,
+            num_inference_steps=settings.num_inference_steps,
+            guidance_scale=settings.guidance,
+            generator=torch.Generator().manual_seed(settings.seed),
+            output_type="np",
+        ).frames[0]
+        return (np.clip(video, 0, 1) * 255).round().astype(np.uint8)  # (F, H, W, 3)
+
+
+def _rope_scale(height: int, width: int) -> tuple[float, float, float]:
+    """The pipeline's resolution-dependent RoPE scale, so training sees what inference sees."""
+    return Kandinsky5T2VPipeline._get_scale_factor(None, height, width)
+
+
+def _cu_seqlens(embeds: torch.Tensor) -> torch.Tensor:
+    batch, length = embeds.shape[:2]
+    return torch.arange(batch + 1, dtype=torch.int32) * length
+
+
+def make_family(flavour: str | None) -> Kandinsky5Video:
+    table = FLAVOURS["kandinsky5-video"]
+    return Kandinsky5Video(flavour=table[flavour or DEFAULT_FLAVOUR["kandinsky5-video"]])

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Idempotent setup: a virtual environment with the project installed. torch is installed only when it is
+# not importable, as the pinned CPU wheel, so a GPU-less machine never resolves to CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install --quiet "torch==${TORCH_VERSION:-2.13.0}"
+fi
+stamp=.venv/.loraflow-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/pip install --quiet -e ".[test]"
+  touch "$stamp"
+fi

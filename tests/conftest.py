@@ -1,0 +1,48 @@
+"""Shared fixtures: one tiny real-architecture checkpoint and one generated dataset per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from loraflow.config import LoraflowConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_k5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from loraflow.pipelines.tiny import build_tiny
+
+    return build_tiny("kandinsky5-video", tmp_path_factory.mktemp("models") / "kandinsky5-video")
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from loraflow.ops.demo_data import make_demo_dataset
+
+    return make_demo_dataset(tmp_path_factory.mktemp("data") / "demo")
+
+
+def demo_dict(model: Path, data: Path, root: Path, **overrides: Any) -> dict[str, Any]:
+    """The demo config with absolute paths under `root`, plus overrides (top-level keys)."""
+    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    config.update(pretrained_model_name_or_path=str(model), output_dir=str(root / "output"),
+                  cache_dir=str(root / "cache"))
+    config["datasets"][0]["instance_data_dir"] = str(data)
+    config["datasets"][1]["cache_dir"] = str(root / "cache" / "text")
+    config.update(overrides)
+    return config
+
+
+def write_config(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def demo_config(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> LoraflowConfig:
+    return load_config(write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))

@@ -1,0 +1,66 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loraflow.config import ConfigError, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def demo() -> dict:
+    return yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+
+
+def problems(data: dict) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return info.value.problems
+
+
+def test_demo_config_loads() -> None:
+    config = load_config(REPO / "configs" / "demo.yaml")
+    assert config.model_family == "kandinsky5-video"
+    assert config.validation_size == (64, 96)  # WIDTHxHEIGHT 96x64
+
+
+def test_unknown_key_names_the_nearest_valid_one() -> None:
+    data = demo()
+    data["lora_rnk"] = 8
+    data["datasets"][0]["video"]["num_frame"] = 17
+    found = problems(data)
+    assert "lora_rnk: unknown key; did you mean 'lora_rank'?" in found
+    assert "datasets[0].video.num_frame: unknown key; did you mean 'num_frames'?" in found
+
+
+@pytest.mark.parametrize("frames, suggestion", [(16, "Use 13 or 17"), (120, "Use 117 or 121"), (48, "Use 45 or 49")])
+def test_frames_must_be_4k_plus_1(frames: int, suggestion: str) -> None:
+    data = demo()
+    data["datasets"][0]["video"]["num_frames"] = frames
+    (problem,) = problems(data)
+    assert problem.startswith("datasets[0].video.num_frames:") and suggestion in problem and str(frames) in problem
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    data = demo()
+    data.update(model_flavour="t2v-lite", validation_num_video_frames=60, learning_rate=-1, typo=1)
+    found = problems(data)
+    assert len(found) == 4
+    assert any(p.startswith("model_flavour:") and "t2v-lite-sft-5s" in p for p in found)
+    assert any(p.startswith("validation_num_video_frames:") for p in found)
+    assert any(p.startswith("learning_rate:") for p in found)
+
+
+def test_unknown_family_lists_allowed() -> None:
+    data = demo()
+    data["model_family"] = "sdxl"
+    (problem,) = problems(data)
+    assert "kandinsky5-video" in problem
+
+
+def test_separate_dataset_file_is_read(tmp_path: Path) -> None:
+    data = demo()
+    (tmp_path / "multidatabackend.json").write_text(__import__("json").dumps(data.pop("datasets")))
+    data["dataset_backend_config"] = "multidatabackend.json"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    assert load_config(tmp_path / "config.yaml").training_datasets[0].id == "demo-videos"

@@ -1,0 +1,63 @@
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from loraflow.keys import content_key, data_version
+from loraflow.store import Store
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path) -> Store:
+    return Store(str(tmp_path / "cache") if request.param == "local" else f"memory://{tmp_path.name}")
+
+
+def test_round_trip_fixed_and_ragged_tensors(store: Store) -> None:
+    rows = [
+        {"key": "a", "latent": np.arange(6, dtype=np.float32).reshape(2, 3), "emb": np.ones((4, 2), np.float32), "n": 4},
+        {"key": "b", "latent": np.zeros((2, 3), np.float32), "emb": np.full((5, 2), 7, np.float32), "n": 5},
+    ]
+    store.put("stage", rows)
+    assert store.keys("stage") == {"a", "b"}
+    got = store.get("stage", ["a", "b"])
+    np.testing.assert_array_equal(got["a"]["latent"], rows[0]["latent"])
+    np.testing.assert_array_equal(got["b"]["emb"], rows[1]["emb"])
+    assert got["b"]["n"] == 5
+
+
+def test_same_shapes_use_fixed_shape_tensor_column(tmp_path) -> None:
+    from loraflow.store import rows_to_table
+
+    table = rows_to_table([{"key": str(i), "latent": np.zeros((16, 5, 8, 12), np.float32)} for i in range(3)])
+    assert isinstance(table.schema.field("latent").type, pa.FixedShapeTensorType)
+
+
+def test_missing_key_raises_naming_the_stage(store: Store) -> None:
+    store.put("stage", [{"key": "a", "x": 1}])
+    with pytest.raises(KeyError, match="stage: 1 key"):
+        store.get("stage", ["a", "zzz"])
+
+
+def test_temporary_files_are_never_read(tmp_path) -> None:
+    store = Store(str(tmp_path))
+    store.put("stage", [{"key": "a", "x": 1}])
+    # A writer killed mid-shard leaves only a temporary name behind; it must not count as committed.
+    (tmp_path / "stage" / "shards" / "dead.parquet.tmp-123").write_bytes(b"PAR1 half a shard")
+    assert store.keys("stage") == {"a"}
+
+
+def test_manifest_round_trip_and_clean(tmp_path) -> None:
+    store = Store(str(tmp_path))
+    store.put("stage", [{"key": "old", "x": 1}])
+    store.put("stage", [{"key": "new", "x": 2}])
+    store.write_manifest("stage", [{"key": "new", "bucket": "96x64@17"}])
+    assert store.read_manifest("stage") == [{"key": "new", "bucket": "96x64@17"}]
+    assert store.clean("stage", keep={"new"}) == 1
+    assert store.keys("stage") == {"new"}
+
+
+def test_keys_change_exactly_with_content() -> None:
+    base = content_key(path="a.mp4", size=10, indices=[0, 1])
+    assert base == content_key(indices=[0, 1], size=10, path="a.mp4")  # order of fields is irrelevant
+    assert base != content_key(path="a.png", size=10, indices=[0, 1])  # a.mp4 and a.png never collide
+    assert base != content_key(path="a.mp4", size=10, indices=[0, 2])
+    assert data_version(["b", "a"]) == data_version(["a", "b"])
