@@ -4,8 +4,8 @@ Each asset: load the config, call its op (heavy imports happen there, not at cod
 a MaterializeResult whose data version is a hash of the content it stands for.
 """
 
-from __future__ import annotations
 
+# No `from __future__ import annotations` here: Dagster inspects the real annotation of `context`.
 from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
 
 from loraflow.assets import metadata as md
