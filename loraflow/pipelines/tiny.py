@@ -1,0 +1,500 @@
+"""Tiny, randomly initialised checkpoints with the real diffusers/transformers architectures.
+
+Tests and smoke runs need checkpoints that load through the real ``from_pretrained`` code paths
+(configs, subfolders, tokenizers, ``model_index.json``) without any network access. Every component
+here is built from a config with the smallest legal dimensions and written in the diffusers
+directory layout, so ``<Pipeline>.from_pretrained(out_dir)`` works exactly as with a hub checkpoint.
+
+Compression ratios of the VAEs are kept at their real values (8x/16x spatial, 4x temporal) so that
+shape arithmetic in the training code is exercised exactly as with the real models.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLHunyuanVideo,
+    AutoencoderKLHunyuanVideo15,
+    ClassifierFreeGuidance,
+    FlowMatchEulerDiscreteScheduler,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
+    Kandinsky5T2IPipeline,
+    Kandinsky5T2VPipeline,
+    Kandinsky5Transformer3DModel,
+)
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from tokenizers import AddedToken
+from transformers import (
+    ByT5Tokenizer,
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
+    Qwen2Tokenizer,
+    SiglipImageProcessorPil,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+    T5Config,
+    T5EncoderModel,
+)
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.utils import logging as hf_logging
+
+FAMILIES: tuple[str, ...] = ("kandinsky5-video", "kandinsky5-image", "hunyuanvideo-1.5")
+
+# Qwen2.5-VL special tokens that chat templates and the VL processor refer to; ids follow the 256 bytes.
+QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# ChatML, as used by Qwen2.5-VL-Instruct for text-only conversations (string or list-of-parts content).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Byte-level tokenizers put a whole prompt template into the sequence (no merges), so the
+# text encoders must accept a few thousand positions.
+TEXT_MAX_POSITIONS = 4096
+TEXT_DIM = 32  # hidden size of every tiny text encoder (Qwen, CLIP, ByT5); the DiTs read it from here
+IMAGE_DIM = 32  # hidden size of the tiny SigLIP vision tower
+INIT_STD = 0.05  # std used to re-randomise zero-initialised parameters
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers
+# ----------------------------------------------------------------------------------------------
+
+
+def _byte_symbols() -> list[str]:
+    """The 256 GPT-2 byte-level symbols, ordered so that symbol id == byte value."""
+    table = bytes_to_unicode()
+    return [table[b] for b in range(256)]
+
+
+def qwen_tokenizer() -> Qwen2Tokenizer:
+    """Byte-level Qwen2 tokenizer with no merges: every UTF-8 byte is one token."""
+    vocab = {sym: i for i, sym in enumerate(_byte_symbols())}
+    for token in QWEN_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        chat_template=CHATML_TEMPLATE,
+        padding_side="right",  # the pipelines crop a template prefix from the left
+        model_max_length=TEXT_MAX_POSITIONS,
+    )
+    # The base class registers only unk/eos/pad; the chat/vision markers must never be split into bytes.
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in QWEN_SPECIAL_TOKENS], special_tokens=True)
+    return tokenizer
+
+
+def clip_tokenizer() -> CLIPTokenizer:
+    """CLIP BPE tokenizer with a byte vocabulary (each byte with and without the ``</w>`` suffix)."""
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    symbols = _byte_symbols()
+    for suffix in ("", "</w>"):
+        for sym in symbols:
+            vocab[sym + suffix] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+# ----------------------------------------------------------------------------------------------
+# Text encoders
+# ----------------------------------------------------------------------------------------------
+
+
+def _qwen_text_kwargs(tokenizer: Qwen2Tokenizer) -> dict[str, object]:
+    """Three decoder layers (HunyuanVideo 1.5 reads ``hidden_states[-3]``, which must not be the
+    embeddings); head_dim 16 with mrope sections 2+3+3 = head_dim/2 keeps rope legal."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": TEXT_DIM,
+        "intermediate_size": 2 * TEXT_DIM,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": TEXT_MAX_POSITIONS,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": [2, 3, 3],
+        },
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def _qwen_vl_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
+    """Qwen2.5-VL with a one-block vision tower (unused for text prompts but part of the class)."""
+    token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    vision = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": TEXT_DIM,
+        "fullatt_block_indexes": [0],
+    }
+    return Qwen2_5_VLConfig(
+        text_config=_qwen_text_kwargs(tokenizer),
+        vision_config=vision,
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+    )
+
+
+def qwen_vl_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
+    """Tiny Qwen2.5-VL (the class the Kandinsky 5 pipelines load) matching ``tokenizer``'s ids."""
+    return Qwen2_5_VLForConditionalGeneration(_qwen_vl_config(tokenizer)).eval()
+
+
+def qwen_vl_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLTextModel:
+    """Tiny Qwen2.5-VL language model only (the class the HunyuanVideo 1.5 pipelines load)."""
+    return Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**_qwen_text_kwargs(tokenizer))).eval()
+
+
+def clip_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModel:
+    """Tiny CLIP text tower; eos id taken from the tokenizer so ``pooler_output`` picks the eos token."""
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_DIM,
+        intermediate_size=2 * TEXT_DIM,
+        projection_dim=TEXT_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModel(config).eval()
+
+
+def byt5_encoder(tokenizer: ByT5Tokenizer) -> T5EncoderModel:
+    """Tiny Glyph-ByT5 stand-in: a T5 encoder over the ByT5 byte vocabulary (gated-gelu like ByT5)."""
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=TEXT_DIM,
+        d_kv=16,
+        d_ff=2 * TEXT_DIM,
+        num_layers=1,
+        num_heads=2,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+        use_cache=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return T5EncoderModel(config).eval()
+
+
+def siglip_image_encoder() -> tuple[SiglipVisionModel, SiglipImageProcessorPil]:
+    """SigLIP so400m/14-384 geometry (384 px, patch 14 -> 27 x 27 = 729 tokens, the count the
+    HunyuanVideo 1.5 t2v pipeline hard-codes for its all-zero image embeds) at width 32."""
+    config = SiglipVisionConfig(
+        hidden_size=IMAGE_DIM,
+        intermediate_size=2 * IMAGE_DIM,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=384,
+        patch_size=14,
+    )
+    # The PIL backend: the default SiglipImageProcessor needs torchvision and otherwise falls back
+    # to this class with a warning.
+    processor = SiglipImageProcessorPil(
+        size={"height": 384, "width": 384}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
+    )
+    return SiglipVisionModel(config).eval(), processor
+
+
+# ----------------------------------------------------------------------------------------------
+# VAEs
+# ----------------------------------------------------------------------------------------------
+
+
+def hunyuan_video_vae() -> AutoencoderKLHunyuanVideo:
+    """HunyuanVideo VAE: 4 blocks are the minimum for 8x spatial + 4x temporal compression."""
+    return AutoencoderKLHunyuanVideo(
+        latent_channels=16,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    ).eval()
+
+
+def hunyuan_video15_vae() -> AutoencoderKLHunyuanVideo15:
+    """HunyuanVideo 1.5 DC-AE style VAE: 32 latent channels, 16x spatial / 4x temporal.
+
+    Five blocks are needed for 16x. Legality constraints that set the widths: the last width must be
+    a multiple of 2 * 32 (the encoder's channel-averaging shortcut), the temporal pixel-shuffle
+    shortcuts average/repeat groups of ``8 * c_in / c_out`` that must be even (so 16 before 64), and
+    the mid blocks at width 64 dominate the size (~5 MB).
+    """
+    return AutoencoderKLHunyuanVideo15(
+        latent_channels=32,
+        block_out_channels=(8, 8, 8, 16, 64),
+        layers_per_block=1,
+        spatial_compression_ratio=16,
+        temporal_compression_ratio=4,
+    ).eval()
+
+
+def flux_vae() -> AutoencoderKL:
+    """Flux-style 2D VAE: 16 latent channels, 4 blocks (3 downsamples = 8x).
+
+    Scaling/shift are Flux's real values; the K5 image pipelines divide by scaling only.
+    """
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Transformers
+# ----------------------------------------------------------------------------------------------
+
+
+def rerandomise_zero_params(
+    model: torch.nn.Module, name_filter: Callable[[str], bool], std: float = INIT_STD
+) -> list[str]:
+    """Draw ``normal(0, std)`` into every all-zero parameter whose name passes ``name_filter``.
+
+    Zero-initialised modulation/gates make every block an identity at init, so gradients into the
+    attention layers (and their LoRA adapters) vanish and a test would prove nothing.
+    """
+    touched = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name_filter(name) and param.is_floating_point() and not param.any():
+                param.normal_(0.0, std)
+                touched.append(name)
+    return touched
+
+
+def kandinsky5_transformer(visual_cond: bool) -> Kandinsky5Transformer3DModel:
+    """Lite-style K5 DiT with head_dim 16 = 4+6+6 rope axes.
+
+    ``visual_cond=True`` (video Lite/Pro, image-to-image) means 16 + 16 + 1 input channels; the T2I
+    pipeline feeds plain 16-channel latents, so its checkpoint has ``visual_cond=False``.
+    """
+    model = Kandinsky5Transformer3DModel(
+        in_visual_dim=16,
+        out_visual_dim=16,
+        in_text_dim=TEXT_DIM,
+        in_text_dim2=TEXT_DIM,
+        time_dim=32,
+        patch_size=(1, 2, 2),
+        model_dim=32,
+        ff_dim=64,
+        num_text_blocks=1,
+        num_visual_blocks=2,
+        axes_dims=(4, 6, 6),
+        visual_cond=visual_cond,
+        attention_type="regular",
+    )
+    rerandomise_zero_params(model, lambda name: "modulation" in name)
+    return model.eval()
+
+
+def hunyuan_video15_transformer() -> HunyuanVideo15Transformer3DModel:
+    """HV1.5 DiT: 2 heads x 16 (rope axes 4+6+6), input 32 latent + 32 cond + 1 mask channels.
+
+    ``target_size`` (pixels) drives the pipelines' default/i2v resolution buckets; 64 keeps them tiny.
+    Note ``context_embedder_2`` has a hard-coded 2048-wide MLP (~4.3M params) whatever the config.
+    """
+    model = HunyuanVideo15Transformer3DModel(
+        in_channels=65,
+        out_channels=32,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=2,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=TEXT_DIM,
+        text_embed_2_dim=TEXT_DIM,
+        image_embed_dim=IMAGE_DIM,
+        rope_axes_dim=(4, 6, 6),
+        target_size=64,
+    )
+    # Unlike K5 nothing here is zero-initialised (AdaLayerNormZero/AdaNorm linears use the default
+    # init), so there is nothing to re-randomise; only LayerNorm biases start at zero.
+    return model.eval()
+
+
+def kandinsky5_scheduler(shift: float) -> FlowMatchEulerDiscreteScheduler:
+    """Plain flow-matching Euler with a static shift (K5 pipelines pass no mu/sigmas)."""
+    return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+
+
+# ----------------------------------------------------------------------------------------------
+# Families
+# ----------------------------------------------------------------------------------------------
+
+
+class _Saveable(Protocol):
+    """Anything written with ``save_pretrained`` and read back with ``from_pretrained``."""
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> object: ...
+
+
+# A pipeline plus extra components written as additional subfolders (not listed in model_index.json).
+_Built = tuple[DiffusionPipeline, dict[str, _Saveable]]
+
+def _kandinsky5_text_components() -> dict[str, object]:
+    """Qwen2.5-VL + CLIP encoders with their offline tokenizers, shared by all K5 pipelines."""
+    tokenizer = qwen_tokenizer()
+    tokenizer_2 = clip_tokenizer()
+    return {
+        "text_encoder": qwen_vl_encoder(tokenizer),
+        "tokenizer": tokenizer,
+        "text_encoder_2": clip_text_encoder(tokenizer_2),
+        "tokenizer_2": tokenizer_2,
+    }
+
+
+def _build_kandinsky5_video() -> _Built:
+    pipe = Kandinsky5T2VPipeline(
+        transformer=kandinsky5_transformer(visual_cond=True),
+        vae=hunyuan_video_vae(),
+        scheduler=kandinsky5_scheduler(shift=10.0),
+        **_kandinsky5_text_components(),
+    )
+    return pipe, {}
+
+
+def _build_kandinsky5_image() -> _Built:
+    pipe = Kandinsky5T2IPipeline(
+        transformer=kandinsky5_transformer(visual_cond=False),
+        vae=flux_vae(),
+        scheduler=kandinsky5_scheduler(shift=1.0),
+        **_kandinsky5_text_components(),
+    )
+    return pipe, {}
+
+
+def _build_hunyuan_video15() -> _Built:
+    """t2v pipeline; the SigLIP encoder/processor for the i2v pipeline go in as extra subfolders."""
+    tokenizer = qwen_tokenizer()
+    tokenizer_2 = ByT5Tokenizer()
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=qwen_vl_text_encoder(tokenizer),
+        tokenizer=tokenizer,
+        transformer=hunyuan_video15_transformer(),
+        vae=hunyuan_video15_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
+        text_encoder_2=byt5_encoder(tokenizer_2),
+        tokenizer_2=tokenizer_2,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+    image_encoder, feature_extractor = siglip_image_encoder()
+    return pipe, {"image_encoder": image_encoder, "feature_extractor": feature_extractor}
+
+
+_BUILDERS: dict[str, Callable[[], _Built]] = {
+    "kandinsky5-video": _build_kandinsky5_video,
+    "kandinsky5-image": _build_kandinsky5_image,
+    "hunyuanvideo-1.5": _build_hunyuan_video15,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Silence transformers' per-save "Writing model shards" bars; restore the caller's setting."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _publish(staging: Path, out_dir: Path, entries: Iterable[str]) -> None:
+    """Move staged entries into ``out_dir``; ``model_index.json`` last, so it marks completion."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in sorted(entries, key=lambda n: n == "model_index.json"):
+        target = out_dir / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(staging / name, target)
+
+
+def build_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny diffusers-layout checkpoint for `family` into out_dir; return out_dir.
+
+    Idempotent: if out_dir/model_index.json exists, return immediately. Components are built in a
+    staging directory next to ``out_dir`` and moved in with ``model_index.json`` last, so an
+    interrupted build never leaves a directory that looks complete. Weights are fp32 and depend only
+    on ``seed`` (the global torch RNG state is left untouched).
+    """
+    out_dir = Path(out_dir)
+    if (out_dir / "model_index.json").exists():
+        return out_dir
+    builder = _BUILDERS.get(family)
+    if builder is None:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        pipe, extras = builder()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        with _no_progress_bars():
+            pipe.save_pretrained(staging, safe_serialization=True)
+            for subfolder, component in extras.items():
+                component.save_pretrained(staging / subfolder)
+        _publish(staging, out_dir, os.listdir(staging))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
