@@ -75,7 +75,8 @@ def _encode(todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: 
             done = []
             for row in group[start : start + SHARD_CLIPS]:
                 frames = store.get("clips", [row["clip_key"]])[row["clip_key"]]["frames"]
-                latent = family.vae_encode(vae, torch.from_numpy(np.asarray(frames))[None].to(device))[0]
+                pixels = torch.from_numpy(np.array(frames))[None].to(device)  # copy: Arrow buffers are read-only
+                latent = family.vae_encode(vae, pixels)[0]
                 if not torch.isfinite(latent).all():
                     quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "reason": "non_finite_latent"})
                 else:
