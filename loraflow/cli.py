@@ -6,9 +6,10 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-from loraflow.config import ConfigError, load_config
+from loraflow.config import ConfigError, load_config, parse_config
 
 DEMO_CONFIG = "configs/demo.yaml"
 
@@ -30,13 +31,14 @@ def run_demo(config_path: str) -> int:
     from loraflow.definitions import defs
 
     os.environ.setdefault("DAGSTER_HOME", str(Path(".dagster").resolve()))
+    Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
     os.environ["LORAFLOW_CONFIG"] = config_path
     prepare_demo(config_path)
-    result = defs.get_job_def("all_stages").execute_in_process(instance=DagsterInstance.get())
+    result = defs.resolve_job_def("all_stages").execute_in_process(instance=DagsterInstance.get())
     if not result.success:
         return 1
     for event in result.get_asset_materialization_events():
-        materialization = event.asset_materialization
+        materialization = event.materialization
         if materialization.asset_key.path[-1] in ("lora", "validation"):
             for name in ("lora_path", "video", "status"):
                 if name in materialization.metadata:
@@ -45,15 +47,93 @@ def run_demo(config_path: str) -> int:
     return 0
 
 
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    """Plain aligned columns; numbers right-aligned."""
+    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    numeric = [all(str(row[i]).replace(".", "", 1).isdigit() for row in rows) if rows else False
+               for i in range(len(header))]
+    return "\n".join("  " + "  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in
+                                      enumerate(zip(r, widths))).rstrip() for r in cells)
+
+
 def check(config_path: str) -> int:
+    """Validate the config (every problem at once), then plan buckets without loading a model."""
+    from loraflow.bucket_plan import human_bytes, latent_geometry, plan_buckets
+    from loraflow.pipelines import get_family
+    from loraflow.pipelines.base import check_layout
+
     try:
         config = load_config(config_path)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    print(f"{config_path}: ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
+    print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
           f"{len(config.training_datasets)} dataset(s))")
+    family = get_family(config)
+    problems: list[str] = []
+    geometry = None
+    try:
+        check_layout(config.pretrained_model_name_or_path, family.flavour)
+        geometry = latent_geometry(config.pretrained_model_name_or_path, family)
+    except FileNotFoundError as exc:
+        problems.append(str(exc))
+    plan = plan_buckets(config, family, geometry)
+    problems += plan.problems
+    rows = [(b.dataset, b.bucket, b.clips, human_bytes(b.frames_bytes), human_bytes(b.latent_bytes))
+            for b in plan.buckets]
+    print("\nbucket plan (WIDTHxHEIGHT@FRAMES; bytes of stored uint8 frames and float32 latents):")
+    print(table(rows, ("dataset", "bucket", "clips", "frames", "latents")) if rows else "  no clips")
+    latent_total = None if geometry is None else sum(b.latent_bytes or 0 for b in plan.buckets)
+    print(f"  total: {sum(b.clips for b in plan.buckets)} clip(s) in {len(plan.buckets)} bucket(s), frames "
+          f"{human_bytes(sum(b.frames_bytes for b in plan.buckets))}, latents {human_bytes(latent_total)}"
+          + ("" if geometry else " (unknown: no readable vae/config.json)"))
+    if plan.dropped:
+        print(f"\ndropped {len(plan.dropped)} file(s):")
+        print(table([(d["dataset"], Path(d["file"]).name, d["reason"], d["detail"]) for d in plan.dropped],
+                    ("dataset", "file", "reason", "detail")))
+    if problems:
+        print(f"\n{len(problems)} problem(s):", file=sys.stderr)
+        print("\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+        return 2
     return 0
+
+
+def import_simpletuner(config_json: str, backend_json: str | None, out_path: str | None) -> int:
+    """Convert, write (or print), report every key not carried over, then validate the result."""
+    from loraflow import simpletuner
+
+    try:
+        settings = simpletuner.read_json(config_json)
+        backends = simpletuner.read_json(backend_json) if backend_json else None
+        imported = simpletuner.import_simpletuner(settings, backends, base_dir=Path(config_json).parent)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"import-simpletuner: {exc}", file=sys.stderr)
+        return 2
+    text = simpletuner.to_yaml(imported, [s for s in (config_json, backend_json) if s])
+    if out_path:
+        _write_atomic(Path(out_path), text)
+        print(f"wrote {out_path}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    print(f"{len(imported.unmapped)} key(s) not carried over:" if imported.unmapped else "every key carried over",
+          file=sys.stderr)
+    for key, value, why in imported.unmapped:
+        print(f"  - {key} = {value!r}: {why}", file=sys.stderr)
+    for note in imported.notes:
+        print(f"note: {note}", file=sys.stderr)
+    try:
+        parse_config(imported.config, out_path or "imported config", Path(out_path or ".").parent)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,12 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build the tiny model + demo data, materialize every stage")
     demo.add_argument("--config", default=DEMO_CONFIG)
-    checker = sub.add_parser("check", help="validate a config and print every problem, without loading models")
+    checker = sub.add_parser("check", help="validate a config, print every problem and the bucket plan; no model loads")
     checker.add_argument("config")
+    importer = sub.add_parser("import-simpletuner", help="convert a SimpleTuner config.json (+ multidatabackend.json)")
+    importer.add_argument("config_json")
+    importer.add_argument("backend_json", nargs="?", help="default: the file its data_backend_config names")
+    importer.add_argument("-o", "--output", help="YAML file to write (default: standard output)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.command == "demo":
         return run_demo(args.config)
+    if args.command == "import-simpletuner":
+        return import_simpletuner(args.config_json, args.backend_json, args.output)
     return check(args.config)
 
 
