@@ -28,7 +28,7 @@ def tensor_column(arrays: Sequence[np.ndarray]) -> tuple[pa.Array, pa.Array | No
     """Arrow column for same-dtype arrays: fixed-shape tensor if shapes agree, else flat list + shapes."""
     shapes = {a.shape for a in arrays}
     dtype = pa.from_numpy_dtype(arrays[0].dtype)
-    if len(shapes) == 1:
+    if len(shapes) == 1 and arrays[0].size:  # Arrow fixed-size lists must be non-empty
         shape = arrays[0].shape
         flat = pa.array(np.stack(arrays).reshape(-1), type=dtype)
         storage = pa.FixedSizeListArray.from_arrays(flat, int(np.prod(shape)))

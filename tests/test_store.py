@@ -61,3 +61,8 @@ def test_keys_change_exactly_with_content() -> None:
     assert base != content_key(path="a.png", size=10, indices=[0, 1])  # a.mp4 and a.png never collide
     assert base != content_key(path="a.mp4", size=10, indices=[0, 2])
     assert data_version(["b", "a"]) == data_version(["a", "b"])
+
+
+def test_empty_tensors_round_trip(store: Store) -> None:
+    store.put("stage", [{"key": "a", "emb": np.zeros((0, 4), np.float32)}, {"key": "b", "emb": np.zeros((0, 4), np.float32)}])
+    assert store.get("stage", ["a"])["a"]["emb"].shape == (0, 4)

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "kandinsky5-video": "loraflow.pipelines.kandinsky5_video",
+    "kandinsky5-image": "loraflow.pipelines.kandinsky5_image",
+    "hunyuanvideo-1.5": "loraflow.pipelines.hunyuanvideo15",
 }
 
 

@@ -30,6 +30,22 @@ def _k5_video(name: str, seconds: int, shift: float) -> Flavour:
     return Flavour(name, task, 24.0, 24 * seconds + 1, (512, 768), shift, 5.0, _K5_PARTS)
 
 
+def _k5_image(name: str) -> Flavour:
+    # One frame; fps only matters when frames are sampled from videos. Shift 1.0 is the seed doc's default.
+    return Flavour(name, name.split("-")[0], 24.0, 1, (1024, 1024), 1.0, 5.0, _K5_PARTS)
+
+
+_HV15_PARTS = (*_K5_PARTS, "guider")
+_SIGLIP_PARTS = ("image_encoder", "feature_extractor")
+
+
+def _hv15(name: str, shift: float) -> Flavour:
+    task, resolution = name.split("-")
+    size = {"480p": (480, 848), "720p": (720, 1280)}[resolution]
+    parts = _HV15_PARTS + (_SIGLIP_PARTS if task == "i2v" else ())
+    return Flavour(name, task, 24.0, 121, size, shift, 6.0, parts)
+
+
 FLAVOURS: dict[str, dict[str, Flavour]] = {
     "kandinsky5-video": {
         f.name: f
@@ -47,6 +63,14 @@ FLAVOURS: dict[str, dict[str, Flavour]] = {
             _k5_video("i2v-pro-pretrain-5s", 5, 5.0),
         ]
     },
+    "kandinsky5-image": {
+        f.name: f for f in map(_k5_image, ["t2i-lite-sft", "t2i-lite-pretrain", "i2i-lite-sft", "i2i-lite-pretrain"])
+    },
+    "hunyuanvideo-1.5": {
+        f.name: f
+        for f in [_hv15("t2v-480p", 5.0), _hv15("t2v-720p", 9.0), _hv15("i2v-480p", 5.0), _hv15("i2v-720p", 7.0)]
+    },
 }
 
-DEFAULT_FLAVOUR = {"kandinsky5-video": "t2v-lite-sft-5s"}
+DEFAULT_FLAVOUR = {"kandinsky5-video": "t2v-lite-sft-5s", "kandinsky5-image": "t2i-lite-sft",
+                   "hunyuanvideo-1.5": "t2v-480p"}

@@ -1,0 +1,243 @@
+"""HunyuanVideo 1.5 (t2v, 480p/720p): prompt template, glyph text, scaling, transformer call, LoRA targets, render.
+
+Mirrors diffusers' `HunyuanVideo15Pipeline` (pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5.py); the
+parity tests in tests/pipelines/test_families.py hold this file to its numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
+from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
+from safetensors.torch import save_file
+
+from loraflow.keys import content_key
+from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, set_lora_scale
+from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
+
+FAMILY = "hunyuanvideo-1.5"
+# The pipeline's system turn (HV:227-232), byte for byte: its backslash continuations keep the
+# 8-space indents, and the text encoder sees them.
+SYSTEM_MESSAGE = (
+    "You are a helpful assistant. Describe the video by detailing the following aspects:         "
+    "1. The main content and theme of the video.         "
+    "2. The color, shape, size, texture, quantity, text, and spatial relationships of the objects.         "
+    "3. Actions, events, behaviors temporal relationships, physical movement changes of the objects.         "
+    "4. background environment, light, style and atmosphere.         "
+    "5. camera angles, movements, and transitions used in the video."
+)
+MAX_TEXT_TOKENS = 1000  # the pipeline's tokenizer_max_length (after the template)
+HIDDEN_LAYER = -3  # hidden_states[-3]: the pipeline skips the last two decoder layers
+GLYPH_TOKENS = 256  # the pipeline's tokenizer_2_max_length (ByT5)
+IMAGE_TOKENS = 729  # SigLIP so400m/14-384 tokens; all zero for t2v (the DiT then masks them out)
+TEXT_SIGNATURE = content_key(system=SYSTEM_MESSAGE, max_tokens=MAX_TEXT_TOKENS, layer=HIDDEN_LAYER,
+                             glyph_tokens=GLYPH_TOKENS, glyph="extract_glyph_texts")
+LORA_FILE = LORA_WEIGHT_NAME_SAFE  # pytorch_lora_weights.safetensors
+# Main dual-stream blocks only: the same projection names also exist in the token refiner
+# (context_embedder.token_refiner.refiner_blocks.*), which a LoRA should leave alone.
+ATTENTION_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+FFN_TARGETS = ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+# The last block's text-stream output is discarded, so these adapters there never get a gradient
+# (add_q_proj: exactly 0; the others: None). Harmless; DDP needs find_unused_parameters for them.
+DEAD_IN_LAST_BLOCK = ("attn.add_q_proj", "attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2")
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    """The pipeline's conversation (HV:64-80): an empty prompt becomes a single space."""
+    return [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": text or " "}]
+
+
+def template_crop(tokenizer: Any) -> int:
+    """Tokens before the user text in the chat template; 108 for the real Qwen2.5 tokenizer.
+
+    Computed, not hard-coded: a different tokenizer (the tiny offline one) splits the prefix differently.
+    """
+    marker = "\x00prompt\x00"
+    rendered = tokenizer.apply_chat_template([chat(marker)], tokenize=False, add_generation_prompt=True)[0]
+    return len(tokenizer(rendered.split(marker)[0])["input_ids"])
+
+
+def lora_pattern(include_ffn: bool) -> str:
+    """A peft regex (full match on module names) for the main blocks' projections."""
+    names = ATTENTION_TARGETS + (FFN_TARGETS if include_ffn else ())
+    alternatives = "|".join(n.replace(".", r"\.") for n in names)
+    return rf"transformer_blocks\.\d+\.({alternatives})"
+
+
+@dataclass(frozen=True)
+class HunyuanVideo15:
+    flavour: Flavour
+    name: str = FAMILY
+    spatial_multiple: int = 16  # VAE 16x, patch 1
+    vae_temporal_factor: int = 4
+    text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    default_negative_prompt: str = ""  # the pipeline's default (encoded as " ")
+    text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
+
+    # 1. text -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
+        """Qwen2.5-VL `hidden_states[-3]` after the template + Glyph-ByT5 on the quoted text, one text at a time.
+
+        Rows keep the valid tokens only: `text_embeds` (L, D) and `byt5_embeds` (L2, D2) with `byt5_mask` (L2,).
+        A text without quotes has no glyph tokens; it stores one zero token with mask 0, because the store
+        cannot hold empty tensors (the DiT drops masked tokens, so this equals the pipeline's 256 zeros).
+        """
+        tokenizer, qwen = components["tokenizer"], components["text_encoder"]
+        crop = template_crop(tokenizer)
+        rows = []
+        for text in texts:
+            # Unpadded: with a causal LM the valid tokens do not see the pipeline's right padding.
+            ids = tokenizer.apply_chat_template(
+                [chat(text)], add_generation_prompt=True, tokenize=True, return_dict=True,
+                max_length=crop + MAX_TEXT_TOKENS, truncation=True, return_tensors="pt",
+            ).to(qwen.device)
+            hidden = qwen(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"],
+                          output_hidden_states=True).hidden_states[HIDDEN_LAYER]
+            byt5, byt5_mask = self._glyph_embeds(components, text)
+            rows.append({
+                "text_embeds": hidden[0, crop:].float().cpu().numpy(),  # (L, 3584)
+                "byt5_embeds": byt5,  # (L2, 1472)
+                "byt5_mask": byt5_mask,  # (L2,)
+            })
+        return rows
+
+    @staticmethod
+    def _glyph_embeds(components: Mapping[str, Any], text: str) -> tuple[np.ndarray, np.ndarray]:
+        tokenizer, byt5 = components["tokenizer_2"], components["text_encoder_2"]
+        glyphs = extract_glyph_texts(text)  # 'Text "a". Text "b". ' or None
+        if glyphs is None:
+            return np.zeros((1, byt5.config.d_model), np.float32), np.zeros(1, np.float32)
+        # Padded to 256 exactly as the pipeline calls it (bidirectional encoder; cheap), then trimmed.
+        tokens = tokenizer(glyphs, padding="max_length", max_length=GLYPH_TOKENS, truncation=True,
+                           add_special_tokens=True, return_tensors="pt").to(byt5.device)
+        embeds = byt5(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask.float())[0]
+        valid = tokens.attention_mask[0].bool()
+        return embeds[0, valid].float().cpu().numpy(), np.ones(int(valid.sum()), np.float32)
+
+    def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
+        """Right-pad to the longest valid length in the batch, with masks.
+
+        Shorter than the pipeline's 1000/256 padding, and exact: the DiT zeroes and masks invalid tokens.
+        """
+        text, text_mask = _pad([r["text_embeds"] for r in rows], [np.ones(len(r["text_embeds"])) for r in rows])
+        byt5, byt5_mask = _pad([r["byt5_embeds"] for r in rows], [r["byt5_mask"] for r in rows])
+        return {"text_embeds": text.to(device), "text_mask": text_mask.to(device),
+                "byt5_embeds": byt5.to(device), "byt5_mask": byt5_mask.to(device)}
+
+    # 2. latents ----------------------------------------------------------------------------------
+    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor) -> torch.Tensor:
+        """uint8 (B, F, H, W, 3) -> (B, 32, T, H/16, W/16); `latent_dist.mode()` * scaling, as the i2v pipeline
+        encodes its image (HVI:386-387) and the decoder divides by scaling only (HV:825)."""
+        latents = []
+        for clip in frames:  # one clip at a time: this VAE's mid-block mask breaks for batch > 1
+            # [-1, 1] as diffusers' VaeImageProcessor computes it (x / 255 * 2 - 1), in fp32 before any cast
+            pixels = (clip.permute(3, 0, 1, 2)[None].float() / 255.0 * 2.0 - 1.0).to(vae.dtype)  # (1, 3, F, H, W)
+            latents.append(vae.encode(pixels).latent_dist.mode())
+        return torch.cat(latents).float() * vae.config.scaling_factor
+
+    # 3. transformer --------------------------------------------------------------------------------
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        noisy: torch.Tensor,
+        sigma: torch.Tensor,
+        text: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """The pipeline's denoiser call (HV:737-785) for t2v: zero condition latents, zero mask, zero image."""
+        batch, _, frames, height, width = noisy.shape
+        dtype = transformer.dtype
+        cond = torch.zeros_like(noisy)
+        mask = torch.zeros(batch, 1, frames, height, width, dtype=noisy.dtype, device=noisy.device)
+        image_embeds = torch.zeros(batch, IMAGE_TOKENS, transformer.config.image_embed_dim, dtype=dtype,
+                                   device=noisy.device)
+        out = transformer(
+            hidden_states=torch.cat([noisy, cond, mask], dim=1).to(dtype),  # (B, 32+32+1, T, h, w)
+            image_embeds=image_embeds,
+            timestep=(sigma * 1000).to(dtype),
+            encoder_hidden_states=text["text_embeds"].to(dtype),
+            encoder_attention_mask=text["text_mask"].to(dtype),
+            encoder_hidden_states_2=text["byt5_embeds"].to(dtype),
+            encoder_attention_mask_2=text["byt5_mask"].to(dtype),
+            attention_kwargs=None,
+            return_dict=False,
+        )[0]
+        return out.float()  # (B, 32, T, h, w)
+
+    def lora_targets(self, include_ffn: bool) -> str:
+        """A regex, not suffixes: the suffixes alone would also adapt the token refiner (see ATTENTION_TARGETS)."""
+        return lora_pattern(include_ffn)
+
+    def save_lora(self, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> None:
+        """diffusers format: `transformer.`-prefixed keys in pytorch_lora_weights.safetensors, which
+        `transformer.load_lora_adapter(out_dir, weight_name=LORA_FILE)` reads (HV1.5 pipelines have no LoRA mixin)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {f"transformer.{k}": v.detach().contiguous() for k, v in state_dict.items()}
+        save_file(tensors, out / LORA_FILE, metadata={"format": "pt"})
+
+    # 4. render ---------------------------------------------------------------------------------------
+    def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> HunyuanVideo15Pipeline:
+        pipe = HunyuanVideo15Pipeline.from_pretrained(
+            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None
+        )
+        if lora_path is not None:
+            load_lora_file(pipe.transformer, lora_path)
+        return pipe.to(device)
+
+    @torch.no_grad()
+    def render(
+        self, pipe: HunyuanVideo15Pipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
+        lora_scale: float = 1.0,
+    ) -> np.ndarray:
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
+        pipe.guider = pipe.guider.new(guidance_scale=settings.guidance)  # __call__ has no guidance argument
+        set_lora_scale(pipe.transformer, lora_scale)
+        pos, neg = self.collate_text([prompt], pipe.device), self.collate_text([negative], pipe.device)
+        video = pipe(
+            prompt_embeds=pos["text_embeds"],
+            prompt_embeds_mask=pos["text_mask"],
+            prompt_embeds_2=pos["byt5_embeds"],
+            prompt_embeds_mask_2=pos["byt5_mask"],
+            negative_prompt_embeds=neg["text_embeds"],
+            negative_prompt_embeds_mask=neg["text_mask"],
+            negative_prompt_embeds_2=neg["byt5_embeds"],
+            negative_prompt_embeds_mask_2=neg["byt5_mask"],
+            height=settings.height,
+            width=settings.width,
+            num_frames=settings.num_frames,
+            num_inference_steps=settings.num_inference_steps,
+            generator=torch.Generator().manual_seed(settings.seed),
+            output_type="np",
+        ).frames[0]
+        return (np.clip(video, 0, 1) * 255).round().astype(np.uint8)  # (F, H, W, 3)
+
+
+def _pad(arrays: list[np.ndarray], masks: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L_i, D) arrays -> zero-padded (B, L, D) float32 and a (B, L) float mask."""
+    length = max(len(a) for a in arrays)
+    embeds = torch.zeros(len(arrays), length, arrays[0].shape[-1])
+    mask = torch.zeros(len(arrays), length)
+    for i, (a, m) in enumerate(zip(arrays, masks)):
+        embeds[i, : len(a)] = torch.from_numpy(np.asarray(a, np.float32))
+        mask[i, : len(m)] = torch.from_numpy(np.asarray(m, np.float32))
+    return embeds, mask
+
+
+def make_family(flavour: str | None) -> HunyuanVideo15:
+    chosen = FLAVOURS[FAMILY][flavour or DEFAULT_FLAVOUR[FAMILY]]
+    if chosen.task != "t2v":
+        # Training i2v as t2v (zero image stream) while inference feeds SigLIP embeds is the seed tool's bug.
+        raise NotImplementedError(
+            f"model_flavour '{chosen.name}' conditions on a first frame (VAE latent + SigLIP embeds), which "
+            f"loraflow does not cache yet; use 't2v-480p' or 't2v-720p'"
+        )
+    return HunyuanVideo15(flavour=chosen)

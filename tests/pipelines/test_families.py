@@ -1,0 +1,364 @@
+"""Every family's numbers against its diffusers pipeline, on the tiny real-architecture checkpoints.
+
+For each family: text rows (re-padded by collate_text) == the pipeline's encode_prompt; vae_encode == the
+pipeline VAE's mode() * scaling; velocity == the transformer called as the pipeline's denoising loop calls
+it; a saved LoRA loads with the family's diffusers loader; every LoRA target exists and learns.
+The pipelines hard-code the template crop of the real Qwen tokenizer (128/40/108), so each test first
+sets `pipe.prompt_template_encode_start_idx` to the crop computed for the tiny byte-level tokenizer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from diffusers import (
+    FlowMatchEulerDiscreteScheduler,
+    HunyuanVideo15Pipeline,
+    Kandinsky5T2IPipeline,
+    Kandinsky5T2VPipeline,
+)
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+from peft import LoraConfig, get_peft_model_state_dict
+
+from loraflow.pipelines import hunyuanvideo15, kandinsky5_image, kandinsky5_video
+from loraflow.pipelines.base import ModelFamily, load_component
+from loraflow.pipelines.tiny import build_tiny
+
+PROMPTS = ["a cat walks on the grass", "  Tom &amp; Jerry\n run  ", ""]
+HV_PROMPTS = ['a neon sign saying "OPEN 24h" and “café”', "a cat walks on the grass", ""]
+LONG_PROMPT = "a long and winding road through the hills " * 30  # 1290 bytes: past both token limits
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    module: Any  # the family module (make_family, template_crop)
+    pipeline: type[DiffusionPipeline]
+    frames: tuple[int, int, int]  # (F, H, W) for the VAE test
+    latents: tuple[int, int, int, int]  # (C, T, h, w) for the velocity test
+    prompts: list[str]
+
+
+CASES = {
+    "kandinsky5-video": Case("kandinsky5-video", kandinsky5_video, Kandinsky5T2VPipeline, (5, 32, 32),
+                             (16, 2, 4, 4), PROMPTS),
+    "kandinsky5-image": Case("kandinsky5-image", kandinsky5_image, Kandinsky5T2IPipeline, (1, 32, 32),
+                             (16, 1, 4, 4), PROMPTS),
+    "hunyuanvideo-1.5": Case("hunyuanvideo-1.5", hunyuanvideo15, HunyuanVideo15Pipeline, (5, 32, 32),
+                             (32, 2, 2, 2), HV_PROMPTS),
+}
+
+
+@dataclass
+class Loaded:
+    case: Case
+    path: Path
+    family: ModelFamily
+    pipe: DiffusionPipeline  # the reference: everything loaded by the pipeline itself
+    text: dict[str, Any]  # the family's components, loaded as the text stage loads them
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Loaded:
+    case = CASES[request.param]
+    path = build_tiny(case.family, tmp_path_factory.mktemp("tiny") / case.family)
+    pipe = case.pipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    family = case.module.make_family(None)
+    pipe.prompt_template_encode_start_idx = case.module.template_crop(pipe.tokenizer)
+    text = {name: load_component(path, name) for name in family.text_components}
+    return Loaded(case, path, family, pipe, text)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=0)
+
+
+# -- references: what each pipeline computes -----------------------------------------------------------
+def reference_text(loaded: Loaded, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """The pipeline's own encode_prompt (512 tokens after the crop fits the byte-level tokenizer)."""
+    pipe = loaded.pipe
+    with torch.no_grad():  # as inside the pipeline's __call__ (grad mode changes the last ulp of SDPA)
+        return _encode_prompt(pipe, prompts)
+
+
+def _encode_prompt(pipe: DiffusionPipeline, prompts: list[str]) -> dict[str, torch.Tensor]:
+    if isinstance(pipe, HunyuanVideo15Pipeline):
+        embeds, mask, byt5, byt5_mask = pipe.encode_prompt(prompts, batch_size=len(prompts), device="cpu")
+        return {"text_embeds": embeds, "text_mask": mask, "byt5_embeds": byt5, "byt5_mask": byt5_mask}
+    qwen, pooled, cu_seqlens = pipe.encode_prompt(prompts, max_sequence_length=512, device="cpu")
+    return {"text_embeds": qwen, "pooled_embeds": pooled, "cu_seqlens": cu_seqlens}
+
+
+def reference_velocity(loaded: Loaded, latents: torch.Tensor, t: torch.Tensor, ref: dict) -> torch.Tensor:
+    """One denoiser call exactly as the pipeline's loop makes it; returns (B, C, T, h, w)."""
+    pipe, transformer = loaded.pipe, loaded.pipe.transformer
+    batch, _, frames, height, width = latents.shape
+    if isinstance(pipe, HunyuanVideo15Pipeline):  # HV:708-785
+        cond, mask = pipe.prepare_cond_latents_and_mask(latents, transformer.dtype, "cpu")
+        image_embeds = torch.zeros(batch, pipe.vision_num_semantic_tokens, pipe.vision_states_dim)
+        latent_model_input = torch.cat([latents, cond, mask], dim=1)
+        return transformer(
+            hidden_states=latent_model_input, image_embeds=image_embeds,
+            timestep=t.expand(batch).to(latent_model_input.dtype),
+            encoder_hidden_states=ref["text_embeds"], encoder_attention_mask=ref["text_mask"],
+            encoder_hidden_states_2=ref["byt5_embeds"], encoder_attention_mask_2=ref["byt5_mask"],
+            attention_kwargs=None, return_dict=False,
+        )[0]
+    hidden = latents.permute(0, 2, 3, 4, 1)  # channels-last
+    if transformer.visual_cond:  # K5V prepare_latents (K5V:647-661)
+        hidden = torch.cat([hidden, torch.zeros_like(hidden), torch.zeros_like(hidden[..., :1])], dim=-1)
+    if isinstance(pipe, Kandinsky5T2VPipeline):  # K5V:853-895
+        scale_factor = pipe._get_scale_factor(height * 8, width * 8)
+        sparse_params = pipe.get_sparse_params(hidden, "cpu")
+    else:  # K5T2I:698-722
+        scale_factor, sparse_params = [1.0, 1.0, 1.0], None
+    out = transformer(
+        hidden_states=hidden, encoder_hidden_states=ref["text_embeds"], pooled_projections=ref["pooled_embeds"],
+        timestep=t.unsqueeze(0).repeat(batch),
+        visual_rope_pos=[torch.arange(frames), torch.arange(height // 2), torch.arange(width // 2)],
+        text_rope_pos=torch.arange(ref["cu_seqlens"].diff().max().item()),
+        scale_factor=scale_factor, sparse_params=sparse_params, return_dict=True,
+    ).sample
+    return out.permute(0, 4, 1, 2, 3)
+
+
+def pipeline_timestep(pipe: DiffusionPipeline, step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigma, timestep) of one inference step, with the scheduler set up as the pipeline sets it."""
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=5.0)
+    if isinstance(pipe, HunyuanVideo15Pipeline):
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, 5)[:-1])  # HV:703
+    else:
+        scheduler.set_timesteps(4)  # K5V:834
+    return scheduler.sigmas[step], scheduler.timesteps[step]
+
+
+# -- (a) text --------------------------------------------------------------------------------------------
+def test_text_rows_equal_pipeline_encode_prompt(loaded: Loaded) -> None:
+    family, prompts = loaded.family, [*loaded.case.prompts, LONG_PROMPT]
+    rows = family.encode_text(loaded.text, prompts)
+    if isinstance(loaded.pipe, HunyuanVideo15Pipeline):
+        _check_hv_text(family, rows, reference_text(loaded, prompts))
+        return
+    for prompt, row in zip(prompts, rows):  # no text mask: the pipeline pads batches, so compare one by one
+        ref = reference_text(loaded, [prompt])
+        mine = family.collate_text([row], "cpu")
+        assert mine["text_embeds"].shape == ref["text_embeds"].shape
+        close(mine["text_embeds"], ref["text_embeds"], atol=1e-6)
+        close(mine["pooled_embeds"], ref["pooled_embeds"], atol=1e-6)
+        assert ref["cu_seqlens"].tolist() == [0, len(row["text_embeds"])]
+
+
+def _check_hv_text(family: ModelFamily, rows: list[dict], ref: dict[str, torch.Tensor]) -> None:
+    mine = family.collate_text(rows, "cpu")
+    for name, mask_name in (("text_embeds", "text_mask"), ("byt5_embeds", "byt5_mask")):
+        length = mine[name].shape[1]
+        assert ref[mask_name][:, length:].sum() == 0, f"{name}: collate dropped valid tokens"
+        assert torch.equal(mine[mask_name], ref[mask_name][:, :length])
+        valid = mine[mask_name].bool()
+        close(mine[name][valid], ref[name][:, :length][valid], atol=1e-6)
+        assert not mine[name][~valid].any(), f"{name}: padding must be zeros"
+    # Quoted text -> glyph tokens; no quotes -> no valid glyph token (the pipeline's zeros + zero mask).
+    assert [int(m.sum()) for m in mine["byt5_mask"]][1:] == [0, 0, 0]
+    assert mine["byt5_mask"][0].sum() == len('Text "OPEN 24h". Text "café". '.encode()) + 1  # + </s>
+    # Rows hold only valid tokens (the pipeline pads Qwen to 1000); the long prompt is cut at 1000 like it.
+    assert [len(r["text_embeds"]) for r in rows] == ref["text_mask"].sum(1).int().tolist()
+    assert len(rows[-1]["text_embeds"]) == 1000 and len(rows[0]["text_embeds"]) < 100
+
+
+# -- (b) VAE ---------------------------------------------------------------------------------------------
+def test_vae_encode_equals_pipeline_vae(loaded: Loaded) -> None:
+    vae = load_component(loaded.path, "vae")
+    frames = torch.randint(0, 256, (2, *loaded.case.frames, 3), generator=torch.Generator().manual_seed(0),
+                           dtype=torch.uint8)
+    latents = loaded.family.vae_encode(vae, frames)
+    pixels = VaeImageProcessor.normalize(frames.numpy().astype(np.float32) / 255.0)  # as the processors do
+    ref_vae = loaded.pipe.vae
+    for clip, latent in zip(torch.from_numpy(pixels), latents):
+        x = clip.permute(3, 0, 1, 2)[None]  # (1, 3, F, H, W)
+        if x.shape[2] == 1 and isinstance(loaded.pipe, Kandinsky5T2IPipeline):
+            x = x[:, :, 0]  # a 2D VAE
+        ref = ref_vae.encode(x).latent_dist.mode() * ref_vae.config.scaling_factor  # decode divides, no shift
+        close(latent, ref.reshape(latent.shape), atol=1e-6)
+    channels, temporal = loaded.case.latents[:2]
+    assert latents.shape[1:3] == (channels, temporal)
+    spatial = loaded.family.spatial_multiple // (2 if loaded.case.family.startswith("kandinsky") else 1)
+    assert latents.shape[3:] == (loaded.case.frames[1] // spatial, loaded.case.frames[2] // spatial)
+
+
+# -- (c) transformer -------------------------------------------------------------------------------------
+def test_velocity_equals_pipeline_denoiser_call(loaded: Loaded) -> None:
+    family, pipe = loaded.family, loaded.pipe
+    sigma, t = pipeline_timestep(pipe)
+    # HV: a batch mixing a glyph prompt and a plain one (masks); K5 has no mask, so one prompt.
+    prompts = loaded.case.prompts[:2] if isinstance(pipe, HunyuanVideo15Pipeline) else loaded.case.prompts[:1]
+    latents = torch.randn(len(prompts), *loaded.case.latents, generator=torch.Generator().manual_seed(1))
+    text = family.collate_text(family.encode_text(loaded.text, prompts), "cpu")
+    with torch.no_grad():
+        mine = family.velocity(pipe.transformer, latents, sigma.repeat(len(prompts)), text)
+        ref = reference_velocity(loaded, latents, t, reference_text(loaded, prompts))
+    assert mine.shape == latents.shape
+    close(mine, ref, atol=1e-5)
+
+
+# -- (d) LoRA export -----------------------------------------------------------------------------------
+def _randomised_lora(loaded: Loaded, rank: int = 4) -> torch.nn.Module:
+    transformer = load_component(loaded.path, "transformer")
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=loaded.family.lora_targets(True)))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in transformer.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return transformer
+
+
+def _probe(loaded: Loaded, transformer: torch.nn.Module) -> torch.Tensor:
+    family = loaded.family
+    latents = torch.randn(1, *loaded.case.latents, generator=torch.Generator().manual_seed(3))
+    text = family.collate_text(family.encode_text(loaded.text, loaded.case.prompts[:1]), "cpu")
+    with torch.no_grad():
+        return family.velocity(transformer, latents, torch.tensor([0.6]), text)
+
+
+def test_saved_lora_loads_with_diffusers_loaders(loaded: Loaded, tmp_path: Path) -> None:
+    family = loaded.family
+    trained = _randomised_lora(loaded)
+    family.save_lora(get_peft_model_state_dict(trained), tmp_path)
+    lora_file = tmp_path / "pytorch_lora_weights.safetensors"
+    assert lora_file.is_file()
+    expected = _probe(loaded, trained)
+    base = _probe(loaded, load_component(loaded.path, "transformer"))
+    # 1. the public diffusers loader a user would call
+    if isinstance(loaded.pipe, HunyuanVideo15Pipeline):  # no LoRA mixin: the model's loader
+        public = load_component(loaded.path, "transformer")
+        public.load_lora_adapter(str(tmp_path), weight_name=lora_file.name)
+    else:
+        pipe = loaded.case.pipeline.from_pretrained(loaded.path, text_encoder=None, tokenizer=None,
+                                                    text_encoder_2=None, tokenizer_2=None)
+        pipe.load_lora_weights(str(tmp_path))
+        public = pipe.transformer
+    # 2. what validation loads
+    renderer = family.load_renderer(str(loaded.path), str(lora_file), torch.device("cpu"))
+    for transformer in (public, renderer.transformer):
+        close(_probe(loaded, transformer), expected, atol=1e-6)
+    assert (expected - base).abs().max() > 1e-3, "the randomised LoRA should change the output"
+
+
+# -- (e) LoRA targets --------------------------------------------------------------------------------------
+def _dead_adapters(loaded: Loaded, transformer: torch.nn.Module) -> set[str]:
+    """Adapters that cannot learn by construction: HV1.5's last block's text-stream output is discarded."""
+    if not isinstance(loaded.pipe, HunyuanVideo15Pipeline):
+        return set()
+    last = len(transformer.transformer_blocks) - 1
+    return {f"transformer_blocks.{last}.{name}" for name in hunyuanvideo15.DEAD_IN_LAST_BLOCK}
+
+
+def test_lora_targets_exist_and_learn(loaded: Loaded) -> None:
+    family = loaded.family
+    transformer = load_component(loaded.path, "transformer")
+    targets = family.lora_targets(True)
+    names = [n for n, _ in transformer.named_modules()]
+    _check_targets_exist(targets, names, transformer)
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets))
+    transformer.train()
+    latents = torch.randn(1, *loaded.case.latents, generator=torch.Generator().manual_seed(4))
+    text = family.collate_text(family.encode_text(loaded.text, loaded.case.prompts[:1]), "cpu")
+    family.velocity(transformer, latents, torch.tensor([0.6]), text).square().mean().backward()
+    grads = {n.removesuffix(".lora_B.default.weight"): p.grad for n, p in transformer.named_parameters()
+             if "lora_B" in n}
+    dead = _dead_adapters(loaded, transformer)
+    assert dead <= grads.keys()
+    silent = sorted(n for n, g in grads.items() if n not in dead and (g is None or not g.abs().sum() > 0))
+    assert not silent, f"LoRA B weights without gradient: {silent}"
+    # The documented dead ones really are dead (if diffusers changes this, update DEAD_IN_LAST_BLOCK).
+    assert all(grads[n] is None or not grads[n].any() for n in dead)
+
+
+def _check_targets_exist(targets: list[str] | str, names: list[str], transformer: torch.nn.Module) -> None:
+    if isinstance(targets, list):
+        for target in targets:
+            assert any(n == target or n.endswith("." + target) for n in names), f"no module matches {target}"
+        return
+    # A regex (HV1.5): every projection in every main block, nothing in the token refiner.
+    matched = [n for n in names if re.fullmatch(targets, n)]
+    per_block = len(hunyuanvideo15.ATTENTION_TARGETS) + len(hunyuanvideo15.FFN_TARGETS)
+    assert len(matched) == per_block * len(transformer.transformer_blocks)
+    assert all(isinstance(transformer.get_submodule(n), torch.nn.Linear) for n in matched)
+    refiner = [n for n in names if "refiner" in n and n.endswith(("to_q", "to_k", "to_v"))]
+    assert refiner and not any(re.fullmatch(targets, n) for n in refiner)
+
+
+# -- flavours ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("module", "flavour"),
+    [(hunyuanvideo15, "i2v-480p"), (hunyuanvideo15, "i2v-720p"), (kandinsky5_image, "i2i-lite-sft")],
+)
+def test_image_conditioned_flavours_refuse_loudly(module: Any, flavour: str) -> None:
+    with pytest.raises(NotImplementedError, match="does not cache"):
+        module.make_family(flavour)
+
+
+@pytest.mark.parametrize(
+    ("module", "flavour", "expected"),
+    [
+        (hunyuanvideo15, None, ("t2v-480p", (480, 848), 5.0, 121)),
+        (hunyuanvideo15, "t2v-720p", ("t2v-720p", (720, 1280), 9.0, 121)),
+        (kandinsky5_image, None, ("t2i-lite-sft", (1024, 1024), 1.0, 1)),
+    ],
+)
+def test_flavour_defaults(module: Any, flavour: str | None, expected: tuple) -> None:
+    chosen = module.make_family(flavour).flavour
+    assert (chosen.name, chosen.size, chosen.flow_shift, chosen.num_frames) == expected
+    assert all(side % module.make_family(flavour).spatial_multiple == 0 for side in chosen.size)
+
+
+# -- render ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Settings:
+    height: int = 32
+    width: int = 32
+    num_frames: int = 5
+    num_inference_steps: int = 2
+    guidance: float = 3.0
+    seed: int = 0
+    flow_shift: float = 5.0
+
+
+def test_render_from_rows_equals_pipeline_from_prompt(loaded: Loaded, tmp_path: Path) -> None:
+    """The render path (cached rows, no text encoders) == the pipeline given the prompt string."""
+    family, pipe, prompt = loaded.family, loaded.pipe, loaded.case.prompts[0]
+    settings = Settings(num_frames=1 if isinstance(pipe, Kandinsky5T2IPipeline) else 5)
+    trained = _randomised_lora(loaded)
+    family.save_lora(get_peft_model_state_dict(trained), tmp_path)
+    renderer = family.load_renderer(str(loaded.path), str(tmp_path / "pytorch_lora_weights.safetensors"), "cpu")
+    prompt_row, negative_row = family.encode_text(loaded.text, [prompt, family.default_negative_prompt])
+    base = family.render(renderer, prompt_row, negative_row, settings, lora_scale=0.0)
+    tuned = family.render(renderer, prompt_row, negative_row, settings, lora_scale=1.0)
+    assert base.dtype == np.uint8 and base.shape == (settings.num_frames, 32, 32, 3)
+    assert np.abs(base.astype(int) - tuned).max() > 0, "the LoRA should change the render"
+    # atol 1: HV1.5's trimmed context moves the last ulp (~1e-7), which can flip a rounding to uint8.
+    np.testing.assert_allclose(base, _pipeline_render(pipe, prompt, family.default_negative_prompt, settings), atol=1)
+
+
+def _pipeline_render(pipe: DiffusionPipeline, prompt: str, negative: str, settings: Settings) -> np.ndarray:
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
+    common = {"height": settings.height, "width": settings.width, "num_inference_steps": settings.num_inference_steps,
+              "generator": torch.Generator().manual_seed(settings.seed), "output_type": "np"}
+    if isinstance(pipe, HunyuanVideo15Pipeline):
+        pipe.guider = pipe.guider.new(guidance_scale=settings.guidance)
+        out = pipe(prompt=prompt, negative_prompt=negative, num_frames=settings.num_frames, **common).frames[0]
+    elif isinstance(pipe, Kandinsky5T2IPipeline):
+        pipe.resolutions = [(settings.width, settings.height)]  # it would snap to 1024x1024
+        out = pipe(prompt=prompt, negative_prompt=negative, guidance_scale=settings.guidance, **common).image
+    else:
+        out = pipe(prompt=prompt, negative_prompt=negative, guidance_scale=settings.guidance,
+                   num_frames=settings.num_frames, **common).frames[0]
+    return (np.clip(out, 0, 1) * 255).round().astype(np.uint8)
