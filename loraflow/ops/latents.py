@@ -39,7 +39,7 @@ def latent_rows(config: LoraflowConfig, store: Store) -> list[dict[str, Any]]:
     ]
 
 
-def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store) -> StageReport:
+def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store, shard_clips: int = SHARD_CLIPS) -> StageReport:
     rows = latent_rows(config, store)
     have = store.keys("latents")
     todo = sorted((r for r in rows if r["key"] not in have), key=lambda r: r["bucket"])
@@ -51,7 +51,7 @@ def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store) ->
             from loraflow.kernels.patch_conv import enable_patch_conv
 
             enable_patch_conv(vae)
-        quarantined = _encode(todo, vae, family, store, device)
+        quarantined = _encode(todo, vae, family, store, device, shard_clips)
         free_models(vae)
     bad = {q["key"] for q in quarantined}
     rows = [r for r in rows if r["key"] not in bad]
@@ -66,14 +66,17 @@ def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store) ->
 
 
 @torch.no_grad()
-def _encode(todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device) -> list:
+def _encode(
+    todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device, shard_clips: int
+) -> list:
+    """Encode clip by clip; commit a shard every `shard_clips` so a killed run loses at most one shard's work."""
     quarantined = []
     progress = tqdm(total=len(todo), desc="latents", unit="clip")
     for _, group in groupby(todo, key=lambda r: r["bucket"]):
         group = list(group)
-        for start in range(0, len(group), SHARD_CLIPS):
+        for start in range(0, len(group), shard_clips):
             done = []
-            for row in group[start : start + SHARD_CLIPS]:
+            for row in group[start : start + shard_clips]:
                 frames = store.get("clips", [row["clip_key"]])[row["clip_key"]]["frames"]
                 pixels = torch.from_numpy(np.array(frames))[None].to(device)  # copy: Arrow buffers are read-only
                 latent = family.vae_encode(vae, pixels)[0]
