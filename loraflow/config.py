@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +16,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 VAE_TEMPORAL_FACTOR = 4  # all three families' VAEs compress time 4x: video clips have 4k+1 frames
+DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
+# Keys that change only what validation renders: a training run's key must not include them.
+VALIDATION_ONLY_KEYS = frozenset({
+    "validation_prompt", "validation_resolution", "validation_num_video_frames", "validation_guidance",
+    "validation_num_inference_steps", "user_prompt_library", "validation_seed", "validation_negative_prompt",
+})
+# Keys that change only when things run (not what is computed): no cache or run key may include them.
+OPERATIONAL_KEYS = frozenset({"recache_cron"})
 
 
 class ConfigError(ValueError):
@@ -95,6 +104,27 @@ class DatasetConfig(StrictModel):
         return self
 
 
+class TreadRoute(StrictModel):
+    """One TREAD route: a random `selection_ratio` of the visual tokens skips blocks start..end (inclusive)."""
+
+    selection_ratio: float = Field(ge=0, lt=1, description="fraction of visual tokens that skip the span, [0, 1)")
+    start_layer_idx: int = Field(description="first block of the span; negative counts from the end (-1: last)")
+    end_layer_idx: int = Field(description="last block of the span (inclusive); negative counts from the end")
+
+
+class TreadConfig(StrictModel):
+    """TREAD token routing during training (the seeds' `tread_config`); validation never routes."""
+
+    routes: tuple[TreadRoute, ...] = Field(description="disjoint block spans, each with its ratio")
+
+    @field_validator("routes")
+    @classmethod
+    def _some(cls, v: tuple[TreadRoute, ...]) -> tuple[TreadRoute, ...]:
+        if not v:
+            raise ValueError("give at least one route, or remove `tread_config`")
+        return v
+
+
 class LoraflowConfig(StrictModel):
     """A whole run: model, data, training and validation. Units are in each field's description."""
 
@@ -129,15 +159,59 @@ class LoraflowConfig(StrictModel):
     validation_num_video_frames: int | None = Field(None, description="4k+1; default: the flavour's")
     validation_guidance: float | None = Field(None, description="default: the flavour's")
     validation_num_inference_steps: int = Field(30, ge=1)
+    user_prompt_library: dict[str, str] | None = Field(
+        None, description="more validation prompts {shortname: prompt}: inline, or a JSON file (relative to the config)"
+    )
+    validation_seed: int | None = Field(None, description="noise seed of every validation render; default: seed")
+    validation_negative_prompt: str | None = Field(None, description="default: the family's negative prompt")
+    eval_holdout_fraction: float = Field(
+        0.0, ge=0, lt=1, description="fraction of source videos held out of training to measure eval loss on"
+    )
+    eval_dataset_id: str | None = Field(None, description="a dataset whose clips are only evaluated, never trained on")
 
     offload_during_startup: bool = Field(False, description="never keep the VAE and text encoders on the GPU together")
     vae_enable_patch_conv: bool = Field(False, description="exact slab-wise VAE convs: same numbers, lower peak")
     flow_schedule_shift: float | None = Field(None, description="sigma shift for training; default: the flavour's")
+    recache_cron: str | None = Field(
+        None, description="cron (5 fields, UTC) for the `recache` schedule of the cache_only job; unset: schedule off"
+    )
+
+    # Training memory and speed (seed names). None of the group_offload_* / gradient_checkpointing keys changes
+    # the numbers: changing them resumes the same training run.
+    gradient_checkpointing: bool = Field(False, description="recompute block activations in backward (less memory)")
+    enable_group_offload: bool = Field(False, description="keep transformer blocks on the CPU, each moved to the "
+                                       "GPU only for its forward (diffusers group offloading); LoRA stays on the GPU")
+    group_offload_type: Literal["block_level", "leaf_level"] = "block_level"
+    group_offload_blocks_per_group: int = Field(1, ge=1, description="block_level: blocks moved together")
+    group_offload_use_stream: bool = Field(False, description="overlap transfers with compute (CUDA only)")
+    base_model_precision: Literal["no_change", "bf16", "fp8-layerwise"] = Field(
+        "no_change", description="frozen transformer weights: no_change = fp32 as loaded; bf16 (modules diffusers "
+        "keeps in fp32 stay fp32); fp8-layerwise = stored float8_e4m3fn, computed in bf16 per layer (diffusers "
+        "layerwise casting). LoRA parameters are always fp32")
+    mixed_precision: Literal["auto", "no", "bf16"] = Field(
+        "auto", description="bf16 autocast of the forward: auto = on CUDA, or when base_model_precision is not "
+        "no_change; no = fp32 compute (needs base_model_precision no_change)")
+    tread_config: TreadConfig | None = Field(None, description="TREAD token routing; unset: every token, every block")
+
+    @field_validator("recache_cron")
+    @classmethod
+    def _cron(cls, v: str | None) -> str | None:
+        # Shape only (5 fields of cron characters or an @alias); Dagster parses it when it builds the schedule.
+        aliases = ("@hourly", "@daily", "@weekly", "@monthly")
+        if v is not None and v not in aliases and not re.fullmatch(r"[\w*/,?#-]+(\s+[\w*/,?#-]+){4}", v.strip()):
+            raise ValueError(f"`recache_cron` must be a 5-field cron expression such as '0 3 * * *' "
+                             f"or one of {', '.join(aliases)}; got {v!r}")
+        return v
 
     @field_validator("validation_num_video_frames")
     @classmethod
     def _validation_frames(cls, v: int | None) -> int | None:
         return check_4k_plus_1("validation_num_video_frames", v)
+
+    @field_validator("user_prompt_library", mode="before")
+    @classmethod
+    def _prompt_library(cls, v: Any) -> Any:
+        return read_prompt_library(v) if isinstance(v, (str, Path)) else v
 
     @field_validator("validation_resolution")
     @classmethod
@@ -173,6 +247,36 @@ class LoraflowConfig(StrictModel):
             raise ValueError("no enabled video/image dataset: add one under `datasets`")
         return v
 
+    @model_validator(mode="after")
+    def _validation_and_eval(self) -> LoraflowConfig:
+        if self.user_prompt_library and DEFAULT_PROMPT_NAME in self.user_prompt_library and self.validation_prompt:
+            raise ValueError(f"`user_prompt_library` may not use the shortname '{DEFAULT_PROMPT_NAME}': "
+                             "it names `validation_prompt`; rename the library entry")
+        if self.eval_dataset_id is not None:
+            ids = [d.id for d in self.training_datasets]
+            if self.eval_dataset_id not in ids:
+                raise ValueError(f"`eval_dataset_id` {self.eval_dataset_id!r} is not an enabled video/image dataset; "
+                                 f"allowed: {', '.join(ids)}")
+            if len(ids) == 1:
+                raise ValueError(f"`eval_dataset_id` {self.eval_dataset_id!r} is the only dataset: nothing would be "
+                                 "left to train on; add a training dataset or use `eval_holdout_fraction`")
+        return self
+
+    @model_validator(mode="after")
+    def _training_memory(self) -> LoraflowConfig:
+        if self.group_offload_use_stream and not self.enable_group_offload:
+            raise ValueError("`group_offload_use_stream` needs `enable_group_offload: true`; set both or neither")
+        if self.mixed_precision == "no" and self.base_model_precision != "no_change":
+            raise ValueError(f"`base_model_precision` {self.base_model_precision} computes in bf16: set "
+                             "`mixed_precision` to auto or bf16 (or base_model_precision to no_change)")
+        return self
+
+    @property
+    def validation_prompts(self) -> dict[str, str]:
+        """Every prompt validation renders, by shortname: `validation_prompt` first, then the library."""
+        prompts = {DEFAULT_PROMPT_NAME: self.validation_prompt} if self.validation_prompt else {}
+        return {**prompts, **(self.user_prompt_library or {})}
+
     @property
     def training_datasets(self) -> tuple[DatasetConfig, ...]:
         return tuple(d for d in self.datasets if d.dataset_type != "text_embeds" and not d.disabled)
@@ -182,6 +286,20 @@ class LoraflowConfig(StrictModel):
         """(height, width) in pixels."""
         width, height = (int(p) for p in self.validation_resolution.lower().split("x"))
         return height, width
+
+
+def read_prompt_library(path: str | Path) -> dict[str, str]:
+    """SimpleTuner's user_prompt_library: a JSON object {shortname: prompt}."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"`user_prompt_library` file {path} does not exist; give a JSON file or an inline mapping")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"`user_prompt_library` file {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ValueError(f"`user_prompt_library` file {path} must hold one JSON object of shortname -> prompt strings")
+    return data
 
 
 def _unknown(key: str, value: str, allowed: list[str]) -> str:
@@ -200,7 +318,8 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
         if isinstance(part, int):
             continue
         annotation = model.model_fields[part].annotation
-        model = {"datasets": DatasetConfig, "video": VideoSettings}.get(part, annotation)
+        model = {"datasets": DatasetConfig, "video": VideoSettings, "tread_config": TreadConfig,
+                 "routes": TreadRoute}.get(part, annotation)
     return model
 
 
@@ -226,6 +345,9 @@ def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | 
         if not path.is_file():
             raise ConfigError([f"dataset_backend_config: file {path} does not exist"], source)
         data["datasets"] = json.loads(path.read_text())
+    library = data.get("user_prompt_library")
+    if isinstance(library, str) and base_dir is not None and not Path(library).is_absolute():
+        data["user_prompt_library"] = str(base_dir / library)  # relative to the config file, like the datasets file
     try:
         return LoraflowConfig.model_validate(data)
     except ValidationError as exc:

@@ -78,7 +78,8 @@ def lora(loraflow: LoraflowResource) -> MaterializeResult:
     )
 
 
-@asset(deps=[lora], pool="gpu", group_name="loraflow", description="Base vs LoRA renders of the validation prompt.")
+@asset(deps=[lora], pool="gpu", group_name="loraflow",
+       description="Base vs LoRA renders of every validation prompt, and eval loss on held-out clips.")
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
     from PIL import Image
 
@@ -89,17 +90,20 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     config = loraflow.load()
     store = loraflow.store(config)
     report = validate(config, get_family(config), store, current_lora_path(config, store))
-    sheet = Image.open(report.facts["contact_sheet"])
-    return MaterializeResult(
-        data_version=DataVersion(report.data_version),
-        metadata={
-            **md.counts(report),
-            "video": MetadataValue.path(report.facts["video"]),
-            "base_video": MetadataValue.path(report.facts["base_video"]),
-            "preview": md.md_image(sheet, "base (top) vs LoRA (bottom)"),
-            **{k: v for k, v in report.facts.items() if k not in ("video", "base_video", "contact_sheet")},
-        },
-    )
+    prompts, losses, facts = report.tables["prompts"], report.tables["eval_loss"], dict(report.facts)
+    metadata = {**md.counts(report), "prompts": md.md_table(prompts)}
+    if prompts:
+        sheets = [f"**{p['name']}**: {p['prompt']}\n\n"
+                  + md.md_image(Image.open(p["contact_sheet"]), "base (top) vs LoRA (bottom)").value for p in prompts]
+        metadata |= {"video": MetadataValue.path(facts.pop("video")),
+                     "base_video": MetadataValue.path(facts.pop("base_video")),
+                     "preview": MetadataValue.md("\n\n".join(sheets))}
+        facts.pop("contact_sheet")
+    if losses:
+        plot = Image.open(facts.pop("eval_plot"))
+        table = [{**r, "base": f"{r['base']:.5f}", "lora": f"{r['lora']:.5f}"} for r in losses]
+        metadata |= {"eval_loss": md.md_table(table), "eval_loss_plot": md.md_image(plot, "eval loss per sigma")}
+    return MaterializeResult(data_version=DataVersion(report.data_version), metadata={**metadata, **facts})
 
 
 ALL_ASSETS = [clips, latents, text_embeds, lora, validation]

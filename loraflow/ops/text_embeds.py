@@ -1,7 +1,8 @@
 """The text_embeds stage: every distinct text the later stages need, encoded once, ever.
 
-Texts: every caption, the empty prompt (caption dropout, unconditional), the negative prompt and the
-validation prompt. Training and validation then never load a text encoder.
+Texts: every caption, the empty prompt (caption dropout, unconditional), the negative prompts and every
+validation prompt (`validation_prompt` and the `user_prompt_library`). Training and validation then never
+load a text encoder.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ BATCH_TEXTS = 16
 
 def needed_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> list[str]:
     texts = {caption for clip in store.read_manifest("clips") for caption in clip["captions"]}
-    texts |= {"", family.default_negative_prompt}
-    if config.validation_prompt:
-        texts.add(config.validation_prompt)
+    texts |= {"", family.default_negative_prompt, *config.validation_prompts.values()}
+    if config.validation_negative_prompt is not None:
+        texts.add(config.validation_negative_prompt)
     return sorted(texts)
 
 

@@ -1,25 +1,39 @@
-"""The validation stage: render the validation prompt with and without the LoRA, from cached embeddings.
+"""The validation stage: every validation prompt rendered with and without the LoRA, and eval loss.
 
-Outputs per run: base.mp4, lora.mp4 (h264, yuv420p: plays in a browser) and a contact sheet PNG (base row
-over LoRA row) that the asset embeds in its metadata.
+The pipeline loads once per run (`family.load_renderer`); each prompt renders at LoRA scale 0 (the base
+model, exactly) and 1 with the same seed, from cached embeddings only. Outputs under
+output_dir/validation/<key>/:
+    <nn>-<shortname>/base.mp4, lora.mp4   h264 yuv420p at the flavour's fps (base.png, lora.png for images)
+    <nn>-<shortname>/contact_sheet.png    base row over LoRA row
+    <nn>-<shortname>/result.json          written last: the prompt is done (a killed run resumes after it)
+    eval_loss.png, results.json           results.json is written last: the whole run is done
+The key covers the adapter's bytes, the render settings, the prompts and the eval inputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import re
+from dataclasses import asdict, dataclass
+from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
-from loraflow.keys import content_key
+from loraflow.keys import content_key, file_sha256
+from loraflow.ops.devices import free_models, pick_device
+from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_loss_plot, eval_losses, evaluates, loss_summary
 from loraflow.ops.report import StageReport
-from loraflow.pipelines.base import ModelFamily
+from loraflow.pipelines.base import ModelFamily, TextRow, component_fingerprint
 from loraflow.store import Store
 
-CODE_VERSION = "validation-1"
+CODE_VERSION = "validation-2"
+RESULTS = "results.json"
+SHEET_ROW_HEIGHT = 128  # pixels per contact-sheet row: small enough to embed in the asset's metadata
 
 
 @dataclass(frozen=True)
@@ -34,53 +48,140 @@ class RenderSettings:
 
 
 def render_settings(config: LoraflowConfig, family: ModelFamily) -> RenderSettings:
+    """The config's validation_* keys, each falling back to the flavour's default; checked against the family."""
     height, width = config.validation_size
-    flavour = family.flavour
+    flavour, multiple = family.flavour, family.spatial_multiple
+    if height % multiple or width % multiple:
+        near = lambda v: max(multiple, round(v / multiple) * multiple)  # noqa: E731
+        raise ValueError(f"`validation_resolution` {config.validation_resolution}: {family.name} needs multiples of "
+                         f"{multiple} (VAE x patch); use {near(width)}x{near(height)}")
+    frames = config.validation_num_video_frames or flavour.num_frames
+    if flavour.num_frames == 1 and frames != 1:
+        raise ValueError(f"`validation_num_video_frames` {frames}: {family.name} renders images; remove the key")
     return RenderSettings(
-        height=height, width=width,
-        num_frames=config.validation_num_video_frames or flavour.num_frames,
+        height=height, width=width, num_frames=frames,
         num_inference_steps=config.validation_num_inference_steps,
         guidance=config.validation_guidance if config.validation_guidance is not None else flavour.guidance,
-        seed=config.seed, flow_shift=flavour.flow_shift,
+        seed=config.validation_seed if config.validation_seed is not None else config.seed,
+        flow_shift=flavour.flow_shift,
     )
 
 
+def negative_prompt(config: LoraflowConfig, family: ModelFamily) -> str:
+    return config.validation_negative_prompt if config.validation_negative_prompt is not None \
+        else family.default_negative_prompt
+
+
 def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_path: str) -> StageReport:
-    if not config.validation_prompt:
-        raise ValueError("validation needs `validation_prompt` in the config")
+    """Render every validation prompt (base and LoRA) and measure eval loss; reuse a finished run."""
+    # 1. plan: settings, prompts, eval clips, and the run's key
     settings = render_settings(config, family)
-    texts = {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}
-    rows = store.get("text_embeds", [texts[config.validation_prompt], texts[family.default_negative_prompt]])
-    prompt, negative = rows[texts[config.validation_prompt]], rows[texts[family.default_negative_prompt]]
-    out = Path(config.output_dir) / "validation" / content_key(lora=lora_path, settings=settings.__dict__,
-                                                                prompt=config.validation_prompt, code=CODE_VERSION)
-    if (out / "contact_sheet.png").is_file():
-        return _report(out, settings, computed=0)
-    out.mkdir(parents=True, exist_ok=True)
+    prompts, negative = config.validation_prompts, negative_prompt(config, family)
+    items = eval_items(config, store) if evaluates(config) else []
+    if not prompts and not items:
+        raise ValueError("validation has nothing to do: set `validation_prompt` or `user_prompt_library` (renders), "
+                         "or `eval_holdout_fraction` / `eval_dataset_id` (eval loss)")
+    texts = cached_texts(store, [*prompts.values(), negative])
     model = config.pretrained_model_name_or_path
-    base = family.render(model, None, prompt, negative, settings)
-    tuned = family.render(model, str(Path(lora_path).parent), prompt, negative, settings)
-    write_mp4(base, out / "base.mp4", family.flavour.fps)
-    write_mp4(tuned, out / "lora.mp4", family.flavour.fps)
-    contact_sheet([base, tuned]).save(out / "contact_sheet.png")
-    return _report(out, settings, computed=1, difference=float(np.abs(base.astype(int) - tuned).mean()))
+    out = Path(config.output_dir) / "validation" / content_key(
+        lora=file_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
+        family=family.name, flavour=family.flavour.name, fps=family.flavour.fps, settings=asdict(settings),
+        prompts=prompts, negative=negative, eval=[asdict(i) for i in items], sigmas=EVAL_SIGMAS, code=CODE_VERSION)
+    if (out / RESULTS).is_file():
+        return _report(out, computed=0)
+    # 2. render what a killed run left undone, then eval loss, with one pipeline load
+    folders = {name: out / f"{i:02d}-{_slug(name)}" for i, name in enumerate(prompts)}
+    todo = [name for name in prompts if not (folders[name] / "result.json").is_file()]
+    out.mkdir(parents=True, exist_ok=True)
+    device = pick_device()
+    pipe = family.load_renderer(model, lora_path, device)
+    for name in todo:
+        render_prompt(family, pipe, folders[name], name, prompts[name], texts[prompts[name]], texts[negative],
+                      settings)
+    losses = eval_losses(pipe.transformer, family, store, items, settings.seed, device)
+    del pipe  # drop the last reference first, so free_models' collection frees the weights
+    free_models()
+    # 3. summary, written last
+    if losses:
+        _save_png(eval_loss_plot(losses), out / "eval_loss.png")
+    rows = [json.loads((folders[name] / "result.json").read_text()) for name in prompts]
+    _write_json(out / RESULTS, {"settings": asdict(settings), "fps": family.flavour.fps, "prompts": rows,
+                                "eval_loss": losses, "eval_clips": len(items)})
+    return _report(out, computed=len(todo) + bool(items))
 
 
-def _report(out: Path, settings: RenderSettings, computed: int, difference: float | None = None) -> StageReport:
-    facts = {"video": str(out / "lora.mp4"), "base_video": str(out / "base.mp4"),
-             "contact_sheet": str(out / "contact_sheet.png"), **settings.__dict__}
-    if difference is not None:
-        facts["mean_abs_pixel_change"] = difference
-    return StageReport(data_version=out.name, computed=computed, reused=1 - computed, facts=facts)
+def cached_texts(store: Store, texts: list[str]) -> dict[str, TextRow]:
+    """text -> embedding row; every text must have been encoded by the text_embeds stage."""
+    keys = {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}
+    missing = [t for t in texts if t not in keys]
+    if missing:
+        raise KeyError(f"{len(missing)} validation text(s) have no cached embedding, e.g. {missing[0]!r}: "
+                       "materialize `text_embeds` again (it encodes every validation prompt and the negative prompt)")
+    rows = store.get("text_embeds", {keys[t] for t in texts})
+    return {t: rows[keys[t]] for t in texts}
+
+
+def render_prompt(
+    family: ModelFamily, pipe: Any, folder: Path, name: str, prompt: str, text: TextRow, negative: TextRow,
+    settings: RenderSettings,
+) -> None:
+    """Base (LoRA scale 0) and LoRA renders of one prompt, same seed; media, contact sheet, then result.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    base = family.render(pipe, text, negative, settings, lora_scale=0.0)
+    tuned = family.render(pipe, text, negative, settings, lora_scale=1.0)
+    if base.shape != (settings.num_frames, settings.height, settings.width, 3):
+        raise RuntimeError(f"{family.name} rendered {base.shape}; validation asked for "
+                           f"{(settings.num_frames, settings.height, settings.width, 3)}: a bug in the family's render")
+    fps = family.flavour.fps
+    paths = {"base": write_media(base, folder / "base", fps), "lora": write_media(tuned, folder / "lora", fps)}
+    _save_png(contact_sheet([base, tuned]), folder / "contact_sheet.png")
+    _write_json(folder / "result.json", {
+        "name": name, "prompt": prompt, **{k: str(p) for k, p in paths.items()},
+        "contact_sheet": str(folder / "contact_sheet.png"),
+        "mean_abs_pixel_change": float(np.abs(base.astype(np.int16) - tuned).mean()),
+    })
+
+
+def _report(out: Path, computed: int) -> StageReport:
+    results = json.loads((out / RESULTS).read_text())
+    prompts, losses = results["prompts"], results["eval_loss"]
+    total = len(prompts) + bool(results["eval_clips"])
+    facts: dict[str, Any] = {**results["settings"], "fps": results["fps"], "prompts": len(prompts),
+                             "eval_clips": results["eval_clips"]}
+    if prompts:
+        facts |= {"video": prompts[0]["lora"], "base_video": prompts[0]["base"],
+                  "contact_sheet": prompts[0]["contact_sheet"],
+                  "mean_abs_pixel_change": float(np.mean([p["mean_abs_pixel_change"] for p in prompts]))}
+    if losses:
+        facts |= {"eval_plot": str(out / "eval_loss.png"), **loss_summary(losses)}
+    return StageReport(data_version=out.name, computed=computed, reused=total - computed, facts=facts,
+                       tables={"prompts": prompts, "eval_loss": losses})
+
+
+def _slug(name: str) -> str:
+    """A shortname as a folder name (the index prefix keeps two names with one slug apart)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:60] or "prompt"
+
+
+# -- media: mp4 for videos, PNG for images, a contact sheet per prompt ---------------------------------------
+def write_media(frames: np.ndarray, stem: Path, fps: float) -> Path:
+    """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4."""
+    if len(frames) == 1:
+        path = stem.with_suffix(".png")
+        _save_png(Image.fromarray(frames[0]), path)
+    else:
+        path = stem.with_suffix(".mp4")
+        write_mp4(frames, path, fps)
+    return path
 
 
 def write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
-    """uint8 (F, H, W, 3) -> h264 yuv420p mp4 (even sizes padded by edge copy, as yuv420p requires)."""
+    """uint8 (F, H, W, 3) -> h264 yuv420p mp4 (odd sizes padded by edge copy, as yuv420p requires)."""
     pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
     frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
     tmp = path.with_suffix(".tmp.mp4")
     with av.open(str(tmp), "w") as container:
-        stream = container.add_stream("libx264", rate=round(fps))
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))  # 23.976 stays exact
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
@@ -88,11 +189,35 @@ def write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
     tmp.rename(path)
 
 
-def contact_sheet(videos: list[np.ndarray], columns: int = 8, scale: int = 2) -> Image.Image:
-    """One row per video (base over LoRA), `columns` frames spread over its length, upscaled for the UI."""
+def contact_sheet(
+    videos: list[np.ndarray], columns: int = 8, row_height: int = SHEET_ROW_HEIGHT, gap: int = 2
+) -> Image.Image:
+    """One row per video (base over LoRA), up to `columns` frames spread over its length, `row_height` px
+    tall, with white `gap`s so frame and row boundaries show."""
     rows = []
     for video in videos:
         picks = np.linspace(0, len(video) - 1, min(columns, len(video))).round().astype(int)
-        rows.append(np.concatenate(list(video[picks]), axis=1))
-    sheet = Image.fromarray(np.concatenate(rows, axis=0))
-    return sheet.resize((sheet.width * scale, sheet.height * scale), Image.NEAREST)
+        height, width = video.shape[1:3]
+        size = (max(1, round(width * row_height / height)), row_height)
+        resample = Image.NEAREST if row_height >= height else Image.LANCZOS  # crisp pixels when enlarging
+        rows.append([Image.fromarray(video[i]).resize(size, resample) for i in picks])
+    sheet_width = max(sum(t.width + gap for t in row) for row in rows) - gap
+    sheet = Image.new("RGB", (sheet_width, len(rows) * (row_height + gap) - gap), "white")
+    for r, row in enumerate(rows):
+        x = 0
+        for tile in row:
+            sheet.paste(tile, (x, r * (row_height + gap)))
+            x += tile.width + gap
+    return sheet
+
+
+def _save_png(image: Image.Image, path: Path) -> None:
+    tmp = path.with_suffix(".tmp.png")
+    image.save(tmp, format="PNG")
+    tmp.rename(path)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.rename(path)

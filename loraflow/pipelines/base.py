@@ -48,16 +48,26 @@ class ModelFamily(Protocol):
     ) -> torch.Tensor:
         """The transformer's flow-matching prediction for noisy latents (B, C, T, h, w) at sigma (B,)."""
 
-    def lora_targets(self, include_ffn: bool) -> list[str]:
-        """peft target-module suffixes."""
+    def lora_targets(self, include_ffn: bool) -> list[str] | str:
+        """peft `target_modules`: module-name suffixes, or one regex (full match) where suffixes are ambiguous."""
 
     def save_lora(self, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> None:
         """Write the adapter in the format the family's diffusers loader reads."""
 
+    def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> Any:
+        """The family's diffusers pipeline without text encoders, loaded once per validation run.
+
+        `lora_path` (the diffusers-format .safetensors the lora stage wrote) is loaded into `.transformer` as
+        adapter LORA_ADAPTER (`load_lora_file`); eval loss runs that same `.transformer`.
+        """
+
     def render(
-        self, model_path: str, lora_dir: str | None, prompt: TextRow, negative: TextRow, settings: RenderSettings
+        self, pipe: Any, prompt: TextRow, negative: TextRow, settings: RenderSettings, lora_scale: float = 1.0
     ) -> np.ndarray:
-        """A video from cached embeddings: uint8 (F, H, W, 3)."""
+        """A video (or image: F = 1) from cached embeddings: uint8 (F, H, W, 3).
+
+        `lora_scale` weights the adapter (`set_lora_scale`): 0 renders exactly what the base model renders.
+        """
 
 
 class RenderSettings(Protocol):
@@ -68,6 +78,32 @@ class RenderSettings(Protocol):
     guidance: float
     seed: int
     flow_shift: float
+
+
+LORA_ADAPTER = "lora"  # the adapter name validation loads and scales
+
+
+def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path) -> None:
+    """Load an adapter file (keys with or without the diffusers `transformer.` prefix) as LORA_ADAPTER.
+
+    By path, not as a state dict: diffusers then reads the LoraConfig (lora_alpha) that `save_lora_weights`
+    stores in the file's header when given `transformer_lora_adapter_metadata`; without it alpha = rank.
+    """
+    from safetensors import safe_open
+
+    path = Path(lora_path)
+    with safe_open(str(path), "pt") as f:
+        prefix = "transformer" if all(k.startswith("transformer.") for k in f.keys()) else None
+    transformer.load_lora_adapter(str(path.parent), weight_name=path.name, prefix=prefix, adapter_name=LORA_ADAPTER)
+
+
+def set_lora_scale(transformer: torch.nn.Module, scale: float) -> None:
+    """Weight LORA_ADAPTER by `scale` (0: the base model, exactly: peft adds 0 * the LoRA branch)."""
+    if LORA_ADAPTER not in (getattr(transformer, "peft_config", None) or {}):
+        if scale != 0:
+            raise ValueError(f"lora_scale {scale} asked of a pipeline loaded without a LoRA; pass `lora_path`")
+        return
+    transformer.set_adapters([LORA_ADAPTER], [scale])
 
 
 def model_index(path: str | Path) -> dict[str, Any]:

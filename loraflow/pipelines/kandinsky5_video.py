@@ -17,7 +17,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline
 from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.keys import content_key
-from loraflow.pipelines.base import RenderSettings, TextRow
+from loraflow.kernels.tread import TokenLayout
+from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, set_lora_scale
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
 
 # The pipeline's system prompt (its `prompt_template`); we crop the hidden states after its prefix.
@@ -61,6 +62,8 @@ class Kandinsky5Video:
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = NEGATIVE_PROMPT
     text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
+    # TREAD: visual blocks are called block(visual_embed (B, N, D), text, time, rope (B, N, 1, d/2, 2, 2), sparse)
+    tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -153,24 +156,29 @@ class Kandinsky5Video:
         Kandinsky5T2VPipeline.save_lora_weights(out_dir, transformer_lora_layers=state_dict, safe_serialization=True)
 
     # 4. render ---------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def render(
-        self, model_path: str, lora_dir: str | None, prompt: TextRow, negative: TextRow, settings: RenderSettings
-    ) -> np.ndarray:
+    def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> Kandinsky5T2VPipeline:
         pipe = Kandinsky5T2VPipeline.from_pretrained(
             model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None
         )
+        if lora_path is not None:
+            load_lora_file(pipe.transformer, lora_path)
+        return pipe.to(device)
+
+    @torch.no_grad()
+    def render(
+        self, pipe: Kandinsky5T2VPipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
+        lora_scale: float = 1.0,
+    ) -> np.ndarray:
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
-        if lora_dir is not None:
-            pipe.load_lora_weights(lora_dir)
-        pos, neg = self.collate_text([prompt], "cpu"), self.collate_text([negative], "cpu")
+        set_lora_scale(pipe.transformer, lora_scale)
+        pos, neg = self.collate_text([prompt], pipe.device), self.collate_text([negative], pipe.device)
         video = pipe(
             prompt_embeds_qwen=pos["text_embeds"],
             prompt_embeds_clip=pos["pooled_embeds"],
-            prompt_cu_seqlens=_cu_seqlens(pos["text_embeds"]),
+            prompt_cu_seqlens=_cu_seqlens(pos["text_embeds"]).to(pipe.device),
             negative_prompt_embeds_qwen=neg["text_embeds"],
             negative_prompt_embeds_clip=neg["pooled_embeds"],
-            negative_prompt_cu_seqlens=_cu_seqlens(neg["text_embeds"]),
+            negative_prompt_cu_seqlens=_cu_seqlens(neg["text_embeds"]).to(pipe.device),
             height=settings.height,
             width=settings.width,
             num_frames=settings.num_frames,
@@ -193,5 +201,11 @@ def _cu_seqlens(embeds: torch.Tensor) -> torch.Tensor:
 
 
 def make_family(flavour: str | None) -> Kandinsky5Video:
-    table = FLAVOURS["kandinsky5-video"]
-    return Kandinsky5Video(flavour=table[flavour or DEFAULT_FLAVOUR["kandinsky5-video"]])
+    chosen = FLAVOURS["kandinsky5-video"][flavour or DEFAULT_FLAVOUR["kandinsky5-video"]]
+    if chosen.task != "t2v":
+        # Training i2v as t2v (zero condition, no clean first frame) would teach the wrong task silently.
+        raise NotImplementedError(
+            f"model_flavour '{chosen.name}' conditions on a clean first frame, which loraflow does not cache yet; "
+            "use a t2v-* flavour"
+        )
+    return Kandinsky5Video(flavour=chosen)

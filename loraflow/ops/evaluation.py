@@ -1,0 +1,162 @@
+"""Eval loss: the flow-matching loss of the base model and the LoRA on clips held out of training.
+
+Numbers compare across runs and configs:
+- the held-out set depends only on (seed, dataset, source path): `split_holdout` ranks by a hash;
+- the sigmas are fixed, 0.1 .. 0.9 (timesteps 100 .. 900), with no shift, whatever the training schedule;
+- each clip's noise comes from (validation seed, clip key), shared by every sigma and by base and LoRA,
+  so base and LoRA are compared on exactly the same noisy inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw
+
+from loraflow.config import LoraflowConfig
+from loraflow.keys import content_key
+from loraflow.kernels.flow_matching import noisy_sample
+from loraflow.pipelines.base import ModelFamily, set_lora_scale
+from loraflow.store import Store
+
+EVAL_SIGMAS: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(1, 10))
+SCALES = {"base": 0.0, "lora": 1.0}  # LoRA scale 0 is the base model exactly
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    clip_key: str
+    latent_key: str
+    text_key: str  # the clip's first caption
+
+
+def split_holdout(keys: Sequence[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Split keys into (train, eval), each in input order; round(fraction * n) keys (at least 1) are held out.
+
+    Keys are ranked by sha256(seed, key), so the split ignores the order of `keys`, and adding a key moves
+    at most one other key from one side to the other.
+    """
+    if not 0 <= fraction < 1:
+        raise ValueError(f"`eval_holdout_fraction` must be in [0, 1); got {fraction}")
+    if len(set(keys)) != len(keys):
+        raise ValueError("split_holdout needs distinct keys")
+    if fraction == 0 or not keys:
+        return list(keys), []
+    count = max(1, round(fraction * len(keys)))
+    if count >= len(keys):
+        raise ValueError(f"`eval_holdout_fraction` {fraction} of {len(keys)} source(s) leaves nothing to train on; "
+                         "add videos or lower the fraction")
+    ranked = sorted(keys, key=lambda k: hashlib.sha256(f"{seed}:{k}".encode()).hexdigest())
+    held = set(ranked[:count])
+    return [k for k in keys if k not in held], [k for k in keys if k in held]
+
+
+def split_clips(clips: Sequence[Mapping[str, Any]], config: LoraflowConfig) -> tuple[list[str], list[str]]:
+    """Clip keys (train, eval) from the clips manifest: all of `eval_dataset_id`, and every clip of a held-out
+    `eval_holdout_fraction` of the other source videos (whole videos: no frame of an eval video is trained on)."""
+    held = {c["key"] for c in clips if c["dataset"] == config.eval_dataset_id}
+    sources = sorted({_source(c) for c in clips if c["key"] not in held})
+    _, held_sources = split_holdout(sources, config.eval_holdout_fraction, config.seed)
+    held |= {c["key"] for c in clips if _source(c) in set(held_sources)}
+    return [c["key"] for c in clips if c["key"] not in held], [c["key"] for c in clips if c["key"] in held]
+
+
+def _source(clip: Mapping[str, Any]) -> str:
+    return f"{clip['dataset']}/{clip['source']}"  # dataset-relative path: stable across machines and re-encodes
+
+
+def evaluates(config: LoraflowConfig) -> bool:
+    return config.eval_holdout_fraction > 0 or config.eval_dataset_id is not None
+
+
+def eval_items(config: LoraflowConfig, store: Store) -> list[EvalItem]:
+    """The held-out clips that have a latent, each with its first caption's embedding key."""
+    clips = store.read_manifest("clips")
+    _, held = split_clips(clips, config)
+    by_key = {c["key"]: c for c in clips}
+    latents = {row["clip_key"]: row["key"] for row in store.read_manifest("latents")}
+    texts = {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}
+    items = []
+    for clip_key in held:
+        if clip_key not in latents:  # quarantined by the latents stage (non-finite latent)
+            continue
+        caption = (by_key[clip_key]["captions"] or [""])[0]
+        if caption not in texts:
+            raise KeyError(f"eval clip {by_key[clip_key]['source']}: caption {caption!r} has no cached embedding; "
+                           "materialize `text_embeds`")
+        items.append(EvalItem(clip_key, latents[clip_key], texts[caption]))
+    return items
+
+
+def noise_seed(seed: int, clip_key: str) -> int:
+    return int(content_key(seed=seed, clip=clip_key)[:15], 16)  # < 2**60: a valid torch seed
+
+
+@torch.no_grad()
+def eval_losses(
+    transformer: torch.nn.Module, family: ModelFamily, store: Store, items: Sequence[EvalItem], seed: int,
+    device: torch.device,
+) -> list[dict[str, float]]:
+    """Mean MSE(velocity, noise - x0) over `items` at each of EVAL_SIGMAS, for LoRA scale 0 (base) and 1.
+
+    One clip and one sigma per forward (batch 1): real clips are ~50k tokens. Returns one row per sigma:
+    {sigma, timestep, base, lora}.
+    """
+    if not items:
+        return []
+    latents = store.get("latents", [i.latent_key for i in items])
+    texts = store.get("text_embeds", {i.text_key for i in items})
+    sums = {name: np.zeros(len(EVAL_SIGMAS)) for name in SCALES}
+    for item in items:
+        x0 = torch.from_numpy(np.array(latents[item.latent_key]["latent"]))[None].to(device)  # (1, C, T, h, w)
+        generator = torch.Generator().manual_seed(noise_seed(seed, item.clip_key))
+        noise = torch.randn(x0.shape, generator=generator).to(device)  # on CPU first: same noise on any device
+        text = family.collate_text([texts[item.text_key]], device)
+        for name, scale in SCALES.items():
+            set_lora_scale(transformer, scale)
+            for j, value in enumerate(EVAL_SIGMAS):
+                sigma = torch.full((1,), value, device=device)
+                prediction = family.velocity(transformer, noisy_sample(x0, noise, sigma), sigma, text)
+                sums[name][j] += F.mse_loss(prediction.float(), (noise - x0).float()).item()
+    set_lora_scale(transformer, 1.0)
+    return [{"sigma": s, "timestep": round(s * 1000), **{n: float(sums[n][j] / len(items)) for n in SCALES}}
+            for j, s in enumerate(EVAL_SIGMAS)]
+
+
+def loss_summary(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Mean over the fixed sigmas, and the LoRA's relative change (negative: the LoRA fits held-out clips better)."""
+    base = float(np.mean([r["base"] for r in rows]))
+    lora = float(np.mean([r["lora"] for r in rows]))
+    return {"eval_loss_base": base, "eval_loss_lora": lora, "eval_loss_change": (lora - base) / base}
+
+
+def eval_loss_plot(rows: Sequence[Mapping[str, float]], size: tuple[int, int] = (480, 220)) -> Image.Image:
+    """Loss per sigma, base (blue) and LoRA (red), on one shared y axis (no plotting library needed)."""
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    if not rows:
+        return image
+    values = [r[n] for r in rows for n in SCALES]
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    pad, top = 24, 20
+
+    def point(i: int, v: float) -> tuple[float, float]:
+        x = pad + i * (size[0] - 2 * pad) / max(1, len(rows) - 1)
+        return x, size[1] - pad - (v - low) / span * (size[1] - pad - top)
+
+    for name, colour in (("base", (40, 80, 200)), ("lora", (200, 40, 40))):
+        points = [point(i, r[name]) for i, r in enumerate(rows)]
+        draw.line(points, fill=colour, width=2)
+        for x, y in points:
+            draw.ellipse((x - 2, y - 2, x + 2, y + 2), fill=colour)
+    for i, r in enumerate(rows):
+        draw.text((point(i, low)[0] - 8, size[1] - pad + 4), f"{r['sigma']:.1f}", fill="black")
+    draw.text((pad, 2), f"eval loss per sigma: base (blue), LoRA (red); y {low:.4f} .. {high:.4f}", fill="black")
+    return image

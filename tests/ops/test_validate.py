@@ -1,0 +1,280 @@
+"""Validation on the tiny real Kandinsky 5 Video: renders that honour the config, base vs LoRA, eval loss.
+
+The store is filled the way the stages fill it (text embeddings by the real text_embeds op), except the
+latents, which are seeded random tensors: eval loss needs latents of the right shape, not of real video.
+The LoRA has random (non-zero) B matrices, so it visibly changes outputs without a training run.
+i2v validation is not covered: no family implements i2v yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
+from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips, split_holdout
+from loraflow.ops.report import StageReport
+from loraflow.ops.text_embeds import encode_texts
+from loraflow.ops.validate import contact_sheet, negative_prompt, render_settings, validate, write_media
+from loraflow.pipelines import get_family
+from loraflow.pipelines.base import load_component, set_lora_scale
+from loraflow.store import Store
+
+LIBRARY = {"blue": "a blue square spins slowly", "two words/odd": "a green triangle"}
+CAPTIONS = [f"clip {i}: a {c} ball bounces" for i, c in enumerate(["red", "blue", "green", "white", "black"])]
+HEIGHT, WIDTH = 48, 64
+
+
+def config_dict(model: Path, root: Path, **overrides: Any) -> dict[str, Any]:
+    data = {
+        "model_family": "kandinsky5-video", "model_flavour": "t2v-lite-sft-5s",
+        "pretrained_model_name_or_path": str(model), "output_dir": str(root / "output"),
+        "cache_dir": str(root / "cache"),
+        "datasets": [{"id": "videos", "instance_data_dir": str(root / "videos"), "resolution": 48},
+                     {"id": "more", "instance_data_dir": str(root / "more"), "resolution": 48}],
+        "seed": 7, "validation_prompt": "a red circle moves right", "user_prompt_library": LIBRARY,
+        "validation_resolution": f"{WIDTH}x{HEIGHT}", "validation_num_video_frames": 5,
+        "validation_num_inference_steps": 2, "validation_guidance": 3.0, "eval_holdout_fraction": 0.2,
+    }
+    return {**data, **overrides}
+
+
+def fill_store(config: LoraflowConfig, store: Store) -> None:
+    """Clips manifest (5 videos, one clip each), seeded latents, and real text embeddings."""
+    clips = [{"key": f"clip{i}", "dataset": "videos", "source": f"v{i}.mp4", "captions": [caption], "repeats": 1,
+              "bucket": f"{WIDTH}x{HEIGHT}@5"} for i, caption in enumerate(CAPTIONS)]
+    store.write_manifest("clips", clips)
+    generator = torch.Generator().manual_seed(0)
+    latents = [{"key": f"latent{i}", "latent": torch.randn(16, 2, HEIGHT // 8, WIDTH // 8, generator=generator).numpy()}
+               for i in range(len(clips))]
+    store.put("latents", latents)
+    store.write_manifest("latents", [{"key": f"latent{i}", "clip_key": c["key"], "bucket": c["bucket"]}
+                                     for i, c in enumerate(clips)])
+    encode_texts(config, get_family(config), store)
+
+
+def make_lora(config: LoraflowConfig, out: Path) -> Path:
+    """A rank-4 adapter with random B (a fresh adapter has B = 0 and changes nothing), in diffusers format."""
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    family = get_family(config)
+    transformer = load_component(config.pretrained_model_name_or_path, "transformer")
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=family.lora_targets(True)))
+    generator = torch.Generator().manual_seed(1)
+    for name, param in transformer.named_parameters():
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=generator) * 0.2
+    family.save_lora(get_peft_model_state_dict(transformer), out)
+    return out / "pytorch_lora_weights.safetensors"
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Store, Path]:
+    root = tmp_path_factory.mktemp("validate")
+    data = config_dict(tiny_k5, root)
+    config = parse_config(data)
+    store = Store(config.cache_dir)
+    fill_store(config, store)
+    return data, store, make_lora(config, root / "lora")
+
+
+@pytest.fixture(scope="module")
+def first_run(setup) -> StageReport:
+    """The demo-like config validated once, in a fresh output folder (frames 5, 3 prompts, eval on 1 clip)."""
+    data, store, lora = setup
+    config = parse_config(data)
+    return validate(config, get_family(config), store, str(lora))
+
+
+def decode(path: str) -> tuple[np.ndarray, float]:
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(stream)])
+        return frames, float(stream.average_rate)
+
+
+# -- renders ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("frames", [5, 9])
+def test_every_prompt_renders_base_and_lora_at_the_configured_frames_and_size(setup, first_run, frames: int) -> None:
+    data, store, lora = setup
+    config = parse_config({**data, "validation_num_video_frames": frames})
+    report = first_run if frames == 5 else validate(config, get_family(config), store, str(lora))
+    assert report.computed == 4 and report.reused == 0  # 3 prompts + eval
+    rows = report.tables["prompts"]
+    assert [r["name"] for r in rows] == ["validation", "blue", "two words/odd"]
+    for row in rows:
+        base, fps = decode(row["base"])
+        tuned, _ = decode(row["lora"])
+        assert base.shape == tuned.shape == (frames, HEIGHT, WIDTH, 3)
+        assert fps == 24.0  # the flavour's fps
+        assert np.abs(base.astype(int) - tuned).mean() > 1.0  # the LoRA changes the render
+        sheet = Image.open(row["contact_sheet"])
+        tile = round(WIDTH * 128 / HEIGHT)  # frames scaled to 128 px rows, 2 px gaps
+        assert sheet.size == (min(frames, 8) * (tile + 2) - 2, 2 * 128 + 2)  # base row over LoRA row
+        assert Path(row["base"]).parent.name.startswith(f"{rows.index(row):02d}-")
+    assert report.facts["num_frames"] == frames and (report.facts["height"], report.facts["width"]) == (HEIGHT, WIDTH)
+    assert report.facts["seed"] == 7 and report.facts["flow_shift"] == 10.0 and report.facts["guidance"] == 3.0
+
+
+def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(setup, first_run) -> None:
+    data, store, lora = setup
+    config, first = parse_config(data), first_run
+    again = validate(config, get_family(config), store, str(lora))
+    assert again.computed == 0 and again.reused == 4 and again.data_version == first.data_version
+    # a killed run: results.json and one prompt's result missing -> only that prompt and eval are redone
+    out = Path(first.facts["video"]).parents[1]
+    (out / "results.json").unlink()
+    (out / "01-blue" / "result.json").unlink()
+    before, _ = decode(first.tables["prompts"][1]["lora"])
+    resumed = validate(config, get_family(config), store, str(lora))
+    assert resumed.computed == 2 and resumed.reused == 2
+    after, _ = decode(resumed.tables["prompts"][1]["lora"])
+    assert np.array_equal(before, after)  # same prompt, same seed: the same video
+    assert resumed.tables["eval_loss"] == first.tables["eval_loss"]
+    # another seed renders elsewhere and differently (one prompt, no eval: just the seed at work)
+    one = {"validation_prompt": None, "user_prompt_library": {"blue": LIBRARY["blue"]}, "eval_holdout_fraction": 0}
+    other = validate(parse_config({**data, **one, "validation_seed": 8}), get_family(config), store, str(lora))
+    assert other.data_version != first.data_version and other.facts["seed"] == 8 and other.computed == 1
+    assert not np.array_equal(decode(other.tables["prompts"][0]["lora"])[0], after)
+
+
+def test_lora_at_scale_zero_renders_exactly_the_base_model(setup) -> None:
+    data, store, lora = setup
+    config = parse_config(data)
+    family, settings = get_family(config), render_settings(config, get_family(config))
+    texts = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
+    rows = store.get("text_embeds", [texts["a green triangle"], texts[negative_prompt(config, family)]])
+    prompt, negative = rows[texts["a green triangle"]], rows[texts[negative_prompt(config, family)]]
+    plain = family.load_renderer(config.pretrained_model_name_or_path, None, torch.device("cpu"))
+    adapted = family.load_renderer(config.pretrained_model_name_or_path, str(lora), torch.device("cpu"))
+    base = family.render(plain, prompt, negative, settings, lora_scale=0.0)
+    assert np.array_equal(family.render(adapted, prompt, negative, settings, lora_scale=0.0), base)
+    tuned = family.render(adapted, prompt, negative, settings, lora_scale=1.0)
+    half = family.render(adapted, prompt, negative, settings, lora_scale=0.5)
+    assert not np.array_equal(tuned, base) and not np.array_equal(half, tuned)
+    with pytest.raises(ValueError, match="without a LoRA"):
+        set_lora_scale(plain.transformer, 1.0)
+
+
+# -- eval loss -------------------------------------------------------------------------------------------
+def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(setup, first_run) -> None:
+    data, store, lora = setup
+    config = parse_config(data)
+    family = get_family(config)
+    items = eval_items(config, store)
+    assert len(items) == 1  # 0.2 of 5 videos
+    pipe = family.load_renderer(config.pretrained_model_name_or_path, str(lora), torch.device("cpu"))
+    runs = [first_run.tables["eval_loss"], eval_losses(pipe.transformer, family, store, items, 7, torch.device("cpu"))]
+    assert runs[0] == runs[1]  # a second pipeline load reproduces the validation run's numbers exactly
+    assert [r["sigma"] for r in runs[0]] == list(EVAL_SIGMAS) and runs[0][0]["timestep"] == 100
+    assert all(np.isfinite(r["base"]) and np.isfinite(r["lora"]) and r["base"] != r["lora"] for r in runs[0])
+    other_noise = eval_losses(pipe.transformer, family, store, items, 8, torch.device("cpu"))
+    assert other_noise != runs[0]
+
+
+def test_validation_report_carries_eval_table_and_plot(first_run) -> None:
+    report = first_run
+    assert report.facts["eval_clips"] == 1 and len(report.tables["eval_loss"]) == 9
+    assert report.facts["eval_loss_base"] != report.facts["eval_loss_lora"]
+    assert Image.open(report.facts["eval_plot"]).size == (480, 220)
+
+
+def test_split_holdout_is_seeded_stable_and_disjoint() -> None:
+    keys = [f"k{i}" for i in range(20)]
+    train, held = split_holdout(keys, 0.25, seed=3)
+    assert len(held) == 5 and sorted(train + held) == sorted(keys) and not set(train) & set(held)
+    assert split_holdout(keys[::-1], 0.25, seed=3)[1] == held[::-1]  # order of the input does not matter
+    assert split_holdout(keys, 0.25, seed=4)[1] != held
+    _, held_more = split_holdout(keys + ["new"], 0.25, seed=3)
+    assert len(set(held) ^ set(held_more) - {"new"}) <= 1  # adding a key moves at most one other
+    assert split_holdout(keys, 0.0, seed=3) == (keys, [])
+    assert len(split_holdout(keys[:3], 0.01, seed=3)[1]) == 1  # a positive fraction holds out at least one
+    with pytest.raises(ValueError, match="leaves nothing to train on"):
+        split_holdout(["only"], 0.5, seed=3)
+
+
+def test_split_clips_holds_out_whole_videos_and_the_eval_dataset(setup) -> None:
+    data, _, _ = setup
+    clips = [{"key": f"{s}-{i}", "dataset": "videos", "source": s}
+             for s in ("a.mp4", "b.mp4", "c.mp4") for i in range(3)]
+    clips += [{"key": "m-0", "dataset": "more", "source": "a.mp4"}]
+    train, held = split_clips(clips, parse_config({**data, "eval_holdout_fraction": 0.34}))
+    assert len(held) == 3 and len({k.split("-")[0] for k in held}) == 1  # every clip of one video
+    train, held = split_clips(clips, parse_config({**data, "eval_holdout_fraction": 0.0, "eval_dataset_id": "more"}))
+    assert held == ["m-0"] and len(train) == 9
+
+
+# -- config and settings ---------------------------------------------------------------------------------
+def test_every_validation_text_is_encoded_by_the_text_embeds_stage(setup) -> None:
+    data, store, _ = setup
+    config = parse_config({**data, "validation_negative_prompt": "blurry"})
+    texts = {r["text"] for r in store.read_manifest("text_embeds")}
+    assert set(config.validation_prompts.values()) <= texts
+    assert negative_prompt(config, get_family(config)) not in texts  # "blurry" is new: the stage must add it
+    encode_texts(config, get_family(config), store)
+    assert "blurry" in {r["text"] for r in store.read_manifest("text_embeds")}
+
+
+def test_prompt_library_file_is_read_relative_to_the_config(tiny_k5: Path, tmp_path: Path) -> None:
+    (tmp_path / "prompts.json").write_text(json.dumps(LIBRARY))
+    data = config_dict(tiny_k5, tmp_path, user_prompt_library="prompts.json")
+    (tmp_path / "config.yaml").write_text(json.dumps(data))
+    config = load_config(tmp_path / "config.yaml")
+    assert list(config.validation_prompts) == ["validation", "blue", "two words/odd"]
+    (tmp_path / "prompts.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="one JSON object"):
+        load_config(tmp_path / "config.yaml")
+    with pytest.raises(ConfigError, match="may not use the shortname 'validation'"):
+        parse_config({**data, "user_prompt_library": {"validation": "x"}})
+    with pytest.raises(ConfigError, match="eval_dataset_id"):
+        parse_config({**data, "user_prompt_library": LIBRARY, "eval_dataset_id": "nope"})
+    with pytest.raises(ConfigError, match="only dataset"):
+        parse_config({**data, "user_prompt_library": LIBRARY, "eval_dataset_id": "videos",
+                      "datasets": data["datasets"][:1]})
+
+
+def test_settings_refuse_sizes_the_family_cannot_render(setup) -> None:
+    data, _, _ = setup
+    config = parse_config({**data, "validation_resolution": "100x64"})
+    with pytest.raises(ValueError, match="use 96x64"):
+        render_settings(config, get_family(config))
+    family = get_family(config)
+    image = dataclasses.replace(family, flavour=dataclasses.replace(family.flavour, num_frames=1))
+    with pytest.raises(ValueError, match="renders images"):
+        render_settings(parse_config(data), image)
+    assert render_settings(parse_config({**data, "validation_num_video_frames": None}), image).num_frames == 1
+
+
+def test_one_frame_is_written_as_a_lossless_png(tmp_path: Path) -> None:
+    frame = np.random.default_rng(0).integers(0, 256, (1, 48, 64, 3), dtype=np.uint8)
+    path = write_media(frame, tmp_path / "lora", fps=24.0)
+    assert path.suffix == ".png" and np.array_equal(np.asarray(Image.open(path)), frame[0])
+    sheet = contact_sheet([frame, frame])
+    assert sheet.size == (round(64 * 128 / 48), 2 * 128 + 2)
+    assert np.array_equal(np.asarray(sheet)[128:130], np.full((2, sheet.width, 3), 255))  # the gap between rows
+
+
+def test_image_family_renders_base_and_lora_as_pngs(tmp_path: Path) -> None:
+    from loraflow.pipelines.tiny import build_tiny
+
+    model = build_tiny("kandinsky5-image", tmp_path / "k5i")
+    config = parse_config(config_dict(
+        model, tmp_path, model_family="kandinsky5-image", model_flavour="t2i-lite-sft", user_prompt_library=None,
+        validation_resolution="64x48", validation_num_video_frames=None, eval_holdout_fraction=0.0))
+    store = Store(config.cache_dir)
+    store.write_manifest("clips", [])  # no captions needed: only the validation texts
+    encode_texts(config, get_family(config), store)
+    report = validate(config, get_family(config), store, str(make_lora(config, tmp_path / "lora")))
+    (row,) = report.tables["prompts"]
+    base, tuned = (np.asarray(Image.open(row[k])) for k in ("base", "lora"))
+    assert row["base"].endswith(".png") and base.shape == tuned.shape == (HEIGHT, WIDTH, 3)
+    assert np.abs(base.astype(int) - tuned).mean() > 1.0 and report.facts["num_frames"] == 1
+    assert Image.open(row["contact_sheet"]).size == (round(WIDTH * 128 / HEIGHT), 2 * 128 + 2)
