@@ -22,8 +22,6 @@ VALIDATION_ONLY_KEYS = frozenset({
     "validation_prompt", "validation_resolution", "validation_num_video_frames", "validation_guidance",
     "validation_num_inference_steps", "user_prompt_library", "validation_seed", "validation_negative_prompt",
 })
-# Keys that change only when things run (not what is computed): no cache or run key may include them.
-OPERATIONAL_KEYS = frozenset({"recache_cron"})
 
 
 class ConfigError(ValueError):
@@ -171,6 +169,8 @@ class LoraflowConfig(StrictModel):
 
     offload_during_startup: bool = Field(False, description="never keep the VAE and text encoders on the GPU together")
     vae_enable_patch_conv: bool = Field(False, description="exact slab-wise VAE convs: same numbers, lower peak")
+    vae_enable_tiling: bool = Field(False, description="spatial tiles with seam blending: approximate, lowest peak")
+    vae_enable_slicing: bool = Field(False, description="encode a batch one sample at a time")
     flow_schedule_shift: float | None = Field(None, description="sigma shift for training; default: the flavour's")
     recache_cron: str | None = Field(
         None, description="cron (5 fields, UTC) for the `recache` schedule of the cache_only job; unset: schedule off"

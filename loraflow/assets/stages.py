@@ -44,7 +44,8 @@ def latents(loraflow: LoraflowResource) -> MaterializeResult:
     report = encode_latents(config, get_family(config), loraflow.store(config))
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
-        metadata={**md.counts(report), **report.facts, "quarantine": md.md_table(report.quarantined)},
+        metadata={**md.counts(report), **report.facts, "quarantine": md.md_table(report.quarantined),
+                  "oom_fallbacks": md.md_table(report.tables["oom_fallbacks"])},
     )
 
 

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key, data_version
+from loraflow.kernels.patch_conv import enable_patch_conv
 from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
@@ -27,11 +28,13 @@ SHARD_CLIPS = 8
 
 
 def latent_rows(config: LoraflowConfig, store: Store) -> list[dict[str, Any]]:
-    """One row per current clip with the key its latent has. Patch conv is exact, so it is not in the key."""
+    """One row per current clip with the key its latent has. Patch conv is exact, so it is not in the key;
+    tiling blends seams and changes the numbers, so it is."""
     vae_id = component_fingerprint(config.pretrained_model_name_or_path, "vae")
     return [
         {
-            "key": content_key(clip=clip["key"], vae=vae_id, dtype="float32", sampling="mode", code=CODE_VERSION),
+            "key": content_key(clip=clip["key"], vae=vae_id, dtype="float32", sampling="mode",
+                               tiling=config.vae_enable_tiling, code=CODE_VERSION),
             "clip_key": clip["key"],
             "bucket": clip["bucket"],
         }
@@ -44,14 +47,17 @@ def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store, sh
     have = store.keys("latents")
     todo = sorted((r for r in rows if r["key"] not in have), key=lambda r: r["bucket"])
     quarantined: list[dict[str, str]] = []
+    fallbacks: list[dict[str, str]] = []
     device = pick_device()
     if todo:
         vae = load_component(config.pretrained_model_name_or_path, "vae", torch.float32, str(device))
         if config.vae_enable_patch_conv:
-            from loraflow.kernels.patch_conv import enable_patch_conv
-
             enable_patch_conv(vae)
-        quarantined = _encode(todo, vae, family, store, device, shard_clips)
+        if config.vae_enable_tiling:
+            vae.enable_tiling()
+        if config.vae_enable_slicing:
+            vae.enable_slicing()
+        quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips)
         free_models(vae)
     bad = {q["key"] for q in quarantined}
     rows = [r for r in rows if r["key"] not in bad]
@@ -61,6 +67,7 @@ def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store, sh
         computed=len(todo) - len(bad),
         reused=len(rows) - (len(todo) - len(bad)),
         quarantined=quarantined,
+        tables={"oom_fallbacks": fallbacks},
         facts={"device": str(device), "peak_gib": round(peak_memory_gib(device), 3)},
     )
 
@@ -68,9 +75,10 @@ def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store, sh
 @torch.no_grad()
 def _encode(
     todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device, shard_clips: int
-) -> list:
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Encode clip by clip; commit a shard every `shard_clips` so a killed run loses at most one shard's work."""
-    quarantined = []
+    quarantined: list[dict[str, str]] = []
+    fallbacks: list[dict[str, str]] = []
     progress = tqdm(total=len(todo), desc="latents", unit="clip")
     for _, group in groupby(todo, key=lambda r: r["bucket"]):
         group = list(group)
@@ -79,7 +87,10 @@ def _encode(
             for row in group[start : start + shard_clips]:
                 frames = store.get("clips", [row["clip_key"]])[row["clip_key"]]["frames"]
                 pixels = torch.from_numpy(np.array(frames))[None].to(device)  # copy: Arrow buffers are read-only
-                latent = family.vae_encode(vae, pixels)[0]
+                latent, fallback = _encode_with_fallback(vae, family, pixels)
+                if fallback:
+                    log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
+                    fallbacks.append({"clip_key": row["clip_key"], "fallback": fallback})
                 if not torch.isfinite(latent).all():
                     quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "reason": "non_finite_latent"})
                 else:
@@ -87,4 +98,19 @@ def _encode(
                 progress.update()
             store.put("latents", done)
     progress.close()
-    return quarantined
+    return quarantined, fallbacks
+
+
+def _encode_with_fallback(vae: torch.nn.Module, family: ModelFamily, pixels: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """Encode; on out-of-memory retry with exact patch conv, then with tiling. Returns (latent, fallback used)."""
+    try:
+        return family.vae_encode(vae, pixels)[0], ""
+    except torch.OutOfMemoryError:
+        free_models()
+    enable_patch_conv(vae, max_slab_bytes=64 * 2**20)
+    try:
+        return family.vae_encode(vae, pixels)[0], "patch_conv"
+    except torch.OutOfMemoryError:
+        free_models()
+    vae.enable_tiling()  # approximate: the item is recorded, and a later full run with more memory can redo it
+    return family.vae_encode(vae, pixels)[0], "tiling"
