@@ -26,15 +26,21 @@ def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
 
 
 def run_demo(config_path: str) -> int:
-    from dagster import DagsterInstance
+    from dagster import DagsterInstance, Definitions
 
-    from loraflow.definitions import defs
+    from loraflow.assets.checks import ALL_CHECKS
+    from loraflow.assets.resources import LoraflowResource
+    from loraflow.assets.stages import ALL_ASSETS
+    from loraflow.definitions import all_stages
 
     os.environ.setdefault("DAGSTER_HOME", str(Path(".dagster").resolve()))
     Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
-    os.environ["LORAFLOW_CONFIG"] = config_path
     prepare_demo(config_path)
-    result = defs.resolve_job_def("all_stages").execute_in_process(instance=DagsterInstance.get())
+    # The resource names this config explicitly: the code location's default was fixed when it was imported.
+    defs = Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[all_stages],
+                       resources={"loraflow": LoraflowResource(config_path=config_path)})
+    with DagsterInstance.get() as instance:
+        result = defs.resolve_job_def("all_stages").execute_in_process(instance=instance)
     if not result.success:
         return 1
     for event in result.get_asset_materialization_events():
@@ -43,7 +49,8 @@ def run_demo(config_path: str) -> int:
             for name in ("lora_path", "video", "status"):
                 if name in materialization.metadata:
                     print(f"{materialization.asset_key.path[-1]:>10} {name}: {materialization.metadata[name].value}")
-    print("browse it: DAGSTER_HOME=.dagster .venv/bin/dagster dev  (then open http://127.0.0.1:3000)")
+    config_env = "" if config_path == DEMO_CONFIG else f"LORAFLOW_CONFIG={config_path} "
+    print(f"browse it: {config_env}make dev  (then open http://127.0.0.1:3000)")
     return 0
 
 
@@ -69,7 +76,7 @@ def check(config_path: str) -> int:
         print(exc, file=sys.stderr)
         return 2
     print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
-          f"{len(config.training_datasets)} dataset(s))")
+          f"{len(config.training_datasets)} training dataset(s))")
     family = get_family(config)
     problems: list[str] = []
     geometry = None

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, Failure
 
-from loraflow.config import LoraflowConfig, load_config
+from loraflow.config import ConfigError, LoraflowConfig, load_config
 from loraflow.store import Store
 
 DEFAULT_CONFIG = "configs/demo.yaml"
@@ -18,7 +18,12 @@ class LoraflowResource(ConfigurableResource):
     config_path: str = os.environ.get("LORAFLOW_CONFIG", DEFAULT_CONFIG)
 
     def load(self) -> LoraflowConfig:
-        return load_config(self.config_path)
+        """The validated config. A bad config fails the step without retries: it fails the same way again."""
+        try:
+            return load_config(self.config_path)
+        except ConfigError as exc:
+            raise Failure(description=str(exc), metadata={"config": self.config_path, "problems": exc.problems},
+                          allow_retries=False) from None
 
     def store(self, config: LoraflowConfig) -> Store:
         return Store(config.cache_dir)

@@ -1,0 +1,214 @@
+"""Import a SimpleTuner configuration (config.json + multidatabackend.json) as a loraflow config.
+
+Keys loraflow shares with SimpleTuner (the seed guides' vocabulary) are copied; a few are translated
+(`hunyuanvideo` -> `hunyuanvideo-1.5`, `--flag` spellings, `crop` + `crop_style`, a bare validation
+resolution); everything else is reported, key by key, with the reason, and written as comments at the top
+of the output so nothing disappears silently. The result is validated like any config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loraflow.config import DatasetConfig, LoraflowConfig, VideoSettings
+
+# SimpleTuner's model_family names -> loraflow's (a vocabulary table for an outside tool, not family logic).
+FAMILIES = {
+    "kandinsky5-video": "kandinsky5-video",
+    "kandinsky5-image": "kandinsky5-image",
+    "hunyuanvideo": "hunyuanvideo-1.5",
+    "hunyuanvideo-1.5": "hunyuanvideo-1.5",
+}
+BACKEND_KEYS = ("data_backend_config", "dataset_backend_config")
+LR_SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine"}
+ONLY_VALUE = {"model_type": "lora", "lora_type": "standard"}
+WHY = {  # reasons for keys people ask about; any other unknown key is "no loraflow equivalent"
+    "optimizer": "loraflow trains with torch AdamW",
+    "base_model_precision": "quantised base models are not supported",
+    "cache_dir_vae": "latents are keyed by content under the config's cache_dir",
+    "frame_rate": "set `video.frame_rate` per dataset",
+    "framerate": "set `video.frame_rate` per dataset",
+    "num_train_epochs": "set max_train_steps",
+    "report_to": "metrics go to Dagster metadata",
+    "push_to_hub": "loraflow never uploads",
+    "hub_model_id": "loraflow never uploads",
+}
+
+
+@dataclass
+class Imported:
+    config: dict[str, Any]
+    unmapped: list[tuple[str, Any, str]] = field(default_factory=list)  # (key path, value, why)
+    notes: list[str] = field(default_factory=list)
+
+    def skip(self, key: str, value: Any, why: str | None = None) -> None:
+        self.unmapped.append((key, value, why or WHY.get(key.rsplit(".", 1)[-1], "no loraflow equivalent")))
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
+def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | None,
+                       base_dir: Path | None = None) -> Imported:
+    """Translate SimpleTuner settings (keys with or without `--`) and its dataset list into a loraflow dict."""
+    settings = {str(k).lstrip("-"): v for k, v in config.items()}
+    out = Imported({})
+    if backends is None:
+        backends = _backends_from(settings, base_dir, out)
+    for key in BACKEND_KEYS:
+        settings.pop(key, None)
+    shared = set(LoraflowConfig.model_fields) - {"datasets", "dataset_backend_config"}
+    for key, value in settings.items():
+        if key == "model_family":
+            out.config[key] = _family(value, out)
+        elif key == "validation_resolution":
+            out.config[key] = _resolution(value, out)
+        elif key == "lr_scheduler" and value in LR_SCHEDULERS:
+            out.config[key] = LR_SCHEDULERS[value]
+        elif key == "flow_use_uniform_schedule":
+            if _truthy(value):
+                out.config["flow_sigma_sampling"] = "uniform"
+        elif key in ONLY_VALUE:
+            if value != ONLY_VALUE[key]:
+                out.skip(key, value, f"only {ONLY_VALUE[key]!r} is supported")
+        elif key in ("resolution", "resolution_type"):
+            continue  # dataset defaults, applied below
+        elif key in shared:
+            out.config[key] = value
+        else:
+            out.skip(key, value)
+    out.config["datasets"] = [d for i, b in enumerate(backends) if (d := _dataset(i, b, settings, out)) is not None]
+    if "resolution" in settings and not any("resolution" not in b for b in backends if _is_media(b)):
+        out.skip("resolution", settings["resolution"], "every dataset sets its own resolution")
+    path = str(out.config.get("pretrained_model_name_or_path", ""))
+    if path and not Path(path).is_dir():
+        out.notes.append(f"pretrained_model_name_or_path {path!r} is not a local folder: download the diffusers "
+                         "checkpoint and point this key at it (loraflow never downloads)")
+    return out
+
+
+def _backends_from(settings: dict[str, Any], base_dir: Path | None, out: Imported) -> list[dict[str, Any]]:
+    """The dataset list named by data_backend_config: SimpleTuner resolves it from its root, which is usually
+    the parent of config/ (where config.json lives); also tried: config.json's folder and the cwd."""
+    for key in BACKEND_KEYS:
+        if key in settings:
+            path = Path(str(settings[key]))
+            here = base_dir or Path()
+            candidates = [path] if path.is_absolute() else [here.parent / path, here / path, path]
+            for candidate in candidates:
+                if candidate.is_file():
+                    out.notes.append(f"datasets read from {candidate}")
+                    return read_json(candidate)
+            raise FileNotFoundError(f"{key} names {path}, which does not exist: pass the dataset file as the "
+                                    "second argument")
+    raise ValueError("no dataset list: pass multidatabackend.json as the second argument")
+
+
+def _family(value: str, out: Imported) -> str:
+    if value not in FAMILIES:
+        out.notes.append(f"model_family {value!r} is not one loraflow imports (known: {', '.join(FAMILIES)})")
+        return value
+    return FAMILIES[value]
+
+
+def _resolution(value: Any, out: Imported) -> str:
+    """SimpleTuner allows `1024` (square) and comma lists; loraflow validates one WIDTHxHEIGHT."""
+    text = str(value).strip()
+    first, *rest = [part.strip() for part in text.split(",")]
+    if rest:
+        out.skip("validation_resolution", ",".join(rest), "loraflow renders one validation resolution: kept the first")
+    return f"{first}x{first}" if first.isdigit() else first
+
+
+def _is_media(entry: dict[str, Any]) -> bool:
+    return entry.get("dataset_type", "image") in ("video", "image")
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or str(value).lower() in ("true", "1", "yes")
+
+
+def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: Imported) -> dict[str, Any] | None:
+    where = f"datasets[{index}]"
+    if not _is_media(entry) and entry.get("dataset_type") != "text_embeds":
+        out.skip(f"{where} (id {entry.get('id')})", entry.get("dataset_type"), "dataset_type not supported: dropped")
+        return None
+    known = set(DatasetConfig.model_fields) - {"crop_style", "video"}
+    dataset: dict[str, Any] = {}
+    for key, value in entry.items():
+        if key in known:
+            dataset[key] = value
+        elif key == "video":
+            dataset["video"] = _video(where, value, out)
+        elif key in ("crop", "crop_style", "crop_aspect", "resolution_type"):
+            continue  # translated together below
+        else:
+            out.skip(f"{where}.{key}", value)
+    if "dataset_type" not in entry:
+        dataset["dataset_type"] = "image"  # SimpleTuner's default
+    if _is_media(entry):
+        _crop(where, entry, dataset, out)
+        _dataset_resolution(where, entry, settings, dataset, out)
+    return dataset
+
+
+def _video(where: str, video: dict[str, Any], out: Imported) -> dict[str, Any]:
+    kept = {}
+    for key, value in video.items():
+        if key in VideoSettings.model_fields:
+            kept[key] = value
+        else:
+            out.skip(f"{where}.video.{key}", value)
+    return kept
+
+
+def _crop(where: str, entry: dict[str, Any], dataset: dict[str, Any], out: Imported) -> None:
+    """crop false (the default) = aspect buckets, which is loraflow's `center` (only the rounding remainder
+    is cut); crop true + crop_style center/random maps; other crop styles and square aspects do not."""
+    style = entry.get("crop_style", "center")
+    if _truthy(entry.get("crop", False)):
+        if style in ("center", "centre", "random"):
+            dataset["crop_style"] = "random" if style == "random" else "center"
+        else:
+            out.skip(f"{where}.crop_style", style, "loraflow crops center or random")
+    elif "crop_style" in entry:
+        out.skip(f"{where}.crop_style", style, "ignored: crop is off")
+    aspect = entry.get("crop_aspect", "preserve")
+    if aspect != "preserve":
+        out.skip(f"{where}.crop_aspect", aspect, "loraflow keeps each source's aspect ratio (bucketed)")
+
+
+def _dataset_resolution(where: str, entry: dict[str, Any], settings: dict[str, Any], dataset: dict[str, Any],
+                        out: Imported) -> None:
+    """Datasets inherit the global resolution in SimpleTuner; loraflow's is pixels of the shorter side."""
+    kind = entry.get("resolution_type", settings.get("resolution_type", "pixel"))
+    if "resolution" not in dataset and "resolution" in settings:
+        dataset["resolution"] = settings["resolution"]
+    if kind == "pixel_area":
+        out.notes.append(f"{where}: resolution_type pixel_area read as pixels of the shorter side")
+    elif kind != "pixel":
+        out.skip(f"{where}.resolution_type", kind, "loraflow's resolution is pixels of the shorter side: "
+                                                   "resolution not copied")
+        dataset.pop("resolution", None)
+
+
+def to_yaml(imported: Imported, sources: list[str]) -> str:
+    """The config as YAML, headed by where it came from and every key that was not carried over."""
+    lines = [f"# imported by `loraflow import-simpletuner` from {', '.join(sources)}"]
+    if imported.unmapped:
+        lines.append(f"# {len(imported.unmapped)} SimpleTuner key(s) not carried over:")
+        lines += [f"#   {key} = {json.dumps(value, default=str)}: {why}" for key, value, why in imported.unmapped]
+    lines += [f"# note: {note}" for note in imported.notes]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(imported.config, sort_keys=False)

@@ -1,0 +1,243 @@
+"""The Dagster product around the five assets: checks, the dataset sensor, the recache schedule, retries."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from dagster import (
+    AssetCheckSeverity,
+    AssetKey,
+    AssetSelection,
+    DagsterEventType,
+    DagsterInstance,
+    DefaultScheduleStatus,
+    DefaultSensorStatus,
+    Definitions,
+    SkipReason,
+    build_sensor_context,
+    define_asset_job,
+)
+from safetensors.numpy import save_file
+
+from loraflow.assets.checks import (
+    ALL_CHECKS,
+    bad_latents,
+    captions_not_empty,
+    latents_cover_clips,
+    lora_problems,
+    text_embeds_cover_captions,
+)
+from loraflow.assets.resources import LoraflowResource
+from loraflow.assets.schedules import DEFAULT_CRON, recache_schedule
+from loraflow.assets.sensors import CHANGED_TAG, dataset_watch
+from loraflow.assets.stages import ALL_ASSETS
+from loraflow.bucket_plan import LatentGeometry
+from loraflow.config import ConfigError, load_config
+from loraflow.store import Store
+from tests.conftest import demo_dict, write_config
+
+
+# -- checks on a real materialization --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory):
+    """clips -> latents + text_embeds -> lora, with every check of those assets run in the same job."""
+    root = tmp_path_factory.mktemp("product")
+    config = write_config(root / "config.yaml", demo_dict(tiny_k5, demo_data, root, max_train_steps=2,
+                                                          checkpointing_steps=2))
+    job = define_asset_job("up_to_lora", AssetSelection.assets("clips", "latents", "text_embeds", "lora"))
+    defs = Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[job],
+                       resources={"loraflow": LoraflowResource(config_path=str(config))})
+    result = defs.resolve_job_def("up_to_lora").execute_in_process(instance=DagsterInstance.ephemeral())
+    return result, config, root
+
+
+def test_every_check_runs_in_the_job_and_passes_on_a_clean_materialization(trained) -> None:
+    result, _, _ = trained
+    assert result.success
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    expected = {"latents_shape_and_finite", "latents_cover_clips", "text_embeds_cover_captions", "captions_not_empty",
+                "lora_file_loads"}
+    assert set(evaluations) == expected
+    for name, evaluation in evaluations.items():
+        assert evaluation.passed, (name, evaluation.description)
+        assert evaluation.metadata["checked"].value > 0, name
+
+
+def test_coverage_checks_name_the_clip_without_a_latent_and_the_caption_without_an_embedding(trained) -> None:
+    _, config, root = trained
+    resource = LoraflowResource(config_path=str(config))
+    store = Store(str(root / "cache"))
+    latents_rows = store.read_manifest("latents")
+    texts = store.read_manifest("text_embeds")
+    clip = next(c for c in store.read_manifest("clips") if c["key"] == latents_rows[0]["clip_key"])
+    try:
+        store.write_manifest("latents", latents_rows[1:])
+        store.write_manifest("text_embeds", [t for t in texts if t["text"] != clip["captions"][0]])
+        result = latents_cover_clips(loraflow=resource)
+        assert not result.passed and result.severity == AssetCheckSeverity.ERROR
+        assert result.metadata["offending_count"].value == 1
+        assert clip["source"] in result.metadata["offending"].value
+        text_result = text_embeds_cover_captions(loraflow=resource)
+        assert not text_result.passed
+        assert clip["source"] in text_result.metadata["offending"].value
+    finally:
+        store.write_manifest("latents", latents_rows)
+        store.write_manifest("text_embeds", texts)
+    assert latents_cover_clips(loraflow=resource).passed
+
+
+def test_latent_check_lists_wrong_shapes_and_non_finite_values(tmp_path: Path) -> None:
+    store = Store(str(tmp_path))
+    clips = [{"key": f"c{i}", "source": f"{i}.mp4", "num_frames": 17, "height": 64, "width": 96} for i in range(3)]
+    store.write_manifest("clips", clips)
+    good = np.zeros((16, 5, 8, 12), np.float32)
+    nan = good.copy()
+    nan[0, 0, 0, :3] = np.nan
+    wrong = np.zeros((16, 4, 8, 12), np.float32)  # 13 frames' worth in a 17-frame bucket
+    store.put("latents", [{"key": "l0", "latent": good}, {"key": "l1", "latent": nan}])
+    store.put("latents", [{"key": "l2", "latent": wrong}])
+    store.write_manifest("latents", [{"key": f"l{i}", "clip_key": f"c{i}", "bucket": "96x64@17"} for i in range(3)]
+                         + [{"key": "l3", "clip_key": "c0", "bucket": "96x64@17"}])  # listed, never stored
+    checked, offending = bad_latents(store, LatentGeometry(channels=16, temporal=4, spatial=8))
+    assert checked == 4
+    problems = {row["latent"]: row["problem"] for row in offending}
+    assert set(problems) == {"l1", "l2", "l3"}
+    assert problems["l1"] == "3 non-finite values"
+    assert "expected (16, 5, 8, 12)" in problems["l2"]
+    assert "not in the store" in problems["l3"]
+
+
+def test_empty_captions_warn_and_list_the_clip(tmp_path: Path, tiny_k5: Path, demo_data: Path) -> None:
+    config = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path))
+    store = Store(str(tmp_path / "cache"))
+    row = {"key": "k", "dataset": "demo-videos", "bucket": "96x64@17"}
+    store.write_manifest("clips", [{**row, "source": "quiet.mp4", "captions": [""]},
+                                   {**row, "source": "loud.mp4", "captions": ["a dog"]}])
+    result = captions_not_empty(loraflow=LoraflowResource(config_path=str(config)))
+    assert not result.passed and result.severity == AssetCheckSeverity.WARN
+    assert "quiet.mp4" in result.metadata["offending"].value and "loud.mp4" not in result.metadata["offending"].value
+
+
+def test_lora_check_lists_bad_keys_unpaired_tensors_and_non_finite_values(tmp_path: Path) -> None:
+    a = np.ones((4, 8), np.float32)
+    b = np.ones((8, 4), np.float32)
+    good = tmp_path / "good.safetensors"
+    save_file({"transformer.blocks.0.to_query.lora_A.weight": a, "transformer.blocks.0.to_query.lora_B.weight": b},
+              str(good))
+    assert lora_problems(good, rank=4) == (2, [])
+    bad = tmp_path / "bad.safetensors"
+    save_file({"transformer.blocks.0.to_query.lora_A.weight": a,
+               "transformer.blocks.0.to_query.lora_B.weight": np.full((8, 4), np.inf, np.float32),
+               "transformer.blocks.1.to_key.lora_A.weight": a,  # no lora_B partner
+               "unet.down.lora_A.weight": a}, str(bad))
+    checked, offending = lora_problems(bad, rank=4)
+    problems = {row["tensor"]: row["problem"] for row in offending}
+    assert checked == 4 and len(problems) == 3
+    assert problems["transformer.blocks.0.to_query.lora_B.weight"] == "32 non-finite values"
+    assert "no partner" in problems["transformer.blocks.1.to_key.lora_A.weight"]
+    assert "transformer." in problems["unet.down.lora_A.weight"]
+    assert "rank" in lora_problems(good, rank=8)[1][0]["problem"]
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    assert "does not open" in lora_problems(tmp_path / "junk.safetensors", rank=4)[1][0]["problem"]
+
+
+# -- sensor --------------------------------------------------------------------------------------
+def _watch_config(tmp_path: Path, **extra: object) -> tuple[Path, dict[str, Path]]:
+    dirs = {name: tmp_path / name for name in ("cats", "dogs")}
+    for d in dirs.values():
+        d.mkdir()
+        (d / "one.mp4").write_bytes(b"x" * 10)
+        (d / "one.txt").write_text("one")
+    data = {"model_family": "kandinsky5-video", "pretrained_model_name_or_path": str(tmp_path / "model"),
+            "datasets": [{"id": name, "instance_data_dir": str(d)} for name, d in dirs.items()], **extra}
+    return write_config(tmp_path / "config.yaml", data), dirs
+
+
+def _tick(config: Path, cursor: str | None, instance: DagsterInstance):
+    context = build_sensor_context(cursor=cursor, instance=instance,
+                                   resources={"loraflow": LoraflowResource(config_path=str(config))})
+    return dataset_watch(context)
+
+
+def test_sensor_requests_a_cache_run_naming_the_changed_dataset(tmp_path: Path) -> None:
+    config, dirs = _watch_config(tmp_path)
+    with DagsterInstance.ephemeral() as instance:
+        first = _tick(config, None, instance)  # never looked before: both datasets may be uncached
+        assert first.run_requests[0].tags[CHANGED_TAG] == "cats,dogs"
+        same = _tick(config, first.cursor, instance)
+        assert isinstance(same.skip_reason, SkipReason) and not same.run_requests
+        (dirs["dogs"] / "two.mp4").write_bytes(b"y" * 10)  # added
+        added = _tick(config, same.cursor, instance)
+        (request,) = added.run_requests
+        assert request.tags[CHANGED_TAG] == "dogs"
+        (observation,) = added.asset_events
+        assert observation.asset_key == AssetKey("clips")
+        assert observation.metadata["files"].value == {"dogs": {"before": 2, "after": 3, "missing_folder": False}}
+        (dirs["cats"] / "one.txt").write_text("one, edited caption")  # changed (size)
+        changed = _tick(config, added.cursor, instance)
+        assert changed.run_requests[0].tags[CHANGED_TAG] == "cats"
+        assert changed.run_requests[0].run_key != request.run_key
+        (dirs["dogs"] / "two.mp4").unlink()  # removed
+        assert _tick(config, changed.cursor, instance).run_requests[0].tags[CHANGED_TAG] == "dogs"
+
+
+def test_sensor_ignores_hidden_files_and_is_off_by_default(tmp_path: Path) -> None:
+    config, dirs = _watch_config(tmp_path)
+    with DagsterInstance.ephemeral() as instance:
+        cursor = _tick(config, None, instance).cursor
+        (dirs["cats"] / ".one.mp4.swp").write_bytes(b"z")
+        assert _tick(config, cursor, instance).skip_reason is not None
+    assert dataset_watch.default_status == DefaultSensorStatus.STOPPED
+    assert dataset_watch.job_name == "cache_only"
+
+
+# -- schedule, definitions, retries ------------------------------------------------------------------
+def test_recache_schedule_follows_recache_cron(tmp_path: Path) -> None:
+    (tmp_path / "on").mkdir()
+    on, _ = _watch_config(tmp_path / "on", recache_cron="*/15 * * * *")
+    schedule = recache_schedule(str(on))
+    assert schedule.cron_schedule == "*/15 * * * *"
+    assert schedule.default_status == DefaultScheduleStatus.RUNNING and schedule.job_name == "cache_only"
+    (tmp_path / "off").mkdir()
+    off, _ = _watch_config(tmp_path / "off")
+    schedule = recache_schedule(str(off))
+    assert schedule.cron_schedule == DEFAULT_CRON and schedule.default_status == DefaultScheduleStatus.STOPPED
+    broken = write_config(tmp_path / "broken.yaml", {**yaml.safe_load(off.read_text()), "lora_rnk": 4})
+    schedule = recache_schedule(str(broken))
+    assert schedule.default_status == DefaultScheduleStatus.STOPPED and "could not be read" in schedule.description
+    with pytest.raises(ConfigError, match=r"recache_cron: .* 5-field cron .* got 'every day'"):
+        load_config(write_config(tmp_path / "bad_cron.yaml", {**yaml.safe_load(off.read_text()),
+                                                                "recache_cron": "every day"}))
+
+
+def test_definitions_wire_checks_sensor_schedule_and_retries() -> None:
+    from loraflow.definitions import defs
+
+    assert {s.name for s in defs.schedules} == {"recache"}
+    assert {s.name for s in defs.sensors} == {"dataset_watch"}
+    cache = defs.resolve_job_def("cache_only")
+    assert cache.op_retry_policy is not None and cache.op_retry_policy.max_retries == 2
+    check_names = {key.name for key in defs.resolve_asset_graph().asset_check_keys}
+    assert check_names == {c.check_specs_by_output_name[n].name for c in ALL_CHECKS for n in c.check_specs_by_output_name}
+
+
+def test_a_config_error_fails_the_cache_job_once_without_retries(tmp_path: Path) -> None:
+    from loraflow.definitions import cache_only
+
+    broken = write_config(tmp_path / "broken.yaml", {"model_family": "kandinsky5-video", "lora_rnk": 4})
+    defs = Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[cache_only],
+                       resources={"loraflow": LoraflowResource(config_path=str(broken))})
+    result = defs.resolve_job_def("cache_only").execute_in_process(raise_on_error=False,
+                                                                     instance=DagsterInstance.ephemeral())
+    assert not result.success
+    types = [event.event_type for event in result.all_events]
+    assert DagsterEventType.STEP_UP_FOR_RETRY not in types and DagsterEventType.STEP_RESTARTED not in types
+    (failure,) = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    message = failure.step_failure_data.user_failure_data.description
+    assert "lora_rnk: unknown key; did you mean 'lora_rank'?" in message
+    assert "pretrained_model_name_or_path: required key is missing" in message
+    assert os.path.basename(str(broken)) in message

@@ -1,0 +1,165 @@
+"""`loraflow check` (every problem at once, then the bucket plan) and `loraflow import-simpletuner`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loraflow.bucket_plan import human_bytes
+from loraflow.cli import main
+from loraflow.config import LoraflowConfig, load_config
+from tests.conftest import demo_dict, write_config
+
+# The seed guides' HunyuanVideo 1.5 config.json and its multidatabackend.json, verbatim.
+HV_CONFIG = {
+    "model_type": "lora", "model_family": "hunyuanvideo", "pretrained_model_name_or_path": "tencent/HunyuanVideo-1.5",
+    "model_flavour": "t2v-480p", "output_dir": "output/hunyuan-video", "validation_resolution": "854x480",
+    "validation_num_video_frames": 61, "validation_guidance": 6.0, "train_batch_size": 1,
+    "gradient_accumulation_steps": 1, "learning_rate": 1e-4, "mixed_precision": "bf16", "optimizer": "adamw_bf16",
+    "lora_rank": 16, "enable_group_offload": True, "group_offload_type": "block_level",
+    "dataset_backend_config": "config/multidatabackend.json",
+}
+HV_BACKEND = [
+    {"id": "my-video-dataset", "type": "local", "dataset_type": "video", "instance_data_dir": "datasets/videos",
+     "caption_strategy": "textfile", "resolution": 480,
+     "video": {"num_frames": 61, "min_frames": 61, "frame_rate": 24, "bucket_strategy": "aspect_ratio"},
+     "repeats": 10},
+    {"id": "text-embeds", "type": "local", "dataset_type": "text_embeds", "default": True,
+     "cache_dir": "cache/text/hunyuan", "disabled": False},
+]
+# The Kandinsky 5 Video guide's settings as SimpleTuner's configure tool writes them (`--flag` keys, string values).
+K5_FLAGS = {
+    "--model_type": "lora", "--model_family": "kandinsky5-video", "--model_flavour": "t2v-lite-sft-5s",
+    "--pretrained_model_name_or_path": "models/k5", "--train_batch_size": 1, "--validation_resolution": "512x768",
+    "--validation_num_video_frames": 61, "--validation_guidance": 5.0, "--offload_during_startup": "true",
+    "--vae_enable_patch_conv": "true", "--data_backend_config": "config/multidatabackend.json",
+    "--tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]},
+    "--report_to": "wandb", "--push_to_hub": "false",  # keys loraflow has no use for
+}
+K5_IMAGE_BACKEND = [
+    {"id": "my-image-dataset", "type": "local", "dataset_type": "image", "instance_data_dir": "datasets/my_images",
+     "caption_strategy": "textfile", "resolution": 1024, "crop": True, "crop_aspect": "square", "repeats": 10},
+    {"id": "text-embeds", "type": "local", "dataset_type": "text_embeds", "default": True,
+     "cache_dir": "cache/text/kandinsky5", "disabled": False},
+]
+
+
+# -- check -----------------------------------------------------------------------------------------
+def test_check_prints_every_config_problem_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path / "broken.yaml", {
+        "model_family": "kandinsky5-video", "pretrained_model_name_or_path": str(tmp_path),
+        "lora_rnk": 4, "validation_resolution": "wide",
+        "datasets": [{"id": "v", "instance_data_dir": str(tmp_path), "video": {"num_frames": 16}}],
+    })
+    assert main(["check", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "3 problem(s)" in err
+    assert "lora_rnk: unknown key; did you mean 'lora_rank'?" in err
+    assert "validation_resolution: `validation_resolution` must look like 768x512" in err
+    assert "datasets[0].video.num_frames: `num_frames - 1` must be divisible by 4" in err and "Use 13 or 17" in err
+
+
+def test_check_names_a_missing_model_and_a_missing_dataset_folder_together(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path / "config.yaml", {
+        "model_family": "kandinsky5-video", "pretrained_model_name_or_path": str(tmp_path / "no-model"),
+        "datasets": [{"id": "gone", "instance_data_dir": str(tmp_path / "no-data")}],
+    })
+    assert main(["check", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "2 problem(s)" in err
+    assert "no-model is not a diffusers checkpoint folder" in err
+    assert "dataset 'gone': instance_data_dir" in err and "no-data is not a folder" in err
+
+
+def test_check_prints_the_bucket_plan_and_dropped_files(
+        tiny_k5: Path, demo_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data)
+    (data / "broken.mp4").write_bytes(b"this is not a video")
+    (data / "broken.txt").write_text("a broken video")
+    shutil.copyfile(next(data.glob("*.mp4")), data / "uncaptioned.mp4")
+    settings = demo_dict(tiny_k5, data, tmp_path)
+    config = write_config(tmp_path / "config.yaml", settings)
+    assert main(["check", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "config ok" in out
+    plan = out.split("bucket plan")[1].split("total:")[0]
+    buckets = [line.split() for line in plan.splitlines()[2:] if line.strip()]
+    assert {row[0] for row in buckets} == {"demo-videos"}
+    frames = {int(row[1].split("@")[1]) for row in buckets}
+    assert frames == {17, 1}  # 17-frame clips of the videos, 1-frame clips of the stills
+    for _, bucket, clips, *sizes in buckets:
+        size, count = bucket.split("@")
+        width, height = (int(v) for v in size.split("x"))
+        latent = 16 * ((int(count) - 1) // 4 + 1) * (height // 8) * (width // 8) * 4 * int(clips)  # C, T, H/8, W/8
+        frames_bytes = int(count) * height * width * 3 * int(clips)
+        assert " ".join(sizes) == f"{human_bytes(frames_bytes)} {human_bytes(latent)}", bucket
+    dropped = {line.split()[1]: line.split()[2] for line in out.split("dropped 2 file(s):")[1].splitlines()[2:]}
+    assert dropped == {"broken.mp4": "not_media", "uncaptioned.mp4": "missing_caption"}
+    assert not (tmp_path / "cache").exists()  # planning writes nothing
+
+
+# -- import-simpletuner ----------------------------------------------------------------------------
+def _write_json(path: Path, data: object) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_hunyuan_seed_config_round_trips_and_reports_unmapped_keys(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config_json = _write_json(tmp_path / "config" / "config.json", HV_CONFIG)
+    backend = _write_json(tmp_path / "config" / "multidatabackend.json", HV_BACKEND)
+    out = tmp_path / "imported.yaml"
+    assert main(["import-simpletuner", str(config_json), str(backend), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    # Every seed key is carried with its value or reported; which depends on what the config model has today.
+    consumed = {"model_type", "model_family", "dataset_backend_config"}
+    unmapped = {k for k in HV_CONFIG if k not in LoraflowConfig.model_fields} - consumed
+    assert "optimizer" in unmapped
+    reported = {line.split(" = ")[0].removeprefix("  - ") for line in err.splitlines() if line.startswith("  - ")}
+    assert reported == unmapped
+    for key in unmapped:
+        assert f"#   {key} = " in out.read_text(), key  # kept as a comment in the file too
+    assert "not a local folder" in err
+    config = load_config(out)
+    assert config.model_family == "hunyuanvideo-1.5"
+    for key, value in HV_CONFIG.items():
+        if key not in consumed | unmapped:
+            assert getattr(config, key) == value, key
+    video, text = config.datasets
+    dumped = video.model_dump()
+    dumped["video"] = {k: dumped["video"][k] for k in HV_BACKEND[0]["video"]}
+    assert {k: dumped[k] for k in HV_BACKEND[0]} == HV_BACKEND[0]  # every dataset key, the video block included
+    assert (text.id, text.dataset_type, text.cache_dir, text.default) == ("text-embeds", "text_embeds",
+                                                                          "cache/text/hunyuan", True)
+
+
+def test_flag_style_config_finds_its_backend_file_and_translates_crop(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config_json = _write_json(tmp_path / "st" / "config" / "config.json", K5_FLAGS)  # SimpleTuner's layout
+    _write_json(tmp_path / "st" / "config" / "multidatabackend.json", K5_IMAGE_BACKEND)
+    assert main(["import-simpletuner", str(config_json)]) == 0
+    captured = capsys.readouterr()
+    imported = yaml.safe_load(captured.out)
+    assert imported["offload_during_startup"] == "true"  # carried as written; the config model parses it
+    assert imported["datasets"][0]["crop_style"] == "center"
+    unmapped = [line.split(":")[0] for line in captured.err.splitlines() if line.startswith("  - ")]
+    assert unmapped == ["  - report_to = 'wandb'", "  - push_to_hub = 'false'", "  - datasets[0].crop_aspect = 'square'"]
+    config = load_config(write_config(tmp_path / "out.yaml", imported))
+    assert config.vae_enable_patch_conv and config.offload_during_startup
+    assert config.tread_config is not None and config.tread_config.routes[0].selection_ratio == 0.5
+    assert (config.model_family, config.model_flavour, config.validation_num_video_frames) == (
+        "kandinsky5-video", "t2v-lite-sft-5s", 61)
+
+
+def test_import_fails_clearly_without_a_dataset_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config_json = _write_json(tmp_path / "config.json", {"model_family": "kandinsky5-video",
+                                                          "data_backend_config": "config/missing.json"})
+    assert main(["import-simpletuner", str(config_json)]) == 2
+    assert "config/missing.json, which does not exist" in capsys.readouterr().err
