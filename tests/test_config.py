@@ -64,3 +64,13 @@ def test_separate_dataset_file_is_read(tmp_path: Path) -> None:
     data["dataset_backend_config"] = "multidatabackend.json"
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     assert load_config(tmp_path / "config.yaml").training_datasets[0].id == "demo-videos"
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "kandinsky5_video.yaml", "kandinsky5_image.yaml", "hunyuanvideo15.yaml"])
+def test_every_example_config_validates(name: str) -> None:
+    from loraflow.pipelines import get_family
+
+    config = load_config(REPO / "configs" / name)
+    family = get_family(config)  # the flavour is one the family can train
+    height, width = config.validation_size
+    assert height % family.spatial_multiple == 0 and width % family.spatial_multiple == 0
