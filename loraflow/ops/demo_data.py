@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import numpy as np
 
 FPS = 24
 _MANIFEST = ".demo_manifest.json"  # written last: its presence means the set is complete
-_VERSION = 2  # bump when the drawing or encoding changes, so old sets are rebuilt
+_VERSION = 4  # bump when the drawing or encoding changes, so old sets are rebuilt
 
 # Named colours, so captions can say what is on screen.
 _COLOURS: dict[str, tuple[int, int, int]] = {
@@ -83,17 +84,20 @@ def make_demo_dataset(out_dir: str | Path, seed: int = 0) -> Path:
         return out
     rng = np.random.default_rng(seed)
     for item in (*_CLIPS, *_STILLS):
-        shape_colour, background = item.colours if seed == 0 else _pick_colours(rng)
-        caption = _caption(item, shape_colour, background)
-        frames = [_draw(item, t, _COLOURS[shape_colour], _COLOURS[background]) for t in _times(item.frames)]
-        if item.frames == 1:
-            _write_atomic(out / f"{item.stem}.png", lambda p, f=frames[0]: _save_png(p, f))
-        else:
-            _write_atomic(out / f"{item.stem}.mp4", lambda p, f=frames: _encode_mp4(p, f))
-        _write_atomic(out / f"{item.stem}.txt", lambda p, c=caption: p.write_text(c + "\n", encoding="utf-8"))
+        _write_item(out, item, *(item.colours if seed == 0 else _pick_colours(rng)))
     manifest = {"version": _VERSION, "seed": seed, "files": expected}
     _write_atomic(out / _MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2), encoding="utf-8"))
     return out
+
+
+def _write_item(out: Path, item: _Clip, shape_colour: str, background: str) -> None:
+    frames = [_draw(item, t, _COLOURS[shape_colour], _COLOURS[background]) for t in _times(item.frames)]
+    if item.frames == 1:
+        _write_atomic(out / f"{item.stem}.png", lambda p: _save_png(p, frames[0]))
+    else:
+        _write_atomic(out / f"{item.stem}.mp4", lambda p: _encode_mp4(p, frames))
+    caption = _caption(item, shape_colour, background)
+    _write_atomic(out / f"{item.stem}.txt", lambda p: p.write_text(caption + "\n", encoding="utf-8"))
 
 
 def _expected_files() -> list[str]:
@@ -153,34 +157,15 @@ def _draw(item: _Clip, t: float, colour: tuple[int, int, int], background: tuple
 def _encode_mp4(path: Path, frames: list[np.ndarray]) -> None:
     height, width = frames[0].shape[:2]
     with av.open(str(path), "w", format="mp4") as out:
-        stream = out.add_stream(
-            "libx264", rate=FPS, options={"crf": "18", "preset": "veryfast", "x264-params": "log-level=error"}
-        )
+        # Same seed, same bytes: one thread, and "superfast", whose settings skip x264's mb-tree
+        # lookahead; with veryfast, 96-px-wide clips came out different about 1 run in 30.
+        options = {"crf": "18", "preset": "superfast", "x264-params": "log-level=error:threads=1"}
+        stream = out.add_stream("libx264", rate=FPS, options=options)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.codec_context.thread_count = 1
         for frame in frames:
-            yuv = av.VideoFrame.from_ndarray(_to_yuv420p(frame), format="yuv420p")
-            out.mux(stream.encode(yuv))
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         out.mux(stream.encode(None))
-
-
-def _to_yuv420p(rgb: np.ndarray) -> np.ndarray:
-    """BT.601 limited-range 4:2:0 planes stacked as (H*3/2, W), the layout PyAV expects.
-
-    Converted here rather than by swscale: FFmpeg 8's swscale gave run-to-run differences in
-    the encoded bytes, and the same seed must give byte-identical files.
-    """
-    x = rgb.astype(np.float64)
-    r, g, b = x[..., 0], x[..., 1], x[..., 2]
-    y = 16 + (65.481 * r + 128.553 * g + 24.966 * b) / 255
-    h, w = rgb.shape[:2]
-    # Chroma of each 2x2 block from the block's mean colour.
-    block = x.reshape(h // 2, 2, w // 2, 2, 3).mean(axis=(1, 3))
-    br, bg, bb = block[..., 0], block[..., 1], block[..., 2]
-    u = 128 + (-37.797 * br - 74.203 * bg + 112.0 * bb) / 255
-    v = 128 + (112.0 * br - 93.786 * bg - 18.214 * bb) / 255
-    planes = np.concatenate([y.ravel(), u.ravel(), v.ravel()])  # needs even width and height
-    return planes.reshape(h * 3 // 2, w).round().clip(0, 255).astype(np.uint8)
 
 
 def _save_png(path: Path, frame: np.ndarray) -> None:
@@ -189,8 +174,8 @@ def _save_png(path: Path, frame: np.ndarray) -> None:
     Image.fromarray(frame).save(path, format="PNG")
 
 
-def _write_atomic(final: Path, write: object) -> None:
+def _write_atomic(final: Path, write: Callable[[Path], object]) -> None:
     """Write through a temporary name so an interrupted run never leaves a half file in place."""
     partial = final.with_name(f".{final.name}.partial")
-    write(partial)  # type: ignore[operator]
+    write(partial)
     os.replace(partial, final)
