@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds med
 
 import media_factory as mf  # noqa: E402
 
-from loraflow.ops import media  # noqa: E402
+from loraflow.ops import media, media_decode  # noqa: E402
 from loraflow.ops.media import MediaError, Probe, decode_frames, probe  # noqa: E402
 
 LOGGER = "loraflow.ops.media"
@@ -127,11 +127,11 @@ def test_probe_broken_audio_still_usable(files: dict[str, Path]) -> None:
 def test_mp4_index_count_matches_reading_every_packet(files: dict[str, Path], key: str) -> None:
     # probe counts MP4 frames from the sample table without reading them; check it against
     # actually demuxing every packet.
-    with media._open_container(files[key]) as container:
-        stream = media._video_stream(container, files[key])
-        from_index = media._timestamps_from_index(stream, files[key])
-    with media._open_container(files[key]) as container:
-        from_packets = media._timestamps_from_demux(container, media._video_stream(container, files[key]), files[key])
+    with media_decode._open_container(files[key]) as container:
+        stream = media_decode._video_stream(container, files[key])
+        from_index = media_decode._timestamps_from_index(stream, files[key])
+    with media_decode._open_container(files[key]) as container:
+        from_packets = media_decode._timestamps_from_demux(container, media_decode._video_stream(container, files[key]), files[key])
     assert from_index is not None and from_index[0] == from_packets[0]
 
 
@@ -220,8 +220,8 @@ def test_decode_applies_rotation(files: dict[str, Path], rotation: int, corner: 
 def test_pyav_path_rotates_like_decord(files: dict[str, Path], rotation: int) -> None:
     path = files[f"rot{rotation}"]
     info = probe(path)
-    via_decord, _ = media._decode_decord(path, [0, 6], (128, 80), info)
-    via_pyav = media._decode_pyav(path, [0, 6], (128, 80), info.rotation)
+    via_decord, _ = media_decode._decode_decord(path, [0, 6], (128, 80), info)
+    via_pyav = media_decode._decode_pyav(path, [0, 6], (128, 80), info.rotation)
     assert via_decord is not None
     assert np.abs(via_decord.astype(int) - via_pyav).mean() < 2.0
 
@@ -243,8 +243,8 @@ def test_narrow_output_avoids_decord_padding_bug(files: dict[str, Path], caplog:
 
 def test_decord_and_pyav_agree(files: dict[str, Path]) -> None:
     info = probe(files["h264"])
-    via_decord, _ = media._decode_decord(files["h264"], [0, 4, 17], (40, 88), info)
-    via_pyav = media._decode_pyav(files["h264"], [0, 4, 17], (40, 88), 0)
+    via_decord, _ = media_decode._decode_decord(files["h264"], [0, 4, 17], (40, 88), info)
+    via_pyav = media_decode._decode_pyav(files["h264"], [0, 4, 17], (40, 88), 0)
     assert via_decord is not None
     assert np.abs(via_decord.astype(int) - via_pyav).mean() < 2.0
 
@@ -266,7 +266,7 @@ def test_pyav_path_memory_is_bounded_by_kept_frames(files: dict[str, Path]) -> N
     # All 2000 frames as RGB would be 36.9 MB of numpy arrays; 5 kept frames are 92 kB.
     tracemalloc.start()
     try:
-        frames = media._decode_pyav(files["long"], [100, 101, 102, 103, 104], (64, 96), 0)
+        frames = media_decode._decode_pyav(files["long"], [100, 101, 102, 103, 104], (64, 96), 0)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -283,10 +283,10 @@ def test_pyav_path_stops_after_last_kept_frame(files: dict[str, Path], tmp_path:
     )  # fmt: skip
     data = moov_first.read_bytes()
     moov_first.write_bytes(data[: len(data) // 3])
-    frames = media._decode_pyav(moov_first, [0, 1, 2, 3, 4], (64, 96), 0)
+    frames = media_decode._decode_pyav(moov_first, [0, 1, 2, 3, 4], (64, 96), 0)
     assert indices_of(frames) == [0, 1, 2, 3, 4]
     with pytest.raises(MediaError) as caught:
-        media._decode_pyav(moov_first, [590], (64, 96), 0)
+        media_decode._decode_pyav(moov_first, [590], (64, 96), 0)
     assert caught.value.reason in {"truncated", "unreadable"}
 
 
