@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
+from loraflow.ops.buckets import bucket_label
 
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
     from loraflow.pipelines.base import ModelFamily
@@ -54,11 +55,6 @@ def latent_geometry(model_path: str | Path, family: ModelFamily) -> LatentGeomet
     return LatentGeometry(channels=int(vae["latent_channels"]), temporal=family.vae_temporal_factor, spatial=int(spatial))
 
 
-def bucket_label(height: int, width: int, num_frames: int) -> str:
-    """The clips stage's bucket name: WIDTHxHEIGHT@FRAMES."""
-    return f"{width}x{height}@{num_frames}"
-
-
 @dataclass
 class BucketRow:
     dataset: str
@@ -82,7 +78,7 @@ def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGe
     from loraflow.ops.media import MediaError, probe
 
     plan = BucketPlan()
-    rows: dict[tuple[str, str], BucketRow] = {}
+    clips_seen: list[tuple[str, int, int, int]] = []
     for dataset in config.training_datasets:
         try:
             files = list(source_files(dataset))
@@ -98,18 +94,21 @@ def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGe
             except MediaError as exc:
                 plan.dropped.append({"dataset": dataset.id, "file": str(path), "reason": exc.reason, "detail": str(exc)})
                 continue
-            for clip in clips:
-                frames, height, width = len(clip["indices"]), clip["height"], clip["width"]
-                label = bucket_label(height, width, frames)
-                row = rows.setdefault((dataset.id, label), BucketRow(dataset.id, label))
-                row.clips += 1
-                row.frames_bytes += frames * height * width * 3
-                if geometry is None:
-                    row.latent_bytes = None
-                elif row.latent_bytes is not None:
-                    row.latent_bytes += geometry.nbytes(frames, height, width)
-    plan.buckets = sorted(rows.values(), key=lambda r: (r.dataset, r.bucket))
+            clips_seen += [(dataset.id, c["height"], c["width"], len(c["indices"])) for c in clips]
+    plan.buckets = tally_buckets(clips_seen, geometry)
     return plan
+
+
+def tally_buckets(clips: list[tuple[str, int, int, int]], geometry: LatentGeometry | None) -> list[BucketRow]:
+    """Bucket rows from (dataset, height, width, num_frames) per clip: the plan here and the clips stage's table."""
+    rows: dict[tuple[str, str], BucketRow] = {}
+    for dataset, height, width, frames in clips:
+        label = bucket_label(height, width, frames)
+        row = rows.setdefault((dataset, label), BucketRow(dataset, label))
+        row.clips += 1
+        row.frames_bytes += frames * height * width * 3
+        row.latent_bytes = None if geometry is None else row.latent_bytes + geometry.nbytes(frames, height, width)
+    return sorted(rows.values(), key=lambda r: (r.dataset, r.bucket))
 
 
 def human_bytes(n: int | None) -> str:

@@ -83,9 +83,16 @@ class DatasetConfig(StrictModel):
     type: Literal["local"] = "local"
     dataset_type: Literal["video", "image", "text_embeds"] = "video"
     instance_data_dir: str | None = None
-    caption_strategy: Literal["textfile", "filename", "instanceprompt"] = "textfile"
+    caption_strategy: Literal["textfile", "filename", "instanceprompt", "metadata"] = "textfile"
     instance_prompt: str | None = None
-    resolution: int = Field(512, gt=0, description="pixels of the shorter side (resolution_type: pixel)")
+    metadata_file: str | None = Field(None, description="caption_strategy metadata: .jsonl/.csv/.parquet of file -> "
+                                      "caption(s); a relative path is inside instance_data_dir")
+    resolution: int = Field(512, gt=0, description="pixel: the shorter side; area: the side of a square of equal area")
+    resolution_type: Literal["pixel", "area", "pixel_area"] = Field(
+        "pixel", description="pixel: shorter side = resolution; area (alias pixel_area): resolution**2 pixels")
+    crop_aspect: Literal["preserve", "square", "closest"] = Field(
+        "preserve", description="bucket aspect: the source's, 1:1, or the closest of `crop_aspect_buckets`")
+    crop_aspect_buckets: tuple[float, ...] = Field((), description="crop_aspect closest: width/height ratios")
     video: VideoSettings = VideoSettings()
     crop_style: Literal["center", "random", "none"] = "center"
     repeats: int = Field(1, ge=1, description="how many times each clip is seen per epoch")
@@ -99,6 +106,18 @@ class DatasetConfig(StrictModel):
             raise ValueError(f"dataset '{self.id}' needs `instance_data_dir` (a folder of videos/images)")
         if self.caption_strategy == "instanceprompt" and not self.instance_prompt:
             raise ValueError(f"dataset '{self.id}' uses caption_strategy instanceprompt but has no `instance_prompt`")
+        if (self.caption_strategy == "metadata") != bool(self.metadata_file):
+            raise ValueError(f"dataset '{self.id}': `metadata_file` goes with caption_strategy metadata (both or neither)")
+        if self.crop_aspect == "closest" and not self.crop_aspect_buckets:
+            raise ValueError(f"dataset '{self.id}': crop_aspect closest needs `crop_aspect_buckets` (width/height ratios)")
+        if self.crop_aspect_buckets and self.crop_aspect != "closest":
+            raise ValueError(f"dataset '{self.id}': `crop_aspect_buckets` is only used with crop_aspect closest")
+        if any(a <= 0 for a in self.crop_aspect_buckets):
+            raise ValueError(f"dataset '{self.id}': `crop_aspect_buckets` must be positive width/height ratios")
+        if self.resolution_type != "pixel" and self.resolution < 16:  # 1.0 would be megapixels, SimpleTuner-style
+            raise ValueError(f"dataset '{self.id}': `resolution` {self.resolution} with resolution_type "
+                             f"{self.resolution_type} is the side in pixels of a square of the target area (e.g. "
+                             "512 for 0.26 MP), not megapixels")
         return self
 
 
@@ -168,6 +187,9 @@ class LoraflowConfig(StrictModel):
     eval_dataset_id: str | None = Field(None, description="a dataset whose clips are only evaluated, never trained on")
 
     offload_during_startup: bool = Field(False, description="never keep the VAE and text encoders on the GPU together")
+    text_encoder_1_precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="weights and compute of the first text encoder: bf16 halves its memory on a GPU "
+        "(allowed on CPU, but slow there); part of every text key")
     vae_enable_patch_conv: bool = Field(False, description="exact slab-wise VAE convs: same numbers, lower peak")
     vae_enable_tiling: bool = Field(False, description="spatial tiles with seam blending: approximate, lowest peak")
     vae_enable_slicing: bool = Field(False, description="encode a batch one sample at a time")

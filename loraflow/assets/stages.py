@@ -14,6 +14,7 @@ from loraflow.assets.resources import LoraflowResource
 
 @asset(group_name="loraflow", description="Probe videos/images, choose clips, bucket, decode only the kept frames.")
 def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
+    from loraflow.bucket_plan import human_bytes
     from loraflow.ops.clips import build_clips
     from loraflow.ops.previews import clip_preview
     from loraflow.pipelines import get_family
@@ -27,7 +28,12 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
         data_version=DataVersion(report.data_version),
         metadata={
             **md.counts(report),
-            "buckets": md.md_table(report.tables["buckets"]),
+            # est_latent_bytes: what the latents stage will write (float32, the VAE's factors), before it runs
+            "buckets": md.md_table([{**r, "frames_bytes": human_bytes(r["frames_bytes"]),
+                                     "est_latent_bytes": human_bytes(r["est_latent_bytes"])}
+                                    for r in report.tables["buckets"]]),
+            "est_latent_bytes": human_bytes(report.facts["est_latent_bytes"]),
+            "dropped": md.md_table(report.tables["dropped"]),
             "quarantined": len(report.quarantined),
             "quarantine": md.md_table(report.quarantined),
             "preview": md.md_image(clip_preview(store), "first frame of each clip"),
@@ -56,7 +62,12 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
 
     config = loraflow.load()
     report = encode_texts(config, get_family(config), loraflow.store(config))
-    return MaterializeResult(data_version=DataVersion(report.data_version), metadata={**md.counts(report), **report.facts})
+    return MaterializeResult(
+        data_version=DataVersion(report.data_version),
+        metadata={**md.counts(report), **report.facts,
+                  "tokens_histogram": md.md_table(report.tables["tokens_histogram"]),
+                  "truncated": md.md_table(report.tables["truncated"])},
+    )
 
 
 @asset(deps=[latents, text_embeds], pool="gpu", group_name="loraflow", description="Flow-matching LoRA training.")

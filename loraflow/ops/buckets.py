@@ -5,7 +5,9 @@ No I/O here, so the rules are property-tested on their own (tests/ops/test_bucke
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 FPS_TOLERANCE = 1.01  # sources within 1% of the target fps are not resampled
@@ -64,10 +66,53 @@ def frames_for_bucket(frames: int, frame_interval: int | None) -> int:
     return round_down_4k1(frames // frame_interval * frame_interval + 1)
 
 
-def bucket_size(height: int, width: int, resolution: int, multiple: int) -> tuple[int, int]:
-    """(height, width) for a source: shorter side `resolution`, aspect kept, both sides multiples of `multiple`."""
-    scale = resolution / min(height, width)
-    return _snap(height * scale, multiple), _snap(width * scale, multiple)
+def bucket_label(height: int, width: int, num_frames: int) -> str:
+    """A bucket's name, WIDTHxHEIGHT@FRAMES: the size the latents stage encodes (the one function for it)."""
+    return f"{width}x{height}@{num_frames}"
+
+
+def bucket_size(
+    height: int,
+    width: int,
+    resolution: int,
+    multiple: int,
+    resolution_type: str = "pixel",
+    crop_aspect: str = "preserve",
+    aspect_buckets: Sequence[float] = (),
+) -> tuple[int, int]:
+    """(height, width) of a source's bucket, both sides multiples of `multiple`.
+
+    The aspect (width/height) is the source's (`preserve`), 1 (`square`) or the nearest of `aspect_buckets` in
+    log scale (`closest`: 2:1 and 1:2 are equally far from 1:1). `pixel` makes the shorter side `resolution`;
+    `area` (alias `pixel_area`) keeps resolution**2 pixels.
+    """
+    if resolution_type == "pixel" and crop_aspect == "preserve":
+        # The original rule, kept operation for operation so existing clip keys (which hold the size) stay valid.
+        scale = resolution / min(height, width)
+        return _snap(height * scale, multiple), _snap(width * scale, multiple)
+    aspect = target_aspect(width / height, crop_aspect, aspect_buckets)
+    if resolution_type == "pixel":
+        h, w = (resolution, resolution * aspect) if aspect >= 1 else (resolution / aspect, resolution)
+    elif resolution_type in ("area", "pixel_area"):
+        h = resolution / math.sqrt(aspect)
+        w = h * aspect
+    else:
+        raise ValueError(f"resolution_type {resolution_type!r} is not known; allowed: pixel, area")
+    return _snap(h, multiple), _snap(w, multiple)
+
+
+def target_aspect(source_aspect: float, crop_aspect: str, aspect_buckets: Sequence[float] = ()) -> float:
+    """The width/height ratio a bucket gets for a source of `source_aspect`."""
+    if crop_aspect == "preserve":
+        return source_aspect
+    if crop_aspect == "square":
+        return 1.0
+    if crop_aspect == "closest":
+        if not aspect_buckets:
+            raise ValueError("crop_aspect closest needs crop_aspect_buckets (width/height ratios)")
+        # Ties go to the first listed ratio, so the choice never depends on float noise in the order.
+        return min(aspect_buckets, key=lambda a: abs(math.log(a / source_aspect)))
+    raise ValueError(f"crop_aspect {crop_aspect!r} is not known; allowed: preserve, square, closest")
 
 
 def _snap(value: float, multiple: int) -> int:

@@ -3,19 +3,35 @@
 Flow for one file: identity -> probe (cached by path+size+mtime) -> frame plan -> clip keys -> decode the
 missing clips at their bucket size -> store frames -> manifest row with captions. A file that cannot be
 used becomes a quarantine row with a reason; every other file proceeds.
+
+Captions (caption_strategy): `textfile` reads NAME.txt beside the file, one caption per non-empty line;
+`filename` uses the file's stem; `instanceprompt` the dataset's `instance_prompt`; `metadata` looks the file
+up in `metadata_file` (.jsonl, .csv or .parquet with a file column - file_name, file, filename or path -
+holding the dataset-relative path or the bare name, and a caption column - caption, captions, text or
+prompt - holding a string or a list; repeated rows add captions). Rules, the same for every strategy: an
+empty caption trains on the empty prompt; a missing caption (no .txt, not in the metadata) quarantines the
+file as `missing_caption`; a caption file that is not UTF-8 quarantines it as `caption_not_utf8`.
+
+i2v: the conditioning image is the first frame of the stored clip (`first_frame`), i.e. source frame
+indices[0] after cropping, so it always matches the clip's first latent frame.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
+from loraflow.bucket_plan import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.config import DatasetConfig, LoraflowConfig
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.ops import buckets
@@ -43,14 +59,87 @@ def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
         return [dataset.instance_prompt or ""]
     if dataset.caption_strategy == "filename":
         return [path.stem.replace("_", " ").replace("-", " ").strip()]
+    if dataset.caption_strategy == "metadata":
+        return _metadata_captions(path, dataset)
     caption_file = path.with_suffix(".txt")
     if not caption_file.is_file():
         raise MediaError("missing_caption", f"{path.name}: no caption file {caption_file.name} (caption_strategy textfile)")
+    return _clean(_utf8(caption_file.read_bytes(), caption_file).splitlines())
+
+
+def _clean(captions: list[str]) -> list[str]:
+    return [c.strip() for c in captions if c and c.strip()] or [""]
+
+
+def _utf8(data: bytes, path: Path) -> str:
     try:
-        text = caption_file.read_text(encoding="utf-8-sig")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise MediaError("caption_not_utf8", f"{caption_file.name} is not UTF-8 ({exc.reason}); re-save it as UTF-8") from None
-    return [line.strip() for line in text.splitlines() if line.strip()] or [""]
+        raise MediaError("caption_not_utf8", f"{path.name} is not UTF-8 ({exc.reason}); re-save it as UTF-8") from None
+
+
+FILE_COLUMNS = ("file_name", "file", "filename", "path")
+CAPTION_COLUMNS = ("caption", "captions", "text", "prompt")
+
+
+def _metadata_captions(path: Path, dataset: DatasetConfig) -> list[str]:
+    root = Path(dataset.instance_data_dir or "")
+    meta = Path(dataset.metadata_file or "")
+    meta = meta if meta.is_absolute() else root / meta
+    if not meta.is_file():
+        raise MediaError("missing_caption", f"dataset '{dataset.id}': metadata_file {meta} does not exist")
+    stat = meta.stat()
+    table, error = _load_metadata(str(meta), stat.st_size, stat.st_mtime_ns)
+    if error:
+        raise MediaError(*error)
+    relative = path.relative_to(root).as_posix()
+    for name in (relative, path.name):
+        if name in table:
+            return _clean(list(table[name]))
+    raise MediaError("missing_caption", f"{relative}: not in metadata_file {meta.name}; add a row for it")
+
+
+@lru_cache(maxsize=8)
+def _load_metadata(path: str, size: int, mtime_ns: int) -> tuple[dict[str, tuple[str, ...]], tuple[str, str] | None]:
+    """file -> captions, read once per file version; a broken file is an error every source reports."""
+    meta = Path(path)
+    try:
+        rows = _metadata_rows(meta)
+    except MediaError as exc:
+        return {}, (exc.reason, str(exc))
+    columns = set(rows[0]) if rows else set()
+    file_col = next((c for c in FILE_COLUMNS if c in columns), None)
+    caption_col = next((c for c in CAPTION_COLUMNS if c in columns), None)
+    if rows and (file_col is None or caption_col is None):
+        return {}, ("bad_metadata", f"{meta.name}: needs a file column ({', '.join(FILE_COLUMNS)}) and a caption "
+                                    f"column ({', '.join(CAPTION_COLUMNS)}); found {sorted(columns)}")
+    table: dict[str, list[str]] = {}
+    for row in rows:
+        value = row.get(caption_col)
+        items = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+        captions = [str(c) for c in items if c is not None]
+        table.setdefault(str(row[file_col]).removeprefix("./"), []).extend(captions)
+    return {k: tuple(v) for k, v in table.items()}, None
+
+
+def _metadata_rows(meta: Path) -> list[dict[str, Any]]:
+    suffix = meta.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(meta).to_pylist()
+    text = _utf8(meta.read_bytes(), meta)
+    if suffix == ".csv":
+        return list(csv.DictReader(io.StringIO(text)))
+    if suffix in (".jsonl", ".json"):
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                rows += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as exc:
+                raise MediaError("bad_metadata", f"{meta.name} line {number} is not JSON ({exc.msg})") from None
+        return rows
+    raise MediaError("bad_metadata", f"metadata_file {meta.name}: use .jsonl, .csv or .parquet")
 
 
 def probe_cached(path: Path, identity: dict[str, Any], store: Store, known: set[str]) -> Probe:
@@ -80,7 +169,8 @@ def plan_clips(path: Path, info: Probe, dataset: DatasetConfig, family: ModelFam
                                          video.frame_stride, video.frame_sample)
         except buckets.TooShort as exc:
             raise MediaError("too_short", f"{path.name}: {exc} (num_frames {video.num_frames})") from None
-    height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, family.spatial_multiple)
+    height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, family.spatial_multiple,
+                                        dataset.resolution_type, dataset.crop_aspect, dataset.crop_aspect_buckets)
     planned = []
     for indices in clips:
         if video.bucket_strategy == "resolution_frames" and len(indices) > 1:
@@ -100,7 +190,7 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, store: S
         crop = buckets.crop_plan((info.height, info.width), size, dataset.crop_style, seed=key)
         rows.append({
             "key": key, "dataset": dataset.id, "source": identity["path"], "path": str(path),
-            "bucket": f"{size[1]}x{size[0]}@{len(plan['indices'])}", "height": size[0], "width": size[1],
+            "bucket": buckets.bucket_label(*size, len(plan["indices"])), "height": size[0], "width": size[1],
             "num_frames": len(plan["indices"]), "indices": plan["indices"], "resize": list(crop.resize),
             "box": list(crop.box), "captions": captions, "repeats": dataset.repeats,
         })
@@ -112,6 +202,11 @@ def decode_clip(row: dict[str, Any]) -> np.ndarray:
     frames = decode_frames(row["path"], row["indices"], tuple(row["resize"]))
     top, left, height, width = row["box"]
     return np.ascontiguousarray(frames[:, top : top + height, left : left + width])
+
+
+def first_frame(store: Store, clip_key: str) -> np.ndarray:
+    """uint8 (H, W, 3): an i2v clip's conditioning image, frame 0 of the stored (cropped) clip."""
+    return store.get("clips", [clip_key])[clip_key]["frames"][0]
 
 
 def build_clips(config: LoraflowConfig, family: ModelFamily, store: Store) -> StageReport:
@@ -133,12 +228,17 @@ def build_clips(config: LoraflowConfig, family: ModelFamily, store: Store) -> St
     computed = len(todo) - len(failed)
     store.write_manifest("clips", manifest)
     store.write_manifest("quarantine", quarantine)
+    table = bucket_table(manifest, _geometry(config, family))
     return StageReport(
-        data_version=data_version(r["key"] for r in manifest),
+        # Captions and repeats are part of what this asset stands for (text_embeds reads them), not of the frames.
+        data_version=data_version(content_key(clip=r["key"], captions=r["captions"], repeats=r["repeats"])
+                                  for r in manifest),
         computed=computed,
         reused=len(manifest) - computed,
         quarantined=quarantine,
-        tables={"buckets": bucket_table(manifest)},
+        tables={"buckets": table, "dropped": dropped_table(quarantine)},
+        facts={"est_latent_bytes": None if any(r["est_latent_bytes"] is None for r in table)
+               else sum(r["est_latent_bytes"] for r in table)},
     )
 
 
@@ -161,10 +261,27 @@ def _decode_missing(todo: list[dict[str, Any]], store: Store, shard_clips: int =
     return failed
 
 
-def bucket_table(manifest: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    counts: dict[str, dict[str, Any]] = {}
-    for row in manifest:
-        entry = counts.setdefault(row["bucket"], {"bucket": row["bucket"], "clips": 0, "frames_bytes": 0})
-        entry["clips"] += 1
-        entry["frames_bytes"] += row["height"] * row["width"] * row["num_frames"] * 3
-    return sorted(counts.values(), key=lambda e: e["bucket"])
+def _geometry(config: LoraflowConfig, family: ModelFamily) -> LatentGeometry | None:
+    """The VAE's factors for the latent estimate; None (estimate unknown) when the checkpoint has no vae config."""
+    try:
+        return latent_geometry(config.pretrained_model_name_or_path, family)
+    except FileNotFoundError as exc:
+        log.warning("no latent estimate: %s", exc)
+        return None
+
+
+def bucket_table(manifest: list[dict[str, Any]], geometry: LatentGeometry | None = None) -> list[dict[str, Any]]:
+    """Per dataset and bucket: clips, stored frame bytes, and the ESTIMATED latent bytes the next stage writes."""
+    rows = tally_buckets([(r["dataset"], r["height"], r["width"], r["num_frames"]) for r in manifest], geometry)
+    return [{"dataset": r.dataset, "bucket": r.bucket, "clips": r.clips, "frames_bytes": r.frames_bytes,
+             "est_latent_bytes": r.latent_bytes} for r in rows]
+
+
+def dropped_table(quarantine: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """Why files were dropped: one row per (dataset, reason) with a count and one example."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for q in quarantine:
+        row = rows.setdefault((q["dataset"], q["reason"]), {"dataset": q["dataset"], "reason": q["reason"],
+                                                             "files": 0, "example": q["detail"]})
+        row["files"] += 1
+    return sorted(rows.values(), key=lambda r: (r["dataset"], r["reason"]))

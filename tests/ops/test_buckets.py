@@ -1,3 +1,5 @@
+import math
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -55,3 +57,54 @@ def test_crop_box_lies_inside_the_resized_frame(sh, sw, th16, tw16, style) -> No
     assert (height, width) == target
     assert 0 <= top and top + height <= plan.resize[0] and 0 <= left and left + width <= plan.resize[1]
     assert plan == buckets.crop_plan((sh, sw), target, style, seed="k")  # random crops are reproducible
+
+
+sides = st.integers(16, 4000)
+aspects = st.lists(st.floats(0.2, 5.0), min_size=1, max_size=6)
+
+
+@given(sides, sides, st.integers(16, 1024), st.sampled_from([16, 32]), st.sampled_from(["preserve", "square"]))
+def test_area_buckets_keep_the_area_and_aspect(h, w, resolution, multiple, crop_aspect) -> None:
+    bh, bw = buckets.bucket_size(h, w, resolution, multiple, "area", crop_aspect)
+    assert bh % multiple == 0 and bw % multiple == 0
+    aspect = w / h if crop_aspect == "preserve" else 1.0
+    ideal_h = resolution / aspect**0.5
+    ideal_w = ideal_h * aspect
+    # each side is the ideal one snapped to the multiple (or the multiple itself when the ideal is smaller)
+    for got, ideal in ((bh, ideal_h), (bw, ideal_w)):
+        assert abs(got - ideal) <= multiple / 2 + 1e-6 or (got == multiple and ideal < multiple)
+    if min(ideal_h, ideal_w) >= multiple:
+        assert abs(bh * bw - resolution**2) <= multiple / 2 * (ideal_h + ideal_w) + multiple**2 / 4 + 1e-6
+
+
+@given(sides, sides, st.integers(16, 1024), st.sampled_from(["pixel", "area"]))
+def test_square_buckets_are_square(h, w, resolution, resolution_type) -> None:
+    bh, bw = buckets.bucket_size(h, w, resolution, 16, resolution_type, "square")
+    assert bh == bw == max(16, round(resolution / 16) * 16)
+
+
+@given(sides, sides, aspects, st.sampled_from(["pixel", "area"]))
+def test_closest_picks_the_nearest_listed_aspect(h, w, listed, resolution_type) -> None:
+    chosen = buckets.target_aspect(w / h, "closest", listed)
+    assert chosen in listed
+    distance = abs(math.log(chosen * h / w))
+    assert all(distance <= abs(math.log(a * h / w)) + 1e-12 for a in listed)
+    bh, bw = buckets.bucket_size(h, w, 256, 16, resolution_type, "closest", listed)
+    if resolution_type == "pixel":  # the shorter side is the resolution, the other follows the chosen aspect
+        assert min(bh, bw) == 256
+        ideal = 256 * max(chosen, 1 / chosen)
+        assert abs(max(bh, bw) - ideal) <= 8 + 1e-6
+    assert bh % 16 == 0 and bw % 16 == 0
+
+
+@given(sides, sides, st.integers(16, 1024), st.sampled_from([16, 32]))
+def test_default_rule_is_unchanged_by_the_new_options(h, w, resolution, multiple) -> None:
+    # pixel + preserve is the rule clip keys were made with; the generic path gives the same size
+    default = buckets.bucket_size(h, w, resolution, multiple)
+    aspect = w / h
+    ideal = (resolution, resolution * aspect) if aspect >= 1 else (resolution / aspect, resolution)
+    assert all(abs(got - want) <= multiple / 2 + 1e-6 or got == multiple for got, want in zip(default, ideal))
+
+
+def test_bucket_label_is_width_x_height_at_frames() -> None:
+    assert buckets.bucket_label(64, 96, 17) == "96x64@17"
