@@ -1,7 +1,14 @@
 """The lora stage: flow-matching LoRA training from the latent and text caches only (no VAE, no text encoder).
 
-Determinism is what makes resume exact: the batch order of an epoch comes from (seed, epoch) and the noise
-and sigmas of a step from (seed, step), so a run resumed at step k draws what it would have drawn.
+Resume is exact: an epoch's batch order comes from (seed, epoch) and every random draw of a micro-step (caption
+dropout, noise, sigmas, TREAD's tokens, LoRA dropout) from (seed, micro-step). A run lives in
+output_dir/runs/<key>, keyed by the input caches' data versions and every config key that changes numbers:
+    checkpoints/step-NNNNNNN/   lora + optimizer .safetensors, state.json (written as .tmp, then renamed)
+    history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA)
+    pytorch_lora_weights.safetensors   the adapter, diffusers format, written last: the run is done
+Gradient checkpointing and group offloading are exact (not in the key: turning them on after an OOM resumes the
+run); TREAD is not. base_model_precision stores frozen weights in bf16 or fp8 (layerwise casting); the forward
+runs under bf16 autocast on CUDA; LoRA weights, gradients and AdamW state are always fp32.
 """
 
 from __future__ import annotations
@@ -9,8 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
 import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,27 +28,55 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from peft import LoraConfig, get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file, save_file
+from peft import LoraConfig
 
-from loraflow.config import LoraflowConfig
+from loraflow.config import VALIDATION_ONLY_KEYS, LoraflowConfig
 from loraflow.keys import content_key, data_version
 from loraflow.kernels.flow_matching import lr_at, noisy_sample, sample_sigmas
+from loraflow.kernels.tread import resolve_routes, tread_routing
+from loraflow.ops.checkpoints import (
+    LORA_FILE, export_lora, latest_checkpoint, load_lora, resume_optimizer, save_checkpoint, write_json,
+)
 from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
+from loraflow.ops.evaluation import split_clips
 from loraflow.ops.report import StageReport
-from loraflow.pipelines.base import ModelFamily, load_component
+from loraflow.pipelines.base import ModelFamily, TextRow, load_component
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
-CODE_VERSION = "train-1"
-LORA_FILE = "pytorch_lora_weights.safetensors"
+CODE_VERSION = "train-2"
+WEIGHT_DECAY = 1e-2
+ROW_CACHE_BYTES = 4 << 30  # latents and text embeddings kept in RAM between epochs
+# Keys that change how a run computes, never what: changing them continues the same run.
+RUNTIME_ONLY_KEYS = frozenset({
+    "output_dir", "cache_dir", "dataset_backend_config", "recache_cron", "offload_during_startup",
+    "vae_enable_patch_conv", "checkpointing_steps", "checkpoints_total_limit", "gradient_checkpointing",
+    "enable_group_offload", "group_offload_type", "group_offload_blocks_per_group", "group_offload_use_stream",
+})
 
 
+# 1. data: samples, batches, and the random draws of a micro-step ----------------------------------------------
 @dataclass(frozen=True)
 class Sample:
     latent_key: str
     text_key: str
-    group: tuple[str, int]  # (bucket, text tokens): only equal groups share a batch
+    group: tuple[str, int]  # (bucket, text tokens): only equal groups share a batch (K5 has no text mask)
+
+
+@dataclass(frozen=True)
+class StepDraws:
+    drop_caption: bool  # the whole batch trains on the empty prompt (one text length per batch)
+    noise: torch.Tensor  # (B, C, T, h, w) float32, drawn on the CPU: the same numbers on any device
+    sigma: torch.Tensor  # (B,) in (0, 1), shifted
+    seed: int  # seeds TREAD's token subset
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    samples: list[Sample]
+    x0: torch.Tensor  # (B, C, T, h, w) clean latents, CPU
+    text: dict[str, torch.Tensor]  # family.collate_text output, CPU
+    draws: StepDraws
 
 
 def upstream_versions(store: Store) -> dict[str, str]:
@@ -48,8 +86,7 @@ def upstream_versions(store: Store) -> dict[str, str]:
 
 def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
     """Where one training run lives: keyed by its inputs' data versions and the config, so a change starts fresh."""
-    settings = config.model_dump(exclude={"validation_prompt", "validation_resolution", "validation_num_video_frames",
-                                          "validation_guidance", "validation_num_inference_steps", "output_dir"})
+    settings = config.model_dump(mode="json", exclude=set(VALIDATION_ONLY_KEYS | RUNTIME_ONLY_KEYS))
     key = content_key(inputs=upstream, config=settings, code=CODE_VERSION)
     return Path(config.output_dir) / "runs" / key
 
@@ -61,16 +98,26 @@ def current_lora_path(config: LoraflowConfig, store: Store) -> str:
     return str(path)
 
 
-def build_samples(store: Store) -> list[Sample]:
-    clips = {row["key"]: row for row in store.read_manifest("clips")}
+def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
+    """One sample per (latent, caption) x repeats; clips held out for eval loss are never trained on."""
+    clips = store.read_manifest("clips")
+    train_keys, _ = split_clips(clips, config)
+    by_key, trained = {c["key"]: c for c in clips}, set(train_keys)
     texts = {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}
     tokens = {k: r["n_tokens"] for k, r in store.get("text_embeds", texts.values(), columns=["n_tokens"]).items()}
     samples = []
     for row in store.read_manifest("latents"):
-        clip = clips[row["clip_key"]]
-        for caption in clip["captions"]:
-            text_key = texts[caption]
-            samples += [Sample(row["key"], text_key, (row["bucket"], tokens[text_key]))] * clip["repeats"]
+        if row["clip_key"] not in trained:
+            continue
+        clip = by_key[row["clip_key"]]
+        for caption in clip["captions"] or [""]:  # no caption: unconditional, as eval loss treats it
+            if caption not in texts:
+                raise KeyError(f"caption {caption!r} of {clip['source']} has no cached embedding: "
+                               "materialize `text_embeds`")
+            samples += [Sample(row["key"], texts[caption], (row["bucket"], tokens[texts[caption]]))] * clip["repeats"]
+    if not samples:
+        raise ValueError("no training samples: every clip is held out for eval or failed to encode; check the "
+                         "`latents` quarantine and `eval_holdout_fraction` / `eval_dataset_id`")
     return samples
 
 
@@ -87,12 +134,84 @@ def epoch_batches(samples: list[Sample], batch_size: int, seed: int, epoch: int)
     return batches
 
 
-def batch_at(samples: list[Sample], config: LoraflowConfig, micro_step: int) -> list[Sample]:
-    per_epoch = len(epoch_batches(samples, config.train_batch_size, config.seed, 0))
-    epoch, index = divmod(micro_step, per_epoch)
-    return epoch_batches(samples, config.train_batch_size, config.seed, epoch)[index]
+class BatchPlan:
+    """Micro-step k's batch: a pure function of (samples, batch size, seed, k); one epoch's order kept at a time."""
+
+    def __init__(self, samples: list[Sample], batch_size: int, seed: int) -> None:
+        self.samples, self.batch_size, self.seed = samples, batch_size, seed
+        self.per_epoch = len(epoch_batches(samples, batch_size, seed, 0))  # group sizes fix the count
+        self._epoch: tuple[int, list[list[Sample]]] = (-1, [])
+
+    def __call__(self, micro_step: int) -> list[Sample]:
+        epoch, index = divmod(micro_step, self.per_epoch)
+        if self._epoch[0] != epoch:
+            self._epoch = (epoch, epoch_batches(self.samples, self.batch_size, self.seed, epoch))
+        return self._epoch[1][index]
 
 
+def step_seed(seed: int, micro_step: int, purpose: str) -> int:
+    return int(content_key(seed=seed, step=micro_step, purpose=purpose)[:15], 16)  # < 2**60: a valid torch seed
+
+
+def step_draws(config: LoraflowConfig, family: ModelFamily, micro_step: int, shape: tuple[int, ...]) -> StepDraws:
+    """Caption dropout, noise and sigmas of one micro-step, from (seed, micro_step) alone."""
+    generator = torch.Generator().manual_seed(step_seed(config.seed, micro_step, "draws"))
+    drop = torch.rand(1, generator=generator).item() < config.caption_dropout_probability
+    noise = torch.randn(shape, generator=generator)
+    shift = config.flow_schedule_shift if config.flow_schedule_shift is not None else family.flavour.flow_shift
+    sigma = sample_sigmas(shape[0], generator, config.flow_sigma_sampling, shift, config.flow_sigmoid_scale)
+    return StepDraws(drop, noise, sigma, step_seed(config.seed, micro_step, "tread"))
+
+
+class RowCache:
+    """`Store.get` with rows kept in memory (least recently used out first past `max_bytes`): epochs, repeats
+    and caption dropout read the same rows again, and a Parquet read costs more than a small model's step."""
+
+    def __init__(self, store: Store, max_bytes: int = ROW_CACHE_BYTES) -> None:
+        self.store, self.max_bytes, self.bytes = store, max_bytes, 0
+        self.rows: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+
+    def get(self, stage: str, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+        keys = set(keys)
+        missing = [k for k in keys if (stage, k) not in self.rows]
+        for key, row in (self.store.get(stage, missing) if missing else {}).items():
+            self.rows[(stage, key)] = row
+            self.bytes += _nbytes(row)
+        for key in keys:
+            self.rows.move_to_end((stage, key))
+        while self.bytes > self.max_bytes and len(self.rows) > len(keys):
+            self.bytes -= _nbytes(self.rows.popitem(last=False)[1])
+        return {k: self.rows[(stage, k)] for k in keys}
+
+
+def _nbytes(row: dict[str, Any]) -> int:
+    return sum(v.nbytes for v in row.values() if isinstance(v, np.ndarray))
+
+
+def load_micro_batch(
+    config: LoraflowConfig, family: ModelFamily, store: Store | RowCache, samples: list[Sample], micro_step: int,
+    empty_key: str,
+) -> MicroBatch:
+    """Everything a micro-step reads, on the CPU (runs on the prefetch thread)."""
+    latents = store.get("latents", {s.latent_key for s in samples})
+    x0 = torch.from_numpy(np.stack([latents[s.latent_key]["latent"] for s in samples]))  # (B, C, T, h, w), a copy
+    draws = step_draws(config, family, micro_step, tuple(x0.shape))
+    text_keys = [empty_key if draws.drop_caption else s.text_key for s in samples]
+    rows: dict[str, TextRow] = store.get("text_embeds", set(text_keys))
+    return MicroBatch(samples, x0, family.collate_text([rows[k] for k in text_keys], torch.device("cpu")), draws)
+
+
+def prefetched(load: Callable[[int], MicroBatch], steps: range) -> Iterator[MicroBatch]:
+    """load(k) for k in steps, loading k+1 on a thread while k trains (loading is pure: order cannot matter)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="lora-prefetch") as pool:
+        ahead = pool.submit(load, steps[0]) if steps else None
+        for k in steps:
+            batch = ahead.result()
+            ahead = pool.submit(load, k + 1) if k + 1 < steps.stop else None
+            yield batch
+
+
+# 2. model: precision, LoRA, memory features -------------------------------------------------------------------
 def add_lora(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> list[torch.nn.Parameter]:
     torch.manual_seed(config.seed)  # lora_A's init: same seed, same adapter
     transformer.add_adapter(LoraConfig(
@@ -101,143 +220,240 @@ def add_lora(transformer: torch.nn.Module, config: LoraflowConfig, family: Model
     ))
     params = [p for n, p in transformer.named_parameters() if "lora_" in n]
     for p in params:
-        p.data = p.data.float()  # fp32 LoRA params even when the base model is bf16
+        p.data = p.data.float()  # fp32 LoRA params even when the base model is bf16 or fp8
         p.requires_grad_(True)
     return params
 
 
-def step_loss(
-    transformer: torch.nn.Module, family: ModelFamily, store: Store, batch: list[Sample], generator: torch.Generator,
-    config: LoraflowConfig, device: torch.device, empty_key: str,
+def load_transformer(config: LoraflowConfig, family: ModelFamily, device: torch.device) -> tuple[torch.nn.Module, list]:
+    """The frozen transformer in the configured precision with fp32 LoRA; on `device` unless group-offloaded."""
+    if config.group_offload_use_stream and device.type != "cuda":
+        raise ValueError(f"`group_offload_use_stream` needs a CUDA device; this run is on {device.type}: set "
+                         "group_offload_use_stream: false (group offloading itself works without it)")
+    dtype = torch.float32 if config.base_model_precision == "no_change" else torch.bfloat16
+    where = "cpu" if config.enable_group_offload else str(device)  # group offloading moves the blocks itself
+    transformer = load_component(config.pretrained_model_name_or_path, "transformer", dtype, where)
+    if config.base_model_precision == "fp8-layerwise":
+        # Before the adapter: the casting hooks then sit on the base layers only, and LoRA stays fp32.
+        transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    if config.tread_config is not None:  # fail before the first step, naming the route
+        if getattr(family, "tread_layout", None) is None:
+            raise ValueError(f"`tread_config`: family {family.name} has no `tread_layout` (where its visual tokens "
+                             "are) and cannot route tokens; remove tread_config")
+        resolve_routes(config.tread_config.routes, len(getattr(transformer, family.tread_layout.blocks)))
+    params = add_lora(transformer, config, family)
+    if config.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    return transformer, params
+
+
+def enable_offload(transformer: torch.nn.Module, config: LoraflowConfig, device: torch.device) -> None:
+    if not config.enable_group_offload:
+        return
+    block_level = config.group_offload_type == "block_level"
+    transformer.enable_group_offload(
+        onload_device=device, offload_device=torch.device("cpu"), offload_type=config.group_offload_type,
+        num_blocks_per_group=config.group_offload_blocks_per_group if block_level else None,
+        use_stream=config.group_offload_use_stream,
+    )
+
+
+def uses_autocast(config: LoraflowConfig, device: torch.device) -> bool:
+    auto = device.type == "cuda" or config.base_model_precision != "no_change"  # bf16 weights need bf16 compute
+    return config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and auto)
+
+
+class Trainable:
+    """The LoRA parameters, on the compute device at every optimizer step, even under group offloading.
+
+    Group offloading moves whole blocks, LoRA included: without streams it moves them to the CPU after their
+    forward (values kept), with streams it swaps in the CPU copies it took when enabled (updates lost). So
+    gradients are collected after each backward (the next forward's offload would move them), parameters are
+    brought back before the step, and the offloader's CPU copies are refreshed after it. Without offloading
+    the gradients simply accumulate in the parameters (the same arithmetic, a little less Python per step).
+    """
+
+    def __init__(self, transformer: torch.nn.Module, params: list[torch.nn.Parameter], device: torch.device) -> None:
+        self.params, self.device = params, device
+        self.grads: list[torch.Tensor | None] = [None] * len(params)
+        hooks = _offload_hooks(transformer)
+        self.offloaded = bool(hooks)
+        copies = {p: copy for hook in hooks for p, copy in hook.group.cpu_param_dict.items()}  # streams only
+        self.copies = [copies.get(p) for p in params]
+        self.resident()
+
+    def resident(self) -> None:
+        for p in self.params:
+            if p.device != self.device:  # an offload hook moved it
+                p.data = p.data.to(self.device)
+
+    def collect(self) -> None:
+        """After each backward: take the gradients out of the parameters (accumulated here, in fp32)."""
+        for i, p in enumerate(self.params if self.offloaded else ()):
+            if p.grad is not None:  # None for a layer whose output is unused (e.g. HV1.5's last text stream)
+                self.grads[i] = p.grad if self.grads[i] is None else self.grads[i] + p.grad
+                p.grad = None
+
+    def gradients(self) -> list[torch.Tensor | None]:
+        """The gradients accumulated since the last step, one per parameter."""
+        return self.grads if self.offloaded else [p.grad for p in self.params]
+
+    def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
+        """Clip, step, zero; returns the gradient norm before clipping."""
+        if self.offloaded:
+            self.resident()
+            for p, grad in zip(self.params, self.grads):
+                p.grad = grad
+            self.grads = [None] * len(self.params)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():  # the offloader's CPU copies (with streams) get the new values
+            for p, copy in zip(self.params, self.copies):
+                if copy is not None:
+                    copy.copy_(p)
+        return norm
+
+
+def _offload_hooks(transformer: torch.nn.Module) -> list[Any]:
+    """diffusers' group offloading hooks (each holds its group's CPU copies of the parameters, with streams)."""
+    registries = [getattr(m, "_diffusers_hook", None) for m in transformer.modules()]
+    hooks = [r.get_hook("group_offloading") for r in registries if r is not None]
+    return [h for h in hooks if h is not None]
+
+
+# 3. one micro-step ---------------------------------------------------------------------------------------------
+def flow_loss(
+    transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
 ) -> torch.Tensor:
-    """Flow-matching loss of one micro-batch: x_t = (1-s) x0 + s noise, target noise - x0."""
-    latents = store.get("latents", [s.latent_key for s in batch])
-    x0 = torch.from_numpy(np.stack([latents[s.latent_key]["latent"] for s in batch])).to(device)  # (B, C, T, h, w)
-    drop = torch.rand(1, generator=generator).item() < config.caption_dropout_probability
-    text_keys = [empty_key if drop else s.text_key for s in batch]
-    text_rows = store.get("text_embeds", set(text_keys))
-    text = family.collate_text([text_rows[k] for k in text_keys], device)
-    noise = torch.randn(x0.shape, generator=generator).to(device)
-    shift = config.flow_schedule_shift or family.flavour.flow_shift
-    sigma = sample_sigmas(len(batch), generator, config.flow_sigma_sampling, shift, config.flow_sigmoid_scale).to(device)
-    prediction = family.velocity(transformer, noisy_sample(x0, noise, sigma), sigma, text)
+    """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32)."""
+    x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
+    text = {k: v.to(device) for k, v in batch.text.items()}
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        prediction = family.velocity(transformer, noisy_sample(x0, noise, sigma), sigma, text)
     return F.mse_loss(prediction.float(), (noise - x0).float())
 
 
+def routing(transformer: torch.nn.Module, family: ModelFamily, config: LoraflowConfig,
+            seed: int) -> AbstractContextManager:
+    """TREAD for one forward + backward (a checkpoint recompute reuses the subset), or nothing."""
+    if config.tread_config is None:
+        return nullcontext()
+    return tread_routing(transformer, family.tread_layout, config.tread_config.routes,
+                         torch.Generator().manual_seed(seed))
+
+
+# 4. the loop ---------------------------------------------------------------------------------------------------
 def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> StageReport:
+    # 1. plan: inputs, run folder, samples; a finished run is reused as it is
     upstream = upstream_versions(store)
     out = run_dir(config, upstream)
     if (out / LORA_FILE).is_file():
         return _report(out, upstream, computed=0)
-    samples = build_samples(store)
-    empty_key = next(r["key"] for r in store.read_manifest("text_embeds") if r["text"] == "")
+    plan = BatchPlan(build_samples(config, store), config.train_batch_size, config.seed)
+    empty_key = empty_prompt_key(store)
+    out.mkdir(parents=True, exist_ok=True)
     device = pick_device()
-    transformer = load_component(config.pretrained_model_name_or_path, "transformer", torch.float32, str(device))
-    params = add_lora(transformer, config, family)
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=1e-2)
-    start = resume(out, transformer, optimizer)
-    history = _read_history(out)
-    transformer.train()
-    for step in range(start, config.max_train_steps):
-        began = time.perf_counter()
-        lr = lr_at(step, config.learning_rate, config.lr_warmup_steps, config.max_train_steps, config.lr_scheduler)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = 0.0
-        for micro in range(config.gradient_accumulation_steps):
-            micro_step = step * config.gradient_accumulation_steps + micro
-            generator = torch.Generator().manual_seed(config.seed * 1_000_003 + micro_step)
-            batch = batch_at(samples, config, micro_step)
-            loss = step_loss(transformer, family, store, batch, generator, config, device, empty_key)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"step {step}: loss is {loss.item()}; lower learning_rate or check the caches")
-            (loss / config.gradient_accumulation_steps).backward()
-            loss_sum += loss.item() / config.gradient_accumulation_steps
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm).item()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        ms = (time.perf_counter() - began) * 1000
-        history.append({"step": step + 1, "loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "ms": ms})
-        log.info("step %d/%d | loss %.4f | lr %.1e | %.0f ms | %.1f GiB", step + 1, config.max_train_steps,
-                 loss_sum, lr, ms, peak_memory_gib(device))
-        if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
-            save_checkpoint(out, step + 1, transformer, optimizer, history, config.checkpoints_total_limit)
+    # 2. model: precision, LoRA (resumed), memory features, optimizer (resumed)
+    transformer, params = load_transformer(config, family, device)
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is not None:
+        load_lora(checkpoint, transformer)
+    enable_offload(transformer, config, device)
+    trainable = Trainable(transformer, params, device)
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY)
+    start, history = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
+    # 3. steps
+    history = run_steps(config, family, store, plan, empty_key, transformer, trainable, optimizer, start, history, out)
+    # 4. the history, then the adapter: the adapter's presence marks the run done
+    write_json(out / "history.json", history)
     export_lora(out, transformer, family)
-    _write_json(out / "history.json", history)
-    free_models(transformer)
-    return _report(out, upstream, computed=config.max_train_steps - start)
+    del transformer, trainable, optimizer, params  # the last references: free_models can free the weights
+    free_models()
+    return _report(out, upstream, computed=config.max_train_steps - start, resumed_at=start)
 
 
-def _report(out: Path, upstream: dict[str, str], computed: int) -> StageReport:
-    history = _read_history(out)
-    return StageReport(
-        data_version=out.name, computed=computed, reused=0 if computed else 1,
-        tables={"history": history}, facts={"lora_path": str(out / LORA_FILE), "run_dir": str(out), "inputs": upstream},
-    )
+def run_steps(
+    config: LoraflowConfig, family: ModelFamily, store: Store, plan: BatchPlan, empty_key: str,
+    transformer: torch.nn.Module, trainable: Trainable, optimizer: torch.optim.Optimizer, start: int,
+    history: list[dict], out: Path,
+) -> list[dict]:
+    """Optimizer steps start..max_train_steps: set lr, micro-steps, clip + step, log, checkpoint."""
+    device, accum = trainable.device, config.gradient_accumulation_steps
+    autocast = uses_autocast(config, device)
+    rows = RowCache(store)
+    batches = prefetched(lambda k: load_micro_batch(config, family, rows, plan(k), k, empty_key),
+                         range(start * accum, config.max_train_steps * accum))
+    writer = _tensorboard(out, start)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    transformer.train()
+    try:
+        for step in range(start, config.max_train_steps):
+            began = time.perf_counter()
+            lr = lr_at(step, config.learning_rate, config.lr_warmup_steps, config.max_train_steps, config.lr_scheduler)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum, seen = 0.0, 0
+            for micro in range(step * accum, (step + 1) * accum):
+                batch = next(batches)
+                if config.lora_dropout:  # peft's dropout draws from the global RNG
+                    torch.manual_seed(step_seed(config.seed, micro, "lora_dropout"))
+                with routing(transformer, family, config, batch.draws.seed):
+                    loss = flow_loss(transformer, family, batch, device, autocast)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"step {step + 1}: loss is {loss.item()}; no update was made. "
+                                                 "Lower learning_rate, or check the latent and text caches")
+                    (loss / accum if accum > 1 else loss).backward()
+                trainable.collect()
+                loss_sum, seen = loss_sum + loss.item() / accum, seen + len(batch.samples)
+            grad_norm = trainable.step(optimizer, config.max_grad_norm)
+            history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
+                                     time.perf_counter() - began, seen, device, writer))
+            if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
+                save_checkpoint(out, step + 1, transformer, optimizer, history, config.checkpoints_total_limit)
+    finally:
+        batches.close()
+        if writer is not None:
+            writer.close()
+    return history
 
 
-# -- checkpoints: safetensors + JSON, written to a temporary folder and renamed ---------------------------
-def save_checkpoint(out: Path, step: int, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    history: list[dict], total_limit: int | None) -> Path:
-    final = out / "checkpoints" / f"step-{step:07d}"
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(get_peft_model_state_dict(transformer), tmp / "lora.safetensors")
-    tensors, scalars = _flatten_optimizer(optimizer)
-    save_file(tensors, tmp / "optimizer.safetensors")
-    _write_json(tmp / "state.json", {"step": step, "optimizer": scalars, "history": history})
-    tmp.rename(final)
-    for old in sorted((out / "checkpoints").glob("step-???????"))[: -total_limit if total_limit else None]:
-        shutil.rmtree(old)
-    return final
+def empty_prompt_key(store: Store) -> str:
+    key = next((row["key"] for row in store.read_manifest("text_embeds") if row["text"] == ""), None)
+    if key is None:
+        raise KeyError("the empty prompt (caption dropout trains on it) has no cached embedding: materialize "
+                       "`text_embeds` again")
+    return key
 
 
-def resume(out: Path, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load the newest complete checkpoint; return the step to continue from (0 when none)."""
-    done = sorted((out / "checkpoints").glob("step-???????"))
-    if not done:
-        return 0
-    latest = done[-1]
-    set_peft_model_state_dict(transformer, load_file(latest / "lora.safetensors"))
-    state = json.loads((latest / "state.json").read_text())
-    optimizer.load_state_dict(_unflatten_optimizer(load_file(latest / "optimizer.safetensors"), state["optimizer"]))
-    log.info("resuming from %s", latest)
-    return state["step"]
+def _log_step(step: int, total: int, loss: float, lr: float, grad_norm: float, seconds: float, seen: int,
+              device: torch.device, writer: Any) -> dict[str, float]:
+    """One greppable line, one TensorBoard point, one history row."""
+    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": seconds * 1000,
+           "samples_per_s": seen / seconds} | ({"peak_gib": peak_memory_gib(device)} if device.type == "cuda" else {})
+    log.info("step %d/%d | loss %.4f | lr %.1e | grad %.3f | %.0f ms | %.2f samples/s | %s GiB", step, total, loss, lr,
+             grad_norm, row["ms"], row["samples_per_s"], f"{row['peak_gib']:.1f}" if "peak_gib" in row else "-")
+    for name, value in row.items() if writer is not None else ():
+        writer.add_scalar(f"train/{name}", value, step)
+    return row
 
 
-def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    state = optimizer.state_dict()
-    tensors = {f"{pid}.{name}": value.contiguous() for pid, entry in state["state"].items()
-               for name, value in entry.items()}
-    return tensors, {"param_groups": state["param_groups"]}
+def _tensorboard(out: Path, start: int) -> Any:
+    """A TensorBoard event writer under the run folder when tensorboard is installed (optional)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.info("tensorboard is not installed: no event files (history.json has the same numbers)")
+        return None
+    return SummaryWriter(str(out / "tensorboard"), purge_step=start + 1)  # a resumed run drops the lost steps
 
 
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in tensors.items():
-        pid, field = name.split(".", 1)
-        state.setdefault(int(pid), {})[field] = value
-    return {"state": state, "param_groups": scalars["param_groups"]}
-
-
-def export_lora(out: Path, transformer: torch.nn.Module, family: ModelFamily) -> None:
-    """diffusers format through the family's own writer, renamed into place."""
-    tmp = out / "export.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    family.save_lora(get_peft_model_state_dict(transformer), tmp)
-    (tmp / LORA_FILE).rename(out / LORA_FILE)
-    shutil.rmtree(tmp)
-
-
-def _read_history(out: Path) -> list[dict]:
-    if (out / "history.json").is_file():
-        return json.loads((out / "history.json").read_text())
-    done = sorted((out / "checkpoints").glob("step-???????"))
-    return json.loads((done[-1] / "state.json").read_text())["history"] if done else []
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.rename(path)
+def _report(out: Path, upstream: dict[str, str], computed: int, resumed_at: int = 0) -> StageReport:
+    history = json.loads((out / "history.json").read_text())  # written before the adapter: always there
+    speeds = [row["samples_per_s"] for row in history if "samples_per_s" in row]
+    facts = {"lora_path": str(out / LORA_FILE), "run_dir": str(out), "inputs": upstream, "resumed_at_step": resumed_at,
+             "samples_per_s": float(np.median(speeds)) if speeds else 0.0,
+             "peak_gib": max((row.get("peak_gib", 0.0) for row in history), default=0.0)}
+    return StageReport(data_version=out.name, computed=computed, reused=0 if computed else 1,
+                       tables={"history": history}, facts=facts)

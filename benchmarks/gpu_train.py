@@ -1,0 +1,237 @@
+"""GPU benchmark: seconds per LoRA training step and peak memory of real-size transformers (random weights).
+
+- Kandinsky 5 Video Lite: the released config (2.01B), 512x768, 61 frames -> 24,576 visual tokens;
+- HunyuanVideo 1.5: diffusers' default config, which is the released architecture (8.33B), 480x848, 61 frames
+  -> 25,440 visual tokens.
+bf16 weights (`base_model_precision: bf16`), bf16 autocast, fp32 LoRA rank 16 on attention, AdamW, batch 1,
+through the pieces `train_lora` itself runs (load_transformer, enable_offload, Trainable, routing, flow_loss),
+for each variant below, each in a fresh subprocess (clean allocator, honest peak). A run that does not fit
+records `oom`. The offload variant must train the same LoRA as the one without it: the script compares the
+LoRA weights after the timed steps (this checks that group offloading with streams keeps the updates).
+
+CUDA only. `--smoke` runs the same code path on the CPU with the tiny checkpoints (numbers meaningless;
+streams and the real sizes are left out) so the script keeps working on machines without a GPU.
+
+    python benchmarks/gpu_train.py                  # writes benchmarks/results/train_gpu.json
+    python benchmarks/gpu_train.py --smoke          # CPU, tiny; prints, writes only with --out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results" / "train_gpu.json"
+K5_LITE = dict(in_visual_dim=16, out_visual_dim=16, time_dim=512, patch_size=(1, 2, 2), model_dim=1792, ff_dim=7168,
+               num_text_blocks=2, num_visual_blocks=32, axes_dims=(16, 24, 24), visual_cond=True, in_text_dim=3584,
+               in_text_dim2=768)
+MODELS: dict[str, dict[str, Any]] = {
+    "kandinsky5-video": {"class": "Kandinsky5Transformer3DModel", "config": K5_LITE, "flavour": "t2v-lite-sft-5s",
+                         "size": (512, 768), "frames": 61, "vae": (16, 8), "text_tokens": 128},
+    "hunyuanvideo-1.5": {"class": "HunyuanVideo15Transformer3DModel", "config": {}, "flavour": "t2v-480p",
+                         "size": (480, 848), "frames": 61, "vae": (32, 16), "text_tokens": 128},
+}
+SMOKE_SIZE = {"size": (64, 96), "frames": 17, "text_tokens": 8}
+TREAD = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "checkpointing": {"gradient_checkpointing": True},
+    "checkpointing+offload": {"gradient_checkpointing": True, "enable_group_offload": True,
+                              "group_offload_use_stream": True},
+    "checkpointing+tread0.5": {"gradient_checkpointing": True, "tread_config": TREAD},
+    "checkpointing+fp8": {"gradient_checkpointing": True, "base_model_precision": "fp8-layerwise"},
+    "offload": {"enable_group_offload": True, "group_offload_use_stream": True},
+}
+SAME_NUMBERS = ("checkpointing", "checkpointing+offload")  # exact features: their LoRAs must agree
+
+
+def write_checkpoint(family: str, folder: Path) -> None:
+    """A diffusers folder holding only the transformer: random N(0, 0.02) matrices, unit norms, zero biases; bf16."""
+    import diffusers
+    import torch
+
+    spec = MODELS[family]
+    cls = getattr(diffusers, spec["class"])
+    with torch.device("meta"):
+        model = cls(**spec["config"])
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    generator = torch.Generator("cuda").manual_seed(0)
+    with torch.no_grad():  # to_empty leaves garbage: set every parameter (random modulations: no identity blocks)
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02, generator=generator)
+            else:
+                p.fill_(1.0 if "norm" in name else 0.0)
+    model.save_pretrained(folder / "transformer")
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "bench", "transformer": ["diffusers",
+                                                                                                 spec["class"]]}))
+
+
+def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: int, smoke: bool,
+                lora_out: str) -> dict[str, Any]:
+    import torch
+
+    from loraflow.config import parse_config
+    from loraflow.ops import train as T
+    from loraflow.ops.checkpoints import lora_state
+    from loraflow.pipelines import get_family
+    from safetensors.torch import save_file
+
+    keys = dict(VARIANTS[variant])
+    if smoke:  # tiny models have 2 blocks; the CPU has no streams
+        keys.pop("group_offload_use_stream", None)
+        keys = {**keys, "tread_config": {"routes": [{**TREAD["routes"][0], "start_layer_idx": 0,
+                                                     "end_layer_idx": -1}]}} if "tread_config" in keys else keys
+    config = parse_config({
+        "model_family": family, "model_flavour": MODELS[family]["flavour"], "pretrained_model_name_or_path": model_path,
+        "datasets": [{"id": "bench", "instance_data_dir": "unused"}], "lora_rank": 16,
+        "base_model_precision": "bf16", **keys})
+    device = torch.device("cpu" if smoke else "cuda")
+    family_obj = get_family(config)
+    try:
+        transformer, params = T.load_transformer(config, family_obj, device)
+        T.enable_offload(transformer, config, device)
+        trainable = T.Trainable(transformer, params, device)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=T.WEIGHT_DECAY)
+        batch = random_batch(family, transformer.config, smoke)
+        autocast = T.uses_autocast(config, device)
+        times, losses = [], []
+        for k in range(warmup + steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            with T.routing(transformer, family_obj, config, seed=k):
+                loss = T.flow_loss(transformer, family_obj, batch, device, autocast)
+                loss.backward()
+            trainable.collect()
+            trainable.step(optimizer, 1.0)
+            losses.append(loss.item())  # syncs
+            times.append(time.perf_counter() - began)
+    except torch.cuda.OutOfMemoryError as err:
+        return {"oom": True, "error": str(err).splitlines()[0]}
+    except ValueError as err:  # a setting the family cannot do (e.g. TREAD without a token layout)
+        return {"skipped": str(err)}
+    save_file(lora_state(transformer), lora_out)
+    timed = sorted(times[warmup:])
+    return {"seconds_per_step": round(timed[len(timed) // 2], 4), "steps_timed": len(timed),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+            "visual_tokens": visual_tokens(batch, family), "losses": [round(v, 5) for v in losses]}
+
+
+def random_batch(family: str, dims: Any, smoke: bool) -> Any:
+    """Latents and text of the benchmark size, with the family's text row layout (what text_embeds stores)."""
+    import numpy as np
+    import torch
+
+    from loraflow.ops.train import MicroBatch, StepDraws
+    from loraflow.pipelines import get_family
+    from loraflow.config import parse_config
+
+    spec = {**MODELS[family], **(SMOKE_SIZE if smoke else {})}
+    channels, factor = spec["vae"]
+    (height, width), frames, tokens = spec["size"], spec["frames"], spec["text_tokens"]
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(1, channels, (frames - 1) // 4 + 1, height // factor, width // factor, generator=g)
+    rng = np.random.default_rng(0)
+    if family == "kandinsky5-video":
+        row = {"text_embeds": rng.standard_normal((tokens, dims.in_text_dim), np.float32),
+               "pooled_embeds": rng.standard_normal(dims.in_text_dim2, np.float32)}
+    else:
+        row = {"text_embeds": rng.standard_normal((tokens, dims.text_embed_dim), np.float32),
+               "byt5_embeds": np.zeros((1, dims.text_embed_2_dim), np.float32), "byt5_mask": np.zeros(1, np.float32)}
+    config = parse_config({"model_family": family, "pretrained_model_name_or_path": "unused",
+                           "datasets": [{"id": "bench", "instance_data_dir": "unused"}]})
+    text = get_family(config).collate_text([row], torch.device("cpu"))
+    draws = StepDraws(False, torch.randn(x0.shape, generator=g), torch.tensor([0.7]), 0)
+    return MicroBatch([], x0, text, draws)
+
+
+def visual_tokens(batch: Any, family: str) -> int:
+    _, _, t, h, w = batch.x0.shape
+    return t * h * w // (4 if family == "kandinsky5-video" else 1)  # K5 patches 2x2, HV1.5 1x1
+
+
+def child(args: argparse.Namespace) -> None:
+    if args.child == "write":
+        write_checkpoint(args.family, Path(args.model))
+        return
+    result = run_variant(args.family, args.model, args.child, args.steps, args.warmup, args.smoke, args.lora_out)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def spawn(argv: list[str], timeout: int) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode or not lines:
+        return {"error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:] or ['?']}"}
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def compare_loras(paths: list[Path]) -> float | None:
+    from safetensors.torch import load_file
+
+    if not all(p.is_file() for p in paths):
+        return None
+    a, b = (load_file(p) for p in paths)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny checkpoints on the CPU: checks the code path")
+    parser.add_argument("--families", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8; smoke 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2; smoke 1)")
+    parser.add_argument("--out", type=Path, default=None, help=f"result JSON (default {RESULTS}; smoke: none)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--family", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--lora-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    steps, warmup = args.steps or (2 if args.smoke else 8), args.warmup or (1 if args.smoke else 2)
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("gpu_train.py needs a CUDA device (use --smoke for the CPU check at tiny size)")
+    results, checks = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families:
+            model = Path(tmp) / family
+            if args.smoke:
+                from loraflow.pipelines.tiny import build_tiny
+
+                build_tiny(family, model)
+            else:
+                spawn(["--child", "write", "--family", family, "--model", str(model)], timeout=1800)
+            for variant in args.variants:
+                lora = Path(tmp) / f"{family}-{variant}.safetensors"
+                result = spawn(["--child", variant, "--family", family, "--model", str(model), "--steps", str(steps),
+                                "--warmup", str(warmup), "--lora-out", str(lora)] + (["--smoke"] if args.smoke else []),
+                               timeout=3600)
+                results.append({"family": family, "variant": variant, **result})
+                print(json.dumps(results[-1]), flush=True)
+            checks[family] = compare_loras([Path(tmp) / f"{family}-{v}.safetensors" for v in SAME_NUMBERS])
+    report = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
+              "smoke": args.smoke, "steps_timed": steps, "warmup": warmup, "lora_rank": 16,
+              "variants": VARIANTS, "results": results,
+              "lora_max_abs_diff_offload_vs_not": checks}
+    print(json.dumps({"lora_max_abs_diff_offload_vs_not": checks}))
+    out = args.out or (None if args.smoke else RESULTS)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

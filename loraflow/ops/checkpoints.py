@@ -1,0 +1,114 @@
+"""Training checkpoints: safetensors + JSON in a folder written as `<name>.tmp` and renamed when complete.
+
+    <run>/checkpoints/step-NNNNNNN/lora.safetensors       the peft state dict of the adapter (fp32)
+                                  /optimizer.safetensors  AdamW's tensors, keyed "<param index>.<name>"
+                                  /state.json             step, AdamW's param_groups, the history so far
+A killed save leaves only the .tmp folder, which nothing reads and the next save replaces. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from loraflow.pipelines.base import ModelFamily
+
+log = logging.getLogger(__name__)
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def save_checkpoint(out: Path, step: int, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    history: list[dict], total_limit: int | None) -> Path:
+    final = out / "checkpoints" / f"step-{step:07d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(lora_state(transformer), tmp / "lora.safetensors")
+    tensors, scalars = _flatten_optimizer(optimizer)
+    save_file(tensors, tmp / "optimizer.safetensors")
+    write_json(tmp / "state.json", {"step": step, "optimizer": scalars, "history": history})
+    for path in (*tmp.iterdir(), tmp):  # on disk before the rename publishes them (a power cut, not only a kill)
+        _fsync(path)
+    tmp.rename(final)
+    for old in sorted((out / "checkpoints").glob("step-???????"))[: -total_limit if total_limit else None]:
+        shutil.rmtree(old)
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint (a killed save leaves only a .tmp folder, which is never read)."""
+    done = sorted((out / "checkpoints").glob("step-???????"))
+    return done[-1] if done else None
+
+
+def load_lora(checkpoint: Path, transformer: torch.nn.Module) -> None:
+    """The adapter's weights at the checkpoint, into the transformer's (already added) adapter."""
+    set_peft_model_state_dict(transformer, load_tensors(checkpoint / "lora.safetensors"))
+
+
+def resume_optimizer(checkpoint: Path, optimizer: torch.optim.Optimizer) -> tuple[int, list[dict]]:
+    """Load AdamW's state; return (the step to continue from, the history so far)."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    tensors = load_tensors(checkpoint / "optimizer.safetensors")
+    optimizer.load_state_dict(_unflatten_optimizer(tensors, state["optimizer"]))
+    log.info("resuming from %s", checkpoint)
+    return state["step"], state["history"]
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as err:
+        raise RuntimeError(f"checkpoint file {path} is unreadable ({err}); delete its folder {path.parent} to "
+                           "resume from the one before it") from err
+
+
+def lora_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+
+
+def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    state = optimizer.state_dict()
+    tensors = {f"{pid}.{name}": value.detach().cpu().contiguous() for pid, entry in state["state"].items()
+               for name, value in entry.items()}
+    return tensors, {"param_groups": state["param_groups"]}
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in tensors.items():
+        index, field = name.split(".", 1)
+        state.setdefault(int(index), {})[field] = value
+    return {"state": state, "param_groups": scalars["param_groups"]}
+
+
+def export_lora(out: Path, transformer: torch.nn.Module, family: ModelFamily) -> None:
+    """diffusers format through the family's own writer, renamed into place."""
+    tmp = out / "export.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    family.save_lora(lora_state(transformer), tmp)
+    (tmp / LORA_FILE).rename(out / LORA_FILE)
+    shutil.rmtree(tmp)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.rename(path)

@@ -1,0 +1,259 @@
+"""Training on the tiny real Kandinsky 5 Video, from caches the real ops build from the demo config.
+
+The dataset is two clips of the demo set, one of them also under a second name with a short caption, so one
+bucket holds two text lengths (what K5 batching must never mix). Runs share the caches and differ only in their
+output folders.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from diffusers import Kandinsky5Transformer3DModel
+from peft import LoraConfig, get_peft_model_state_dict
+from safetensors.torch import load_file
+
+from loraflow.config import LoraflowConfig, load_config
+from loraflow.ops import train as T
+from loraflow.ops.clips import build_clips
+from loraflow.ops.latents import encode_latents
+from loraflow.ops.text_embeds import encode_texts
+from loraflow.pipelines import get_family
+from loraflow.store import Store
+from tests.conftest import REPO, demo_dict, write_config
+
+SHORT_CAPTION = "a dot"
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("train")
+    data = root / "data"
+    data.mkdir()
+    for stem in ("clip_00", "clip_02"):
+        for ext in (".mp4", ".txt"):
+            shutil.copy(demo_data / f"{stem}{ext}", data / f"{stem}{ext}")
+    shutil.copy(demo_data / "clip_00.mp4", data / "clip_00b.mp4")  # same bucket as clip_00, another text length
+    (data / "clip_00b.txt").write_text(SHORT_CAPTION)
+    config = make_config({"model": tiny_k5, "data": data, "root": root}, root / "output")
+    family, store = get_family(config), Store(config.cache_dir)
+    for op in (build_clips, encode_latents, encode_texts):
+        op(config, family, store)
+    return {"model": tiny_k5, "data": data, "root": root}
+
+
+def make_config(caches: dict[str, Path], output: Path, **overrides: Any) -> LoraflowConfig:
+    data = demo_dict(caches["model"], caches["data"], caches["root"], max_train_steps=2, checkpointing_steps=100)
+    data.update(output_dir=str(output), **overrides)
+    path = output.parent / f"{output.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return load_config(write_config(path, data))
+
+
+def train(config: LoraflowConfig):
+    return T.train_lora(config, get_family(config), Store(config.cache_dir))
+
+
+@pytest.fixture(scope="module")
+def baseline(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    config = make_config(caches, tmp_path_factory.mktemp("baseline") / "out")
+    return config, train(config)
+
+
+def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> T.MicroBatch:
+    store = Store(config.cache_dir)
+    plan = T.BatchPlan(T.build_samples(config, store), config.train_batch_size, config.seed)
+    return T.load_micro_batch(config, get_family(config), store, plan(micro_step), micro_step,
+                              T.empty_prompt_key(store))
+
+
+def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Path]) -> None:
+    """The transformer called directly, as Kandinsky5T2VPipeline's denoising loop calls it; AdamW by hand."""
+    config, report = baseline
+    store, family = Store(config.cache_dir), get_family(config)
+    transformer = Kandinsky5Transformer3DModel.from_pretrained(caches["model"] / "transformer").requires_grad_(False)
+    torch.manual_seed(config.seed)
+    targets = [f"{a}.{p}" for a in ("self_attention", "cross_attention")
+               for p in ("to_query", "to_key", "to_value", "out_layer")]
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights=True))
+    params = [p.requires_grad_(True) for n, p in transformer.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
+    plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
+    for step, logged in enumerate(report.tables["history"]):
+        (sample,) = plan(step)
+        x0 = torch.from_numpy(np.array(store.get("latents", [sample.latent_key])[sample.latent_key]["latent"]))[None]
+        draws = T.step_draws(config, family, step, tuple(x0.shape))
+        assert not draws.drop_caption
+        text = store.get("text_embeds", [sample.text_key])[sample.text_key]
+        qwen, clip = (torch.from_numpy(np.array(text[k]))[None] for k in ("text_embeds", "pooled_embeds"))
+        s = draws.sigma.view(-1, 1, 1, 1, 1)
+        x_t = ((1 - s) * x0 + s * draws.noise).permute(0, 2, 3, 4, 1)  # (B, T, h, w, 16): the pipeline's layout
+        latents = torch.cat([x_t, torch.zeros_like(x_t), torch.zeros_like(x_t[..., :1])], -1)  # t2v visual_cond
+        _, frames, h, w, _ = x_t.shape
+        height, width = h * 8, w * 8
+        velocity = transformer(
+            hidden_states=latents, encoder_hidden_states=qwen, pooled_projections=clip, timestep=draws.sigma * 1000,
+            visual_rope_pos=[torch.arange(frames), torch.arange(h // 2), torch.arange(w // 2)],
+            text_rope_pos=torch.arange(qwen.shape[1]),
+            scale_factor=(1, 2, 2) if 480 <= height <= 854 and 480 <= width <= 854 else (1, 3.16, 3.16),
+            sparse_params=None, return_dict=True,
+        ).sample
+        loss = ((velocity - (draws.noise - x0).permute(0, 2, 3, 4, 1)) ** 2).mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert abs(loss.item() - logged["loss"]) <= 1e-6 and abs(norm - logged["grad_norm"]) <= 1e-6 * max(1, norm)
+    trained = load_file(report.facts["lora_path"])
+    expected = get_peft_model_state_dict(transformer)
+    assert sorted(trained) == sorted(f"transformer.{k}" for k in expected)
+    assert len(expected) == 40  # A and B of 20 adapted linears (1 text + 2 visual blocks)
+    worst = max((trained[f"transformer.{k}"] - v).abs().max().item() for k, v in expected.items())
+    assert worst <= 1e-6
+    assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)  # it did train
+
+
+def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tmp_path: Path) -> None:
+    config = make_config(caches, tmp_path / "out", lora_rank=8, lora_include_ffn=True)
+    family = get_family(config)
+    batch = fixed_batch(config)
+    transformer, params = T.load_transformer(config, family, CPU)
+    trainable = T.Trainable(transformer, params, CPU)
+    optimizer = torch.optim.AdamW(params, lr=3e-2)
+    losses = []
+    for _ in range(30):
+        loss = T.flow_loss(transformer, family, batch, CPU, autocast=False)
+        loss.backward()
+        trainable.collect()
+        trainable.step(optimizer, 1.0)
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_a_killed_run_resumes_to_the_same_bits(caches: dict[str, Path], tmp_path: Path) -> None:
+    settings = {"max_train_steps": 24, "checkpointing_steps": 2, "checkpoints_total_limit": 1, "lora_dropout": 0.1}
+    killed = make_config(caches, tmp_path / "killed", **settings)
+    run = T.run_dir(killed, T.upstream_versions(Store(killed.cache_dir)))
+    code = ("import sys; from loraflow.config import load_config; from loraflow.ops.train import train_lora; "
+            "from loraflow.pipelines import get_family; from loraflow.store import Store; "
+            "c = load_config(sys.argv[1]); train_lora(c, get_family(c), Store(c.cache_dir))")
+    process = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "killed.yaml")], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list((run / "checkpoints").glob("step-???????")) and process.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.002)
+    os.kill(process.pid, signal.SIGKILL)
+    stderr = process.communicate()[1].decode()
+    assert process.returncode == -signal.SIGKILL, stderr[-2000:]
+    assert not (run / T.LORA_FILE).exists()  # it really was interrupted
+    resumed = train(killed)
+    assert 2 <= resumed.facts["resumed_at_step"] < 24 and resumed.computed == 24 - resumed.facts["resumed_at_step"]
+    whole = train(make_config(caches, tmp_path / "whole", **settings))
+    assert whole.facts["resumed_at_step"] == 0
+    assert (run / T.LORA_FILE).read_bytes() == Path(whole.facts["lora_path"]).read_bytes()
+    assert [r["loss"] for r in resumed.tables["history"]] == [r["loss"] for r in whole.tables["history"]]
+    assert len(list((run / "checkpoints").glob("step-*"))) == 1  # checkpoints_total_limit
+
+
+def test_a_config_change_starts_a_new_run_and_a_rerun_computes_nothing(baseline, caches: dict[str, Path]) -> None:
+    config, first = baseline
+    again = train(config)
+    assert again.computed == 0 and again.reused == 1 and again.data_version == first.data_version
+    runtime_only = make_config(caches, Path(config.output_dir), checkpointing_steps=1, gradient_checkpointing=True)
+    assert train(runtime_only).computed == 0  # how a run computes is not what it computes
+    changed = make_config(caches, Path(config.output_dir), lora_rank=2)
+    report = train(changed)
+    assert report.computed == 2 and report.facts["run_dir"] != first.facts["run_dir"]
+    assert {v.shape[0] for k, v in load_file(report.facts["lora_path"]).items() if "lora_A" in k} == {2}
+
+
+def test_caption_dropout_trains_on_the_cached_empty_prompt(caches: dict[str, Path], tmp_path: Path) -> None:
+    store = Store(make_config(caches, tmp_path / "a").cache_dir)
+    empty = store.get("text_embeds", [T.empty_prompt_key(store)])[T.empty_prompt_key(store)]
+    dropped = fixed_batch(make_config(caches, tmp_path / "b", caption_dropout_probability=1.0))
+    kept = fixed_batch(make_config(caches, tmp_path / "c", caption_dropout_probability=0.0))
+    for name in ("text_embeds", "pooled_embeds"):
+        assert torch.equal(dropped.text[name][0], torch.from_numpy(np.array(empty[name])))
+    assert dropped.text["text_embeds"].shape[1] != kept.text["text_embeds"].shape[1]
+    half = make_config(caches, tmp_path / "d", caption_dropout_probability=0.5)
+    rate = np.mean([T.step_draws(half, get_family(half), k, (1, 16, 1, 2, 2)).drop_caption for k in range(400)])
+    assert 0.4 < rate < 0.6
+
+
+def test_batches_of_two_never_mix_text_lengths(caches: dict[str, Path], tmp_path: Path) -> None:
+    config = make_config(caches, tmp_path / "out", train_batch_size=2, max_train_steps=2)
+    store = Store(config.cache_dir)
+    samples = T.build_samples(config, store)
+    short = next(r["key"] for r in store.read_manifest("text_embeds") if r["text"] == SHORT_CAPTION)
+    bucket = next(s.group[0] for s in samples if s.text_key == short)
+    assert len({s.group[1] for s in samples if s.group[0] == bucket}) == 2  # the data does mix lengths
+    plan = T.BatchPlan(samples, 2, config.seed)
+    batches = [plan(k) for k in range(3 * plan.per_epoch)]
+    assert all(len({s.group for s in b}) == 1 for b in batches)
+    assert sum(len(b) == 2 for b in batches) >= plan.per_epoch  # real batches of two, not singletons
+    assert train(config).computed == 2  # collate_text raises on mixed lengths: it never does
+
+
+def test_tread_with_ratio_zero_trains_exactly_like_no_tread(baseline, caches: dict[str, Path], tmp_path: Path) -> None:
+    config, plain = baseline
+    route = {"selection_ratio": 0.0, "start_layer_idx": 0, "end_layer_idx": -1}
+    routed = train(make_config(caches, tmp_path / "out", tread_config={"routes": [route]}))
+    assert [r["loss"] for r in routed.tables["history"]] == [r["loss"] for r in plain.tables["history"]]
+    half = train(make_config(caches, tmp_path / "half", tread_config={"routes": [{**route, "selection_ratio": 0.5}]}))
+    assert [r["loss"] for r in half.tables["history"]] != [r["loss"] for r in plain.tables["history"]]
+    with pytest.raises(ValueError, match=r"tread_config.routes\[0\]"):
+        train(make_config(caches, tmp_path / "bad", tread_config={"routes": [{**route, "start_layer_idx": 5}]}))
+
+
+def loss_and_grads(config: LoraflowConfig, batch: T.MicroBatch) -> tuple[float, torch.Tensor]:
+    family = get_family(config)
+    transformer, params = T.load_transformer(config, family, CPU)
+    T.enable_offload(transformer, config, CPU)
+    trainable = T.Trainable(transformer, params, CPU)
+    for p in params:  # non-zero B, so every LoRA matrix gets a gradient
+        if p.shape[1] == config.lora_rank:
+            p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+    loss = T.flow_loss(transformer, family, batch, CPU, autocast=False)
+    loss.backward()
+    trainable.collect()
+    assert trainable.offloaded == config.enable_group_offload
+    return loss.item(), torch.cat([g.flatten() for g in trainable.gradients()])
+
+
+@pytest.mark.parametrize("memory", [
+    {"gradient_checkpointing": True},
+    {"enable_group_offload": True, "group_offload_type": "block_level"},
+    {"enable_group_offload": True, "group_offload_type": "leaf_level", "gradient_checkpointing": True},
+], ids=["checkpointing", "block-offload", "leaf-offload+checkpointing"])
+def test_memory_features_change_no_number(caches: dict[str, Path], tmp_path: Path, memory: dict) -> None:
+    plain = make_config(caches, tmp_path / "plain")
+    batch = fixed_batch(plain)
+    loss, grads = loss_and_grads(plain, batch)
+    other_loss, other_grads = loss_and_grads(make_config(caches, tmp_path / "other", **memory), batch)
+    assert (grads != 0).float().mean() > 0.5  # a comparison of zeros would prove nothing
+    assert abs(loss - other_loss) <= 1e-6 and (grads - other_grads).abs().max() <= 1e-6
+
+
+def test_streams_need_cuda_and_fp8_keeps_lora_fp32(caches: dict[str, Path], tmp_path: Path) -> None:
+    streams = make_config(caches, tmp_path / "s", enable_group_offload=True, group_offload_use_stream=True)
+    with pytest.raises(ValueError, match="group_offload_use_stream` needs a CUDA device"):
+        train(streams)
+    config = make_config(caches, tmp_path / "fp8", base_model_precision="fp8-layerwise")
+    transformer, params = T.load_transformer(config, get_family(config), CPU)
+    dtypes = {p.dtype for n, p in transformer.named_parameters() if "lora_" not in n}
+    assert torch.float8_e4m3fn in dtypes and {p.dtype for p in params} == {torch.float32}
+    assert T.uses_autocast(config, CPU)
+    report = train(config)
+    assert report.computed == 2 and np.isfinite(report.tables["history"][-1]["loss"])
