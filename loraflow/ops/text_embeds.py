@@ -1,11 +1,35 @@
 """The text_embeds stage: every distinct text the later stages need, encoded once, ever.
 
-Texts: every caption, the empty prompt (caption dropout, unconditional), the negative prompts and every
-validation prompt (`validation_prompt` and the `user_prompt_library`). Training and validation then never
-load a text encoder.
+Texts: every caption, the empty prompt (caption dropout, unconditional; an empty caption file is the empty
+prompt too), the negative prompts and every validation prompt (`validation_prompt` and the
+`user_prompt_library`). Training and validation then never load a text encoder.
+
+Store schema (`text_embeds/shards/*.parquet`, one row per distinct key):
+    key              str   content_key(text, family, encoder fingerprints (config + weight files), template
+                           and token limit (`family.text_signature`, `max_text_tokens`), dtype, CODE_VERSION)
+    text             str   the text as given (the family cleans it before encoding)
+    family           str   the family that encoded it
+    encoders         str   JSON {component: fingerprint} of the text encoders and tokenizers
+    precision        str   fp32 | bf16: the first text encoder's dtype (`text_encoder_1_precision`)
+    n_tokens         int   valid tokens of `text_embeds` (L)
+    truncated        bool  the caption had more than `family.max_text_tokens` tokens; the rest was dropped
+    text_embeds      float32 (L, D) valid tokens only: padding and the text mask are rebuilt by
+                           `family.collate_text` at batch time, so no row stores padding
+    pooled_embeds    float32 (768,)       Kandinsky 5: CLIP pooled output
+    byt5_embeds      float32 (L2, 1472)   HunyuanVideo 1.5: Glyph-ByT5 tokens (one zero token when no quotes)
+    byt5_mask        float32 (L2,)        HunyuanVideo 1.5: its mask
+Tensors of varying length are flat lists plus a `<name>__shape` column (see store.py). The manifest
+(`text_embeds/manifest.parquet`) lists the current text set: key, text, n_tokens, truncated.
 """
 
 from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -17,8 +41,12 @@ from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.store import Store
 
-CODE_VERSION = "text-1"
-BATCH_TEXTS = 16
+log = logging.getLogger(__name__)
+
+CODE_VERSION = "text-2"  # text-2: rows carry family, encoders, precision, truncated
+BATCH_TEXTS = 16  # texts per committed shard: the resume granularity of a killed run
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HISTOGRAM_EDGES = (16, 32, 64, 128, 256, 512, 1024)  # upper bounds of the token-count bins
 
 
 def needed_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> list[str]:
@@ -29,32 +57,144 @@ def needed_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> l
     return sorted(texts)
 
 
-def text_key(text: str, family: ModelFamily, encoders: dict[str, str]) -> str:
+def text_key(text: str, family: ModelFamily, encoders: dict[str, str], precision: str = "fp32") -> str:
+    dtype = "float32" if precision == "fp32" else precision
     return content_key(text=text, family=family.name, encoders=encoders, template=family.text_signature,
-                       dtype="float32", code=CODE_VERSION)
+                       max_tokens=family.max_text_tokens, dtype=dtype, code=CODE_VERSION)
 
 
-def encode_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> StageReport:
-    path = config.pretrained_model_name_or_path
+def encode_texts(
+    config: LoraflowConfig, family: ModelFamily, store: Store, batch_texts: int = BATCH_TEXTS
+) -> StageReport:
+    """Encode the texts not yet in the store (shortest first, `batch_texts` per shard) and list the text set."""
+    started = time.perf_counter()
+    path, precision = config.pretrained_model_name_or_path, config.text_encoder_1_precision
     encoders = {name: component_fingerprint(path, name) for name in family.text_components}
-    rows = [{"key": text_key(t, family, encoders), "text": t} for t in needed_texts(config, family, store)]
+    texts = needed_texts(config, family, store)
+    keys = {t: text_key(t, family, encoders, precision) for t in texts}
     have = store.keys("text_embeds")
-    todo = [r for r in rows if r["key"] not in have]
+    todo = [t for t in texts if keys[t] not in have]
     device = pick_device()
-    if todo:
-        components = {name: load_component(path, name, torch.float32, str(device)) for name in family.text_components}
-        for start in tqdm(range(0, len(todo), BATCH_TEXTS), desc="text_embeds", unit="batch"):
-            batch = todo[start : start + BATCH_TEXTS]
-            encoded = family.encode_text(components, [r["text"] for r in batch])
-            store.put("text_embeds", [{"key": r["key"], "text": r["text"], "n_tokens": len(e["text_embeds"]), **e} for r, e in zip(batch, encoded)])
-        free_models(*components.values())
+    stats = _encode(config, family, store, todo, keys, encoders, device, batch_texts) if todo else {}
+    if len(stats) < len(texts):  # reused rows: their counts come from the store, not the encoder
+        stored = store.get("text_embeds", [keys[t] for t in texts if t not in stats], columns=["n_tokens", "truncated"])
+        stats |= {row["text"]: row for row in _with_text(stored, keys)}
+    rows = [{"key": keys[t], "text": t, "n_tokens": int(stats[t]["n_tokens"]), "truncated": bool(stats[t]["truncated"])}
+            for t in texts]
     store.write_manifest("text_embeds", rows)
+    seconds = time.perf_counter() - started
+    truncated = truncation_table(rows, store, family.max_text_tokens)
+    for row in truncated:
+        log.warning("text longer than %d tokens truncated (%d tokens kept), used by %s: %r", row["limit"],
+                    row["tokens_kept"], row["files"], row["text"])
     return StageReport(
         data_version=data_version(r["key"] for r in rows),
         computed=len(todo),
         reused=len(rows) - len(todo),
-        facts={"distinct_texts": len(rows), "device": str(device)},
+        tables={"tokens_histogram": token_histogram([r["n_tokens"] for r in rows]), "truncated": truncated},
+        facts={"distinct_texts": len(rows), "truncated_texts": len(truncated), "device": str(device),
+               "text_encoder_1_precision": precision, "bytes_on_disk": stage_bytes(store),
+               "seconds": round(seconds, 3), "texts_per_s": round(len(todo) / seconds, 2) if todo else 0.0},
     )
+
+
+def _encode(
+    config: LoraflowConfig, family: ModelFamily, store: Store, todo: list[str], keys: dict[str, str],
+    encoders: dict[str, str], device: torch.device, batch_texts: int,
+) -> dict[str, dict[str, Any]]:
+    """Load the encoders, encode `todo` shortest first and commit each batch as a shard; free the encoders."""
+    offload = config.offload_during_startup and device.type != "cpu"
+    components = load_encoders(config, family, torch.device("cpu") if offload else device)
+    stats: dict[str, dict[str, Any]] = {}
+    try:
+        tokenizer = next(c for c in components.values() if not isinstance(c, torch.nn.Module))  # the first encoder's
+        counts = {t: caption_tokens(tokenizer, t) for t in todo}
+        order = sorted(todo, key=lambda t: (counts[t], t))  # similar lengths share a batch
+        fixed = {"family": family.name, "encoders": json.dumps(encoders, sort_keys=True),
+                 "precision": config.text_encoder_1_precision}
+        for start in tqdm(range(0, len(order), batch_texts), desc="text_embeds", unit="batch"):
+            batch = order[start : start + batch_texts]
+            with on_device(components, device, offload):
+                encoded = family.encode_text(components, batch)
+            shard = [{"key": keys[t], "text": t, **fixed, "n_tokens": len(e["text_embeds"]),
+                      "truncated": counts[t] > family.max_text_tokens, **e} for t, e in zip(batch, encoded)]
+            store.put("text_embeds", shard)
+            stats |= {row["text"]: row for row in shard}
+    finally:  # an encoder error must not leave the encoders holding the GPU for the next stage in the pool
+        free_models(*components.values())
+        components.clear()
+    return stats
+
+
+def load_encoders(config: LoraflowConfig, family: ModelFamily, device: torch.device) -> dict[str, Any]:
+    """Text encoders and tokenizers; the first encoder in `text_encoder_1_precision`, the others in fp32."""
+    first = family.text_components[0]
+    if config.text_encoder_1_precision == "bf16" and device.type == "cpu":
+        log.warning("text_encoder_1_precision bf16 on the CPU: allowed, but much slower than fp32 there")
+    return {name: load_component(config.pretrained_model_name_or_path, name,
+                                 DTYPES[config.text_encoder_1_precision] if name == first else torch.float32,
+                                 str(device))
+            for name in family.text_components}
+
+
+@contextmanager
+def on_device(components: dict[str, Any], device: torch.device, offload: bool) -> Iterator[None]:
+    """With `offload`, the encoders sit on the CPU and visit `device` only while a batch encodes."""
+    models = [c for c in components.values() if isinstance(c, torch.nn.Module)]
+    if offload:
+        for model in models:
+            model.to(device)
+    try:
+        yield
+    finally:
+        if offload:
+            for model in models:
+                model.to("cpu")
+            if device.type == "cuda":  # give the memory back now, not at the stage's end (no gc: per batch)
+                torch.cuda.empty_cache()
+
+
+def caption_tokens(tokenizer: Any, text: str) -> int:
+    """Tokens of the caption alone, as the first encoder's tokenizer splits it (no template, no specials)."""
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _with_text(stored: Mapping[str, dict[str, Any]], keys: dict[str, str]) -> list[dict[str, Any]]:
+    by_key = {k: t for t, k in keys.items()}
+    return [{**row, "text": by_key[key]} for key, row in stored.items()]
+
+
+def token_histogram(counts: list[int]) -> list[dict[str, Any]]:
+    """Texts per bin of stored tokens (`n_tokens`), up to the bin of the longest text."""
+    table, low = [], 0
+    for high in HISTOGRAM_EDGES:
+        table.append({"tokens": f"{low}-{high}", "texts": sum(low <= c <= high for c in counts)})
+        low = high + 1
+        if not any(c >= low for c in counts):
+            return table
+    table.append({"tokens": f">{HISTOGRAM_EDGES[-1]}", "texts": sum(c >= low for c in counts)})
+    return table
+
+
+def truncation_table(rows: list[dict[str, Any]], store: Store, limit: int) -> list[dict[str, Any]]:
+    """One row per truncated text, with the source files whose captions use it."""
+    cut = {r["text"] for r in rows if r["truncated"]}
+    if not cut:
+        return []
+    files: dict[str, list[str]] = {t: [] for t in cut}
+    for clip in store.read_manifest("clips"):
+        for caption in set(clip["captions"]) & cut:
+            if clip["path"] not in files[caption]:
+                files[caption].append(clip["path"])
+    kept = {r["text"]: r["n_tokens"] for r in rows}
+    return [{"text": t[:80] + ("..." if len(t) > 80 else ""), "tokens_kept": kept[t], "limit": limit,
+             "files": ", ".join(files[t]) or "(validation prompt)"} for t in sorted(cut)]
+
+
+def stage_bytes(store: Store) -> int:
+    """Bytes of every committed text_embeds shard (stale texts included until `store.clean`)."""
+    shards = store.fs.glob(f"{store.root.rstrip('/')}/text_embeds/shards/*.parquet")
+    return int(sum(store.fs.size(s) for s in shards))
 
 
 def text_lookup(store: Store) -> dict[str, str]:

@@ -33,6 +33,7 @@ class ModelFamily(Protocol):
     text_components: tuple[str, ...]
     default_negative_prompt: str
     text_signature: str  # hash of template, token limits: part of every text key
+    max_text_tokens: int  # the first text encoder keeps at most this many caption tokens (more: truncated)
 
     def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
         """One row per text: the valid tokens only (padding is rebuilt at batch time)."""

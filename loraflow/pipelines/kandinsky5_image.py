@@ -55,6 +55,7 @@ class Kandinsky5Image:
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = NEGATIVE_PROMPT
     text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
+    max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()

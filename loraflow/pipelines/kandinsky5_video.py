@@ -62,6 +62,7 @@ class Kandinsky5Video:
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = NEGATIVE_PROMPT
     text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
+    max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
     # TREAD: visual blocks are called block(visual_embed (B, N, D), text, time, rope (B, N, 1, d/2, 2, 2), sparse)
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
 

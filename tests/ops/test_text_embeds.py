@@ -1,0 +1,145 @@
+"""The text_embeds store: resumable after SIGKILL, truncation counted, length batching exact, schema as documented.
+
+Dedupe and fingerprint invalidation are in tests/ops/test_caching.py; encoder parity per family in
+tests/pipelines/test_families.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from loraflow.config import load_config
+from loraflow.ops.clips import build_clips
+from loraflow.ops.text_embeds import encode_texts, load_encoders, needed_texts
+from loraflow.pipelines import get_family
+from loraflow.store import Store
+from tests.conftest import REPO, demo_dict, write_config
+
+
+def setup(model: Path, data: Path, root: Path, captions: list[str] | None = None, **overrides):
+    """Config, family and store with clips built; `captions` replace the clips' captions (one clip each)."""
+    config = load_config(write_config(root / "config.yaml", demo_dict(model, data, root, **overrides)))
+    family, store = get_family(config), Store(config.cache_dir)
+    build_clips(config, family, store)
+    if captions is not None:
+        clip = store.read_manifest("clips")[0]
+        store.write_manifest("clips", [{**clip, "key": f"k{i}", "path": f"/data/clip{i}.mp4", "captions": [c]}
+                                       for i, c in enumerate(captions)])
+    return config, family, store
+
+
+KILLABLE = """
+import sys
+from loraflow.config import load_config
+from loraflow.ops.text_embeds import encode_texts
+from loraflow.pipelines import get_family
+from loraflow.store import Store
+config = load_config(sys.argv[1])
+encode_texts(config, get_family(config), Store(config.cache_dir), batch_texts=1)
+"""
+
+
+def test_killed_text_run_resumes_without_duplicate_or_missing_keys(tiny_k5: Path, demo_data: Path,
+                                                                   tmp_path: Path) -> None:
+    captions = [f"caption number {i} " + "word " * (i % 7) for i in range(120)]
+    config, family, store = setup(tiny_k5, demo_data, tmp_path, captions)
+    shards = Path(config.cache_dir) / "text_embeds" / "shards"
+    worker = subprocess.Popen([sys.executable, "-c", KILLABLE, str(tmp_path / "config.yaml")], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while not list(shards.glob("*.parquet")) and time.time() < deadline and worker.poll() is None:
+        time.sleep(0.01)
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait()
+    committed = store.keys("text_embeds")
+    total = len(needed_texts(config, family, store))
+    assert 1 <= len(committed) < total, "the kill should land after the first shard and before the last"
+    report = encode_texts(config, family, store)
+    assert (report.computed, report.reused) == (total - len(committed), len(committed))
+    keys = [row["key"] for row in store.read_manifest("text_embeds")]
+    assert len(keys) == len(set(keys)) == len(store.keys("text_embeds")) == total
+    # no key committed twice: the rerun only wrote what the killed run had not
+    all_keys = [k for shard in shards.glob("*.parquet")
+                for k in pq.read_table(shard, columns=["key"])["key"].to_pylist()]
+    assert len(all_keys) == len(set(all_keys)) == total
+    assert all(np.isfinite(row["text_embeds"]).all() for row in store.get("text_embeds", keys).values())
+
+
+def test_a_caption_over_the_token_limit_is_truncated_and_counted(tiny_k5: Path, demo_data: Path,
+                                                                 tmp_path: Path) -> None:
+    family = get_family(load_config(write_config(tmp_path / "c.yaml", demo_dict(tiny_k5, demo_data, tmp_path))))
+    long = "x" * (family.max_text_tokens + 50)  # the tiny tokenizer is byte-level: one token per character
+    config, family, store = setup(tiny_k5, demo_data, tmp_path, ["a short caption", long, long])
+    report = encode_texts(config, family, store)
+    assert report.facts["truncated_texts"] == 1
+    (row,) = report.tables["truncated"]
+    assert row["files"] == "/data/clip1.mp4, /data/clip2.mp4" and row["limit"] == family.max_text_tokens
+    manifest = {r["text"]: r for r in store.read_manifest("text_embeds")}
+    assert manifest[long]["truncated"] and not manifest["a short caption"]["truncated"]
+    stored = store.get("text_embeds", [manifest[long]["key"]])[manifest[long]["key"]]
+    assert stored["truncated"] and stored["n_tokens"] == len(stored["text_embeds"]) == family.max_text_tokens
+    again = encode_texts(config, family, store)  # reused rows are still counted
+    assert again.computed == 0 and again.tables["truncated"] == report.tables["truncated"]
+
+
+def test_batching_by_length_gives_the_embeddings_of_one_at_a_time(tiny_k5: Path, demo_data: Path,
+                                                                   tmp_path: Path) -> None:
+    captions = ["a cat", "a much longer caption about a dog running on a beach at sunset", "a red ball rolls",
+                'a sign that says "open"', "z" * 90]
+    config, family, store = setup(tiny_k5, demo_data, tmp_path, captions)
+    report = encode_texts(config, family, store, batch_texts=4)
+    assert report.computed == len(needed_texts(config, family, store)) > 4  # more than one batch
+    components = load_encoders(config, family, torch.device("cpu"))
+    manifest = store.read_manifest("text_embeds")
+    stored = store.get("text_embeds", [r["key"] for r in manifest])
+    for row in manifest:
+        (alone,) = family.encode_text(components, [row["text"]])
+        for name, value in alone.items():
+            np.testing.assert_array_equal(stored[row["key"]][name], value, err_msg=f"{name} of {row['text']!r}")
+    histogram = report.tables["tokens_histogram"]
+    assert sum(b["texts"] for b in histogram) == report.facts["distinct_texts"] == len(manifest)
+
+
+def test_store_rows_have_the_documented_columns_and_no_padding(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    config, family, store = setup(tiny_k5, demo_data, tmp_path, ["short", "a somewhat longer caption here"])
+    report = encode_texts(config, family, store)
+    shards = sorted((Path(config.cache_dir) / "text_embeds" / "shards").glob("*.parquet"))
+    table = pq.read_table(shards[0])
+    assert {"key", "text", "family", "encoders", "precision", "n_tokens", "truncated", "text_embeds",
+            "text_embeds__shape", "pooled_embeds"} <= set(table.column_names)
+    assert report.facts["bytes_on_disk"] == sum(s.stat().st_size for s in shards) > 0
+    manifest = store.read_manifest("text_embeds")
+    assert set(manifest[0]) == {"key", "text", "n_tokens", "truncated"}
+    rows = store.get("text_embeds", [r["key"] for r in manifest])
+    lengths = {r["n_tokens"] for r in rows.values()}
+    assert len(lengths) > 1  # valid tokens only: different texts, different lengths
+    for row in rows.values():
+        assert row["text_embeds"].shape[0] == row["n_tokens"] and row["family"] == family.name
+
+
+def test_bf16_text_encoder_is_its_own_cache_entry(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    config, family, store = setup(tiny_k5, demo_data, tmp_path, ["a blue bird on a wire"])
+    fp32 = encode_texts(config, family, store)
+    before = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
+    config_bf16 = config.model_copy(update={"text_encoder_1_precision": "bf16"})
+    bf16 = encode_texts(config_bf16, family, store)
+    assert bf16.computed == fp32.computed and bf16.reused == 0  # a different dtype is a different key
+    after = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
+    text = "a blue bird on a wire"
+    rows = store.get("text_embeds", [before[text], after[text]])
+    full, half = rows[before[text]], rows[after[text]]
+    assert (full["precision"], half["precision"]) == ("fp32", "bf16") and half["text_embeds"].dtype == np.float32
+    assert full["text_embeds"].shape == half["text_embeds"].shape
+    assert not np.array_equal(full["text_embeds"], half["text_embeds"])  # bf16 really ran
+    cosine = (full["text_embeds"] * half["text_embeds"]).sum(-1) / (
+        np.linalg.norm(full["text_embeds"], axis=-1) * np.linalg.norm(half["text_embeds"], axis=-1))
+    assert cosine.min() > 0.98
