@@ -175,7 +175,7 @@ def test_clips_page_shows_the_bucket_table_and_the_first_frames(page, server: st
     page.goto(f"{server}/assets/clips")
     table = _metadata_row(page, "buckets").locator("table")
     headers = [h.strip() for h in table.locator("th").all_inner_texts()]
-    assert headers[:2] == ["bucket", "clips"], headers
+    assert headers[:3] == ["dataset", "bucket", "clips"], headers
     cells = table.locator("td").all_inner_texts()
     assert any(cell.strip().endswith("@17") for cell in cells), cells  # WIDTHxHEIGHT@FRAMES, 17-frame clips
     _shot(page, materialized[0], "clips")
