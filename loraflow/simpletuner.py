@@ -9,6 +9,7 @@ of the output so nothing disappears silently. The result is validated like any c
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,10 @@ FAMILIES = {
 }
 BACKEND_KEYS = ("data_backend_config", "dataset_backend_config")
 LR_SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine"}
+BASE_PRECISIONS = typing.get_args(LoraflowConfig.model_fields["base_model_precision"].annotation)
 ONLY_VALUE = {"model_type": "lora", "lora_type": "standard"}
 WHY = {  # reasons for keys people ask about; any other unknown key is "no loraflow equivalent"
     "optimizer": "loraflow trains with torch AdamW",
-    "base_model_precision": "quantised base models are not supported",
     "cache_dir_vae": "latents are keyed by content under the config's cache_dir",
     "frame_rate": "set `video.frame_rate` per dataset",
     "framerate": "set `video.frame_rate` per dataset",
@@ -83,6 +84,9 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
         elif key in ONLY_VALUE:
             if value != ONLY_VALUE[key]:
                 out.skip(key, value, f"only {ONLY_VALUE[key]!r} is supported")
+        elif key == "base_model_precision" and value not in BASE_PRECISIONS:
+            out.skip(key, value, f"quantised base models are not supported; loraflow stores the base in one of "
+                                 f"{', '.join(BASE_PRECISIONS)} (fp8-layerwise: fp8 weights, bf16 compute)")
         elif key in ("resolution", "resolution_type"):
             continue  # dataset defaults, applied below
         elif key in shared:

@@ -12,6 +12,7 @@ import yaml
 from loraflow.bucket_plan import human_bytes
 from loraflow.cli import main
 from loraflow.config import LoraflowConfig, load_config
+from loraflow.simpletuner import import_simpletuner
 from tests.conftest import demo_dict, write_config
 
 # The seed guides' HunyuanVideo 1.5 config.json and its multidatabackend.json, verbatim.
@@ -163,3 +164,12 @@ def test_import_fails_clearly_without_a_dataset_list(tmp_path: Path, capsys: pyt
                                                           "data_backend_config": "config/missing.json"})
     assert main(["import-simpletuner", str(config_json)]) == 2
     assert "config/missing.json, which does not exist" in capsys.readouterr().err
+
+
+def test_quantised_base_precision_is_reported_and_supported_ones_are_kept() -> None:
+    quantised = import_simpletuner({"model_family": "kandinsky5-video", "base_model_precision": "int8-quanto"}, [])
+    assert "base_model_precision" not in quantised.config
+    [(key, value, why)] = quantised.unmapped
+    assert (key, value) == ("base_model_precision", "int8-quanto") and "fp8-layerwise" in why
+    kept = import_simpletuner({"model_family": "kandinsky5-video", "base_model_precision": "fp8-layerwise"}, [])
+    assert kept.config["base_model_precision"] == "fp8-layerwise" and not kept.unmapped

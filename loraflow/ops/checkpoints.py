@@ -76,6 +76,13 @@ def lora_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
+def adapter_config(transformer: torch.nn.Module) -> dict:
+    """The one adapter's LoraConfig as a dict (rank, lora_alpha, targets) for the exported file's header."""
+    (config,) = transformer.peft_config.values()
+    # sorted: peft keeps target_modules as a set, whose order can differ between runs (and so the file's bytes)
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+
+
 def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     state = optimizer.state_dict()
     tensors = {f"{pid}.{name}": value.detach().cpu().contiguous() for pid, entry in state["state"].items()
@@ -95,7 +102,7 @@ def export_lora(out: Path, transformer: torch.nn.Module, family: ModelFamily) ->
     """diffusers format through the family's own writer, renamed into place."""
     tmp = out / "export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    family.save_lora(lora_state(transformer), tmp)
+    family.save_lora(lora_state(transformer), tmp, adapter_config(transformer))
     (tmp / LORA_FILE).rename(out / LORA_FILE)
     shutil.rmtree(tmp)
 

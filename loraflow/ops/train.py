@@ -80,8 +80,14 @@ class MicroBatch:
 
 
 def upstream_versions(store: Store) -> dict[str, str]:
-    """The data versions training reads: the lineage of an adapter."""
-    return {stage: data_version(r["key"] for r in store.read_manifest(stage)) for stage in ("latents", "text_embeds")}
+    """The data versions training reads: the lineage of an adapter.
+
+    Only the texts training reads (captions and the empty prompt): a new validation prompt re-renders, never retrains.
+    """
+    captions = {c for clip in store.read_manifest("clips") for c in clip["captions"] or []} | {""}
+    text_keys = [r["key"] for r in store.read_manifest("text_embeds") if r["text"] in captions]
+    return {"latents": data_version(r["key"] for r in store.read_manifest("latents")),
+            "text_embeds": data_version(text_keys)}
 
 
 def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
@@ -237,9 +243,6 @@ def load_transformer(config: LoraflowConfig, family: ModelFamily, device: torch.
         # Before the adapter: the casting hooks then sit on the base layers only, and LoRA stays fp32.
         transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     if config.tread_config is not None:  # fail before the first step, naming the route
-        if getattr(family, "tread_layout", None) is None:
-            raise ValueError(f"`tread_config`: family {family.name} has no `tread_layout` (where its visual tokens "
-                             "are) and cannot route tokens; remove tread_config")
         resolve_routes(config.tread_config.routes, len(getattr(transformer, family.tread_layout.blocks)))
     params = add_lora(transformer, config, family)
     if config.gradient_checkpointing:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from loraflow.keys import content_key, directory_fingerprint
+from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.flavours import Flavour
 
 TextRow = dict[str, np.ndarray]
@@ -34,6 +35,7 @@ class ModelFamily(Protocol):
     default_negative_prompt: str
     text_signature: str  # hash of template, token limits: part of every text key
     max_text_tokens: int  # the first text encoder keeps at most this many caption tokens (more: truncated)
+    tread_layout: TokenLayout  # where the transformer keeps its visual tokens, for TREAD routing
 
     def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
         """One row per text: the valid tokens only (padding is rebuilt at batch time)."""
@@ -52,8 +54,14 @@ class ModelFamily(Protocol):
     def lora_targets(self, include_ffn: bool) -> list[str] | str:
         """peft `target_modules`: module-name suffixes, or one regex (full match) where suffixes are ambiguous."""
 
-    def save_lora(self, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> None:
-        """Write the adapter in the format the family's diffusers loader reads."""
+    def save_lora(
+        self, state_dict: dict[str, torch.Tensor], out_dir: str | Path, adapter_config: dict | None = None
+    ) -> None:
+        """Write the adapter in the format the family's diffusers loader reads.
+
+        `adapter_config` (peft's `LoraConfig.to_dict()`) goes into the file's header, as diffusers'
+        `transformer_lora_adapter_metadata` does: without it a loader assumes lora_alpha = rank.
+        """
 
     def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> Any:
         """The family's diffusers pipeline without text encoders, loaded once per validation run.
@@ -82,6 +90,15 @@ class RenderSettings(Protocol):
 
 
 LORA_ADAPTER = "lora"  # the adapter name validation loads and scales
+
+
+def lora_file_header(prefix: str, adapter_config: dict | None) -> dict[str, str]:
+    """The safetensors header diffusers writes for a LoRA: the LoraConfig as JSON, keys `<prefix>.<field>`."""
+    header = {"format": "pt"}
+    if adapter_config:
+        fields = {f"{prefix}.{k}": v for k, v in adapter_config.items()}
+        header["lora_adapter_metadata"] = json.dumps(fields, indent=2, sort_keys=True)
+    return header
 
 
 def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path) -> None:

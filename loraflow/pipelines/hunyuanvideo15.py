@@ -19,7 +19,8 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extra
 from safetensors.torch import save_file
 
 from loraflow.keys import content_key
-from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, set_lora_scale
+from loraflow.kernels.tread import TokenLayout
+from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, lora_file_header, set_lora_scale
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
 
 FAMILY = "hunyuanvideo-1.5"
@@ -82,6 +83,8 @@ class HunyuanVideo15:
     default_negative_prompt: str = ""  # the pipeline's default (encoded as " ")
     text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
     max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
+    # block(hidden, context, temb, context_mask, (cos, sin) per token) -> (hidden, context): see kernels/tread.py
+    tread_layout: TokenLayout = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0)
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -177,13 +180,16 @@ class HunyuanVideo15:
         """A regex, not suffixes: the suffixes alone would also adapt the token refiner (see ATTENTION_TARGETS)."""
         return lora_pattern(include_ffn)
 
-    def save_lora(self, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> None:
-        """diffusers format: `transformer.`-prefixed keys in pytorch_lora_weights.safetensors, which
-        `transformer.load_lora_adapter(out_dir, weight_name=LORA_FILE)` reads (HV1.5 pipelines have no LoRA mixin)."""
+    def save_lora(
+        self, state_dict: dict[str, torch.Tensor], out_dir: str | Path, adapter_config: dict | None = None
+    ) -> None:
+        """diffusers format: `transformer.`-prefixed keys in pytorch_lora_weights.safetensors and the LoraConfig
+        in its header, which `transformer.load_lora_adapter(out_dir, weight_name=LORA_FILE)` reads (HV1.5
+        pipelines have no LoRA mixin, so this writes what diffusers' `save_lora_weights` would)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {f"transformer.{k}": v.detach().contiguous() for k, v in state_dict.items()}
-        save_file(tensors, out / LORA_FILE, metadata={"format": "pt"})
+        save_file(tensors, out / LORA_FILE, metadata=lora_file_header("transformer", adapter_config))
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> HunyuanVideo15Pipeline:

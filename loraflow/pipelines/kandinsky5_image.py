@@ -19,6 +19,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2IPipeline
 from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.keys import content_key
+from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, set_lora_scale
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
 
@@ -56,6 +57,7 @@ class Kandinsky5Image:
     default_negative_prompt: str = NEGATIVE_PROMPT
     text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
     max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
+    tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -150,9 +152,14 @@ class Kandinsky5Image:
             targets += ["feed_forward.in_layer", "feed_forward.out_layer"]
         return targets
 
-    def save_lora(self, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> None:
-        """diffusers format (`transformer.` prefix): loads with `Kandinsky5T2IPipeline.load_lora_weights`."""
-        Kandinsky5T2IPipeline.save_lora_weights(out_dir, transformer_lora_layers=state_dict, safe_serialization=True)
+    def save_lora(
+        self, state_dict: dict[str, torch.Tensor], out_dir: str | Path, adapter_config: dict | None = None
+    ) -> None:
+        """diffusers format (`transformer.` prefix, LoraConfig in the header): `Kandinsky5T2IPipeline.load_lora_weights` reads it."""
+        Kandinsky5T2IPipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=state_dict, safe_serialization=True,
+            transformer_lora_adapter_metadata=adapter_config,
+        )
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> Kandinsky5T2IPipeline:

@@ -152,9 +152,14 @@ class Kandinsky5Video:
             targets += ["feed_forward.in_layer", "feed_forward.out_layer"]
         return targets
 
-    def save_lora(self, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> None:
-        """diffusers format (`transformer.` prefix): loads with `Kandinsky5T2VPipeline.load_lora_weights`."""
-        Kandinsky5T2VPipeline.save_lora_weights(out_dir, transformer_lora_layers=state_dict, safe_serialization=True)
+    def save_lora(
+        self, state_dict: dict[str, torch.Tensor], out_dir: str | Path, adapter_config: dict | None = None
+    ) -> None:
+        """diffusers format (`transformer.` prefix, LoraConfig in the header): `Kandinsky5T2VPipeline.load_lora_weights` reads it."""
+        Kandinsky5T2VPipeline.save_lora_weights(
+            out_dir, transformer_lora_layers=state_dict, safe_serialization=True,
+            transformer_lora_adapter_metadata=adapter_config,
+        )
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> Kandinsky5T2VPipeline:

@@ -157,7 +157,9 @@ def test_routes_resolve_negative_indices_and_refuse_bad_spans() -> None:
         resolve_routes([route(1.0, 0, 1)], 8)
 
 
-def test_the_kandinsky_family_declares_this_layout() -> None:
-    from loraflow.pipelines.kandinsky5_video import make_family
+def test_each_family_declares_the_layout_tested_here() -> None:
+    from loraflow.pipelines import hunyuanvideo15, kandinsky5_image, kandinsky5_video
 
-    assert make_family(None).tread_layout == K5
+    assert kandinsky5_video.make_family(None).tread_layout == K5
+    assert kandinsky5_image.make_family(None).tread_layout == K5
+    assert hunyuanvideo15.make_family(None).tread_layout == HV15

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from loraflow.config import load_config
 from loraflow.ops.clips import build_clips

@@ -7,6 +7,7 @@ output folders.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import pytest
 import torch
 from diffusers import Kandinsky5Transformer3DModel
 from peft import LoraConfig, get_peft_model_state_dict
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from loraflow.config import LoraflowConfig, load_config
@@ -173,10 +175,13 @@ def test_a_config_change_starts_a_new_run_and_a_rerun_computes_nothing(baseline,
     assert again.computed == 0 and again.reused == 1 and again.data_version == first.data_version
     runtime_only = make_config(caches, Path(config.output_dir), checkpointing_steps=1, gradient_checkpointing=True)
     assert train(runtime_only).computed == 0  # how a run computes is not what it computes
-    changed = make_config(caches, Path(config.output_dir), lora_rank=2)
+    changed = make_config(caches, Path(config.output_dir), lora_rank=2, lora_alpha=8)
     report = train(changed)
     assert report.computed == 2 and report.facts["run_dir"] != first.facts["run_dir"]
     assert {v.shape[0] for k, v in load_file(report.facts["lora_path"]).items() if "lora_A" in k} == {2}
+    with safe_open(report.facts["lora_path"], "pt") as f:  # alpha travels with the file: loaders scale by 8/2
+        header = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert header["transformer.r"] == 2 and header["transformer.lora_alpha"] == 8
 
 
 def test_caption_dropout_trains_on_the_cached_empty_prompt(caches: dict[str, Path], tmp_path: Path) -> None:
@@ -257,3 +262,16 @@ def test_streams_need_cuda_and_fp8_keeps_lora_fp32(caches: dict[str, Path], tmp_
     assert T.uses_autocast(config, CPU)
     report = train(config)
     assert report.computed == 2 and np.isfinite(report.tables["history"][-1]["loss"])
+
+
+def test_a_new_validation_prompt_encodes_one_text_and_retrains_nothing(baseline, caches: dict[str, Path],
+                                                                       tmp_path: Path) -> None:
+    config, first = baseline
+    shutil.copytree(caches["root"] / "cache", tmp_path / "cache")
+    moved = {"cache_dir": str(tmp_path / "cache")}
+    store = Store(tmp_path / "cache")
+    assert T.upstream_versions(store) == T.upstream_versions(Store(config.cache_dir))
+    prompted = make_config(caches, Path(config.output_dir), validation_prompt="a red ball rolls", **moved)
+    assert encode_texts(prompted, get_family(prompted), store).computed == 1  # the new prompt, nothing else
+    again = train(prompted)
+    assert again.computed == 0 and again.facts["run_dir"] == first.facts["run_dir"]

@@ -27,6 +27,7 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from peft import LoraConfig, get_peft_model_state_dict
 
+from loraflow.ops.checkpoints import adapter_config
 from loraflow.pipelines import hunyuanvideo15, kandinsky5_image, kandinsky5_video
 from loraflow.pipelines.base import ModelFamily, load_component
 from loraflow.pipelines.tiny import build_tiny
@@ -209,9 +210,9 @@ def test_velocity_equals_pipeline_denoiser_call(loaded: Loaded) -> None:
 
 
 # -- (d) LoRA export -----------------------------------------------------------------------------------
-def _randomised_lora(loaded: Loaded, rank: int = 4) -> torch.nn.Module:
+def _randomised_lora(loaded: Loaded, rank: int = 4, alpha: float = 4) -> torch.nn.Module:
     transformer = load_component(loaded.path, "transformer")
-    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=loaded.family.lora_targets(True)))
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=loaded.family.lora_targets(True)))
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, param in transformer.named_parameters():
@@ -229,9 +230,10 @@ def _probe(loaded: Loaded, transformer: torch.nn.Module) -> torch.Tensor:
 
 
 def test_saved_lora_loads_with_diffusers_loaders(loaded: Loaded, tmp_path: Path) -> None:
+    """lora_alpha = 4 * rank: a loader that lost the alpha (scale 1 instead of 4) renders a weaker LoRA."""
     family = loaded.family
-    trained = _randomised_lora(loaded)
-    family.save_lora(get_peft_model_state_dict(trained), tmp_path)
+    trained = _randomised_lora(loaded, rank=4, alpha=16)
+    family.save_lora(get_peft_model_state_dict(trained), tmp_path, adapter_config(trained))
     lora_file = tmp_path / "pytorch_lora_weights.safetensors"
     assert lora_file.is_file()
     expected = _probe(loaded, trained)
