@@ -25,25 +25,27 @@ def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
         make_demo_dataset(dataset.instance_data_dir)
 
 
-def run_demo(config_path: str) -> int:
-    from dagster import DagsterInstance, Definitions
-
-    from loraflow.assets.checks import ALL_CHECKS
-    from loraflow.assets.resources import LoraflowResource
-    from loraflow.assets.stages import ALL_ASSETS
-    from loraflow.definitions import all_stages
-
+def _instance_home() -> None:
+    """DAGSTER_HOME as `make` sets it (.dagster), for runs and partitions the UI shows afterwards."""
     os.environ.setdefault("DAGSTER_HOME", str(Path(".dagster").resolve()))
     Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
+
+
+def run_demo(config_path: str) -> int:
+    """Every stage: a partition and a `cache_dataset` run per dataset, then `train_and_validate`."""
+    from dagster import DagsterInstance
+
+    from loraflow.assets.jobs import materialize_everything
+    from loraflow.assets.resources import LoraflowResource
+
+    _instance_home()
     prepare_demo(config_path)
-    # The resource names this config explicitly: the code location's default was fixed when it was imported.
-    defs = Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[all_stages],
-                       resources={"loraflow": LoraflowResource(config_path=config_path)})
     with DagsterInstance.get() as instance:
-        result = defs.resolve_job_def("all_stages").execute_in_process(instance=instance)
-    if not result.success:
+        # The resource names this config explicitly: the code location's default was fixed when it was imported.
+        results = materialize_everything(LoraflowResource(config_path=config_path), instance)
+    if not results[-1].success:
         return 1
-    for event in result.get_asset_materialization_events():
+    for event in results[-1].get_asset_materialization_events():
         materialization = event.materialization
         if materialization.asset_key.path[-1] in ("lora", "validation"):
             for name in ("lora_path", "video", "status"):
@@ -51,6 +53,26 @@ def run_demo(config_path: str) -> int:
                     print(f"{materialization.asset_key.path[-1]:>10} {name}: {materialization.metadata[name].value}")
     config_env = "" if config_path == DEMO_CONFIG else f"LORAFLOW_CONFIG={config_path} "
     print(f"browse it: {config_env}make dev  (then open http://127.0.0.1:3000)")
+    return 0
+
+
+def partitions(config_path: str) -> int:
+    """Make the instance's `datasets` partitions the config's training datasets (what dataset_watch does)."""
+    from dagster import DagsterInstance
+
+    from loraflow.assets.partitions import sync_partitions
+
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    _instance_home()
+    with DagsterInstance.get() as instance:
+        added, deleted = sync_partitions(instance, config)
+        current = instance.get_dynamic_partitions("datasets")
+    print(f"datasets partitions in {os.environ['DAGSTER_HOME']}: {', '.join(current) or 'none'} "
+          f"(added: {', '.join(added) or 'none'}; deleted: {', '.join(deleted) or 'none'})")
     return 0
 
 
@@ -148,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build the tiny model + demo data, materialize every stage")
     demo.add_argument("--config", default=DEMO_CONFIG)
+    parts = sub.add_parser("partitions", help="add a Dagster partition per training dataset, delete removed ones")
+    parts.add_argument("config", nargs="?", default=os.environ.get("LORAFLOW_CONFIG", DEMO_CONFIG))
     checker = sub.add_parser("check", help="validate a config, print every problem and the bucket plan; no model loads")
     checker.add_argument("config")
     importer = sub.add_parser("import-simpletuner", help="convert a SimpleTuner config.json (+ multidatabackend.json)")
@@ -158,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.command == "demo":
         return run_demo(args.config)
+    if args.command == "partitions":
+        return partitions(args.config)
     if args.command == "import-simpletuner":
         return import_simpletuner(args.config_json, args.backend_json, args.output)
     return check(args.config)

@@ -2,7 +2,9 @@
 
 Layout under the root:
     <stage>/shards/<uuid>.parquet     committed rows; every row has a `key` column
-    <stage>/manifest.parquet          the stage's current item set (what downstream stages read)
+    <stage>/manifest.parquet          the stage's current item set (what downstream stages read), or
+    <stage>/manifest/<part>.parquet   the same, one file per part: clips and latents keep one per dataset, so
+                                      two datasets cached at once never replace each other's list
 
 A shard is written to a temporary name and renamed into place, so a reader never sees half a shard: the
 set of keys in committed shards is the resume point of a killed run. Tensors are stored as Arrow
@@ -12,9 +14,11 @@ and as flat lists with a shape column otherwise (text embeddings of different to
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+from urllib.parse import quote, unquote
 
 import fsspec
 import numpy as np
@@ -84,6 +88,7 @@ class Store:
     def __init__(self, root: str) -> None:
         self.fs, self.root = fsspec.core.url_to_fs(root)
         self.url = root
+        self.parts: frozenset[str] | None = None  # see only_parts
 
     def _dir(self, stage: str) -> str:
         return f"{self.root.rstrip('/')}/{stage}"
@@ -137,19 +142,85 @@ class Store:
             raise KeyError(f"{stage}: {len(missing)} key(s) not in the store at {self.url}, e.g. {sorted(missing)[0]}")
         return rows
 
-    def write_manifest(self, stage: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Replace the stage's manifest (its current item set) atomically."""
-        self._write_atomic(pa.Table.from_pylist(list(rows)), f"{self._dir(stage)}/manifest.parquet")
+    def write_manifest(self, stage: str, rows: Sequence[Mapping[str, Any]], part: str | None = None) -> None:
+        """Replace the stage's manifest (its current item set), or one part of it, atomically.
 
-    def read_manifest(self, stage: str) -> list[dict[str, Any]]:
-        path = f"{self._dir(stage)}/manifest.parquet"
+        A manifest is one file or a set of parts, never both: writing one kind removes the other. The whole
+        manifest goes after the parts are removed (a crash in between leaves no manifest, which fails loudly, never
+        a mix); a part goes before the whole file is removed (readers prefer parts).
+        """
+        table = pa.Table.from_pylist(list(rows))
+        if part is None:
+            for name in self.manifest_parts(stage):
+                self._remove(self._manifest_path(stage, name))
+            self._write_atomic(table, self._manifest_path(stage))
+        else:
+            self._write_atomic(table, self._manifest_path(stage, part))
+            self._remove(self._manifest_path(stage))
+
+    def read_manifest(self, stage: str, parts: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """The stage's current items: its parts' rows in part order (the whole file if it has no parts).
+
+        `parts` reads those parts only, and a missing one raises; a view from `only_parts` does the same for the
+        stages that have parts.
+        """
+        names = self.manifest_parts(stage)
+        if parts is None and not names:
+            return self._read_table(stage, self._manifest_path(stage))
+        parts = self.parts if parts is None else frozenset(parts)
+        if parts is not None:
+            missing = sorted(set(parts) - set(names))
+            if missing:
+                raise FileNotFoundError(f"stage '{stage}' has no manifest for {', '.join(missing)} at {self.url}: "
+                                        "materialize it for those first")
+            names = [n for n in names if n in parts]
+        return [row for name in names for row in self._read_table(stage, self._manifest_path(stage, name))]
+
+    def manifest_parts(self, stage: str) -> list[str]:
+        """Names of the stage's manifest parts, sorted."""
+        paths = self.fs.glob(f"{self._dir(stage)}/manifest/*.parquet")
+        return sorted(unquote(p.rsplit("/", 1)[-1].removesuffix(".parquet")) for p in paths)
+
+    def drop_parts(self, stage: str, keep: Iterable[str]) -> list[str]:
+        """Remove the manifest parts not in `keep` (their shards stay until `clean`); return their names."""
+        keep = set(keep)
+        gone = [name for name in self.manifest_parts(stage) if name not in keep]
+        for name in gone:
+            self._remove(self._manifest_path(stage, name))
+        return gone
+
+    def only_parts(self, parts: Iterable[str]) -> Store:
+        """This store, with `read_manifest` restricted to the given parts (one dataset's view of its clips)."""
+        view = copy.copy(self)
+        view.parts = frozenset(parts)
+        return view
+
+    def _manifest_path(self, stage: str, part: str | None = None) -> str:
+        if part is None:
+            return f"{self._dir(stage)}/manifest.parquet"
+        return f"{self._dir(stage)}/manifest/{quote(part, safe='')}.parquet"  # any dataset id is a file name
+
+    def _read_table(self, stage: str, path: str) -> list[dict[str, Any]]:
         if not self.fs.exists(path):
             raise FileNotFoundError(f"stage '{stage}' has no manifest at {self.url}: materialize it first")
         with self.fs.open(path, "rb") as f:
             return pq.read_table(f).to_pylist()
 
-    def clean(self, stage: str, keep: set[str]) -> int:
-        """Delete shards none of whose keys are in `keep` (explicit clean-up; never automatic)."""
+    def _remove(self, path: str) -> None:
+        try:
+            self.fs.rm(path)
+        except FileNotFoundError:  # another writer removed it first: the outcome is the same
+            pass
+
+    def manifest_keys(self, stage: str) -> set[str]:
+        """Every key the stage's manifest lists, in all its parts (a view's restriction does not apply here)."""
+        paths = [self._manifest_path(stage, n) for n in self.manifest_parts(stage)] or [self._manifest_path(stage)]
+        return {row["key"] for path in paths if self.fs.exists(path) for row in self._read_table(stage, path)}
+
+    def clean(self, stage: str, keep: set[str] | None = None) -> int:
+        """Delete shards none of whose keys are in `keep` (default: what any manifest part lists).
+        Explicit clean-up, never automatic: a dataset removed from the config keeps its shards until then."""
+        keep = self.manifest_keys(stage) if keep is None else keep
         removed = 0
         for shard in self._shards(stage):
             with self.fs.open(shard, "rb") as f:

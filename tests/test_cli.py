@@ -105,6 +105,26 @@ def test_check_prints_the_bucket_plan_and_dropped_files(
     assert not (tmp_path / "cache").exists()  # planning writes nothing
 
 
+# -- partitions ------------------------------------------------------------------------------------
+def test_partitions_follow_the_configs_training_datasets(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dagster import DagsterInstance
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    entries = [{"id": name, "instance_data_dir": str(tmp_path)} for name in ("cats", "dogs")]
+    base = {"model_family": "kandinsky5-video", "pretrained_model_name_or_path": str(tmp_path),
+            "datasets": [*entries, {"id": "texts", "dataset_type": "text_embeds"}]}
+    config = write_config(tmp_path / "config.yaml", base)
+    assert main(["partitions", str(config)]) == 0
+    assert "cats, dogs (added: cats, dogs; deleted: none)" in capsys.readouterr().out  # text_embeds: no partition
+    write_config(config, {**base, "datasets": [entries[0], {**entries[1], "disabled": True}]})
+    assert main(["partitions", str(config)]) == 0
+    assert "cats (added: none; deleted: dogs)" in capsys.readouterr().out
+    with DagsterInstance.get() as instance:  # stored in DAGSTER_HOME, where `dagster asset materialize` looks
+        assert instance.get_dynamic_partitions("datasets") == ["cats"]
+    assert main(["partitions", str(tmp_path / "missing.yaml")]) == 2
+
+
 # -- import-simpletuner ----------------------------------------------------------------------------
 def _write_json(path: Path, data: object) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -66,3 +66,47 @@ def test_keys_change_exactly_with_content() -> None:
 def test_empty_tensors_round_trip(store: Store) -> None:
     store.put("stage", [{"key": "a", "emb": np.zeros((0, 4), np.float32)}, {"key": "b", "emb": np.zeros((0, 4), np.float32)}])
     assert store.get("stage", ["a"])["a"]["emb"].shape == (0, 4)
+
+
+def test_manifest_parts_are_written_apart_and_read_as_one(store: Store) -> None:
+    store.write_manifest("stage", [{"key": "b1", "dataset": "b"}], part="b")
+    store.write_manifest("stage", [{"key": "a1", "dataset": "a"}, {"key": "a2", "dataset": "a"}], part="a")
+    assert store.manifest_parts("stage") == ["a", "b"]
+    assert [r["key"] for r in store.read_manifest("stage")] == ["a1", "a2", "b1"]  # every part, in part order
+    assert [r["key"] for r in store.read_manifest("stage", parts=["b"])] == ["b1"]
+    store.write_manifest("stage", [{"key": "a3", "dataset": "a"}], part="a")  # replacing a leaves b alone
+    assert [r["key"] for r in store.read_manifest("stage")] == ["a3", "b1"]
+    with pytest.raises(FileNotFoundError, match="no manifest for c"):
+        store.read_manifest("stage", parts=["a", "c"])
+    assert [r["key"] for r in store.only_parts(["a"]).read_manifest("stage")] == ["a3"]
+
+
+def test_a_whole_manifest_and_parts_replace_each_other(store: Store) -> None:
+    store.write_manifest("stage", [{"key": "whole"}])
+    store.write_manifest("stage", [{"key": "a1"}], part="a")
+    assert store.read_manifest("stage") == [{"key": "a1"}]  # the whole file went with the first part
+    store.write_manifest("stage", [{"key": "whole"}])
+    assert store.manifest_parts("stage") == [] and store.read_manifest("stage") == [{"key": "whole"}]
+    with pytest.raises(FileNotFoundError, match="has no manifest"):
+        store.read_manifest("other")
+
+
+def test_odd_part_names_and_empty_parts_round_trip(store: Store) -> None:
+    store.write_manifest("stage", [], part="my videos/2024")
+    store.write_manifest("stage", [{"key": "x"}], part="x")
+    assert store.manifest_parts("stage") == ["my videos/2024", "x"]
+    assert store.read_manifest("stage", parts=["my videos/2024"]) == []
+    assert store.read_manifest("stage") == [{"key": "x"}]
+
+
+def test_drop_parts_and_clean_keep_what_any_part_lists(store: Store) -> None:
+    for key in ("a1", "b1", "gone"):
+        store.put("stage", [{"key": key, "x": 1}])
+    store.write_manifest("stage", [{"key": "a1"}], part="a")
+    store.write_manifest("stage", [{"key": "b1"}], part="b")
+    assert store.only_parts(["a"]).clean("stage") == 1  # a view's restriction does not narrow what clean keeps
+    assert store.keys("stage") == {"a1", "b1"}
+    assert store.drop_parts("stage", keep=["a"]) == ["b"]
+    assert store.keys("stage") == {"a1", "b1"}  # dropping a part lists nothing new and deletes no shard
+    assert store.read_manifest("stage") == [{"key": "a1"}]
+    assert store.clean("stage") == 1 and store.keys("stage") == {"a1"}

@@ -2,7 +2,8 @@
 
 ERROR checks are blocking: in a job, a failed check stops the assets downstream of it (no training on
 latents of the wrong shape, no validation of a LoRA that does not load). The finders below are plain
-functions returning offending rows, so they read (and test) without Dagster.
+functions returning offending rows, so they read (and test) without Dagster. A check of a partitioned asset
+(clips, latents) checks the run's dataset only: another dataset may be half-way through its own run.
 """
 
 # No `from __future__ import annotations` here: Dagster inspects the real annotations of check functions.
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dagster import AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
+from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
 
 from loraflow.assets import metadata as md
 from loraflow.assets.resources import LoraflowResource
@@ -21,6 +22,11 @@ from loraflow.bucket_plan import LatentGeometry
 from loraflow.store import Store
 
 READ_CLIPS = 64  # latents read per store.get: bounds memory on large datasets
+
+
+def _datasets(context: AssetCheckExecutionContext) -> list[str] | None:
+    """The run's dataset (a partitioned run), or None: every dataset (a direct call without a partition)."""
+    return [context.partition_key] if context.has_partition_key else None
 
 
 def _result(passed: bool, offending: list[dict[str, Any]], checked: int, what: str,
@@ -47,10 +53,12 @@ def _latent_chunks(store: Store, rows: list[dict[str, Any]]) -> Iterator[tuple[d
                 yield row, got[row["key"]]["latent"]
 
 
-def bad_latents(store: Store, geometry: LatentGeometry) -> tuple[int, list[dict[str, Any]]]:
-    """Latents whose shape is not their clip's bucket shape, or that hold NaN/inf; (checked, offending)."""
-    clip_rows = {r["key"]: r for r in store.read_manifest("clips")}
-    rows = store.read_manifest("latents")
+def bad_latents(store: Store, geometry: LatentGeometry,
+                datasets: list[str] | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """Latents (of `datasets`; None: all) whose shape is not their clip's bucket shape, or that hold NaN/inf;
+    (checked, offending)."""
+    clip_rows = {r["key"]: r for r in store.read_manifest("clips", parts=datasets)}
+    rows = store.read_manifest("latents", parts=datasets)
     committed = store.keys("latents")
     offending = [{"latent": r["key"], "bucket": r["bucket"], "problem": "not in the store (manifest names it)"}
                  for r in rows if r["key"] not in committed]
@@ -72,37 +80,39 @@ def bad_latents(store: Store, geometry: LatentGeometry) -> tuple[int, list[dict[
 @asset_check(asset=latents, blocking=True,
              description="Every latent has its clip's shape through the checkpoint's VAE, (C, (F-1)/4+1, H/s, W/s) "
                          "with s its spatial factor (8 or 16), and is finite.")
-def latents_shape_and_finite(loraflow: LoraflowResource) -> AssetCheckResult:
+def latents_shape_and_finite(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
     from loraflow.bucket_plan import latent_geometry
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
     geometry = latent_geometry(config.pretrained_model_name_or_path, get_family(config))
-    checked, offending = bad_latents(loraflow.store(config), geometry)
+    checked, offending = bad_latents(loraflow.store(config), geometry, _datasets(context))
     return _result(not offending, offending, checked, "latents",
                    geometry=MetadataValue.json({"channels": geometry.channels, "temporal": geometry.temporal,
                                                 "spatial": geometry.spatial}))
 
 
 # -- coverage ------------------------------------------------------------------------------------
-def clips_without_latents(expected: list[dict[str, Any]], store: Store) -> list[dict[str, Any]]:
-    """Current clips whose latent (for the current VAE) is not in the latents manifest and the store."""
-    listed = {r["key"] for r in store.read_manifest("latents")}
+def clips_without_latents(expected: list[dict[str, Any]], store: Store,
+                          datasets: list[str] | None = None) -> list[dict[str, Any]]:
+    """Current clips (of `datasets`; None: all) whose latent for the current VAE is not listed and stored."""
+    listed = {r["key"] for r in store.read_manifest("latents", parts=datasets)}
     committed = store.keys("latents")
-    sources = {r["key"]: r["source"] for r in store.read_manifest("clips")}
+    sources = {r["key"]: r["source"] for r in store.read_manifest("clips", parts=datasets)}
     return [{"clip": r["clip_key"], "source": sources.get(r["clip_key"], "?"), "bucket": r["bucket"],
              "problem": "no latent for the current VAE" if r["key"] not in listed else "latent listed but not stored"}
             for r in expected if r["key"] not in listed or r["key"] not in committed]
 
 
 @asset_check(asset=latents, blocking=True, description="Every clip in the clips manifest has a stored latent.")
-def latents_cover_clips(loraflow: LoraflowResource) -> AssetCheckResult:
+def latents_cover_clips(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
     from loraflow.ops.latents import latent_rows
 
     config = loraflow.load()
     store = loraflow.store(config)
-    expected = latent_rows(config, store)
-    offending = clips_without_latents(expected, store)
+    datasets = _datasets(context)
+    expected = latent_rows(config, store, datasets)
+    offending = clips_without_latents(expected, store, datasets)
     return _result(not offending, offending, len(expected), "clips")
 
 
@@ -138,8 +148,8 @@ def text_embeds_cover_captions(loraflow: LoraflowResource) -> AssetCheckResult:
 
 
 # -- captions ------------------------------------------------------------------------------------
-def empty_captions(store: Store) -> tuple[int, list[dict[str, Any]]]:
-    rows = store.read_manifest("clips")
+def empty_captions(store: Store, datasets: list[str] | None = None) -> tuple[int, list[dict[str, Any]]]:
+    rows = store.read_manifest("clips", parts=datasets)
     offending = [{"dataset": r["dataset"], "source": r["source"], "bucket": r["bucket"]}
                  for r in rows if any(not c.strip() for c in r["captions"])]
     return len(rows), offending
@@ -147,9 +157,9 @@ def empty_captions(store: Store) -> tuple[int, list[dict[str, Any]]]:
 
 @asset_check(asset=clips, description="No clip trains on the empty prompt by accident (an empty caption file). "
                                       "WARN: an empty caption is legitimate when unconditional training is intended.")
-def captions_not_empty(loraflow: LoraflowResource) -> AssetCheckResult:
+def captions_not_empty(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
     config = loraflow.load()
-    checked, offending = empty_captions(loraflow.store(config))
+    checked, offending = empty_captions(loraflow.store(config), _datasets(context))
     return _result(not offending, offending, checked, "clips", severity=AssetCheckSeverity.WARN)
 
 

@@ -26,4 +26,20 @@ class LoraflowResource(ConfigurableResource):
                           allow_retries=False) from None
 
     def store(self, config: LoraflowConfig) -> Store:
-        return Store(config.cache_dir)
+        """The config's store. Manifest parts of datasets no longer in the config are dropped first, so no
+        stage (an unpartitioned one run on its own included) reads their rows; their shards stay."""
+        from loraflow.ops.clips import drop_removed_datasets
+
+        store = Store(config.cache_dir)
+        drop_removed_datasets(config, store)
+        return store
+
+    def dataset(self, config: LoraflowConfig, partition_key: str) -> str:
+        """The dataset a partition stands for; a partition whose dataset left the config fails without retries."""
+        ids = [d.id for d in config.training_datasets]
+        if partition_key not in ids:
+            raise Failure(description=f"partition '{partition_key}' is not a training dataset of {self.config_path} "
+                                      f"({', '.join(ids) or 'none'}): the dataset_watch sensor or `loraflow "
+                                      "partitions` deletes the partitions of removed datasets",
+                          metadata={"config": self.config_path}, allow_retries=False)
+        return partition_key

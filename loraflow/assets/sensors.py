@@ -1,10 +1,19 @@
-"""A sensor that re-caches when a dataset folder changes: files added, changed (size or mtime) or removed.
+"""A sensor that keeps one partition per dataset and re-caches a dataset when its folder changes.
 
-The cursor is, per dataset, a hash of its files' identities (dataset-relative path, size, mtime) and a
-file count: cheap to compute (stat only, nothing read) and small to store. Caption files count too: a
-changed caption must re-encode its text. The assets are not partitioned, so the run re-plans every
-dataset (unchanged ones cost nothing: every item they hold is cached); which datasets changed travels
-in the run's tags and in an observation on `clips`, shown on its asset page.
+The cursor is, per dataset, a hash of its files' identities (dataset-relative path, size, mtime) and a file
+count: cheap to compute (stat only, nothing read) and small to store. Caption files count too: a changed
+caption must re-encode its text. Each tick:
+- adds a partition for every training dataset the instance does not have yet, and requests a `cache_dataset`
+  run for it (a dataset seen for the first time may be uncached);
+- requests a `cache_dataset` run for each dataset whose folder changed, with its id as the partition key, so
+  an unchanged dataset is not even re-planned; the id is also in the run tag `loraflow/changed_datasets` and
+  in an observation on that partition of `clips`;
+- deletes the partitions of datasets no longer in the config (or disabled). Kept, they would stay "missing"
+  in the UI forever and a backfill of all partitions would fail on them; deleted, their runs and
+  materializations stay in the event log and their shards in the store, so adding the dataset back shows its
+  history and re-plans it from the cache (the store already stopped listing its rows: resources.py).
+`text_embeds`, `lora` and `validation` are not requested: they read every dataset, so they run after the
+datasets' runs (`train_and_validate`), not beside them.
 """
 
 # No `from __future__ import annotations` here: Dagster inspects the real annotations of sensor functions.
@@ -13,14 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from dagster import (
+    AddDynamicPartitionsRequest,
     AssetObservation,
     DefaultSensorStatus,
+    DeleteDynamicPartitionsRequest,
     RunRequest,
     SensorEvaluationContext,
     SensorResult,
     sensor,
 )
 
+from loraflow.assets.partitions import DATASETS, partition_changes
 from loraflow.assets.resources import LoraflowResource
 from loraflow.keys import content_key, file_identity
 
@@ -44,23 +56,34 @@ def changed_datasets(previous: dict[str, Any], current: dict[str, Any]) -> list[
     return sorted(i for i, state in current.items() if previous.get(i, {}).get("hash") != state["hash"])
 
 
-@sensor(job_name="cache_only", minimum_interval_seconds=30, default_status=DefaultSensorStatus.STOPPED,
-        description="Requests a cache_only run when files are added, changed or removed in any dataset's "
-                    "instance_data_dir. The changed dataset ids are in the run tag " + CHANGED_TAG + ".")
+def partition_requests(added: list[str], deleted: list[str]) -> list[Any]:
+    return ([AddDynamicPartitionsRequest(DATASETS.name, added)] if added else []) + (
+        [DeleteDynamicPartitionsRequest(DATASETS.name, deleted)] if deleted else [])
+
+
+@sensor(job_name="cache_dataset", minimum_interval_seconds=30, default_status=DefaultSensorStatus.STOPPED,
+        description="Keeps one `datasets` partition per training dataset and requests a cache_dataset run for each "
+                    "dataset added, or whose instance_data_dir had files added, changed or removed.")
 def dataset_watch(context: SensorEvaluationContext, loraflow: LoraflowResource) -> SensorResult:
     config = loraflow.load()
     previous = json.loads(context.cursor) if context.cursor else {}
     current = {d.id: folder_state(d.instance_data_dir or "") for d in config.training_datasets}
     cursor = json.dumps(current, sort_keys=True)
-    changed = changed_datasets(previous, current)
-    if not changed:
-        return SensorResult(skip_reason=f"no file added, changed or removed in {', '.join(current)}", cursor=cursor)
+    added, deleted = partition_changes(context.instance, config)
+    if deleted:
+        context.log.info(f"datasets no longer in the config, partitions deleted: {deleted}")
+    to_run = sorted(set(changed_datasets(previous, current)) | set(added))
+    if not to_run:
+        return SensorResult(skip_reason=None if deleted else
+                            f"no file added, changed or removed in {', '.join(current) or 'any dataset'}",
+                            cursor=cursor, dynamic_partitions_requests=partition_requests(added, deleted))
     files = {i: {"before": previous.get(i, {}).get("files"), "after": current[i]["files"],
-                 "missing_folder": current[i]["hash"] == MISSING} for i in changed}
-    context.log.info(f"datasets changed: {files}")
+                 "missing_folder": current[i]["hash"] == MISSING} for i in to_run}
+    context.log.info(f"datasets to cache: {files}")
     return SensorResult(
-        run_requests=[RunRequest(run_key=content_key(state=current), tags={CHANGED_TAG: ",".join(changed)})],
+        run_requests=[RunRequest(run_key=content_key(dataset=i, before=previous.get(i), after=current[i]),
+                                 partition_key=i, tags={CHANGED_TAG: i}) for i in to_run],
         cursor=cursor,
-        asset_events=[AssetObservation(asset_key="clips", metadata={"changed_datasets": ",".join(changed),
-                                                                    "files": files})],
+        dynamic_partitions_requests=partition_requests(added, deleted),
+        asset_events=[AssetObservation(asset_key="clips", partition=i, metadata={"files": files[i]}) for i in to_run],
     )

@@ -209,11 +209,36 @@ def first_frame(store: Store, clip_key: str) -> np.ndarray:
     return store.get("clips", [clip_key])[clip_key]["frames"][0]
 
 
-def build_clips(config: LoraflowConfig, family: ModelFamily, store: Store) -> StageReport:
-    """Plan every dataset, decode what the store lacks, write the manifest of current clips."""
+DATASET_STAGES = ("clips", "quarantine", "latents")  # stages whose manifest has one part per dataset id
+
+
+def select_datasets(config: LoraflowConfig, ids: list[str] | None) -> list[DatasetConfig]:
+    """The training datasets named by `ids` (None: all of them), in config order; an unknown id raises."""
+    known = [d.id for d in config.training_datasets]
+    unknown = sorted(set(ids or ()) - set(known))
+    if unknown:
+        raise ValueError(f"dataset(s) {', '.join(unknown)} not among the config's training datasets "
+                         f"({', '.join(known) or 'none'})")
+    return [d for d in config.training_datasets if ids is None or d.id in ids]
+
+
+def drop_removed_datasets(config: LoraflowConfig, store: Store) -> list[str]:
+    """Drop the manifest parts of datasets no longer in the config, so no stage reads their rows again.
+    Their shards stay until an explicit `store.clean`: a dataset added back costs nothing to re-plan."""
+    ids = [d.id for d in config.training_datasets]
+    return sorted({name for stage in DATASET_STAGES for name in store.drop_parts(stage, ids)})
+
+
+def build_clips(
+    config: LoraflowConfig, family: ModelFamily, store: Store, datasets: list[str] | None = None
+) -> StageReport:
+    """Plan the datasets (`datasets` ids; None: every training dataset), decode what the store lacks, and write
+    each dataset's manifest part of current clips (one dataset's run never touches another's part)."""
+    selected = select_datasets(config, datasets)
+    drop_removed_datasets(config, store)
     manifest, quarantine = [], []
     probes = store.keys("probes")
-    for dataset in config.training_datasets:
+    for dataset in selected:
         for path in source_files(dataset):
             try:
                 manifest += _clip_rows(path, dataset, family, store, probes)
@@ -226,8 +251,9 @@ def build_clips(config: LoraflowConfig, family: ModelFamily, store: Store) -> St
     bad = {q["file"] for q in failed}
     manifest = [row for row in manifest if row["path"] not in bad]
     computed = len(todo) - len(failed)
-    store.write_manifest("clips", manifest)
-    store.write_manifest("quarantine", quarantine)
+    for dataset in selected:
+        store.write_manifest("clips", [r for r in manifest if r["dataset"] == dataset.id], part=dataset.id)
+        store.write_manifest("quarantine", [q for q in quarantine if q["dataset"] == dataset.id], part=dataset.id)
     table = bucket_table(manifest, _geometry(config, family))
     return StageReport(
         # Captions and repeats are part of what this asset stands for (text_embeds reads them), not of the frames.

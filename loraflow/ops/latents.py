@@ -17,6 +17,7 @@ from tqdm import tqdm
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key, data_version
 from loraflow.kernels.patch_conv import enable_patch_conv
+from loraflow.ops.clips import select_datasets
 from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
@@ -27,23 +28,32 @@ CODE_VERSION = "latents-1"
 SHARD_CLIPS = 8
 
 
-def latent_rows(config: LoraflowConfig, store: Store) -> list[dict[str, Any]]:
-    """One row per current clip with the key its latent has. Patch conv is exact, so it is not in the key;
-    tiling blends seams and changes the numbers, so it is."""
+def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None = None) -> list[dict[str, Any]]:
+    """One row per current clip of the datasets (None: every training dataset) with the key its latent has.
+    Patch conv is exact, so it is not in the key; tiling blends seams and changes the numbers, so it is; so
+    does the sampling (a mode row and a distribution row of one clip never share a key)."""
     vae_id = component_fingerprint(config.pretrained_model_name_or_path, "vae")
+    ids = {d.id for d in select_datasets(config, datasets)}
+    clips = store.read_manifest("clips", parts=datasets)
     return [
         {
-            "key": content_key(clip=clip["key"], vae=vae_id, dtype="float32", sampling="mode",
+            "key": content_key(clip=clip["key"], vae=vae_id, dtype="float32", sampling=config.latent_sampling,
                                tiling=config.vae_enable_tiling, code=CODE_VERSION),
             "clip_key": clip["key"],
             "bucket": clip["bucket"],
+            "dataset": clip["dataset"],
         }
-        for clip in store.read_manifest("clips")
+        for clip in clips
+        if clip["dataset"] in ids  # a dataset no longer in the config is never encoded or listed
     ]
 
 
-def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store, shard_clips: int = SHARD_CLIPS) -> StageReport:
-    rows = latent_rows(config, store)
+def encode_latents(
+    config: LoraflowConfig, family: ModelFamily, store: Store, shard_clips: int = SHARD_CLIPS,
+    datasets: list[str] | None = None,
+) -> StageReport:
+    """Encode the datasets' clips (None: every training dataset) the store lacks; write each one's manifest part."""
+    rows = latent_rows(config, store, datasets)
     have = store.keys("latents")
     todo = sorted((r for r in rows if r["key"] not in have), key=lambda r: r["bucket"])
     quarantined: list[dict[str, str]] = []
@@ -57,11 +67,12 @@ def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store, sh
             vae.enable_tiling()
         if config.vae_enable_slicing:
             vae.enable_slicing()
-        quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips)
+        quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling)
         free_models(vae)
     bad = {q["key"] for q in quarantined}
     rows = [r for r in rows if r["key"] not in bad]
-    store.write_manifest("latents", rows)
+    for dataset in select_datasets(config, datasets):  # one part per dataset: parallel runs never collide
+        store.write_manifest("latents", [r for r in rows if r["dataset"] == dataset.id], part=dataset.id)
     return StageReport(
         data_version=data_version(r["key"] for r in rows),
         computed=len(todo) - len(bad),
@@ -74,7 +85,8 @@ def encode_latents(config: LoraflowConfig, family: ModelFamily, store: Store, sh
 
 @torch.no_grad()
 def _encode(
-    todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device, shard_clips: int
+    todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device, shard_clips: int,
+    sampling: str,
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Encode clip by clip; commit a shard every `shard_clips` so a killed run loses at most one shard's work."""
     quarantined: list[dict[str, str]] = []
@@ -87,30 +99,55 @@ def _encode(
             for row in group[start : start + shard_clips]:
                 frames = store.get("clips", [row["clip_key"]])[row["clip_key"]]["frames"]
                 pixels = torch.from_numpy(np.array(frames))[None].to(device)  # copy: Arrow buffers are read-only
-                latent, fallback = _encode_with_fallback(vae, family, pixels)
+                latent, fallback = _encode_with_fallback(vae, family, pixels, sampling)
                 if fallback:
                     log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
                     fallbacks.append({"clip_key": row["clip_key"], "fallback": fallback})
                 if not torch.isfinite(latent).all():
                     quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "reason": "non_finite_latent"})
                 else:
-                    done.append({"key": row["key"], "latent": latent.cpu().numpy()})
+                    done.append({"key": row["key"], **latent_columns(latent.cpu(), sampling)})
                 progress.update()
             store.put("latents", done)
     progress.close()
     return quarantined, fallbacks
 
 
-def _encode_with_fallback(vae: torch.nn.Module, family: ModelFamily, pixels: torch.Tensor) -> tuple[torch.Tensor, str]:
+def _encode_with_fallback(
+    vae: torch.nn.Module, family: ModelFamily, pixels: torch.Tensor, sampling: str
+) -> tuple[torch.Tensor, str]:
     """Encode; on out-of-memory retry with exact patch conv, then with tiling. Returns (latent, fallback used)."""
     try:
-        return family.vae_encode(vae, pixels)[0], ""
+        return family.vae_encode(vae, pixels, sampling)[0], ""
     except torch.OutOfMemoryError:
         free_models()
     enable_patch_conv(vae, max_slab_bytes=64 * 2**20)
     try:
-        return family.vae_encode(vae, pixels)[0], "patch_conv"
+        return family.vae_encode(vae, pixels, sampling)[0], "patch_conv"
     except torch.OutOfMemoryError:
         free_models()
     vae.enable_tiling()  # approximate: the item is recorded, and a later full run with more memory can redo it
-    return family.vae_encode(vae, pixels)[0], "tiling"
+    return family.vae_encode(vae, pixels, sampling)[0], "tiling"
+
+
+def latent_columns(encoded: torch.Tensor, sampling: str) -> dict[str, np.ndarray]:
+    """A stored row's tensors from one clip's `vae_encode` output (C, T, h, w) or (2C, T, h, w).
+
+    `latent` is always what training uses without sampling (the mode, which is the mean): the shape check
+    and a training loop that ignores `latent_logvar` read it alike.
+    """
+    if sampling == "mode":
+        return {"latent": encoded.numpy()}
+    mean, logvar = encoded.chunk(2, dim=0)  # (C, T, h, w) each
+    return {"latent": mean.contiguous().numpy(), "latent_logvar": logvar.contiguous().numpy()}
+
+
+def draw_latents(mean: torch.Tensor, logvar: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample of cached posteriors: mean + exp(logvar / 2) * eps, eps ~ N(0, 1) drawn from `generator`.
+
+    mean and logvar are already scaled (`scaled_posterior`), so the sample is too. eps is drawn as diffusers'
+    `latent_dist.sample(generator)` draws it (one randn of mean's shape and dtype), so for the same generator
+    state the result equals that sample times the family's scaling. Pure: the generator carries all state.
+    """
+    eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
+    return mean + torch.exp(0.5 * logvar) * eps

@@ -1,4 +1,7 @@
-"""The whole DAG in-process on the tiny default, then again: the second run reuses every cached item."""
+"""The whole DAG in-process on the tiny default, then again: the second pass reuses every cached item.
+
+A pass is what `loraflow demo` runs: a `cache_dataset` run per dataset partition, then `train_and_validate`.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dagster import DagsterInstance, materialize
+from dagster import DagsterInstance
 
+from loraflow.assets.jobs import materialize_everything
 from loraflow.assets.resources import LoraflowResource
-from loraflow.assets.stages import ALL_ASSETS
 from tests.conftest import REPO, demo_dict, write_config
 
 
-def metadata(result, asset: str) -> dict:
-    (event,) = [e for e in result.get_asset_materialization_events() if e.asset_key.path[-1] == asset]
+def events(results, asset: str) -> list:
+    return [e for r in results for e in r.get_asset_materialization_events() if e.asset_key.path[-1] == asset]
+
+
+def metadata(results, asset: str) -> dict:
+    (event,) = events(results, asset)
     return {k: v.value for k, v in event.materialization.metadata.items()}
 
 
@@ -27,18 +34,20 @@ def dag_run(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFac
     root = tmp_path_factory.mktemp("dag")
     config = write_config(root / "config.yaml", demo_dict(tiny_k5, demo_data, root, max_train_steps=6,
                                                           checkpointing_steps=3))
-    resources = {"loraflow": LoraflowResource(config_path=str(config))}
+    resource = LoraflowResource(config_path=str(config))
     instance = DagsterInstance.ephemeral()
-    first = materialize(ALL_ASSETS, resources=resources, instance=instance)
-    second = materialize(ALL_ASSETS, resources=resources, instance=instance)
+    first = materialize_everything(resource, instance)
+    second = materialize_everything(resource, instance)
     return first, second, root
 
 
 def test_every_stage_materializes_with_metadata(dag_run) -> None:
     first, _, root = dag_run
-    assert first.success
+    assert [r.success for r in first] == [True, True]  # cache_dataset for demo-videos, then train_and_validate
+    assert [e.partition for e in events(first, "clips") + events(first, "latents")] == ["demo-videos"] * 2
+    assert [e.partition for e in events(first, "lora")] == [None]
     clips = metadata(first, "clips")
-    assert clips["computed"] >= 5 and clips["quarantined"] == 0
+    assert clips["computed"] >= 5 and clips["quarantined"] == 0 and clips["dataset"] == "demo-videos"
     assert "data:image/png;base64," in clips["preview"]
     assert metadata(first, "latents")["computed"] == clips["computed"]
     lora = metadata(first, "lora")
@@ -50,17 +59,17 @@ def test_every_stage_materializes_with_metadata(dag_run) -> None:
 
 def test_second_materialization_reuses_every_item(dag_run) -> None:
     first, second, _ = dag_run
-    assert second.success
+    assert all(r.success for r in second)
     for asset in ("clips", "latents", "text_embeds", "lora", "validation"):
         meta = metadata(second, asset)
         assert meta["computed"] == 0 and meta["status"].startswith("cached"), asset
     for asset in ("clips", "latents", "text_embeds"):  # item stages: everything the first run made is reused
         assert metadata(second, asset)["reused"] == metadata(first, asset)["computed"], asset
     versions = {e.asset_key.path[-1]: e.materialization.tags.get("dagster/data_version")
-                for e in first.get_asset_materialization_events()}
+                for r in first for e in r.get_asset_materialization_events()}
     again = {e.asset_key.path[-1]: e.materialization.tags.get("dagster/data_version")
-             for e in second.get_asset_materialization_events()}
-    assert versions == again  # content unchanged -> data versions unchanged
+             for r in second for e in r.get_asset_materialization_events()}
+    assert len(versions) == 5 and versions == again  # content unchanged -> data versions unchanged
 
 
 def test_trained_lora_loads_into_the_diffusers_pipeline_and_changes_the_output(dag_run, tiny_k5: Path) -> None:
@@ -84,12 +93,20 @@ def test_trained_lora_loads_into_the_diffusers_pipeline_and_changes_the_output(d
 
 
 def test_single_stage_from_the_dagster_cli(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    """The README's commands: `loraflow partitions`, then one stage for one dataset partition."""
     config = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path))
     env = {**os.environ, "LORAFLOW_CONFIG": str(config), "DAGSTER_HOME": str(tmp_path / "home")}
     (tmp_path / "home").mkdir()
-    dagster = str(Path(sys.executable).with_name("dagster"))
+    bin_dir = Path(sys.executable).parent
+    materialize = [str(bin_dir / "dagster"), "asset", "materialize", "-m", "loraflow.definitions", "--select"]
+    early = subprocess.run([*materialize, "clips", "--partition", "demo-videos"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert early.returncode != 0 and "demo-videos" in early.stderr  # no partition yet: it must be added first
+    added = subprocess.run([str(bin_dir / "loraflow"), "partitions", str(config)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert added.returncode == 0 and "added: demo-videos" in added.stdout, added.stderr[-3000:]
     for stage in ("clips", "latents"):
-        done = subprocess.run([dagster, "asset", "materialize", "-m", "loraflow.definitions", "--select", stage],
+        done = subprocess.run([*materialize, stage, "--partition", "demo-videos"],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
     from loraflow.store import Store

@@ -1,8 +1,10 @@
-"""The Dagster product around the five assets: checks, the dataset sensor, the recache schedule, retries."""
+"""The Dagster product around the five assets: checks, the dataset partitions and sensor, the recache schedule,
+retries."""
 
 from __future__ import annotations
 
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -11,13 +13,17 @@ import yaml
 from dagster import (
     AssetCheckSeverity,
     AssetKey,
+    AddDynamicPartitionsRequest,
     AssetSelection,
     DagsterEventType,
     DagsterInstance,
     DefaultScheduleStatus,
     DefaultSensorStatus,
+    DeleteDynamicPartitionsRequest,
     Definitions,
     SkipReason,
+    build_asset_check_context,
+    build_schedule_context,
     build_sensor_context,
     define_asset_job,
 )
@@ -31,6 +37,8 @@ from loraflow.assets.checks import (
     lora_problems,
     text_embeds_cover_captions,
 )
+from loraflow.assets.jobs import JOBS, build_defs
+from loraflow.assets.partitions import DATASETS
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.schedules import DEFAULT_CRON, recache_schedule
 from loraflow.assets.sensors import CHANGED_TAG, dataset_watch
@@ -44,21 +52,30 @@ from tests.conftest import demo_dict, write_config
 # -- checks on a real materialization --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory):
-    """clips -> latents + text_embeds -> lora, with every check of those assets run in the same job."""
+    """clips -> latents (the demo dataset's partition), then text_embeds -> lora, every check of those assets
+    run in the same job as its asset."""
     root = tmp_path_factory.mktemp("product")
     config = write_config(root / "config.yaml", demo_dict(tiny_k5, demo_data, root, max_train_steps=2,
                                                           checkpointing_steps=2))
-    job = define_asset_job("up_to_lora", AssetSelection.assets("clips", "latents", "text_embeds", "lora"))
-    defs = Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[job],
+    job = define_asset_job("up_to_lora", AssetSelection.assets("text_embeds", "lora"))
+    defs = Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[*JOBS, job],
                        resources={"loraflow": LoraflowResource(config_path=str(config))})
-    result = defs.resolve_job_def("up_to_lora").execute_in_process(instance=DagsterInstance.ephemeral())
-    return result, config, root
+    instance = DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions(DATASETS.name, ["demo-videos"])
+    results = [defs.resolve_job_def("cache_dataset").execute_in_process(instance=instance, partition_key="demo-videos"),
+               defs.resolve_job_def("up_to_lora").execute_in_process(instance=instance)]
+    return results, config, root
+
+
+def direct(resource: LoraflowResource):
+    """The context of a check called directly: no partition, so it checks every dataset."""
+    return build_asset_check_context(resources={"loraflow": resource})
 
 
 def test_every_check_runs_in_the_job_and_passes_on_a_clean_materialization(trained) -> None:
-    result, _, _ = trained
-    assert result.success
-    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    results, _, _ = trained
+    assert all(r.success for r in results)
+    evaluations = {e.check_name: e for r in results for e in r.get_asset_check_evaluations()}
     expected = {"latents_shape_and_finite", "latents_cover_clips", "text_embeds_cover_captions", "captions_not_empty",
                 "lora_file_loads"}
     assert set(evaluations) == expected
@@ -75,19 +92,19 @@ def test_coverage_checks_name_the_clip_without_a_latent_and_the_caption_without_
     texts = store.read_manifest("text_embeds")
     clip = next(c for c in store.read_manifest("clips") if c["key"] == latents_rows[0]["clip_key"])
     try:
-        store.write_manifest("latents", latents_rows[1:])
+        store.write_manifest("latents", latents_rows[1:], part="demo-videos")
         store.write_manifest("text_embeds", [t for t in texts if t["text"] != clip["captions"][0]])
-        result = latents_cover_clips(loraflow=resource)
+        result = latents_cover_clips(direct(resource))
         assert not result.passed and result.severity == AssetCheckSeverity.ERROR
         assert result.metadata["offending_count"].value == 1
         assert clip["source"] in result.metadata["offending"].value
-        text_result = text_embeds_cover_captions(loraflow=resource)
+        text_result = text_embeds_cover_captions(loraflow=resource)  # unpartitioned: no context
         assert not text_result.passed
         assert clip["source"] in text_result.metadata["offending"].value
     finally:
-        store.write_manifest("latents", latents_rows)
+        store.write_manifest("latents", latents_rows, part="demo-videos")
         store.write_manifest("text_embeds", texts)
-    assert latents_cover_clips(loraflow=resource).passed
+    assert latents_cover_clips(direct(resource)).passed
 
 
 def test_latent_check_lists_wrong_shapes_and_non_finite_values(tmp_path: Path) -> None:
@@ -117,7 +134,7 @@ def test_empty_captions_warn_and_list_the_clip(tmp_path: Path, tiny_k5: Path, de
     row = {"key": "k", "dataset": "demo-videos", "bucket": "96x64@17"}
     store.write_manifest("clips", [{**row, "source": "quiet.mp4", "captions": [""]},
                                    {**row, "source": "loud.mp4", "captions": ["a dog"]}])
-    result = captions_not_empty(loraflow=LoraflowResource(config_path=str(config)))
+    result = captions_not_empty(direct(LoraflowResource(config_path=str(config))))
     assert not result.passed and result.severity == AssetCheckSeverity.WARN
     assert "quiet.mp4" in result.metadata["offending"].value and "loud.mp4" not in result.metadata["offending"].value
 
@@ -163,36 +180,69 @@ def _tick(config: Path, cursor: str | None, instance: DagsterInstance):
     return dataset_watch(context)
 
 
-def test_sensor_requests_a_cache_run_naming_the_changed_dataset(tmp_path: Path) -> None:
+def test_sensor_adds_a_partition_per_dataset_and_requests_a_run_per_changed_one(tmp_path: Path) -> None:
     config, dirs = _watch_config(tmp_path)
     with DagsterInstance.ephemeral() as instance:
         first = _tick(config, None, instance)  # never looked before: both datasets may be uncached
-        assert first.run_requests[0].tags[CHANGED_TAG] == "cats,dogs"
+        (add,) = first.dynamic_partitions_requests
+        assert isinstance(add, AddDynamicPartitionsRequest)
+        assert (add.partitions_def_name, list(add.partition_keys)) == ("datasets", ["cats", "dogs"])
+        assert [(r.partition_key, r.tags[CHANGED_TAG]) for r in first.run_requests] == [("cats", "cats"),
+                                                                                          ("dogs", "dogs")]
+        instance.add_dynamic_partitions(DATASETS.name, list(add.partition_keys))  # what the daemon does with it
         same = _tick(config, first.cursor, instance)
         assert isinstance(same.skip_reason, SkipReason) and not same.run_requests
+        assert not same.dynamic_partitions_requests
         (dirs["dogs"] / "two.mp4").write_bytes(b"y" * 10)  # added
         added = _tick(config, same.cursor, instance)
         (request,) = added.run_requests
-        assert request.tags[CHANGED_TAG] == "dogs"
+        assert (request.partition_key, request.tags[CHANGED_TAG]) == ("dogs", "dogs")  # cats is not re-planned
         (observation,) = added.asset_events
-        assert observation.asset_key == AssetKey("clips")
-        assert observation.metadata["files"].value == {"dogs": {"before": 2, "after": 3, "missing_folder": False}}
+        assert (observation.asset_key, observation.partition) == (AssetKey("clips"), "dogs")
+        assert observation.metadata["files"].value == {"before": 2, "after": 3, "missing_folder": False}
         (dirs["cats"] / "one.txt").write_text("one, edited caption")  # changed (size)
         changed = _tick(config, added.cursor, instance)
-        assert changed.run_requests[0].tags[CHANGED_TAG] == "cats"
-        assert changed.run_requests[0].run_key != request.run_key
+        assert [r.partition_key for r in changed.run_requests] == ["cats"]
+        assert changed.run_requests[0].run_key != first.run_requests[0].run_key
         (dirs["dogs"] / "two.mp4").unlink()  # removed
-        assert _tick(config, changed.cursor, instance).run_requests[0].tags[CHANGED_TAG] == "dogs"
+        again = _tick(config, changed.cursor, instance)
+        assert [r.partition_key for r in again.run_requests] == ["dogs"]
+        assert again.run_requests[0].run_key != request.run_key
+
+
+def test_sensor_deletes_the_partition_of_a_removed_dataset_and_adds_a_new_one(tmp_path: Path) -> None:
+    config, dirs = _watch_config(tmp_path)
+    with DagsterInstance.ephemeral() as instance:
+        instance.add_dynamic_partitions(DATASETS.name, ["cats", "dogs"])
+        cursor = _tick(config, None, instance).cursor
+        data = yaml.safe_load(config.read_text())
+        (tmp_path / "birds").mkdir()
+        data["datasets"] = [data["datasets"][0], {"id": "birds", "instance_data_dir": str(tmp_path / "birds")}]
+        write_config(config, data)
+        result = _tick(config, cursor, instance)
+        add, delete = result.dynamic_partitions_requests
+        assert isinstance(add, AddDynamicPartitionsRequest) and list(add.partition_keys) == ["birds"]
+        assert isinstance(delete, DeleteDynamicPartitionsRequest) and list(delete.partition_keys) == ["dogs"]
+        assert [r.partition_key for r in result.run_requests] == ["birds"]  # dogs: no run for a removed dataset
+        data["datasets"] = data["datasets"][:1]
+        write_config(config, data)
+        instance.add_dynamic_partitions(DATASETS.name, ["birds"])
+        instance.delete_dynamic_partition(DATASETS.name, "dogs")
+        only_delete = _tick(config, result.cursor, instance)
+        assert not only_delete.run_requests and only_delete.skip_reason is None
+        (delete,) = only_delete.dynamic_partitions_requests
+        assert list(delete.partition_keys) == ["birds"]
 
 
 def test_sensor_ignores_hidden_files_and_is_off_by_default(tmp_path: Path) -> None:
     config, dirs = _watch_config(tmp_path)
     with DagsterInstance.ephemeral() as instance:
+        instance.add_dynamic_partitions(DATASETS.name, ["cats", "dogs"])
         cursor = _tick(config, None, instance).cursor
         (dirs["cats"] / ".one.mp4.swp").write_bytes(b"z")
         assert _tick(config, cursor, instance).skip_reason is not None
     assert dataset_watch.default_status == DefaultSensorStatus.STOPPED
-    assert dataset_watch.job_name == "cache_only"
+    assert dataset_watch.job_name == "cache_dataset"
 
 
 # -- schedule, definitions, retries ------------------------------------------------------------------
@@ -201,7 +251,7 @@ def test_recache_schedule_follows_recache_cron(tmp_path: Path) -> None:
     on, _ = _watch_config(tmp_path / "on", recache_cron="*/15 * * * *")
     schedule = recache_schedule(str(on))
     assert schedule.cron_schedule == "*/15 * * * *"
-    assert schedule.default_status == DefaultScheduleStatus.RUNNING and schedule.job_name == "cache_only"
+    assert schedule.default_status == DefaultScheduleStatus.RUNNING and schedule.job_name == "cache_dataset"
     (tmp_path / "off").mkdir()
     off, _ = _watch_config(tmp_path / "off")
     schedule = recache_schedule(str(off))
@@ -214,25 +264,44 @@ def test_recache_schedule_follows_recache_cron(tmp_path: Path) -> None:
                                                                 "recache_cron": "every day"}))
 
 
-def test_definitions_wire_checks_sensor_schedule_and_retries() -> None:
+def test_recache_requests_a_run_per_dataset_partition(tmp_path: Path) -> None:
+    config, _ = _watch_config(tmp_path, recache_cron="0 4 * * *")
+    schedule = recache_schedule(str(config))
+    with DagsterInstance.local_temp(str(tmp_path)) as instance:  # a schedule context needs a stored instance
+        when = datetime(2025, 1, 2, 4, 0, tzinfo=timezone.utc)
+        nothing = schedule(build_schedule_context(instance=instance, scheduled_execution_time=when))
+        assert isinstance(nothing, SkipReason) and "cats" in nothing.skip_message  # no partition yet
+        instance.add_dynamic_partitions(DATASETS.name, ["cats", "dogs", "gone"])  # gone: not in the config
+        requests = schedule(build_schedule_context(instance=instance, scheduled_execution_time=when))
+        assert [r.partition_key for r in requests] == ["cats", "dogs"]
+        assert len({r.run_key for r in requests}) == 2 and all(r.tags["loraflow/trigger"] == "recache"
+                                                               for r in requests)
+
+
+def test_definitions_wire_partitions_jobs_checks_sensor_schedule_and_retries() -> None:
     from loraflow.definitions import defs
 
     assert {s.name for s in defs.schedules} == {"recache"}
     assert {s.name for s in defs.sensors} == {"dataset_watch"}
-    cache = defs.resolve_job_def("cache_only")
+    graph = defs.resolve_asset_graph()
+    partitioned = {key.path[-1]: graph.get(key).partitions_def for key in graph.get_all_asset_keys()}
+    assert partitioned == {"clips": DATASETS, "latents": DATASETS, "text_embeds": None, "lora": None,
+                           "validation": None}
+    cache = defs.resolve_job_def("cache_dataset")
+    assert cache.partitions_def == DATASETS
     assert cache.op_retry_policy is not None and cache.op_retry_policy.max_retries == 2
-    check_names = {key.name for key in defs.resolve_asset_graph().asset_check_keys}
+    assert defs.resolve_job_def("train_and_validate").partitions_def is None
+    check_names = {key.name for key in graph.asset_check_keys}
     assert check_names == {c.check_specs_by_output_name[n].name for c in ALL_CHECKS for n in c.check_specs_by_output_name}
 
 
 def test_a_config_error_fails_the_cache_job_once_without_retries(tmp_path: Path) -> None:
-    from loraflow.definitions import cache_only
-
     broken = write_config(tmp_path / "broken.yaml", {"model_family": "kandinsky5-video", "lora_rnk": 4})
-    defs = Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[cache_only],
-                       resources={"loraflow": LoraflowResource(config_path=str(broken))})
-    result = defs.resolve_job_def("cache_only").execute_in_process(raise_on_error=False,
-                                                                     instance=DagsterInstance.ephemeral())
+    defs = build_defs(LoraflowResource(config_path=str(broken)))
+    instance = DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions(DATASETS.name, ["demo-videos"])
+    result = defs.resolve_job_def("cache_dataset").execute_in_process(raise_on_error=False, instance=instance,
+                                                                      partition_key="demo-videos")
     assert not result.success
     types = [event.event_type for event in result.all_events]
     assert DagsterEventType.STEP_UP_FOR_RETRY not in types and DagsterEventType.STEP_RESTARTED not in types

@@ -1,9 +1,9 @@
 """The Dagster UI on a materialized demo, in headless Chromium: what a user sees after `make demo && make dev`.
 
 `dagster dev` runs on a free loopback port against a DAGSTER_HOME where every asset (and check) was
-materialized; the browser must find the five assets, the validation preview image inline, and the clips
-bucket table. Screenshots go to the test's tmp dir; with LORAFLOW_SAVE_SCREENSHOT=1 one is copied to
-docs/ui.png. Skipped only where Chromium is missing and CI is not set.
+materialized; the browser must find the five assets (clips and latents with their one dataset partition),
+the validation preview image inline, and the clips bucket table. Screenshots go to the test's tmp dir; with
+LORAFLOW_SAVE_SCREENSHOT=1 one is copied to docs/ui.png. Skipped only where Chromium is missing and CI is not set.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dagster import DagsterInstance, Definitions
+from dagster import DagsterInstance
 
-from loraflow.assets.checks import ALL_CHECKS
+from loraflow.assets.jobs import materialize_everything
 from loraflow.assets.resources import LoraflowResource
-from loraflow.assets.stages import ALL_ASSETS
 from loraflow.keys import env_flag
 from tests.conftest import REPO, demo_dict, write_config
 
@@ -50,20 +49,17 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def materialized(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """(root, DAGSTER_HOME, config): the demo, every asset and check materialized into a real instance."""
-    from loraflow.definitions import all_stages
-
     root = tmp_path_factory.mktemp("ui")
     config = write_config(root / "config.yaml", demo_dict(tiny_k5, demo_data, root, max_train_steps=2,
                                                           checkpointing_steps=2))
     home = root / "dagster_home"
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\nnux:\n  enabled: false\n")
-    defs = Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[all_stages],
-                       resources={"loraflow": LoraflowResource(config_path=str(config))})
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DAGSTER_HOME", str(home))
-        with DagsterInstance.get() as instance:
-            assert defs.resolve_job_def("all_stages").execute_in_process(instance=instance).success
+        with DagsterInstance.get() as instance:  # what `loraflow demo` runs: the partition, then the rest
+            results = materialize_everything(LoraflowResource(config_path=str(config)), instance)
+            assert [r.success for r in results] == [True, True]
     return root, home, config
 
 
@@ -149,13 +145,16 @@ def _open_image(page, key: str):
     return width, height
 
 
-def test_catalog_lists_the_five_assets(page, server: str, materialized) -> None:
+def test_catalog_lists_the_five_assets_and_the_dataset_partitions(page, server: str, materialized) -> None:
     from playwright.sync_api import expect
 
     page.goto(f"{server}/assets")
     for asset in ASSETS:
         page.locator(f'a[href$="/assets/{asset}"]').first.wait_for()
-    expect(page.get_by_text("Materialized", exact=True)).to_have_count(len(ASSETS))  # each row's status
+    expect(page.get_by_text("Materialized", exact=True)).to_have_count(3)  # text_embeds, lora, validation
+    # clips and latents: a partition per dataset (the demo has one), "All" of them materialized
+    expect(page.get_by_text("1 partition", exact=True)).to_have_count(2)
+    expect(page.get_by_text("All", exact=True)).to_have_count(2)
     _shot(page, materialized[0], "catalog")
 
 
@@ -173,6 +172,7 @@ def test_validation_page_shows_its_metadata_and_the_preview_image(page, server: 
 
 def test_clips_page_shows_the_bucket_table_and_the_first_frames(page, server: str, materialized) -> None:
     page.goto(f"{server}/assets/clips")
+    assert "demo-videos" in _metadata_row(page, "dataset").inner_text()  # the latest partition's metadata
     table = _metadata_row(page, "buckets").locator("table")
     headers = [h.strip() for h in table.locator("th").all_inner_texts()]
     assert headers[:3] == ["dataset", "bucket", "clips"], headers

@@ -1,0 +1,61 @@
+"""The jobs, and the whole DAG as runs: one `cache_dataset` run per dataset, then one `train_and_validate` run.
+
+One job cannot hold the whole DAG: a run of a job with partitioned assets has one partition key, so a run of
+clips -> ... -> validation would train after caching one dataset only. The partitioned part (`clips`,
+`latents`) is therefore its own job, a run per dataset (in parallel under `dagster dev`, each in its own
+process); `text_embeds`, `lora` and `validation` read every dataset and run once after them. (In the UI,
+materializing all five launches an asset backfill, which Dagster orders the same way.)
+"""
+
+from __future__ import annotations
+
+from dagster import (
+    AssetSelection,
+    Backoff,
+    DagsterInstance,
+    Definitions,
+    ExecuteInProcessResult,
+    RetryPolicy,
+    define_asset_job,
+)
+
+from loraflow.assets.partitions import sync_partitions
+from loraflow.assets.resources import LoraflowResource
+
+# Transient failures (a flaky network store, a worker killed for memory) are retried; a config error raises
+# Failure(allow_retries=False) in LoraflowResource.load and is not. Retries resume from committed shards.
+TRANSIENT = RetryPolicy(max_retries=2, delay=10, backoff=Backoff.EXPONENTIAL)
+
+cache_dataset = define_asset_job(
+    "cache_dataset", AssetSelection.assets("clips", "latents"), op_retry_policy=TRANSIENT,  # partitioned like them
+    description="One dataset (the partition): clips and latents, and their checks")
+train_and_validate = define_asset_job(
+    "train_and_validate", AssetSelection.assets("text_embeds", "lora", "validation"),
+    description="Every dataset's captions embedded, then LoRA training and validation")
+JOBS = [cache_dataset, train_and_validate]
+
+
+def build_defs(resource: LoraflowResource, **extra: object) -> Definitions:
+    """The assets, checks and jobs with this resource (the code location's default config was fixed at import)."""
+    from loraflow.assets.checks import ALL_CHECKS
+    from loraflow.assets.stages import ALL_ASSETS
+
+    return Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=JOBS, resources={"loraflow": resource},
+                       **extra)
+
+
+def materialize_everything(resource: LoraflowResource, instance: DagsterInstance) -> list[ExecuteInProcessResult]:
+    """What `loraflow demo` runs: a partition per training dataset added to the instance, one `cache_dataset`
+    run per dataset, then `train_and_validate`. Stops after the first failed run (and returns it last)."""
+    defs = build_defs(resource)
+    config = resource.load()
+    sync_partitions(instance, config)
+    results = []
+    for dataset in config.training_datasets:
+        results.append(defs.resolve_job_def("cache_dataset").execute_in_process(
+            instance=instance, partition_key=dataset.id, raise_on_error=False))
+        if not results[-1].success:
+            return results
+    results.append(defs.resolve_job_def("train_and_validate").execute_in_process(
+        instance=instance, raise_on_error=False))
+    return results
