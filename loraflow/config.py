@@ -79,7 +79,7 @@ class VideoSettings(StrictModel):
 class DatasetConfig(StrictModel):
     """One entry of the dataset list (the seeds' multidatabackend.json)."""
 
-    id: str
+    id: str = Field(description="names the dataset everywhere, and its Dagster partition")
     type: Literal["local"] = "local"
     dataset_type: Literal["video", "image", "text_embeds"] = "video"
     instance_data_dir: str | None = None
@@ -99,6 +99,15 @@ class DatasetConfig(StrictModel):
     cache_dir: str | None = None
     default: bool = False
     disabled: bool = False
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        # the id is a Dagster partition key and a file name: Dagster refuses "..." and control characters
+        if not v.strip() or "..." in v or any(ord(c) < 32 for c in v):
+            raise ValueError(f"id {v!r} must be non-empty, without '...' or control characters (it names the "
+                             "dataset's Dagster partition)")
+        return v
 
     @model_validator(mode="after")
     def _needs(self) -> DatasetConfig:
@@ -164,12 +173,18 @@ class LoraflowConfig(StrictModel):
     max_grad_norm: float = Field(1.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_include_ffn: bool = Field(False, description="also adapt the feed-forward layers")
+    lora_format: Literal["diffusers", "comfyui"] = Field(
+        "diffusers", description="diffusers: the diffusers/peft file only (what validation loads); comfyui: "
+        "also a ComfyUI file (diffusion_model.* names, lora_up/lora_down, alpha) beside it")
     caption_dropout_probability: float = Field(0.0, ge=0, le=1, description="train on the empty prompt this often")
     flow_sigma_sampling: Literal["sigmoid", "logit_normal", "uniform"] = "sigmoid"
     flow_sigmoid_scale: float = Field(1.0, gt=0)
     checkpointing_steps: int = Field(50, ge=1, description="save a resumable checkpoint every N optimizer steps")
     checkpoints_total_limit: int | None = Field(2, ge=1, description="keep the newest N checkpoints")
     seed: int = 42
+    num_processes: int = Field(1, ge=1, description="data-parallel training processes (one per GPU), each taking "
+                               "train_batch_size samples per micro-step; > 1, or any CUDA run, trains under "
+                               "`accelerate launch`")
 
     validation_prompt: str | None = None
     validation_resolution: str = Field("768x512", description="WIDTHxHEIGHT in pixels")
@@ -193,9 +208,12 @@ class LoraflowConfig(StrictModel):
     vae_enable_patch_conv: bool = Field(False, description="exact slab-wise VAE convs: same numbers, lower peak")
     vae_enable_tiling: bool = Field(False, description="spatial tiles with seam blending: approximate, lowest peak")
     vae_enable_slicing: bool = Field(False, description="encode a batch one sample at a time")
+    latent_sampling: Literal["mode", "distribution"] = Field(
+        "mode", description="mode: cache the VAE posterior's mode (deterministic); distribution: cache its mean and "
+        "log-variance so training draws a fresh sample each epoch; part of every latent key")
     flow_schedule_shift: float | None = Field(None, description="sigma shift for training; default: the flavour's")
     recache_cron: str | None = Field(
-        None, description="cron (5 fields, UTC) for the `recache` schedule of the cache_only job; unset: schedule off"
+        None, description="cron (5 fields, UTC) for the `recache` schedule (a cache_dataset run per dataset); unset: schedule off"
     )
 
     # Training memory and speed (seed names). None of the group_offload_* / gradient_checkpointing keys changes

@@ -74,3 +74,11 @@ def test_every_example_config_validates(name: str) -> None:
     family = get_family(config)  # the flavour is one the family can train
     height, width = config.validation_size
     assert height % family.spatial_multiple == 0 and width % family.spatial_multiple == 0
+
+
+@pytest.mark.parametrize("bad_id", ["", "cats...dogs", "tab\there"])
+def test_a_dataset_id_must_be_a_valid_partition_key(bad_id: str) -> None:
+    data = demo()
+    data["datasets"][0]["id"] = bad_id
+    (problem,) = problems(data)
+    assert problem.startswith("datasets[0].id:") and "partition" in problem

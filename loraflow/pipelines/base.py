@@ -2,7 +2,9 @@
 
 Tensor layouts used across the protocol:
     frames   uint8 (B, F, H, W, 3) RGB
-    latents  float32 (B, C, T, h, w), already multiplied by the family's VAE scaling
+    latents  float32 (B, C, T, h, w), already multiplied by the family's VAE scaling; with
+             sampling "distribution" (B, 2C, T, h, w): the posterior's scaled mean, then its scaled
+             log-variance, on the channel axis as diffusers lays out the posterior's parameters
     text     a dict of per-sample tensors from `encode_text`, batched by the caller
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +22,7 @@ import torch
 
 from loraflow.keys import content_key, directory_fingerprint
 from loraflow.kernels.tread import TokenLayout
+from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
 
 TextRow = dict[str, np.ndarray]
@@ -36,6 +40,7 @@ class ModelFamily(Protocol):
     text_signature: str  # hash of template, token limits: part of every text key
     max_text_tokens: int  # the first text encoder keeps at most this many caption tokens (more: truncated)
     tread_layout: TokenLayout  # where the transformer keeps its visual tokens, for TREAD routing
+    comfyui_names: tuple[ComfyRule, ...]  # diffusers module -> ComfyUI module (lora_format: comfyui)
 
     def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
         """One row per text: the valid tokens only (padding is rebuilt at batch time)."""
@@ -43,8 +48,9 @@ class ModelFamily(Protocol):
     def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
         """Batch text rows for the transformer (padding, masks)."""
 
-    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor) -> torch.Tensor:
-        """uint8 (B, F, H, W, 3) -> scaled latents (B, C, T, h, w)."""
+    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
+        """uint8 (B, F, H, W, 3) -> scaled latents (B, C, T, h, w), or (B, 2C, T, h, w) mean and logvar
+        (`scaled_posterior`)."""
 
     def velocity(
         self, transformer: torch.nn.Module, noisy: torch.Tensor, sigma: torch.Tensor, text: Mapping[str, torch.Tensor]
@@ -90,6 +96,23 @@ class RenderSettings(Protocol):
 
 
 LORA_ADAPTER = "lora"  # the adapter name validation loads and scales
+LATENT_SAMPLINGS = ("mode", "distribution")
+
+
+def scaled_posterior(posterior: Any, sampling: str, scale: float, shift: float = 0.0) -> torch.Tensor:
+    """The VAE posterior as the family's pipeline scales latents, (x - shift) * scale, in float32.
+
+    mode: the mode (= the mean of a diagonal Gaussian). distribution: mean and log-variance concatenated on
+    dim 1; a sample x = mean + exp(logvar / 2) * eps scales to (x - shift) * scale, which has mean
+    (mean - shift) * scale and log-variance logvar + 2 log(scale). The logvar is diffusers' (clamped to
+    [-30, 20]), so `latent_dist.sample(g)` * scale equals `draw_latents` with the same generator.
+    """
+    if sampling not in LATENT_SAMPLINGS:
+        raise ValueError(f"latent sampling must be one of {', '.join(LATENT_SAMPLINGS)}; got {sampling!r}")
+    mean = (posterior.mode().float() - shift) * scale
+    if sampling == "mode":
+        return mean
+    return torch.cat([mean, posterior.logvar.float() + 2.0 * math.log(scale)], dim=1)
 
 
 def lora_file_header(prefix: str, adapter_config: dict | None) -> dict[str, str]:

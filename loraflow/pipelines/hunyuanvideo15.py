@@ -20,7 +20,10 @@ from safetensors.torch import save_file
 
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
-from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, lora_file_header, set_lora_scale
+from loraflow.pipelines.base import (
+    RenderSettings, TextRow, load_lora_file, lora_file_header, scaled_posterior, set_lora_scale,
+)
+from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
 
 FAMILY = "hunyuanvideo-1.5"
@@ -49,6 +52,28 @@ FFN_TARGETS = ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context
 # The last block's text-stream output is discarded, so these adapters there never get a gradient
 # (add_q_proj: exactly 0; the others: None). Harmless; DDP needs find_unused_parameters for them.
 DEAD_IN_LAST_BLOCK = ("attn.add_q_proj", "attn.to_add_out", "ff_context.net.0.proj", "ff_context.net.2")
+# ComfyUI runs HunyuanVideo 1.5 on its HunyuanVideo model (comfyanonymous/ComfyUI comfy/ldm/hunyuan_video/model.py),
+# whose double blocks are Flux's DoubleStreamBlock (comfy/ldm/flux/layers.py): img_attn.qkv / txt_attn.qkv fuse q, k, v
+# in that order along the output dim (its forward views the output as (B, L, 3, heads, head_dim)), img_attn.proj, and
+# img_mlp.0 / img_mlp.2 (Linear, GELU, Linear). diffusers' names come from Tencent's split ones
+# (huggingface/diffusers scripts/convert_hunyuan_video1_5_to_diffusers.py: img_attn_q -> attn.to_q, txt_attn_q ->
+# attn.add_q_proj, img_attn_proj -> attn.to_out.0, txt_attn_proj -> attn.to_add_out, img_mlp.fc1 -> ff.net.0.proj,
+# txt_mlp.fc2 -> ff_context.net.2). ComfyUI has no key for Tencent's split q/k/v, so q/k/v LoRAs are fused.
+_BLOCK = r"transformer_blocks\.(\d+)\."
+HUNYUANVIDEO15_COMFYUI_NAMES = (
+    ComfyRule(_BLOCK + r"attn\.to_q", r"double_blocks.\1.img_attn.qkv", 0, 3),
+    ComfyRule(_BLOCK + r"attn\.to_k", r"double_blocks.\1.img_attn.qkv", 1, 3),
+    ComfyRule(_BLOCK + r"attn\.to_v", r"double_blocks.\1.img_attn.qkv", 2, 3),
+    ComfyRule(_BLOCK + r"attn\.add_q_proj", r"double_blocks.\1.txt_attn.qkv", 0, 3),
+    ComfyRule(_BLOCK + r"attn\.add_k_proj", r"double_blocks.\1.txt_attn.qkv", 1, 3),
+    ComfyRule(_BLOCK + r"attn\.add_v_proj", r"double_blocks.\1.txt_attn.qkv", 2, 3),
+    ComfyRule(_BLOCK + r"attn\.to_out\.0", r"double_blocks.\1.img_attn.proj"),
+    ComfyRule(_BLOCK + r"attn\.to_add_out", r"double_blocks.\1.txt_attn.proj"),
+    ComfyRule(_BLOCK + r"ff\.net\.0\.proj", r"double_blocks.\1.img_mlp.0"),
+    ComfyRule(_BLOCK + r"ff\.net\.2", r"double_blocks.\1.img_mlp.2"),
+    ComfyRule(_BLOCK + r"ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.0"),
+    ComfyRule(_BLOCK + r"ff_context\.net\.2", r"double_blocks.\1.txt_mlp.2"),
+)
 
 
 def chat(text: str) -> list[dict[str, str]]:
@@ -85,6 +110,7 @@ class HunyuanVideo15:
     max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
     # block(hidden, context, temb, context_mask, (cos, sin) per token) -> (hidden, context): see kernels/tread.py
     tread_layout: TokenLayout = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0)
+    comfyui_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_COMFYUI_NAMES  # lora_format: comfyui
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -138,15 +164,16 @@ class HunyuanVideo15:
                 "byt5_embeds": byt5.to(device), "byt5_mask": byt5_mask.to(device)}
 
     # 2. latents ----------------------------------------------------------------------------------
-    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor) -> torch.Tensor:
+    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
         """uint8 (B, F, H, W, 3) -> (B, 32, T, H/16, W/16); `latent_dist.mode()` * scaling, as the i2v pipeline
-        encodes its image (HVI:386-387) and the decoder divides by scaling only (HV:825)."""
+        encodes its image (HVI:386-387) and the decoder divides by scaling only (HV:825). Distribution:
+        (B, 64, T, H/16, W/16), mean and logvar scaled alike (`scaled_posterior`)."""
         latents = []
         for clip in frames:  # one clip at a time: this VAE's mid-block mask breaks for batch > 1
             # [-1, 1] as diffusers' VaeImageProcessor computes it (x / 255 * 2 - 1), in fp32 before any cast
             pixels = (clip.permute(3, 0, 1, 2)[None].float() / 255.0 * 2.0 - 1.0).to(vae.dtype)  # (1, 3, F, H, W)
-            latents.append(vae.encode(pixels).latent_dist.mode())
-        return torch.cat(latents).float() * vae.config.scaling_factor
+            latents.append(scaled_posterior(vae.encode(pixels).latent_dist, sampling, vae.config.scaling_factor))
+        return torch.cat(latents)
 
     # 3. transformer --------------------------------------------------------------------------------
     def velocity(

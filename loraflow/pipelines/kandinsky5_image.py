@@ -20,8 +20,9 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
-from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, set_lora_scale
+from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, scaled_posterior, set_lora_scale
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
+from loraflow.pipelines.kandinsky5_video import KANDINSKY5_COMFYUI_NAMES, ComfyRule
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Kandinsky5Image:
     text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
     max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
+    comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # same transformer class as video
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -98,8 +100,9 @@ class Kandinsky5Image:
         }
 
     # 2. latents ----------------------------------------------------------------------------------
-    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor) -> torch.Tensor:
-        """uint8 (B, 1, H, W, 3) -> (B, 16, 1, H/8, W/8): Flux VAE `mode()` * scaling_factor, no shift.
+    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
+        """uint8 (B, 1, H, W, 3) -> (B, 16, 1, H/8, W/8): Flux VAE `mode()` * scaling_factor, no shift
+        (distribution: (B, 32, 1, H/8, W/8), mean and logvar scaled alike; `scaled_posterior`).
 
         The K5 image pipelines decode `latents / scaling_factor` (K5T2I:804) and ignore the Flux VAE's
         shift_factor; caching with the shift would train on latents the pipeline never decodes.
@@ -110,8 +113,9 @@ class Kandinsky5Image:
                              "Set the dataset's `video.num_frames: 1`.")
         # [-1, 1] as diffusers' VaeImageProcessor computes it (x / 255 * 2 - 1), in fp32 before any cast
         pixels = (frames[:, 0].permute(0, 3, 1, 2).float() / 255.0 * 2.0 - 1.0).to(vae.dtype)  # (B, 3, H, W)
-        latents = vae.encode(pixels).latent_dist.mode()  # (B, 16, h, w)
-        return latents[:, :, None].float() * vae.config.scaling_factor
+        posterior = vae.encode(pixels).latent_dist
+        latents = scaled_posterior(posterior, sampling, vae.config.scaling_factor)  # (B, 16 or 32, h, w)
+        return latents[:, :, None]
 
     # 3. transformer --------------------------------------------------------------------------------
     def velocity(

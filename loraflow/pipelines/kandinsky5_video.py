@@ -18,7 +18,8 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
-from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, set_lora_scale
+from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, scaled_posterior, set_lora_scale
+from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
 
 # The pipeline's system prompt (its `prompt_template`); we crop the hidden states after its prefix.
@@ -42,6 +43,14 @@ NEGATIVE_PROMPT = (
 MAX_TEXT_TOKENS = 512  # the pipeline's max_sequence_length
 CLIP_TOKENS = 77
 TEXT_SIGNATURE = content_key(template=PROMPT_TEMPLATE, max_tokens=MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS)
+# ComfyUI's Kandinsky5 model (comfyanonymous/ComfyUI comfy/ldm/kandinsky5/model.py) keeps the original checkpoint's
+# module names, which are also diffusers' (models/transformers/transformer_kandinsky.py): text_/visual_transformer_blocks
+# .N.self_attention|cross_attention.to_query|to_key|to_value|out_layer, .feed_forward.in_layer|out_layer. So the
+# ComfyUI name is the diffusers name (ComfyUI's comfy/lora.py even accepts it with a `transformer.` prefix, but then
+# ignores lora_alpha); also used by kandinsky5_image, same transformer class.
+KANDINSKY5_COMFYUI_NAMES = (
+    ComfyRule(r"((?:text|visual)_transformer_blocks\.\d+\.(?:self_attention|cross_attention|feed_forward)\.\w+)", r"\1"),
+)
 
 
 def template_crop(tokenizer: Any) -> int:
@@ -65,6 +74,7 @@ class Kandinsky5Video:
     max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
     # TREAD: visual blocks are called block(visual_embed (B, N, D), text, time, rope (B, N, 1, d/2, 2, 2), sparse)
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
+    comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # lora_format: comfyui
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -107,10 +117,10 @@ class Kandinsky5Video:
         }
 
     # 2. latents ----------------------------------------------------------------------------------
-    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor) -> torch.Tensor:
+    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
         pixels = frames.permute(0, 4, 1, 2, 3).to(vae.dtype) / 127.5 - 1.0  # (B, 3, F, H, W) in [-1, 1]
-        latents = vae.encode(pixels).latent_dist.mode()
-        return latents.float() * vae.config.scaling_factor  # the pipeline divides by it, no shift
+        posterior = vae.encode(pixels).latent_dist
+        return scaled_posterior(posterior, sampling, vae.config.scaling_factor)  # the pipeline divides by it, no shift
 
     # 3. transformer --------------------------------------------------------------------------------
     def velocity(
