@@ -2,6 +2,10 @@
 
 Each asset: load the config, call its op (heavy imports happen there, not at code-location load), and return
 a MaterializeResult whose data version is a hash of the content it stands for.
+
+`clips` and `latents` are partitioned by dataset (partitions.py): a run caches one dataset, and its data version
+is that dataset's content. `text_embeds`, `lora` and `validation` are not: each reads every dataset's manifest part
+(Dagster's default for an unpartitioned asset downstream of a partitioned one is all partitions).
 """
 
 
@@ -9,10 +13,12 @@ a MaterializeResult whose data version is a hash of the content it stands for.
 from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
 
 from loraflow.assets import metadata as md
+from loraflow.assets.partitions import DATASETS
 from loraflow.assets.resources import LoraflowResource
 
 
-@asset(group_name="loraflow", description="Probe videos/images, choose clips, bucket, decode only the kept frames.")
+@asset(partitions_def=DATASETS, group_name="loraflow",
+       description="One dataset: probe videos/images, choose clips, bucket, decode only the kept frames.")
 def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.bucket_plan import human_bytes
     from loraflow.ops.clips import build_clips
@@ -21,13 +27,16 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
 
     config = loraflow.load()
     store = loraflow.store(config)
-    report = build_clips(config, get_family(config), store)
+    dataset = loraflow.dataset(config, context.partition_key)
+    report = build_clips(config, get_family(config), store, datasets=[dataset])
     for row in report.quarantined:
         context.log.warning(f"quarantined {row['file']}: {row['reason']} ({row['detail']})")
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={
+            "dataset": dataset,
             **md.counts(report),
+            "clips": sum(r["clips"] for r in report.tables["buckets"]),
             # est_latent_bytes: what the latents stage will write (float32, the VAE's factors), before it runs
             "buckets": md.md_table([{**r, "frames_bytes": human_bytes(r["frames_bytes"]),
                                      "est_latent_bytes": human_bytes(r["est_latent_bytes"])}
@@ -36,26 +45,31 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
             "dropped": md.md_table(report.tables["dropped"]),
             "quarantined": len(report.quarantined),
             "quarantine": md.md_table(report.quarantined),
-            "preview": md.md_image(clip_preview(store), "first frame of each clip"),
+            "preview": md.md_image(clip_preview(store.only_parts([dataset])), "first frame of each clip"),
         },
     )
 
 
-@asset(deps=[clips], pool="gpu", group_name="loraflow", description="VAE latents of every clip, cached by content.")
-def latents(loraflow: LoraflowResource) -> MaterializeResult:
+@asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",
+       description="One dataset: VAE latents of every clip, cached by content.")
+def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.ops.latents import encode_latents
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
-    report = encode_latents(config, get_family(config), loraflow.store(config))
+    dataset = loraflow.dataset(config, context.partition_key)
+    report = encode_latents(config, get_family(config), loraflow.store(config), datasets=[dataset])
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
-        metadata={**md.counts(report), **report.facts, "quarantine": md.md_table(report.quarantined),
+        metadata={"dataset": dataset, **md.counts(report), "latents": report.computed + report.reused,
+                  **report.facts, "quarantined": len(report.quarantined),
+                  "quarantine": md.md_table(report.quarantined),
                   "oom_fallbacks": md.md_table(report.tables["oom_fallbacks"])},
     )
 
 
-@asset(deps=[clips], pool="gpu", group_name="loraflow", description="Text embeddings of every distinct text.")
+@asset(deps=[clips], pool="gpu", group_name="loraflow",
+       description="Text embeddings of every distinct text of every dataset.")
 def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.ops.text_embeds import encode_texts
     from loraflow.pipelines import get_family
@@ -71,12 +85,11 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
 
 
 @asset(deps=[latents, text_embeds], pool="gpu", group_name="loraflow", description="Flow-matching LoRA training.")
-def lora(loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.ops.train import train_lora
-    from loraflow.pipelines import get_family
+def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
+    from loraflow.assets.launch import train
 
-    config = loraflow.load()
-    report = train_lora(config, get_family(config), loraflow.store(config))
+    config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
+    report = train(context, config, loraflow.config_path, loraflow.store(config))
     history = report.tables["history"]
     return MaterializeResult(
         data_version=DataVersion(report.data_version),

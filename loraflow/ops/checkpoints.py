@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from loraflow.pipelines.base import ModelFamily
+from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE, save_comfyui_lora
 
 log = logging.getLogger(__name__)
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -98,11 +99,15 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], scalars: dict[str, An
     return {"state": state, "param_groups": scalars["param_groups"]}
 
 
-def export_lora(out: Path, transformer: torch.nn.Module, family: ModelFamily) -> None:
-    """diffusers format through the family's own writer, renamed into place."""
+def export_lora(out: Path, transformer: torch.nn.Module, family: ModelFamily, lora_format: str = "diffusers") -> None:
+    """diffusers format through the family's own writer, renamed into place; with `lora_format: comfyui` also
+    the ComfyUI file (written first: the diffusers file is what marks the run finished)."""
+    state, config = lora_state(transformer), adapter_config(transformer)
+    if lora_format == "comfyui":
+        save_comfyui_lora(state, config, family.comfyui_names, out / COMFYUI_LORA_FILE)
     tmp = out / "export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    family.save_lora(lora_state(transformer), tmp, adapter_config(transformer))
+    family.save_lora(state, tmp, config)
     (tmp / LORA_FILE).rename(out / LORA_FILE)
     shutil.rmtree(tmp)
 

@@ -9,6 +9,8 @@ output_dir/runs/<key>, keyed by the input caches' data versions and every config
 Gradient checkpointing and group offloading are exact (not in the key: turning them on after an OOM resumes the
 run); TREAD is not. base_model_precision stores frozen weights in bf16 or fp8 (layerwise casting); the forward
 runs under bf16 autocast on CUDA; LoRA weights, gradients and AdamW state are always fp32.
+Under `accelerate launch` (num_processes > 1) each rank trains its share of every step and only rank 0 writes
+(loraflow/ops/distributed.py; loraflow/ops/train_main.py is the launched entry point).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +40,12 @@ from loraflow.kernels.tread import resolve_routes, tread_routing
 from loraflow.ops.checkpoints import (
     LORA_FILE, export_lora, latest_checkpoint, load_lora, resume_optimizer, save_checkpoint, write_json,
 )
-from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
+from loraflow.ops.devices import free_models, peak_memory_gib
+from loraflow.ops.distributed import (
+    World, average_gradients_, barrier, broadcast_, check_same_everywhere, join, sum_over_ranks, tensors_fingerprint,
+)
 from loraflow.ops.evaluation import split_clips
+from loraflow.ops.latents import draw_latents
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, TextRow, load_component
 from loraflow.store import Store
@@ -92,7 +99,9 @@ def upstream_versions(store: Store) -> dict[str, str]:
 
 def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
     """Where one training run lives: keyed by its inputs' data versions and the config, so a change starts fresh."""
-    settings = config.model_dump(mode="json", exclude=set(VALIDATION_ONLY_KEYS | RUNTIME_ONLY_KEYS))
+    settings = config.model_dump(mode="json", exclude=set(VALIDATION_ONLY_KEYS | RUNTIME_ONLY_KEYS | {"num_processes"}))
+    if config.num_processes > 1:  # N processes see N times the samples per step; one keeps the keys of before
+        settings["num_processes"] = config.num_processes
     key = content_key(inputs=upstream, config=settings, code=CODE_VERSION)
     return Path(config.output_dir) / "runs" / key
 
@@ -201,6 +210,9 @@ def load_micro_batch(
     """Everything a micro-step reads, on the CPU (runs on the prefetch thread)."""
     latents = store.get("latents", {s.latent_key for s in samples})
     x0 = torch.from_numpy(np.stack([latents[s.latent_key]["latent"] for s in samples]))  # (B, C, T, h, w), a copy
+    if config.latent_sampling == "distribution":  # a fresh posterior sample per micro-step, the same on resume
+        logvar = torch.from_numpy(np.stack([latents[s.latent_key]["latent_logvar"] for s in samples]))
+        x0 = draw_latents(x0, logvar, torch.Generator().manual_seed(step_seed(config.seed, micro_step, "latents")))
     draws = step_draws(config, family, micro_step, tuple(x0.shape))
     text_keys = [empty_key if draws.drop_caption else s.text_key for s in samples]
     rows: dict[str, TextRow] = store.get("text_embeds", set(text_keys))
@@ -311,11 +323,15 @@ class Trainable:
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():  # the offloader's CPU copies (with streams) get the new values
+        self.sync_copies()
+        return norm
+
+    def sync_copies(self) -> None:
+        """The offloader's CPU copies (with streams) get the parameters' current values."""
+        with torch.no_grad():
             for p, copy in zip(self.params, self.copies):
                 if copy is not None:
                     copy.copy_(p)
-        return norm
 
 
 def _offload_hooks(transformer: torch.nn.Module) -> list[Any]:
@@ -348,15 +364,21 @@ def routing(transformer: torch.nn.Module, family: ModelFamily, config: LoraflowC
 
 # 4. the loop ---------------------------------------------------------------------------------------------------
 def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> StageReport:
-    # 1. plan: inputs, run folder, samples; a finished run is reused as it is
+    """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
+    # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
+    world, device = join(config.num_processes)
     upstream = upstream_versions(store)
     out = run_dir(config, upstream)
-    if (out / LORA_FILE).is_file():
+    finished = (out / LORA_FILE).is_file()
+    check_same_everywhere("the run folder", lambda: content_key(run=out.name, finished=finished), world, device)
+    if finished:
         return _report(out, upstream, computed=0)
-    plan = BatchPlan(build_samples(config, store), config.train_batch_size, config.seed)
+    samples = build_samples(config, store)
+    check_same_everywhere("the samples", lambda: content_key(samples=[(s.latent_key, s.text_key) for s in samples]),
+                          world, device)
+    plan = BatchPlan(samples, config.train_batch_size, config.seed)
     empty_key = empty_prompt_key(store)
     out.mkdir(parents=True, exist_ok=True)
-    device = pick_device()
     # 2. model: precision, LoRA (resumed), memory features, optimizer (resumed)
     transformer, params = load_transformer(config, family, device)
     checkpoint = latest_checkpoint(out)
@@ -364,13 +386,19 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Sta
         load_lora(checkpoint, transformer)
     enable_offload(transformer, config, device)
     trainable = Trainable(transformer, params, device)
+    broadcast_(params, world)  # equal already (same seed or checkpoint); DDP's guarantee, made explicit
+    trainable.sync_copies()
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY)
     start, history = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
     # 3. steps
-    history = run_steps(config, family, store, plan, empty_key, transformer, trainable, optimizer, start, history, out)
-    # 4. the history, then the adapter: the adapter's presence marks the run done
-    write_json(out / "history.json", history)
-    export_lora(out, transformer, family)
+    history = run_steps(config, family, store, plan, empty_key, transformer, trainable, optimizer, start, history, out,
+                        world)
+    check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, params), world, device)
+    # 4. rank 0 writes the history, then the adapter: the adapter's presence marks the run done
+    if world.main:
+        write_json(out / "history.json", history)
+        export_lora(out, transformer, family, config.lora_format)
+    barrier(world)  # every rank returns once the run is done
     del transformer, trainable, optimizer, params  # the last references: free_models can free the weights
     free_models()
     return _report(out, upstream, computed=config.max_train_steps - start, resumed_at=start)
@@ -379,15 +407,19 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Sta
 def run_steps(
     config: LoraflowConfig, family: ModelFamily, store: Store, plan: BatchPlan, empty_key: str,
     transformer: torch.nn.Module, trainable: Trainable, optimizer: torch.optim.Optimizer, start: int,
-    history: list[dict], out: Path,
+    history: list[dict], out: Path, world: World = World(),
 ) -> list[dict]:
-    """Optimizer steps start..max_train_steps: set lr, micro-steps, clip + step, log, checkpoint."""
+    """Optimizer steps start..max_train_steps: set lr, micro-steps, average over ranks, clip + step, log, checkpoint.
+
+    Local micro-step j of this rank is global micro-step world.micro_step(j): its batch and its random draws.
+    """
     device, accum = trainable.device, config.gradient_accumulation_steps
     autocast = uses_autocast(config, device)
     rows = RowCache(store)
-    batches = prefetched(lambda k: load_micro_batch(config, family, rows, plan(k), k, empty_key),
+    batches = prefetched(lambda j: load_micro_batch(config, family, rows, plan(world.micro_step(j)),
+                                                    world.micro_step(j), empty_key),
                          range(start * accum, config.max_train_steps * accum))
-    writer = _tensorboard(out, start)
+    writer = _tensorboard(out, start) if world.main else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     transformer.train()
@@ -401,7 +433,7 @@ def run_steps(
             for micro in range(step * accum, (step + 1) * accum):
                 batch = next(batches)
                 if config.lora_dropout:  # peft's dropout draws from the global RNG
-                    torch.manual_seed(step_seed(config.seed, micro, "lora_dropout"))
+                    torch.manual_seed(step_seed(config.seed, world.micro_step(micro), "lora_dropout"))
                 with routing(transformer, family, config, batch.draws.seed):
                     loss = flow_loss(transformer, family, batch, device, autocast)
                     if not torch.isfinite(loss):
@@ -410,11 +442,16 @@ def run_steps(
                     (loss / accum if accum > 1 else loss).backward()
                 trainable.collect()
                 loss_sum, seen = loss_sum + loss.item() / accum, seen + len(batch.samples)
-            grad_norm = trainable.step(optimizer, config.max_grad_norm)
-            history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
-                                     time.perf_counter() - began, seen, device, writer))
+            average_gradients_(trainable.gradients(), world)
+            grad_norm = trainable.step(optimizer, config.max_grad_norm)  # the same on every rank
+            loss_sum, seen = sum_over_ranks([loss_sum / world.size, seen], world, device)
+            if world.main:
+                history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
+                                         time.perf_counter() - began, seen, device, writer))
             if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
-                save_checkpoint(out, step + 1, transformer, optimizer, history, config.checkpoints_total_limit)
+                if world.main:
+                    save_checkpoint(out, step + 1, transformer, optimizer, history, config.checkpoints_total_limit)
+                barrier(world)  # no rank runs ahead of the newest checkpoint
     finally:
         batches.close()
         if writer is not None:

@@ -40,7 +40,11 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("train")
+    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("train"))
+
+
+def build_caches(tiny_k5: Path, demo_data: Path, root: Path) -> dict[str, Path]:
+    """clips, latents and text_embeds of the two-clip dataset under root/cache (tests/ops/test_distributed.py too)."""
     data = root / "data"
     data.mkdir()
     for stem in ("clip_00", "clip_02"):
@@ -126,6 +130,13 @@ def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Pa
     assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)  # it did train
 
 
+def same_lora_file(a: Path, b: Path) -> bool:
+    """Bit-equal tensors and an equal header (whose key order safetensors randomises per save: not the bytes)."""
+    with safe_open(a, "pt") as fa, safe_open(b, "pt") as fb:
+        return (fa.metadata() == fb.metadata() and sorted(fa.keys()) == sorted(fb.keys())
+                and all(torch.equal(fa.get_tensor(k), fb.get_tensor(k)) for k in fa.keys()))
+
+
 def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tmp_path: Path) -> None:
     config = make_config(caches, tmp_path / "out", lora_rank=8, lora_include_ffn=True)
     family = get_family(config)
@@ -164,7 +175,7 @@ def test_a_killed_run_resumes_to_the_same_bits(caches: dict[str, Path], tmp_path
     assert 2 <= resumed.facts["resumed_at_step"] < 24 and resumed.computed == 24 - resumed.facts["resumed_at_step"]
     whole = train(make_config(caches, tmp_path / "whole", **settings))
     assert whole.facts["resumed_at_step"] == 0
-    assert (run / T.LORA_FILE).read_bytes() == Path(whole.facts["lora_path"]).read_bytes()
+    assert same_lora_file(run / T.LORA_FILE, Path(whole.facts["lora_path"]))
     assert [r["loss"] for r in resumed.tables["history"]] == [r["loss"] for r in whole.tables["history"]]
     assert len(list((run / "checkpoints").glob("step-*"))) == 1  # checkpoints_total_limit
 
@@ -275,3 +286,20 @@ def test_a_new_validation_prompt_encodes_one_text_and_retrains_nothing(baseline,
     assert encode_texts(prompted, get_family(prompted), store).computed == 1  # the new prompt, nothing else
     again = train(prompted)
     assert again.computed == 0 and again.facts["run_dir"] == first.facts["run_dir"]
+
+
+def test_distribution_latents_draw_fresh_samples_and_comfyui_is_exported_too(baseline, caches: dict[str, Path],
+                                                                             tmp_path: Path) -> None:
+    from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
+
+    config, first = baseline
+    shutil.copytree(caches["root"] / "cache", tmp_path / "cache")
+    sampled = make_config(caches, tmp_path / "out", cache_dir=str(tmp_path / "cache"),
+                          latent_sampling="distribution", lora_format="comfyui")
+    assert encode_latents(sampled, get_family(sampled), Store(sampled.cache_dir)).computed == 3
+    report = train(sampled)
+    run = Path(report.facts["run_dir"])
+    assert (run / T.LORA_FILE).is_file() and (run / COMFYUI_LORA_FILE).is_file()
+    # same seed, same noise and sigma: only the drawn x0 differs from the mode run
+    assert [r["loss"] for r in report.tables["history"]] != [r["loss"] for r in first.tables["history"]]
+    assert train(sampled).computed == 0

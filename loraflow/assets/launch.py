@@ -1,0 +1,56 @@
+"""How the `lora` asset trains: in the Dagster process on the CPU, or as `accelerate launch` under Dagster Pipes.
+
+One CPU process (the default) trains in-process, as every other stage does. `num_processes > 1`, or any CUDA run,
+starts `accelerate launch ... -m loraflow.ops.train_main CONFIG` through PipesSubprocessClient: the GPUs' memory
+is the launched processes' alone and is given back when they exit, every rank trains, and rank 0 streams its log
+lines and reports the materialization, which becomes this asset's (see loraflow/ops/train_main.py).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from dagster import AssetExecutionContext, PipesSubprocessClient
+
+from loraflow.config import LoraflowConfig
+from loraflow.ops.report import StageReport
+
+
+def needs_launch(config: LoraflowConfig) -> bool:
+    import torch
+
+    return config.num_processes > 1 or torch.cuda.is_available()
+
+
+def launch_command(config_path: str, num_processes: int, port: int | None = None) -> list[str]:
+    """`accelerate launch` of the training entry point: torchrun underneath with --multi_gpu, on CPUs as well."""
+    multi = ["--multi_gpu", "--main_process_port", str(port or free_port())] if num_processes > 1 else []
+    # Explicit defaults: without an accelerate config file, launch would warn about each one.
+    return [sys.executable, "-m", "accelerate.commands.launch", *multi, "--num_processes", str(num_processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "-m", "loraflow.ops.train_main", str(Path(config_path).resolve())]
+
+
+def free_port() -> int:
+    """A free loopback port for the ranks' rendezvous (two launches on one machine must not share one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(context: AssetExecutionContext, config: LoraflowConfig, config_path: str, store: Any) -> StageReport:
+    """The lora stage's report, trained here or by the launched processes."""
+    from loraflow.ops.train import train_lora
+    from loraflow.ops.train_main import report_from_summary
+    from loraflow.pipelines import get_family
+
+    if not needs_launch(config):
+        return train_lora(config, get_family(config), store)
+    command = launch_command(config_path, config.num_processes)
+    context.log.info(f"launching {config.num_processes} training process(es): {' '.join(command)}")
+    result = PipesSubprocessClient().run(command=command, context=context).get_materialize_result()
+    values = {name: value.value for name, value in (result.metadata or {}).items()}
+    return report_from_summary(values, result.data_version.value)

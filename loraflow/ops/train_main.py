@@ -1,0 +1,90 @@
+"""The lora stage as a process of its own: what `accelerate launch` / `torchrun` start, one per GPU.
+
+    accelerate launch --multi_gpu --num_processes 2 -m loraflow.ops.train_main CONFIG   # num_processes: 2
+    python -m loraflow.ops.train_main CONFIG                                            # one process
+
+Every rank trains. Rank 0 alone logs; when Dagster started the launch (Pipes environment variables set) it streams
+its log lines to Dagster and reports the materialization: the summary below and the run's data version. Without
+Dagster it prints the summary as one JSON line. Other ranks print warnings and errors only and never open Pipes.
+Uses the lightweight `dagster-pipes` package: a GPU box needs no Dagster installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loraflow.ops.report import StageReport
+
+log = logging.getLogger(__name__)
+
+
+def summary(report: StageReport) -> dict[str, Any]:
+    """The report as JSON values (the history stays in the run folder's history.json)."""
+    history = report.tables["history"]
+    return {"computed": report.computed, "reused": report.reused, **report.facts,
+            "final_loss": history[-1]["loss"] if history else None}
+
+
+def report_from_summary(values: dict[str, Any], data_version: str) -> StageReport:
+    """The report a launched run summarised, with its history read back from the run folder."""
+    facts = {k: v for k, v in values.items() if k not in ("computed", "reused", "final_loss")}
+    history = json.loads((Path(facts["run_dir"]) / "history.json").read_text())
+    return StageReport(data_version=data_version, computed=int(values["computed"]), reused=int(values["reused"]),
+                       tables={"history": history}, facts=facts)
+
+
+def train(config_path: str) -> StageReport:
+    from loraflow.config import load_config
+    from loraflow.ops.train import train_lora
+    from loraflow.pipelines import get_family
+    from loraflow.store import Store
+
+    config = load_config(config_path)
+    return train_lora(config, get_family(config), Store(config.cache_dir))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
+
+    from loraflow.config import ConfigError
+    from loraflow.ops.distributed import leave, world_from_env
+
+    parser = argparse.ArgumentParser(prog="python -m loraflow.ops.train_main", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="the YAML/JSON config of the run")
+    args = parser.parse_args(argv)
+    world = world_from_env()
+    logging.basicConfig(level=logging.INFO if world.main else logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s rank {world.rank} %(levelname)s %(name)s: %(message)s")
+    try:
+        if world.main and PipesEnvVarParamsLoader().is_dagster_pipes_process():
+            with open_dagster_pipes() as pipes:
+                (to_dagster,) = pipes.log.handlers
+                logging.getLogger("loraflow").addHandler(to_dagster)  # loraflow's log lines go to Dagster too
+                try:
+                    report = train(args.config)
+                finally:
+                    logging.getLogger("loraflow").removeHandler(to_dagster)
+                # A mapping would read as Pipes' {raw_value, type} schema: mappings are marked json
+                metadata = {k: {"raw_value": v, "type": "json"} if isinstance(v, dict) else v
+                            for k, v in summary(report).items()}
+                pipes.report_asset_materialization(metadata=metadata, data_version=report.data_version)
+        else:
+            report = train(args.config)
+            if world.main:
+                print(json.dumps({"data_version": report.data_version, **summary(report)}))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    finally:
+        leave()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Two CPU processes (gloo) under `accelerate launch` train the tiny real Kandinsky 5 Video from real caches.
+
+The honest check: with one sample per rank and micro-step, two processes compute what one process computes with
+gradient_accumulation_steps 2 (the same batches and random draws, up to the order of float sums).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from loraflow.assets.launch import launch_command
+from loraflow.ops import train as T
+from loraflow.ops.distributed import World, join
+from loraflow.store import Store
+from tests.conftest import REPO
+from tests.ops.test_train import build_caches, make_config, same_lora_file, train
+
+# Steps 1-3, a checkpoint at 2; LoRA dropout and caption dropout make the per-micro-step draws matter.
+SETTINGS = {"max_train_steps": 3, "checkpointing_steps": 2, "checkpoints_total_limit": 2, "lora_dropout": 0.1,
+            "caption_dropout_probability": 0.3}
+# Runs train_lora as one rank, recording what this rank writes and keeping its trained LoRA for the test.
+PROBE = '''
+import sys
+from pathlib import Path
+from safetensors.torch import save_file
+from loraflow.config import load_config
+from loraflow.ops import train as T
+from loraflow.ops.checkpoints import lora_state
+from loraflow.ops.distributed import leave, world_from_env
+from loraflow.pipelines import get_family
+from loraflow.store import Store
+
+config_path, probe = sys.argv[1], Path(sys.argv[2])
+writes, kept = [], {}
+def spy(name, fn):
+    def wrapped(*args, **kwargs):
+        writes.append(name)
+        return fn(*args, **kwargs)
+    return wrapped
+for name in ("save_checkpoint", "export_lora", "write_json", "_tensorboard"):
+    setattr(T, name, spy(name, getattr(T, name)))
+run_steps = T.run_steps
+def keep_transformer(*args, **kwargs):
+    kept["transformer"] = args[5]
+    return run_steps(*args, **kwargs)
+T.run_steps = keep_transformer
+config = load_config(config_path)
+T.train_lora(config, get_family(config), Store(config.cache_dir))
+rank = world_from_env().rank
+save_file(lora_state(kept["transformer"]), probe / f"rank{rank}.safetensors")
+(probe / f"rank{rank}.writes").write_text(" ".join(writes))
+leave()
+'''
+
+
+@pytest.fixture(scope="module")
+def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("distributed"))
+
+
+def launch(config_path: Path, *program: str) -> subprocess.CompletedProcess:
+    """`accelerate launch` of two processes, as the lora asset builds it, with `program` instead of train_main."""
+    command = launch_command(str(config_path), 2)
+    assert command[-3:-1] == ["-m", "loraflow.ops.train_main"]
+    if program:
+        command = command[:-3] + list(program)
+    cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPUs, also on a machine with one GPU
+    done = subprocess.run(command, cwd=REPO, env=cpu_only, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def two_ranks(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("two_ranks")
+    config = make_config(caches, root / "two", num_processes=2, **SETTINGS)
+    (root / "probe.py").write_text(PROBE)
+    launch(root / "two.yaml", str(root / "probe.py"), str(root / "two.yaml"), str(root))
+    return {"config": config, "yaml": root / "two.yaml", "probe": root,
+            "run": T.run_dir(config, T.upstream_versions(Store(config.cache_dir)))}
+
+
+def test_ranks_hold_identical_weights_and_only_rank_0_writes(two_ranks: dict) -> None:
+    probe, run = two_ranks["probe"], two_ranks["run"]
+    rank0, rank1 = (load_file(probe / f"rank{r}.safetensors") for r in (0, 1))
+    assert sorted(rank0) == sorted(rank1) and len(rank0) == 40
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    assert any(v.abs().max() > 0 for k, v in rank0.items() if "lora_B" in k)  # it trained
+    exported = load_file(run / T.LORA_FILE)
+    assert all(torch.equal(exported[f"transformer.{k}"], v) for k, v in rank0.items())
+    writes = {r: (probe / f"rank{r}.writes").read_text().split() for r in (0, 1)}
+    assert writes[1] == []
+    assert sorted(writes[0]) == ["_tensorboard", "export_lora", "save_checkpoint", "write_json"]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000002"]
+
+
+def test_two_processes_equal_one_process_accumulating_two_micro_steps(two_ranks: dict, caches: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    one = train(make_config(caches, tmp_path / "one", gradient_accumulation_steps=2, **SETTINGS))
+    two = json.loads((two_ranks["run"] / "history.json").read_text())
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one.tables["history"], two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * a["grad_norm"]
+    expected, trained = load_file(one.facts["lora_path"]), load_file(two_ranks["run"] / T.LORA_FILE)
+    assert sorted(expected) == sorted(trained)
+    assert max((expected[k] - trained[k]).abs().max().item() for k in expected) <= 1e-6
+    # The comparison can fail: one process with one micro-step per step trains other numbers.
+    single = load_file(train(make_config(caches, tmp_path / "single", **SETTINGS)).facts["lora_path"])
+    assert max((single[k] - trained[k]).abs().max().item() for k in single) > 1e-4
+
+
+def test_rank_r_takes_every_other_batch_of_the_plan() -> None:
+    worlds = [World(rank, 2) for rank in (0, 1)]
+    assert [[w.micro_step(j) for j in range(3)] for w in worlds] == [[0, 2, 4], [1, 3, 5]]
+    assert [World().micro_step(j) for j in range(3)] == [0, 1, 2]  # one process: the plan in order
+
+
+def test_a_two_process_run_resumes_from_its_checkpoint_through_the_cli(two_ranks: dict) -> None:
+    """train_main without Dagster: rank 0 prints the report; the run continues at step 2 to the same bits."""
+    run = two_ranks["run"]
+    finished = run.parent / "finished.safetensors"
+    (run / T.LORA_FILE).rename(finished)  # as if killed after the checkpoint at step 2
+    (run / "history.json").unlink()
+    done = launch(two_ranks["yaml"])
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("{")]  # rank 0 only
+    report = json.loads(line)
+    assert report["resumed_at_step"] == 2 and report["computed"] == 1 and report["data_version"] == run.name
+    assert same_lora_file(run / T.LORA_FILE, finished)  # bit for bit
+    assert "rank 1 INFO" not in done.stderr and "rank 0 INFO" in done.stderr
+    assert np.isfinite(report["final_loss"])
+
+
+
+def test_a_launch_that_does_not_match_the_config_fails_naming_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="`num_processes` is 2 but this launch has 4 process"):
+        join(2)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="asks for FSDP, which loraflow does not implement"):
+        join(1)
+
+
+def test_ranks_that_disagree_fail_together(tmp_path: Path) -> None:
+    """The guard on run folder, samples and trained weights: each rank raises when their fingerprints differ."""
+    script = tmp_path / "disagree.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from loraflow.ops.distributed import check_same_everywhere, join, leave\n"
+        "world, device = join(2)\n"
+        "check_same_everywhere('a', lambda: 'ab' * 8, world, device)  # equal: passes\n"
+        "try:\n"
+        "    check_same_everywhere('the samples', lambda: str(world.rank) * 16, world, device)\n"
+        "except RuntimeError as err:\n"
+        "    Path(sys.argv[1], f'rank{world.rank}').write_text(str(err))\n"
+        "leave()\n")
+    launch(tmp_path / "unused.yaml", str(script), str(tmp_path))
+    assert all("the ranks disagree on the samples" in (tmp_path / f"rank{r}").read_text() for r in (0, 1))
