@@ -10,6 +10,10 @@ A shard is written to a temporary name and renamed into place, so a reader never
 set of keys in committed shards is the resume point of a killed run. Tensors are stored as Arrow
 fixed-shape tensor columns when every row has the same shape (a bucket's latents: zero-copy to torch)
 and as flat lists with a shape column otherwise (text embeddings of different token counts).
+
+Reads fetch only the row groups holding the wanted keys: a shard's rows are grouped by about ROW_GROUP_BYTES
+(one latent per group at real sizes, many text rows per group), and each shard's keys are indexed once per Store
+(shards are immutable, so the index never goes stale).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 SHAPE_SUFFIX = "__shape"
+ROW_GROUP_BYTES = 4 << 20  # a training batch reads a few rows of a shard: groups small enough to skip the rest
 
 
 def tensor_column(arrays: Sequence[np.ndarray]) -> tuple[pa.Array, pa.Array | None]:
@@ -89,6 +94,7 @@ class Store:
         self.fs, self.root = fsspec.core.url_to_fs(root)
         self.url = root
         self.parts: frozenset[str] | None = None  # see only_parts
+        self._index: dict[str, list[list[str]]] = {}  # shard path -> its keys, per row group
 
     def _dir(self, stage: str) -> str:
         return f"{self.root.rstrip('/')}/{stage}"
@@ -100,12 +106,24 @@ class Store:
     def _write_atomic(self, table: pa.Table, path: str) -> None:
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        rows_per_group = max(1, int(ROW_GROUP_BYTES * table.num_rows // max(table.nbytes, 1)))
         with self.fs.open(tmp, "wb") as f:
             # no dictionary pages for tensor columns: float values rarely repeat, and the dictionary
             # costs more than it saves (text_embeds shards: about a third smaller without it)
             plain = [n for n in table.column_names if not _is_tensor(table, n) and not n.endswith(SHAPE_SUFFIX)]
-            pq.write_table(table, f, compression="zstd", use_dictionary=plain)
+            pq.write_table(table, f, compression="zstd", use_dictionary=plain, row_group_size=rows_per_group)
         self.fs.mv(tmp, path)
+
+    def _shard_keys(self, shard: str) -> list[list[str]]:
+        """The shard's keys, one list per row group (read once: a committed shard never changes)."""
+        if shard not in self._index:
+            with self.fs.open(shard, "rb") as f:
+                parquet = pq.ParquetFile(f)
+                keys = parquet.read(columns=["key"]).column("key").to_pylist()
+                sizes = [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)]
+            starts = np.cumsum([0, *sizes])
+            self._index[shard] = [keys[a:b] for a, b in zip(starts[:-1], starts[1:])]
+        return self._index[shard]
 
     def put(self, stage: str, rows: Sequence[Mapping[str, Any]]) -> str | None:
         """Commit rows (each with a unique `key`) as one shard; return its path."""
@@ -117,25 +135,20 @@ class Store:
 
     def keys(self, stage: str) -> set[str]:
         """Every committed key of a stage: the resume point."""
-        found: set[str] = set()
-        for shard in self._shards(stage):
-            with self.fs.open(shard, "rb") as f:
-                found.update(pq.read_table(f, columns=["key"]).column("key").to_pylist())
-        return found
+        return {key for shard in self._shards(stage) for group in self._shard_keys(shard) for key in group}
 
     def get(self, stage: str, keys: Iterable[str], columns: list[str] | None = None) -> dict[str, dict[str, Any]]:
         """Rows for the given keys, by key. Missing keys raise: reading a cache that is not there is a bug."""
         wanted = set(keys)
         rows: dict[str, dict[str, Any]] = {}
         for shard in self._shards(stage):
+            groups = [i for i, group in enumerate(self._shard_keys(shard)) if any(k in wanted for k in group)]
+            if not groups:
+                continue
             with self.fs.open(shard, "rb") as f:
-                shard_keys = pq.read_table(f, columns=["key"]).column("key").to_pylist()
-                hits = [i for i, k in enumerate(shard_keys) if k in wanted and k not in rows]
-                if not hits:
-                    continue
-                f.seek(0)
-                table = pq.read_table(f, columns=_with_shapes(f, columns)).take(hits)
-            for row in table_to_rows(table):
+                table = pq.ParquetFile(f).read_row_groups(groups, columns=_with_shapes(f, columns))
+            hits = [i for i, k in enumerate(table.column("key").to_pylist()) if k in wanted and k not in rows]
+            for row in table_to_rows(table.take(hits)):
                 rows[row["key"]] = row
         missing = wanted - rows.keys()
         if missing:
@@ -223,10 +236,9 @@ class Store:
         keep = self.manifest_keys(stage) if keep is None else keep
         removed = 0
         for shard in self._shards(stage):
-            with self.fs.open(shard, "rb") as f:
-                shard_keys = set(pq.read_table(f, columns=["key"]).column("key").to_pylist())
-            if not shard_keys & keep:
+            if not any(k in keep for group in self._shard_keys(shard) for k in group):
                 self.fs.rm(shard)
+                self._index.pop(shard, None)
                 removed += 1
         return removed
 

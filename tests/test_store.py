@@ -24,6 +24,29 @@ def test_round_trip_fixed_and_ragged_tensors(store: Store) -> None:
     assert got["b"]["n"] == 5
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_batch_reads_only_the_row_groups_holding_its_keys(store: Store, monkeypatch, ragged: bool) -> None:
+    import pyarrow.parquet as pq
+
+    import loraflow.store
+
+    monkeypatch.setattr(loraflow.store, "ROW_GROUP_BYTES", 1000)  # two 480-byte rows per group
+    rows = [{"key": f"k{i}", "latent": np.full((2 + ragged * i, 60), i, np.float32), "n": i} for i in range(9)]
+    shard = store.put("stage", rows)
+    with store.fs.open(shard, "rb") as f:
+        assert pq.ParquetFile(f).num_row_groups == (9 if ragged else 5)
+    read: list[list[int]] = []
+    original = pq.ParquetFile.read_row_groups
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups",
+                        lambda self, groups, **kw: read.append(groups) or original(self, groups, **kw))
+    got = store.get("stage", ["k8", "k3", "k0"])
+    assert read == [[0, 3, 8] if ragged else [0, 1, 4]]
+    for i in (0, 3, 8):
+        np.testing.assert_array_equal(got[f"k{i}"]["latent"], rows[i]["latent"])
+        assert got[f"k{i}"]["n"] == i
+    assert store.get("stage", ["k5"], columns=["n"]) == {"k5": {"key": "k5", "n": 5}}
+
+
 def test_same_shapes_use_fixed_shape_tensor_column(tmp_path) -> None:
     from loraflow.store import rows_to_table
 
