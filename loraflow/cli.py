@@ -45,15 +45,23 @@ def run_demo(config_path: str) -> int:
         results = materialize_everything(LoraflowResource(config_path=config_path), instance)
     if not results[-1].success:
         return 1
-    for event in results[-1].get_asset_materialization_events():
-        materialization = event.materialization
-        if materialization.asset_key.path[-1] in ("lora", "validation"):
-            for name in ("lora_path", "video", "status"):
-                if name in materialization.metadata:
-                    print(f"{materialization.asset_key.path[-1]:>10} {name}: {materialization.metadata[name].value}")
+    print("\n".join(demo_summary(results)))
     config_env = "" if config_path == DEMO_CONFIG else f"LORAFLOW_CONFIG={config_path} "
     print(f"browse it: {config_env}make dev  (then open http://127.0.0.1:3000)")
     return 0
+
+
+def demo_summary(results: list) -> list[str]:
+    """One line per materialization (computed / reused), then where the LoRA and the video are."""
+    lines, paths = [], []
+    for result in results:
+        for event in result.get_asset_materialization_events():
+            stage, meta = event.materialization.asset_key.path[-1], event.materialization.metadata
+            where = f"[{event.partition}]" if event.partition else ""
+            counts = {k: meta[k].value for k in ("computed", "reused") if k in meta}
+            lines.append(f"{stage + where:>26}  computed {counts.get('computed', '-')}, reused {counts.get('reused', '-')}")
+            paths += [f"{name}: {meta[name].value}" for name in ("lora_path", "video") if name in meta]
+    return lines + paths
 
 
 def partitions(config_path: str) -> int:
@@ -179,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     importer.add_argument("backend_json", nargs="?", help="default: the file its data_backend_config names")
     importer.add_argument("-o", "--output", help="YAML file to write (default: standard output)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("loraflow").setLevel(logging.INFO)  # our progress, not every library's INFO chatter
     if args.command == "demo":
         return run_demo(args.config)
     if args.command == "partitions":

@@ -44,6 +44,9 @@ def build_defs(resource: LoraflowResource, **extra: object) -> Definitions:
                        **extra)
 
 
+QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}  # the terminal gets logs, not every event
+
+
 def materialize_everything(resource: LoraflowResource, instance: DagsterInstance) -> list[ExecuteInProcessResult]:
     """What `loraflow demo` runs: a partition per training dataset added to the instance, one `cache_dataset`
     run per dataset, then `train_and_validate`. Stops after the first failed run (and returns it last)."""
@@ -53,9 +56,9 @@ def materialize_everything(resource: LoraflowResource, instance: DagsterInstance
     results = []
     for dataset in config.training_datasets:
         results.append(defs.resolve_job_def("cache_dataset").execute_in_process(
-            instance=instance, partition_key=dataset.id, raise_on_error=False))
+            instance=instance, partition_key=dataset.id, raise_on_error=False, run_config=QUIET))
         if not results[-1].success:
             return results
     results.append(defs.resolve_job_def("train_and_validate").execute_in_process(
-        instance=instance, raise_on_error=False))
+        instance=instance, raise_on_error=False, run_config=QUIET))
     return results

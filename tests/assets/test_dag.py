@@ -16,6 +16,7 @@ import torch
 from dagster import DagsterInstance
 
 from loraflow.assets.jobs import materialize_everything
+from loraflow.cli import demo_summary
 from loraflow.assets.resources import LoraflowResource
 from tests.conftest import REPO, demo_dict, write_config
 
@@ -70,6 +71,11 @@ def test_second_materialization_reuses_every_item(dag_run) -> None:
     again = {e.asset_key.path[-1]: e.materialization.tags.get("dagster/data_version")
              for r in second for e in r.get_asset_materialization_events()}
     assert len(versions) == 5 and versions == again  # content unchanged -> data versions unchanged
+    summary = demo_summary(second)  # what `loraflow demo` prints
+    assert [line.split()[0] for line in summary[:5]] == ["clips[demo-videos]", "latents[demo-videos]", "text_embeds",
+                                                        "lora", "validation"]
+    assert all("computed 0," in line for line in summary[:5])
+    assert summary[5].startswith("lora_path: ") and summary[6].startswith("video: ")
 
 
 def test_trained_lora_loads_into_the_diffusers_pipeline_and_changes_the_output(dag_run, tiny_k5: Path) -> None:
