@@ -66,7 +66,8 @@ def test_separate_dataset_file_is_read(tmp_path: Path) -> None:
     assert load_config(tmp_path / "config.yaml").training_datasets[0].id == "demo-videos"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "kandinsky5_video.yaml", "kandinsky5_image.yaml", "hunyuanvideo15.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "kandinsky5_video.yaml", "kandinsky5_video_i2v.yaml", "kandinsky5_image.yaml",
+                                  "hunyuanvideo15.yaml"])
 def test_every_example_config_validates(name: str) -> None:
     from loraflow.pipelines import get_family
 

@@ -3,6 +3,7 @@
 Numbers compare across runs and configs:
 - the held-out set depends only on (seed, dataset, source path): `split_holdout` ranks by a hash;
 - the sigmas are fixed, 0.1 .. 0.9 (timesteps 100 .. 900), with no shift, whatever the training schedule;
+- i2v flavours: frame 0 given clean and left out of the loss, as in training (`pipelines.base.flow_mse`);
 - each clip's noise comes from (validation seed, clip key), shared by every sigma and by base and LoRA,
   so base and LoRA are compared on exactly the same noisy inputs.
 """
@@ -16,13 +17,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key
-from loraflow.kernels.flow_matching import noisy_sample
-from loraflow.pipelines.base import ModelFamily, set_lora_scale
+from loraflow.pipelines.base import ModelFamily, conditioned_noisy, flow_mse, set_lora_scale
 from loraflow.store import Store
 
 EVAL_SIGMAS: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(1, 10))
@@ -122,8 +121,8 @@ def eval_losses(
             set_lora_scale(transformer, scale)
             for j, value in enumerate(EVAL_SIGMAS):
                 sigma = torch.full((1,), value, device=device)
-                prediction = family.velocity(transformer, noisy_sample(x0, noise, sigma), sigma, text)
-                sums[name][j] += F.mse_loss(prediction.float(), (noise - x0).float()).item()
+                prediction = family.velocity(transformer, conditioned_noisy(family, x0, noise, sigma), sigma, text)
+                sums[name][j] += flow_mse(family, prediction, x0, noise).item()  # i2v: generated frames only
     set_lora_scale(transformer, 1.0)
     return [{"sigma": s, "timestep": round(s * 1000), **{n: float(sums[n][j] / len(items)) for n in SCALES}}
             for j, s in enumerate(EVAL_SIGMAS)]

@@ -21,6 +21,7 @@ from loraflow.ops.clips import select_datasets
 from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
+from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -31,14 +32,18 @@ SHARD_CLIPS = 8
 def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per current clip of the datasets (None: every training dataset) with the key its latent has.
     Patch conv is exact, so it is not in the key; tiling blends seams and changes the numbers, so it is; so
-    does the sampling (a mode row and a distribution row of one clip never share a key)."""
+    does the sampling (a mode row and a distribution row of one clip never share a key), and for i2v flavours
+    the first-frame image latent (see `_with_image_latent`)."""
     vae_id = component_fingerprint(config.pretrained_model_name_or_path, "vae")
+    flavour = config.model_flavour or DEFAULT_FLAVOUR[config.model_family]
+    given = FLAVOURS[config.model_family][flavour].conditioning_frames
+    image = {"image_frames": given} if given else {}  # t2v keys stay what they were
     ids = {d.id for d in select_datasets(config, datasets)}
     clips = store.read_manifest("clips", parts=datasets)
     return [
         {
             "key": content_key(clip=clip["key"], vae=vae_id, dtype="float32", sampling=config.latent_sampling,
-                               tiling=config.vae_enable_tiling, code=CODE_VERSION),
+                               tiling=config.vae_enable_tiling, code=CODE_VERSION, **image),
             "clip_key": clip["key"],
             "bucket": clip["bucket"],
             "dataset": clip["dataset"],
@@ -100,6 +105,7 @@ def _encode(
                 frames = store.get("clips", [row["clip_key"]])[row["clip_key"]]["frames"]
                 pixels = torch.from_numpy(np.array(frames))[None].to(device)  # copy: Arrow buffers are read-only
                 latent, fallback = _encode_with_fallback(vae, family, pixels, sampling)
+                latent = _with_image_latent(latent, vae, family, pixels, sampling)
                 if fallback:
                     log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
                     fallbacks.append({"clip_key": row["clip_key"], "fallback": fallback})
@@ -111,6 +117,21 @@ def _encode(
             store.put("latents", done)
     progress.close()
     return quarantined, fallbacks
+
+
+def _with_image_latent(
+    latent: torch.Tensor, vae: torch.nn.Module, family: ModelFamily, pixels: torch.Tensor, sampling: str
+) -> torch.Tensor:
+    """i2v: latent frame 0 replaced by the first frame encoded alone, which is what the i2v pipeline conditions on.
+
+    Encoding the whole clip gives a different frame 0 (the video VAE's GroupNorms see every frame), and training
+    only ever uses frame 0 as the clean conditioning frame (it is outside the loss), so this makes training's
+    condition exactly inference's (the mode; the pipeline draws a sample around it)."""
+    given = family.flavour.conditioning_frames
+    if not given:
+        return latent
+    image, _ = _encode_with_fallback(vae, family, pixels[:, :1], sampling)
+    return torch.cat([image[:, :given], latent[:, given:]], dim=1)  # (C, T, h, w): frames are dim 1
 
 
 def _encode_with_fallback(

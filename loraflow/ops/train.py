@@ -30,12 +30,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig
 
 from loraflow.config import VALIDATION_ONLY_KEYS, LoraflowConfig
 from loraflow.keys import content_key, data_version
-from loraflow.kernels.flow_matching import lr_at, noisy_sample, sample_sigmas
+from loraflow.kernels.flow_matching import lr_at, sample_sigmas
 from loraflow.kernels.tread import resolve_routes, tread_routing
 from loraflow.ops.checkpoints import (
     LORA_FILE, export_lora, latest_checkpoint, load_lora, resume_optimizer, save_checkpoint, write_json,
@@ -47,7 +46,7 @@ from loraflow.ops.distributed import (
 from loraflow.ops.evaluation import split_clips
 from loraflow.ops.latents import draw_latents
 from loraflow.ops.report import StageReport
-from loraflow.pipelines.base import ModelFamily, TextRow, load_component
+from loraflow.pipelines.base import ModelFamily, TextRow, conditioned_noisy, flow_mse, load_component
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -345,12 +344,13 @@ def _offload_hooks(transformer: torch.nn.Module) -> list[Any]:
 def flow_loss(
     transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
 ) -> torch.Tensor:
-    """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32)."""
+    """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32); i2v: frame 0
+    of x_t is x0's (the image) and the loss covers the generated frames only (`conditioned_noisy`, `flow_mse`)."""
     x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
     text = {k: v.to(device) for k, v in batch.text.items()}
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        prediction = family.velocity(transformer, noisy_sample(x0, noise, sigma), sigma, text)
-    return F.mse_loss(prediction.float(), (noise - x0).float())
+        prediction = family.velocity(transformer, conditioned_noisy(family, x0, noise, sigma), sigma, text)
+    return flow_mse(family, prediction, x0, noise)
 
 
 def routing(transformer: torch.nn.Module, family: ModelFamily, config: LoraflowConfig,

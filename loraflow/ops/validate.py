@@ -5,9 +5,12 @@ model, exactly) and 1 with the same seed, from cached embeddings only. Outputs u
 output_dir/validation/<key>/:
     <nn>-<shortname>/base.mp4, lora.mp4   h264 yuv420p at the flavour's fps (base.png, lora.png for images)
     <nn>-<shortname>/contact_sheet.png    base row over LoRA row
+    condition.png                         i2v only: the first frame every render starts from
     <nn>-<shortname>/result.json          written last: the prompt is done (a killed run resumes after it)
     eval_loss.png, results.json           results.json is written last: the whole run is done
-The key covers the adapter's bytes, the render settings, the prompts and the eval inputs.
+The key covers the adapter's bytes, the render settings, the prompts, the eval inputs and (i2v) the clip whose
+first frame conditions every render: the first held-out eval clip (by key), else the first training clip, center-
+cropped and resized to the validation size (`conditioning_image`).
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from PIL import Image
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key, file_sha256
+from loraflow.ops.clips import first_frame
 from loraflow.ops.devices import free_models, pick_device
-from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_loss_plot, eval_losses, evaluates, loss_summary
+from loraflow.ops.evaluation import (
+    EVAL_SIGMAS, eval_items, eval_loss_plot, eval_losses, evaluates, loss_summary, split_clips,
+)
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, TextRow, component_fingerprint
 from loraflow.store import Store
@@ -82,22 +88,27 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
         raise ValueError("validation has nothing to do: set `validation_prompt` or `user_prompt_library` (renders), "
                          "or `eval_holdout_fraction` / `eval_dataset_id` (eval loss)")
     texts = cached_texts(store, [*prompts.values(), negative])
+    condition = conditioning_clip(config, family, store) if prompts else None
     model = config.pretrained_model_name_or_path
     out = Path(config.output_dir) / "validation" / content_key(
         lora=file_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
         family=family.name, flavour=family.flavour.name, fps=family.flavour.fps, settings=asdict(settings),
-        prompts=prompts, negative=negative, eval=[asdict(i) for i in items], sigmas=EVAL_SIGMAS, code=CODE_VERSION)
+        prompts=prompts, negative=negative, eval=[asdict(i) for i in items], sigmas=EVAL_SIGMAS, code=CODE_VERSION,
+        **({"condition": condition} if condition else {}))  # t2v keys stay as they were
     if (out / RESULTS).is_file():
         return _report(out, computed=0)
     # 2. render what a killed run left undone, then eval loss, with one pipeline load
     folders = {name: out / f"{i:02d}-{_slug(name)}" for i, name in enumerate(prompts)}
     todo = [name for name in prompts if not (folders[name] / "result.json").is_file()]
     out.mkdir(parents=True, exist_ok=True)
+    image = conditioning_image(store, condition, settings) if condition else None
+    if image is not None:
+        _save_png(Image.fromarray(image), out / "condition.png")
     device = pick_device()
     pipe = family.load_renderer(model, lora_path, device)
     for name in todo:
         render_prompt(family, pipe, folders[name], name, prompts[name], texts[prompts[name]], texts[negative],
-                      settings)
+                      settings, image)
     losses = eval_losses(pipe.transformer, family, store, items, settings.seed, device)
     del pipe  # drop the last reference first, so free_models' collection frees the weights
     free_models()
@@ -121,14 +132,37 @@ def cached_texts(store: Store, texts: list[str]) -> dict[str, TextRow]:
     return {t: rows[keys[t]] for t in texts}
 
 
+def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store) -> str | None:
+    """i2v: the clip whose first frame every render starts from (an eval clip first: one never trained on)."""
+    if not family.flavour.conditioning_frames:
+        return None
+    train, held = split_clips(store.read_manifest("clips"), config)
+    if not train + held:
+        raise ValueError("i2v validation renders from a clip's first frame, but the clips stage stored no clip: "
+                         "materialize `clips`")
+    return min(held) if held else min(train)
+
+
+def conditioning_image(store: Store, clip_key: str, settings: RenderSettings) -> np.ndarray:
+    """The clip's first frame, center-cropped to the render's aspect and resized to its size: uint8 (H, W, 3)."""
+    frame = Image.fromarray(np.asarray(first_frame(store, clip_key)))
+    scale = max(settings.width / frame.width, settings.height / frame.height)
+    size = (max(settings.width, round(frame.width * scale)), max(settings.height, round(frame.height * scale)))
+    left, top = (size[0] - settings.width) // 2, (size[1] - settings.height) // 2
+    resized = frame.resize(size, Image.LANCZOS).crop((left, top, left + settings.width, top + settings.height))
+    return np.asarray(resized, dtype=np.uint8)
+
+
 def render_prompt(
     family: ModelFamily, pipe: Any, folder: Path, name: str, prompt: str, text: TextRow, negative: TextRow,
-    settings: RenderSettings,
+    settings: RenderSettings, image: np.ndarray | None = None,
 ) -> None:
-    """Base (LoRA scale 0) and LoRA renders of one prompt, same seed; media, contact sheet, then result.json."""
+    """Base (LoRA scale 0) and LoRA renders of one prompt, same seed (and i2v: same first frame); media, contact
+    sheet, then result.json."""
     folder.mkdir(parents=True, exist_ok=True)
-    base = family.render(pipe, text, negative, settings, lora_scale=0.0)
-    tuned = family.render(pipe, text, negative, settings, lora_scale=1.0)
+    given = {"image": image} if image is not None else {}  # only i2v families take an image
+    base = family.render(pipe, text, negative, settings, lora_scale=0.0, **given)
+    tuned = family.render(pipe, text, negative, settings, lora_scale=1.0, **given)
     if base.shape != (settings.num_frames, settings.height, settings.width, 3):
         raise RuntimeError(f"{family.name} rendered {base.shape}; validation asked for "
                            f"{(settings.num_frames, settings.height, settings.width, 3)}: a bug in the family's render")

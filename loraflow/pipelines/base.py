@@ -19,8 +19,10 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from loraflow.keys import content_key, directory_fingerprint
+from loraflow.kernels.flow_matching import noisy_sample
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
@@ -55,7 +57,11 @@ class ModelFamily(Protocol):
     def velocity(
         self, transformer: torch.nn.Module, noisy: torch.Tensor, sigma: torch.Tensor, text: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
-        """The transformer's flow-matching prediction for noisy latents (B, C, T, h, w) at sigma (B,)."""
+        """The transformer's flow-matching prediction for noisy latents (B, C, T, h, w) at sigma (B,).
+
+        The first `flavour.conditioning_frames` latent frames of `noisy` are clean (`conditioned_noisy`): an i2v
+        family marks them as given in the transformer's input.
+        """
 
     def lora_targets(self, include_ffn: bool) -> list[str] | str:
         """peft `target_modules`: module-name suffixes, or one regex (full match) where suffixes are ambiguous."""
@@ -77,11 +83,14 @@ class ModelFamily(Protocol):
         """
 
     def render(
-        self, pipe: Any, prompt: TextRow, negative: TextRow, settings: RenderSettings, lora_scale: float = 1.0
+        self, pipe: Any, prompt: TextRow, negative: TextRow, settings: RenderSettings, lora_scale: float = 1.0,
+        image: np.ndarray | None = None,
     ) -> np.ndarray:
         """A video (or image: F = 1) from cached embeddings: uint8 (F, H, W, 3).
 
         `lora_scale` weights the adapter (`set_lora_scale`): 0 renders exactly what the base model renders.
+        `image` (uint8 (H, W, 3) at the render size): the first frame, for flavours with conditioning_frames > 0
+        only (families without such flavours need not take the argument).
         """
 
 
@@ -97,6 +106,27 @@ class RenderSettings(Protocol):
 
 LORA_ADAPTER = "lora"  # the adapter name validation loads and scales
 LATENT_SAMPLINGS = ("mode", "distribution")
+
+
+def conditioned_noisy(family: ModelFamily, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 - sigma) x0 + sigma noise (B, C, T, h, w), with the flavour's conditioning frames clean.
+
+    i2v (Kandinsky5I2VPipeline): the image latent replaces frame 0 of x_t at every step; here that is x0[:, :, :1],
+    which for i2v flavours the latents stage encodes from the first frame alone, as the pipeline encodes its image
+    (the clip's own latent frame 0 differs: the video VAE's GroupNorms take statistics over every frame).
+    """
+    x_t = noisy_sample(x0, noise, sigma)
+    given = family.flavour.conditioning_frames
+    if given:
+        x_t = torch.cat([x0[:, :, :given], x_t[:, :, given:]], dim=2)
+    return x_t
+
+
+def flow_mse(family: ModelFamily, prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Flow-matching MSE against noise - x0 (fp32), over the generated latent frames only: the conditioning
+    frames are inputs (inference never steps them), so their prediction is trained on nothing."""
+    given = family.flavour.conditioning_frames
+    return F.mse_loss(prediction[:, :, given:].float(), (noise - x0)[:, :, given:].float())
 
 
 def scaled_posterior(posterior: Any, sampling: str, scale: float, shift: float = 0.0) -> torch.Tensor:

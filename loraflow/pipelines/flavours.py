@@ -2,7 +2,8 @@
 
 fps, frames and size are what validation renders and clips are resampled to unless the config says
 otherwise; flow_shift is the inference/training sigma shift of the original repos; components are the
-sub-folders a local checkpoint must hold for this flavour.
+sub-folders a local checkpoint must hold for this flavour; conditioning_frames are the latent frames the model
+is given clean (Kandinsky 5 i2v: the first), which training and eval loss leave out of the loss.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class Flavour:
     flow_shift: float
     guidance: float
     components: tuple[str, ...]
+    # Latent frames given clean, not generated: their x_t is x0 and they carry no loss (`pipelines.base.flow_mse`).
+    # 0 wherever no first-frame conditioning is implemented (HV1.5 i2v, K5 i2i: refused by their families).
+    conditioning_frames: int = 0
 
 
 _K5_PARTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
@@ -27,7 +31,8 @@ _K5_PARTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2"
 
 def _k5_video(name: str, seconds: int, shift: float) -> Flavour:
     task = name.split("-")[0]
-    return Flavour(name, task, 24.0, 24 * seconds + 1, (512, 768), shift, 5.0, _K5_PARTS)
+    # i2v: the image's latent replaces latent frame 0 (Kandinsky5I2VPipeline.prepare_latents), one clean frame
+    return Flavour(name, task, 24.0, 24 * seconds + 1, (512, 768), shift, 5.0, _K5_PARTS, int(task == "i2v"))
 
 
 def _k5_image(name: str) -> Flavour:

@@ -1,7 +1,10 @@
-"""Kandinsky 5.0 Video (Lite/Pro, t2v): prompt template, scaling, transformer call, LoRA targets, render.
+"""Kandinsky 5.0 Video (Lite/Pro, t2v and i2v): prompt template, scaling, transformer call, LoRA targets, render.
 
-Mirrors diffusers' `Kandinsky5T2VPipeline` (pipelines/kandinsky5/pipeline_kandinsky.py); the parity
-tests hold this file to its numbers.
+Mirrors diffusers' `Kandinsky5T2VPipeline` (pipelines/kandinsky5/pipeline_kandinsky.py) and
+`Kandinsky5I2VPipeline` (pipeline_kandinsky_i2v.py: the same template, crop, text encoders and checkpoint
+layout); the parity tests hold this file to their numbers. i2v differs only in the latents: the image's latent
+replaces frame 0 of x_t, the mask channel marks frame 0, `visual_cond` stays zero, and only frames 1.. are
+stepped; so training gives frame 0 clean and leaves it out of the loss (`flavour.conditioning_frames`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline
+from PIL import Image
+from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5I2VPipeline, Kandinsky5T2VPipeline
 from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.keys import content_key
@@ -41,6 +45,9 @@ NEGATIVE_PROMPT = (
     "walking backwards"
 )
 MAX_TEXT_TOKENS = 512  # the pipeline's max_sequence_length
+# Kandinsky5I2VPipeline.normalize_first_frame takes its reference statistics from latent frames 4..: with fewer
+# than 5 latent frames (17 video frames) they are empty and the whole video is NaN.
+I2V_MIN_FRAMES = 17
 CLIP_TOKENS = 77
 TEXT_SIGNATURE = content_key(template=PROMPT_TEMPLATE, max_tokens=MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS)
 # ComfyUI's Kandinsky5 model (comfyanonymous/ComfyUI comfy/ldm/kandinsky5/model.py) keeps the original checkpoint's
@@ -132,10 +139,15 @@ class Kandinsky5Video:
     ) -> torch.Tensor:
         batch, _, frames, height, width = noisy.shape
         hidden = noisy.permute(0, 2, 3, 4, 1)  # (B, T, h, w, C): channels-last DiT layout
-        if transformer.config.visual_cond:  # t2v: zero condition latents and a zero mask
+        given = self.flavour.conditioning_frames  # i2v: frame 0 of `noisy` is the clean image latent
+        if given and not transformer.config.visual_cond:
+            raise ValueError(f"flavour '{self.flavour.name}' conditions on a first frame, but this transformer has "
+                             "visual_cond=False (no mask channel): point at an i2v checkpoint")
+        if transformer.config.visual_cond:  # zero condition latents (t2v and i2v alike), mask = the given frames
             cond = torch.zeros_like(hidden)
             mask = torch.zeros(*hidden.shape[:-1], 1, dtype=hidden.dtype, device=hidden.device)
-            hidden = torch.cat([hidden, cond, mask], dim=-1)
+            mask[:, :given] = 1
+            hidden = torch.cat([hidden, cond, mask], dim=-1)  # (B, T, h, w, 16 + 16 + 1)
         dtype = transformer.dtype
         out = transformer(
             hidden_states=hidden.to(dtype),
@@ -173,7 +185,9 @@ class Kandinsky5Video:
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> Kandinsky5T2VPipeline:
-        pipe = Kandinsky5T2VPipeline.from_pretrained(
+        """The t2v or i2v pipeline (one checkpoint layout: the class differs only in how it prepares latents)."""
+        pipeline = Kandinsky5I2VPipeline if self.flavour.conditioning_frames else Kandinsky5T2VPipeline
+        pipe = pipeline.from_pretrained(
             model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None
         )
         if lora_path is not None:
@@ -183,12 +197,15 @@ class Kandinsky5Video:
     @torch.no_grad()
     def render(
         self, pipe: Kandinsky5T2VPipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
-        lora_scale: float = 1.0,
+        lora_scale: float = 1.0, image: np.ndarray | None = None,
     ) -> np.ndarray:
+        """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size) as the first frame."""
+        inputs = self._image_input(image, settings)
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
         set_lora_scale(pipe.transformer, lora_scale)
         pos, neg = self.collate_text([prompt], pipe.device), self.collate_text([negative], pipe.device)
         video = pipe(
+            **inputs,
             prompt_embeds_qwen=pos["text_embeds"],
             prompt_embeds_clip=pos["pooled_embeds"],
             prompt_cu_seqlens=_cu_seqlens(pos["text_embeds"]).to(pipe.device),
@@ -205,6 +222,23 @@ class Kandinsky5Video:
         ).frames[0]
         return (np.clip(video, 0, 1) * 255).round().astype(np.uint8)  # (F, H, W, 3)
 
+    def _image_input(self, image: np.ndarray | None, settings: RenderSettings) -> dict[str, Image.Image]:
+        """{"image": PIL} for i2v (checked: size, frame count), {} for t2v (which takes no image)."""
+        if not self.flavour.conditioning_frames:
+            if image is not None:
+                raise ValueError(f"flavour '{self.flavour.name}' is text-to-video: it takes no conditioning image")
+            return {}
+        if image is None:
+            raise ValueError(f"flavour '{self.flavour.name}' renders from a first frame: pass `image`")
+        if image.shape != (settings.height, settings.width, 3) or image.dtype != np.uint8:
+            # The pipeline would resize (stretch) it silently; the caller crops to the render size instead.
+            raise ValueError(f"the conditioning image must be uint8 {(settings.height, settings.width, 3)}; "
+                             f"got {image.dtype} {image.shape}")
+        if settings.num_frames < I2V_MIN_FRAMES:
+            raise ValueError(f"`validation_num_video_frames` {settings.num_frames}: Kandinsky 5 i2v needs at least "
+                             f"{I2V_MIN_FRAMES} frames (5 latent frames; fewer render NaN); use {I2V_MIN_FRAMES}")
+        return {"image": Image.fromarray(image)}
+
 
 def _rope_scale(height: int, width: int) -> tuple[float, float, float]:
     """The pipeline's resolution-dependent RoPE scale, so training sees what inference sees."""
@@ -217,11 +251,5 @@ def _cu_seqlens(embeds: torch.Tensor) -> torch.Tensor:
 
 
 def make_family(flavour: str | None) -> Kandinsky5Video:
-    chosen = FLAVOURS["kandinsky5-video"][flavour or DEFAULT_FLAVOUR["kandinsky5-video"]]
-    if chosen.task != "t2v":
-        # Training i2v as t2v (zero condition, no clean first frame) would teach the wrong task silently.
-        raise NotImplementedError(
-            f"model_flavour '{chosen.name}' conditions on a clean first frame, which loraflow does not cache yet; "
-            "use a t2v-* flavour"
-        )
-    return Kandinsky5Video(flavour=chosen)
+    """t2v and i2v flavours; i2v trains with latent frame 0 clean (the clip's first frame) and renders from an image."""
+    return Kandinsky5Video(flavour=FLAVOURS["kandinsky5-video"][flavour or DEFAULT_FLAVOUR["kandinsky5-video"]])
