@@ -4,6 +4,7 @@ Numbers compare across runs and configs:
 - the held-out set depends only on (seed, dataset, source path): `split_holdout` ranks by a hash;
 - the sigmas are fixed, 0.1 .. 0.9 (timesteps 100 .. 900), with no shift, whatever the training schedule;
 - i2v flavours: frame 0 given clean and left out of the loss, as in training (`pipelines.base.flow_mse`);
+  HunyuanVideo 1.5 i2v: the clip's cached first-frame condition (`image_conditions`), as in training;
 - each clip's noise comes from (validation seed, clip key), shared by every sigma and by base and LoRA,
   so base and LoRA are compared on exactly the same noisy inputs.
 """
@@ -21,7 +22,7 @@ from PIL import Image, ImageDraw
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key
-from loraflow.pipelines.base import ModelFamily, conditioned_noisy, flow_mse, set_lora_scale
+from loraflow.pipelines.base import ModelFamily, conditioned_noisy, flow_mse, image_conditions, set_lora_scale
 from loraflow.store import Store
 
 EVAL_SIGMAS: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(1, 10))
@@ -117,6 +118,7 @@ def eval_losses(
         generator = torch.Generator().manual_seed(noise_seed(seed, item.clip_key))
         noise = torch.randn(x0.shape, generator=generator).to(device)  # on CPU first: same noise on any device
         text = family.collate_text([texts[item.text_key]], device)
+        text.update({k: v.to(device) for k, v in image_conditions([latents[item.latent_key]]).items()})
         for name, scale in SCALES.items():
             set_lora_scale(transformer, scale)
             for j, value in enumerate(EVAL_SIGMAS):

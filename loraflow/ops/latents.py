@@ -1,7 +1,9 @@
 """The latents stage: VAE-encode the stored frames of every clip the store lacks.
 
-The VAE is the only model loaded here; with `offload_during_startup` the text encoders are never on the
-accelerator with it (they live in another stage and load only after this one freed the VAE).
+The VAE is the only model loaded here, with (HunyuanVideo 1.5 i2v) the family's image encoder beside it, which caches
+each clip's first-frame condition in the latent row (`image_latent`, `image_embeds`); text encoders live in another
+stage and load only after this one freed its models, so with `offload_during_startup` they never share the
+accelerator with the VAE.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from loraflow.ops.clips import select_datasets
 from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
+from loraflow.pipelines import get_family
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS
 from loraflow.store import Store
 
@@ -33,11 +36,14 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
     """One row per current clip of the datasets (None: every training dataset) with the key its latent has.
     Patch conv is exact, so it is not in the key; tiling blends seams and changes the numbers, so it is; so
     does the sampling (a mode row and a distribution row of one clip never share a key), and for i2v flavours
-    the first-frame image latent (see `_with_image_latent`)."""
+    the first-frame image latent (see `_with_image_latent`) or image condition (`image_condition_parts`)."""
     vae_id = component_fingerprint(config.pretrained_model_name_or_path, "vae")
     flavour = config.model_flavour or DEFAULT_FLAVOUR[config.model_family]
     given = FLAVOURS[config.model_family][flavour].conditioning_frames
     image = {"image_frames": given} if given else {}  # t2v keys stay what they were
+    parts = image_condition_parts(get_family(config))
+    if parts:
+        image["image_condition"] = {c: component_fingerprint(config.pretrained_model_name_or_path, c) for c in parts}
     ids = {d.id for d in select_datasets(config, datasets)}
     clips = store.read_manifest("clips", parts=datasets)
     return [
@@ -72,8 +78,10 @@ def encode_latents(
             vae.enable_tiling()
         if config.vae_enable_slicing:
             vae.enable_slicing()
-        quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling)
-        free_models(vae)
+        image = [load_component(config.pretrained_model_name_or_path, c, torch.float32, str(device))
+                 for c in image_condition_parts(family)]  # [] or (image encoder, its processor)
+        quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling, image)
+        free_models(vae, *image)
     bad = {q["key"] for q in quarantined}
     rows = [r for r in rows if r["key"] not in bad]
     for dataset in select_datasets(config, datasets):  # one part per dataset: parallel runs never collide
@@ -91,7 +99,7 @@ def encode_latents(
 @torch.no_grad()
 def _encode(
     todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device, shard_clips: int,
-    sampling: str,
+    sampling: str, image: list[Any],
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Encode clip by clip; commit a shard every `shard_clips` so a killed run loses at most one shard's work."""
     quarantined: list[dict[str, str]] = []
@@ -106,17 +114,24 @@ def _encode(
                 pixels = torch.from_numpy(np.array(frames))[None].to(device)  # copy: Arrow buffers are read-only
                 latent, fallback = _encode_with_fallback(vae, family, pixels, sampling)
                 latent = _with_image_latent(latent, vae, family, pixels, sampling)
+                condition = family.encode_image_condition(vae, *image, pixels[0, 0]) if image else {}
                 if fallback:
                     log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
                     fallbacks.append({"clip_key": row["clip_key"], "fallback": fallback})
-                if not torch.isfinite(latent).all():
+                if not torch.isfinite(latent).all() or not all(np.isfinite(c).all() for c in condition.values()):
                     quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "reason": "non_finite_latent"})
                 else:
-                    done.append({"key": row["key"], **latent_columns(latent.cpu(), sampling)})
+                    done.append({"key": row["key"], **latent_columns(latent.cpu(), sampling), **condition})
                 progress.update()
             store.put("latents", done)
     progress.close()
     return quarantined, fallbacks
+
+
+def image_condition_parts(family: ModelFamily) -> tuple[str, ...]:
+    """The components a family loads beside the VAE to cache its image condition (`encode_image_condition`):
+    HunyuanVideo 1.5 i2v's SigLIP encoder and processor; () for every other family and flavour."""
+    return getattr(family, "image_condition_components", ())
 
 
 def _with_image_latent(

@@ -22,7 +22,8 @@ class Flavour:
     guidance: float
     components: tuple[str, ...]
     # Latent frames given clean, not generated: their x_t is x0 and they carry no loss (`pipelines.base.flow_mse`).
-    # 0 wherever no first-frame conditioning is implemented (HV1.5 i2v, K5 i2i: refused by their families).
+    # 0 for t2v, for K5 i2i (refused by its family) and for HV1.5 i2v, whose pipeline noises and steps frame 0 like
+    # every frame and gives the image only through its condition channels (`hunyuanvideo15.HunyuanVideo15._condition`).
     conditioning_frames: int = 0
 
 
@@ -48,6 +49,7 @@ def _hv15(name: str, shift: float) -> Flavour:
     task, resolution = name.split("-")
     size = {"480p": (480, 848), "720p": (720, 1280)}[resolution]
     parts = _HV15_PARTS + (_SIGLIP_PARTS if task == "i2v" else ())
+    # conditioning_frames 0 for i2v too: HunyuanVideo15ImageToVideoPipeline steps every latent frame (HVI:931)
     return Flavour(name, task, 24.0, 121, size, shift, 6.0, parts)
 
 

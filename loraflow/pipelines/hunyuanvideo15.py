@@ -1,7 +1,14 @@
-"""HunyuanVideo 1.5 (t2v, 480p/720p): prompt template, glyph text, scaling, transformer call, LoRA targets, render.
+"""HunyuanVideo 1.5 (t2v and i2v, 480p/720p): prompt template, glyph text, scaling, transformer call, LoRA targets,
+image condition, render.
 
-Mirrors diffusers' `HunyuanVideo15Pipeline` (pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5.py); the
-parity tests in tests/pipelines/test_families.py hold this file to its numbers.
+Mirrors diffusers' `HunyuanVideo15Pipeline` (pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5.py) and
+`HunyuanVideo15ImageToVideoPipeline` (..._image2video.py, `HVI`); the parity tests in tests/pipelines/test_families.py
+and tests/ops/test_hv_i2v.py hold this file to their numbers. i2v differs from t2v only in the transformer's
+conditioning: the `cond` channels carry the image's latent (`latent_dist.mode()` * scaling, HVI:375-388) in frame 0
+and zeros elsewhere, the mask is 1 on frame 0 (HVI:594-632), and `image_embeds` are SigLIP's `last_hidden_state` of
+the image (HVI:391-402). x_t itself is not touched: every latent frame, frame 0 included, is noised and stepped
+(HVI:851-931), so the flavour has no `conditioning_frames` and the loss covers every frame. The latents stage caches
+the image latent and the SigLIP tokens of each clip's first frame (`encode_image_condition`).
 """
 
 from __future__ import annotations
@@ -13,9 +20,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
+from PIL import Image
 from safetensors.torch import save_file
 
 from loraflow.keys import content_key
@@ -41,6 +49,7 @@ MAX_TEXT_TOKENS = 1000  # the pipeline's tokenizer_max_length (after the templat
 HIDDEN_LAYER = -3  # hidden_states[-3]: the pipeline skips the last two decoder layers
 GLYPH_TOKENS = 256  # the pipeline's tokenizer_2_max_length (ByT5)
 IMAGE_TOKENS = 729  # SigLIP so400m/14-384 tokens; all zero for t2v (the DiT then masks them out)
+IMAGE_COMPONENTS = ("image_encoder", "feature_extractor")  # SigLIP, loaded by the latents stage for i2v
 TEXT_SIGNATURE = content_key(system=SYSTEM_MESSAGE, max_tokens=MAX_TEXT_TOKENS, layer=HIDDEN_LAYER,
                              glyph_tokens=GLYPH_TOKENS, glyph="extract_glyph_texts")
 LORA_FILE = LORA_WEIGHT_NAME_SAFE  # pytorch_lora_weights.safetensors
@@ -112,6 +121,11 @@ class HunyuanVideo15:
     tread_layout: TokenLayout = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0)
     comfyui_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_COMFYUI_NAMES  # lora_format: comfyui
 
+    @property
+    def image_condition_components(self) -> tuple[str, ...]:
+        """What the latents stage loads beside the VAE to cache `encode_image_condition` (i2v only)."""
+        return IMAGE_COMPONENTS if self.flavour.task == "i2v" else ()
+
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
@@ -175,6 +189,25 @@ class HunyuanVideo15:
             latents.append(scaled_posterior(vae.encode(pixels).latent_dist, sampling, vae.config.scaling_factor))
         return torch.cat(latents)
 
+    @torch.no_grad()
+    def encode_image_condition(
+        self, vae: torch.nn.Module, image_encoder: torch.nn.Module, feature_extractor: Any, frame: torch.Tensor,
+    ) -> dict[str, np.ndarray]:
+        """i2v: a clip's first frame, uint8 (H, W, 3) at the clip's size, as the i2v pipeline conditions on it.
+
+        `image_latent` (32, 1, h, w): the frame encoded alone, `latent_dist.mode()` * scaling (HVI:375-388), whatever
+        `latent_sampling` says (the pipeline never samples it). `image_embeds` (729, D): SigLIP's last_hidden_state
+        after the feature extractor's resize (HVI:391-402). The pipeline first crops the image to its bucket; clips
+        already are at their bucket's size, so the frame goes in as it is.
+        """
+        latent = self.vae_encode(vae, frame[None, None].to(next(vae.parameters()).device), "mode")[0]
+        inputs = feature_extractor.preprocess(images=Image.fromarray(frame.cpu().numpy()), do_resize=True,
+                                              return_tensors="pt", do_convert_rgb=True)
+        encoder_dtype = next(image_encoder.parameters()).dtype
+        pixels = inputs["pixel_values"].to(next(image_encoder.parameters()).device, encoder_dtype)
+        embeds = image_encoder(pixel_values=pixels).last_hidden_state[0]
+        return {"image_latent": latent.float().cpu().numpy(), "image_embeds": embeds.float().cpu().numpy()}
+
     # 3. transformer --------------------------------------------------------------------------------
     def velocity(
         self,
@@ -183,16 +216,14 @@ class HunyuanVideo15:
         sigma: torch.Tensor,
         text: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
-        """The pipeline's denoiser call (HV:737-785) for t2v: zero condition latents, zero mask, zero image."""
-        batch, _, frames, height, width = noisy.shape
+        """The pipeline's denoiser call (HV:737-785): t2v with zero condition latents, zero mask, zero image; i2v
+        (HVI:851-909) with `text["image_latent"]` (B, 32, 1, h, w) in frame 0 of the condition channels, mask 1 on
+        frame 0 and `text["image_embeds"]` (B, 729, D), as cached by the latents stage."""
+        cond, mask, image_embeds = self._condition(transformer, noisy, text)
         dtype = transformer.dtype
-        cond = torch.zeros_like(noisy)
-        mask = torch.zeros(batch, 1, frames, height, width, dtype=noisy.dtype, device=noisy.device)
-        image_embeds = torch.zeros(batch, IMAGE_TOKENS, transformer.config.image_embed_dim, dtype=dtype,
-                                   device=noisy.device)
         out = transformer(
             hidden_states=torch.cat([noisy, cond, mask], dim=1).to(dtype),  # (B, 32+32+1, T, h, w)
-            image_embeds=image_embeds,
+            image_embeds=image_embeds.to(dtype),
             timestep=(sigma * 1000).to(dtype),
             encoder_hidden_states=text["text_embeds"].to(dtype),
             encoder_attention_mask=text["text_mask"].to(dtype),
@@ -202,6 +233,25 @@ class HunyuanVideo15:
             return_dict=False,
         )[0]
         return out.float()  # (B, 32, T, h, w)
+
+    def _condition(
+        self, transformer: torch.nn.Module, noisy: torch.Tensor, text: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cond, mask, image_embeds) for the flavour's task."""
+        batch, _, frames, height, width = noisy.shape
+        cond = torch.zeros_like(noisy)
+        mask = torch.zeros(batch, 1, frames, height, width, dtype=noisy.dtype, device=noisy.device)
+        if self.flavour.task != "i2v":
+            image_embeds = torch.zeros(batch, IMAGE_TOKENS, transformer.config.image_embed_dim, device=noisy.device)
+            return cond, mask, image_embeds
+        if "image_latent" not in text or "image_embeds" not in text:
+            raise KeyError(f"flavour '{self.flavour.name}' conditions on a first frame: `velocity` needs the latent "
+                           "rows' `image_latent` and `image_embeds` (re-materialize `latents` for this flavour)")
+        # Every row of an i2v batch carries its own SigLIP tokens: the DiT drops the image stream only when the
+        # whole batch's tokens are 0 (HVT:701), so t2v and i2v rows never share a batch (one flavour per run).
+        cond[:, :, :1] = text["image_latent"].to(cond.dtype)  # frames 1.. stay zero (HVI:625-626)
+        mask[:, :, 0] = 1
+        return cond, mask, text["image_embeds"]
 
     def lora_targets(self, include_ffn: bool) -> str:
         """A regex, not suffixes: the suffixes alone would also adapt the token refiner (see ATTENTION_TARGETS)."""
@@ -220,7 +270,9 @@ class HunyuanVideo15:
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> HunyuanVideo15Pipeline:
-        pipe = HunyuanVideo15Pipeline.from_pretrained(
+        """The t2v pipeline, or for i2v the image-to-video one (which also loads image_encoder, feature_extractor)."""
+        pipeline = HunyuanVideo15ImageToVideoPipeline if self.flavour.task == "i2v" else HunyuanVideo15Pipeline
+        pipe = pipeline.from_pretrained(
             model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None
         )
         if lora_path is not None:
@@ -230,13 +282,16 @@ class HunyuanVideo15:
     @torch.no_grad()
     def render(
         self, pipe: HunyuanVideo15Pipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
-        lora_scale: float = 1.0,
+        lora_scale: float = 1.0, image: np.ndarray | None = None,
     ) -> np.ndarray:
+        """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size) as the first frame."""
+        inputs = self._image_input(pipe, image, settings)
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
         pipe.guider = pipe.guider.new(guidance_scale=settings.guidance)  # __call__ has no guidance argument
         set_lora_scale(pipe.transformer, lora_scale)
         pos, neg = self.collate_text([prompt], pipe.device), self.collate_text([negative], pipe.device)
         video = pipe(
+            **inputs,
             prompt_embeds=pos["text_embeds"],
             prompt_embeds_mask=pos["text_mask"],
             prompt_embeds_2=pos["byt5_embeds"],
@@ -245,14 +300,32 @@ class HunyuanVideo15:
             negative_prompt_embeds_mask=neg["text_mask"],
             negative_prompt_embeds_2=neg["byt5_embeds"],
             negative_prompt_embeds_mask_2=neg["byt5_mask"],
-            height=settings.height,
-            width=settings.width,
             num_frames=settings.num_frames,
             num_inference_steps=settings.num_inference_steps,
             generator=torch.Generator().manual_seed(settings.seed),
             output_type="np",
         ).frames[0]
         return (np.clip(video, 0, 1) * 255).round().astype(np.uint8)  # (F, H, W, 3)
+
+    def _image_input(self, pipe: Any, image: np.ndarray | None, settings: RenderSettings) -> dict[str, Any]:
+        """i2v: {"image": PIL} (checked: size, and that the pipeline renders at that size); t2v: height, width."""
+        if self.flavour.task != "i2v":
+            if image is not None:
+                raise ValueError(f"flavour '{self.flavour.name}' is text-to-video: it takes no conditioning image")
+            return {"height": settings.height, "width": settings.width}
+        if image is None:
+            raise ValueError(f"flavour '{self.flavour.name}' renders from a first frame: pass `image`")
+        if image.shape != (settings.height, settings.width, 3) or image.dtype != np.uint8:
+            raise ValueError(f"the conditioning image must be uint8 {(settings.height, settings.width, 3)}; "
+                             f"got {image.dtype} {image.shape}")
+        # The i2v pipeline takes no height/width: it crop-resizes the image to the bucket of transformer
+        # target_size closest to its aspect (HVI:756-759). Another size would render silently at that bucket.
+        bucket = pipe.video_processor.calculate_default_height_width(settings.height, settings.width, pipe.target_size)
+        if tuple(bucket) != (settings.height, settings.width):
+            raise ValueError(f"`validation_resolution` {settings.width}x{settings.height}: HunyuanVideo 1.5 i2v "
+                             f"renders at its size bucket {bucket[1]}x{bucket[0]} (WxH) for that aspect "
+                             f"(target_size {pipe.target_size}); set validation_resolution to it")
+        return {"image": Image.fromarray(image)}
 
 
 def _pad(arrays: list[np.ndarray], masks: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,11 +340,5 @@ def _pad(arrays: list[np.ndarray], masks: list[np.ndarray]) -> tuple[torch.Tenso
 
 
 def make_family(flavour: str | None) -> HunyuanVideo15:
-    chosen = FLAVOURS[FAMILY][flavour or DEFAULT_FLAVOUR[FAMILY]]
-    if chosen.task != "t2v":
-        # Training i2v as t2v (zero image stream) while inference feeds SigLIP embeds is the seed tool's bug.
-        raise NotImplementedError(
-            f"model_flavour '{chosen.name}' conditions on a first frame (VAE latent + SigLIP embeds), which "
-            f"loraflow does not cache yet; use 't2v-480p' or 't2v-720p'"
-        )
-    return HunyuanVideo15(flavour=chosen)
+    """t2v and i2v flavours; i2v trains with the cached first-frame latent and SigLIP tokens (never zeros)."""
+    return HunyuanVideo15(flavour=FLAVOURS[FAMILY][flavour or DEFAULT_FLAVOUR[FAMILY]])

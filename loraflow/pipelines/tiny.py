@@ -44,14 +44,13 @@ from transformers import (
     Qwen2_5_VLTextConfig,
     Qwen2_5_VLTextModel,
     Qwen2Tokenizer,
-    SiglipImageProcessorPil,
-    SiglipVisionConfig,
-    SiglipVisionModel,
     T5Config,
     T5EncoderModel,
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
+
+from loraflow.pipelines.tiny_parts import IMAGE_DIM, index_extras, siglip_image_encoder
 
 FAMILIES: tuple[str, ...] = ("kandinsky5-video", "kandinsky5-image", "hunyuanvideo-1.5")
 
@@ -84,7 +83,6 @@ CHATML_TEMPLATE = (
 # text encoders must accept a few thousand positions.
 TEXT_MAX_POSITIONS = 4096
 TEXT_DIM = 32  # hidden size of every tiny text encoder (Qwen, CLIP, ByT5); the DiTs read it from here
-IMAGE_DIM = 32  # hidden size of the tiny SigLIP vision tower
 INIT_STD = 0.05  # std used to re-randomise zero-initialised parameters
 
 
@@ -217,25 +215,6 @@ def byt5_encoder(tokenizer: ByT5Tokenizer) -> T5EncoderModel:
         eos_token_id=tokenizer.eos_token_id,
     )
     return T5EncoderModel(config).eval()
-
-
-def siglip_image_encoder() -> tuple[SiglipVisionModel, SiglipImageProcessorPil]:
-    """SigLIP so400m/14-384 geometry (384 px, patch 14 -> 27 x 27 = 729 tokens, the count the
-    HunyuanVideo 1.5 t2v pipeline hard-codes for its all-zero image embeds) at width 32."""
-    config = SiglipVisionConfig(
-        hidden_size=IMAGE_DIM,
-        intermediate_size=2 * IMAGE_DIM,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=384,
-        patch_size=14,
-    )
-    # The PIL backend: the default SiglipImageProcessor needs torchvision and otherwise falls back
-    # to this class with a warning.
-    processor = SiglipImageProcessorPil(
-        size={"height": 384, "width": 384}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
-    )
-    return SiglipVisionModel(config).eval(), processor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,7 +362,7 @@ class _Saveable(Protocol):
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> object: ...
 
 
-# A pipeline plus extra components written as additional subfolders (not listed in model_index.json).
+# A pipeline plus extra components written as additional subfolders, listed in model_index.json too.
 _Built = tuple[DiffusionPipeline, dict[str, _Saveable]]
 
 def _kandinsky5_text_components() -> dict[str, object]:
@@ -419,7 +398,7 @@ def _build_kandinsky5_image() -> _Built:
 
 
 def _build_hunyuan_video15() -> _Built:
-    """t2v pipeline; the SigLIP encoder/processor for the i2v pipeline go in as extra subfolders."""
+    """t2v pipeline; the SigLIP encoder/processor for the i2v pipeline go in as extras (one folder loads both)."""
     tokenizer = qwen_tokenizer()
     tokenizer_2 = ByT5Tokenizer()
     pipe = HunyuanVideo15Pipeline(
@@ -494,6 +473,7 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
             pipe.save_pretrained(staging, safe_serialization=True)
             for subfolder, component in extras.items():
                 component.save_pretrained(staging / subfolder)
+            index_extras(staging, extras)
         _publish(staging, out_dir, os.listdir(staging))
     finally:
         shutil.rmtree(staging, ignore_errors=True)

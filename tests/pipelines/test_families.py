@@ -299,10 +299,7 @@ def _check_targets_exist(targets: list[str] | str, names: list[str], transformer
 
 
 # -- flavours ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("module", "flavour"),
-    [(hunyuanvideo15, "i2v-480p"), (hunyuanvideo15, "i2v-720p"), (kandinsky5_image, "i2i-lite-sft")],
-)
+@pytest.mark.parametrize(("module", "flavour"), [(kandinsky5_image, "i2i-lite-sft")])  # HV1.5 i2v: test_hv_i2v.py
 def test_image_conditioned_flavours_refuse_loudly(module: Any, flavour: str) -> None:
     with pytest.raises(NotImplementedError, match="does not cache"):
         module.make_family(flavour)

@@ -195,12 +195,10 @@ def test_hv15_t2v_pipeline_generates(hv15_dir: Path) -> None:
 
 
 def test_hv15_i2v_pipeline_generates(hv15_dir: Path) -> None:
-    # image_encoder/feature_extractor are extra subfolders, not in model_index.json: pass them in.
-    image_encoder = SiglipVisionModel.from_pretrained(hv15_dir, subfolder="image_encoder")
-    processor = SiglipImageProcessorPil.from_pretrained(hv15_dir, subfolder="feature_extractor")
-    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(
-        hv15_dir, image_encoder=image_encoder, feature_extractor=processor
-    )
+    # model_index.json lists image_encoder and feature_extractor: the folder alone loads the i2v pipeline
+    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(hv15_dir)
+    assert isinstance(pipe.image_encoder, SiglipVisionModel)
+    assert isinstance(pipe.feature_extractor, SiglipImageProcessorPil)
     pipe.set_progress_bar_config(disable=True)
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 48, 3), dtype=np.uint8))
     embeds = pipe.encode_image(image, batch_size=1, device=torch.device("cpu"), dtype=torch.float32)

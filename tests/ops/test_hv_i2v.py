@@ -1,0 +1,243 @@
+"""HunyuanVideo 1.5 i2v on the tiny real model: cached first-frame condition, training input and loss, eval loss,
+and validation renders with HunyuanVideo15ImageToVideoPipeline.
+
+The references are diffusers' own: the pipeline's `_get_image_latents` / `_get_image_embeds` for the cached
+condition, its transformer called as its denoising loop calls it (HVI:851-909) for training and eval loss.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Transformer3DModel
+from peft import LoraConfig
+from PIL import Image
+
+from loraflow.config import LoraflowConfig, load_config
+from loraflow.ops import train as T
+from loraflow.ops.clips import build_clips
+from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
+from loraflow.ops.latents import encode_latents, latent_rows
+from loraflow.ops.text_embeds import encode_texts
+from loraflow.ops.validate import conditioning_clip, conditioning_image, render_settings, validate
+from loraflow.pipelines import get_family
+from loraflow.pipelines.base import load_component, load_lora_file
+from loraflow.pipelines.flavours import FLAVOURS
+from loraflow.pipelines.hunyuanvideo15 import lora_pattern, make_family
+from loraflow.store import Store
+from tests.conftest import REPO, demo_dict, write_config
+
+I2V = "i2v-480p"
+CPU = torch.device("cpu")
+
+
+def make_config(root: Path, output: Path, **overrides) -> LoraflowConfig:
+    data = demo_dict(root / "model", root / "data", root, model_family="hunyuanvideo-1.5", model_flavour=I2V,
+                     max_train_steps=2, checkpointing_steps=100, validation_resolution="64x48",
+                     validation_num_video_frames=9, validation_num_inference_steps=2)
+    data["datasets"][1]["cache_dir"] = str(root / "cache" / "text")
+    data.update(output_dir=str(output), **overrides)
+    path = output.parent / f"{output.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return load_config(write_config(path, data))
+
+
+@pytest.fixture(scope="module")
+def root(demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny HV1.5 checkpoint, two demo clips, and their clips, i2v latents and text embeddings."""
+    from loraflow.pipelines.tiny import build_tiny
+
+    root = tmp_path_factory.mktemp("hv-i2v")
+    build_tiny("hunyuanvideo-1.5", root / "model")
+    (root / "data").mkdir()
+    for stem in ("clip_00", "clip_02"):
+        for ext in (".mp4", ".txt"):
+            shutil.copy(demo_data / f"{stem}{ext}", root / "data" / f"{stem}{ext}")
+    config = make_config(root, root / "output")
+    family, store = get_family(config), Store(config.cache_dir)
+    for op in (build_clips, encode_latents, encode_texts):
+        op(config, family, store)
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(root: Path, tmp_path_factory: pytest.TempPathFactory):
+    config = make_config(root, tmp_path_factory.mktemp("hv-i2v-run") / "out")
+    return config, T.train_lora(config, get_family(config), Store(config.cache_dir))
+
+
+def first_frame(store: Store, clip_key: str) -> np.ndarray:
+    return np.array(store.get("clips", [clip_key])[clip_key]["frames"])[0]  # uint8 (H, W, 3)
+
+
+def test_every_hv_flavour_is_accepted_and_only_i2v_caches_an_image_condition() -> None:
+    for flavour in FLAVOURS["hunyuanvideo-1.5"].values():
+        family = make_family(flavour.name)
+        assert family.flavour.conditioning_frames == 0  # the i2v pipeline noises and steps frame 0 too
+        expected = ("image_encoder", "feature_extractor") if flavour.task == "i2v" else ()
+        assert family.image_condition_components == expected
+
+
+def test_the_tiny_folder_loads_the_i2v_pipeline_alone(root: Path) -> None:
+    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(root / "model")
+    assert pipe.image_encoder is not None and pipe.feature_extractor is not None
+
+
+def test_i2v_rows_cache_the_pipelines_image_latent_and_siglip_tokens(root: Path, tmp_path: Path) -> None:
+    config = make_config(root, root / "output")
+    store, family = Store(config.cache_dir), get_family(config)
+    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(root / "model")
+    rows = store.read_manifest("latents")
+    assert rows
+    for row in rows:
+        cached = store.get("latents", [row["key"]])[row["key"]]
+        image = Image.fromarray(first_frame(store, row["clip_key"]))
+        with torch.no_grad():
+            latent = pipe._get_image_latents(pipe.vae, pipe.video_processor, image, image.height, image.width, CPU)
+            embeds = pipe._get_image_embeds(pipe.image_encoder, pipe.feature_extractor, image, CPU)
+        np.testing.assert_allclose(cached["image_latent"], latent[0].numpy(), atol=1e-5)
+        np.testing.assert_allclose(cached["image_embeds"], embeds[0].numpy(), atol=1e-5)
+        assert cached["image_embeds"].shape == (729, pipe.image_encoder.config.hidden_size)
+    # t2v keys stay what they were, i2v keys differ from them; the latent column is the whole clip's either way
+    shutil.copytree(root / "cache", tmp_path / "cache")  # t2v rewrites the latents manifest: on a copy
+    t2v = make_config(root, tmp_path / "out", model_flavour="t2v-480p", cache_dir=str(tmp_path / "cache"))
+    store = Store(t2v.cache_dir)
+    t2v_keys = {r["clip_key"]: r["key"] for r in latent_rows(t2v, store)}
+    assert all(t2v_keys[r["clip_key"]] != r["key"] for r in rows)
+    assert "image_condition" not in repr(latent_rows(t2v, store))
+    assert encode_latents(t2v, get_family(t2v), store).computed == len(rows)
+    for row in rows:
+        i2v_row, t2v_row = (store.get("latents", [k])[k] for k in (row["key"], t2v_keys[row["clip_key"]]))
+        np.testing.assert_array_equal(i2v_row["latent"], t2v_row["latent"])
+        assert "image_embeds" not in t2v_row and "image_latent" not in t2v_row
+    assert family.image_condition_components
+
+
+def reference_velocity(transformer, x_t, sigma, text_row, image_latent, image_embeds) -> torch.Tensor:
+    """The transformer as HunyuanVideo15ImageToVideoPipeline's loop calls it: x_t untouched, the image latent in
+    frame 0 of the condition channels (zeros elsewhere), mask 1 on frame 0, the image's SigLIP tokens."""
+    cond = torch.zeros_like(x_t)
+    cond[:, :, 0] = image_latent[:, :, 0]
+    mask = torch.zeros_like(x_t[:, :1])
+    mask[:, :, 0] = 1
+    qwen = torch.from_numpy(np.array(text_row["text_embeds"]))[None]
+    byt5 = torch.from_numpy(np.array(text_row["byt5_embeds"]))[None]
+    return transformer(
+        hidden_states=torch.cat([x_t, cond, mask], 1), image_embeds=image_embeds, timestep=sigma * 1000,
+        encoder_hidden_states=qwen, encoder_attention_mask=torch.ones(qwen.shape[:2]),
+        encoder_hidden_states_2=byt5, encoder_attention_mask_2=torch.from_numpy(np.array(text_row["byt5_mask"]))[None],
+        return_dict=False,
+    )[0]
+
+
+def test_two_hv_i2v_steps_equal_a_hand_written_reference(trained, root: Path) -> None:
+    """AdamW by hand on the diffusers transformer; the loss covers every latent frame (the pipeline steps frame 0).
+    The same step with zeroed image_embeds (the seed tool's training input) gives another loss."""
+    config, report = trained
+    store, family = Store(config.cache_dir), get_family(config)
+    transformer = HunyuanVideo15Transformer3DModel.from_pretrained(root / "model" / "transformer")
+    transformer.requires_grad_(False)
+    torch.manual_seed(config.seed)
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=lora_pattern(False), init_lora_weights=True))
+    params = [p.requires_grad_(True) for n, p in transformer.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
+    plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
+    history = report.tables["history"]
+    assert len(history) == 2
+    for step, logged in enumerate(history):
+        (sample,) = plan(step)
+        row = store.get("latents", [sample.latent_key])[sample.latent_key]
+        x0 = torch.from_numpy(np.array(row["latent"]))[None]
+        image_latent = torch.from_numpy(np.array(row["image_latent"]))[None]
+        image_embeds = torch.from_numpy(np.array(row["image_embeds"]))[None]
+        draws = T.step_draws(config, family, step, tuple(x0.shape))
+        text_key = T.empty_prompt_key(store) if draws.drop_caption else sample.text_key
+        text = store.get("text_embeds", [text_key])[text_key]
+        s = draws.sigma.view(-1, 1, 1, 1, 1)
+        x_t = (1 - s) * x0 + s * draws.noise
+        velocity = reference_velocity(transformer, x_t, draws.sigma, text, image_latent, image_embeds)
+        loss = ((velocity - (draws.noise - x0)) ** 2).mean()
+        with torch.no_grad():
+            zeroed = reference_velocity(transformer, x_t, draws.sigma, text, image_latent, 0 * image_embeds)
+        zeroed_loss = ((zeroed - (draws.noise - x0)) ** 2).mean().item()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert abs(loss.item() - logged["loss"]) <= 1e-6 and abs(norm - logged["grad_norm"]) <= 1e-6 * max(1, norm)
+        assert abs(zeroed_loss - logged["loss"]) > 1e-4  # the SigLIP tokens are really used
+
+
+def test_hv_i2v_eval_loss_uses_the_cached_condition(trained) -> None:
+    config, report = trained
+    store, family = Store(config.cache_dir), get_family(config)
+    row = store.read_manifest("latents")[0]
+    text_key = T.empty_prompt_key(store)
+    transformer = load_component(config.pretrained_model_name_or_path, "transformer")
+    load_lora_file(transformer, report.facts["lora_path"])
+    losses = eval_losses(transformer, family, store, [EvalItem(row["clip_key"], row["key"], text_key)], 3, CPU)
+    plain = load_component(config.pretrained_model_name_or_path, "transformer")
+    cached = store.get("latents", [row["key"]])[row["key"]]
+    x0, image_latent, image_embeds = (torch.from_numpy(np.array(cached[k]))[None]
+                                      for k in ("latent", "image_latent", "image_embeds"))
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(noise_seed(3, row["clip_key"])))
+    j = EVAL_SIGMAS.index(0.5)
+    x_t, sigma = 0.5 * x0 + 0.5 * noise, torch.full((1,), 0.5)
+    text = store.get("text_embeds", [text_key])[text_key]
+    with torch.no_grad():
+        expected = ((reference_velocity(plain, x_t, sigma, text, image_latent, image_embeds) - (noise - x0)) ** 2)
+        zeroed = reference_velocity(plain, x_t, sigma, text, image_latent, torch.zeros_like(image_embeds))
+    assert abs(losses[j]["base"] - expected.mean().item()) <= 1e-6 * max(1, expected.mean().item())
+    assert abs(((zeroed - (noise - x0)) ** 2).mean().item() - losses[j]["base"]) > 1e-4
+    assert losses[j]["lora"] != losses[j]["base"]
+
+
+def test_hv_i2v_validation_renders_from_the_first_frame(trained) -> None:
+    """Every transformer call sees the conditioning image's latent in frame 0 of the cond channels (zeros after),
+    mask 1 on frame 0 only, and the image's SigLIP tokens; the mp4s have the configured frame count."""
+    config, report = trained
+    store, family = Store(config.cache_dir), get_family(config)
+    settings = render_settings(config, family)
+    image = conditioning_image(store, conditioning_clip(config, family, store), settings)
+    assert image.shape == (settings.height, settings.width, 3) == (48, 64, 3)
+    result = validate(config, family, store, report.facts["lora_path"])
+    for key in ("video", "base_video"):
+        with av.open(result.facts[key]) as container:
+            assert sum(1 for _ in container.decode(video=0)) == config.validation_num_video_frames == 9
+    assert (Path(result.facts["video"]).parents[1] / "condition.png").is_file()
+
+    pipe = family.load_renderer(config.pretrained_model_name_or_path, None, CPU)
+    seen: list[dict[str, torch.Tensor]] = []
+    pipe.transformer.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append({k: kw[k].clone() for k in ("hidden_states", "image_embeds")}),
+        with_kwargs=True)
+    texts = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
+    rows = store.get("text_embeds", [texts[config.validation_prompt], texts[family.default_negative_prompt]])
+    video = family.render(pipe, rows[texts[config.validation_prompt]], rows[texts[family.default_negative_prompt]],
+                          settings, lora_scale=0.0, image=image)
+    assert video.shape == (9, 48, 64, 3)
+    with torch.no_grad():
+        pil = Image.fromarray(image)
+        latent = family.vae_encode(pipe.vae, torch.from_numpy(image)[None, None])  # (1, 32, 1, 3, 4)
+        embeds = pipe._get_image_embeds(pipe.image_encoder, pipe.feature_extractor, pil, CPU)
+    assert len(seen) == 2 * settings.num_inference_steps  # conditional + unconditional per step
+    for inputs in seen:
+        hidden = inputs["hidden_states"]
+        assert (hidden[:, 32:64, :1] - latent).abs().max() < 1e-5 and torch.all(hidden[:, 32:64, 1:] == 0)
+        assert torch.all(hidden[:, 64, 0] == 1) and torch.all(hidden[:, 64, 1:] == 0)
+        assert (inputs["image_embeds"] - embeds).abs().max() < 1e-6
+    with pytest.raises(ValueError, match="bucket 64x48"):  # the pipeline would render at another size silently
+        family.render(pipe, rows[texts[config.validation_prompt]], rows[texts[family.default_negative_prompt]],
+                      settings.__class__(**{**settings.__dict__, "height": 64, "width": 96}),
+                      image=np.zeros((64, 96, 3), np.uint8))
+
+
+def test_the_hv_i2v_example_config_validates() -> None:
+    config = load_config(REPO / "configs" / "hunyuanvideo15_i2v.yaml")
+    family = get_family(config)
+    assert family.flavour.task == "i2v" and family.image_condition_components
