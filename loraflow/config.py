@@ -21,6 +21,7 @@ DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among
 VALIDATION_ONLY_KEYS = frozenset({
     "validation_prompt", "validation_resolution", "validation_num_video_frames", "validation_guidance",
     "validation_num_inference_steps", "user_prompt_library", "validation_seed", "validation_negative_prompt",
+    "validation_steps",
 })
 
 
@@ -196,6 +197,10 @@ class LoraflowConfig(StrictModel):
     )
     validation_seed: int | None = Field(None, description="noise seed of every validation render; default: seed")
     validation_negative_prompt: str | None = Field(None, description="default: the family's negative prompt")
+    validation_steps: int | None = Field(
+        None, ge=0, description="also render the validation prompts with the LoRA so far every N optimizer steps "
+        "during training, into the run folder (validation/step-NNNNNNN/); 0 or unset: off. Not part of the run: "
+        "training computes the same LoRA with or without it")
     eval_holdout_fraction: float = Field(
         0.0, ge=0, lt=1, description="fraction of source videos held out of training to measure eval loss on"
     )
@@ -292,6 +297,10 @@ class LoraflowConfig(StrictModel):
         if self.user_prompt_library and DEFAULT_PROMPT_NAME in self.user_prompt_library and self.validation_prompt:
             raise ValueError(f"`user_prompt_library` may not use the shortname '{DEFAULT_PROMPT_NAME}': "
                              "it names `validation_prompt`; rename the library entry")
+        if self.validation_steps and not self.validation_prompts:
+            raise ValueError(f"`validation_steps` {self.validation_steps} renders the validation prompts during "
+                             "training, but there are none: set `validation_prompt` or `user_prompt_library`, or "
+                             "set validation_steps: 0 (off)")
         if self.eval_dataset_id is not None:
             ids = [d.id for d in self.training_datasets]
             if self.eval_dataset_id not in ids:

@@ -86,11 +86,15 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
 
 @asset(deps=[latents, text_embeds], pool="gpu", group_name="loraflow", description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
+    from PIL import Image
+
     from loraflow.assets.launch import train
+    from loraflow.ops.progress_renders import progress_sheet_path
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
     report = train(context, config, loraflow.config_path, loraflow.store(config))
     history = report.tables["history"]
+    sheet = progress_sheet_path(report.facts["run_dir"])  # validation_steps: renders during training
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={
@@ -99,6 +103,8 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
             "final_loss": history[-1]["loss"] if history else float("nan"),
             "loss_curve": md.md_image(md.loss_curve(history), "loss per step"),
             "inputs": MetadataValue.json(report.facts["inputs"]),
+            **({"renders_during_training": md.md_image(Image.open(sheet), "first validation prompt, per step")}
+               if sheet else {}),
         },
     )
 

@@ -19,9 +19,6 @@ import json
 import logging
 import random
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +33,7 @@ from loraflow.config import VALIDATION_ONLY_KEYS, LoraflowConfig
 from loraflow.keys import content_key, data_version
 from loraflow.kernels.flow_matching import lr_at, sample_sigmas
 from loraflow.kernels.tread import resolve_routes, tread_routing
+from loraflow.ops.batches import RowCache, prefetched
 from loraflow.ops.checkpoints import (
     LORA_FILE, export_lora, latest_checkpoint, load_lora, resume_optimizer, save_checkpoint, write_json,
 )
@@ -45,14 +43,16 @@ from loraflow.ops.distributed import (
 )
 from loraflow.ops.evaluation import split_clips
 from loraflow.ops.latents import draw_latents
+from loraflow.ops.progress_renders import ProgressRenders
 from loraflow.ops.report import StageReport
-from loraflow.pipelines.base import ModelFamily, TextRow, conditioned_noisy, flow_mse, load_component
+from loraflow.pipelines.base import (
+    ModelFamily, TextRow, conditioned_noisy, flow_mse, image_conditions, load_component,
+)
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "train-2"
 WEIGHT_DECAY = 1e-2
-ROW_CACHE_BYTES = 4 << 30  # latents and text embeddings kept in RAM between epochs
 # Keys that change how a run computes, never what: changing them continues the same run.
 RUNTIME_ONLY_KEYS = frozenset({
     "output_dir", "cache_dir", "dataset_backend_config", "recache_cron", "offload_during_startup",
@@ -177,31 +177,6 @@ def step_draws(config: LoraflowConfig, family: ModelFamily, micro_step: int, sha
     return StepDraws(drop, noise, sigma, step_seed(config.seed, micro_step, "tread"))
 
 
-class RowCache:
-    """`Store.get` with rows kept in memory (least recently used out first past `max_bytes`): epochs, repeats
-    and caption dropout read the same rows again, and a Parquet read costs more than a small model's step."""
-
-    def __init__(self, store: Store, max_bytes: int = ROW_CACHE_BYTES) -> None:
-        self.store, self.max_bytes, self.bytes = store, max_bytes, 0
-        self.rows: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
-
-    def get(self, stage: str, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
-        keys = set(keys)
-        missing = [k for k in keys if (stage, k) not in self.rows]
-        for key, row in (self.store.get(stage, missing) if missing else {}).items():
-            self.rows[(stage, key)] = row
-            self.bytes += _nbytes(row)
-        for key in keys:
-            self.rows.move_to_end((stage, key))
-        while self.bytes > self.max_bytes and len(self.rows) > len(keys):
-            self.bytes -= _nbytes(self.rows.popitem(last=False)[1])
-        return {k: self.rows[(stage, k)] for k in keys}
-
-
-def _nbytes(row: dict[str, Any]) -> int:
-    return sum(v.nbytes for v in row.values() if isinstance(v, np.ndarray))
-
-
 def load_micro_batch(
     config: LoraflowConfig, family: ModelFamily, store: Store | RowCache, samples: list[Sample], micro_step: int,
     empty_key: str,
@@ -215,17 +190,9 @@ def load_micro_batch(
     draws = step_draws(config, family, micro_step, tuple(x0.shape))
     text_keys = [empty_key if draws.drop_caption else s.text_key for s in samples]
     rows: dict[str, TextRow] = store.get("text_embeds", set(text_keys))
-    return MicroBatch(samples, x0, family.collate_text([rows[k] for k in text_keys], torch.device("cpu")), draws)
-
-
-def prefetched(load: Callable[[int], MicroBatch], steps: range) -> Iterator[MicroBatch]:
-    """load(k) for k in steps, loading k+1 on a thread while k trains (loading is pure: order cannot matter)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="lora-prefetch") as pool:
-        ahead = pool.submit(load, steps[0]) if steps else None
-        for k in steps:
-            batch = ahead.result()
-            ahead = pool.submit(load, k + 1) if k + 1 < steps.stop else None
-            yield batch
+    text = family.collate_text([rows[k] for k in text_keys], torch.device("cpu"))
+    text.update(image_conditions([latents[s.latent_key] for s in samples]))  # i2v rows' first-frame condition
+    return MicroBatch(samples, x0, text, draws)
 
 
 # 2. model: precision, LoRA, memory features -------------------------------------------------------------------
@@ -420,6 +387,7 @@ def run_steps(
                                                     world.micro_step(j), empty_key),
                          range(start * accum, config.max_train_steps * accum))
     writer = _tensorboard(out, start) if world.main else None
+    renders = ProgressRenders(config, family, store, out, transformer, world)  # validation_steps; off by default
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     transformer.train()
@@ -452,6 +420,7 @@ def run_steps(
                 if world.main:
                     save_checkpoint(out, step + 1, transformer, optimizer, history, config.checkpoints_total_limit)
                 barrier(world)  # no rank runs ahead of the newest checkpoint
+            renders.after_step(step + 1)
     finally:
         batches.close()
         if writer is not None:

@@ -98,14 +98,15 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
     if (out / RESULTS).is_file():
         return _report(out, computed=0)
     # 2. render what a killed run left undone, then eval loss, with one pipeline load
-    folders = {name: out / f"{i:02d}-{_slug(name)}" for i, name in enumerate(prompts)}
+    folders = {name: out / f"{i:02d}-{slug(name)}" for i, name in enumerate(prompts)}
     todo = [name for name in prompts if not (folders[name] / "result.json").is_file()]
     out.mkdir(parents=True, exist_ok=True)
     image = conditioning_image(store, condition, settings) if condition else None
     if image is not None:
-        _save_png(Image.fromarray(image), out / "condition.png")
+        save_png(Image.fromarray(image), out / "condition.png")
     device = pick_device()
     pipe = family.load_renderer(model, lora_path, device)
+    pipe.transformer.eval()  # peft adds the adapter's layers in train mode: lora_dropout would drop at random
     for name in todo:
         render_prompt(family, pipe, folders[name], name, prompts[name], texts[prompts[name]], texts[negative],
                       settings, image)
@@ -114,7 +115,7 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
     free_models()
     # 3. summary, written last
     if losses:
-        _save_png(eval_loss_plot(losses), out / "eval_loss.png")
+        save_png(eval_loss_plot(losses), out / "eval_loss.png")
     rows = [json.loads((folders[name] / "result.json").read_text()) for name in prompts]
     _write_json(out / RESULTS, {"settings": asdict(settings), "fps": family.flavour.fps, "prompts": rows,
                                 "eval_loss": losses, "eval_clips": len(items)})
@@ -134,7 +135,7 @@ def cached_texts(store: Store, texts: list[str]) -> dict[str, TextRow]:
 
 def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store) -> str | None:
     """i2v: the clip whose first frame every render starts from (an eval clip first: one never trained on)."""
-    if not family.flavour.conditioning_frames:
+    if family.flavour.task != "i2v":  # K5 i2v (a clean frame 0) and HunyuanVideo 1.5 i2v (cond channels) alike
         return None
     train, held = split_clips(store.read_manifest("clips"), config)
     if not train + held:
@@ -160,20 +161,29 @@ def render_prompt(
     """Base (LoRA scale 0) and LoRA renders of one prompt, same seed (and i2v: same first frame); media, contact
     sheet, then result.json."""
     folder.mkdir(parents=True, exist_ok=True)
-    given = {"image": image} if image is not None else {}  # only i2v families take an image
-    base = family.render(pipe, text, negative, settings, lora_scale=0.0, **given)
-    tuned = family.render(pipe, text, negative, settings, lora_scale=1.0, **given)
-    if base.shape != (settings.num_frames, settings.height, settings.width, 3):
-        raise RuntimeError(f"{family.name} rendered {base.shape}; validation asked for "
-                           f"{(settings.num_frames, settings.height, settings.width, 3)}: a bug in the family's render")
+    base = render_video(family, pipe, text, negative, settings, image, lora_scale=0.0)
+    tuned = render_video(family, pipe, text, negative, settings, image, lora_scale=1.0)
     fps = family.flavour.fps
     paths = {"base": write_media(base, folder / "base", fps), "lora": write_media(tuned, folder / "lora", fps)}
-    _save_png(contact_sheet([base, tuned]), folder / "contact_sheet.png")
+    save_png(contact_sheet([base, tuned]), folder / "contact_sheet.png")
     _write_json(folder / "result.json", {
         "name": name, "prompt": prompt, **{k: str(p) for k, p in paths.items()},
         "contact_sheet": str(folder / "contact_sheet.png"),
         "mean_abs_pixel_change": float(np.abs(base.astype(np.int16) - tuned).mean()),
     })
+
+
+def render_video(
+    family: ModelFamily, pipe: Any, text: TextRow, negative: TextRow, settings: RenderSettings,
+    image: np.ndarray | None = None, lora_scale: float = 1.0,
+) -> np.ndarray:
+    """One render, uint8 (F, H, W, 3), checked against the settings (validation and the renders during training)."""
+    given = {"image": image} if image is not None else {}  # only i2v families take an image
+    video = family.render(pipe, text, negative, settings, lora_scale=lora_scale, **given)
+    if video.shape != (settings.num_frames, settings.height, settings.width, 3):
+        raise RuntimeError(f"{family.name} rendered {video.shape}; validation asked for "
+                           f"{(settings.num_frames, settings.height, settings.width, 3)}: a bug in the family's render")
+    return video
 
 
 def _report(out: Path, computed: int) -> StageReport:
@@ -192,7 +202,7 @@ def _report(out: Path, computed: int) -> StageReport:
                        tables={"prompts": prompts, "eval_loss": losses})
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
     """A shortname as a folder name (the index prefix keeps two names with one slug apart)."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:60] or "prompt"
 
@@ -202,7 +212,7 @@ def write_media(frames: np.ndarray, stem: Path, fps: float) -> Path:
     """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4."""
     if len(frames) == 1:
         path = stem.with_suffix(".png")
-        _save_png(Image.fromarray(frames[0]), path)
+        save_png(Image.fromarray(frames[0]), path)
     else:
         path = stem.with_suffix(".mp4")
         write_mp4(frames, path, fps)
@@ -245,7 +255,7 @@ def contact_sheet(
     return sheet
 
 
-def _save_png(image: Image.Image, path: Path) -> None:
+def save_png(image: Image.Image, path: Path) -> None:
     tmp = path.with_suffix(".tmp.png")
     image.save(tmp, format="PNG")
     tmp.rename(path)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,7 +60,8 @@ class ModelFamily(Protocol):
         """The transformer's flow-matching prediction for noisy latents (B, C, T, h, w) at sigma (B,).
 
         The first `flavour.conditioning_frames` latent frames of `noisy` are clean (`conditioned_noisy`): an i2v
-        family marks them as given in the transformer's input.
+        family marks them as given in the transformer's input. `text` also holds the latent rows'
+        `image_conditions` where the family caches any (HunyuanVideo 1.5 i2v).
         """
 
     def lora_targets(self, include_ffn: bool) -> list[str] | str:
@@ -106,6 +107,15 @@ class RenderSettings(Protocol):
 
 LORA_ADAPTER = "lora"  # the adapter name validation loads and scales
 LATENT_SAMPLINGS = ("mode", "distribution")
+# Latent-row columns an i2v family caches beside the latent (HunyuanVideo 1.5: the first frame's VAE latent for the
+# cond channel and its SigLIP tokens); training and eval loss hand them to `velocity` in its `text` mapping.
+IMAGE_CONDITION_COLUMNS = ("image_latent", "image_embeds")
+
+
+def image_conditions(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """The rows' image-condition columns stacked (B, ...) float32 on the CPU; {} for rows without them (t2v)."""
+    return {c: torch.from_numpy(np.stack([np.asarray(r[c], np.float32) for r in rows]))
+            for c in IMAGE_CONDITION_COLUMNS if rows and c in rows[0]}
 
 
 def conditioned_noisy(family: ModelFamily, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,170 @@
+"""Renders during training: every `validation_steps` optimizer steps, each validation prompt with the LoRA as
+trained so far, so a user sees the adapter evolve before the run ends.
+
+Into the run folder (rank 0 only):
+    validation/step-NNNNNNN/<nn>-<shortname>.mp4   h264 at the flavour's fps (.png for image families)
+    validation/step-NNNNNNN/contact_sheet.png      one row per prompt
+    validation/step-NNNNNNN/result.json            written last (with the render's peak GiB on CUDA): the step is
+                                                   rendered, and a resumed run skips it
+    validation/progress.png                        the first prompt's row per rendered step, oldest on top
+
+Training is not disturbed: the renderer runs the training transformer itself (no second copy on the device) in
+eval mode under no_grad, with the global RNG states saved and restored, then hands it back in train mode. The
+LoRA's numbers never change, and every training draw comes from its own (seed, micro-step) generator anyway, so
+a run gives the same adapter bits with or without these renders. A resumed run retrains the lost steps to the
+same bits, so a step rendered before the kill is not rendered again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from loraflow.config import LoraflowConfig
+from loraflow.ops.checkpoints import write_json
+from loraflow.ops.devices import free_models, peak_memory_gib
+from loraflow.ops.distributed import World, barrier
+from loraflow.ops.validate import (
+    SHEET_ROW_HEIGHT, cached_texts, conditioning_clip, conditioning_image, contact_sheet, negative_prompt,
+    render_settings, render_video, save_png, slug, write_media,
+)
+from loraflow.pipelines.base import ModelFamily
+from loraflow.store import Store
+
+log = logging.getLogger(__name__)
+RESULT = "result.json"
+PROGRESS_SHEET = "progress.png"
+LABEL_WIDTH = 72  # pixels left of each progress row for its step number
+MAX_PROGRESS_ROWS = 12  # the sheet is embedded in the lora asset's metadata: keep it small
+# `family.render` scales the adapter named LORA_ADAPTER, which validation loads from a file; the training adapter
+# has peft's default name, so scale 0 leaves it untouched, at the weight it trains with.
+AS_TRAINED = 0.0
+
+
+class ProgressRenders:
+    """Built before the first step (every rank: a missing embedding fails before any training); `after_step`
+    renders on rank 0 when the step is a multiple of validation_steps, and every rank waits for it."""
+
+    def __init__(self, config: LoraflowConfig, family: ModelFamily, store: Store, out: Path,
+                 transformer: torch.nn.Module, world: World) -> None:
+        self.every = config.validation_steps or 0
+        self.config, self.family, self.transformer, self.world = config, family, transformer, world
+        self.folder = out / "validation"
+        self.pipe: Any = None  # loaded at the first render
+        if not self.every:
+            return
+        self.settings = render_settings(config, family)
+        self.prompts, negative = config.validation_prompts, negative_prompt(config, family)
+        texts = cached_texts(store, [*self.prompts.values(), negative])
+        self.texts, self.negative = {n: texts[p] for n, p in self.prompts.items()}, texts[negative]
+        clip = conditioning_clip(config, family, store)
+        self.image = conditioning_image(store, clip, self.settings) if clip else None
+
+    def after_step(self, step: int) -> None:
+        if not self.every or step % self.every:
+            return
+        if self.world.main and not (step_folder(self.folder, step) / RESULT).is_file():
+            self.render(step)
+        barrier(self.world)  # the other ranks wait here rather than in the next all-reduce
+
+    def render(self, step: int) -> None:
+        """Every prompt at this step: media, contact sheet, result.json, then the progress sheet again."""
+        folder = step_folder(self.folder, step)
+        folder.mkdir(parents=True, exist_ok=True)
+        device = _device_of(self.transformer)
+        _reset_peak(device)
+        with rendering(self.transformer):
+            pipe = self.renderer()
+            videos = {name: render_video(self.family, pipe, text, self.negative, self.settings, self.image,
+                                         lora_scale=AS_TRAINED) for name, text in self.texts.items()}
+            pipe.vae.to("cpu")  # only the transformer stays on the device between renders
+        peak = peak_memory_gib(device)
+        _reset_peak(device)  # the history's peak_gib stays training's own
+        fps = self.family.flavour.fps
+        paths = {name: write_media(video, folder / f"{i:02d}-{slug(name)}", fps)
+                 for i, (name, video) in enumerate(videos.items())}
+        save_png(contact_sheet(list(videos.values())), folder / "contact_sheet.png")
+        write_json(folder / RESULT, {"step": step, "prompts": self.prompts, "peak_gib": peak,
+                                     "media": {n: str(p) for n, p in paths.items()}})
+        save_png(progress_sheet(self.folder), self.folder / PROGRESS_SHEET)
+        log.info("step %d: rendered %d validation prompt(s) into %s", step, len(videos), folder)
+
+    def renderer(self) -> Any:
+        """The family's pipeline around the training transformer (with its adapter), VAE on the device.
+
+        `load_renderer` loads its own transformer too (on the CPU here): it is dropped at once, before the
+        pipeline's VAE goes to the device. Built once per training process.
+        """
+        device = _device_of(self.transformer)
+        if self.pipe is None:
+            pipe = self.family.load_renderer(self.config.pretrained_model_name_or_path, None, torch.device("cpu"))
+            pipe.transformer = self.transformer
+            pipe.set_progress_bar_config(disable=True)
+            self.pipe = pipe
+            free_models()  # the pipeline's own transformer, now unreferenced
+        self.pipe.vae.to(device)
+        return self.pipe
+
+
+def step_folder(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:07d}"
+
+
+@contextmanager
+def rendering(transformer: torch.nn.Module) -> Iterator[None]:
+    """Eval mode (no LoRA dropout), no autograd, and every global RNG as it was on entry, train mode on exit."""
+    device = _device_of(transformer)
+    states = random.getstate(), np.random.get_state()
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    transformer.eval()
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            yield
+    finally:
+        transformer.train()
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+
+
+def progress_sheet(folder: Path) -> Image.Image:
+    """The first prompt's contact-sheet row of rendered steps (at most MAX_PROGRESS_ROWS, spread from first to
+    last), oldest on top, each labelled with its step."""
+    steps = sorted(json.loads(p.read_text())["step"] for p in folder.glob(f"step-*/{RESULT}"))
+    picks = np.linspace(0, len(steps) - 1, min(len(steps), MAX_PROGRESS_ROWS)).round().astype(int)
+    steps = [steps[i] for i in sorted(set(picks))]
+    rows = [Image.open(step_folder(folder, s) / "contact_sheet.png") for s in steps]
+    rows = [r.crop((0, 0, r.width, min(r.height, SHEET_ROW_HEIGHT))) for r in rows]
+    gap = 2
+    width = LABEL_WIDTH + max((r.width for r in rows), default=0)
+    sheet = Image.new("RGB", (width, max(1, len(rows) * (SHEET_ROW_HEIGHT + gap) - gap)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (step, row) in enumerate(zip(steps, rows)):
+        top = i * (SHEET_ROW_HEIGHT + gap)
+        sheet.paste(row, (LABEL_WIDTH, top))
+        draw.text((4, top + SHEET_ROW_HEIGHT // 2 - 6), f"step {step}", fill="black")
+    return sheet
+
+
+def progress_sheet_path(run_dir: str | Path) -> Path | None:
+    """The progress sheet of a run, if it rendered during training (for the lora asset's metadata)."""
+    path = Path(run_dir) / "validation" / PROGRESS_SHEET
+    return path if path.is_file() else None
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _device_of(transformer: torch.nn.Module) -> torch.device:
+    """Where the LoRA parameters live (the compute device, also under group offloading)."""
+    return next(p.device for n, p in transformer.named_parameters() if "lora_" in n)

@@ -1,0 +1,176 @@
+"""Renders during training (`validation_steps`) on the tiny real Kandinsky 5 Video, from the caches of test_train.
+
+What is claimed: renders at steps N, 2N.. with the validation settings; the LoRA they show is the one training holds
+(the same frames as the validation stage's LoRA render of the exported file); rendering changes no bit of training
+(same adapter file, same losses, transformer and RNG states untouched); a resumed run skips rendered steps.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from loraflow.config import ConfigError, parse_config
+from loraflow.ops import progress_renders as PR
+from loraflow.ops import train as T
+from loraflow.ops import validate as V
+from loraflow.ops.distributed import World
+from loraflow.ops.progress_renders import AS_TRAINED, ProgressRenders, progress_sheet_path, rendering, step_folder
+from loraflow.ops.validate import SHEET_ROW_HEIGHT
+from loraflow.pipelines import get_family
+from loraflow.store import Store
+from tests.conftest import demo_dict
+from tests.ops.test_train import build_caches, make_config, same_lora_file, train
+
+CPU = torch.device("cpu")
+RENDERS = {"validation_resolution": "64x48", "validation_num_video_frames": 5, "validation_num_inference_steps": 2,
+           "lora_dropout": 0.1}  # dropout: eval mode must switch it off, and training must draw it as always
+
+
+@pytest.fixture(scope="module")
+def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("progress"))
+
+
+def decode(path: Path) -> np.ndarray:
+    """uint8 (F, H, W, 3) of an mp4, read with PyAV."""
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def test_renders_every_n_steps_and_the_same_lora_as_without(caches: dict[str, Path], tmp_path: Path) -> None:
+    settings = {"max_train_steps": 4, **RENDERS}
+    rendered = make_config(caches, tmp_path / "rendered", validation_steps=2, **settings)
+    plain = make_config(caches, tmp_path / "plain", **settings)
+    upstream = T.upstream_versions(Store(plain.cache_dir))
+    assert T.run_dir(rendered, upstream).name == T.run_dir(plain, upstream).name  # not part of the run
+    with_renders, without = train(rendered), train(plain)
+    run = Path(with_renders.facts["run_dir"])
+    assert same_lora_file(run / T.LORA_FILE, Path(without.facts["lora_path"]))
+    assert [r["loss"] for r in with_renders.tables["history"]] == [r["loss"] for r in without.tables["history"]]
+    assert not (Path(without.facts["run_dir"]) / "validation").exists()
+    folders = sorted(p.name for p in (run / "validation").glob("step-*"))
+    assert folders == ["step-0000002", "step-0000004"]
+    videos = [decode(step_folder(run / "validation", s) / "00-validation.mp4") for s in (2, 4)]
+    assert all(v.shape == (5, 48, 64, 3) for v in videos)
+    assert np.abs(videos[0].astype(int) - videos[1]).mean() > 0  # the LoRA evolved between the renders
+    sheet = Image.open(progress_sheet_path(run))
+    assert sheet.height == 2 * SHEET_ROW_HEIGHT + 2  # one row per rendered step
+
+
+@pytest.mark.parametrize("flavour", [{}, {"model_flavour": "i2v-lite-5s", "validation_num_video_frames": 17}],
+                         ids=["t2v", "i2v"])
+def test_the_last_render_is_what_validation_renders(caches: dict[str, Path], tmp_path: Path, flavour: dict,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frames rendered at the last step equal the validation stage's LoRA render (the diffusers pipeline with
+    the exported file at scale 1, same seed; i2v: same first frame); with lora_dropout, only if both run the
+    adapter in eval mode. Frames, not mp4s: libx264's threads make the encoded bytes vary with machine load."""
+    written: dict[str, list[np.ndarray]] = {"progress": [], "validation": []}
+    for module, key in ((PR, "progress"), (V, "validation")):
+        keep = module.write_media
+        monkeypatch.setattr(module, "write_media",
+                            lambda frames, stem, fps, keep=keep, key=key: written[key].append(frames)
+                            or keep(frames, stem, fps))
+    config = make_config(caches, tmp_path / "out", max_train_steps=2, validation_steps=2, **{**RENDERS, **flavour})
+    report = train(config)
+    V.validate(config, get_family(config), Store(config.cache_dir), report.facts["lora_path"])
+    (ours,), (base, lora) = written["progress"], written["validation"]  # validation writes base.mp4, then lora.mp4
+    assert np.array_equal(ours, lora)
+    assert not np.array_equal(ours, base)  # the LoRA shows in the pixels: the comparison means something
+    mp4 = decode(step_folder(Path(report.facts["run_dir"]) / "validation", 2) / "00-validation.mp4")
+    assert mp4.shape == ours.shape  # (h264 at this size and noise is far from lossless: no pixel comparison)
+
+
+@pytest.mark.parametrize("memory", [
+    {"enable_group_offload": True, "group_offload_type": "leaf_level", "gradient_checkpointing": True},
+    {"base_model_precision": "fp8-layerwise"},
+    {"tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": -1}]}},
+], ids=["offload+checkpointing", "fp8", "tread"])
+def test_the_lora_is_the_same_with_renders_under_memory_features(caches: dict[str, Path], tmp_path: Path,
+                                                                   memory: dict) -> None:
+    rendered = train(make_config(caches, tmp_path / "a", validation_steps=1, **RENDERS, **memory))
+    plain = train(make_config(caches, tmp_path / "b", **RENDERS, **memory))
+    run = Path(rendered.facts["run_dir"])
+    assert same_lora_file(run / T.LORA_FILE, Path(plain.facts["lora_path"]))
+    assert decode(step_folder(run / "validation", 2) / "00-validation.mp4").shape == (5, 48, 64, 3)
+
+
+def test_rendering_leaves_training_as_it_was(caches: dict[str, Path], tmp_path: Path) -> None:
+    config = make_config(caches, tmp_path / "out", validation_steps=1, **RENDERS)
+    family, store = get_family(config), Store(config.cache_dir)
+    transformer, params = T.load_transformer(config, family, CPU)
+    for p in params:  # non-zero B: the adapter acts
+        p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+    transformer.train()
+    before = {k: v.clone() for k, v in transformer.state_dict().items()}
+    rngs = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    out = tmp_path / "run"
+    renders = ProgressRenders(config, family, store, out, transformer, World())
+    renders.after_step(3)
+    assert (step_folder(out / "validation", 3) / "result.json").is_file()
+    after = transformer.state_dict()
+    assert sorted(after) == sorted(before) and all(torch.equal(before[k], after[k]) for k in before)
+    assert all(m.training for m in transformer.modules()) and all(p.grad is None for p in params)
+    assert all(p.requires_grad for p in params)
+    assert torch.equal(torch.get_rng_state(), rngs[0]) and random.getstate() == rngs[1]
+    assert np.array_equal(np.random.get_state()[1], rngs[2])
+    with rendering(transformer):  # the context itself: RNG drawn inside, restored after
+        torch.rand(3), random.random(), np.random.rand()
+        assert not transformer.training
+    assert torch.equal(torch.get_rng_state(), rngs[0]) and random.getstate() == rngs[1]
+    assert AS_TRAINED == 0.0 and "lora" not in transformer.peft_config  # so render's scale touches no adapter
+
+
+def test_a_resumed_run_renders_only_the_steps_it_has_not(caches: dict[str, Path], tmp_path: Path) -> None:
+    """Steps 1-4 rendered, the last checkpoint at 2: a run that lost step 4's render and its adapter (as a kill
+    between the two would) resumes at 2, renders step 4 again and leaves step 3's files alone."""
+    config = make_config(caches, tmp_path / "out", max_train_steps=4, validation_steps=1, checkpointing_steps=2,
+                         **RENDERS)
+    run = Path(train(config).facts["run_dir"])
+    folder = run / "validation"
+    assert sorted(p.name for p in folder.glob("step-*")) == [f"step-000000{s}" for s in (1, 2, 3, 4)]
+    kept = {p: p.stat().st_mtime_ns for p in step_folder(folder, 3).iterdir()}
+    shutil.rmtree(step_folder(folder, 4))
+    (run / T.LORA_FILE).unlink()
+    resumed = train(config)
+    assert resumed.facts["resumed_at_step"] == 2
+    assert {p: p.stat().st_mtime_ns for p in step_folder(folder, 3).iterdir()} == kept
+    assert (step_folder(folder, 4) / "result.json").is_file()
+    assert decode(step_folder(folder, 4) / "00-validation.mp4").shape == (5, 48, 64, 3)
+
+
+def test_two_ranks_render_once_and_the_lora_asset_shows_the_renders(caches: dict[str, Path], tmp_path: Path) -> None:
+    """`accelerate launch` of two CPU ranks under Dagster Pipes: rank 0 renders, rank 1 waits, the asset shows it."""
+    from dagster import DagsterInstance, materialize
+
+    from loraflow.assets.resources import LoraflowResource
+    from loraflow.assets.stages import lora
+
+    config = make_config(caches, tmp_path / "two", num_processes=2, max_train_steps=2, validation_steps=1, **RENDERS)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on CPUs, also on a GPU machine
+        result = materialize([lora], resources={"loraflow": LoraflowResource(config_path=str(tmp_path / "two.yaml"))},
+                             instance=DagsterInstance.ephemeral())
+    assert result.success
+    (event,) = result.get_asset_materialization_events()
+    shown = event.materialization.metadata["renders_during_training"].value
+    assert shown.startswith("![first validation prompt, per step](data:image/png;base64,")
+    run = T.run_dir(config, T.upstream_versions(Store(config.cache_dir)))
+    assert sorted(p.name for p in (run / "validation").glob("step-*")) == ["step-0000001", "step-0000002"]
+    assert not list(run.glob("validation/**/*.tmp*"))  # every write finished (one writer: rank 0)
+
+
+def test_validation_steps_needs_a_prompt(caches: dict[str, Path], tmp_path: Path) -> None:
+    data = demo_dict(caches["model"], caches["data"], tmp_path, validation_steps=5, validation_prompt=None)
+    with pytest.raises(ConfigError, match="`validation_steps` 5"):
+        parse_config(data)
+    with pytest.raises(ConfigError, match="validation_steps"):
+        parse_config({**data, "validation_steps": -1})
+    assert parse_config({**data, "validation_steps": 0}).validation_steps == 0  # off
