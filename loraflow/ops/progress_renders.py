@@ -31,7 +31,7 @@ from PIL import Image, ImageDraw
 
 from loraflow.config import LoraflowConfig
 from loraflow.ops.checkpoints import write_json
-from loraflow.ops.devices import free_models, peak_memory_gib
+from loraflow.ops.devices import peak_memory_gib
 from loraflow.ops.distributed import World, barrier
 from loraflow.ops.validate import (
     SHEET_ROW_HEIGHT, cached_texts, conditioning_clip, conditioning_image, contact_sheet, negative_prompt,
@@ -99,18 +99,14 @@ class ProgressRenders:
         log.info("step %d: rendered %d validation prompt(s) into %s", step, len(videos), folder)
 
     def renderer(self) -> Any:
-        """The family's pipeline around the training transformer (with its adapter), VAE on the device.
-
-        `load_renderer` loads its own transformer too (on the CPU here): it is dropped at once, before the
-        pipeline's VAE goes to the device. Built once per training process.
+        """The family's pipeline around the training transformer (with its adapter, never a second copy), the
+        other components on the CPU until a render moves the VAE to the device. Built once per training process.
         """
         device = _device_of(self.transformer)
         if self.pipe is None:
-            pipe = self.family.load_renderer(self.config.pretrained_model_name_or_path, None, torch.device("cpu"))
-            pipe.transformer = self.transformer
-            pipe.set_progress_bar_config(disable=True)
-            self.pipe = pipe
-            free_models()  # the pipeline's own transformer, now unreferenced
+            self.pipe = self.family.load_renderer(self.config.pretrained_model_name_or_path, None,
+                                                  torch.device("cpu"), transformer=self.transformer)
+            self.pipe.set_progress_bar_config(disable=True)
         self.pipe.vae.to(device)
         return self.pipe
 

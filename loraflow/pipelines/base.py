@@ -76,11 +76,14 @@ class ModelFamily(Protocol):
         `transformer_lora_adapter_metadata` does: without it a loader assumes lora_alpha = rank.
         """
 
-    def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> Any:
+    def load_renderer(
+        self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
+    ) -> Any:
         """The family's diffusers pipeline without text encoders, loaded once per validation run.
 
         `lora_path` (the diffusers-format .safetensors the lora stage wrote) is loaded into `.transformer` as
-        adapter LORA_ADAPTER (`load_lora_file`); eval loss runs that same `.transformer`.
+        adapter LORA_ADAPTER (`load_lora_file`); eval loss runs that same `.transformer`. A given `transformer`
+        (training's, with its adapter) is used as it is, where it is, instead of loading another copy.
         """
 
     def render(
@@ -162,6 +165,20 @@ def lora_file_header(prefix: str, adapter_config: dict | None) -> dict[str, str]
         fields = {f"{prefix}.{k}": v for k, v in adapter_config.items()}
         header["lora_adapter_metadata"] = json.dumps(fields, indent=2, sort_keys=True)
     return header
+
+
+def finish_renderer(pipe: Any, lora_path: str | Path | None, device: torch.device,
+                    transformer: torch.nn.Module | None = None) -> Any:
+    """The LoRA file into the pipeline's transformer, and the components onto `device`: all of them, or all but
+    a given (training) transformer, which stays where training keeps it."""
+    if lora_path is not None:
+        load_lora_file(pipe.transformer, lora_path)
+    if transformer is None:
+        return pipe.to(device)
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module) and component is not transformer:
+            component.to(device)
+    return pipe
 
 
 def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path) -> None:

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, load_lora_file, lora_file_header, scaled_posterior, set_lora_scale,
+    RenderSettings, TextRow, finish_renderer, lora_file_header, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
@@ -269,15 +269,16 @@ class HunyuanVideo15:
         save_file(tensors, out / LORA_FILE, metadata=lora_file_header("transformer", adapter_config))
 
     # 4. render ---------------------------------------------------------------------------------------
-    def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> HunyuanVideo15Pipeline:
+    def load_renderer(
+        self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
+    ) -> HunyuanVideo15Pipeline:
         """The t2v pipeline, or for i2v the image-to-video one (which also loads image_encoder, feature_extractor)."""
         pipeline = HunyuanVideo15ImageToVideoPipeline if self.flavour.task == "i2v" else HunyuanVideo15Pipeline
         pipe = pipeline.from_pretrained(
-            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None
+            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+            **({} if transformer is None else {"transformer": transformer}),
         )
-        if lora_path is not None:
-            load_lora_file(pipe.transformer, lora_path)
-        return pipe.to(device)
+        return finish_renderer(pipe, lora_path, device, transformer)
 
     @torch.no_grad()
     def render(

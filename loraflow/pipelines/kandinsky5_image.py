@@ -20,7 +20,7 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
-from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, scaled_posterior, set_lora_scale
+from loraflow.pipelines.base import RenderSettings, TextRow, finish_renderer, scaled_posterior, set_lora_scale
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
 from loraflow.pipelines.kandinsky5_video import KANDINSKY5_COMFYUI_NAMES, ComfyRule
 
@@ -166,13 +166,14 @@ class Kandinsky5Image:
         )
 
     # 4. render ---------------------------------------------------------------------------------------
-    def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> Kandinsky5T2IPipeline:
+    def load_renderer(
+        self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
+    ) -> Kandinsky5T2IPipeline:
         pipe = Kandinsky5T2IPipeline.from_pretrained(
-            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None
+            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+            **({} if transformer is None else {"transformer": transformer}),
         )
-        if lora_path is not None:
-            load_lora_file(pipe.transformer, lora_path)
-        return pipe.to(device)
+        return finish_renderer(pipe, lora_path, device, transformer)
 
     @torch.no_grad()
     def render(

@@ -22,7 +22,7 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
-from loraflow.pipelines.base import RenderSettings, TextRow, load_lora_file, scaled_posterior, set_lora_scale
+from loraflow.pipelines.base import RenderSettings, TextRow, finish_renderer, scaled_posterior, set_lora_scale
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
 
@@ -184,15 +184,16 @@ class Kandinsky5Video:
         )
 
     # 4. render ---------------------------------------------------------------------------------------
-    def load_renderer(self, model_path: str, lora_path: str | None, device: torch.device) -> Kandinsky5T2VPipeline:
+    def load_renderer(
+        self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
+    ) -> Kandinsky5T2VPipeline:
         """The t2v or i2v pipeline (one checkpoint layout: the class differs only in how it prepares latents)."""
         pipeline = Kandinsky5I2VPipeline if self.flavour.conditioning_frames else Kandinsky5T2VPipeline
         pipe = pipeline.from_pretrained(
-            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None
+            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+            **({} if transformer is None else {"transformer": transformer}),
         )
-        if lora_path is not None:
-            load_lora_file(pipe.transformer, lora_path)
-        return pipe.to(device)
+        return finish_renderer(pipe, lora_path, device, transformer)
 
     @torch.no_grad()
     def render(

@@ -174,3 +174,19 @@ def test_validation_steps_needs_a_prompt(caches: dict[str, Path], tmp_path: Path
     with pytest.raises(ConfigError, match="validation_steps"):
         parse_config({**data, "validation_steps": -1})
     assert parse_config({**data, "validation_steps": 0}).validation_steps == 0  # off
+
+
+@pytest.mark.parametrize("family_name", ["kandinsky5-video", "kandinsky5-image", "hunyuanvideo-1.5"])
+def test_the_renderer_wraps_the_given_transformer_without_moving_it(family_name: str, tmp_path: Path) -> None:
+    """In-training renders reuse training's transformer: no second copy is loaded, and it stays where it is."""
+    from loraflow.pipelines.base import load_component
+    from loraflow.pipelines.tiny import build_tiny
+
+    path = build_tiny(family_name, tmp_path / family_name)
+    family = get_family(parse_config({**demo_dict(path, tmp_path, tmp_path), "model_family": family_name,
+                                      "model_flavour": None}))
+    training = load_component(path, "transformer")
+    # "meta" stands in for an accelerator on a CPU-only machine: what is moved there shows it
+    pipe = family.load_renderer(str(path), None, torch.device("meta"), transformer=training)
+    assert pipe.transformer is training and {p.device.type for p in training.parameters()} == {"cpu"}
+    assert {p.device.type for p in pipe.vae.parameters()} == {"meta"}
