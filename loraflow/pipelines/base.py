@@ -167,6 +167,16 @@ def lora_file_header(prefix: str, adapter_config: dict | None) -> dict[str, str]
     return header
 
 
+def compute_dtype(transformer: torch.nn.Module) -> torch.dtype:
+    """diffusers' `transformer.dtype` (the layerwise-casting compute dtype, else the first float parameter's),
+    looked up once per model: the property walks every module on each call, a per-step cost in training.
+    Precision is fixed when a model is loaded (load_transformer casts before the first step), so it cannot go stale.
+    """
+    if "_loraflow_dtype" not in transformer.__dict__:
+        transformer.__dict__["_loraflow_dtype"] = transformer.dtype
+    return transformer.__dict__["_loraflow_dtype"]
+
+
 def finish_renderer(pipe: Any, lora_path: str | Path | None, device: torch.device,
                     transformer: torch.nn.Module | None = None) -> Any:
     """The LoRA file into the pipeline's transformer, and the components onto `device`: all of them, or all but

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, finish_renderer, lora_file_header, scaled_posterior, set_lora_scale,
+    RenderSettings, TextRow, compute_dtype, finish_renderer, lora_file_header, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
@@ -220,7 +220,7 @@ class HunyuanVideo15:
         (HVI:851-909) with `text["image_latent"]` (B, 32, 1, h, w) in frame 0 of the condition channels, mask 1 on
         frame 0 and `text["image_embeds"]` (B, 729, D), as cached by the latents stage."""
         cond, mask, image_embeds = self._condition(transformer, noisy, text)
-        dtype = transformer.dtype
+        dtype = compute_dtype(transformer)
         out = transformer(
             hidden_states=torch.cat([noisy, cond, mask], dim=1).to(dtype),  # (B, 32+32+1, T, h, w)
             image_embeds=image_embeds.to(dtype),

@@ -20,7 +20,9 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
-from loraflow.pipelines.base import RenderSettings, TextRow, finish_renderer, scaled_posterior, set_lora_scale
+from loraflow.pipelines.base import (
+    RenderSettings, TextRow, compute_dtype, finish_renderer, scaled_posterior, set_lora_scale,
+)
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
 from loraflow.pipelines.kandinsky5_video import KANDINSKY5_COMFYUI_NAMES, ComfyRule
 
@@ -130,7 +132,7 @@ class Kandinsky5Image:
             raise ValueError("this Kandinsky 5 image checkpoint has visual_cond=True (an image-to-image model); "
                              "the t2i flavours need a text-to-image checkpoint")
         _, _, frames, height, width = noisy.shape
-        dtype = transformer.dtype
+        dtype = compute_dtype(transformer)
         out = transformer(
             hidden_states=noisy.permute(0, 2, 3, 4, 1).to(dtype),  # (B, 1, h, w, 16): channels-last DiT layout
             encoder_hidden_states=text["text_embeds"].to(dtype),

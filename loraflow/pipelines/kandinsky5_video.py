@@ -22,7 +22,9 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
-from loraflow.pipelines.base import RenderSettings, TextRow, finish_renderer, scaled_posterior, set_lora_scale
+from loraflow.pipelines.base import (
+    RenderSettings, TextRow, compute_dtype, finish_renderer, scaled_posterior, set_lora_scale,
+)
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
 
@@ -148,7 +150,7 @@ class Kandinsky5Video:
             mask = torch.zeros(*hidden.shape[:-1], 1, dtype=hidden.dtype, device=hidden.device)
             mask[:, :given] = 1
             hidden = torch.cat([hidden, cond, mask], dim=-1)  # (B, T, h, w, 16 + 16 + 1)
-        dtype = transformer.dtype
+        dtype = compute_dtype(transformer)
         out = transformer(
             hidden_states=hidden.to(dtype),
             encoder_hidden_states=text["text_embeds"].to(dtype),
