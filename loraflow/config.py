@@ -97,7 +97,8 @@ class DatasetConfig(StrictModel):
     video: VideoSettings = VideoSettings()
     crop_style: Literal["center", "random", "none"] = "center"
     repeats: int = Field(1, ge=1, description="how many times each clip is seen per epoch")
-    cache_dir: str | None = None
+    cache_dir: str | None = Field(None, description="accepted for multidatabackend.json compatibility and not used: "
+                                  "every cache lives under the top-level cache_dir, keyed by content")
     default: bool = False
     disabled: bool = False
 
