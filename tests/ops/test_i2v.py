@@ -13,9 +13,7 @@ import av
 import numpy as np
 import pytest
 import torch
-from diffusers import Kandinsky5Transformer3DModel
 from diffusers.utils.torch_utils import randn_tensor
-from peft import LoraConfig
 
 from loraflow.ops import train as T
 from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
@@ -25,7 +23,7 @@ from loraflow.pipelines.base import load_component, load_lora_file
 from loraflow.pipelines.flavours import FLAVOURS
 from loraflow.pipelines.kandinsky5_video import make_family
 from loraflow.store import Store
-from tests.ops.test_train import build_caches, make_config
+from tests.ops.test_train import build_caches, make_config, reference_lora
 
 I2V = "i2v-lite-5s"
 
@@ -88,13 +86,7 @@ def test_two_i2v_steps_equal_a_hand_written_reference(trained, caches: dict[str,
     mask marks frame 0, visual_cond is zero; the loss covers latent frames 1.. only. AdamW by hand."""
     config, report = trained
     store, family = Store(config.cache_dir), get_family(config)
-    transformer = Kandinsky5Transformer3DModel.from_pretrained(caches["model"] / "transformer").requires_grad_(False)
-    torch.manual_seed(config.seed)
-    targets = [f"{a}.{p}" for a in ("self_attention", "cross_attention")
-               for p in ("to_query", "to_key", "to_value", "out_layer")]
-    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights=True))
-    params = [p.requires_grad_(True) for n, p in transformer.named_parameters() if "lora_" in n]
-    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
+    transformer, params, optimizer = reference_lora(caches["model"], config)
     plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
     for step, logged in enumerate(report.tables["history"]):
         (sample,) = plan(step)

@@ -84,17 +84,22 @@ def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> T.MicroBatch:
                               T.empty_prompt_key(store))
 
 
-def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Path]) -> None:
-    """The transformer called directly, as Kandinsky5T2VPipeline's denoising loop calls it; AdamW by hand."""
-    config, report = baseline
-    store, family = Store(config.cache_dir), get_family(config)
-    transformer = Kandinsky5Transformer3DModel.from_pretrained(caches["model"] / "transformer").requires_grad_(False)
+def reference_lora(model: Path, config: LoraflowConfig) -> tuple[torch.nn.Module, list, torch.optim.Optimizer]:
+    """The demo's LoRA (rank 4 on K5 attention, lora_A seeded like training's) and AdamW, written out by hand."""
+    transformer = Kandinsky5Transformer3DModel.from_pretrained(model / "transformer").requires_grad_(False)
     torch.manual_seed(config.seed)
     targets = [f"{a}.{p}" for a in ("self_attention", "cross_attention")
                for p in ("to_query", "to_key", "to_value", "out_layer")]
     transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights=True))
     params = [p.requires_grad_(True) for n, p in transformer.named_parameters() if "lora_" in n]
-    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
+    return transformer, params, torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
+
+
+def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Path]) -> None:
+    """The transformer called directly, as Kandinsky5T2VPipeline's denoising loop calls it; AdamW by hand."""
+    config, report = baseline
+    store, family = Store(config.cache_dir), get_family(config)
+    transformer, params, optimizer = reference_lora(caches["model"], config)
     plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
     for step, logged in enumerate(report.tables["history"]):
         (sample,) = plan(step)
