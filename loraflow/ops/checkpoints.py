@@ -100,16 +100,27 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], scalars: dict[str, An
 
 
 def export_lora(out: Path, transformer: torch.nn.Module, family: ModelFamily, lora_format: str = "diffusers") -> None:
-    """diffusers format through the family's own writer, renamed into place; with `lora_format: comfyui` also
-    the ComfyUI file (written first: the diffusers file is what marks the run finished)."""
-    state, config = lora_state(transformer), adapter_config(transformer)
-    if lora_format == "comfyui":
-        save_comfyui_lora(state, config, family.comfyui_names, out / COMFYUI_LORA_FILE)
+    """diffusers format through the family's own writer, renamed into place (the file that marks a run finished);
+    with `lora_format: comfyui` also the ComfyUI file, converted from it."""
     tmp = out / "export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    family.save_lora(state, tmp, config)
+    family.save_lora(lora_state(transformer), tmp, adapter_config(transformer))
     (tmp / LORA_FILE).rename(out / LORA_FILE)
     shutil.rmtree(tmp)
+    if lora_format == "comfyui":
+        export_comfyui(out, family)
+
+
+def export_comfyui(out: Path, family: ModelFamily) -> Path:
+    """The ComfyUI file from the run's diffusers file (tensors + the LoraConfig in its header): a finished run
+    switched to `lora_format: comfyui` is converted, never retrained."""
+    from safetensors import safe_open
+
+    with safe_open(str(out / LORA_FILE), "pt") as f:
+        state = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
+        header = json.loads((f.metadata() or {}).get("lora_adapter_metadata") or "{}")
+    config = {k.removeprefix("transformer."): v for k, v in header.items()}
+    return save_comfyui_lora(state, config or None, family.comfyui_names, out / COMFYUI_LORA_FILE)
 
 
 def _fsync(path: Path) -> None:

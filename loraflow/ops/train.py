@@ -35,7 +35,8 @@ from loraflow.kernels.flow_matching import lr_at, sample_sigmas
 from loraflow.kernels.tread import resolve_routes, tread_routing
 from loraflow.ops.batches import RowCache, prefetched
 from loraflow.ops.checkpoints import (
-    LORA_FILE, export_lora, latest_checkpoint, load_lora, resume_optimizer, save_checkpoint, write_json,
+    LORA_FILE, export_comfyui, export_lora, latest_checkpoint, load_lora, resume_optimizer, save_checkpoint,
+    write_json,
 )
 from loraflow.ops.devices import free_models, peak_memory_gib
 from loraflow.ops.distributed import (
@@ -48,6 +49,7 @@ from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import (
     ModelFamily, TextRow, conditioned_noisy, flow_mse, image_conditions, load_component,
 )
+from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ RUNTIME_ONLY_KEYS = frozenset({
     "output_dir", "cache_dir", "dataset_backend_config", "recache_cron", "offload_during_startup",
     "vae_enable_patch_conv", "checkpointing_steps", "checkpoints_total_limit", "gradient_checkpointing",
     "enable_group_offload", "group_offload_type", "group_offload_blocks_per_group", "group_offload_use_stream",
+    "lora_format",  # an export format: a finished run converts its file (`export_comfyui`)
 })
 
 
@@ -339,6 +342,8 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Sta
     finished = (out / LORA_FILE).is_file()
     check_same_everywhere("the run folder", lambda: content_key(run=out.name, finished=finished), world, device)
     if finished:
+        if config.lora_format == "comfyui" and world.main and not (out / COMFYUI_LORA_FILE).is_file():
+            export_comfyui(out, family)
         return _report(out, upstream, computed=0)
     samples = build_samples(config, store)
     check_same_everywhere("the samples", lambda: content_key(samples=[(s.latent_key, s.text_key) for s in samples]),
@@ -464,5 +469,7 @@ def _report(out: Path, upstream: dict[str, str], computed: int, resumed_at: int 
     facts = {"lora_path": str(out / LORA_FILE), "run_dir": str(out), "inputs": upstream, "resumed_at_step": resumed_at,
              "samples_per_s": float(np.median(speeds)) if speeds else 0.0,
              "peak_gib": max((row.get("peak_gib", 0.0) for row in history), default=0.0)}
+    if (out / COMFYUI_LORA_FILE).is_file():
+        facts["comfyui_lora_path"] = str(out / COMFYUI_LORA_FILE)
     return StageReport(data_version=out.name, computed=computed, reused=0 if computed else 1,
                        tables={"history": history}, facts=facts)

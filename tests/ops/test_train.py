@@ -200,6 +200,22 @@ def test_a_config_change_starts_a_new_run_and_a_rerun_computes_nothing(baseline,
     assert header["transformer.r"] == 2 and header["transformer.lora_alpha"] == 8
 
 
+def test_switching_to_comfyui_converts_the_finished_run_without_retraining(baseline, caches: dict[str, Path]) -> None:
+    from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
+
+    config, first = baseline
+    run = Path(first.facts["run_dir"])
+    (run / COMFYUI_LORA_FILE).unlink(missing_ok=True)
+    again = train(make_config(caches, Path(config.output_dir), lora_format="comfyui"))
+    assert again.computed == 0 and again.facts["run_dir"] == str(run)
+    comfy = load_file(again.facts["comfyui_lora_path"])
+    ranks = {v.shape[0] for k, v in comfy.items() if k.endswith("lora_down.weight")}
+    alphas = {float(v) for k, v in comfy.items() if k.endswith(".alpha")}
+    assert ranks == {config.lora_rank} and alphas == {float(config.lora_alpha or config.lora_rank)}
+    diffusers = load_file(first.facts["lora_path"])
+    assert len(comfy) == 3 * len(diffusers) // 2  # down, up, alpha per adapted module
+
+
 def test_caption_dropout_trains_on_the_cached_empty_prompt(caches: dict[str, Path], tmp_path: Path) -> None:
     store = Store(make_config(caches, tmp_path / "a").cache_dir)
     empty = store.get("text_embeds", [T.empty_prompt_key(store)])[T.empty_prompt_key(store)]
