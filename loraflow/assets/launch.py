@@ -1,9 +1,9 @@
 """How the `lora` asset trains: in the Dagster process on the CPU, or as `accelerate launch` under Dagster Pipes.
 
 One CPU process (the default) trains in-process, as every other stage does. `num_processes > 1`, or any CUDA run,
-starts `accelerate launch ... -m loraflow.ops.train_main CONFIG` through PipesSubprocessClient: the GPUs' memory
+starts `accelerate launch ... -m loraflow.train_main CONFIG` through PipesSubprocessClient: the GPUs' memory
 is the launched processes' alone and is given back when they exit, every rank trains, and rank 0 streams its log
-lines and reports the materialization, which becomes this asset's (see loraflow/ops/train_main.py).
+lines and reports the materialization, which becomes this asset's (see loraflow/train_main.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def launch_command(config_path: str, num_processes: int, port: int | None = None
     # Explicit defaults: without an accelerate config file, launch would warn about each one.
     return [sys.executable, "-m", "accelerate.commands.launch", *multi, "--num_processes", str(num_processes),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "-m", "loraflow.ops.train_main", str(Path(config_path).resolve())]
+            "-m", "loraflow.train_main", str(Path(config_path).resolve())]
 
 
 def free_port() -> int:
@@ -44,7 +44,7 @@ def free_port() -> int:
 def train(context: AssetExecutionContext, config: LoraflowConfig, config_path: str, store: Any) -> StageReport:
     """The lora stage's report, trained here or by the launched processes."""
     from loraflow.ops.train import train_lora
-    from loraflow.ops.train_main import report_from_summary
+    from loraflow.train_main import report_from_summary
     from loraflow.pipelines import get_family
 
     if not needs_launch(config):

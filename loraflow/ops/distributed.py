@@ -57,7 +57,7 @@ def join(num_processes: int) -> tuple[World, torch.device]:
         how = "train in this process" if num_processes == 1 else f"launch {num_processes} processes"
         raise ValueError(f"`num_processes` is {num_processes} but this launch has {world.size} process(es) "
                          f"(WORLD_SIZE): set num_processes: {world.size}, or {how} (e.g. `accelerate launch "
-                         f"--multi_gpu --num_processes {num_processes} -m loraflow.ops.train_main CONFIG`)")
+                         f"--multi_gpu --num_processes {num_processes} -m loraflow.train_main CONFIG`)")
     if world.size == 1:
         return world, pick_device()
     cuda = torch.cuda.is_available()

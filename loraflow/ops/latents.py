@@ -24,7 +24,6 @@ from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.pipelines import get_family
-from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -36,12 +35,12 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
     """One row per current clip of the datasets (None: every training dataset) with the key its latent has.
     Patch conv is exact, so it is not in the key; tiling blends seams and changes the numbers, so it is; so
     does the sampling (a mode row and a distribution row of one clip never share a key), and for i2v flavours
-    the first-frame image latent (see `_with_image_latent`) or image condition (`image_condition_parts`)."""
+    the first-frame image latent (see `_with_image_latent`) or image condition (`encode_image_condition`)."""
     vae_id = component_fingerprint(config.pretrained_model_name_or_path, "vae")
-    flavour = config.model_flavour or DEFAULT_FLAVOUR[config.model_family]
-    given = FLAVOURS[config.model_family][flavour].conditioning_frames
+    family = get_family(config)
+    given = family.flavour.conditioning_frames
     image = {"image_frames": given} if given else {}  # t2v keys stay what they were
-    parts = image_condition_parts(get_family(config))
+    parts = family.image_condition_components
     if parts:
         image["image_condition"] = {c: component_fingerprint(config.pretrained_model_name_or_path, c) for c in parts}
     ids = {d.id for d in select_datasets(config, datasets)}
@@ -79,7 +78,7 @@ def encode_latents(
         if config.vae_enable_slicing:
             vae.enable_slicing()
         image = [load_component(config.pretrained_model_name_or_path, c, torch.float32, str(device))
-                 for c in image_condition_parts(family)]  # [] or (image encoder, its processor)
+                 for c in family.image_condition_components]  # [] or (image encoder, its processor)
         quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling, image)
         free_models(vae, *image)
     bad = {q["key"] for q in quarantined}
@@ -126,12 +125,6 @@ def _encode(
             store.put("latents", done)
     progress.close()
     return quarantined, fallbacks
-
-
-def image_condition_parts(family: ModelFamily) -> tuple[str, ...]:
-    """The components a family loads beside the VAE to cache its image condition (`encode_image_condition`):
-    HunyuanVideo 1.5 i2v's SigLIP encoder and processor; () for every other family and flavour."""
-    return getattr(family, "image_condition_components", ())
 
 
 def _with_image_latent(

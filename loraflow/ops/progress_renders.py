@@ -45,9 +45,7 @@ RESULT = "result.json"
 PROGRESS_SHEET = "progress.png"
 LABEL_WIDTH = 72  # pixels left of each progress row for its step number
 MAX_PROGRESS_ROWS = 12  # the sheet is embedded in the lora asset's metadata: keep it small
-# `family.render` scales the adapter named LORA_ADAPTER, which validation loads from a file; the training adapter
-# has peft's default name, so scale 0 leaves it untouched, at the weight it trains with.
-AS_TRAINED = 0.0
+AS_TRAINED = None  # `lora_scale` for the renders: the training adapter as it is (see set_lora_scale)
 
 
 class ProgressRenders:

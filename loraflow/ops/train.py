@@ -10,7 +10,7 @@ Gradient checkpointing and group offloading are exact (not in the key: turning t
 run); TREAD is not. base_model_precision stores frozen weights in bf16 or fp8 (layerwise casting); the forward
 runs under bf16 autocast on CUDA; LoRA weights, gradients and AdamW state are always fp32.
 Under `accelerate launch` (num_processes > 1) each rank trains its share of every step and only rank 0 writes
-(loraflow/ops/distributed.py; loraflow/ops/train_main.py is the launched entry point).
+(loraflow/ops/distributed.py; loraflow/train_main.py is the launched entry point).
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ def render_prompt(
 
 def render_video(
     family: ModelFamily, pipe: Any, text: TextRow, negative: TextRow, settings: RenderSettings,
-    image: np.ndarray | None = None, lora_scale: float = 1.0,
+    image: np.ndarray | None = None, lora_scale: float | None = 1.0,
 ) -> np.ndarray:
     """One render, uint8 (F, H, W, 3), checked against the settings (validation and the renders during training)."""
     given = {"image": image} if image is not None else {}  # only i2v families take an image

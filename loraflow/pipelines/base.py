@@ -43,6 +43,8 @@ class ModelFamily(Protocol):
     max_text_tokens: int  # the first text encoder keeps at most this many caption tokens (more: truncated)
     tread_layout: TokenLayout  # where the transformer keeps its visual tokens, for TREAD routing
     comfyui_names: tuple[ComfyRule, ...]  # diffusers module -> ComfyUI module (lora_format: comfyui)
+    # components the latents stage loads beside the VAE for `encode_image_condition` (HV1.5 i2v's SigLIP); ()
+    image_condition_components: tuple[str, ...]
 
     def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
         """One row per text: the valid tokens only (padding is rebuilt at batch time)."""
@@ -87,7 +89,7 @@ class ModelFamily(Protocol):
         """
 
     def render(
-        self, pipe: Any, prompt: TextRow, negative: TextRow, settings: RenderSettings, lora_scale: float = 1.0,
+        self, pipe: Any, prompt: TextRow, negative: TextRow, settings: RenderSettings, lora_scale: float | None = 1.0,
         image: np.ndarray | None = None,
     ) -> np.ndarray:
         """A video (or image: F = 1) from cached embeddings: uint8 (F, H, W, 3).
@@ -177,10 +179,14 @@ def compute_dtype(transformer: torch.nn.Module) -> torch.dtype:
     return transformer.__dict__["_loraflow_dtype"]
 
 
-def finish_renderer(pipe: Any, lora_path: str | Path | None, device: torch.device,
-                    transformer: torch.nn.Module | None = None) -> Any:
-    """The LoRA file into the pipeline's transformer, and the components onto `device`: all of them, or all but
-    a given (training) transformer, which stays where training keeps it."""
+def load_pipeline(pipeline: type, model_path: str, lora_path: str | Path | None, device: torch.device,
+                  transformer: torch.nn.Module | None = None) -> Any:
+    """A family's diffusers pipeline without text encoders (renders read cached embeddings), the LoRA file in its
+    transformer, the components on `device`: all of them, or all but a given (training) transformer, which is
+    used as it is and stays where training keeps it."""
+    components = {} if transformer is None else {"transformer": transformer}
+    pipe = pipeline.from_pretrained(model_path, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                                    tokenizer_2=None, **components)
     if lora_path is not None:
         load_lora_file(pipe.transformer, lora_path)
     if transformer is None:
@@ -205,8 +211,12 @@ def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path) -> None:
     transformer.load_lora_adapter(str(path.parent), weight_name=path.name, prefix=prefix, adapter_name=LORA_ADAPTER)
 
 
-def set_lora_scale(transformer: torch.nn.Module, scale: float) -> None:
-    """Weight LORA_ADAPTER by `scale` (0: the base model, exactly: peft adds 0 * the LoRA branch)."""
+def set_lora_scale(transformer: torch.nn.Module, scale: float | None) -> None:
+    """Weight LORA_ADAPTER by `scale` (0: the base model, exactly: peft adds 0 * the LoRA branch).
+
+    None leaves every adapter as it is: renders during training use the training adapter at its own weight."""
+    if scale is None:
+        return
     if LORA_ADAPTER not in (getattr(transformer, "peft_config", None) or {}):
         if scale != 0:
             raise ValueError(f"lora_scale {scale} asked of a pipeline loaded without a LoRA; pass `lora_path`")

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, compute_dtype, finish_renderer, lora_file_header, scaled_posterior, set_lora_scale,
+    RenderSettings, TextRow, compute_dtype, load_pipeline, lora_file_header, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
@@ -274,16 +274,12 @@ class HunyuanVideo15:
     ) -> HunyuanVideo15Pipeline:
         """The t2v pipeline, or for i2v the image-to-video one (which also loads image_encoder, feature_extractor)."""
         pipeline = HunyuanVideo15ImageToVideoPipeline if self.flavour.task == "i2v" else HunyuanVideo15Pipeline
-        pipe = pipeline.from_pretrained(
-            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-            **({} if transformer is None else {"transformer": transformer}),
-        )
-        return finish_renderer(pipe, lora_path, device, transformer)
+        return load_pipeline(pipeline, model_path, lora_path, device, transformer)
 
     @torch.no_grad()
     def render(
         self, pipe: HunyuanVideo15Pipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
-        lora_scale: float = 1.0, image: np.ndarray | None = None,
+        lora_scale: float | None = 1.0, image: np.ndarray | None = None,
     ) -> np.ndarray:
         """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size) as the first frame."""
         inputs = self._image_input(pipe, image, settings)

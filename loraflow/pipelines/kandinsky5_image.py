@@ -21,7 +21,7 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, compute_dtype, finish_renderer, scaled_posterior, set_lora_scale,
+    RenderSettings, TextRow, compute_dtype, load_pipeline, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
 from loraflow.pipelines.kandinsky5_video import KANDINSKY5_COMFYUI_NAMES, ComfyRule
@@ -62,6 +62,7 @@ class Kandinsky5Image:
     max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # same transformer class as video
+    image_condition_components: tuple[str, ...] = ()  # the image condition is latent frame 0 itself
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -171,16 +172,12 @@ class Kandinsky5Image:
     def load_renderer(
         self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
     ) -> Kandinsky5T2IPipeline:
-        pipe = Kandinsky5T2IPipeline.from_pretrained(
-            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-            **({} if transformer is None else {"transformer": transformer}),
-        )
-        return finish_renderer(pipe, lora_path, device, transformer)
+        return load_pipeline(Kandinsky5T2IPipeline, model_path, lora_path, device, transformer)
 
     @torch.no_grad()
     def render(
         self, pipe: Kandinsky5T2IPipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
-        lora_scale: float = 1.0,
+        lora_scale: float | None = 1.0,
     ) -> np.ndarray:
         size = (settings.width, settings.height)
         if size not in pipe.resolutions:

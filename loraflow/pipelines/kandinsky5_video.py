@@ -23,7 +23,7 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, compute_dtype, finish_renderer, scaled_posterior, set_lora_scale,
+    RenderSettings, TextRow, compute_dtype, load_pipeline, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
@@ -84,6 +84,7 @@ class Kandinsky5Video:
     # TREAD: visual blocks are called block(visual_embed (B, N, D), text, time, rope (B, N, 1, d/2, 2, 2), sparse)
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # lora_format: comfyui
+    image_condition_components: tuple[str, ...] = ()  # the image condition is latent frame 0 itself
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -191,16 +192,12 @@ class Kandinsky5Video:
     ) -> Kandinsky5T2VPipeline:
         """The t2v or i2v pipeline (one checkpoint layout: the class differs only in how it prepares latents)."""
         pipeline = Kandinsky5I2VPipeline if self.flavour.conditioning_frames else Kandinsky5T2VPipeline
-        pipe = pipeline.from_pretrained(
-            model_path, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-            **({} if transformer is None else {"transformer": transformer}),
-        )
-        return finish_renderer(pipe, lora_path, device, transformer)
+        return load_pipeline(pipeline, model_path, lora_path, device, transformer)
 
     @torch.no_grad()
     def render(
         self, pipe: Kandinsky5T2VPipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
-        lora_scale: float = 1.0, image: np.ndarray | None = None,
+        lora_scale: float | None = 1.0, image: np.ndarray | None = None,
     ) -> np.ndarray:
         """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size) as the first frame."""
         inputs = self._image_input(image, settings)

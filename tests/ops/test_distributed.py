@@ -69,7 +69,7 @@ def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFact
 def launch(config_path: Path, *program: str) -> subprocess.CompletedProcess:
     """`accelerate launch` of two processes, as the lora asset builds it, with `program` instead of train_main."""
     command = launch_command(str(config_path), 2)
-    assert command[-3:-1] == ["-m", "loraflow.ops.train_main"]
+    assert command[-3:-1] == ["-m", "loraflow.train_main"]
     if program:
         command = command[:-3] + list(program)
     cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPUs, also on a machine with one GPU

@@ -1,12 +1,13 @@
 """The lora stage as a process of its own: what `accelerate launch` / `torchrun` start, one per GPU.
 
-    accelerate launch --multi_gpu --num_processes 2 -m loraflow.ops.train_main CONFIG   # num_processes: 2
-    python -m loraflow.ops.train_main CONFIG                                            # one process
+    accelerate launch --multi_gpu --num_processes 2 -m loraflow.train_main CONFIG   # num_processes: 2
+    python -m loraflow.train_main CONFIG                                            # one process
 
 Every rank trains. Rank 0 alone logs; when Dagster started the launch (Pipes environment variables set) it streams
 its log lines to Dagster and reports the materialization: the summary below and the run's data version. Without
 Dagster it prints the summary as one JSON line. Other ranks print warnings and errors only and never open Pipes.
-Uses the lightweight `dagster-pipes` package: a GPU box needs no Dagster installed.
+Uses the lightweight `dagster-pipes` package: a GPU box needs no Dagster installed. It lives outside `ops/` because
+stage logic there imports no Dagster package at all.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from loraflow.config import ConfigError
     from loraflow.ops.distributed import leave, world_from_env
 
-    parser = argparse.ArgumentParser(prog="python -m loraflow.ops.train_main", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m loraflow.train_main", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the YAML/JSON config of the run")
     args = parser.parse_args(argv)
     world = world_from_env()
