@@ -11,22 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from PIL import Image
 from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5I2VPipeline, Kandinsky5T2VPipeline
-from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
+from loraflow.pipelines import kandinsky5
 from loraflow.pipelines.base import (
     RenderSettings, TextRow, compute_dtype, load_pipeline, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
+from loraflow.pipelines.kandinsky5 import CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared
 
 # The pipeline's system prompt (its `prompt_template`); we crop the hidden states after its prefix.
 PROMPT_TEMPLATE = "\n".join(
@@ -46,33 +46,20 @@ NEGATIVE_PROMPT = (
     "Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, ugly, deformed, "
     "walking backwards"
 )
-MAX_TEXT_TOKENS = 512  # the pipeline's max_sequence_length
 # Kandinsky5I2VPipeline.normalize_first_frame takes its reference statistics from latent frames 4..: with fewer
 # than 5 latent frames (17 video frames) they are empty and the whole video is NaN.
 I2V_MIN_FRAMES = 17
-CLIP_TOKENS = 77
 TEXT_SIGNATURE = content_key(template=PROMPT_TEMPLATE, max_tokens=MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS)
-# ComfyUI's Kandinsky5 model (comfyanonymous/ComfyUI comfy/ldm/kandinsky5/model.py) keeps the original checkpoint's
-# module names, which are also diffusers' (models/transformers/transformer_kandinsky.py): text_/visual_transformer_blocks
-# .N.self_attention|cross_attention.to_query|to_key|to_value|out_layer, .feed_forward.in_layer|out_layer. So the
-# ComfyUI name is the diffusers name (ComfyUI's comfy/lora.py even accepts it with a `transformer.` prefix, but then
-# ignores lora_alpha); also used by kandinsky5_image, same transformer class.
-KANDINSKY5_COMFYUI_NAMES = (
-    ComfyRule(r"((?:text|visual)_transformer_blocks\.\d+\.(?:self_attention|cross_attention|feed_forward)\.\w+)", r"\1"),
-)
 
 
 def template_crop(tokenizer: Any) -> int:
-    """Tokens in the template before the user text; 128 for the real Qwen2.5 tokenizer.
-
-    Computed, not hard-coded: a different tokenizer (the tiny offline one) splits the prefix differently.
-    """
-    prefix = PROMPT_TEMPLATE.split("{}")[0]
-    return len(tokenizer(prefix)["input_ids"])
+    """Tokens in the template before the user text; 128 for the real Qwen2.5 tokenizer."""
+    return kandinsky5.template_crop(tokenizer, PROMPT_TEMPLATE)
 
 
 @dataclass(frozen=True)
-class Kandinsky5Video:
+class Kandinsky5Video(Kandinsky5Shared):
+    prompt_template: ClassVar[str] = PROMPT_TEMPLATE
     flavour: Flavour
     name: str = "kandinsky5-video"
     spatial_multiple: int = 16  # VAE 8x, patch 2x2
@@ -86,45 +73,7 @@ class Kandinsky5Video:
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # lora_format: comfyui
     image_condition_components: tuple[str, ...] = ()  # the image condition is latent frame 0 itself
 
-    # 1. text -------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
-        """Qwen2.5-VL last hidden state after the template + CLIP-L pooled output, one text at a time.
-
-        One at a time because the transformer has no text mask: each row keeps exactly its valid tokens.
-        """
-        tokenizer, qwen = components["tokenizer"], components["text_encoder"]
-        clip_tokenizer, clip = components["tokenizer_2"], components["text_encoder_2"]
-        crop = template_crop(tokenizer)
-        rows = []
-        for text in texts:
-            text = prompt_clean(text)
-            ids = tokenizer(
-                PROMPT_TEMPLATE.format(text), max_length=crop + MAX_TEXT_TOKENS, truncation=True, return_tensors="pt"
-            )["input_ids"].to(qwen.device)
-            hidden = qwen(input_ids=ids, output_hidden_states=True, return_dict=True)["hidden_states"][-1]
-            clip_ids = clip_tokenizer(
-                [text], max_length=CLIP_TOKENS, truncation=True, padding="max_length", return_tensors="pt"
-            ).to(clip.device)
-            pooled = clip(**clip_ids)["pooler_output"]
-            rows.append(
-                {
-                    "text_embeds": hidden[0, crop:].float().cpu().numpy(),  # (L, 3584)
-                    "pooled_embeds": pooled[0].float().cpu().numpy(),  # (768,)
-                }
-            )
-        return rows
-
-    def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
-        lengths = {len(r["text_embeds"]) for r in rows}
-        if len(lengths) != 1:
-            # No text mask in this transformer: padding would be attended to (REFERENCE.md). Batches are
-            # grouped by token length upstream; reaching here is a bug, not a user error.
-            raise ValueError(f"Kandinsky 5 batches need equal text lengths; got {sorted(lengths)}")
-        return {
-            "text_embeds": torch.from_numpy(np.stack([r["text_embeds"] for r in rows])).to(device),
-            "pooled_embeds": torch.from_numpy(np.stack([r["pooled_embeds"] for r in rows])).to(device),
-        }
+    # 1. text: Kandinsky5Shared (encode_text, collate_text) ----------------------------------------
 
     # 2. latents ----------------------------------------------------------------------------------
     def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
@@ -169,22 +118,7 @@ class Kandinsky5Video:
         ).sample
         return out.permute(0, 4, 1, 2, 3).float()  # (B, C, T, h, w)
 
-    def lora_targets(self, include_ffn: bool) -> list[str]:
-        # Qualified suffixes: a bare `out_layer` would also hit modulation, time embedding and the final layer.
-        targets = [f"{block}.{proj}" for block in ("self_attention", "cross_attention")
-                   for proj in ("to_query", "to_key", "to_value", "out_layer")]
-        if include_ffn:
-            targets += ["feed_forward.in_layer", "feed_forward.out_layer"]
-        return targets
-
-    def save_lora(
-        self, state_dict: dict[str, torch.Tensor], out_dir: str | Path, adapter_config: dict | None = None
-    ) -> None:
-        """diffusers format (`transformer.` prefix, LoraConfig in the header): `Kandinsky5T2VPipeline.load_lora_weights` reads it."""
-        Kandinsky5T2VPipeline.save_lora_weights(
-            out_dir, transformer_lora_layers=state_dict, safe_serialization=True,
-            transformer_lora_adapter_metadata=adapter_config,
-        )
+    # lora_targets, save_lora: Kandinsky5Shared
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(
@@ -203,15 +137,9 @@ class Kandinsky5Video:
         inputs = self._image_input(image, settings)
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
         set_lora_scale(pipe.transformer, lora_scale)
-        pos, neg = self.collate_text([prompt], pipe.device), self.collate_text([negative], pipe.device)
         video = pipe(
             **inputs,
-            prompt_embeds_qwen=pos["text_embeds"],
-            prompt_embeds_clip=pos["pooled_embeds"],
-            prompt_cu_seqlens=_cu_seqlens(pos["text_embeds"]).to(pipe.device),
-            negative_prompt_embeds_qwen=neg["text_embeds"],
-            negative_prompt_embeds_clip=neg["pooled_embeds"],
-            negative_prompt_cu_seqlens=_cu_seqlens(neg["text_embeds"]).to(pipe.device),
+            **self.prompt_embeds(prompt, negative, pipe.device),
             height=settings.height,
             width=settings.width,
             num_frames=settings.num_frames,
@@ -243,11 +171,6 @@ class Kandinsky5Video:
 def _rope_scale(height: int, width: int) -> tuple[float, float, float]:
     """The pipeline's resolution-dependent RoPE scale, so training sees what inference sees."""
     return Kandinsky5T2VPipeline._get_scale_factor(None, height, width)
-
-
-def _cu_seqlens(embeds: torch.Tensor) -> torch.Tensor:
-    batch, length = embeds.shape[:2]
-    return torch.arange(batch + 1, dtype=torch.int32) * length
 
 
 def make_family(flavour: str | None) -> Kandinsky5Video:

@@ -1,0 +1,115 @@
+"""What Kandinsky 5.0 Video and Image share: the Qwen2.5-VL + CLIP text path, the transformer's LoRA targets and
+file format, and the pipelines' prompt-embedding arguments. Both families mix in `Kandinsky5Shared` and name
+their own `prompt_template` (the only difference on the text side).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from diffusers.loaders import KandinskyLoraLoaderMixin
+from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
+
+from loraflow.pipelines.base import TextRow
+from loraflow.pipelines.comfyui import ComfyRule
+
+MAX_TEXT_TOKENS = 512  # every K5 pipeline's max_sequence_length
+CLIP_TOKENS = 77
+# ComfyUI's Kandinsky5 model (comfyanonymous/ComfyUI comfy/ldm/kandinsky5/model.py) keeps the original checkpoint's
+# module names, which are also diffusers' (models/transformers/transformer_kandinsky.py): text_/visual_transformer_blocks
+# .N.self_attention|cross_attention.to_query|to_key|to_value|out_layer, .feed_forward.in_layer|out_layer. So the
+# ComfyUI name is the diffusers name (ComfyUI's comfy/lora.py even accepts it with a `transformer.` prefix, but then
+# ignores lora_alpha). Video and image use the same transformer class.
+KANDINSKY5_COMFYUI_NAMES = (
+    ComfyRule(r"((?:text|visual)_transformer_blocks\.\d+\.(?:self_attention|cross_attention|feed_forward)\.\w+)", r"\1"),
+)
+
+
+def template_crop(tokenizer: Any, template: str) -> int:
+    """Tokens in `template` before the user text (128 video, 40 image with the real Qwen2.5 tokenizer).
+
+    Computed, not hard-coded: a different tokenizer (the tiny offline one) splits the prefix differently.
+    """
+    return len(tokenizer(template.split("{}")[0])["input_ids"])
+
+
+def cu_seqlens(embeds: torch.Tensor) -> torch.Tensor:
+    """Cumulative text lengths of a batch of unpadded, equal-length rows, as the pipelines take them."""
+    batch, length = embeds.shape[:2]
+    return torch.arange(batch + 1, dtype=torch.int32) * length
+
+
+class Kandinsky5Shared:
+    """Methods of the family protocol that Kandinsky 5 Video and Image implement alike."""
+
+    prompt_template: ClassVar[str]  # the pipeline's `prompt_template`; hidden states are cropped after its prefix
+
+    @torch.no_grad()
+    def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
+        """Qwen2.5-VL last hidden state after the template + CLIP-L pooled output, one text at a time.
+
+        One at a time because the transformer has no text mask: each row keeps exactly its valid tokens.
+        """
+        tokenizer, qwen = components["tokenizer"], components["text_encoder"]
+        clip_tokenizer, clip = components["tokenizer_2"], components["text_encoder_2"]
+        crop = template_crop(tokenizer, self.prompt_template)
+        rows = []
+        for text in texts:
+            text = prompt_clean(text)
+            ids = tokenizer(
+                self.prompt_template.format(text), max_length=crop + MAX_TEXT_TOKENS, truncation=True,
+                return_tensors="pt",
+            )["input_ids"].to(qwen.device)
+            hidden = qwen(input_ids=ids, output_hidden_states=True, return_dict=True)["hidden_states"][-1]
+            clip_ids = clip_tokenizer(
+                [text], max_length=CLIP_TOKENS, truncation=True, padding="max_length", return_tensors="pt"
+            ).to(clip.device)
+            pooled = clip(**clip_ids)["pooler_output"]
+            rows.append({
+                "text_embeds": hidden[0, crop:].float().cpu().numpy(),  # (L, 3584)
+                "pooled_embeds": pooled[0].float().cpu().numpy(),  # (768,)
+            })
+        return rows
+
+    def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
+        lengths = {len(r["text_embeds"]) for r in rows}
+        if len(lengths) != 1:
+            # No text mask in this transformer: padding would be attended to (REFERENCE.md). Batches are
+            # grouped by token length upstream; reaching here is a bug, not a user error.
+            raise ValueError(f"Kandinsky 5 batches need equal text lengths; got {sorted(lengths)}")
+        return {
+            "text_embeds": torch.from_numpy(np.stack([r["text_embeds"] for r in rows])).to(device),
+            "pooled_embeds": torch.from_numpy(np.stack([r["pooled_embeds"] for r in rows])).to(device),
+        }
+
+    def prompt_embeds(self, prompt: TextRow, negative: TextRow, device: torch.device) -> dict[str, torch.Tensor]:
+        """The pipelines' precomputed-embedding arguments for one prompt and its negative."""
+        kwargs = {}
+        for prefix, row in (("", prompt), ("negative_", negative)):
+            text = self.collate_text([row], device)
+            kwargs |= {f"{prefix}prompt_embeds_qwen": text["text_embeds"],
+                       f"{prefix}prompt_embeds_clip": text["pooled_embeds"],
+                       f"{prefix}prompt_cu_seqlens": cu_seqlens(text["text_embeds"]).to(device)}
+        return kwargs
+
+    def lora_targets(self, include_ffn: bool) -> list[str]:
+        # Qualified suffixes: a bare `out_layer` would also hit modulation, time embedding and the final layer.
+        targets = [f"{block}.{proj}" for block in ("self_attention", "cross_attention")
+                   for proj in ("to_query", "to_key", "to_value", "out_layer")]
+        if include_ffn:
+            targets += ["feed_forward.in_layer", "feed_forward.out_layer"]
+        return targets
+
+    def save_lora(
+        self, state_dict: dict[str, torch.Tensor], out_dir: str | Path, adapter_config: dict | None = None
+    ) -> None:
+        """diffusers format (`transformer.` prefix, LoraConfig in the header): every K5 pipeline's
+        `load_lora_weights` (KandinskyLoraLoaderMixin) reads it."""
+        KandinskyLoraLoaderMixin.save_lora_weights(
+            out_dir, transformer_lora_layers=state_dict, safe_serialization=True,
+            transformer_lora_adapter_metadata=adapter_config,
+        )
