@@ -280,10 +280,16 @@ class LoraflowConfig(StrictModel):
     @classmethod
     def _flavour(cls, v: str | None, info: ValidationInfo) -> str | None:
         from loraflow.pipelines import family_names, flavour_names
+        from loraflow.pipelines.flavours import FLAVOURS, NOT_BUILT
 
         family = info.data.get("model_family")
-        if v is not None and family in family_names() and v not in flavour_names(family):
-            raise ValueError(_unknown("model_flavour", v, flavour_names(family)))
+        if v is None or family not in family_names():
+            return v
+        if v not in flavour_names(family):
+            raise ValueError(_unknown("model_flavour", v, flavour_names(family, built_only=True)))
+        if not FLAVOURS[family][v].built:
+            raise ValueError(f"`model_flavour` {v!r}: {NOT_BUILT}; allowed: "
+                             f"{', '.join(flavour_names(family, built_only=True))}")
         return v
 
     @field_validator("datasets")

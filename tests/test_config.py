@@ -51,6 +51,14 @@ def test_every_problem_is_reported_at_once() -> None:
     assert any(p.startswith("learning_rate:") for p in found)
 
 
+def test_a_known_but_unbuilt_flavour_fails_at_load_naming_the_trainable_ones() -> None:
+    data = demo()
+    data.update(model_family="kandinsky5-image", model_flavour="i2i-lite-sft", validation_num_video_frames=1)
+    (problem,) = problems(data)
+    assert problem.startswith("model_flavour:") and "not built" in problem
+    assert problem.endswith("allowed: t2i-lite-pretrain, t2i-lite-sft")
+
+
 def test_unknown_family_lists_allowed() -> None:
     data = demo()
     data["model_family"] = "sdxl"
