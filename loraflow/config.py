@@ -319,6 +319,23 @@ class LoraflowConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _datasets_fit_flavour(self) -> LoraflowConfig:
+        """Clip lengths the flavour can train on, checked before any file is read."""
+        from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS
+
+        flavour = FLAVOURS[self.model_family][self.model_flavour or DEFAULT_FLAVOUR[self.model_family]]
+        for d in self.training_datasets:
+            if flavour.num_frames == 1 and d.dataset_type == "video" and d.video.num_frames != 1:
+                raise ValueError(f"dataset '{d.id}': {self.model_family} trains on single images, but "
+                                 f"`video.num_frames` is {d.video.num_frames}; set it to 1 (one frame per clip)")
+            if flavour.conditioning_frames and (d.dataset_type == "image" or d.video.num_frames == 1):
+                # the loss covers the frames after the clean first frame (`flow_mse`): one frame would be NaN
+                raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' trains on the frames after a clean "
+                                 "first frame; single images have none: use `dataset_type: video` with "
+                                 "`video.num_frames` of 5 or more")
+        return self
+
+    @model_validator(mode="after")
     def _training_memory(self) -> LoraflowConfig:
         if self.group_offload_use_stream and not self.enable_group_offload:
             raise ValueError("`group_offload_use_stream` needs `enable_group_offload: true`; set both or neither")

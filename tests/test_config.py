@@ -59,6 +59,20 @@ def test_a_known_but_unbuilt_flavour_fails_at_load_naming_the_trainable_ones() -
     assert problem.endswith("allowed: t2i-lite-pretrain, t2i-lite-sft")
 
 
+@pytest.mark.parametrize(("family", "flavour", "dataset", "expected"), [
+    ("kandinsky5-video", "i2v-lite-5s", {"dataset_type": "image"}, "single images have none"),
+    ("kandinsky5-video", "i2v-lite-5s", {"video": {"num_frames": 1}}, "single images have none"),
+    ("kandinsky5-image", "t2i-lite-sft", {"video": {"num_frames": 17}}, "set it to 1"),
+])
+def test_clip_lengths_the_flavour_cannot_train_on_fail_at_load(family: str, flavour: str, dataset: dict,
+                                                               expected: str) -> None:
+    data = demo()
+    data.update(model_family=family, model_flavour=flavour, validation_num_video_frames=17)
+    data["datasets"][0].update(dataset)
+    (problem,) = problems(data)
+    assert f"dataset '{data['datasets'][0]['id']}'" in problem and expected in problem
+
+
 def test_unknown_family_lists_allowed() -> None:
     data = demo()
     data["model_family"] = "sdxl"

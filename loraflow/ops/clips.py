@@ -157,6 +157,9 @@ def plan_clips(path: Path, info: Probe, dataset: DatasetConfig, family: ModelFam
     """The clips a source yields: frame indices, bucket size and crop, before any decoding."""
     video = dataset.video
     if info.is_image or dataset.dataset_type == "image":
+        if family.flavour.conditioning_frames:  # K5 i2v: the loss covers latent frames 1.., an image has none
+            raise MediaError("single_image", f"{path.name}: an image; flavour '{family.flavour.name}' trains on the "
+                             "frames after a clean first frame, so it needs videos")
         clips = [[0]]
     else:
         timeline = buckets.resampled_indices(info.num_frames, info.fps, video.frame_rate or family.flavour.fps)

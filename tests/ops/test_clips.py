@@ -158,6 +158,17 @@ def test_bucket_plan_estimates_latent_bytes_and_i2v_first_frame(tiny_k5: Path, t
             assert read_index(image) == row["indices"][0] == 0
 
 
+def test_an_image_among_i2v_videos_is_quarantined_not_trained_into_a_nan_loss(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    videos(data, 1, num_frames=12)
+    write_image(data / "still.png", width=96, height=64)
+    (data / "still.txt").write_text("a still", encoding="utf-8")
+    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}], model_flavour="i2v-lite-5s")
+    report, store = run(config)
+    assert [(Path(q["file"]).name, q["reason"]) for q in report.quarantined] == [("still.png", "single_image")]
+    assert [Path(c["source"]).name for c in store.read_manifest("clips")] == ["clip_0.mp4"]
+
+
 # ---------------------------------------------------------------------------------------------- frame rate
 
 
