@@ -182,8 +182,10 @@ def test_the_renderer_wraps_the_given_transformer_without_moving_it(family_name:
     from loraflow.pipelines.tiny import build_tiny
 
     path = build_tiny(family_name, tmp_path / family_name)
-    family = get_family(parse_config({**demo_dict(path, tmp_path, tmp_path), "model_family": family_name,
-                                      "model_flavour": None}))
+    data = {**demo_dict(path, tmp_path, tmp_path), "model_family": family_name, "model_flavour": None}
+    if family_name == "kandinsky5-image":
+        data["datasets"][0]["video"] = {"num_frames": 1}  # single frames: what this family trains on
+    family = get_family(parse_config(data))
     training = load_component(path, "transformer")
     # "meta" stands in for an accelerator on a CPU-only machine: what is moved there shows it
     pipe = family.load_renderer(str(path), None, torch.device("meta"), transformer=training)
