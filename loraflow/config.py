@@ -21,7 +21,7 @@ DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among
 VALIDATION_ONLY_KEYS = frozenset({
     "validation_prompt", "validation_resolution", "validation_num_video_frames", "validation_guidance",
     "validation_num_inference_steps", "user_prompt_library", "validation_seed", "validation_negative_prompt",
-    "validation_steps",
+    "validation_steps", "validation_using_datasets",
 })
 
 
@@ -206,6 +206,9 @@ class LoraflowConfig(StrictModel):
         0.0, ge=0, lt=1, description="fraction of source videos held out of training to measure eval loss on"
     )
     eval_dataset_id: str | None = Field(None, description="a dataset whose clips are only evaluated, never trained on")
+    validation_using_datasets: bool = Field(
+        False, description="i2v: render validation from the first file (by name) of `eval_dataset_id`, its first "
+        "frame; that dataset may then hold images (the seeds' way to validate i2v from an image dataset)")
 
     offload_during_startup: bool = Field(False, description="never keep the VAE and text encoders on the GPU together")
     text_encoder_1_precision: Literal["fp32", "bf16"] = Field(
@@ -324,15 +327,23 @@ class LoraflowConfig(StrictModel):
         from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS
 
         flavour = FLAVOURS[self.model_family][self.model_flavour or DEFAULT_FLAVOUR[self.model_family]]
+        if self.validation_using_datasets and flavour.task != "i2v":
+            raise ValueError(f"`validation_using_datasets` gives i2v renders their first frame; flavour "
+                             f"'{flavour.name}' takes no image: remove it, or choose an i2v flavour")
+        if self.validation_using_datasets and self.eval_dataset_id is None:
+            raise ValueError("`validation_using_datasets` renders i2v validation from the images of the "
+                             "`eval_dataset_id` dataset: set `eval_dataset_id`")
         for d in self.training_datasets:
             if flavour.num_frames == 1 and d.dataset_type == "video" and d.video.num_frames != 1:
                 raise ValueError(f"dataset '{d.id}': {self.model_family} trains on single images, but "
                                  f"`video.num_frames` is {d.video.num_frames}; set it to 1 (one frame per clip)")
-            if flavour.conditioning_frames and (d.dataset_type == "image" or d.video.num_frames == 1):
+            single = d.dataset_type == "image" or d.video.num_frames == 1
+            if flavour.conditioning_frames and single and d.id != self.conditioning_dataset_id:
                 # the loss covers the frames after the clean first frame (`flow_mse`): one frame would be NaN
                 raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' trains on the frames after a clean "
                                  "first frame; single images have none: use `dataset_type: video` with "
-                                 "`video.num_frames` of 5 or more")
+                                 "`video.num_frames` of 5 or more (or make it `eval_dataset_id` with "
+                                 "`validation_using_datasets: true`: images to render validation from)")
         return self
 
     @model_validator(mode="after")
@@ -353,6 +364,11 @@ class LoraflowConfig(StrictModel):
     @property
     def training_datasets(self) -> tuple[DatasetConfig, ...]:
         return tuple(d for d in self.datasets if d.dataset_type != "text_embeds" and not d.disabled)
+
+    @property
+    def conditioning_dataset_id(self) -> str | None:
+        """The dataset i2v validation renders from (`validation_using_datasets`); it may hold images."""
+        return self.eval_dataset_id if self.validation_using_datasets else None
 
     @property
     def validation_size(self) -> tuple[int, int]:

@@ -73,6 +73,15 @@ def test_clip_lengths_the_flavour_cannot_train_on_fail_at_load(family: str, flav
     assert f"dataset '{data['datasets'][0]['id']}'" in problem and expected in problem
 
 
+@pytest.mark.parametrize(("flavour", "expected"), [("i2v-lite-5s", "set `eval_dataset_id`"),
+                                                    ("t2v-lite-sft-5s", "takes no image")])
+def test_validation_using_datasets_needs_an_i2v_flavour_and_an_eval_dataset(flavour: str, expected: str) -> None:
+    data = demo()
+    data.update(model_flavour=flavour, validation_using_datasets=True, validation_num_video_frames=17)
+    (problem,) = problems(data)
+    assert "validation_using_datasets" in problem and expected in problem
+
+
 def test_unknown_family_lists_allowed() -> None:
     data = demo()
     data["model_family"] = "sdxl"

@@ -153,11 +153,16 @@ def probe_cached(path: Path, identity: dict[str, Any], store: Store, known: set[
     return result
 
 
-def plan_clips(path: Path, info: Probe, dataset: DatasetConfig, family: ModelFamily) -> list[dict[str, Any]]:
-    """The clips a source yields: frame indices, bucket size and crop, before any decoding."""
+def plan_clips(
+    path: Path, info: Probe, dataset: DatasetConfig, family: ModelFamily, images_allowed: bool = False
+) -> list[dict[str, Any]]:
+    """The clips a source yields: frame indices, bucket size and crop, before any decoding.
+
+    `images_allowed`: the dataset i2v validation renders from (`config.conditioning_dataset_id`) may hold images.
+    """
     video = dataset.video
     if info.is_image or dataset.dataset_type == "image":
-        if family.flavour.conditioning_frames:  # K5 i2v: the loss covers latent frames 1.., an image has none
+        if family.flavour.conditioning_frames and not images_allowed:  # K5 i2v trains on latent frames 1..
             raise MediaError("single_image", f"{path.name}: an image; flavour '{family.flavour.name}' trains on the "
                              "frames after a clean first frame, so it needs videos")
         clips = [[0]]
@@ -182,12 +187,13 @@ def plan_clips(path: Path, info: Probe, dataset: DatasetConfig, family: ModelFam
     return planned
 
 
-def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, store: Store, probes: set[str]) -> list[dict]:
+def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, store: Store, probes: set[str],
+               images_allowed: bool) -> list[dict]:
     identity = file_identity(path, dataset.instance_data_dir or "")
     captions = read_captions(path, dataset)
     info = probe_cached(path, identity, store, probes)
     rows = []
-    for plan in plan_clips(path, info, dataset, family):
+    for plan in plan_clips(path, info, dataset, family, images_allowed):
         size = (plan["height"], plan["width"])
         key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style, code=CODE_VERSION)
         crop = buckets.crop_plan((info.height, info.width), size, dataset.crop_style, seed=key)
@@ -244,7 +250,8 @@ def build_clips(
     for dataset in selected:
         for path in source_files(dataset):
             try:
-                manifest += _clip_rows(path, dataset, family, store, probes)
+                manifest += _clip_rows(path, dataset, family, store, probes,
+                                       images_allowed=dataset.id == config.conditioning_dataset_id)
             except MediaError as exc:
                 quarantine.append({"dataset": dataset.id, "file": str(path), "reason": exc.reason, "detail": str(exc)})
     have = store.keys("clips")

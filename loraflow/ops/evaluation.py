@@ -75,8 +75,11 @@ def evaluates(config: LoraflowConfig) -> bool:
     return config.eval_holdout_fraction > 0 or config.eval_dataset_id is not None
 
 
-def eval_items(config: LoraflowConfig, store: Store) -> list[EvalItem]:
-    """The held-out clips that have a latent, each with its first caption's embedding key."""
+def eval_items(config: LoraflowConfig, family: ModelFamily, store: Store) -> list[EvalItem]:
+    """The held-out clips that have a latent, each with its first caption's embedding key.
+
+    Not the images i2v validation renders from (`validation_using_datasets`) when the flavour scores only the
+    frames after the first: an image has none (its loss would be NaN)."""
     clips = store.read_manifest("clips")
     _, held = split_clips(clips, config)
     by_key = {c["key"]: c for c in clips}
@@ -85,6 +88,8 @@ def eval_items(config: LoraflowConfig, store: Store) -> list[EvalItem]:
     items = []
     for clip_key in held:
         if clip_key not in latents:  # quarantined by the latents stage (non-finite latent)
+            continue
+        if family.flavour.conditioning_frames and by_key[clip_key]["num_frames"] == 1:
             continue
         caption = (by_key[clip_key]["captions"] or [""])[0]
         if caption not in texts:

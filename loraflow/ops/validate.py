@@ -83,7 +83,7 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
     # 1. plan: settings, prompts, eval clips, and the run's key
     settings = render_settings(config, family)
     prompts, negative = config.validation_prompts, negative_prompt(config, family)
-    items = eval_items(config, store) if evaluates(config) else []
+    items = eval_items(config, family, store) if evaluates(config) else []
     if not prompts and not items:
         raise ValueError("validation has nothing to do: set `validation_prompt` or `user_prompt_library` (renders), "
                          "or `eval_holdout_fraction` / `eval_dataset_id` (eval loss)")
@@ -137,7 +137,14 @@ def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store)
     """i2v: the clip whose first frame every render starts from (an eval clip first: one never trained on)."""
     if family.flavour.task != "i2v":  # K5 i2v (a clean frame 0) and HunyuanVideo 1.5 i2v (cond channels) alike
         return None
-    train, held = split_clips(store.read_manifest("clips"), config)
+    clips = store.read_manifest("clips")
+    if config.conditioning_dataset_id is not None:  # validation_using_datasets: its first file, by name
+        chosen = [c for c in clips if c["dataset"] == config.conditioning_dataset_id]
+        if not chosen:
+            raise ValueError(f"validation_using_datasets: dataset '{config.conditioning_dataset_id}' has no clip to "
+                             "render from; see the `clips` asset's quarantine table for why its files were dropped")
+        return min(chosen, key=lambda c: (c["source"], c["key"]))["key"]
+    train, held = split_clips(clips, config)
     if not train + held:
         raise ValueError("i2v validation renders from a clip's first frame, but the clips stage stored no clip: "
                          "materialize `clips`")

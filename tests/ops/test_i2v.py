@@ -192,3 +192,37 @@ def test_the_i2v_example_config_validates() -> None:
     family = get_family(config)
     assert family.flavour.conditioning_frames == 1
     assert render_settings(config, family).num_frames >= 17
+
+
+def test_validation_using_datasets_renders_from_an_image_of_the_eval_dataset(tiny_k5: Path, tmp_path: Path) -> None:
+    """The seeds' i2v setup: videos to train on, an image dataset (`eval_dataset_id`) to render validation from.
+    Its images are kept (not quarantined as `single_image`), the first by name is the render's first frame, and
+    eval loss leaves them out (an image has no frame after the first to score)."""
+    from loraflow.ops.evaluation import eval_items
+    from loraflow.ops.latents import encode_latents
+    from loraflow.ops.text_embeds import encode_texts
+    from tests.media_factory import read_index, write_image
+    from tests.ops.test_clips import make_config as clips_config
+    from tests.ops.test_clips import run, videos
+
+    videos(tmp_path / "videos", 2, num_frames=18)
+    stills = tmp_path / "stills"
+    stills.mkdir()
+    for name, index in (("b", 9), ("a", 4)):
+        write_image(stills / f"{name}.png", width=96, height=64, index=index)
+        (stills / f"{name}.txt").write_text(f"still {name}", encoding="utf-8")
+    datasets = [{"instance_data_dir": str(tmp_path / "videos"), "video": {"num_frames": 17}},
+                {"instance_data_dir": str(stills), "dataset_type": "image"}]
+    config = clips_config(tiny_k5, tmp_path, datasets, model_flavour=I2V, eval_dataset_id="d1",
+                          validation_using_datasets=True, validation_resolution="96x64",
+                          validation_num_video_frames=17)
+    report, store = run(config)
+    assert report.quarantined == []
+    family = get_family(config)
+    encode_latents(config, family, store)
+    encode_texts(config, family, store)
+    clip_key = conditioning_clip(config, family, store)
+    clip = next(c for c in store.read_manifest("clips") if c["key"] == clip_key)
+    assert Path(clip["source"]).name == "a.png"
+    assert read_index(conditioning_image(store, clip_key, render_settings(config, family))) == 4
+    assert eval_items(config, family, store) == []  # the held-out clips are images: nothing to score

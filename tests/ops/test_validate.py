@@ -169,7 +169,7 @@ def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(setup, fir
     data, store, lora = setup
     config = parse_config(data)
     family = get_family(config)
-    items = eval_items(config, store)
+    items = eval_items(config, get_family(config), store)
     assert len(items) == 1  # 0.2 of 5 videos
     pipe = family.load_renderer(config.pretrained_model_name_or_path, str(lora), torch.device("cpu"))
     runs = [first_run.tables["eval_loss"], eval_losses(pipe.transformer, family, store, items, 7, torch.device("cpu"))]
@@ -268,7 +268,8 @@ def test_image_family_renders_base_and_lora_as_pngs(tmp_path: Path) -> None:
     model = build_tiny("kandinsky5-image", tmp_path / "k5i")
     config = parse_config(config_dict(
         model, tmp_path, model_family="kandinsky5-image", model_flavour="t2i-lite-sft", user_prompt_library=None,
-        validation_resolution="64x48", validation_num_video_frames=None, eval_holdout_fraction=0.0))
+        validation_resolution="64x48", validation_num_video_frames=None, eval_holdout_fraction=0.0,
+        datasets=[{"id": "images", "instance_data_dir": str(tmp_path / "images"), "dataset_type": "image"}]))
     store = Store(config.cache_dir)
     store.write_manifest("clips", [])  # no captions needed: only the validation texts
     encode_texts(config, get_family(config), store)
