@@ -211,9 +211,10 @@ class LoraflowConfig(StrictModel):
         "frame; that dataset may then hold images (the seeds' way to validate i2v from an image dataset)")
 
     offload_during_startup: bool = Field(False, description="never keep the VAE and text encoders on the GPU together")
-    text_encoder_1_precision: Literal["fp32", "bf16"] = Field(
+    text_encoder_1_precision: Literal["fp32", "bf16", "int8-torchao"] = Field(
         "fp32", description="weights and compute of the first text encoder: bf16 halves its memory on a GPU "
-        "(allowed on CPU, but slow there); part of every text key")
+        "(allowed on CPU, but slow there); int8-torchao stores its linear weights in int8 (torchao weight-only) "
+        "and computes in bf16; no_change (the seeds' default) is fp32; part of every text key")
     vae_enable_patch_conv: bool = Field(False, description="exact slab-wise VAE convs: same numbers, lower peak")
     vae_enable_tiling: bool = Field(False, description="spatial tiles with seam blending: approximate, lowest peak")
     vae_enable_slicing: bool = Field(False, description="encode a batch one sample at a time")
@@ -269,6 +270,11 @@ class LoraflowConfig(StrictModel):
         if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"`validation_resolution` must look like 768x512 (WIDTHxHEIGHT); got {v!r}")
         return v
+
+    @field_validator("text_encoder_1_precision", mode="before")
+    @classmethod
+    def _no_change(cls, v: Any) -> Any:
+        return "fp32" if v == "no_change" else v  # the seeds' name for "not quantised"
 
     @field_validator("model_family")
     @classmethod

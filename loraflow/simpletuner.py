@@ -38,7 +38,11 @@ WHY = {  # reasons for keys people ask about; any other unknown key is "no loraf
     "report_to": "metrics go to Dagster metadata",
     "push_to_hub": "loraflow never uploads",
     "hub_model_id": "loraflow never uploads",
+    "text_encoder_2_precision": "the second text encoder (CLIP-L, Glyph-ByT5) is small and always runs in fp32",
+    "base_model_default_dtype": "set base_model_precision (bf16, fp8-layerwise) and mixed_precision",
 }
+# The first text encoder's quantised precisions map to the one loraflow has (torchao int8 weight-only).
+TEXT_PRECISIONS = {"int8-quanto": "int8-torchao"}
 
 
 @dataclass
@@ -87,6 +91,9 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
         elif key == "base_model_precision" and value not in BASE_PRECISIONS:
             out.skip(key, value, f"quantised base models are not supported; loraflow stores the base in one of "
                                  f"{', '.join(BASE_PRECISIONS)} (fp8-layerwise: fp8 weights, bf16 compute)")
+        elif key == "text_encoder_1_precision" and value in TEXT_PRECISIONS:
+            out.config[key] = TEXT_PRECISIONS[value]
+            out.notes.append(f"text_encoder_1_precision {value!r} became {TEXT_PRECISIONS[value]!r} (int8 weights)")
         elif key in ("resolution", "resolution_type"):
             continue  # dataset defaults, applied below
         elif key in shared:

@@ -193,3 +193,18 @@ def test_quantised_base_precision_is_reported_and_supported_ones_are_kept() -> N
     assert (key, value) == ("base_model_precision", "int8-quanto") and "fp8-layerwise" in why
     kept = import_simpletuner({"model_family": "kandinsky5-video", "base_model_precision": "fp8-layerwise"}, [])
     assert kept.config["base_model_precision"] == "fp8-layerwise" and not kept.unmapped
+
+
+def test_k5_image_guides_quantisation_block_imports_to_a_valid_config() -> None:
+    """Seed guide 002's block, verbatim: `no_change` is fp32, the rest is reported with what to use instead."""
+    block = {"base_model_precision": "int8-quanto", "text_encoder_1_precision": "no_change",
+             "text_encoder_2_precision": "no_change", "lora_rank": 16, "base_model_default_dtype": "bf16"}
+    imported = import_simpletuner({"model_family": "kandinsky5-image", **block}, K5_IMAGE_BACKEND)
+    unmapped = {key: why for key, _, why in imported.unmapped if key in block}
+    assert set(unmapped) == {"base_model_precision", "text_encoder_2_precision", "base_model_default_dtype"}
+    assert all(why != "no loraflow equivalent" for why in unmapped.values())
+    config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m",
+                                            "output_dir": "o"})
+    assert config.text_encoder_1_precision == "fp32"
+    int8 = import_simpletuner({"model_family": "kandinsky5-image", "text_encoder_1_precision": "int8-quanto"}, [])
+    assert int8.config["text_encoder_1_precision"] == "int8-torchao" and "int8" in int8.notes[0]

@@ -10,7 +10,7 @@ Store schema (`text_embeds/shards/*.parquet`, one row per distinct key):
     text             str   the text as given (the family cleans it before encoding)
     family           str   the family that encoded it
     encoders         str   JSON {component: fingerprint} of the text encoders and tokenizers
-    precision        str   fp32 | bf16: the first text encoder's dtype (`text_encoder_1_precision`)
+    precision        str   fp32 | bf16 | int8-torchao: the first text encoder's (`text_encoder_1_precision`)
     n_tokens         int   valid tokens of `text_embeds` (L)
     truncated        bool  the caption had more than `family.max_text_tokens` tokens; the rest was dropped
     text_embeds      float32 (L, D) valid tokens only: padding and the text mask are rebuilt by
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 CODE_VERSION = "text-2"  # text-2: rows carry family, encoders, precision, truncated
 BATCH_TEXTS = 16  # texts per committed shard: the resume granularity of a killed run
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8-torchao": torch.bfloat16}  # int8: bf16 compute
 HISTOGRAM_EDGES = (16, 32, 64, 128, 256, 512, 1024)  # upper bounds of the token-count bins
 
 
@@ -128,13 +128,26 @@ def _encode(
 
 def load_encoders(config: LoraflowConfig, family: ModelFamily, device: torch.device) -> dict[str, Any]:
     """Text encoders and tokenizers; the first encoder in `text_encoder_1_precision`, the others in fp32."""
-    first = family.text_components[0]
-    if config.text_encoder_1_precision == "bf16" and device.type == "cpu":
-        log.warning("text_encoder_1_precision bf16 on the CPU: allowed, but much slower than fp32 there")
-    return {name: load_component(config.pretrained_model_name_or_path, name,
-                                 DTYPES[config.text_encoder_1_precision] if name == first else torch.float32,
-                                 str(device))
-            for name in family.text_components}
+    first, precision = family.text_components[0], config.text_encoder_1_precision
+    if precision != "fp32" and device.type == "cpu":
+        log.warning("text_encoder_1_precision %s on the CPU: allowed, but much slower than fp32 there", precision)
+    components = {name: load_component(config.pretrained_model_name_or_path, name,
+                                       DTYPES[precision] if name == first else torch.float32, str(device))
+                  for name in family.text_components}
+    if precision == "int8-torchao":
+        quantize_int8(components[first])
+    return components
+
+
+def quantize_int8(model: torch.nn.Module) -> None:
+    """Every linear weight to int8 with per-channel scales (torchao weight-only), in place: about half the bf16
+    bytes of a Qwen2.5-VL, whose weights are nearly all linear."""
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as exc:
+        raise ImportError("text_encoder_1_precision int8-torchao needs torchao: `pip install torchao`, or use "
+                          "bf16") from exc
+    quantize_(model, Int8WeightOnlyConfig())
 
 
 @contextmanager

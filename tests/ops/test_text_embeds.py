@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import pyarrow.parquet as pq
 import torch
 
@@ -126,20 +127,34 @@ def test_store_rows_have_the_documented_columns_and_no_padding(tiny_k5: Path, de
         assert row["text_embeds"].shape[0] == row["n_tokens"] and row["family"] == family.name
 
 
-def test_bf16_text_encoder_is_its_own_cache_entry(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["bf16", "int8-torchao"])
+def test_a_lower_precision_text_encoder_is_its_own_cache_entry(tiny_k5: Path, demo_data: Path, tmp_path: Path,
+                                                               precision: str) -> None:
     config, family, store = setup(tiny_k5, demo_data, tmp_path, ["a blue bird on a wire"])
     fp32 = encode_texts(config, family, store)
     before = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
-    config_bf16 = config.model_copy(update={"text_encoder_1_precision": "bf16"})
-    bf16 = encode_texts(config_bf16, family, store)
-    assert bf16.computed == fp32.computed and bf16.reused == 0  # a different dtype is a different key
+    config_low = config.model_copy(update={"text_encoder_1_precision": precision})
+    low = encode_texts(config_low, family, store)
+    assert low.computed == fp32.computed and low.reused == 0  # a different precision is a different key
     after = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
     text = "a blue bird on a wire"
     rows = store.get("text_embeds", [before[text], after[text]])
     full, half = rows[before[text]], rows[after[text]]
-    assert (full["precision"], half["precision"]) == ("fp32", "bf16") and half["text_embeds"].dtype == np.float32
+    assert (full["precision"], half["precision"]) == ("fp32", precision) and half["text_embeds"].dtype == np.float32
     assert full["text_embeds"].shape == half["text_embeds"].shape
-    assert not np.array_equal(full["text_embeds"], half["text_embeds"])  # bf16 really ran
+    assert not np.array_equal(full["text_embeds"], half["text_embeds"])  # the lower precision really ran
     cosine = (full["text_embeds"] * half["text_embeds"]).sum(-1) / (
         np.linalg.norm(full["text_embeds"], axis=-1) * np.linalg.norm(half["text_embeds"], axis=-1))
     assert cosine.min() > 0.98
+
+
+def test_int8_text_encoder_holds_its_linear_weights_in_int8(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    config, family, _ = setup(tiny_k5, demo_data, tmp_path, [])
+    cpu = torch.device("cpu")
+    encoders = {p: load_encoders(config.model_copy(update={"text_encoder_1_precision": p}), family, cpu)
+                for p in ("bf16", "int8-torchao")}
+    linear = {p: [m.weight for m in e["text_encoder"].modules() if isinstance(m, torch.nn.Linear)]
+              for p, e in encoders.items()}
+    assert linear["int8-torchao"] and all(w.qdata.dtype == torch.int8 for w in linear["int8-torchao"])
+    assert all(w.dtype == torch.bfloat16 for w in linear["bf16"])
+    assert encoders["int8-torchao"]["text_encoder_2"].dtype == torch.float32  # only the first encoder
