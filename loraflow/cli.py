@@ -70,11 +70,7 @@ def partitions(config_path: str) -> int:
 
     from loraflow.assets.partitions import sync_partitions
 
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    config = load_config(config_path)
     _instance_home()
     with DagsterInstance.get() as instance:
         added, deleted = sync_partitions(instance, config)
@@ -100,11 +96,7 @@ def check(config_path: str) -> int:
     from loraflow.pipelines import get_family
     from loraflow.pipelines.base import check_layout
 
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    config = load_config(config_path)
     print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
           f"{len(config.training_datasets)} training dataset(s))")
     family = get_family(config)
@@ -159,11 +151,7 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
         print(f"  - {key} = {value!r}: {why}", file=sys.stderr)
     for note in imported.notes:
         print(f"note: {note}", file=sys.stderr)
-    try:
-        parse_config(imported.config, out_path or "imported config", Path(out_path or ".").parent)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    parse_config(imported.config, out_path or "imported config", Path(out_path or ".").parent)
     return 0
 
 
@@ -189,13 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("loraflow").setLevel(logging.INFO)  # our progress, not every library's INFO chatter
-    if args.command == "demo":
-        return run_demo(args.config)
-    if args.command == "partitions":
-        return partitions(args.config)
-    if args.command == "import-simpletuner":
-        return import_simpletuner(args.config_json, args.backend_json, args.output)
-    return check(args.config)
+    try:
+        if args.command == "demo":
+            return run_demo(args.config)
+        if args.command == "partitions":
+            return partitions(args.config)
+        if args.command == "import-simpletuner":
+            return import_simpletuner(args.config_json, args.backend_json, args.output)
+        return check(args.config)
+    except ConfigError as exc:  # every problem, each naming its key: no traceback for a bad config
+        print(exc, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
