@@ -211,7 +211,7 @@ class LoraflowConfig(StrictModel):
         "frame; that dataset may then hold images (the seeds' way to validate i2v from an image dataset)")
 
     offload_during_startup: bool = Field(False, description="never keep the VAE and text encoders on the GPU together")
-    text_encoder_1_precision: Literal["fp32", "bf16", "int8-torchao"] = Field(
+    text_encoder_1_precision: Literal["fp32", "bf16", "int8-torchao", "no_change"] = Field(
         "fp32", description="weights and compute of the first text encoder: bf16 halves its memory on a GPU "
         "(allowed on CPU, but slow there); int8-torchao stores its linear weights in int8 (torchao weight-only) "
         "and computes in bf16; no_change (the seeds' default) is fp32; part of every text key")
@@ -339,10 +339,16 @@ class LoraflowConfig(StrictModel):
         if self.validation_using_datasets and self.eval_dataset_id is None:
             raise ValueError("`validation_using_datasets` renders i2v validation from the images of the "
                              "`eval_dataset_id` dataset: set `eval_dataset_id`")
+        if self.validation_using_datasets and not self.validation_prompts:
+            raise ValueError("`validation_using_datasets` only changes what validation renders from, and there is "
+                             "nothing to render: set `validation_prompt` or `user_prompt_library`")
         for d in self.training_datasets:
-            if flavour.num_frames == 1 and d.dataset_type == "video" and d.video.num_frames != 1:
-                raise ValueError(f"dataset '{d.id}': {self.model_family} trains on single images, but "
-                                 f"`video.num_frames` is {d.video.num_frames}; set it to 1 (one frame per clip)")
+            multi_frame = d.video.num_frames != 1 or d.video.frame_extraction == "full"
+            if flavour.num_frames == 1 and d.dataset_type == "video" and multi_frame:
+                raise ValueError(f"dataset '{d.id}': {self.model_family} trains on single images, but its video "
+                                 f"clips have {d.video.num_frames} frames (frame_extraction "
+                                 f"{d.video.frame_extraction}); set `video.num_frames` to 1 and a frame_extraction "
+                                 "other than full")
             single = d.dataset_type == "image" or d.video.num_frames == 1
             if flavour.conditioning_frames and single and d.id != self.conditioning_dataset_id:
                 # the loss covers the frames after the clean first frame (`flow_mse`): one frame would be NaN

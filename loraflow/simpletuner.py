@@ -43,6 +43,7 @@ WHY = {  # reasons for keys people ask about; any other unknown key is "no loraf
 }
 # The first text encoder's quantised precisions map to the one loraflow has (torchao int8 weight-only).
 TEXT_PRECISIONS = {"int8-quanto": "int8-torchao"}
+TEXT_PRECISION_NAMES = typing.get_args(LoraflowConfig.model_fields["text_encoder_1_precision"].annotation)
 
 
 @dataclass
@@ -94,6 +95,9 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
         elif key == "text_encoder_1_precision" and value in TEXT_PRECISIONS:
             out.config[key] = TEXT_PRECISIONS[value]
             out.notes.append(f"text_encoder_1_precision {value!r} became {TEXT_PRECISIONS[value]!r} (int8 weights)")
+        elif key == "text_encoder_1_precision" and value not in TEXT_PRECISION_NAMES:
+            out.skip(key, value, "the first text encoder runs in fp32, bf16 or int8-torchao (int8 weight-only); "
+                                 "other quantisations are not supported")
         elif key in ("resolution", "resolution_type"):
             continue  # dataset defaults, applied below
         elif key in shared:

@@ -208,3 +208,5 @@ def test_k5_image_guides_quantisation_block_imports_to_a_valid_config() -> None:
     assert config.text_encoder_1_precision == "fp32"
     int8 = import_simpletuner({"model_family": "kandinsky5-image", "text_encoder_1_precision": "int8-quanto"}, [])
     assert int8.config["text_encoder_1_precision"] == "int8-torchao" and "int8" in int8.notes[0]
+    int4 = import_simpletuner({"model_family": "kandinsky5-image", "text_encoder_1_precision": "int4-quanto"}, [])
+    assert "text_encoder_1_precision" not in int4.config and int4.unmapped[0][0] == "text_encoder_1_precision"

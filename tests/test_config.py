@@ -62,7 +62,8 @@ def test_a_known_but_unbuilt_flavour_fails_at_load_naming_the_trainable_ones() -
 @pytest.mark.parametrize(("family", "flavour", "dataset", "expected"), [
     ("kandinsky5-video", "i2v-lite-5s", {"dataset_type": "image"}, "single images have none"),
     ("kandinsky5-video", "i2v-lite-5s", {"video": {"num_frames": 1}}, "single images have none"),
-    ("kandinsky5-image", "t2i-lite-sft", {"video": {"num_frames": 17}}, "set it to 1"),
+    ("kandinsky5-image", "t2i-lite-sft", {"video": {"num_frames": 17}}, "set `video.num_frames` to 1"),
+    ("kandinsky5-image", "t2i-lite-sft", {"video": {"num_frames": 1, "frame_extraction": "full"}}, "other than full"),
 ])
 def test_clip_lengths_the_flavour_cannot_train_on_fail_at_load(family: str, flavour: str, dataset: dict,
                                                                expected: str) -> None:
@@ -80,6 +81,15 @@ def test_validation_using_datasets_needs_an_i2v_flavour_and_an_eval_dataset(flav
     data.update(model_flavour=flavour, validation_using_datasets=True, validation_num_video_frames=17)
     (problem,) = problems(data)
     assert "validation_using_datasets" in problem and expected in problem
+
+
+def test_validation_using_datasets_without_prompts_fails_at_load() -> None:
+    data = demo()
+    data["datasets"].insert(1, {**data["datasets"][0], "id": "stills", "dataset_type": "image"})
+    data.update(model_flavour="i2v-lite-5s", validation_using_datasets=True, eval_dataset_id="stills",
+                validation_num_video_frames=17, validation_prompt=None, user_prompt_library=None)
+    (problem,) = problems(data)
+    assert "nothing to render" in problem
 
 
 def test_unknown_family_lists_allowed() -> None:

@@ -143,7 +143,7 @@ def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store)
         if not chosen:
             raise ValueError(f"validation_using_datasets: dataset '{config.conditioning_dataset_id}' has no clip to "
                              "render from; see the `clips` asset's quarantine table for why its files were dropped")
-        return min(chosen, key=lambda c: (c["source"], c["key"]))["key"]
+        return min(chosen, key=lambda c: (c["source"], c["indices"][0]))["key"]
     train, held = split_clips(clips, config)
     if not train + held:
         raise ValueError("i2v validation renders from a clip's first frame, but the clips stage stored no clip: "

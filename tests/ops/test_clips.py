@@ -169,6 +169,18 @@ def test_an_image_among_i2v_videos_is_quarantined_not_trained_into_a_nan_loss(ti
     assert [Path(c["source"]).name for c in store.read_manifest("clips")] == ["clip_0.mp4"]
 
 
+def test_a_full_extraction_too_short_for_i2v_is_quarantined(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    short, long = videos(data, 2, num_frames=3)[0], write_h264(data / "long.mp4", num_frames=12, width=96, height=64)
+    long.with_suffix(".txt").write_text("long", encoding="utf-8")
+    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "video": {
+        "num_frames": 5, "frame_extraction": "full"}}], model_flavour="i2v-lite-5s")
+    report, store = run(config)
+    assert {(Path(q["file"]).name, q["reason"]) for q in report.quarantined} == {
+        (short.name, "too_short"), ("clip_1.mp4", "too_short")}
+    assert [len(c["indices"]) > 1 for c in store.read_manifest("clips")] == [True]
+
+
 # ---------------------------------------------------------------------------------------------- frame rate
 
 

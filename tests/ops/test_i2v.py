@@ -214,7 +214,8 @@ def test_validation_using_datasets_renders_from_an_image_of_the_eval_dataset(tin
     datasets = [{"instance_data_dir": str(tmp_path / "videos"), "video": {"num_frames": 17}},
                 {"instance_data_dir": str(stills), "dataset_type": "image"}]
     config = clips_config(tiny_k5, tmp_path, datasets, model_flavour=I2V, eval_dataset_id="d1",
-                          validation_using_datasets=True, validation_resolution="96x64",
+                          validation_using_datasets=True, validation_prompt="a still moves",
+                          validation_resolution="96x64",
                           validation_num_video_frames=17)
     report, store = run(config)
     assert report.quarantined == []
