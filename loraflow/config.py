@@ -211,6 +211,7 @@ class LoraflowConfig(StrictModel):
         "frame; that dataset may then hold images (the seeds' way to validate i2v from an image dataset)")
 
     offload_during_startup: bool = Field(False, description="never keep the VAE and text encoders on the GPU together")
+    # no_change is listed so errors name it; `_no_change` stores it as fp32
     text_encoder_1_precision: Literal["fp32", "bf16", "int8-torchao", "no_change"] = Field(
         "fp32", description="weights and compute of the first text encoder: bf16 halves its memory on a GPU "
         "(allowed on CPU, but slow there); int8-torchao stores its linear weights in int8 (torchao weight-only) "

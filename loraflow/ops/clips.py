@@ -161,10 +161,8 @@ def plan_clips(
     `images_allowed`: the dataset i2v validation renders from (`config.conditioning_dataset_id`) may hold images.
     """
     video = dataset.video
-    if info.is_image or dataset.dataset_type == "image":
-        if family.flavour.conditioning_frames and not images_allowed:  # K5 i2v trains on latent frames 1..
-            raise MediaError("single_image", f"{path.name}: an image; flavour '{family.flavour.name}' trains on the "
-                             "frames after a clean first frame, so it needs videos")
+    is_image = info.is_image or dataset.dataset_type == "image"
+    if is_image:
         clips = [[0]]
     else:
         timeline = buckets.resampled_indices(info.num_frames, info.fps, video.frame_rate or family.flavour.fps)
@@ -184,18 +182,20 @@ def plan_clips(
         if video.bucket_strategy == "resolution_frames" and len(indices) > 1:
             indices = indices[: buckets.frames_for_bucket(len(indices), video.frame_interval)]
         planned.append({"indices": indices, "height": height, "width": width})
-    _check_clip_lengths(path, {len(p["indices"]) for p in planned}, family, images_allowed)
+    _check_clip_lengths(path, {len(p["indices"]) for p in planned}, family, images_allowed, is_image)
     return planned
 
 
-def _check_clip_lengths(path: Path, lengths: set[int], family: ModelFamily, images_allowed: bool) -> None:
+def _check_clip_lengths(path: Path, lengths: set[int], family: ModelFamily, images_allowed: bool,
+                        is_image: bool) -> None:
     """What the flavour can train on, by the planned lengths (`frame_extraction: full` ignores `num_frames`)."""
     if family.flavour.num_frames == 1 and lengths - {1}:
         raise MediaError("too_long", f"{path.name}: clips of {max(lengths)} frames; {family.name} trains on single "
                          "frames: set `video.num_frames: 1` and a frame_extraction other than full")
     if family.flavour.conditioning_frames and 1 in lengths and not images_allowed:  # K5 i2v scores frames 1..
-        raise MediaError("too_short", f"{path.name}: a 1-frame clip; flavour '{family.flavour.name}' trains on the "
-                         "frames after a clean first frame")
+        what = ("single_image", "an image") if is_image else ("too_short", "a 1-frame clip")
+        raise MediaError(what[0], f"{path.name}: {what[1]}; flavour '{family.flavour.name}' trains on the frames "
+                         "after a clean first frame, so it needs videos")
 
 
 def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, store: Store, probes: set[str],
