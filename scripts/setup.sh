@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Idempotent setup: a virtual environment with the project installed. torch is installed only when it is
-# not importable, as the pinned CPU wheel, so a GPU-less machine never resolves to CUDA wheels.
+# Idempotent setup: a virtual environment with the project installed. torch and torchvision are installed only
+# when they are not importable, as one pinned pair: Kandinsky 5 i2i's Qwen2-VL processor needs torchvision, which
+# loads only beside the torch it was built for, and PyPI's pair (a CUDA build; it runs on a CPU-only machine too)
+# is the one this machine's package mirror holds. TORCH_VERSION / TORCHVISION_VERSION pick another pair.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -9,8 +11,8 @@ PYTHON=${PYTHON:-python3}
 pip_install() {
   .venv/bin/pip install --quiet "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  pip_install "torch==${TORCH_VERSION:-2.13.0}"
+if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
+  pip_install "torch==${TORCH_VERSION:-2.14.1}" "torchvision==${TORCHVISION_VERSION:-0.29.1}"
 fi
 stamp=.venv/.loraflow-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
