@@ -90,7 +90,7 @@ def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGe
         for path in tqdm(files, desc=f"probe {dataset.id}", unit="file", disable=not progress or not files):
             try:
                 read_captions(path, dataset)
-                clips = plan_clips(path, probe(path), dataset, family, dataset.id == config.conditioning_dataset_id)
+                clips = plan_clips(path, probe(path), dataset, family, dataset.id == config.render_dataset_id)
             except MediaError as exc:
                 plan.dropped.append({"dataset": dataset.id, "file": str(path), "reason": exc.reason, "detail": str(exc)})
                 continue

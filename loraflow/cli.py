@@ -20,7 +20,7 @@ def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
     from loraflow.pipelines.tiny import build_tiny
 
     config = load_config(config_path)
-    build_tiny(config.model_family, config.pretrained_model_name_or_path)
+    build_tiny(config.model_family, config.pretrained_model_name_or_path, flavour=config.model_flavour)
     for dataset in config.training_datasets:
         make_demo_dataset(dataset.instance_data_dir)
 

@@ -82,7 +82,12 @@ class DatasetConfig(StrictModel):
 
     id: str = Field(description="names the dataset everywhere, and its Dagster partition")
     type: Literal["local"] = "local"
-    dataset_type: Literal["video", "image", "text_embeds"] = "video"
+    dataset_type: Literal["video", "image", "conditioning", "text_embeds"] = Field(
+        "video", description="conditioning: i2i source images, named by another dataset's `conditioning_data`; "
+        "never trained on by themselves")
+    conditioning_data: str | None = Field(
+        None, description="i2i: id of the `dataset_type: conditioning` dataset holding each image's source image, "
+        "paired by path relative to the folder (any image extension)")
     instance_data_dir: str | None = None
     caption_strategy: Literal["textfile", "filename", "instanceprompt", "metadata"] = "textfile"
     instance_prompt: str | None = None
@@ -290,22 +295,18 @@ class LoraflowConfig(StrictModel):
     @classmethod
     def _flavour(cls, v: str | None, info: ValidationInfo) -> str | None:
         from loraflow.pipelines import family_names, flavour_names
-        from loraflow.pipelines.flavours import FLAVOURS, NOT_BUILT
 
         family = info.data.get("model_family")
         if v is None or family not in family_names():
             return v
         if v not in flavour_names(family):
-            raise ValueError(_unknown("model_flavour", v, flavour_names(family, built_only=True)))
-        if not FLAVOURS[family][v].built:
-            raise ValueError(f"`model_flavour` {v!r}: {NOT_BUILT}; allowed: "
-                             f"{', '.join(flavour_names(family, built_only=True))}")
+            raise ValueError(_unknown("model_flavour", v, flavour_names(family)))
         return v
 
     @field_validator("datasets")
     @classmethod
     def _datasets(cls, v: tuple[DatasetConfig, ...]) -> tuple[DatasetConfig, ...]:
-        if not any(d.dataset_type != "text_embeds" and not d.disabled for d in v):
+        if not any(d.dataset_type in ("video", "image") and not d.disabled for d in v):
             raise ValueError("no enabled video/image dataset: add one under `datasets`")
         return v
 
@@ -334,11 +335,11 @@ class LoraflowConfig(StrictModel):
         from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS
 
         flavour = FLAVOURS[self.model_family][self.model_flavour or DEFAULT_FLAVOUR[self.model_family]]
-        if self.validation_using_datasets and flavour.task != "i2v":
-            raise ValueError(f"`validation_using_datasets` gives i2v renders their first frame; flavour "
-                             f"'{flavour.name}' takes no image: remove it, or choose an i2v flavour")
+        if self.validation_using_datasets and flavour.task not in ("i2v", "i2i"):
+            raise ValueError(f"`validation_using_datasets` gives i2v/i2i renders their image; flavour "
+                             f"'{flavour.name}' takes no image: remove it, or choose an i2v or i2i flavour")
         if self.validation_using_datasets and self.eval_dataset_id is None:
-            raise ValueError("`validation_using_datasets` renders i2v validation from the images of the "
+            raise ValueError("`validation_using_datasets` renders i2v/i2i validation from the images of the "
                              "`eval_dataset_id` dataset: set `eval_dataset_id`")
         if self.validation_using_datasets and not self.validation_prompts:
             raise ValueError("`validation_using_datasets` only changes what validation renders from, and there is "
@@ -351,12 +352,33 @@ class LoraflowConfig(StrictModel):
                                  f"{d.video.frame_extraction}); set `video.num_frames` to 1 and a frame_extraction "
                                  "other than full")
             single = d.dataset_type == "image" or d.video.num_frames == 1
-            if flavour.conditioning_frames and single and d.id != self.conditioning_dataset_id:
+            if flavour.conditioning_frames and single and d.id != self.render_dataset_id:
                 # the loss covers the frames after the clean first frame (`flow_mse`): one frame would be NaN
                 raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' trains on the frames after a clean "
                                  "first frame; single images have none: use `dataset_type: video` with "
                                  "`video.num_frames` of 5 or more (or make it `eval_dataset_id` with "
                                  "`validation_using_datasets: true`: images to render validation from)")
+        return self
+
+    @model_validator(mode="after")
+    def _source_images(self) -> LoraflowConfig:
+        """i2i datasets name their source images' dataset (`conditioning_data`); no other flavour takes one."""
+        from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS
+
+        flavour = FLAVOURS[self.model_family][self.model_flavour or DEFAULT_FLAVOUR[self.model_family]]
+        sources = [d.id for d in self.datasets if d.dataset_type == "conditioning" and not d.disabled]
+        for d in self.training_datasets:
+            if flavour.task != "i2i" and d.conditioning_data is not None:
+                raise ValueError(f"dataset '{d.id}': `conditioning_data` pairs images with source images for i2i; "
+                                 f"flavour '{flavour.name}' takes none: remove it, or choose an i2i flavour")
+            if flavour.task == "i2i" and d.conditioning_data is None:
+                raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' edits a source image into each "
+                                 "target image: set `conditioning_data` to the id of a `dataset_type: conditioning` "
+                                 f"dataset holding them (same relative paths); conditioning datasets: "
+                                 f"{', '.join(sources) or 'none'}")
+            if d.conditioning_data is not None and d.conditioning_data not in sources:
+                raise ValueError(f"dataset '{d.id}': `conditioning_data` {d.conditioning_data!r} is not an enabled "
+                                 f"dataset with `dataset_type: conditioning`; allowed: {', '.join(sources) or 'none'}")
         return self
 
     @model_validator(mode="after")
@@ -376,11 +398,15 @@ class LoraflowConfig(StrictModel):
 
     @property
     def training_datasets(self) -> tuple[DatasetConfig, ...]:
-        return tuple(d for d in self.datasets if d.dataset_type != "text_embeds" and not d.disabled)
+        return tuple(d for d in self.datasets if d.dataset_type in ("video", "image") and not d.disabled)
+
+    def source_images(self, dataset: DatasetConfig) -> DatasetConfig | None:
+        """The conditioning dataset i2i pairs `dataset`'s images with (its `conditioning_data`), if any."""
+        return next((d for d in self.datasets if d.id == dataset.conditioning_data), None)
 
     @property
-    def conditioning_dataset_id(self) -> str | None:
-        """The dataset i2v validation renders from (`validation_using_datasets`); it may hold images."""
+    def render_dataset_id(self) -> str | None:
+        """The dataset i2v/i2i validation renders from (`validation_using_datasets`); for i2v it may hold images."""
         return self.eval_dataset_id if self.validation_using_datasets else None
 
     @property

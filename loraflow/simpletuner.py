@@ -157,7 +157,7 @@ def _truthy(value: Any) -> bool:
 
 def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: Imported) -> dict[str, Any] | None:
     where = f"datasets[{index}]"
-    if not _is_media(entry) and entry.get("dataset_type") != "text_embeds":
+    if not _is_media(entry) and entry.get("dataset_type") not in ("text_embeds", "conditioning"):
         out.skip(f"{where} (id {entry.get('id')})", entry.get("dataset_type"), "dataset_type not supported: dropped")
         return None
     known = set(DatasetConfig.model_fields) - {"crop_style", "video"}

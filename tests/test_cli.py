@@ -210,3 +210,15 @@ def test_k5_image_guides_quantisation_block_imports_to_a_valid_config() -> None:
     assert int8.config["text_encoder_1_precision"] == "int8-torchao" and "int8" in int8.notes[0]
     int4 = import_simpletuner({"model_family": "kandinsky5-image", "text_encoder_1_precision": "int4-quanto"}, [])
     assert "text_encoder_1_precision" not in int4.config and int4.unmapped[0][0] == "text_encoder_1_precision"
+
+
+def test_an_i2i_backend_keeps_its_conditioning_dataset_and_pairing() -> None:
+    """SimpleTuner's edit-dataset layout: the image dataset names its `dataset_type: conditioning` sources."""
+    backend = [{"id": "edits", "type": "local", "dataset_type": "image", "instance_data_dir": "data/edits",
+                "conditioning_data": "edit-sources", "caption_strategy": "textfile", "resolution": 1024},
+               {"id": "edit-sources", "type": "local", "dataset_type": "conditioning",
+                "instance_data_dir": "data/sources"}]
+    imported = import_simpletuner({"model_family": "kandinsky5-image", "model_flavour": "i2i-lite-sft"}, backend)
+    config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m"})
+    (edits,) = config.training_datasets
+    assert config.source_images(edits).instance_data_dir == "data/sources"

@@ -51,12 +51,42 @@ def test_every_problem_is_reported_at_once() -> None:
     assert any(p.startswith("learning_rate:") for p in found)
 
 
-def test_a_known_but_unbuilt_flavour_fails_at_load_naming_the_trainable_ones() -> None:
+def i2i(**changes: object) -> dict:
+    """The demo config as Kandinsky 5 Image i2i: an image dataset paired with a source-image dataset."""
     data = demo()
-    data.update(model_family="kandinsky5-image", model_flavour="i2i-lite-sft", validation_num_video_frames=1)
+    data.update(model_family="kandinsky5-image", model_flavour="i2i-lite-sft", validation_num_video_frames=None)
+    data["datasets"] = [
+        {"id": "edited", "dataset_type": "image", "instance_data_dir": "data/edited", "conditioning_data": "sources",
+         "video": {"num_frames": 1}},
+        {"id": "sources", "dataset_type": "conditioning", "instance_data_dir": "data/sources"},
+    ]
+    data.update(changes)
+    return data
+
+
+def test_an_i2i_config_pairs_a_dataset_with_its_source_images() -> None:
+    config = parse_config(i2i())
+    (edited,) = config.training_datasets  # the conditioning dataset is never trained on by itself
+    assert config.source_images(edited).id == "sources"
+
+
+def test_i2i_without_conditioning_data_names_the_key_and_the_conditioning_datasets() -> None:
+    data = i2i()
+    del data["datasets"][0]["conditioning_data"]
     (problem,) = problems(data)
-    assert problem.startswith("model_flavour:") and "not built" in problem
-    assert problem.endswith("allowed: t2i-lite-pretrain, t2i-lite-sft")
+    assert "`conditioning_data`" in problem and "conditioning datasets: sources" in problem
+
+
+def test_conditioning_data_must_name_a_conditioning_dataset() -> None:
+    data = i2i()
+    data["datasets"][0]["conditioning_data"] = "edited"
+    (problem,) = problems(data)
+    assert "'edited' is not an enabled dataset with `dataset_type: conditioning`; allowed: sources" in problem
+
+
+def test_conditioning_data_is_refused_by_flavours_without_a_source_image() -> None:
+    (problem,) = problems(i2i(model_flavour="t2i-lite-sft"))
+    assert "dataset 'edited': `conditioning_data`" in problem and "choose an i2i flavour" in problem
 
 
 @pytest.mark.parametrize(("family", "flavour", "dataset", "expected"), [
@@ -107,8 +137,9 @@ def test_separate_dataset_file_is_read(tmp_path: Path) -> None:
     assert load_config(tmp_path / "config.yaml").training_datasets[0].id == "demo-videos"
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "kandinsky5_video.yaml", "kandinsky5_video_i2v.yaml", "kandinsky5_image.yaml",
-                                  "hunyuanvideo15.yaml", "hunyuanvideo15_i2v.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "kandinsky5_video.yaml", "kandinsky5_video_i2v.yaml",
+                                  "kandinsky5_image.yaml", "kandinsky5_image_i2i.yaml", "hunyuanvideo15.yaml",
+                                  "hunyuanvideo15_i2v.yaml"])
 def test_every_example_config_validates(name: str) -> None:
     from loraflow.pipelines import get_family
 

@@ -7,7 +7,7 @@ functions returning offending rows, so they read (and test) without Dagster. A c
 """
 
 # No `from __future__ import annotations` here: Dagster inspects the real annotations of check functions.
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import groupby
 from pathlib import Path
 from typing import Any
@@ -116,21 +116,24 @@ def latents_cover_clips(context: AssetCheckExecutionContext, loraflow: LoraflowR
     return _result(not offending, offending, len(expected), "clips")
 
 
-def texts_without_embeddings(needed: list[str], store: Store) -> list[dict[str, Any]]:
-    """Needed texts (captions, "", negative, validation prompt) missing from the manifest or the store."""
-    listed = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
+def texts_without_embeddings(needed: Iterable[tuple[str, str]], store: Store) -> list[dict[str, Any]]:
+    """Needed (text, image) items (captions, "", negative, validation prompt; i2i: with their source image)
+    missing from the manifest or the store."""
+    from loraflow.ops.text_embeds import text_lookup
+
+    listed = text_lookup(store)
     committed = store.keys("text_embeds")
     users: dict[str, list[str]] = {}
     for clip in store.read_manifest("clips"):
         for caption in clip["captions"]:
             users.setdefault(caption, []).append(clip["source"])
     offending = []
-    for text in needed:
-        if listed.get(text) in committed:
+    for text, image in needed:
+        if listed.get((text, image)) in committed:
             continue
         who = users.get(text, [])
         offending.append({"text": repr(text[:60]), "used_by": ", ".join(sorted(set(who))[:5]) or "(prompt)",
-                          "problem": "not in the manifest" if text not in listed else "listed but not stored"})
+                          "problem": "not in the manifest" if (text, image) not in listed else "listed but not stored"})
     return offending
 
 

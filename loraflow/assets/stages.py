@@ -45,7 +45,8 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
             "dropped": md.md_table(report.tables["dropped"]),
             "quarantined": len(report.quarantined),
             "quarantine": md.md_table(report.quarantined),
-            "preview": md.md_image(clip_preview(store.only_parts([dataset])), "first frame of each clip"),
+            "preview": md.md_image(clip_preview(store.only_parts([dataset])),
+                                  "first frame of each clip (i2i: its source image below)"),
         },
     )
 

@@ -12,8 +12,12 @@ prompt - holding a string or a list; repeated rows add captions). Rules, the sam
 empty caption trains on the empty prompt; a missing caption (no .txt, not in the metadata) quarantines the
 file as `missing_caption`; a caption file that is not UTF-8 quarantines it as `caption_not_utf8`.
 
-i2v: the conditioning image is the first frame of the stored clip (`first_frame`), i.e. source frame
+i2v: the conditioning image is the first frame of the stored clip (`condition_frame`), i.e. source frame
 indices[0] after cropping, so it always matches the clip's first latent frame.
+i2i: each image of a dataset with `conditioning_data` is paired with the file of the same relative path (any image
+extension) in that conditioning dataset; the source image is cropped to the target's bucket like the target and
+stored beside its frames (`condition_frames`). The row's `condition` names it (source file, size, crop): the
+text_embeds stage keys the prompt embedding by it (i2i's prompt embedding sees the source image).
 """
 
 from __future__ import annotations
@@ -158,7 +162,7 @@ def plan_clips(
 ) -> list[dict[str, Any]]:
     """The clips a source yields: frame indices, bucket size and crop, before any decoding.
 
-    `images_allowed`: the dataset i2v validation renders from (`config.conditioning_dataset_id`) may hold images.
+    `images_allowed`: the dataset i2v validation renders from (`config.render_dataset_id`) may hold images.
     """
     video = dataset.video
     is_image = info.is_image or dataset.dataset_type == "image"
@@ -199,34 +203,80 @@ def _check_clip_lengths(path: Path, lengths: set[int], family: ModelFamily, imag
 
 
 def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, store: Store, probes: set[str],
-               images_allowed: bool) -> list[dict]:
+               images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
+    """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image."""
     identity = file_identity(path, dataset.instance_data_dir or "")
     captions = read_captions(path, dataset)
     info = probe_cached(path, identity, store, probes)
+    source = _source_image(path, dataset, sources, store, probes) if sources else None
     rows = []
     for plan in plan_clips(path, info, dataset, family, images_allowed):
         size = (plan["height"], plan["width"])
-        key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style, code=CODE_VERSION)
+        paired = {"condition": source[0]} if source else {}  # t2v/t2i keys stay as they were
+        key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style,
+                          code=CODE_VERSION, **paired)
         crop = buckets.crop_plan((info.height, info.width), size, dataset.crop_style, seed=key)
         rows.append({
             "key": key, "dataset": dataset.id, "source": identity["path"], "path": str(path),
             "bucket": buckets.bucket_label(*size, len(plan["indices"])), "height": size[0], "width": size[1],
             "num_frames": len(plan["indices"]), "indices": plan["indices"], "resize": list(crop.resize),
             "box": list(crop.box), "captions": captions, "repeats": dataset.repeats,
+            **(_condition_columns(source, size, dataset.crop_style, key) if source else {}),
         })
     return rows
 
 
-def decode_clip(row: dict[str, Any]) -> np.ndarray:
-    """uint8 (F, H, W, 3): decode only the kept frames, resized in the decoder, then cut the crop box."""
-    frames = decode_frames(row["path"], row["indices"], tuple(row["resize"]))
-    top, left, height, width = row["box"]
+def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig, store: Store,
+                  probes: set[str]) -> tuple[dict[str, Any], Path, Probe]:
+    """i2i: the source image paired with `path` (same relative path and stem, any image extension)."""
+    relative = path.relative_to(dataset.instance_data_dir or "")
+    folder = Path(sources.instance_data_dir or "") / relative.parent
+    found = sorted(p for p in folder.glob(f"{relative.stem}.*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not found:
+        raise MediaError("missing_source_image", f"{relative}: no source image {relative.with_suffix('.*')} in "
+                         f"dataset '{sources.id}' ({sources.instance_data_dir}); i2i pairs each image with one")
+    identity = file_identity(found[0], sources.instance_data_dir or "")
+    try:
+        info = probe_cached(found[0], identity, store, probes)
+    except MediaError as exc:
+        raise MediaError(exc.reason, f"{relative}: its source image {identity['path']}: {exc}") from None
+    return identity, found[0], info
+
+
+def _condition_columns(source: tuple[dict[str, Any], Path, Probe], size: tuple[int, int], crop_style: str,
+                       key: str) -> dict[str, Any]:
+    """The source image cut like the target: same bucket size, same crop style and seed (aligned when the two
+    images have the same size, as edit pairs do)."""
+    identity, path, info = source
+    crop = buckets.crop_plan((info.height, info.width), size, crop_style, seed=key)
+    return {"condition": content_key(source=identity, resize=crop.resize, box=crop.box, code=CODE_VERSION),
+            "condition_path": str(path), "condition_resize": list(crop.resize), "condition_box": list(crop.box)}
+
+
+def decode_clip(row: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The stored columns of a clip: uint8 `frames` (F, H, W, 3), decoding only the kept frames, resized in the
+    decoder, then cut to the crop box; i2i: also its source image, `condition_frames` (1, H, W, 3)."""
+    stored = {"frames": _decode_cropped(row["path"], row["indices"], row["resize"], row["box"])}
+    if row.get("condition"):
+        try:
+            stored["condition_frames"] = _decode_cropped(row["condition_path"], [0], row["condition_resize"],
+                                                         row["condition_box"])
+        except MediaError as exc:
+            raise MediaError(exc.reason, f"its source image {row['condition_path']}: {exc}") from None
+    return stored
+
+
+def _decode_cropped(path: str, indices: list[int], resize: list[int], box: list[int]) -> np.ndarray:
+    frames = decode_frames(path, indices, tuple(resize))
+    top, left, height, width = box
     return np.ascontiguousarray(frames[:, top : top + height, left : left + width])
 
 
-def first_frame(store: Store, clip_key: str) -> np.ndarray:
-    """uint8 (H, W, 3): an i2v clip's conditioning image, frame 0 of the stored (cropped) clip."""
-    return store.get("clips", [clip_key])[clip_key]["frames"][0]
+def condition_frame(store: Store, clip_key: str) -> np.ndarray:
+    """uint8 (H, W, 3): the image a clip's render starts from: i2i its source image, i2v frame 0 of the stored
+    (cropped) clip."""
+    stored = store.get("clips", [clip_key])[clip_key]
+    return (stored["condition_frames"] if stored.get("condition_frames") is not None else stored["frames"])[0]
 
 
 DATASET_STAGES = ("clips", "quarantine", "latents")  # stages whose manifest has one part per dataset id
@@ -262,7 +312,8 @@ def build_clips(
         for path in source_files(dataset):
             try:
                 manifest += _clip_rows(path, dataset, family, store, probes,
-                                       images_allowed=dataset.id == config.conditioning_dataset_id)
+                                       images_allowed=dataset.id == config.render_dataset_id,
+                                       sources=config.source_images(dataset))
             except MediaError as exc:
                 quarantine.append({"dataset": dataset.id, "file": str(path), "reason": exc.reason, "detail": str(exc)})
     have = store.keys("clips")
@@ -298,7 +349,7 @@ def _decode_missing(todo: list[dict[str, Any]], store: Store, shard_clips: int =
         decoded: dict[str, list[dict[str, Any]]] = {}
         for row in todo[start : start + shard_clips]:
             try:
-                decoded.setdefault(row["bucket"], []).append({"key": row["key"], "frames": decode_clip(row)})
+                decoded.setdefault(row["bucket"], []).append({"key": row["key"], **decode_clip(row)})
             except MediaError as exc:
                 failed.append({"dataset": row["dataset"], "file": row["path"], "reason": exc.reason, "detail": str(exc)})
             progress.update()

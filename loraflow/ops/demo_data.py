@@ -90,6 +90,31 @@ def make_demo_dataset(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
+# Kandinsky 5 i2i edit pairs: (stem, width, height, shape, source colour, target colour, background).
+_EDITS = (
+    ("edit_00", 64, 64, "circle", "red", "green", "blue"),
+    ("edit_01", 96, 64, "square", "yellow", "purple", "black"),
+    ("edit_02", 64, 64, "square", "white", "orange", "green"),
+    ("edit_03", 96, 64, "circle", "blue", "yellow", "white"),
+)
+
+
+def make_demo_edits(out_dir: str | Path) -> tuple[Path, Path]:
+    """Image-editing pairs for i2i: `targets/` (PNG + caption, the instruction "make the circle green") and
+    `sources/` (the PNG before the edit, same name). Returns (targets, sources). Rewritten on every call: a
+    few 64-96 px images."""
+    targets, sources = Path(out_dir) / "targets", Path(out_dir) / "sources"
+    for folder in (targets, sources):
+        folder.mkdir(parents=True, exist_ok=True)
+    for stem, width, height, shape, before, after, background in _EDITS:
+        item = _Clip(stem, width, height, 1, shape, "center", (before, background))
+        for folder, colour in ((sources, before), (targets, after)):
+            frame = _draw(item, 0.0, _COLOURS[colour], _COLOURS[background])
+            _write_atomic(folder / f"{stem}.png", lambda p, f=frame: _save_png(p, f))
+        _write_atomic(targets / f"{stem}.txt", lambda p: p.write_text(f"make the {shape} {after}\n", encoding="utf-8"))
+    return targets, sources
+
+
 def _write_item(out: Path, item: _Clip, shape_colour: str, background: str) -> None:
     frames = [_draw(item, t, _COLOURS[shape_colour], _COLOURS[background]) for t in _times(item.frames)]
     if item.frames == 1:

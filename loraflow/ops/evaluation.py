@@ -22,6 +22,7 @@ from PIL import Image, ImageDraw
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key
+from loraflow.ops.text_embeds import text_lookup
 from loraflow.pipelines.base import ModelFamily, conditioned_noisy, flow_mse, image_conditions, set_lora_scale
 from loraflow.store import Store
 
@@ -84,18 +85,18 @@ def eval_items(config: LoraflowConfig, family: ModelFamily, store: Store) -> lis
     _, held = split_clips(clips, config)
     by_key = {c["key"]: c for c in clips}
     latents = {row["clip_key"]: row["key"] for row in store.read_manifest("latents")}
-    texts = {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}
+    texts = text_lookup(store)
     items = []
     for clip_key in held:
         if clip_key not in latents:  # quarantined by the latents stage (non-finite latent)
             continue
         if family.flavour.conditioning_frames and by_key[clip_key]["num_frames"] == 1:
             continue
-        caption = (by_key[clip_key]["captions"] or [""])[0]
-        if caption not in texts:
-            raise KeyError(f"eval clip {by_key[clip_key]['source']}: caption {caption!r} has no cached embedding; "
+        item = ((by_key[clip_key]["captions"] or [""])[0], by_key[clip_key].get("condition") or "")  # i2i: + source
+        if item not in texts:
+            raise KeyError(f"eval clip {by_key[clip_key]['source']}: caption {item[0]!r} has no cached embedding; "
                            "materialize `text_embeds`")
-        items.append(EvalItem(clip_key, latents[clip_key], texts[caption]))
+        items.append(EvalItem(clip_key, latents[clip_key], texts[item]))
     return items
 
 

@@ -1,7 +1,8 @@
 """The latents stage: VAE-encode the stored frames of every clip the store lacks.
 
 The VAE is the only model loaded here, with (HunyuanVideo 1.5 i2v) the family's image encoder beside it, which caches
-each clip's first-frame condition in the latent row (`image_latent`, `image_embeds`); text encoders live in another
+each clip's first-frame condition in the latent row (`image_latent`, `image_embeds`); Kandinsky 5 i2i caches its
+source image's latent there (`image_latent`); text encoders live in another
 stage and load only after this one freed its models, so with `offload_during_startup` they never share the
 accelerator with the VAE.
 """
@@ -43,6 +44,8 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
     parts = family.image_condition_components
     if parts:
         image["image_condition"] = {c: component_fingerprint(config.pretrained_model_name_or_path, c) for c in parts}
+    elif family.image_condition:  # i2i: the source image's latent (the clip key already names the source)
+        image["image_condition"] = family.image_condition
     ids = {d.id for d in select_datasets(config, datasets)}
     clips = store.read_manifest("clips", parts=datasets)
     return [
@@ -109,11 +112,11 @@ def _encode(
         for start in range(0, len(group), shard_clips):
             done = []
             for row in group[start : start + shard_clips]:
-                frames = store.get("clips", [row["clip_key"]])[row["clip_key"]]["frames"]
-                pixels = torch.from_numpy(np.array(frames))[None].to(device)  # copy: Arrow buffers are read-only
+                stored = store.get("clips", [row["clip_key"]])[row["clip_key"]]
+                pixels = torch.from_numpy(np.array(stored["frames"]))[None].to(device)  # copy: Arrow is read-only
                 latent, fallback = _encode_with_fallback(vae, family, pixels, sampling)
                 latent = _with_image_latent(latent, vae, family, pixels, sampling)
-                condition = family.encode_image_condition(vae, *image, pixels[0, 0]) if image else {}
+                condition = _image_condition(vae, family, image, stored, pixels)
                 if fallback:
                     log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
                     fallbacks.append({"clip_key": row["clip_key"], "fallback": fallback})
@@ -125,6 +128,18 @@ def _encode(
             store.put("latents", done)
     progress.close()
     return quarantined, fallbacks
+
+
+def _image_condition(vae: torch.nn.Module, family: ModelFamily, image: list[Any], stored: dict[str, Any],
+                     pixels: torch.Tensor) -> dict[str, np.ndarray]:
+    """The columns `velocity` reads beside the latent: HunyuanVideo 1.5 i2v's first-frame condition, or
+    Kandinsky 5 i2i's source-image latent; {} for every other flavour."""
+    if family.image_condition == "first_frame":
+        return family.encode_image_condition(vae, *image, pixels[0, 0])
+    if family.image_condition == "source_image":
+        source = torch.from_numpy(np.array(stored["condition_frames"][0])).to(pixels.device)  # (H, W, 3)
+        return family.encode_image_condition(vae, source)
+    return {}
 
 
 def _with_image_latent(

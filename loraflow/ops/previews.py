@@ -11,11 +11,17 @@ THUMB = 96
 
 
 def clip_preview(store: Store, limit: int = 12) -> Image.Image:
-    """First frame of up to `limit` clips side by side, each fitted into a THUMB x THUMB cell."""
+    """First frame of up to `limit` clips side by side, each fitted into a THUMB x THUMB cell; i2i: each clip's
+    source image in a second row below it."""
     keys = [row["key"] for row in store.read_manifest("clips")][:limit]
-    canvas = Image.new("RGB", (THUMB * max(1, len(keys)), THUMB), "black")
-    for i, (key, row) in enumerate(store.get("clips", keys).items()):
-        frame = Image.fromarray(np.asarray(row["frames"][0]))
-        frame.thumbnail((THUMB, THUMB))
-        canvas.paste(frame, (i * THUMB + (THUMB - frame.width) // 2, (THUMB - frame.height) // 2))
+    stored = store.get("clips", keys)
+    rows = [[np.asarray(stored[k]["frames"][0]) for k in keys]]
+    if keys and stored[keys[0]].get("condition_frames") is not None:
+        rows.append([np.asarray(stored[k]["condition_frames"][0]) for k in keys])
+    canvas = Image.new("RGB", (THUMB * max(1, len(keys)), THUMB * len(rows)), "black")
+    for r, frames in enumerate(rows):
+        for i, frame in enumerate(frames):
+            thumb = Image.fromarray(frame)
+            thumb.thumbnail((THUMB, THUMB))
+            canvas.paste(thumb, (i * THUMB + (THUMB - thumb.width) // 2, r * THUMB + (THUMB - thumb.height) // 2))
     return canvas

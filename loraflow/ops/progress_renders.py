@@ -34,7 +34,7 @@ from loraflow.ops.checkpoints import write_json
 from loraflow.ops.devices import peak_memory_gib
 from loraflow.ops.distributed import World, barrier
 from loraflow.ops.validate import (
-    SHEET_ROW_HEIGHT, cached_texts, conditioning_clip, conditioning_image, contact_sheet, negative_prompt,
+    SHEET_ROW_HEIGHT, cached_texts, conditioning_image, contact_sheet, negative_prompt, prompt_image,
     render_settings, render_video, save_png, slug, write_media,
 )
 from loraflow.pipelines.base import ModelFamily
@@ -62,9 +62,9 @@ class ProgressRenders:
             return
         self.settings = render_settings(config, family)
         self.prompts, negative = config.validation_prompts, negative_prompt(config, family)
-        texts = cached_texts(store, [*self.prompts.values(), negative])
-        self.texts, self.negative = {n: texts[p] for n, p in self.prompts.items()}, texts[negative]
-        clip = conditioning_clip(config, family, store)
+        clip, seen = prompt_image(config, family, store, self.settings)
+        texts = cached_texts(store, [(t, seen) for t in [*self.prompts.values(), negative]])
+        self.texts, self.negative = {n: texts[p, seen] for n, p in self.prompts.items()}, texts[negative, seen]
         self.image = conditioning_image(store, clip, self.settings) if clip else None
 
     def after_step(self, step: int) -> None:

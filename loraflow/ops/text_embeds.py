@@ -4,10 +4,16 @@ Texts: every caption, the empty prompt (caption dropout, unconditional; an empty
 prompt too), the negative prompts and every validation prompt (`validation_prompt` and the
 `user_prompt_library`). Training and validation then never load a text encoder.
 
+Kandinsky 5 i2i's prompt embedding also sees the source image, so there a text is a (text, image) item: each
+caption and the empty prompt with its clip's source image (`clip["condition"]`), the validation prompts and the
+negative prompt with the image validation renders from (`validate.prompt_image`). Every other flavour's items
+have image "" and keys without an image.
+
 Store schema (`text_embeds/shards/*.parquet`, one row per distinct key):
     key              str   content_key(text, family, encoder fingerprints (config + weight files), template
                            and token limit (`family.text_signature`, `max_text_tokens`), dtype, CODE_VERSION)
     text             str   the text as given (the family cleans it before encoding)
+    image            str   i2i: the id of the source image the embedding saw; "" for every other flavour
     family           str   the family that encoded it
     encoders         str   JSON {component: fingerprint} of the text encoders and tokenizers
     precision        str   fp32 | bf16 | int8-torchao: the first text encoder's (`text_encoder_1_precision`)
@@ -19,7 +25,7 @@ Store schema (`text_embeds/shards/*.parquet`, one row per distinct key):
     byt5_embeds      float32 (L2, 1472)   HunyuanVideo 1.5: Glyph-ByT5 tokens (one zero token when no quotes)
     byt5_mask        float32 (L2,)        HunyuanVideo 1.5: its mask
 Tensors of varying length are flat lists plus a `<name>__shape` column (see store.py). The manifest
-(`text_embeds/manifest.parquet`) lists the current text set: key, text, n_tokens, truncated.
+(`text_embeds/manifest.parquet`) lists the current text set: key, text, image, n_tokens, truncated.
 """
 
 from __future__ import annotations
@@ -27,15 +33,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key, data_version
+from loraflow.ops.clips import condition_frame
 from loraflow.ops.devices import free_models, pick_device
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
@@ -49,18 +58,44 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8-torchao": torch.b
 HISTOGRAM_EDGES = (16, 32, 64, 128, 256, 512, 1024)  # upper bounds of the token-count bins
 
 
-def needed_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> list[str]:
-    texts = {caption for clip in store.read_manifest("clips") for caption in clip["captions"]}
-    texts |= {"", family.default_negative_prompt, *config.validation_prompts.values()}
-    if config.validation_negative_prompt is not None:
-        texts.add(config.validation_negative_prompt)
-    return sorted(texts)
+TextItem = tuple[str, str]  # (text, image id): the image is "" where prompts see no image (all but i2i)
+ImageLoader = Callable[[], np.ndarray]  # uint8 (H, W, 3), read only when the item must be encoded
 
 
-def text_key(text: str, family: ModelFamily, encoders: dict[str, str], precision: str = "fp32") -> str:
+def prompts_see_image(family: ModelFamily) -> bool:
+    """Kandinsky 5 i2i encodes each prompt together with its source image."""
+    return family.flavour.task == "i2i"
+
+
+def needed_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> dict[TextItem, ImageLoader | None]:
+    """Every item later stages read, sorted, with how to load the image it sees (None: the text alone)."""
+    # validate imports this module (text_lookup); it reads the clips manifest to pick its image
+    from loraflow.ops.validate import conditioning_image, negative_prompt, prompt_image, render_settings
+
+    clips = store.read_manifest("clips")
+    if not prompts_see_image(family):
+        texts = {caption for clip in clips for caption in clip["captions"]}
+        texts |= {"", family.default_negative_prompt, *config.validation_prompts.values()}
+        if config.validation_negative_prompt is not None:
+            texts.add(config.validation_negative_prompt)
+        return {(t, ""): None for t in sorted(texts)}
+    items: dict[TextItem, ImageLoader | None] = {}
+    for clip in clips:  # each caption, and the empty prompt for caption dropout, with the clip's source image
+        for caption in {*clip["captions"], ""}:
+            items[caption, clip["condition"]] = partial(condition_frame, store, clip["key"])
+    if config.validation_prompts:
+        settings = render_settings(config, family)
+        clip_key, image = prompt_image(config, family, store, settings)
+        render = partial(conditioning_image, store, clip_key, settings)
+        items |= {(p, image): render for p in [*config.validation_prompts.values(), negative_prompt(config, family)]}
+    return dict(sorted(items.items()))
+
+
+def text_key(text: str, family: ModelFamily, encoders: dict[str, str], precision: str = "fp32", image: str = "") -> str:
     dtype = "float32" if precision == "fp32" else precision
+    seen = {"image": image} if image else {}  # keys of text-only items stay as they were
     return content_key(text=text, family=family.name, encoders=encoders, template=family.text_signature,
-                       max_tokens=family.max_text_tokens, dtype=dtype, code=CODE_VERSION)
+                       max_tokens=family.max_text_tokens, dtype=dtype, code=CODE_VERSION, **seen)
 
 
 def encode_texts(
@@ -70,17 +105,18 @@ def encode_texts(
     started = time.perf_counter()
     path, precision = config.pretrained_model_name_or_path, config.text_encoder_1_precision
     encoders = {name: component_fingerprint(path, name) for name in family.text_components}
-    texts = needed_texts(config, family, store)
-    keys = {t: text_key(t, family, encoders, precision) for t in texts}
+    items = needed_texts(config, family, store)
+    keys = {item: text_key(item[0], family, encoders, precision, image=item[1]) for item in items}
     have = store.keys("text_embeds")
-    todo = [t for t in texts if keys[t] not in have]
+    todo = {item: image for item, image in items.items() if keys[item] not in have}
     device = pick_device()
     stats = _encode(config, family, store, todo, keys, encoders, device, batch_texts) if todo else {}
-    if len(stats) < len(texts):  # reused rows: their counts come from the store, not the encoder
-        stored = store.get("text_embeds", [keys[t] for t in texts if t not in stats], columns=["n_tokens", "truncated"])
-        stats |= {row["text"]: row for row in _with_text(stored, keys)}
-    rows = [{"key": keys[t], "text": t, "n_tokens": int(stats[t]["n_tokens"]), "truncated": bool(stats[t]["truncated"])}
-            for t in texts]
+    if len(stats) < len(items):  # reused rows: their counts come from the store, not the encoder
+        stored = store.get("text_embeds", [keys[i] for i in items if i not in stats], columns=["n_tokens", "truncated"])
+        by_key = {k: item for item, k in keys.items()}
+        stats |= {by_key[key]: row for key, row in stored.items()}
+    rows = [{"key": keys[i], "text": i[0], "image": i[1], "n_tokens": int(stats[i]["n_tokens"]),
+             "truncated": bool(stats[i]["truncated"])} for i in items]
     store.write_manifest("text_embeds", rows)
     seconds = time.perf_counter() - started
     truncated = truncation_table(rows, store, family.max_text_tokens)
@@ -99,27 +135,28 @@ def encode_texts(
 
 
 def _encode(
-    config: LoraflowConfig, family: ModelFamily, store: Store, todo: list[str], keys: dict[str, str],
-    encoders: dict[str, str], device: torch.device, batch_texts: int,
-) -> dict[str, dict[str, Any]]:
+    config: LoraflowConfig, family: ModelFamily, store: Store, todo: dict[TextItem, ImageLoader | None],
+    keys: dict[TextItem, str], encoders: dict[str, str], device: torch.device, batch_texts: int,
+) -> dict[TextItem, dict[str, Any]]:
     """Load the encoders, encode `todo` shortest first and commit each batch as a shard; free the encoders."""
     offload = config.offload_during_startup and device.type != "cpu"
     components = load_encoders(config, family, torch.device("cpu") if offload else device)
-    stats: dict[str, dict[str, Any]] = {}
+    stats: dict[TextItem, dict[str, Any]] = {}
     try:
         tokenizer = next(c for c in components.values() if not isinstance(c, torch.nn.Module))  # the first encoder's
-        counts = {t: caption_tokens(tokenizer, t) for t in todo}
-        order = sorted(todo, key=lambda t: (counts[t], t))  # similar lengths share a batch
+        counts = {text: caption_tokens(tokenizer, text) for text, _ in todo}
+        order = sorted(todo, key=lambda item: (counts[item[0]], item))  # similar lengths share a batch
         fixed = {"family": family.name, "encoders": json.dumps(encoders, sort_keys=True),
                  "precision": config.text_encoder_1_precision}
         for start in tqdm(range(0, len(order), batch_texts), desc="text_embeds", unit="batch"):
             batch = order[start : start + batch_texts]
+            images = [todo[item]() for item in batch] if prompts_see_image(family) else None  # type: ignore[misc]
             with on_device(components, device, offload):
-                encoded = family.encode_text(components, batch)
-            shard = [{"key": keys[t], "text": t, **fixed, "n_tokens": len(e["text_embeds"]),
-                      "truncated": counts[t] > family.max_text_tokens, **e} for t, e in zip(batch, encoded)]
+                encoded = family.encode_text(components, [text for text, _ in batch], images=images)
+            shard = [{"key": keys[item], "text": item[0], "image": item[1], **fixed, "n_tokens": len(e["text_embeds"]),
+                      "truncated": counts[item[0]] > family.max_text_tokens, **e} for item, e in zip(batch, encoded)]
             store.put("text_embeds", shard)
-            stats |= {row["text"]: row for row in shard}
+            stats |= {item: row for item, row in zip(batch, shard)}
     finally:  # an encoder error must not leave the encoders holding the GPU for the next stage in the pool
         free_models(*components.values())
         components.clear()
@@ -168,13 +205,10 @@ def on_device(components: dict[str, Any], device: torch.device, offload: bool) -
 
 
 def caption_tokens(tokenizer: Any, text: str) -> int:
-    """Tokens of the caption alone, as the first encoder's tokenizer splits it (no template, no specials)."""
+    """Tokens of the caption alone, as the first encoder's tokenizer splits it (no template, no specials).
+    i2i's tokenizer is a Qwen2-VL processor: its text tokenizer counts."""
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _with_text(stored: Mapping[str, dict[str, Any]], keys: dict[str, str]) -> list[dict[str, Any]]:
-    by_key = {k: t for t, k in keys.items()}
-    return [{**row, "text": by_key[key]} for key, row in stored.items()]
 
 
 def token_histogram(counts: list[int]) -> list[dict[str, Any]]:
@@ -210,6 +244,6 @@ def stage_bytes(store: Store) -> int:
     return int(sum(store.fs.size(s) for s in shards))
 
 
-def text_lookup(store: Store) -> dict[str, str]:
-    """text -> key for the current text set."""
-    return {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}
+def text_lookup(store: Store) -> dict[TextItem, str]:
+    """(text, image) -> key for the current text set."""
+    return {(row["text"], row.get("image") or ""): row["key"] for row in store.read_manifest("text_embeds")}

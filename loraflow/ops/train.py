@@ -19,6 +19,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -46,6 +47,7 @@ from loraflow.ops.evaluation import split_clips
 from loraflow.ops.latents import draw_latents
 from loraflow.ops.progress_renders import ProgressRenders
 from loraflow.ops.report import StageReport
+from loraflow.ops.text_embeds import text_lookup
 from loraflow.pipelines.base import (
     ModelFamily, TextRow, conditioned_noisy, flow_mse, image_conditions, load_component,
 )
@@ -69,6 +71,7 @@ RUNTIME_ONLY_KEYS = frozenset({
 class Sample:
     latent_key: str
     text_key: str
+    empty_key: str  # the empty prompt's embedding, for caption dropout (i2i: with this sample's source image)
     group: tuple[str, int]  # (bucket, text tokens): only equal groups share a batch (K5 has no text mask)
 
 
@@ -93,8 +96,8 @@ def upstream_versions(store: Store) -> dict[str, str]:
 
     Only the texts training reads (captions and the empty prompt): a new validation prompt re-renders, never retrains.
     """
-    captions = {c for clip in store.read_manifest("clips") for c in clip["captions"] or []} | {""}
-    text_keys = [r["key"] for r in store.read_manifest("text_embeds") if r["text"] in captions]
+    read = set(training_texts(store.read_manifest("clips")))
+    text_keys = [key for item, key in text_lookup(store).items() if item in read]
     return {"latents": data_version(r["key"] for r in store.read_manifest("latents")),
             "text_embeds": data_version(text_keys)}
 
@@ -115,23 +118,34 @@ def current_lora_path(config: LoraflowConfig, store: Store) -> str:
     return str(path)
 
 
+def training_texts(clips: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
+    """The (text, image) items training reads: each caption (none: the empty prompt, unconditional, as eval loss
+    treats it) and the empty prompt for caption dropout, with the clip's source image for i2i ("" otherwise)."""
+    for clip in clips:
+        image = clip.get("condition") or ""
+        yield from ((caption, image) for caption in [*(clip["captions"] or [""]), ""])
+
+
 def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
     """One sample per (latent, caption) x repeats; clips held out for eval loss are never trained on."""
     clips = store.read_manifest("clips")
     train_keys, _ = split_clips(clips, config)
     by_key, trained = {c["key"]: c for c in clips}, set(train_keys)
-    texts = {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}
+    texts = text_lookup(store)
     tokens = {k: r["n_tokens"] for k, r in store.get("text_embeds", texts.values(), columns=["n_tokens"]).items()}
     samples = []
     for row in store.read_manifest("latents"):
         if row["clip_key"] not in trained:
             continue
         clip = by_key[row["clip_key"]]
-        for caption in clip["captions"] or [""]:  # no caption: unconditional, as eval loss treats it
-            if caption not in texts:
-                raise KeyError(f"caption {caption!r} of {clip['source']} has no cached embedding: "
+        *captioned, empty = training_texts([clip])
+        for item in [*captioned, empty]:
+            if item not in texts:
+                raise KeyError(f"caption {item[0]!r} of {clip['source']} has no cached embedding: "
                                "materialize `text_embeds`")
-            samples += [Sample(row["key"], texts[caption], (row["bucket"], tokens[texts[caption]]))] * clip["repeats"]
+        for item in captioned:
+            key = texts[item]
+            samples += [Sample(row["key"], key, texts[empty], (row["bucket"], tokens[key]))] * clip["repeats"]
     if not samples:
         raise ValueError("no training samples: every clip is held out for eval or failed to encode; check the "
                          "`latents` quarantine and `eval_holdout_fraction` / `eval_dataset_id`")
@@ -182,7 +196,6 @@ def step_draws(config: LoraflowConfig, family: ModelFamily, micro_step: int, sha
 
 def load_micro_batch(
     config: LoraflowConfig, family: ModelFamily, store: Store | RowCache, samples: list[Sample], micro_step: int,
-    empty_key: str,
 ) -> MicroBatch:
     """Everything a micro-step reads, on the CPU (runs on the prefetch thread)."""
     latents = store.get("latents", {s.latent_key for s in samples})
@@ -191,7 +204,7 @@ def load_micro_batch(
         logvar = torch.from_numpy(np.stack([latents[s.latent_key]["latent_logvar"] for s in samples]))
         x0 = draw_latents(x0, logvar, torch.Generator().manual_seed(step_seed(config.seed, micro_step, "latents")))
     draws = step_draws(config, family, micro_step, tuple(x0.shape))
-    text_keys = [empty_key if draws.drop_caption else s.text_key for s in samples]
+    text_keys = [s.empty_key if draws.drop_caption else s.text_key for s in samples]
     rows: dict[str, TextRow] = store.get("text_embeds", set(text_keys))
     text = family.collate_text([rows[k] for k in text_keys], torch.device("cpu"))
     text.update(image_conditions([latents[s.latent_key] for s in samples]))  # i2v rows' first-frame condition
@@ -349,7 +362,6 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Sta
     check_same_everywhere("the samples", lambda: content_key(samples=[(s.latent_key, s.text_key) for s in samples]),
                           world, device)
     plan = BatchPlan(samples, config.train_batch_size, config.seed)
-    empty_key = empty_prompt_key(store)
     out.mkdir(parents=True, exist_ok=True)
     # 2. model: precision, LoRA (resumed), memory features, optimizer (resumed)
     transformer, params = load_transformer(config, family, device)
@@ -363,7 +375,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Sta
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY)
     start, history = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
     # 3. steps
-    history = run_steps(config, family, store, plan, empty_key, transformer, trainable, optimizer, start, history, out,
+    history = run_steps(config, family, store, plan, transformer, trainable, optimizer, start, history, out,
                         world)
     check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, params), world, device)
     # 4. rank 0 writes the history, then the adapter: the adapter's presence marks the run done
@@ -377,7 +389,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Sta
 
 
 def run_steps(
-    config: LoraflowConfig, family: ModelFamily, store: Store, plan: BatchPlan, empty_key: str,
+    config: LoraflowConfig, family: ModelFamily, store: Store, plan: BatchPlan,
     transformer: torch.nn.Module, trainable: Trainable, optimizer: torch.optim.Optimizer, start: int,
     history: list[dict], out: Path, world: World = World(),
 ) -> list[dict]:
@@ -389,7 +401,7 @@ def run_steps(
     autocast = uses_autocast(config, device)
     rows = RowCache(store)
     batches = prefetched(lambda j: load_micro_batch(config, family, rows, plan(world.micro_step(j)),
-                                                    world.micro_step(j), empty_key),
+                                                    world.micro_step(j)),
                          range(start * accum, config.max_train_steps * accum))
     writer = _tensorboard(out, start) if world.main else None
     renders = ProgressRenders(config, family, store, out, transformer, world)  # validation_steps; off by default
@@ -431,14 +443,6 @@ def run_steps(
         if writer is not None:
             writer.close()
     return history
-
-
-def empty_prompt_key(store: Store) -> str:
-    key = next((row["key"] for row in store.read_manifest("text_embeds") if row["text"] == ""), None)
-    if key is None:
-        raise KeyError("the empty prompt (caption dropout trains on it) has no cached embedding: materialize "
-                       "`text_embeds` again")
-    return key
 
 
 def _log_step(step: int, total: int, loss: float, lr: float, grad_norm: float, seconds: float, seen: int,

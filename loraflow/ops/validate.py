@@ -28,12 +28,13 @@ from PIL import Image
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key, file_sha256
-from loraflow.ops.clips import first_frame
+from loraflow.ops.clips import condition_frame
 from loraflow.ops.devices import free_models, pick_device
 from loraflow.ops.evaluation import (
     EVAL_SIGMAS, eval_items, eval_loss_plot, eval_losses, evaluates, loss_summary, split_clips,
 )
 from loraflow.ops.report import StageReport
+from loraflow.ops.text_embeds import TextItem, prompts_see_image, text_lookup
 from loraflow.pipelines.base import ModelFamily, TextRow, component_fingerprint
 from loraflow.store import Store
 
@@ -87,8 +88,8 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
     if not prompts and not items:
         raise ValueError("validation has nothing to do: set `validation_prompt` or `user_prompt_library` (renders), "
                          "or `eval_holdout_fraction` / `eval_dataset_id` (eval loss)")
-    texts = cached_texts(store, [*prompts.values(), negative])
-    condition = conditioning_clip(config, family, store) if prompts else None
+    condition, seen = prompt_image(config, family, store, settings) if prompts else (None, "")
+    texts = cached_texts(store, [(t, seen) for t in [*prompts.values(), negative]])
     model = config.pretrained_model_name_or_path
     out = Path(config.output_dir) / "validation" / content_key(
         lora=file_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
@@ -108,8 +109,8 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
     pipe = family.load_renderer(model, lora_path, device)
     pipe.transformer.eval()  # peft adds the adapter's layers in train mode: lora_dropout would drop at random
     for name in todo:
-        render_prompt(family, pipe, folders[name], name, prompts[name], texts[prompts[name]], texts[negative],
-                      settings, image)
+        render_prompt(family, pipe, folders[name], name, prompts[name], texts[prompts[name], seen],
+                      texts[negative, seen], settings, image)
     losses = eval_losses(pipe.transformer, family, store, items, settings.seed, device)
     del pipe  # drop the last reference first, so free_models' collection frees the weights
     free_models()
@@ -122,26 +123,38 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
     return _report(out, computed=len(todo) + bool(items))
 
 
-def cached_texts(store: Store, texts: list[str]) -> dict[str, TextRow]:
-    """text -> embedding row; every text must have been encoded by the text_embeds stage."""
-    keys = {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}
-    missing = [t for t in texts if t not in keys]
+def cached_texts(store: Store, items: list[TextItem]) -> dict[TextItem, TextRow]:
+    """(text, image) -> embedding row; every item must have been encoded by the text_embeds stage."""
+    keys = text_lookup(store)
+    missing = [text for text, image in items if (text, image) not in keys]
     if missing:
         raise KeyError(f"{len(missing)} validation text(s) have no cached embedding, e.g. {missing[0]!r}: "
-                       "materialize `text_embeds` again (it encodes every validation prompt and the negative prompt)")
-    rows = store.get("text_embeds", {keys[t] for t in texts})
-    return {t: rows[keys[t]] for t in texts}
+                       "materialize `text_embeds` again (it encodes every validation prompt and the negative prompt"
+                       ", with the image validation renders from for i2i)")
+    rows = store.get("text_embeds", {keys[i] for i in items})
+    return {i: rows[keys[i]] for i in items}
+
+
+def prompt_image(config: LoraflowConfig, family: ModelFamily, store: Store,
+                 settings: RenderSettings) -> tuple[str | None, str]:
+    """The clip renders start from (i2v, i2i; None for others) and the image id validation prompts are encoded
+    with: i2i's prompt embedding sees the render's source image (`conditioning_image`); "" for other flavours."""
+    clip = conditioning_clip(config, family, store)
+    if clip is None or not prompts_see_image(family):
+        return clip, ""
+    return clip, content_key(clip=clip, size=(settings.height, settings.width), code=CODE_VERSION)
 
 
 def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store) -> str | None:
-    """i2v: the clip whose first frame every render starts from (an eval clip first: one never trained on)."""
-    if family.flavour.task != "i2v":  # K5 i2v (a clean frame 0) and HunyuanVideo 1.5 i2v (cond channels) alike
+    """i2v/i2i: the clip whose first frame (i2i: source image) every render starts from (an eval clip first: one
+    never trained on)."""
+    if family.flavour.task not in ("i2v", "i2i"):  # K5 i2v, HunyuanVideo 1.5 i2v (cond channels), K5 i2i alike
         return None
     clips = store.read_manifest("clips")
-    if config.conditioning_dataset_id is not None:  # validation_using_datasets: its first file, by name
-        chosen = [c for c in clips if c["dataset"] == config.conditioning_dataset_id]
+    if config.render_dataset_id is not None:  # validation_using_datasets: its first file, by name
+        chosen = [c for c in clips if c["dataset"] == config.render_dataset_id]
         if not chosen:
-            raise ValueError(f"validation_using_datasets: dataset '{config.conditioning_dataset_id}' has no clip to "
+            raise ValueError(f"validation_using_datasets: dataset '{config.render_dataset_id}' has no clip to "
                              "render from; see the `clips` asset's quarantine table for why its files were dropped")
         return min(chosen, key=lambda c: (c["source"], c["indices"][0]))["key"]
     train, held = split_clips(clips, config)
@@ -152,8 +165,9 @@ def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store)
 
 
 def conditioning_image(store: Store, clip_key: str, settings: RenderSettings) -> np.ndarray:
-    """The clip's first frame, center-cropped to the render's aspect and resized to its size: uint8 (H, W, 3)."""
-    frame = Image.fromarray(np.asarray(first_frame(store, clip_key)))
+    """The clip's first frame (i2i: its source image), center-cropped to the render's aspect and resized to its
+    size: uint8 (H, W, 3)."""
+    frame = Image.fromarray(np.asarray(condition_frame(store, clip_key)))
     scale = max(settings.width / frame.width, settings.height / frame.height)
     size = (max(settings.width, round(frame.width * scale)), max(settings.height, round(frame.height * scale)))
     left, top = (size[0] - settings.width) // 2, (size[1] - settings.height) // 2

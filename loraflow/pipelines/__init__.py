@@ -25,8 +25,8 @@ def family_names() -> list[str]:
     return sorted(_MODULES)
 
 
-def flavour_names(family: str, built_only: bool = False) -> list[str]:
-    return sorted(name for name, f in FLAVOURS[family].items() if f.built or not built_only)
+def flavour_names(family: str) -> list[str]:
+    return sorted(FLAVOURS[family])
 
 
 def get_family(config: LoraflowConfig) -> ModelFamily:

@@ -45,9 +45,23 @@ class ModelFamily(Protocol):
     comfyui_names: tuple[ComfyRule, ...]  # diffusers module -> ComfyUI module (lora_format: comfyui)
     # components the latents stage loads beside the VAE for `encode_image_condition` (HV1.5 i2v's SigLIP); ()
     image_condition_components: tuple[str, ...]
+    # What the latents stage caches beside each latent with the family's `encode_image_condition`, whose signature
+    # differs per kind (the rows' IMAGE_CONDITION_COLUMNS then reach `velocity` through `image_conditions`):
+    #   ""              nothing (t2v, t2i, and K5 i2v, whose image is latent frame 0 itself)
+    #   "first_frame"   HunyuanVideo 1.5 i2v: encode_image_condition(vae, image_encoder, feature_extractor, frame)
+    #                   -> {"image_latent" (32, 1, h, w), "image_embeds" (729, D)} of the clip's first frame
+    #   "source_image"  Kandinsky 5 Image i2i: encode_image_condition(vae, frame) -> {"image_latent" (16, 1, h, w)}
+    #                   of the clip's source image, uint8 (H, W, 3) at the target's size
+    image_condition: str
 
-    def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
-        """One row per text: the valid tokens only (padding is rebuilt at batch time)."""
+    def encode_text(
+        self, components: Mapping[str, Any], texts: list[str], images: list[np.ndarray] | None = None
+    ) -> list[TextRow]:
+        """One row per text: the valid tokens only (padding is rebuilt at batch time).
+
+        `images`: for flavours whose prompt embedding sees an image (Kandinsky 5 Image i2i), one uint8 (H, W, 3)
+        source image per text, required there; every other flavour raises ValueError when given images.
+        """
 
     def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
         """Batch text rows for the transformer (padding, masks)."""
@@ -63,7 +77,8 @@ class ModelFamily(Protocol):
 
         The first `flavour.conditioning_frames` latent frames of `noisy` are clean (`conditioned_noisy`): an i2v
         family marks them as given in the transformer's input. `text` also holds the latent rows'
-        `image_conditions` where the family caches any (HunyuanVideo 1.5 i2v).
+        `image_conditions` where the family caches any (`image_condition` not ""): `image_latent` (B, C, 1, h, w)
+        float32, and for HunyuanVideo 1.5 i2v `image_embeds`.
         """
 
     def lora_targets(self, include_ffn: bool) -> list[str] | str:
@@ -95,8 +110,9 @@ class ModelFamily(Protocol):
         """A video (or image: F = 1) from cached embeddings: uint8 (F, H, W, 3).
 
         `lora_scale` weights the adapter (`set_lora_scale`): 0 renders exactly what the base model renders.
-        `image` (uint8 (H, W, 3) at the render size): the first frame, for flavours with conditioning_frames > 0
-        only (families without such flavours need not take the argument).
+        `image` (uint8 (H, W, 3) at the render size): the first frame (i2v) or the source image (Kandinsky 5 Image
+        i2i, whose `prompt` and `negative` rows were encoded with that same image); required by those flavours,
+        refused (ValueError) by the others.
         """
 
 
@@ -112,8 +128,9 @@ class RenderSettings(Protocol):
 
 LORA_ADAPTER = "lora"  # the adapter name validation loads and scales
 LATENT_SAMPLINGS = ("mode", "distribution")
-# Latent-row columns an i2v family caches beside the latent (HunyuanVideo 1.5: the first frame's VAE latent for the
-# cond channel and its SigLIP tokens); training and eval loss hand them to `velocity` in its `text` mapping.
+# Latent-row columns a family caches beside the latent (`image_condition`; HunyuanVideo 1.5 i2v: the first frame's VAE
+# latent for the cond channels and its SigLIP tokens; Kandinsky 5 Image i2i: the source image's latent); training and
+# eval loss hand them to `velocity` in its `text` mapping.
 IMAGE_CONDITION_COLUMNS = ("image_latent", "image_embeds")
 
 

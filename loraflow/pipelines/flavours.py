@@ -22,16 +22,10 @@ class Flavour:
     guidance: float
     components: tuple[str, ...]
     # Latent frames given clean, not generated: their x_t is x0 and they carry no loss (`pipelines.base.flow_mse`).
-    # 0 for t2v, for K5 i2i (not built) and for HV1.5 i2v, whose pipeline noises and steps frame 0 like
-    # every frame and gives the image only through its condition channels (`hunyuanvideo15.HunyuanVideo15._condition`).
+    # 0 for t2v, for K5 i2i (its source image is extra input channels, not a frame) and for HV1.5 i2v, whose
+    # pipeline noises and steps frame 0 like every frame and gives the image only through its condition channels
+    # (`hunyuanvideo15.HunyuanVideo15._condition`).
     conditioning_frames: int = 0
-    # False: known (a seed guide names it) but not trainable here; the config refuses it with `NOT_BUILT`'s reason
-    built: bool = True
-
-
-# Why a known flavour is refused at config load, before anything loads (README: "Kandinsky 5 Image i2i").
-NOT_BUILT = ("image-to-image is not built yet: its prompt embedding depends on the source image and its dataset "
-             "needs source images paired with the targets")
 
 
 _K5_PARTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
@@ -46,7 +40,7 @@ def _k5_video(name: str, seconds: int, shift: float) -> Flavour:
 def _k5_image(name: str) -> Flavour:
     # One frame; fps only matters when frames are sampled from videos. Shift 1.0 is the seed doc's default.
     task = name.split("-")[0]
-    return Flavour(name, task, 24.0, 1, (1024, 1024), 1.0, 5.0, _K5_PARTS, built=task != "i2i")
+    return Flavour(name, task, 24.0, 1, (1024, 1024), 1.0, 5.0, _K5_PARTS)
 
 
 _HV15_PARTS = (*_K5_PARTS, "guider")

@@ -126,15 +126,25 @@ class HunyuanVideo15:
         """What the latents stage loads beside the VAE to cache `encode_image_condition` (i2v only)."""
         return IMAGE_COMPONENTS if self.flavour.task == "i2v" else ()
 
+    @property
+    def image_condition(self) -> str:
+        """i2v: the latents stage caches `encode_image_condition` of each clip's first frame."""
+        return "first_frame" if self.flavour.task == "i2v" else ""
+
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
+    def encode_text(
+        self, components: Mapping[str, Any], texts: list[str], images: list[np.ndarray] | None = None
+    ) -> list[TextRow]:
         """Qwen2.5-VL `hidden_states[-3]` after the template + Glyph-ByT5 on the quoted text, one text at a time.
 
         Rows keep the valid tokens only: `text_embeds` (L, D) and `byt5_embeds` (L2, D2) with `byt5_mask` (L2,).
         A text without quotes has no glyph tokens; it stores one zero token with mask 0, because the store
         cannot hold empty tensors (the DiT drops masked tokens, so this equals the pipeline's 256 zeros).
+        Text only: i2v's image reaches the transformer as its condition, not through the prompt (`images` is None).
         """
+        if images is not None:
+            raise ValueError(f"{self.name} {self.flavour.name} encodes prompts alone; got source images")
         tokenizer, qwen = components["tokenizer"], components["text_encoder"]
         crop = template_crop(tokenizer)
         rows = []

@@ -1,11 +1,12 @@
 """What Kandinsky 5.0 Video and Image share: the Qwen2.5-VL + CLIP text path, the transformer's LoRA targets and
 file format, and the pipelines' prompt-embedding arguments. Both families mix in `Kandinsky5Shared` and name
-their own `prompt_template` (the only difference on the text side).
+their own `prompt_template` (the only difference on the text side, except for Image i2i, whose Qwen path also sees
+the source image: `kandinsky5_image.Kandinsky5ImageI2I.encode_text`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -13,9 +14,11 @@ import numpy as np
 import torch
 from diffusers.loaders import KandinskyLoraLoaderMixin
 from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
+from transformers import ProcessorMixin
 
-from loraflow.pipelines.base import TextRow
+from loraflow.pipelines.base import TextRow, compute_dtype
 from loraflow.pipelines.comfyui import ComfyRule
+from loraflow.pipelines.flavours import Flavour
 
 MAX_TEXT_TOKENS = 512  # every K5 pipeline's max_sequence_length
 CLIP_TOKENS = 77
@@ -33,8 +36,21 @@ def template_crop(tokenizer: Any, template: str) -> int:
     """Tokens in `template` before the user text (128 video, 40 image with the real Qwen2.5 tokenizer).
 
     Computed, not hard-coded: a different tokenizer (the tiny offline one) splits the prefix differently.
+    `tokenizer` may be a Qwen2-VL processor (Image i2i's): its text tokenizer counts.
     """
+    if isinstance(tokenizer, ProcessorMixin):
+        tokenizer = tokenizer.tokenizer
     return len(tokenizer(template.split("{}")[0])["input_ids"])
+
+
+def clip_pooled(components: Mapping[str, Any], text: str) -> np.ndarray:
+    """CLIP-L pooled output (768,) of a cleaned text, padded to 77 tokens as in every K5 pipeline's
+    `_encode_prompt_clip`."""
+    clip_tokenizer, clip = components["tokenizer_2"], components["text_encoder_2"]
+    clip_ids = clip_tokenizer(
+        [text], max_length=CLIP_TOKENS, truncation=True, padding="max_length", return_tensors="pt"
+    ).to(clip.device)
+    return clip(**clip_ids)["pooler_output"][0].float().cpu().numpy()
 
 
 def cu_seqlens(embeds: torch.Tensor) -> torch.Tensor:
@@ -43,19 +59,51 @@ def cu_seqlens(embeds: torch.Tensor) -> torch.Tensor:
     return torch.arange(batch + 1, dtype=torch.int32) * length
 
 
+def denoise(
+    transformer: torch.nn.Module, hidden: torch.Tensor, sigma: torch.Tensor, text: Mapping[str, torch.Tensor],
+    scale_factor: Sequence[float],
+) -> torch.Tensor:
+    """One Kandinsky 5 DiT call, as every K5 pipeline's loop makes it, on channels-last `hidden` (B, T, h, w, C_in)
+    -> velocity (B, 16, T, h, w) float32. `scale_factor`: the RoPE scale (video: by size; image: 1)."""
+    _, frames, height, width, _ = hidden.shape
+    dtype = compute_dtype(transformer)
+    out = transformer(
+        hidden_states=hidden.to(dtype),
+        encoder_hidden_states=text["text_embeds"].to(dtype),
+        pooled_projections=text["pooled_embeds"].to(dtype),
+        timestep=(sigma * 1000).to(dtype),
+        visual_rope_pos=[
+            torch.arange(frames, device=hidden.device),
+            torch.arange(height // 2, device=hidden.device),
+            torch.arange(width // 2, device=hidden.device),
+        ],
+        text_rope_pos=torch.arange(text["text_embeds"].shape[1], device=hidden.device),
+        scale_factor=list(scale_factor),
+        sparse_params=None,
+        return_dict=True,  # with False this model returns the bare tensor, unlike most diffusers models
+    ).sample
+    return out.permute(0, 4, 1, 2, 3).float()
+
+
 class Kandinsky5Shared:
     """Methods of the family protocol that Kandinsky 5 Video and Image implement alike."""
 
     prompt_template: ClassVar[str]  # the pipeline's `prompt_template`; hidden states are cropped after its prefix
+    name: str
+    flavour: Flavour
 
     @torch.no_grad()
-    def encode_text(self, components: Mapping[str, Any], texts: list[str]) -> list[TextRow]:
+    def encode_text(
+        self, components: Mapping[str, Any], texts: list[str], images: list[np.ndarray] | None = None
+    ) -> list[TextRow]:
         """Qwen2.5-VL last hidden state after the template + CLIP-L pooled output, one text at a time.
 
         One at a time because the transformer has no text mask: each row keeps exactly its valid tokens.
+        Text only: `images` is for Image i2i, whose prompts see the source image.
         """
+        if images is not None:
+            raise ValueError(f"{self.name} {self.flavour.name} encodes prompts alone; got source images")
         tokenizer, qwen = components["tokenizer"], components["text_encoder"]
-        clip_tokenizer, clip = components["tokenizer_2"], components["text_encoder_2"]
         crop = template_crop(tokenizer, self.prompt_template)
         rows = []
         for text in texts:
@@ -65,13 +113,9 @@ class Kandinsky5Shared:
                 return_tensors="pt",
             )["input_ids"].to(qwen.device)
             hidden = qwen(input_ids=ids, output_hidden_states=True, return_dict=True)["hidden_states"][-1]
-            clip_ids = clip_tokenizer(
-                [text], max_length=CLIP_TOKENS, truncation=True, padding="max_length", return_tensors="pt"
-            ).to(clip.device)
-            pooled = clip(**clip_ids)["pooler_output"]
             rows.append({
                 "text_embeds": hidden[0, crop:].float().cpu().numpy(),  # (L, 3584)
-                "pooled_embeds": pooled[0].float().cpu().numpy(),  # (768,)
+                "pooled_embeds": clip_pooled(components, text),  # (768,)
             })
         return rows
 

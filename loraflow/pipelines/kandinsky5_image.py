@@ -1,8 +1,16 @@
-"""Kandinsky 5.0 Image (Lite, t2i): prompt template, scaling, transformer call, LoRA targets, render.
+"""Kandinsky 5.0 Image (Lite, t2i and i2i): prompt templates, scaling, transformer call, LoRA targets, render.
 
-Mirrors diffusers' `Kandinsky5T2IPipeline` (pipelines/kandinsky5/pipeline_kandinsky_t2i.py); the parity
-tests in tests/pipelines/test_families.py hold this file to its numbers. Images are clips of one frame:
-latents are (B, 16, 1, h, w) like every family's (B, C, T, h, w).
+Mirrors diffusers' `Kandinsky5T2IPipeline` (pipelines/kandinsky5/pipeline_kandinsky_t2i.py, `K5T2I`) and
+`Kandinsky5I2IPipeline` (pipeline_kandinsky_i2i.py, `K5I2I`); the parity tests in tests/pipelines/test_families.py
+and tests/pipelines/test_k5_i2i.py hold this file to their numbers. Images are clips of one frame: latents are
+(B, 16, 1, h, w) like every family's (B, C, T, h, w).
+
+i2i (image editing) differs from t2i in three places, all in `Kandinsky5ImageI2I`:
+  - the prompt is encoded together with the source image: its own template, whose user turn ends in the image's
+    vision tokens, through the Qwen2-VL processor (the checkpoint's `tokenizer`), at half the image's size;
+  - the transformer (visual_cond=True) takes channels-last cat([x_t, source latent, ones]): 16 + 16 + 1 channels;
+  - the source image's latent is cached by the latents stage (`encode_image_condition`) and reaches `velocity`
+    as `text["image_latent"]`. x_t itself holds only the target: no frame is given clean (conditioning_frames 0).
 """
 
 from __future__ import annotations
@@ -14,17 +22,21 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2IPipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5I2IPipeline, Kandinsky5T2IPipeline
+from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
+from PIL import Image
 
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines import kandinsky5
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, compute_dtype, load_pipeline, scaled_posterior, set_lora_scale,
+    RenderSettings, TextRow, load_pipeline, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
-from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, NOT_BUILT, Flavour
-from loraflow.pipelines.kandinsky5 import CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared
+from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
+from loraflow.pipelines.kandinsky5 import (
+    CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared, clip_pooled,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +50,20 @@ PROMPT_TEMPLATE = (
 NEGATIVE_PROMPT = ""  # the T2I pipeline's default negative prompt (K5T2I:660)
 TEXT_SIGNATURE = content_key(template=PROMPT_TEMPLATE, max_tokens=MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS)
 VAE_FACTOR = 8  # the pipeline hard-codes vae_scale_factor_spatial = 8 (K5T2I:181)
+IMAGE_ROPE_SCALE = (1.0, 1.0, 1.0)  # both image pipelines' scale_factor
+
+# i2i: the I2I pipeline's `prompt_template` (K5I2I:177), byte for byte: no newlines around the user turn (the original
+# Kandinsky 5 repo has them), the source image's vision tokens after the user text. Cropped after the prefix.
+I2I_PROMPT_TEMPLATE = (
+    "<|im_start|>system\nYou are a prompt engineer. Based on the provided source image (first image) and target "
+    "image (second image), create an interesting text prompt that can be used together with the source image to "
+    "create the target image:<|im_end|><|im_start|>user{}<|vision_start|><|image_pad|><|vision_end|><|im_end|>"
+)
+# The I2I pipeline's max_sequence_length default (K5I2I:300): tokens after the crop, vision tokens included.
+I2I_MAX_TEXT_TOKENS = 1024
+I2I_CLOSING_TOKENS = 3  # <|vision_start|>, <|vision_end|>, <|im_end|>: the template's tokens after the user text
+I2I_TEXT_SIGNATURE = content_key(template=I2I_PROMPT_TEMPLATE, max_tokens=I2I_MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS,
+                                 image="source image at half size, through the checkpoint's Qwen2-VL processor")
 
 
 def template_crop(tokenizer: Any) -> int:
@@ -45,9 +71,18 @@ def template_crop(tokenizer: Any) -> int:
     return kandinsky5.template_crop(tokenizer, PROMPT_TEMPLATE)
 
 
+def i2i_template_crop(processor: Any) -> int:
+    """Tokens in the i2i template before the user text (the I2I pipeline hard-codes 54 for the real tokenizer)."""
+    return kandinsky5.template_crop(processor, I2I_PROMPT_TEMPLATE)
+
+
 @dataclass(frozen=True)
 class Kandinsky5Image(Kandinsky5Shared):
+    """Text-to-image; `Kandinsky5ImageI2I` (a subclass) the i2i flavours. `make_family` picks by flavour."""
+
     prompt_template: ClassVar[str] = PROMPT_TEMPLATE
+    task: ClassVar[str] = "t2i"
+    pipeline_class: ClassVar[type] = Kandinsky5T2IPipeline  # what `load_renderer` loads
     flavour: Flavour
     name: str = FAMILY
     spatial_multiple: int = 16  # VAE 8x, patch 2x2
@@ -58,7 +93,13 @@ class Kandinsky5Image(Kandinsky5Shared):
     max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # same transformer class as video
-    image_condition_components: tuple[str, ...] = ()  # the image condition is latent frame 0 itself
+    image_condition_components: tuple[str, ...] = ()  # i2i's source latent needs the VAE only
+    image_condition: str = ""  # none; i2i: "source_image"
+
+    def __post_init__(self) -> None:
+        if self.flavour.task != self.task:
+            raise ValueError(f"{type(self).__name__} is the {self.task} family; flavour '{self.flavour.name}' is "
+                             f"{self.flavour.task}: build it with kandinsky5_image.make_family")
 
     # 1. text: Kandinsky5Shared (encode_text, collate_text) ----------------------------------------
 
@@ -92,62 +133,176 @@ class Kandinsky5Image(Kandinsky5Shared):
         if transformer.config.visual_cond:
             raise ValueError("this Kandinsky 5 image checkpoint has visual_cond=True (an image-to-image model); "
                              "the t2i flavours need a text-to-image checkpoint")
-        _, _, frames, height, width = noisy.shape
-        dtype = compute_dtype(transformer)
-        out = transformer(
-            hidden_states=noisy.permute(0, 2, 3, 4, 1).to(dtype),  # (B, 1, h, w, 16): channels-last DiT layout
-            encoder_hidden_states=text["text_embeds"].to(dtype),
-            pooled_projections=text["pooled_embeds"].to(dtype),
-            timestep=(sigma * 1000).to(dtype),
-            visual_rope_pos=[
-                torch.arange(frames, device=noisy.device),
-                torch.arange(height // 2, device=noisy.device),
-                torch.arange(width // 2, device=noisy.device),
-            ],
-            text_rope_pos=torch.arange(text["text_embeds"].shape[1], device=noisy.device),
-            scale_factor=[1.0, 1.0, 1.0],
-            sparse_params=None,
-            return_dict=True,  # with False this model returns the bare tensor, unlike most diffusers models
-        ).sample
-        return out.permute(0, 4, 1, 2, 3).float()  # (B, 16, 1, h, w)
+        return kandinsky5.denoise(transformer, noisy.permute(0, 2, 3, 4, 1), sigma, text, IMAGE_ROPE_SCALE)
 
     # lora_targets, save_lora: Kandinsky5Shared
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(
         self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
-    ) -> Kandinsky5T2IPipeline:
-        return load_pipeline(Kandinsky5T2IPipeline, model_path, lora_path, device, transformer)
+    ) -> Kandinsky5T2IPipeline | Kandinsky5I2IPipeline:
+        return load_pipeline(self.pipeline_class, model_path, lora_path, device, transformer)
 
     @torch.no_grad()
     def render(
         self, pipe: Kandinsky5T2IPipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
-        lora_scale: float | None = 1.0,
+        lora_scale: float | None = 1.0, image: np.ndarray | None = None,
     ) -> np.ndarray:
-        size = (settings.width, settings.height)
-        if size not in pipe.resolutions:
-            # The pipeline would silently snap to its closest trained size; render what was asked instead.
-            log.warning("%s: %dx%d is not a size Kandinsky 5 Image was trained at (%s); rendering it anyway",
-                        self.name, *size, ", ".join(f"{w}x{h}" for w, h in pipe.resolutions))
-            pipe.resolutions = [*pipe.resolutions, size]
-        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
-        set_lora_scale(pipe.transformer, lora_scale)
-        image = pipe(
-            **self.prompt_embeds(prompt, negative, pipe.device),
-            height=settings.height,
-            width=settings.width,
-            num_inference_steps=settings.num_inference_steps,
-            guidance_scale=settings.guidance,
-            generator=torch.Generator().manual_seed(settings.seed),
-            output_type="np",
-        ).image  # (1, H, W, 3) in [0, 1]
-        return (np.clip(image, 0, 1) * 255).round().astype(np.uint8)  # (F=1, H, W, 3)
+        if image is not None:
+            raise ValueError(f"flavour '{self.flavour.name}' is text-to-image: it takes no source image")
+        return _render(pipe, self.prompt_embeds(prompt, negative, pipe.device), settings, lora_scale, self.name)
+
+
+@dataclass(frozen=True)
+class Kandinsky5ImageI2I(Kandinsky5Image):
+    """Image-to-image (editing): the target is generated from noise beside the source image's latent, with a
+    prompt embedding that saw the source image."""
+
+    prompt_template: ClassVar[str] = I2I_PROMPT_TEMPLATE
+    task: ClassVar[str] = "i2i"
+    pipeline_class: ClassVar[type] = Kandinsky5I2IPipeline
+    text_signature: str = I2I_TEXT_SIGNATURE  # another template and limit: i2i never reuses t2i embeddings
+    max_text_tokens: int = I2I_MAX_TEXT_TOKENS  # after the crop, the source image's vision tokens included
+    image_condition: str = "source_image"  # the latents stage caches `encode_image_condition` of the source
+
+    # 1. text -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_text(
+        self, components: Mapping[str, Any], texts: list[str], images: list[np.ndarray] | None = None
+    ) -> list[TextRow]:
+        """`Kandinsky5I2IPipeline.encode_prompt(text, image=PIL image)` (K5I2I:184-259, 295-385), one text at a time.
+
+        `images`: each text's source image, uint8 (H, W, 3). Rows: `text_embeds` (L, D) = Qwen2.5-VL's last hidden
+        state after the template prefix (the user text, the image's vision tokens, the closing tokens: L <= 1024),
+        and `pooled_embeds` (768,) = CLIP-L of the text alone.
+        """
+        if images is None or len(images) != len(texts):
+            raise ValueError(f"flavour '{self.flavour.name}' encodes each prompt with its source image: pass one "
+                             f"uint8 (H, W, 3) image per text ({len(texts)} texts, "
+                             f"{'no' if images is None else len(images)} images)")
+        processor, qwen = components["tokenizer"], components["text_encoder"]
+        crop = i2i_template_crop(processor)
+        rows = []
+        for text, image in zip(texts, images, strict=True):
+            text = prompt_clean(text)
+            source = Image.fromarray(image)
+            source = source.resize((source.width // 2, source.height // 2))  # as the pipeline does (K5I2I:212)
+            templated = I2I_PROMPT_TEMPLATE.format(_fit_text(processor, text, source, crop))
+            inputs = processor(
+                text=[templated], images=[source], videos=None,
+                max_length=crop + I2I_MAX_TEXT_TOKENS, truncation=True, return_tensors="pt", padding=True,
+            ).to(qwen.device)
+            hidden = qwen(**inputs, return_dict=True, output_hidden_states=True)["hidden_states"][-1]
+            rows.append({
+                "text_embeds": hidden[0, crop:].float().cpu().numpy(),  # (L, 3584)
+                "pooled_embeds": clip_pooled(components, text),  # (768,): the whole text, as the pipeline
+            })
+        return rows
+
+    # 2. latents ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_image_condition(self, vae: torch.nn.Module, frame: torch.Tensor) -> dict[str, np.ndarray]:
+        """The source image, uint8 (H, W, 3) at the target clip's size -> `image_latent` float32 (16, 1, h, w):
+        Flux VAE `mode()` * scaling_factor, no shift, as `vae_encode(..., "mode")`.
+
+        The pipeline draws `latent_dist.sample(generator)` (K5I2I:538); the cache keeps the mode, deterministic and
+        free of a per-run draw. The pipeline resizes the image to the render size first; a clip's source image
+        already is at its target's size.
+        """
+        latent = self.vae_encode(vae, frame[None, None].to(next(vae.parameters()).device), "mode")[0]
+        return {"image_latent": latent.float().cpu().numpy()}
+
+    # 3. transformer --------------------------------------------------------------------------------
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        noisy: torch.Tensor,
+        sigma: torch.Tensor,
+        text: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """The I2I pipeline's denoiser call (K5I2I:773-783): channels-last cat([x_t, source latent, ones]) from
+        `prepare_latents` (K5I2I:535-548), with `text["image_latent"]` (B, 16, 1, h, w) from the latent rows."""
+        if not transformer.config.visual_cond:
+            raise ValueError("this Kandinsky 5 image checkpoint has visual_cond=False (a text-to-image model); "
+                             f"flavour '{self.flavour.name}' needs an image-to-image checkpoint")
+        if "image_latent" not in text:
+            raise KeyError(f"flavour '{self.flavour.name}' conditions on a source image: `velocity` needs the latent "
+                           "rows' `image_latent` (re-materialize `latents` for this flavour)")
+        source = text["image_latent"]
+        if source.shape != noisy.shape:
+            raise ValueError(f"the source latent {tuple(source.shape)} must be shaped like the noisy latent "
+                             f"{tuple(noisy.shape)}: the source image is cut to its target's size")
+        hidden = noisy.permute(0, 2, 3, 4, 1)  # (B, 1, h, w, 16): channels-last
+        source = source.to(hidden).permute(0, 2, 3, 4, 1)
+        hidden = torch.cat([hidden, source, torch.ones_like(hidden[..., :1])], dim=-1)  # (B, 1, h, w, 16 + 16 + 1)
+        return kandinsky5.denoise(transformer, hidden, sigma, text, IMAGE_ROPE_SCALE)
+
+    # 4. render (load_renderer: Kandinsky5Image's, with `pipeline_class`) ------------------------------------
+    @torch.no_grad()
+    def render(
+        self, pipe: Kandinsky5I2IPipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
+        lora_scale: float | None = 1.0, image: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """An edit of `image` (the source, uint8 (H, W, 3) at the render size); `prompt` and `negative` are rows
+        that `encode_text` encoded with that same image."""
+        if image is None:
+            raise ValueError(f"flavour '{self.flavour.name}' renders an edit of a source image: pass `image`")
+        if image.shape != (settings.height, settings.width, 3) or image.dtype != np.uint8:
+            # The pipeline would resize (stretch) it silently; the caller crops to the render size instead.
+            raise ValueError(f"the source image must be uint8 {(settings.height, settings.width, 3)}; "
+                             f"got {image.dtype} {image.shape}")
+        embeds = self.prompt_embeds(prompt, negative, pipe.device)
+        return _render(pipe, embeds | {"image": Image.fromarray(image)}, settings, lora_scale, self.name)
+
+
+def _fit_text(processor: Any, text: str, image: Image.Image, crop: int) -> str:
+    """`text` cut to fit I2I_MAX_TEXT_TOKENS after the crop beside the image's vision tokens and the closing tokens.
+
+    The pipeline's own cut (K5I2I:224-236): tokenize in full, decode the user-text tokens past the budget, and cut
+    that many characters. The pipeline cuts them off the end of the whole templated string, which takes the image
+    markers with them and fails inside the processor (diffusers 0.42.1: any prompt over the budget raises); here
+    they come off the end of the user text, which is what its warning says it removes.
+    """
+    ids = processor(text=[I2I_PROMPT_TEMPLATE.format(text)], images=[image], videos=None,
+                    return_tensors="pt")["input_ids"][0]
+    if len(ids) <= crop + I2I_MAX_TEXT_TOKENS:
+        return text
+    image_tokens = int((ids == processor.image_token_id).sum())
+    budget = I2I_MAX_TEXT_TOKENS - image_tokens - I2I_CLOSING_TOKENS  # user-text tokens that fit
+    if budget < 0:
+        raise ValueError(f"a {image.width * 2}x{image.height * 2} source image gives {image_tokens} vision tokens, "
+                         f"more than Kandinsky 5 i2i's {I2I_MAX_TEXT_TOKENS}-token prompt: use smaller images")
+    user = ids[ids != processor.image_token_id][crop:-I2I_CLOSING_TOKENS]
+    removed = processor.decode(user[budget:])
+    return text[: -len(removed)] if removed else text
+
+
+def _render(
+    pipe: Kandinsky5T2IPipeline | Kandinsky5I2IPipeline, inputs: dict[str, Any], settings: RenderSettings,
+    lora_scale: float | None, name: str,
+) -> np.ndarray:
+    """Either image pipeline at exactly the settings' size -> uint8 (F=1, H, W, 3)."""
+    size = (settings.width, settings.height)
+    if size not in pipe.resolutions:
+        # The pipeline would silently snap to its closest trained size; render what was asked instead.
+        log.warning("%s: %dx%d is not a size Kandinsky 5 Image was trained at (%s); rendering it anyway",
+                    name, *size, ", ".join(f"{w}x{h}" for w, h in pipe.resolutions))
+        pipe.resolutions = [*pipe.resolutions, size]
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
+    set_lora_scale(pipe.transformer, lora_scale)
+    image = pipe(
+        **inputs,
+        height=settings.height,
+        width=settings.width,
+        num_inference_steps=settings.num_inference_steps,
+        guidance_scale=settings.guidance,
+        generator=torch.Generator().manual_seed(settings.seed),
+        output_type="np",
+    ).image  # (1, H, W, 3) in [0, 1]
+    return (np.clip(image, 0, 1) * 255).round().astype(np.uint8)  # (F=1, H, W, 3)
 
 
 def make_family(flavour: str | None) -> Kandinsky5Image:
+    """t2i flavours: `Kandinsky5Image`; i2i flavours: `Kandinsky5ImageI2I` (source image in prompt and input)."""
     chosen = FLAVOURS[FAMILY][flavour or DEFAULT_FLAVOUR[FAMILY]]
-    if not chosen.built:  # the config refuses it first; this guards callers that build a family by hand
-        # i2i uses another template (with the source image's vision tokens), a 33-channel input and the
-        # source image's latents: training it as t2i would not match its inference.
-        raise NotImplementedError(f"model_flavour '{chosen.name}': {NOT_BUILT}")
-    return Kandinsky5Image(flavour=chosen)
+    return (Kandinsky5ImageI2I if chosen.task == "i2i" else Kandinsky5Image)(flavour=chosen)

@@ -22,7 +22,7 @@ from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines import kandinsky5
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, compute_dtype, load_pipeline, scaled_posterior, set_lora_scale,
+    RenderSettings, TextRow, load_pipeline, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
@@ -72,6 +72,7 @@ class Kandinsky5Video(Kandinsky5Shared):
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # lora_format: comfyui
     image_condition_components: tuple[str, ...] = ()  # the image condition is latent frame 0 itself
+    image_condition: str = ""  # i2v gives its image as latent frame 0 (`conditioning_frames`), nothing cached beside
 
     # 1. text: Kandinsky5Shared (encode_text, collate_text) ----------------------------------------
 
@@ -89,7 +90,7 @@ class Kandinsky5Video(Kandinsky5Shared):
         sigma: torch.Tensor,
         text: Mapping[str, torch.Tensor],
     ) -> torch.Tensor:
-        batch, _, frames, height, width = noisy.shape
+        height, width = noisy.shape[-2:]
         hidden = noisy.permute(0, 2, 3, 4, 1)  # (B, T, h, w, C): channels-last DiT layout
         given = self.flavour.conditioning_frames  # i2v: frame 0 of `noisy` is the clean image latent
         if given and not transformer.config.visual_cond:
@@ -100,23 +101,7 @@ class Kandinsky5Video(Kandinsky5Shared):
             mask = torch.zeros(*hidden.shape[:-1], 1, dtype=hidden.dtype, device=hidden.device)
             mask[:, :given] = 1
             hidden = torch.cat([hidden, cond, mask], dim=-1)  # (B, T, h, w, 16 + 16 + 1)
-        dtype = compute_dtype(transformer)
-        out = transformer(
-            hidden_states=hidden.to(dtype),
-            encoder_hidden_states=text["text_embeds"].to(dtype),
-            pooled_projections=text["pooled_embeds"].to(dtype),
-            timestep=(sigma * 1000).to(dtype),
-            visual_rope_pos=[
-                torch.arange(frames, device=noisy.device),
-                torch.arange(height // 2, device=noisy.device),
-                torch.arange(width // 2, device=noisy.device),
-            ],
-            text_rope_pos=torch.arange(text["text_embeds"].shape[1], device=noisy.device),
-            scale_factor=_rope_scale(height * 8, width * 8),
-            sparse_params=None,
-            return_dict=True,  # with False this model returns the bare tensor, unlike most diffusers models
-        ).sample
-        return out.permute(0, 4, 1, 2, 3).float()  # (B, C, T, h, w)
+        return kandinsky5.denoise(transformer, hidden, sigma, text, _rope_scale(height * 8, width * 8))
 
     # lora_targets, save_lora: Kandinsky5Shared
 

@@ -11,6 +11,7 @@ shape arithmetic in the training code is exercised exactly as with the real mode
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -21,35 +22,21 @@ from typing import Protocol
 
 import torch
 from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLHunyuanVideo,
-    AutoencoderKLHunyuanVideo15,
-    ClassifierFreeGuidance,
-    FlowMatchEulerDiscreteScheduler,
-    HunyuanVideo15Pipeline,
-    HunyuanVideo15Transformer3DModel,
-    Kandinsky5T2IPipeline,
-    Kandinsky5T2VPipeline,
-    Kandinsky5Transformer3DModel,
+    AutoencoderKL, AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance,
+    FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel, Kandinsky5I2IPipeline,
+    Kandinsky5T2IPipeline, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel,
 )
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from tokenizers import AddedToken
 from transformers import (
-    ByT5Tokenizer,
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTokenizer,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2_5_VLTextConfig,
-    Qwen2_5_VLTextModel,
-    Qwen2Tokenizer,
-    T5Config,
-    T5EncoderModel,
+    ByT5Tokenizer, CLIPTextConfig, CLIPTextModel, CLIPTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor,
+    Qwen2VLVideoProcessor, T5Config, T5EncoderModel,
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
+from loraflow.pipelines.flavours import FLAVOURS
 from loraflow.pipelines.tiny_parts import IMAGE_DIM, index_extras, siglip_image_encoder
 
 FAMILIES: tuple[str, ...] = ("kandinsky5-video", "kandinsky5-image", "hunyuanvideo-1.5")
@@ -152,16 +139,11 @@ def _qwen_text_kwargs(tokenizer: Qwen2Tokenizer) -> dict[str, object]:
 
 
 def _qwen_vl_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
-    """Qwen2.5-VL with a one-block vision tower (unused for text prompts but part of the class)."""
+    """Qwen2.5-VL with a one-block vision tower: unused by text prompts, it encodes Kandinsky 5 i2i's source image
+    (patch 14, temporal patch 2, merge 2 by default: what `qwen_vl_processor` produces)."""
     token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
-    vision = {
-        "depth": 1,
-        "hidden_size": 32,
-        "intermediate_size": 32,
-        "num_heads": 2,
-        "out_hidden_size": TEXT_DIM,
-        "fullatt_block_indexes": [0],
-    }
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": TEXT_DIM,
+              "fullatt_block_indexes": [0]}
     return Qwen2_5_VLConfig(
         text_config=_qwen_text_kwargs(tokenizer),
         vision_config=vision,
@@ -170,6 +152,15 @@ def _qwen_vl_config(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
         vision_start_token_id=token_ids["<|vision_start|>"],
         vision_end_token_id=token_ids["<|vision_end|>"],
     )
+
+
+def qwen_vl_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
+    """The Qwen2-VL processor Kandinsky 5 i2i takes as its `tokenizer`, with pixel bounds 56^2..112^2 instead of
+    56^2..1280 * 28^2: an image gives 4 to 16 vision tokens (a 32-128 px source, which the pipeline halves: 4).
+    Patch 14, temporal patch 2 and merge 2 are the defaults, as the vision tower of `_qwen_vl_config` expects."""
+    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
+    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                            video_processor=Qwen2VLVideoProcessor())
 
 
 def qwen_vl_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForConditionalGeneration:
@@ -397,6 +388,18 @@ def _build_kandinsky5_image() -> _Built:
     return pipe, {}
 
 
+def _build_kandinsky5_i2i() -> _Built:
+    """Image-to-image: visual_cond (16 noisy + 16 source + 1 ones channels) and the VL processor as tokenizer."""
+    text = _kandinsky5_text_components()
+    pipe = Kandinsky5I2IPipeline(
+        transformer=kandinsky5_transformer(visual_cond=True),
+        vae=flux_vae(),
+        scheduler=kandinsky5_scheduler(shift=1.0),
+        **text | {"tokenizer": qwen_vl_processor(text["tokenizer"])},
+    )
+    return pipe, {}
+
+
 def _build_hunyuan_video15() -> _Built:
     """t2v pipeline; the SigLIP encoder/processor for the i2v pipeline go in as extras (one folder loads both)."""
     tokenizer = qwen_tokenizer()
@@ -415,11 +418,25 @@ def _build_hunyuan_video15() -> _Built:
     return pipe, {"image_encoder": image_encoder, "feature_extractor": feature_extractor}
 
 
-_BUILDERS: dict[str, Callable[[], _Built]] = {
-    "kandinsky5-video": _build_kandinsky5_video,
-    "kandinsky5-image": _build_kandinsky5_image,
-    "hunyuanvideo-1.5": _build_hunyuan_video15,
+# key: the family, or `<family>/<task>` where a flavour needs a checkpoint of its own -> (pipeline, builder)
+_BUILDERS: dict[str, tuple[type[DiffusionPipeline], Callable[[], _Built]]] = {
+    "kandinsky5-video": (Kandinsky5T2VPipeline, _build_kandinsky5_video),
+    "kandinsky5-image": (Kandinsky5T2IPipeline, _build_kandinsky5_image),
+    "kandinsky5-image/i2i": (Kandinsky5I2IPipeline, _build_kandinsky5_i2i),
+    "hunyuanvideo-1.5": (HunyuanVideo15Pipeline, _build_hunyuan_video15),
 }
+
+
+def _builder_key(family: str, flavour: str | None) -> str:
+    """K5 video i2v and HV1.5 i2v load their family's one checkpoint; K5 Image i2i has its own."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if flavour is None:
+        return family
+    if flavour not in FLAVOURS[family]:
+        raise ValueError(f"unknown flavour {flavour!r} of {family}; expected one of {sorted(FLAVOURS[family])}")
+    key = f"{family}/{FLAVOURS[family][flavour].task}"
+    return key if key in _BUILDERS else family
 
 
 # ----------------------------------------------------------------------------------------------
@@ -449,20 +466,23 @@ def _publish(staging: Path, out_dir: Path, entries: Iterable[str]) -> None:
         os.replace(staging / name, target)
 
 
-def build_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a tiny diffusers-layout checkpoint for `family` into out_dir; return out_dir.
+def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | None = None) -> Path:
+    """Write a tiny diffusers-layout checkpoint for `family` into out_dir (`flavour`: K5 Image i2i has its own).
 
-    Idempotent: if out_dir/model_index.json exists, return immediately. Components are built in a
-    staging directory next to ``out_dir`` and moved in with ``model_index.json`` last, so an
-    interrupted build never leaves a directory that looks complete. Weights are fp32 and depend only
-    on ``seed`` (the global torch RNG state is left untouched).
+    Idempotent: if out_dir/model_index.json exists, return immediately (after checking that it holds the
+    pipeline the flavour needs). Components are built in a staging directory next to ``out_dir`` and moved
+    in with ``model_index.json`` last, so an interrupted build never leaves a directory that looks complete.
+    Weights are fp32 and depend only on ``seed`` (the global torch RNG state is left untouched).
     """
     out_dir = Path(out_dir)
+    pipeline, builder = _BUILDERS[_builder_key(family, flavour)]
     if (out_dir / "model_index.json").exists():
+        built = json.loads((out_dir / "model_index.json").read_text())["_class_name"]
+        if built != pipeline.__name__:
+            wanted = f"{family} flavour {flavour!r}" if flavour else family
+            raise ValueError(f"{out_dir} holds a tiny {built} checkpoint, but {wanted} needs a {pipeline.__name__}: "
+                             "build it into another folder")
         return out_dir
-    builder = _BUILDERS.get(family)
-    if builder is None:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         pipe, extras = builder()

@@ -16,7 +16,7 @@ import pytest
 from loraflow.bucket_plan import latent_geometry
 from loraflow.config import ConfigError, parse_config
 from loraflow.ops import buckets
-from loraflow.ops.clips import build_clips, first_frame
+from loraflow.ops.clips import build_clips, condition_frame
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.media_factory import read_index, write_h264, write_image, write_video
@@ -152,7 +152,7 @@ def test_bucket_plan_estimates_latent_bytes_and_i2v_first_frame(tiny_k5: Path, t
     c, t, h, w = geometry.shape(5, 64, 96)
     assert (t, h, w) == (2, 8, 12)  # 4k+1 frames -> k+1 latent frames, 8x spatial
     for row in store.read_manifest("clips"):
-        image = first_frame(store, row["key"])
+        image = condition_frame(store, row["key"])
         assert image.shape == (row["height"], row["width"], 3)
         if row["num_frames"] > 1:
             assert read_index(image) == row["indices"][0] == 0

@@ -49,7 +49,7 @@ for name in ("save_checkpoint", "export_lora", "write_json", "_tensorboard"):
     setattr(T, name, spy(name, getattr(T, name)))
 run_steps = T.run_steps
 def keep_transformer(*args, **kwargs):
-    kept["transformer"] = args[5]
+    kept["transformer"] = args[4]
     return run_steps(*args, **kwargs)
 T.run_steps = keep_transformer
 config = load_config(config_path)

@@ -23,7 +23,7 @@ from loraflow.ops import train as T
 from loraflow.ops.clips import build_clips
 from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
 from loraflow.ops.latents import encode_latents, latent_rows
-from loraflow.ops.text_embeds import encode_texts
+from loraflow.ops.text_embeds import encode_texts, text_lookup
 from loraflow.ops.validate import conditioning_clip, conditioning_image, render_settings, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component, load_lora_file
@@ -71,7 +71,7 @@ def trained(root: Path, tmp_path_factory: pytest.TempPathFactory):
     return config, T.train_lora(config, get_family(config), Store(config.cache_dir))
 
 
-def first_frame(store: Store, clip_key: str) -> np.ndarray:
+def condition_frame(store: Store, clip_key: str) -> np.ndarray:
     return np.array(store.get("clips", [clip_key])[clip_key]["frames"])[0]  # uint8 (H, W, 3)
 
 
@@ -96,7 +96,7 @@ def test_i2v_rows_cache_the_pipelines_image_latent_and_siglip_tokens(root: Path,
     assert rows
     for row in rows:
         cached = store.get("latents", [row["key"]])[row["key"]]
-        image = Image.fromarray(first_frame(store, row["clip_key"]))
+        image = Image.fromarray(condition_frame(store, row["clip_key"]))
         with torch.no_grad():
             latent = pipe._get_image_latents(pipe.vae, pipe.video_processor, image, image.height, image.width, CPU)
             embeds = pipe._get_image_embeds(pipe.image_encoder, pipe.feature_extractor, image, CPU)
@@ -156,7 +156,7 @@ def test_two_hv_i2v_steps_equal_a_hand_written_reference(trained, root: Path) ->
         image_latent = torch.from_numpy(np.array(row["image_latent"]))[None]
         image_embeds = torch.from_numpy(np.array(row["image_embeds"]))[None]
         draws = T.step_draws(config, family, step, tuple(x0.shape))
-        text_key = T.empty_prompt_key(store) if draws.drop_caption else sample.text_key
+        text_key = sample.empty_key if draws.drop_caption else sample.text_key
         text = store.get("text_embeds", [text_key])[text_key]
         s = draws.sigma.view(-1, 1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * draws.noise
@@ -177,7 +177,7 @@ def test_hv_i2v_eval_loss_uses_the_cached_condition(trained) -> None:
     config, report = trained
     store, family = Store(config.cache_dir), get_family(config)
     row = store.read_manifest("latents")[0]
-    text_key = T.empty_prompt_key(store)
+    text_key = text_lookup(store)["", ""]
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
     load_lora_file(transformer, report.facts["lora_path"])
     losses = eval_losses(transformer, family, store, [EvalItem(row["clip_key"], row["key"], text_key)], 3, CPU)

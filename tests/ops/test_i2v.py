@@ -17,6 +17,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from loraflow.ops import train as T
 from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
+from loraflow.ops.text_embeds import text_lookup
 from loraflow.ops.validate import conditioning_clip, conditioning_image, render_settings, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component, load_lora_file
@@ -123,7 +124,7 @@ def test_i2v_eval_loss_is_the_masked_loss(trained) -> None:
     config, report = trained
     store, family = Store(config.cache_dir), get_family(config)
     row = store.read_manifest("latents")[0]
-    text_key = T.empty_prompt_key(store)
+    text_key = text_lookup(store)["", ""]
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
     load_lora_file(transformer, report.facts["lora_path"])
     (losses,) = [eval_losses(transformer, family, store, [EvalItem(row["clip_key"], row["key"], text_key)], 3,

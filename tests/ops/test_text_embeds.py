@@ -115,11 +115,11 @@ def test_store_rows_have_the_documented_columns_and_no_padding(tiny_k5: Path, de
     report = encode_texts(config, family, store)
     shards = sorted((Path(config.cache_dir) / "text_embeds" / "shards").glob("*.parquet"))
     table = pq.read_table(shards[0])
-    assert {"key", "text", "family", "encoders", "precision", "n_tokens", "truncated", "text_embeds",
+    assert {"key", "text", "image", "family", "encoders", "precision", "n_tokens", "truncated", "text_embeds",
             "text_embeds__shape", "pooled_embeds"} <= set(table.column_names)
     assert report.facts["bytes_on_disk"] == sum(s.stat().st_size for s in shards) > 0
     manifest = store.read_manifest("text_embeds")
-    assert set(manifest[0]) == {"key", "text", "n_tokens", "truncated"}
+    assert set(manifest[0]) == {"key", "text", "image", "n_tokens", "truncated"}
     rows = store.get("text_embeds", [r["key"] for r in manifest])
     lengths = {r["n_tokens"] for r in rows.values()}
     assert len(lengths) > 1  # valid tokens only: different texts, different lengths

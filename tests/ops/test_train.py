@@ -29,7 +29,7 @@ from loraflow.config import LoraflowConfig, load_config
 from loraflow.ops import train as T
 from loraflow.ops.clips import build_clips
 from loraflow.ops.latents import encode_latents
-from loraflow.ops.text_embeds import encode_texts
+from loraflow.ops.text_embeds import encode_texts, text_lookup
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
@@ -80,8 +80,7 @@ def baseline(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
 def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> T.MicroBatch:
     store = Store(config.cache_dir)
     plan = T.BatchPlan(T.build_samples(config, store), config.train_batch_size, config.seed)
-    return T.load_micro_batch(config, get_family(config), store, plan(micro_step), micro_step,
-                              T.empty_prompt_key(store))
+    return T.load_micro_batch(config, get_family(config), store, plan(micro_step), micro_step)
 
 
 def reference_lora(model: Path, config: LoraflowConfig) -> tuple[torch.nn.Module, list, torch.optim.Optimizer]:
@@ -218,7 +217,8 @@ def test_switching_to_comfyui_converts_the_finished_run_without_retraining(basel
 
 def test_caption_dropout_trains_on_the_cached_empty_prompt(caches: dict[str, Path], tmp_path: Path) -> None:
     store = Store(make_config(caches, tmp_path / "a").cache_dir)
-    empty = store.get("text_embeds", [T.empty_prompt_key(store)])[T.empty_prompt_key(store)]
+    empty_key = text_lookup(store)["", ""]
+    empty = store.get("text_embeds", [empty_key])[empty_key]
     dropped = fixed_batch(make_config(caches, tmp_path / "b", caption_dropout_probability=1.0))
     kept = fixed_batch(make_config(caches, tmp_path / "c", caption_dropout_probability=0.0))
     for name in ("text_embeds", "pooled_embeds"):

@@ -299,10 +299,11 @@ def _check_targets_exist(targets: list[str] | str, names: list[str], transformer
 
 
 # -- flavours ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("module", "flavour"), [(kandinsky5_image, "i2i-lite-sft")])  # HV1.5 i2v: test_hv_i2v.py
-def test_image_conditioned_flavours_refuse_loudly(module: Any, flavour: str) -> None:
-    with pytest.raises(NotImplementedError, match="not built"):
-        module.make_family(flavour)
+@pytest.mark.parametrize("flavour", ["i2i-lite-sft", "i2i-lite-pretrain"])  # numbers: test_k5_i2i.py
+def test_i2i_flavours_build_the_i2i_family(flavour: str) -> None:
+    family, t2i = kandinsky5_image.make_family(flavour), kandinsky5_image.make_family(None)
+    assert isinstance(family, kandinsky5_image.Kandinsky5ImageI2I) and family.flavour.task == "i2i"
+    assert family.image_condition == "source_image" and family.text_signature != t2i.text_signature
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from diffusers import (
     HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
+    Kandinsky5I2IPipeline,
     Kandinsky5T2IPipeline,
     Kandinsky5T2VPipeline,
     Kandinsky5Transformer3DModel,
@@ -20,7 +21,7 @@ from diffusers import (
 from peft import LoraConfig
 from PIL import Image
 from safetensors.torch import load_file
-from transformers import SiglipImageProcessorPil, SiglipVisionModel
+from transformers import Qwen2VLProcessor, SiglipImageProcessorPil, SiglipVisionModel
 
 from loraflow.pipelines.tiny import build_tiny
 
@@ -167,6 +168,62 @@ def test_k5_image_pipeline_generates(tmp_path: Path) -> None:
         output_type="np",
     ).image
     assert image.shape == (1, 64, 64, 3)
+    assert np.isfinite(image).all()
+
+
+def test_k5_i2i_checkpoint_is_its_own_and_refuses_a_reuse_for_t2i(tmp_path: Path) -> None:
+    path = build_tiny("kandinsky5-image", tmp_path / "k5i2i", flavour="i2i-lite-pretrain")
+    pipe = Kandinsky5I2IPipeline.from_pretrained(path)
+    assert pipe.transformer.config.visual_cond  # 16 noisy + 16 source + 1 ones channels
+    assert isinstance(pipe.tokenizer, Qwen2VLProcessor)
+    assert pipe.tokenizer.image_token_id == pipe.text_encoder.config.image_token_id
+    assert build_tiny("kandinsky5-image", path, flavour="i2i-lite-sft") == path  # idempotent
+    with pytest.raises(ValueError, match="Kandinsky5T2IPipeline"):  # a t2i run must not pick up the i2i folder
+        build_tiny("kandinsky5-image", path, flavour="t2i-lite-sft")
+    with pytest.raises(ValueError, match="unknown flavour"):
+        build_tiny("kandinsky5-image", tmp_path / "other", flavour="i2v-lite-5s")
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize(("size", "tokens"), [((32, 32), 4), ((128, 128), 4), ((64, 96), 6), ((256, 256), 16),
+                                              ((1024, 1024), 16)])
+def test_k5_i2i_vision_tower_takes_the_processor_output(tmp_path: Path, size: tuple[int, int], tokens: int) -> None:
+    """(H, W) source -> the pipeline's half-size image -> `tokens` vision tokens (56^2..112^2 px), which the tiny
+    Qwen2.5-VL's vision tower encodes; another image changes the hidden states from the image on."""
+    from loraflow.pipelines.tiny import qwen_tokenizer, qwen_vl_encoder, qwen_vl_processor
+
+    tokenizer = qwen_tokenizer()
+    processor, encoder = qwen_vl_processor(tokenizer), qwen_vl_encoder(tokenizer)
+    hidden = []
+    for seed in (0, 1):
+        pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+        image = Image.fromarray(pixels).resize((size[1] // 2, size[0] // 2))
+        inputs = processor(text=["a<|vision_start|><|image_pad|><|vision_end|>"], images=[image], videos=None,
+                           return_tensors="pt")
+        assert int((inputs["input_ids"] == encoder.config.image_token_id).sum()) == tokens
+        with torch.no_grad():
+            hidden.append(encoder(**inputs, output_hidden_states=True).hidden_states[-1][0])
+    assert torch.isfinite(hidden[0]).all() and torch.equal(hidden[0][:2], hidden[1][:2])  # "a", <|vision_start|>
+    assert (hidden[0][2:] - hidden[1][2:]).abs().amax(-1).min() > 1e-2
+
+
+def test_k5_i2i_pipeline_generates(tmp_path: Path) -> None:
+    path = build_tiny("kandinsky5-image", tmp_path / "k5i2i", flavour="i2i-lite-sft")
+    pipe = Kandinsky5I2IPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.resolutions = [(64, 48)]
+    source = Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    image = pipe(
+        image=source,
+        prompt="make it red",
+        height=48,
+        width=64,
+        num_inference_steps=2,
+        guidance_scale=2.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).image
+    assert image.shape == (1, 48, 64, 3)
     assert np.isfinite(image).all()
 
 

@@ -1,0 +1,187 @@
+"""Kandinsky 5 Image i2i on the tiny real model, stage by stage: source images paired with their targets, the
+source latent beside each target latent, prompt embeddings that see the source image, training input and loss,
+and validation renders from a source image.
+
+Data: `make_demo_edits` (four 64-96 px PNG edit pairs, captions such as "make the circle green").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from loraflow.config import LoraflowConfig, parse_config
+from loraflow.ops import train as T
+from loraflow.ops.clips import build_clips, condition_frame
+from loraflow.ops.demo_data import make_demo_edits
+from loraflow.ops.latents import encode_latents
+from loraflow.ops.text_embeds import encode_texts, load_encoders, text_lookup
+from loraflow.ops.validate import RESULTS, validate
+from loraflow.pipelines import get_family
+from loraflow.pipelines.base import load_component
+from loraflow.store import Store
+from tests.ops.test_train import reference_lora
+
+I2I = "i2i-lite-sft"
+
+
+def i2i_config(root: Path, model: Path, data: tuple[Path, Path], **overrides: Any) -> LoraflowConfig:
+    targets, sources = data
+    config = {
+        "model_family": "kandinsky5-image", "model_flavour": I2I, "pretrained_model_name_or_path": str(model),
+        "output_dir": str(root / "output"), "cache_dir": str(root / "cache"),
+        "datasets": [
+            {"id": "edits", "dataset_type": "image", "instance_data_dir": str(targets), "conditioning_data": "sources",
+             "resolution": 64, "video": {"num_frames": 1}},
+            {"id": "sources", "dataset_type": "conditioning", "instance_data_dir": str(sources)},
+        ],
+        "lora_rank": 4, "learning_rate": 1e-3, "max_train_steps": 2, "checkpointing_steps": 100, "seed": 42,
+        "validation_prompt": "make the shape pink", "validation_resolution": "64x64",
+        "validation_num_inference_steps": 2,
+    }
+    return parse_config({**config, **overrides})
+
+
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoraflowConfig, Path]:
+    """clips, latents and text_embeds of the edit pairs, plus one target whose source image is missing."""
+    from loraflow.pipelines.tiny import build_tiny
+
+    root = tmp_path_factory.mktemp("i2i")
+    model = build_tiny("kandinsky5-image", root / "model", flavour=I2I)
+    targets, sources = make_demo_edits(root / "data")
+    Image.fromarray(np.full((64, 64, 3), 128, np.uint8)).save(targets / "orphan.png")
+    (targets / "orphan.txt").write_text("make it grey")
+    config = i2i_config(root, model, (targets, sources))
+    family, store = get_family(config), Store(config.cache_dir)
+    assert build_clips(config, family, store).quarantined[0]["reason"] == "missing_source_image"
+    encode_latents(config, family, store)
+    encode_texts(config, family, store)
+    return config, sources
+
+
+def test_each_target_clip_stores_its_source_image_cut_to_the_target_bucket(cached) -> None:
+    config, sources = cached
+    store = Store(config.cache_dir)
+    clips = store.read_manifest("clips")
+    assert sorted(Path(c["path"]).stem for c in clips) == ["edit_00", "edit_01", "edit_02", "edit_03"]  # not orphan
+    for clip in clips:
+        source = np.asarray(Image.open(sources / f"{Path(clip['path']).stem}.png").convert("RGB"))
+        target = store.get("clips", [clip["key"]])[clip["key"]]["frames"][0]
+        np.testing.assert_array_equal(condition_frame(store, clip["key"]), source)  # same size: nothing cut
+        assert np.abs(np.asarray(target, np.int16) - source).max() > 50  # the edit recoloured the shape
+
+
+def test_the_clips_preview_shows_each_source_image_below_its_target(cached) -> None:
+    from loraflow.ops.previews import THUMB, clip_preview
+
+    config, sources = cached
+    store = Store(config.cache_dir)
+    preview = np.asarray(clip_preview(store))
+    first = store.read_manifest("clips")[0]
+    source = np.asarray(Image.open(sources / f"{Path(first['path']).stem}.png").convert("RGB"))
+    assert preview.shape[0] == 2 * THUMB
+    cell = preview[THUMB:, :THUMB]  # the first clip's source, fitted into its cell (64 px sources: not resized)
+    top, left = (THUMB - source.shape[0]) // 2, (THUMB - source.shape[1]) // 2
+    np.testing.assert_array_equal(cell[top : top + source.shape[0], left : left + source.shape[1]], source)
+
+
+def test_the_source_latent_is_cached_beside_the_target_latent(cached) -> None:
+    config, _ = cached
+    store, family = Store(config.cache_dir), get_family(config)
+    vae = load_component(config.pretrained_model_name_or_path, "vae")
+    for row in store.read_manifest("latents"):
+        cached_row = store.get("latents", [row["key"]])[row["key"]]
+        source = torch.from_numpy(np.array(condition_frame(store, row["clip_key"])))
+        with torch.no_grad():
+            expected = family.encode_image_condition(vae, source)["image_latent"]
+        np.testing.assert_allclose(np.array(cached_row["image_latent"]), expected, atol=1e-6)
+        assert np.abs(np.array(cached_row["latent"]) - expected).max() > 1e-2  # not the target's own latent
+
+
+def test_prompt_embeddings_are_keyed_by_text_and_source_image(cached) -> None:
+    """Each caption and the empty prompt once per source image, the validation prompts once with the render's
+    image; the stored rows are what the family encodes for that text and image."""
+    config, _ = cached
+    store, family = Store(config.cache_dir), get_family(config)
+    clips = store.read_manifest("clips")
+    texts = text_lookup(store)
+    for clip in clips:
+        assert {(c, clip["condition"]) for c in [*clip["captions"], ""]} <= set(texts)
+    validation = [(t, image) for t, image in texts if t == config.validation_prompt]
+    assert len(validation) == 1 and validation[0][1] not in {c["condition"] for c in clips}
+    components = load_encoders(config, family, torch.device("cpu"))
+    first = clips[0]
+    second = next(c for c in clips[1:] if (c["height"], c["width"]) == (first["height"], first["width"]))
+    empties = []
+    for clip in (first, second):  # same size: as many image tokens
+        image = np.array(condition_frame(store, clip["key"]))
+        (encoded,) = family.encode_text(components, [""], images=[image])
+        key = texts["", clip["condition"]]
+        stored = store.get("text_embeds", [key])[key]
+        np.testing.assert_array_equal(np.array(stored["text_embeds"]), encoded["text_embeds"])
+        empties.append(encoded["text_embeds"])
+    assert np.abs(empties[0] - empties[1]).max() > 1e-4  # one empty prompt per source image, and they differ
+
+
+def velocity_by_hand(transformer: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, text: dict,
+                     image_latent: torch.Tensor) -> torch.Tensor:
+    """Kandinsky5I2IPipeline's transformer call: channels-last cat([x_t, image latents, ones])."""
+    qwen, clip = (torch.from_numpy(np.array(text[k]))[None] for k in ("text_embeds", "pooled_embeds"))
+    x_t, image = x_t.permute(0, 2, 3, 4, 1), image_latent.permute(0, 2, 3, 4, 1)  # (B, 1, h, w, 16)
+    _, frames, h, w, _ = x_t.shape
+    out = transformer(
+        hidden_states=torch.cat([x_t, image, torch.ones_like(x_t[..., :1])], -1), encoder_hidden_states=qwen,
+        pooled_projections=clip, timestep=sigma * 1000,
+        visual_rope_pos=[torch.arange(frames), torch.arange(h // 2), torch.arange(w // 2)],
+        text_rope_pos=torch.arange(qwen.shape[1]), scale_factor=[1.0, 1.0, 1.0], sparse_params=None,
+        return_dict=True,
+    ).sample
+    return out.permute(0, 4, 1, 2, 3)
+
+
+def test_two_i2i_steps_equal_a_hand_written_reference(cached, tmp_path: Path) -> None:
+    config, _ = cached
+    config = config.model_copy(update={"output_dir": str(tmp_path / "out")})
+    store, family = Store(config.cache_dir), get_family(config)
+    report = T.train_lora(config, family, store)
+    transformer, params, optimizer = reference_lora(Path(config.pretrained_model_name_or_path), config)
+    plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
+    for step, logged in enumerate(report.tables["history"]):
+        (sample,) = plan(step)
+        row = store.get("latents", [sample.latent_key])[sample.latent_key]
+        x0, image = (torch.from_numpy(np.array(row[k]))[None] for k in ("latent", "image_latent"))
+        draws = T.step_draws(config, family, step, tuple(x0.shape))
+        text = store.get("text_embeds", [sample.text_key])[sample.text_key]
+        s = draws.sigma.view(-1, 1, 1, 1, 1)
+        x_t = (1 - s) * x0 + s * draws.noise
+        loss = ((velocity_by_hand(transformer, x_t, draws.sigma, text, image) - (draws.noise - x0)) ** 2).mean()
+        with torch.no_grad():
+            blind = velocity_by_hand(transformer, x_t, draws.sigma, text, torch.zeros_like(image))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert abs(loss.item() - logged["loss"]) <= 1e-6 and abs(norm - logged["grad_norm"]) <= 1e-6 * max(1, norm)
+        assert norm > 0
+        assert abs(((blind - (draws.noise - x0)) ** 2).mean().item() - logged["loss"]) > 1e-4  # the source is used
+
+
+def test_i2i_validation_renders_from_a_source_image(cached, tmp_path: Path) -> None:
+    config, sources = cached
+    config = config.model_copy(update={"output_dir": str(tmp_path / "out")})
+    store, family = Store(config.cache_dir), get_family(config)
+    lora = T.train_lora(config, family, store).facts["lora_path"]
+    report = validate(config, family, store, lora)
+    out = Path(report.facts["video"]).parents[1]
+    assert (out / RESULTS).is_file() and Image.open(report.facts["video"]).size == (64, 64)
+    condition = np.asarray(Image.open(out / "condition.png"))  # the image every render started from
+    # sources are 64 px high: fitting one into 64x64 is a center crop, no resampling
+    centers = [np.asarray(Image.open(p).convert("RGB"))[:, (Image.open(p).width - 64) // 2:][:, :64]
+               for p in sorted(sources.glob("*.png"))]
+    assert any(np.array_equal(center, condition) for center in centers)
