@@ -16,13 +16,17 @@ DEMO_CONFIG = "configs/demo.yaml"
 
 def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
     """Build what the demo config points at: the tiny model and the generated dataset (idempotent)."""
-    from loraflow.ops.demo_data import make_demo_dataset
+    from loraflow.ops.demo_data import make_demo_dataset, make_demo_edits
     from loraflow.pipelines.tiny import build_tiny
 
     config = load_config(config_path)
     build_tiny(config.model_family, config.pretrained_model_name_or_path, flavour=config.model_flavour)
     for dataset in config.training_datasets:
-        make_demo_dataset(dataset.instance_data_dir)
+        sources = config.source_images(dataset)  # i2i: edit pairs, the sources in their own folder
+        if sources is not None:
+            make_demo_edits(dataset.instance_data_dir or "", sources.instance_data_dir or "")
+        else:
+            make_demo_dataset(dataset.instance_data_dir)
 
 
 def _instance_home() -> None:

@@ -367,6 +367,10 @@ class LoraflowConfig(StrictModel):
 
         flavour = FLAVOURS[self.model_family][self.model_flavour or DEFAULT_FLAVOUR[self.model_family]]
         sources = [d.id for d in self.datasets if d.dataset_type == "conditioning" and not d.disabled]
+        for d in self.datasets:
+            if d.dataset_type in ("conditioning", "text_embeds") and d.conditioning_data is not None:
+                raise ValueError(f"dataset '{d.id}': `conditioning_data` goes on the image dataset whose images "
+                                 f"are edits of the source images, not on a {d.dataset_type} dataset")
         for d in self.training_datasets:
             if flavour.task != "i2i" and d.conditioning_data is not None:
                 raise ValueError(f"dataset '{d.id}': `conditioning_data` pairs images with source images for i2i; "
@@ -379,6 +383,10 @@ class LoraflowConfig(StrictModel):
             if d.conditioning_data is not None and d.conditioning_data not in sources:
                 raise ValueError(f"dataset '{d.id}': `conditioning_data` {d.conditioning_data!r} is not an enabled "
                                  f"dataset with `dataset_type: conditioning`; allowed: {', '.join(sources) or 'none'}")
+            paired = self.source_images(d)
+            if paired is not None and _nested(paired.instance_data_dir, d.instance_data_dir):
+                raise ValueError(f"dataset '{d.id}': its source images ({paired.instance_data_dir}) and its images "
+                                 f"({d.instance_data_dir}) must be separate folders, neither inside the other")
         return self
 
     @model_validator(mode="after")
@@ -428,6 +436,12 @@ def read_prompt_library(path: str | Path) -> dict[str, str]:
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
         raise ValueError(f"`user_prompt_library` file {path} must hold one JSON object of shortname -> prompt strings")
     return data
+
+
+def _nested(a: str | None, b: str | None) -> bool:
+    """One folder is the other or inside it (a dataset folder is read recursively)."""
+    first, second = Path(a or "").resolve(), Path(b or "").resolve()
+    return first == second or first in second.parents or second in first.parents
 
 
 def _unknown(key: str, value: str, allowed: list[str]) -> str:

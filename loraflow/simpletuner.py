@@ -160,10 +160,12 @@ def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: I
     if not _is_media(entry) and entry.get("dataset_type") not in ("text_embeds", "conditioning"):
         out.skip(f"{where} (id {entry.get('id')})", entry.get("dataset_type"), "dataset_type not supported: dropped")
         return None
-    known = set(DatasetConfig.model_fields) - {"crop_style", "video"}
+    known = set(DatasetConfig.model_fields) - {"crop_style", "video", "conditioning_data"}
     dataset: dict[str, Any] = {}
     for key, value in entry.items():
-        if key in known:
+        if key == "conditioning_data":
+            _conditioning_data(where, value, settings, dataset, out)
+        elif key in known:
             dataset[key] = value
         elif key == "video":
             dataset["video"] = _video(where, value, out)
@@ -177,6 +179,18 @@ def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: I
         _crop(where, entry, dataset, out)
         _dataset_resolution(where, entry, settings, dataset, out)
     return dataset
+
+
+def _conditioning_data(where: str, value: Any, settings: dict[str, Any], dataset: dict[str, Any],
+                       out: Imported) -> None:
+    """Kept for i2i (its source images); SimpleTuner also pairs ControlNet and i2v datasets, which loraflow does not."""
+    ids = value if isinstance(value, list) else [value]
+    if "i2i" not in str(settings.get("model_flavour", "")):
+        out.skip(f"{where}.conditioning_data", value, "loraflow pairs source images for i2i flavours only")
+    elif len(ids) != 1:
+        out.skip(f"{where}.conditioning_data", value, "loraflow pairs each image with one source-image dataset")
+    else:
+        dataset["conditioning_data"] = ids[0]
 
 
 def _video(where: str, video: dict[str, Any], out: Imported) -> dict[str, Any]:

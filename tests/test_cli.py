@@ -222,3 +222,6 @@ def test_an_i2i_backend_keeps_its_conditioning_dataset_and_pairing() -> None:
     config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m"})
     (edits,) = config.training_datasets
     assert config.source_images(edits).instance_data_dir == "data/sources"
+    other = import_simpletuner({"model_family": "kandinsky5-video", "model_flavour": "i2v-lite-5s"}, backend)
+    assert "conditioning_data" not in other.config["datasets"][0]  # SimpleTuner's i2v/ControlNet pairing
+    assert [key for key, _, _ in other.unmapped] == ["datasets[0].conditioning_data"]

@@ -84,6 +84,13 @@ def test_conditioning_data_must_name_a_conditioning_dataset() -> None:
     assert "'edited' is not an enabled dataset with `dataset_type: conditioning`; allowed: sources" in problem
 
 
+def test_conditioning_data_goes_on_the_image_dataset_only() -> None:
+    data = i2i()
+    data["datasets"][1]["conditioning_data"] = "sources"
+    (problem,) = problems(data)
+    assert "dataset 'sources': `conditioning_data` goes on the image dataset" in problem
+
+
 def test_conditioning_data_is_refused_by_flavours_without_a_source_image() -> None:
     (problem,) = problems(i2i(model_flavour="t2i-lite-sft"))
     assert "dataset 'edited': `conditioning_data`" in problem and "choose an i2i flavour" in problem

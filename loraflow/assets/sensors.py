@@ -51,6 +51,17 @@ def folder_state(root: str | Path) -> dict[str, Any]:
     return {"hash": content_key(files=[file_identity(p, root) for p in files]), "files": len(files)}
 
 
+def dataset_state(config: Any, dataset: Any) -> dict[str, Any]:
+    """`folder_state` of the dataset's folder; i2i: its source images' folder too, so a changed source image
+    re-caches its targets."""
+    state = folder_state(dataset.instance_data_dir or "")
+    sources = config.source_images(dataset)
+    if sources is None or state["hash"] == MISSING:
+        return state
+    paired = folder_state(sources.instance_data_dir or "")
+    return {"hash": content_key(targets=state["hash"], sources=paired["hash"]), "files": state["files"] + paired["files"]}
+
+
 def changed_datasets(previous: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Ids whose state differs from the last tick (a dataset seen for the first time counts as changed)."""
     return sorted(i for i, state in current.items() if previous.get(i, {}).get("hash") != state["hash"])
@@ -67,7 +78,7 @@ def partition_requests(added: list[str], deleted: list[str]) -> list[Any]:
 def dataset_watch(context: SensorEvaluationContext, loraflow: LoraflowResource) -> SensorResult:
     config = loraflow.load()
     previous = json.loads(context.cursor) if context.cursor else {}
-    current = {d.id: folder_state(d.instance_data_dir or "") for d in config.training_datasets}
+    current = {d.id: dataset_state(config, d) for d in config.training_datasets}
     cursor = json.dumps(current, sort_keys=True)
     added, deleted = partition_changes(context.instance, config)
     if deleted:

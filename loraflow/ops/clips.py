@@ -231,10 +231,14 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig, st
     """i2i: the source image paired with `path` (same relative path and stem, any image extension)."""
     relative = path.relative_to(dataset.instance_data_dir or "")
     folder = Path(sources.instance_data_dir or "") / relative.parent
-    found = sorted(p for p in folder.glob(f"{relative.stem}.*") if p.suffix.lower() in IMAGE_EXTENSIONS)
+    found = sorted(p for p in (folder.iterdir() if folder.is_dir() else ())
+                   if p.stem == relative.stem and p.suffix.lower() in IMAGE_EXTENSIONS)
     if not found:
         raise MediaError("missing_source_image", f"{relative}: no source image {relative.with_suffix('.*')} in "
                          f"dataset '{sources.id}' ({sources.instance_data_dir}); i2i pairs each image with one")
+    if len(found) > 1:
+        raise MediaError("ambiguous_source_image", f"{relative}: {len(found)} source images share its name in "
+                         f"dataset '{sources.id}' ({', '.join(p.name for p in found)}); keep one")
     identity = file_identity(found[0], sources.instance_data_dir or "")
     try:
         info = probe_cached(found[0], identity, store, probes)
@@ -305,6 +309,11 @@ def build_clips(
     """Plan the datasets (`datasets` ids; None: every training dataset), decode what the store lacks, and write
     each dataset's manifest part of current clips (one dataset's run never touches another's part)."""
     selected = select_datasets(config, datasets)
+    for dataset in selected:  # a missing source folder fails like a missing dataset folder, before any work
+        sources = config.source_images(dataset)
+        if sources is not None and not Path(sources.instance_data_dir or "").is_dir():
+            raise FileNotFoundError(f"dataset '{sources.id}' (source images of '{dataset.id}'): instance_data_dir "
+                                    f"{sources.instance_data_dir} is not a folder")
     drop_removed_datasets(config, store)
     manifest, quarantine = [], []
     probes = store.keys("probes")

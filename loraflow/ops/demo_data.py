@@ -99,19 +99,21 @@ _EDITS = (
 )
 
 
-def make_demo_edits(out_dir: str | Path) -> tuple[Path, Path]:
-    """Image-editing pairs for i2i: `targets/` (PNG + caption, the instruction "make the circle green") and
-    `sources/` (the PNG before the edit, same name). Returns (targets, sources). Rewritten on every call: a
-    few 64-96 px images."""
-    targets, sources = Path(out_dir) / "targets", Path(out_dir) / "sources"
+def make_demo_edits(targets_dir: str | Path, sources_dir: str | Path) -> tuple[Path, Path]:
+    """Image-editing pairs for i2i: targets (PNG + caption, the instruction "make the circle green") and their
+    sources (the PNG before the edit, same name). Returns (targets, sources). Files already there are left as they
+    are: their size and mtime key the clips, so a second call re-caches nothing."""
+    targets, sources = Path(targets_dir), Path(sources_dir)
     for folder in (targets, sources):
         folder.mkdir(parents=True, exist_ok=True)
     for stem, width, height, shape, before, after, background in _EDITS:
         item = _Clip(stem, width, height, 1, shape, "center", (before, background))
         for folder, colour in ((sources, before), (targets, after)):
             frame = _draw(item, 0.0, _COLOURS[colour], _COLOURS[background])
-            _write_atomic(folder / f"{stem}.png", lambda p, f=frame: _save_png(p, f))
-        _write_atomic(targets / f"{stem}.txt", lambda p: p.write_text(f"make the {shape} {after}\n", encoding="utf-8"))
+            if not (folder / f"{stem}.png").is_file():
+                _write_atomic(folder / f"{stem}.png", lambda p, f=frame: _save_png(p, f))
+        if not (targets / f"{stem}.txt").is_file():
+            _write_atomic(targets / f"{stem}.txt", lambda p: p.write_text(f"make the {shape} {after}\n", encoding="utf-8"))
     return targets, sources
 
 

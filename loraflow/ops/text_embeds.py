@@ -153,8 +153,10 @@ def _encode(
             images = [todo[item]() for item in batch] if prompts_see_image(family) else None  # type: ignore[misc]
             with on_device(components, device, offload):
                 encoded = family.encode_text(components, [text for text, _ in batch], images=images)
+            # a family may say itself (i2i: the budget left beside the image's vision tokens)
+            cut = [e.pop("truncated", counts[item[0]] > family.max_text_tokens) for item, e in zip(batch, encoded)]
             shard = [{"key": keys[item], "text": item[0], "image": item[1], **fixed, "n_tokens": len(e["text_embeds"]),
-                      "truncated": counts[item[0]] > family.max_text_tokens, **e} for item, e in zip(batch, encoded)]
+                      "truncated": bool(c), **e} for item, e, c in zip(batch, encoded, cut)]
             store.put("text_embeds", shard)
             stats |= {item: row for item, row in zip(batch, shard)}
     finally:  # an encoder error must not leave the encoders holding the GPU for the next stage in the pool

@@ -61,6 +61,8 @@ class ModelFamily(Protocol):
 
         `images`: for flavours whose prompt embedding sees an image (Kandinsky 5 Image i2i), one uint8 (H, W, 3)
         source image per text, required there; every other flavour raises ValueError when given images.
+        A row may say `truncated` (bool) itself where the caption's budget is not `max_text_tokens` (i2i: what
+        the image's vision tokens leave); the stage stores it instead of its own estimate.
         """
 
     def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:

@@ -174,7 +174,7 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
 
         `images`: each text's source image, uint8 (H, W, 3). Rows: `text_embeds` (L, D) = Qwen2.5-VL's last hidden
         state after the template prefix (the user text, the image's vision tokens, the closing tokens: L <= 1024),
-        and `pooled_embeds` (768,) = CLIP-L of the text alone.
+        and `pooled_embeds` (768,) = CLIP-L of the text alone; `truncated`: the text was cut to fit beside the image.
         """
         if images is None or len(images) != len(texts):
             raise ValueError(f"flavour '{self.flavour.name}' encodes each prompt with its source image: pass one "
@@ -187,7 +187,8 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
             text = prompt_clean(text)
             source = Image.fromarray(image)
             source = source.resize((source.width // 2, source.height // 2))  # as the pipeline does (K5I2I:212)
-            templated = I2I_PROMPT_TEMPLATE.format(_fit_text(processor, text, source, crop))
+            fitted = _fit_text(processor, text, source, crop)
+            templated = I2I_PROMPT_TEMPLATE.format(fitted)
             inputs = processor(
                 text=[templated], images=[source], videos=None,
                 max_length=crop + I2I_MAX_TEXT_TOKENS, truncation=True, return_tensors="pt", padding=True,
@@ -196,6 +197,7 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
             rows.append({
                 "text_embeds": hidden[0, crop:].float().cpu().numpy(),  # (L, 3584)
                 "pooled_embeds": clip_pooled(components, text),  # (768,): the whole text, as the pipeline
+                "truncated": fitted != text,  # the caption's budget depends on the image's vision tokens
             })
         return rows
 

@@ -54,7 +54,7 @@ def cached(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoraflowConfig, Pa
 
     root = tmp_path_factory.mktemp("i2i")
     model = build_tiny("kandinsky5-image", root / "model", flavour=I2I)
-    targets, sources = make_demo_edits(root / "data")
+    targets, sources = make_demo_edits(root / "data" / "targets", root / "data" / "sources")
     Image.fromarray(np.full((64, 64, 3), 128, np.uint8)).save(targets / "orphan.png")
     (targets / "orphan.txt").write_text("make it grey")
     config = i2i_config(root, model, (targets, sources))
@@ -185,3 +185,54 @@ def test_i2i_validation_renders_from_a_source_image(cached, tmp_path: Path) -> N
     centers = [np.asarray(Image.open(p).convert("RGB"))[:, (Image.open(p).width - 64) // 2:][:, :64]
                for p in sorted(sources.glob("*.png"))]
     assert any(np.array_equal(center, condition) for center in centers)
+
+
+def test_a_source_image_pairs_by_exact_name_and_an_ambiguous_one_is_quarantined(tmp_path: Path) -> None:
+    from loraflow.ops.clips import _source_image
+
+    targets, sources = make_demo_edits(tmp_path / "targets", tmp_path / "sources")
+    config = i2i_config(tmp_path, tmp_path / "model", (targets, sources))
+    edits, paired = config.training_datasets[0], config.source_images(config.training_datasets[0])
+    store, probes = Store(config.cache_dir), set()
+    Image.open(sources / "edit_00.png").save(sources / "edit_00.v2.png")  # another stem: never its pair
+    Image.open(sources / "edit_00.png").save(sources / "[edit_00].png")  # glob characters: just a name
+    assert _source_image(targets / "edit_00.png", edits, paired, store, probes)[1] == sources / "edit_00.png"
+    Image.open(sources / "edit_01.png").save(sources / "edit_01.jpg")
+    with pytest.raises(Exception, match="2 source images share its name") as info:
+        _source_image(targets / "edit_01.png", edits, paired, store, probes)
+    assert info.value.reason == "ambiguous_source_image"
+
+
+def test_source_folders_must_be_separate_from_their_targets(tmp_path: Path) -> None:
+    from loraflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match="must be separate folders"):
+        i2i_config(tmp_path, tmp_path / "model", (tmp_path / "edits", tmp_path / "edits" / "sources"))
+
+
+def test_the_dataset_sensor_sees_a_changed_source_image(tmp_path: Path) -> None:
+    from loraflow.assets.sensors import dataset_state
+
+    targets, sources = make_demo_edits(tmp_path / "targets", tmp_path / "sources")
+    config = i2i_config(tmp_path, tmp_path / "model", (targets, sources))
+    before = dataset_state(config, config.training_datasets[0])
+    Image.new("RGB", (64, 64), "red").save(sources / "edit_00.png")
+    after = dataset_state(config, config.training_datasets[0])
+    assert before["files"] == after["files"] == 12 and before["hash"] != after["hash"]
+
+
+def test_the_demo_command_materializes_every_stage_of_an_i2i_config(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`loraflow demo --config` on an i2i config: tiny i2i model and edit pairs built, every asset through Dagster."""
+    import yaml
+
+    from loraflow.cli import main
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    data = i2i_config(tmp_path, tmp_path / "model", (tmp_path / "edits", tmp_path / "sources")).model_dump(
+        mode="json", exclude_defaults=True)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    assert main(["demo", "--config", str(tmp_path / "config.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "validation  computed 1" in out and "lora_path: " in out
+    assert Image.open(out.split("video: ")[1].split()[0]).size == (64, 64)  # the LoRA's edit, a PNG
