@@ -74,7 +74,7 @@ class BucketPlan:
 def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGeometry | None,
                  progress: bool = True) -> BucketPlan:
     """Probe every source file (metadata and one frame, no full decode) and plan its clips."""
-    from loraflow.ops.clips import plan_clips, read_captions, source_files
+    from loraflow.ops.clips import find_source_image, plan_clips, read_captions, source_files
     from loraflow.ops.media import MediaError, probe
 
     plan = BucketPlan()
@@ -87,9 +87,12 @@ def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGe
             continue
         if not files:
             plan.problems.append(f"dataset '{dataset.id}': no video/image files under {dataset.instance_data_dir}")
+        sources = config.source_images(dataset)
         for path in tqdm(files, desc=f"probe {dataset.id}", unit="file", disable=not progress or not files):
             try:
                 read_captions(path, dataset)
+                if sources is not None:  # i2i: a target without its source image is dropped by clips too
+                    probe(find_source_image(path, dataset, sources))
                 clips = plan_clips(path, probe(path), dataset, family, dataset.id == config.render_dataset_id)
             except MediaError as exc:
                 plan.dropped.append({"dataset": dataset.id, "file": str(path), "reason": exc.reason, "detail": str(exc)})

@@ -228,7 +228,19 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, store: S
 
 def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig, store: Store,
                   probes: set[str]) -> tuple[dict[str, Any], Path, Probe]:
-    """i2i: the source image paired with `path` (same relative path and stem, any image extension)."""
+    """i2i: the source image paired with `path`, its identity and its (cached) probe."""
+    found = find_source_image(path, dataset, sources)
+    relative = path.relative_to(dataset.instance_data_dir or "")
+    identity = file_identity(found, sources.instance_data_dir or "")
+    try:
+        info = probe_cached(found, identity, store, probes)
+    except MediaError as exc:
+        raise MediaError(exc.reason, f"{relative}: its source image {identity['path']}: {exc}") from None
+    return identity, found, info
+
+
+def find_source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig) -> Path:
+    """i2i: the file in `sources` with `path`'s relative folder and stem and an image extension."""
     relative = path.relative_to(dataset.instance_data_dir or "")
     folder = Path(sources.instance_data_dir or "") / relative.parent
     found = sorted(p for p in (folder.iterdir() if folder.is_dir() else ())
@@ -239,12 +251,7 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig, st
     if len(found) > 1:
         raise MediaError("ambiguous_source_image", f"{relative}: {len(found)} source images share its name in "
                          f"dataset '{sources.id}' ({', '.join(p.name for p in found)}); keep one")
-    identity = file_identity(found[0], sources.instance_data_dir or "")
-    try:
-        info = probe_cached(found[0], identity, store, probes)
-    except MediaError as exc:
-        raise MediaError(exc.reason, f"{relative}: its source image {identity['path']}: {exc}") from None
-    return identity, found[0], info
+    return found[0]
 
 
 def _condition_columns(source: tuple[dict[str, Any], Path, Probe], size: tuple[int, int], crop_style: str,

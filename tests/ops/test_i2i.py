@@ -236,3 +236,17 @@ def test_the_demo_command_materializes_every_stage_of_an_i2i_config(
     out = capsys.readouterr().out
     assert "validation  computed 1" in out and "lora_path: " in out
     assert Image.open(out.split("video: ")[1].split()[0]).size == (64, 64)  # the LoRA's edit, a PNG
+
+
+def test_check_lists_a_target_without_its_source_image(cached, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from loraflow.cli import main
+
+    config, _ = cached
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)))
+    assert main(["check", str(path)]) == 0
+    dropped = capsys.readouterr().out.split("dropped 1 file(s):")[1]
+    assert "orphan.png" in dropped and "missing_source_image" in dropped
