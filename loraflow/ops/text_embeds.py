@@ -226,18 +226,19 @@ def token_histogram(counts: list[int]) -> list[dict[str, Any]]:
 
 
 def truncation_table(rows: list[dict[str, Any]], store: Store, limit: int) -> list[dict[str, Any]]:
-    """One row per truncated text, with the source files whose captions use it."""
-    cut = {r["text"] for r in rows if r["truncated"]}
-    if not cut:
-        return []
-    files: dict[str, list[str]] = {t: [] for t in cut}
-    for clip in store.read_manifest("clips"):
-        for caption in set(clip["captions"]) & cut:
-            if clip["path"] not in files[caption]:
-                files[caption].append(clip["path"])
-    kept = {r["text"]: r["n_tokens"] for r in rows}
-    return [{"text": t[:80] + ("..." if len(t) > 80 else ""), "tokens_kept": kept[t], "limit": limit,
-             "files": ", ".join(files[t]) or "(validation prompt)"} for t in sorted(cut)]
+    """One row per truncated item, with the source files whose captions use it.
+
+    An i2i caption is one item per source image (the image's vision tokens share the budget), so it may be cut
+    beside one image and not another: such an item lists only the files paired with that image."""
+    cut = {(r["text"], r.get("image") or ""): r["n_tokens"] for r in rows if r["truncated"]}
+    files: dict[TextItem, list[str]] = {item: [] for item in cut}
+    for clip in store.read_manifest("clips") if cut else []:
+        for caption in clip["captions"]:
+            for item in {(caption, ""), (caption, clip.get("condition") or "")} & cut.keys():
+                if clip["path"] not in files[item]:
+                    files[item].append(clip["path"])
+    return [{"text": text[:80] + ("..." if len(text) > 80 else ""), "tokens_kept": cut[text, image], "limit": limit,
+             "files": ", ".join(files[text, image]) or "(validation prompt)"} for text, image in sorted(cut)]
 
 
 def stage_bytes(store: Store) -> int:

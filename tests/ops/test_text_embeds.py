@@ -20,7 +20,7 @@ import torch
 
 from loraflow.config import load_config
 from loraflow.ops.clips import build_clips
-from loraflow.ops.text_embeds import encode_texts, load_encoders, needed_texts
+from loraflow.ops.text_embeds import encode_texts, load_encoders, needed_texts, truncation_table
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
@@ -90,6 +90,16 @@ def test_a_caption_over_the_token_limit_is_truncated_and_counted(tiny_k5: Path, 
     assert stored["truncated"] and stored["n_tokens"] == len(stored["text_embeds"]) == family.max_text_tokens
     again = encode_texts(config, family, store)  # reused rows are still counted
     assert again.computed == 0 and again.tables["truncated"] == report.tables["truncated"]
+
+
+def test_an_i2i_caption_cut_beside_one_source_lists_only_that_sources_files(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "cache"))  # the same caption with two source images: two items, one cut
+    store.write_manifest("clips", [{"key": f"k{i}", "path": f"/data/t{i}.png", "captions": ["cap"],
+                                    "condition": f"src{i}"} for i in (1, 2)])
+    rows = [{"text": "cap", "image": "src1", "n_tokens": 9, "truncated": True},
+            {"text": "cap", "image": "src2", "n_tokens": 7, "truncated": False}]
+    assert truncation_table(rows, store, 9) == [{"text": "cap", "tokens_kept": 9, "limit": 9,
+                                                 "files": "/data/t1.png"}]
 
 
 def test_batching_by_length_gives_the_embeddings_of_one_at_a_time(tiny_k5: Path, demo_data: Path,
