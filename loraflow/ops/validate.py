@@ -89,7 +89,7 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
         raise ValueError("validation has nothing to do: set `validation_prompt` or `user_prompt_library` (renders), "
                          "or `eval_holdout_fraction` / `eval_dataset_id` (eval loss)")
     condition, seen = prompt_image(config, family, store, settings) if prompts else (None, "")
-    texts = cached_texts(store, [(t, seen) for t in [*prompts.values(), negative]])
+    texts = cached_texts(store, [(t, seen) for t in [*prompts.values(), negative]] if prompts else [])
     model = config.pretrained_model_name_or_path
     out = Path(config.output_dir) / "validation" / content_key(
         lora=file_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},

@@ -187,6 +187,17 @@ def test_i2i_validation_renders_from_a_source_image(cached, tmp_path: Path) -> N
     assert any(np.array_equal(center, condition) for center in centers)
 
 
+def test_i2i_eval_loss_without_validation_prompts(cached, tmp_path: Path) -> None:
+    config, _ = cached  # no prompt: nothing renders, so no negative prompt is encoded (nor looked up)
+    config = parse_config({**config.model_dump(mode="json", exclude_none=True), "output_dir": str(tmp_path / "out"),
+                           "validation_prompt": None, "eval_holdout_fraction": 0.5})
+    store, family = Store(config.cache_dir), get_family(config)
+    encode_texts(config, family, store)
+    lora = T.train_lora(config, family, store).facts["lora_path"]
+    report = validate(config, family, store, lora)
+    assert report.facts["eval_clips"] >= 1 and np.isfinite(report.facts["eval_loss_lora"])
+
+
 def test_a_source_image_pairs_by_exact_name_and_an_ambiguous_one_is_quarantined(tmp_path: Path) -> None:
     from loraflow.ops.clips import _source_image
 
