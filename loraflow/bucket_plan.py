@@ -93,7 +93,8 @@ def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGe
                 read_captions(path, dataset)
                 if sources is not None:  # i2i: a target without its source image is dropped by clips too
                     probe(find_source_image(path, dataset, sources))
-                clips = plan_clips(path, probe(path), dataset, family, dataset.id == config.render_dataset_id)
+                clips = plan_clips(path, probe(path), dataset, family, config.pretrained_model_name_or_path,
+                                   dataset.id == config.render_dataset_id)
             except MediaError as exc:
                 plan.dropped.append({"dataset": dataset.id, "file": str(path), "reason": exc.reason, "detail": str(exc)})
                 continue

@@ -158,7 +158,8 @@ def probe_cached(path: Path, identity: dict[str, Any], store: Store, known: set[
 
 
 def plan_clips(
-    path: Path, info: Probe, dataset: DatasetConfig, family: ModelFamily, images_allowed: bool = False
+    path: Path, info: Probe, dataset: DatasetConfig, family: ModelFamily, model_path: str,
+    images_allowed: bool = False,
 ) -> list[dict[str, Any]]:
     """The clips a source yields: frame indices, bucket size and crop, before any decoding.
 
@@ -181,6 +182,10 @@ def plan_clips(
             raise MediaError("too_short", f"{path.name}: {exc} (num_frames {video.num_frames})") from None
     height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, family.spatial_multiple,
                                         dataset.resolution_type, dataset.crop_aspect, dataset.crop_aspect_buckets)
+    problem = family.size_problem(model_path, height, width)
+    if problem:
+        raise MediaError("source_too_large", f"{path.name}: {problem}: lower `resolution` ({dataset.resolution}) of "
+                         f"dataset '{dataset.id}'")
     planned = []
     for indices in clips:
         if video.bucket_strategy == "resolution_frames" and len(indices) > 1:
@@ -202,15 +207,15 @@ def _check_clip_lengths(path: Path, lengths: set[int], family: ModelFamily, imag
                          "after a clean first frame, so it needs videos")
 
 
-def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, store: Store, probes: set[str],
-               images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
+def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model_path: str, store: Store,
+               probes: set[str], images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
     """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image."""
     identity = file_identity(path, dataset.instance_data_dir or "")
     captions = read_captions(path, dataset)
     info = probe_cached(path, identity, store, probes)
     source = _source_image(path, dataset, sources, store, probes) if sources else None
     rows = []
-    for plan in plan_clips(path, info, dataset, family, images_allowed):
+    for plan in plan_clips(path, info, dataset, family, model_path, images_allowed):
         size = (plan["height"], plan["width"])
         paired = {"condition": source[0]} if source else {}  # t2v/t2i keys stay as they were
         key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style,
@@ -327,7 +332,7 @@ def build_clips(
     for dataset in selected:
         for path in source_files(dataset):
             try:
-                manifest += _clip_rows(path, dataset, family, store, probes,
+                manifest += _clip_rows(path, dataset, family, config.pretrained_model_name_or_path, store, probes,
                                        images_allowed=dataset.id == config.render_dataset_id,
                                        sources=config.source_images(dataset))
             except MediaError as exc:

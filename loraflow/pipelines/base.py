@@ -68,6 +68,10 @@ class ModelFamily(Protocol):
     def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
         """Batch text rows for the transformer (padding, masks)."""
 
+    def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
+        """Why a clip of this bucket size cannot be trained ("" when it can), known before decoding: Kandinsky 5
+        Image i2i's source image at this size gives more vision tokens than its prompt holds; "" elsewhere."""
+
     def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
         """uint8 (B, F, H, W, 3) -> scaled latents (B, C, T, h, w), or (B, 2C, T, h, w) mean and logvar
         (`scaled_posterior`)."""

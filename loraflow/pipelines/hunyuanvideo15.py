@@ -187,6 +187,9 @@ class HunyuanVideo15:
         return {"text_embeds": text.to(device), "text_mask": text_mask.to(device),
                 "byt5_embeds": byt5.to(device), "byt5_mask": byt5_mask.to(device)}
 
+    def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
+        return ""  # any bucket size trains
+
     # 2. latents ----------------------------------------------------------------------------------
     def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
         """uint8 (B, F, H, W, 3) -> (B, 32, T, H/16, W/16); `latent_dist.mode()` * scaling, as the i2v pipeline

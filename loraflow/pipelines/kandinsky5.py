@@ -130,6 +130,9 @@ class Kandinsky5Shared:
             "pooled_embeds": torch.from_numpy(np.stack([r["pooled_embeds"] for r in rows])).to(device),
         }
 
+    def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
+        return ""  # any bucket size trains
+
     def prompt_embeds(self, prompt: TextRow, negative: TextRow, device: torch.device) -> dict[str, torch.Tensor]:
         """The pipelines' precomputed-embedding arguments for one prompt and its negative."""
         kwargs = {}

@@ -15,9 +15,11 @@ i2i (image editing) differs from t2i in three places, all in `Kandinsky5ImageI2I
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -30,7 +32,7 @@ from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines import kandinsky5
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, load_pipeline, scaled_posterior, set_lora_scale,
+    RenderSettings, TextRow, load_component, load_pipeline, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
@@ -201,6 +203,15 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
             })
         return rows
 
+    def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
+        """A source image cut to (height, width) whose vision tokens alone overflow the 1024-token prompt (the
+        encoder would fail on it: `_fit_text`); checked when clips are planned, before any decoding."""
+        tokens = source_vision_tokens(str(model_path), height, width)
+        if tokens + I2I_CLOSING_TOKENS <= I2I_MAX_TEXT_TOKENS:
+            return ""
+        return (f"a {width}x{height} source image gives {tokens} vision tokens, more than Kandinsky 5 i2i's "
+                f"{I2I_MAX_TEXT_TOKENS}-token prompt holds")
+
     # 2. latents ----------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_image_condition(self, vae: torch.nn.Module, frame: torch.Tensor) -> dict[str, np.ndarray]:
@@ -255,6 +266,22 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
                              f"got {image.dtype} {image.shape}")
         embeds = self.prompt_embeds(prompt, negative, pipe.device)
         return _render(pipe, embeds | {"image": Image.fromarray(image)}, settings, lora_scale, self.name)
+
+
+@functools.lru_cache(maxsize=256)
+def source_vision_tokens(model_path: str, height: int, width: int) -> int:
+    """Vision tokens of a source image of this size in the checkpoint's processor: halved as the pipeline does
+    (K5I2I:212), resized by the image processor (patch and pixel bounds from its config), merge_size**2 patches
+    per token, as `Qwen2VLProcessor` expands the image placeholder."""
+    image_processor = _i2i_processor(model_path).image_processor
+    grid = image_processor(images=[Image.new("RGB", (max(width // 2, 1), max(height // 2, 1)))],
+                           return_tensors="np")["image_grid_thw"][0]
+    return int(np.prod(grid)) // image_processor.merge_size**2
+
+
+@functools.lru_cache(maxsize=4)
+def _i2i_processor(model_path: str) -> Any:
+    return load_component(model_path, "tokenizer")
 
 
 def _fit_text(processor: Any, text: str, image: Image.Image, crop: int) -> str:

@@ -7,6 +7,8 @@ Data: `make_demo_edits` (four 64-96 px PNG edit pairs, captions such as "make th
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +214,25 @@ def test_a_source_image_pairs_by_exact_name_and_an_ambiguous_one_is_quarantined(
     with pytest.raises(Exception, match="2 source images share its name") as info:
         _source_image(targets / "edit_01.png", edits, paired, store, probes)
     assert info.value.reason == "ambiguous_source_image"
+
+
+def test_a_source_too_large_for_the_prompt_is_quarantined_before_decoding(cached, tmp_path: Path) -> None:
+    config, sources = cached  # the tiny processor caps images at 16 tokens: give it the real pixel bound
+    model = shutil.copytree(config.pretrained_model_name_or_path, tmp_path / "model")
+    processor = model / "tokenizer" / "processor_config.json"
+    settings = json.loads(processor.read_text())
+    settings["image_processor"]["size"]["longest_edge"] = 12845056  # Qwen2.5-VL's max_pixels
+    processor.write_text(json.dumps(settings))
+    family = get_family(config)
+    assert family.size_problem(model, 1024, 1024) == ""  # 18 x 18 tokens at half size
+    assert "1024 vision tokens" in family.size_problem(model, 1792, 1792)  # 32 x 32: no room for any text
+    big = config.model_dump(mode="json", exclude_none=True)
+    big["datasets"][0]["resolution"] = 1792
+    big = parse_config({**big, "pretrained_model_name_or_path": str(model), "cache_dir": str(tmp_path / "cache")})
+    report = build_clips(big, family, Store(big.cache_dir))
+    too_large = [q for q in report.quarantined if q["reason"] == "source_too_large"]
+    assert report.computed == 0 and len(too_large) == len(report.quarantined) - 1 >= 3  # and the orphan
+    assert "lower `resolution` (1792) of dataset 'edits'" in too_large[0]["detail"]
 
 
 def test_source_folders_must_be_separate_from_their_targets(tmp_path: Path) -> None:
