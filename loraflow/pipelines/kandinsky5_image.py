@@ -206,6 +206,8 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
     def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
         """A source image cut to (height, width) whose vision tokens alone overflow the 1024-token prompt (the
         encoder would fail on it: `_fit_text`); checked when clips are planned, before any decoding."""
+        if not (Path(model_path) / "tokenizer").is_dir():
+            return ""  # no checkpoint yet (`loraflow check` says so): the clips stage needs none, text_embeds fails
         tokens = source_vision_tokens(str(model_path), height, width)
         if tokens + I2I_CLOSING_TOKENS <= I2I_MAX_TEXT_TOKENS:
             return ""
