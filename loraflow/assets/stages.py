@@ -124,9 +124,13 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     report = validate(config, get_family(config), store, current_lora_path(config, store))
     prompts, losses, facts = report.tables["prompts"], report.tables["eval_loss"], dict(report.facts)
     metadata = {**md.counts(report), "prompts": md.md_table(prompts)}
+    condition = facts.pop("condition_image", None)  # i2v's first frame, i2i's source image
     if prompts:
         sheets = [f"**{p['name']}**: {p['prompt']}\n\n"
                   + md.md_image(Image.open(p["contact_sheet"]), "base (top) vs LoRA (bottom)").value for p in prompts]
+        if condition:
+            sheets.insert(0, "**every render starts from**\n\n"
+                          + md.md_image(Image.open(condition), "the conditioning image").value)
         metadata |= {"video": MetadataValue.path(facts.pop("video")),
                      "base_video": MetadataValue.path(facts.pop("base_video")),
                      "preview": MetadataValue.md("\n\n".join(sheets))}

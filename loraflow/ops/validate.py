@@ -5,7 +5,7 @@ model, exactly) and 1 with the same seed, from cached embeddings only. Outputs u
 output_dir/validation/<key>/:
     <nn>-<shortname>/base.mp4, lora.mp4   h264 yuv420p at the flavour's fps (base.png, lora.png for images)
     <nn>-<shortname>/contact_sheet.png    base row over LoRA row
-    condition.png                         i2v only: the first frame every render starts from
+    condition.png                         i2v, i2i: the image every render starts from (first frame, source)
     <nn>-<shortname>/result.json          written last: the prompt is done (a killed run resumes after it)
     eval_loss.png, results.json           results.json is written last: the whole run is done
 The key covers the adapter's bytes, the render settings, the prompts, the eval inputs and (i2v) the clip whose
@@ -219,6 +219,8 @@ def _report(out: Path, computed: int) -> StageReport:
                   "mean_abs_pixel_change": float(np.mean([p["mean_abs_pixel_change"] for p in prompts]))}
     if losses:
         facts |= {"eval_plot": str(out / "eval_loss.png"), **loss_summary(losses)}
+    if (out / "condition.png").is_file():
+        facts["condition_image"] = str(out / "condition.png")
     return StageReport(data_version=out.name, computed=computed, reused=total - computed, facts=facts,
                        tables={"prompts": prompts, "eval_loss": losses})
 

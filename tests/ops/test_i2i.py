@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from dagster import DagsterInstance
 from PIL import Image
 
 from loraflow.config import LoraflowConfig, parse_config
@@ -182,6 +183,7 @@ def test_i2i_validation_renders_from_a_source_image(cached, tmp_path: Path) -> N
     report = validate(config, family, store, lora)
     out = Path(report.facts["video"]).parents[1]
     assert (out / RESULTS).is_file() and Image.open(report.facts["video"]).size == (64, 64)
+    assert report.facts["condition_image"] == str(out / "condition.png")
     condition = np.asarray(Image.open(out / "condition.png"))  # the image every render started from
     # sources are 64 px high: fitting one into 64x64 is a center crop, no resampling
     centers = [np.asarray(Image.open(p).convert("RGB"))[:, (Image.open(p).width - 64) // 2:][:, :64]
@@ -268,6 +270,10 @@ def test_the_demo_command_materializes_every_stage_of_an_i2i_config(
     out = capsys.readouterr().out
     assert "validation  computed 1" in out and "lora_path: " in out
     assert Image.open(out.split("video: ")[1].split()[0]).size == (64, 64)  # the LoRA's edit, a PNG
+    with DagsterInstance.get() as instance:  # the UI's preview shows the source image above the edits
+        (key,) = [k for k in instance.get_asset_keys() if k.path[-1] == "validation"]
+        preview = instance.get_latest_materialization_event(key).asset_materialization.metadata["preview"].value
+    assert preview.startswith("**every render starts from**") and preview.count("data:image/png;base64,") == 2
 
 
 def test_check_lists_a_target_without_its_source_image(cached, tmp_path: Path,
