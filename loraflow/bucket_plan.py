@@ -74,7 +74,7 @@ class BucketPlan:
 def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGeometry | None,
                  progress: bool = True) -> BucketPlan:
     """Probe every source file (metadata and one frame, no full decode) and plan its clips."""
-    from loraflow.ops.clips import find_source_image, plan_clips, read_captions, source_files
+    from loraflow.ops.clips import check_name, dropped, find_source_image, plan_clips, read_captions, source_files
     from loraflow.ops.media import MediaError, probe
 
     plan = BucketPlan()
@@ -90,13 +90,13 @@ def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGe
         sources = config.source_images(dataset)
         for path in tqdm(files, desc=f"probe {dataset.id}", unit="file", disable=not progress or not files):
             try:
-                read_captions(path, dataset)
+                read_captions(check_name(path), dataset)
                 if sources is not None:  # i2i: a target without its source image is dropped by clips too
                     probe(find_source_image(path, dataset, sources))
                 clips = plan_clips(path, probe(path), dataset, family, config.pretrained_model_name_or_path,
                                    dataset.id == config.render_dataset_id)
-            except MediaError as exc:
-                plan.dropped.append({"dataset": dataset.id, "file": str(path), "reason": exc.reason, "detail": str(exc)})
+            except (MediaError, OSError) as exc:
+                plan.dropped.append(dropped(dataset.id, path, exc))
                 continue
             clips_seen += [(dataset.id, c["height"], c["width"], len(c["indices"])) for c in clips]
     plan.buckets = tally_buckets(clips_seen, geometry)

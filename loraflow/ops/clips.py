@@ -26,6 +26,7 @@ import csv
 import io
 import json
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from functools import lru_cache
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from loraflow.bucket_plan import LatentGeometry, latent_geometry, tally_buckets
@@ -111,6 +114,11 @@ def _load_metadata(path: str, size: int, mtime_ns: int) -> tuple[dict[str, tuple
         rows = _metadata_rows(meta)
     except MediaError as exc:
         return {}, (exc.reason, str(exc))
+    except (pa.ArrowException, OSError) as exc:  # a .parquet file that is not one
+        return {}, ("bad_metadata", f"{meta.name} cannot be read as Parquet ({exc}); re-export it")
+    if not all(isinstance(row, dict) for row in rows):
+        return {}, ("bad_metadata", f"{meta.name}: each row must be an object with a file and a caption column "
+                                    "(.json/.jsonl: one object per line)")
     columns = set(rows[0]) if rows else set()
     file_col = next((c for c in FILE_COLUMNS if c in columns), None)
     caption_col = next((c for c in CAPTION_COLUMNS if c in columns), None)
@@ -118,7 +126,10 @@ def _load_metadata(path: str, size: int, mtime_ns: int) -> tuple[dict[str, tuple
         return {}, ("bad_metadata", f"{meta.name}: needs a file column ({', '.join(FILE_COLUMNS)}) and a caption "
                                     f"column ({', '.join(CAPTION_COLUMNS)}); found {sorted(columns)}")
     table: dict[str, list[str]] = {}
-    for row in rows:
+    for number, row in enumerate(rows, 1):
+        if row.get(file_col) is None:
+            return {}, ("bad_metadata", f"{meta.name}: row {number} has no `{file_col}` (the file column row 1 "
+                                        "uses); give every row one")
         value = row.get(caption_col)
         items = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
         captions = [str(c) for c in items if c is not None]
@@ -129,8 +140,6 @@ def _load_metadata(path: str, size: int, mtime_ns: int) -> tuple[dict[str, tuple
 def _metadata_rows(meta: Path) -> list[dict[str, Any]]:
     suffix = meta.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         return pq.read_table(meta).to_pylist()
     text = _utf8(meta.read_bytes(), meta)
     if suffix == ".csv":
@@ -210,6 +219,7 @@ def _check_clip_lengths(path: Path, lengths: set[int], family: ModelFamily, imag
 def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model_path: str, store: Store,
                probes: set[str], images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
     """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image."""
+    check_name(path)
     identity = file_identity(path, dataset.instance_data_dir or "")
     captions = read_captions(path, dataset)
     info = probe_cached(path, identity, store, probes)
@@ -234,7 +244,7 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model_pa
 def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig, store: Store,
                   probes: set[str]) -> tuple[dict[str, Any], Path, Probe]:
     """i2i: the source image paired with `path`, its identity and its (cached) probe."""
-    found = find_source_image(path, dataset, sources)
+    found = check_name(find_source_image(path, dataset, sources))
     relative = path.relative_to(dataset.instance_data_dir or "")
     identity = file_identity(found, sources.instance_data_dir or "")
     try:
@@ -242,6 +252,30 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig, st
     except MediaError as exc:
         raise MediaError(exc.reason, f"{relative}: its source image {identity['path']}: {exc}") from None
     return identity, found, info
+
+
+def check_name(path: Path) -> Path:
+    """Paths go into Parquet rows (UTF-8 strings) and to the decoders: a name that is not UTF-8 cannot."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise MediaError("bad_filename", f"{printable(path)}: the file name is not UTF-8 (an old archive's "
+                         "encoding?); rename the file") from None
+    return path
+
+
+def printable(path: str | Path) -> str:
+    """The path as text that always encodes (undecodable bytes shown as \\xNN)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def dropped(dataset: str, path: str | Path, exc: MediaError | OSError) -> dict[str, str]:
+    """A quarantine row: a MediaError's reason, or `unreadable` for a file the OS would not give us (deleted or
+    moved during the run, no permission)."""
+    if isinstance(exc, MediaError):
+        return {"dataset": dataset, "file": printable(path), "reason": exc.reason, "detail": str(exc)}
+    return {"dataset": dataset, "file": printable(path), "reason": "unreadable",
+            "detail": f"{printable(path)}: {exc.strerror or exc}; check that the file is still there and readable"}
 
 
 def find_source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig) -> Path:
@@ -283,7 +317,11 @@ def decode_clip(row: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _decode_cropped(path: str, indices: list[int], resize: list[int], box: list[int]) -> np.ndarray:
-    frames = decode_frames(path, indices, tuple(resize))
+    try:
+        frames = decode_frames(path, indices, tuple(resize))
+    except ValueError as exc:  # planned frames the file no longer has
+        raise MediaError("changed_during_run", f"{path} changed after this run planned it ({exc}); materialize "
+                         "the stage again") from None
     top, left, height, width = box
     return np.ascontiguousarray(frames[:, top : top + height, left : left + width])
 
@@ -335,8 +373,8 @@ def build_clips(
                 manifest += _clip_rows(path, dataset, family, config.pretrained_model_name_or_path, store, probes,
                                        images_allowed=dataset.id == config.render_dataset_id,
                                        sources=config.source_images(dataset))
-            except MediaError as exc:
-                quarantine.append({"dataset": dataset.id, "file": str(path), "reason": exc.reason, "detail": str(exc)})
+            except (MediaError, OSError) as exc:
+                quarantine.append(dropped(dataset.id, path, exc))
     have = store.keys("clips")
     todo = [row for row in manifest if row["key"] not in have]
     failed = _decode_missing(todo, store)
@@ -371,8 +409,8 @@ def _decode_missing(todo: list[dict[str, Any]], store: Store, shard_clips: int =
         for row in todo[start : start + shard_clips]:
             try:
                 decoded.setdefault(row["bucket"], []).append({"key": row["key"], **decode_clip(row)})
-            except MediaError as exc:
-                failed.append({"dataset": row["dataset"], "file": row["path"], "reason": exc.reason, "detail": str(exc)})
+            except (MediaError, OSError) as exc:
+                failed.append(dropped(row["dataset"], row["path"], exc))
             progress.update()
         for rows in decoded.values():
             store.put("clips", rows)

@@ -7,6 +7,7 @@ request to a worker, which calls `probe_local` or `decode_local`.
 from __future__ import annotations
 
 import logging
+import struct
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, NoReturn
@@ -278,6 +279,8 @@ def _load_image(path: Path) -> tuple[Any, int, str]:
     except OSError as err:
         reason = "truncated" if "truncated" in str(err) else "unreadable"
         raise MediaError(reason, f"{path}: the image cannot be decoded ({err}); re-export it") from err
+    except (ValueError, SyntaxError, struct.error) as err:  # Pillow's other ways of refusing a file (huge text chunks)
+        raise MediaError("unreadable", f"{path}: the image cannot be decoded ({err}); re-export it") from err
     orientation = image.getexif().get(0x0112, 1)
     return image, _EXIF_ROTATION.get(orientation, 0), image.mode
 

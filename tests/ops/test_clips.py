@@ -12,11 +12,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image, PngImagePlugin
 
 from loraflow.bucket_plan import latent_geometry
 from loraflow.config import ConfigError, parse_config
 from loraflow.ops import buckets
-from loraflow.ops.clips import build_clips, condition_frame
+from loraflow.ops.clips import build_clips, condition_frame, decode_clip, dropped
+from loraflow.ops.media import MediaError
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.media_factory import read_index, write_h264, write_image, write_video
@@ -102,6 +104,52 @@ def test_metadata_file_that_is_not_utf8_quarantines_its_files(tiny_k5: Path, tmp
     assert store.read_manifest("clips") == []
     assert {q["reason"] for q in report.quarantined} == {"caption_not_utf8"}
     assert "meta.csv" in report.quarantined[0]["detail"]
+
+
+@pytest.mark.parametrize("content", [
+    '[{"file_name": "clip_0.mp4", "caption": "a"}]',  # one JSON array on one line, not one object per line
+    '{"file_name": "clip_0.mp4", "caption": "a"}\n{"caption": "no file column"}',
+    "not parquet at all",  # as captions.parquet
+])
+def test_a_broken_metadata_file_quarantines_its_files_with_a_reason(tiny_k5: Path, tmp_path: Path,
+                                                                    content: str) -> None:
+    data = tmp_path / "data"
+    videos(data, 2, captions=False)
+    meta = data / ("captions.parquet" if content.startswith("not") else "captions.jsonl")
+    meta.write_text(content)
+    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "caption_strategy": "metadata",
+                                               "metadata_file": meta.name}])
+    report, store = run(config)  # before: TypeError, KeyError, ArrowInvalid out of the stage
+    assert store.read_manifest("clips") == [] and {q["reason"] for q in report.quarantined} == {"bad_metadata"}
+
+
+def test_odd_files_are_quarantined_and_the_rest_proceeds(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (good,) = videos(data, 1)
+    bad_name = data / os.fsdecode(b"caf\xe9.mp4")  # a Latin-1 name from an old archive
+    bad_name.write_bytes(good.read_bytes())
+    bad_name.with_suffix(".txt").write_text("caption")
+    chunky = data / "chunky.png"  # a PNG whose text chunk Pillow refuses (ValueError, not OSError)
+    image = Image.fromarray(np.zeros((64, 96, 3), np.uint8))
+    info = PngImagePlugin.PngInfo()
+    info.add_text("comment", "x" * (3 * 2**20), zip=True)
+    image.save(chunky, pnginfo=info)
+    chunky.with_suffix(".txt").write_text("caption")
+    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    assert [r["path"] for r in store.read_manifest("clips")] == [str(good)]
+    reasons = {q["file"].rsplit("/", 1)[1]: q["reason"] for q in report.quarantined}
+    assert reasons == {"caf\\xe9.mp4": "bad_filename", "chunky.png": "unreadable"}  # the manifest could be written
+
+
+def test_a_file_gone_or_changed_after_planning_is_quarantined(tmp_path: Path) -> None:
+    (video,) = videos(tmp_path, 1, num_frames=12)
+    row = {"path": str(video), "indices": [0, 11], "resize": [64, 96], "box": [0, 0, 64, 96]}
+    write_h264(video, num_frames=6, width=96, height=64)  # replaced by a shorter take after the plan
+    with pytest.raises(MediaError) as caught:
+        decode_clip(row)
+    assert caught.value.reason == "changed_during_run"
+    gone = dropped("d0", tmp_path / "gone.mp4", FileNotFoundError(2, "No such file or directory"))
+    assert gone["reason"] == "unreadable" and "No such file or directory" in gone["detail"]
 
 
 def test_new_keys_are_validated_naming_the_key(tiny_k5: Path, tmp_path: Path) -> None:
