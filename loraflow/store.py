@@ -19,6 +19,8 @@ Reads fetch only the row groups holding the wanted keys: a shard's rows are grou
 from __future__ import annotations
 
 import copy
+import io
+import os
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -99,9 +101,17 @@ class Store:
     def _dir(self, stage: str) -> str:
         return f"{self.root.rstrip('/')}/{stage}"
 
-    def _shards(self, stage: str) -> list[str]:
-        pattern = f"{self._dir(stage)}/shards/*.parquet"
-        return sorted(self.fs.glob(pattern))
+    def shard_paths(self, stage: str) -> list[str]:
+        """The stage's committed shards, sorted."""
+        return self._parquet_files(f"{self._dir(stage)}/shards")
+
+    def _parquet_files(self, folder: str) -> list[str]:
+        # listed, not globbed: a cache_dir with [ or * in its name is a name, not a pattern
+        try:
+            names = self.fs.ls(folder, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if n.endswith(".parquet"))  # never a .tmp-* file being written
 
     def _write_atomic(self, table: pa.Table, path: str) -> None:
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
@@ -112,6 +122,7 @@ class Store:
             # costs more than it saves (text_embeds shards: about a third smaller without it)
             plain = [n for n in table.column_names if not _is_tensor(table, n) and not n.endswith(SHAPE_SUFFIX)]
             pq.write_table(table, f, compression="zstd", use_dictionary=plain, row_group_size=rows_per_group)
+            _fsync_local(f)
         self.fs.mv(tmp, path)
 
     def _shard_keys(self, shard: str) -> list[list[str]]:
@@ -135,13 +146,13 @@ class Store:
 
     def keys(self, stage: str) -> set[str]:
         """Every committed key of a stage: the resume point."""
-        return {key for shard in self._shards(stage) for group in self._shard_keys(shard) for key in group}
+        return {key for shard in self.shard_paths(stage) for group in self._shard_keys(shard) for key in group}
 
     def get(self, stage: str, keys: Iterable[str], columns: list[str] | None = None) -> dict[str, dict[str, Any]]:
         """Rows for the given keys, by key. Missing keys raise: reading a cache that is not there is a bug."""
         wanted = set(keys)
         rows: dict[str, dict[str, Any]] = {}
-        for shard in self._shards(stage):
+        for shard in self.shard_paths(stage):
             groups = [i for i, group in enumerate(self._shard_keys(shard)) if any(k in wanted for k in group)]
             if not groups:
                 continue
@@ -191,7 +202,7 @@ class Store:
 
     def manifest_parts(self, stage: str) -> list[str]:
         """Names of the stage's manifest parts, sorted."""
-        paths = self.fs.glob(f"{self._dir(stage)}/manifest/*.parquet")
+        paths = self._parquet_files(f"{self._dir(stage)}/manifest")
         return sorted(unquote(p.rsplit("/", 1)[-1].removesuffix(".parquet")) for p in paths)
 
     def drop_parts(self, stage: str, keep: Iterable[str]) -> list[str]:
@@ -235,7 +246,7 @@ class Store:
         Explicit clean-up, never automatic: a dataset removed from the config keeps its shards until then."""
         keep = self.manifest_keys(stage) if keep is None else keep
         removed = 0
-        for shard in self._shards(stage):
+        for shard in self.shard_paths(stage):
             if not any(k in keep for group in self._shard_keys(shard) for k in group):
                 self.fs.rm(shard)
                 self._index.pop(shard, None)
@@ -250,3 +261,14 @@ def _with_shapes(f: Any, columns: list[str] | None) -> list[str] | None:
     f.seek(0)
     wanted = {"key", *columns}
     return [n for n in names if n in wanted or (n.endswith(SHAPE_SUFFIX) and n.removesuffix(SHAPE_SUFFIX) in wanted)]
+
+
+def _fsync_local(f: Any) -> None:
+    """A local file's bytes on disk before the rename publishes it (a power cut must not leave an empty shard
+    under a committed name); object stores commit whole objects, so there is nothing to do there."""
+    try:
+        fd = f.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return
+    f.flush()
+    os.fsync(fd)

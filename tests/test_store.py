@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -133,3 +135,12 @@ def test_drop_parts_and_clean_keep_what_any_part_lists(store: Store) -> None:
     assert store.keys("stage") == {"a1", "b1"}  # dropping a part lists nothing new and deletes no shard
     assert store.read_manifest("stage") == [{"key": "a1"}]
     assert store.clean("stage") == 1 and store.keys("stage") == {"a1"}
+
+
+def test_a_cache_dir_with_glob_characters_in_its_name_resumes(tmp_path: Path) -> None:
+    root = tmp_path / "runs [v2]*"  # globbed, this matched nothing: every run re-did everything
+    Store(str(root)).put("clips", [{"key": "a"}])
+    Store(str(root)).write_manifest("clips", [{"key": "a"}], part="d0")
+    again = Store(str(root))
+    assert again.keys("clips") == {"a"} and again.manifest_parts("clips") == ["d0"]
+    assert len(again.shard_paths("clips")) == 1

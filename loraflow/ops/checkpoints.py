@@ -105,6 +105,7 @@ def export_lora(out: Path, transformer: torch.nn.Module, family: ModelFamily, lo
     tmp = out / "export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     family.save_lora(lora_state(transformer), tmp, adapter_config(transformer))
+    _fsync(tmp / LORA_FILE)  # this file says "finished": never an empty one under its name after a power cut
     (tmp / LORA_FILE).rename(out / LORA_FILE)
     shutil.rmtree(tmp)
     if lora_format == "comfyui":

@@ -243,7 +243,7 @@ def truncation_table(rows: list[dict[str, Any]], store: Store, limit: int) -> li
 
 def stage_bytes(store: Store) -> int:
     """Bytes of every committed text_embeds shard (stale texts included until `store.clean`)."""
-    shards = store.fs.glob(f"{store.root.rstrip('/')}/text_embeds/shards/*.parquet")
+    shards = store.shard_paths("text_embeds")
     return int(sum(store.fs.size(s) for s in shards))
 
 
