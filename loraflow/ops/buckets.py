@@ -10,6 +10,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 FPS_TOLERANCE = 1.01  # sources within 1% of the target fps are not resampled
 
 
@@ -17,10 +19,23 @@ class TooShort(ValueError):
     """The video has fewer usable frames than the clip needs."""
 
 
-def resampled_indices(num_frames: int, source_fps: float, target_fps: float | None) -> list[int]:
-    """Source frame indices of the timeline resampled down to target_fps (never up: no invented frames)."""
+def resampled_indices(num_frames: int, source_fps: float, target_fps: float | None,
+                      frame_times: Sequence[float] = ()) -> list[int]:
+    """Source frame indices of the timeline resampled down to target_fps (never up: no invented frames).
+
+    `frame_times` (a VFR source's frame times in seconds): each step of 1/target_fps takes the frame nearest in
+    time, so a phone clip that drops from 30 to 15 fps in the dark keeps its real speed in both halves (frame
+    numbers would skip a third of the slow half's frames). A stretch slower than target_fps keeps each of its
+    frames once, as a slow CFR source does.
+    """
     if not target_fps or source_fps <= target_fps * FPS_TOLERANCE:
         return list(range(num_frames))
+    if len(frame_times) == num_frames > 1:
+        times = np.asarray(frame_times, np.float64)
+        wanted = np.arange(int(times[-1] * target_fps + 1e-6) + 1) / target_fps
+        after = np.clip(np.searchsorted(times, wanted), 1, num_frames - 1)
+        nearer_before = wanted - times[after - 1] <= times[after] - wanted
+        return np.unique(after - nearer_before).tolist()  # nondecreasing: unique keeps the order
     step = source_fps / target_fps
     count = int((num_frames - 1) / step) + 1
     return [min(num_frames - 1, round(i * step)) for i in range(count)]

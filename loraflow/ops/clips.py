@@ -49,6 +49,7 @@ from loraflow.store import Store
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
+PROBE_VERSION = 2  # bump when a probe would describe the same file differently (2: VFR frame times)
 
 
 def source_files(dataset: DatasetConfig) -> Iterator[Path]:
@@ -157,9 +158,10 @@ def _metadata_rows(meta: Path) -> list[dict[str, Any]]:
 
 def probe_cached(path: Path, identity: dict[str, Any], store: Store, known: set[str]) -> Probe:
     """Probe once per file identity; the result lives in the store's `probes` stage."""
-    key = content_key(identity=identity, code=CODE_VERSION)
+    key = content_key(identity=identity, code=CODE_VERSION, probe=PROBE_VERSION)
     if key in known:
-        return Probe(**{k: v for k, v in store.get("probes", [key])[key].items() if k != "key"})
+        row = store.get("probes", [key])[key]
+        return Probe(**{k: tuple(v) if k == "frame_times" else v for k, v in row.items() if k != "key"})
     result = probe(path)
     store.put("probes", [{"key": key, **asdict(result)}])
     known.add(key)
@@ -179,7 +181,8 @@ def plan_clips(
     if is_image:
         clips = [[0]]
     else:
-        timeline = buckets.resampled_indices(info.num_frames, info.fps, video.frame_rate or family.flavour.fps)
+        timeline = buckets.resampled_indices(info.num_frames, info.fps, video.frame_rate or family.flavour.fps,
+                                             info.frame_times)
         if video.min_frames and len(timeline) < video.min_frames:
             raise MediaError("too_short", f"{path.name}: {len(timeline)} frames < min_frames {video.min_frames}")
         if video.max_frames and len(timeline) > video.max_frames and video.frame_extraction != "full":

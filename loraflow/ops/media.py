@@ -89,6 +89,8 @@ class Probe:
     has_audio: bool
     codec: str
     is_image: bool  # still images are 1-frame media
+    # VFR only: each output frame's time in seconds from the first (CFR: (), the frame rate says it all)
+    frame_times: tuple[float, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ request to a worker, which calls `probe_local` or `decode_local`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import struct
 from fractions import Fraction
@@ -42,12 +43,23 @@ def _probe_video(path: Path) -> Probe:
     with _open_container(path) as container:
         stream = _video_stream(container, path)
         first = _first_frame(container, stream, path)
-        counted = _timestamps_from_index(stream, path) if _has_sample_table(container) else None
-        if counted is None:
-            with _open_container(path) as again:
-                counted = _timestamps_from_demux(again, _video_stream(again, path), path)
+        indexed = _timestamps_from_index(stream, path) if _has_sample_table(container) else None
+        counted = indexed or _demuxed(path)
         # Everything is read while the container is open: PyAV streams die with it.
-        return _describe(path, container, stream, first, *counted)
+        info = _describe(path, container, stream, first, *counted)
+        tick = float(stream.time_base or 0)
+    if not info.is_vfr or not tick:
+        return info
+    # Frame times for time-based resampling: presentation stamps, which a sample table does not hold (its
+    # decode stamps run ahead of them by a varying amount with B-frames), so a VFR file is demuxed once more.
+    count, stamps = _demuxed(path) if indexed else counted
+    times = tuple(round((t - stamps[0]) * tick, 6) for t in stamps) if count == info.num_frames else ()
+    return dataclasses.replace(info, frame_times=times)
+
+
+def _demuxed(path: Path) -> tuple[int, list[int]]:
+    with _open_container(path) as container:
+        return _timestamps_from_demux(container, _video_stream(container, path), path)
 
 
 def _has_sample_table(container: Any) -> bool:

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -39,6 +40,22 @@ def test_resampling_never_invents_frames(n, source_fps, target_fps) -> None:
     assert indices[0] == 0 and all(0 <= i < n for i in indices)
     assert indices == sorted(set(indices))
     assert len(indices) <= n
+
+
+@given(st.lists(st.floats(0.001, 0.2), min_size=1, max_size=400), st.floats(8, 60))
+def test_vfr_resampling_never_invents_frames_either(gaps, target_fps) -> None:
+    times = np.concatenate([[0.0], np.cumsum(gaps)])
+    indices = buckets.resampled_indices(len(times), (len(times) - 1) / times[-1], target_fps, tuple(times))
+    assert indices[0] == 0 and indices == sorted(set(indices)) and all(0 <= i < len(times) for i in indices)
+
+
+def test_vfr_resampling_picks_frames_by_time_not_by_number() -> None:
+    # a phone clip: 1 s at 30 fps, then 1 s at 15 fps (low light); 22.5 fps on average; resampled to 15 fps
+    times = tuple([i / 30 for i in range(30)] + [1 + i / 15 for i in range(15)])
+    by_time = buckets.resampled_indices(45, 22.5, 15, times)
+    assert by_time == list(range(0, 30, 2)) + list(range(30, 45))  # every step 1/15 s: the real speed throughout
+    by_number = buckets.resampled_indices(45, 22.5, 15)
+    assert np.diff(np.take(times, by_number)).max() > 1.4 / 15  # what frame numbers alone did to the slow half
 
 
 @given(st.integers(16, 4000), st.integers(16, 4000), st.sampled_from([16, 32, 64, 256, 512]), st.sampled_from([16, 32]))

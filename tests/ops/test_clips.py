@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,22 @@ def test_frame_rate_keeps_every_nth_frame_and_never_upsamples(tiny_k5: Path, tmp
     assert list(row["indices"]) == expected
     frames = store.get("clips", [row["key"]])[row["key"]]["frames"]
     assert [read_index(f) for f in frames] == expected  # the decoded frames are those source frames
+
+
+def test_a_variable_frame_rate_video_is_resampled_by_time(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    # 12 frames 1/30 s apart, then 12 frames 1/15 s apart (a phone dropping its rate in the dark), in ms
+    pts = [round(1000 * i / 30) for i in range(12)] + [400 + round(1000 * i / 15) for i in range(12)]
+    write_video(data / "v.mp4", 24, 96, 64, fps=30, pts=pts, time_base=Fraction(1, 1000))
+    (data / "v.txt").write_text("v", encoding="utf-8")
+    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data),
+                                               "video": {"num_frames": 13, "frame_rate": 15}}])
+    _, store = run(config)
+    (row,) = store.read_manifest("clips")
+    expected = [0, 2, 4, 6, 8, 10, 12, 13, 14, 15, 16, 17, 18]  # every 1/15 s; by frame number: 0, 2, 3, 4, 6, ...
+    assert list(row["indices"]) == expected
+    assert [read_index(f) for f in store.get("clips", [row["key"]])[row["key"]]["frames"]] == expected
 
 
 # ---------------------------------------------------------------------------------------------- incremental

@@ -96,6 +96,7 @@ def test_probe_counts_and_sizes(files: dict[str, Path], key: str, frames: int, s
 def test_probe_vfr(files: dict[str, Path]) -> None:
     info = probe(files["vfr"])
     assert info.is_vfr and info.num_frames == 30
+    assert len(info.frame_times) == 30 and info.frame_times[:4] == (0.0, 0.06, 0.08, 0.14)  # seconds
     assert info.fps == pytest.approx(25.0, rel=0.05)  # 20 ms / 60 ms alternating = 25 fps average
     assert info.duration_s == pytest.approx(30 / info.fps)
 
