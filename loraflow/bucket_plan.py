@@ -92,10 +92,10 @@ def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGe
             try:
                 read_captions(check_name(path), dataset)
                 if sources is not None:  # i2i: a target without its source image is dropped by clips too
-                    probe(find_source_image(path, dataset, sources))
+                    probe(check_name(find_source_image(path, dataset, sources)))
                 clips = plan_clips(path, probe(path), dataset, family, config.pretrained_model_name_or_path,
                                    dataset.id == config.render_dataset_id)
-            except (MediaError, OSError) as exc:
+            except MediaError as exc:
                 plan.dropped.append(dropped(dataset.id, path, exc))
                 continue
             clips_seen += [(dataset.id, c["height"], c["width"], len(c["indices"])) for c in clips]

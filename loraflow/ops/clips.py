@@ -27,11 +27,11 @@ import io
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -48,6 +48,7 @@ from loraflow.pipelines.base import ModelFamily
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
 PROBE_VERSION = 2  # bump when a probe would describe the same file differently (2: VFR frame times)
 
@@ -72,7 +73,7 @@ def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     caption_file = path.with_suffix(".txt")
     if not caption_file.is_file():
         raise MediaError("missing_caption", f"{path.name}: no caption file {caption_file.name} (caption_strategy textfile)")
-    return _clean(_utf8(caption_file.read_bytes(), caption_file).splitlines())
+    return _clean(_utf8(_read(caption_file), caption_file).splitlines())
 
 
 def _clean(captions: list[str]) -> list[str]:
@@ -96,7 +97,7 @@ def _metadata_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     meta = meta if meta.is_absolute() else root / meta
     if not meta.is_file():
         raise MediaError("missing_caption", f"dataset '{dataset.id}': metadata_file {meta} does not exist")
-    stat = meta.stat()
+    stat = _touch(meta.stat, meta)
     table, error = _load_metadata(str(meta), stat.st_size, stat.st_mtime_ns)
     if error:
         raise MediaError(*error)
@@ -223,7 +224,7 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model_pa
                probes: set[str], images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
     """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image."""
     check_name(path)
-    identity = file_identity(path, dataset.instance_data_dir or "")
+    identity = _touch(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
     captions = read_captions(path, dataset)
     info = probe_cached(path, identity, store, probes)
     source = _source_image(path, dataset, sources, store, probes) if sources else None
@@ -249,7 +250,7 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig, st
     """i2i: the source image paired with `path`, its identity and its (cached) probe."""
     found = check_name(find_source_image(path, dataset, sources))
     relative = path.relative_to(dataset.instance_data_dir or "")
-    identity = file_identity(found, sources.instance_data_dir or "")
+    identity = _touch(lambda: file_identity(found, sources.instance_data_dir or ""), found)
     try:
         info = probe_cached(found, identity, store, probes)
     except MediaError as exc:
@@ -272,20 +273,30 @@ def printable(path: str | Path) -> str:
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
-def dropped(dataset: str, path: str | Path, exc: MediaError | OSError) -> dict[str, str]:
-    """A quarantine row: a MediaError's reason, or `unreadable` for a file the OS would not give us (deleted or
-    moved during the run, no permission)."""
-    if isinstance(exc, MediaError):
-        return {"dataset": dataset, "file": printable(path), "reason": exc.reason, "detail": str(exc)}
-    return {"dataset": dataset, "file": printable(path), "reason": "unreadable",
-            "detail": f"{printable(path)}: {exc.strerror or exc}; check that the file is still there and readable"}
+def dropped(dataset: str, path: str | Path, exc: MediaError) -> dict[str, str]:
+    """A quarantine row."""
+    return {"dataset": dataset, "file": printable(path), "reason": exc.reason, "detail": str(exc)}
+
+
+def _touch(read: Callable[[], T], path: Path) -> T:
+    """`read()` of a source file; an OSError (the file deleted or moved since it was listed, no permission) is
+    that file's problem, quarantined as `unreadable`, not the stage's. Store errors are never caught here."""
+    try:
+        return read()
+    except OSError as exc:
+        raise MediaError("unreadable", f"{printable(path)}: {exc.strerror or exc}; check that the file is still "
+                         "there and readable") from None
+
+
+def _read(path: Path) -> bytes:
+    return _touch(path.read_bytes, path)
 
 
 def find_source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig) -> Path:
     """i2i: the file in `sources` with `path`'s relative folder and stem and an image extension."""
     relative = path.relative_to(dataset.instance_data_dir or "")
     folder = Path(sources.instance_data_dir or "") / relative.parent
-    found = sorted(p for p in (folder.iterdir() if folder.is_dir() else ())
+    found = sorted(p for p in (_touch(lambda: list(folder.iterdir()), folder) if folder.is_dir() else ())
                    if p.stem == relative.stem and p.suffix.lower() in IMAGE_EXTENSIONS)
     if not found:
         raise MediaError("missing_source_image", f"{relative}: no source image {relative.with_suffix('.*')} in "
@@ -376,7 +387,7 @@ def build_clips(
                 manifest += _clip_rows(path, dataset, family, config.pretrained_model_name_or_path, store, probes,
                                        images_allowed=dataset.id == config.render_dataset_id,
                                        sources=config.source_images(dataset))
-            except (MediaError, OSError) as exc:
+            except MediaError as exc:
                 quarantine.append(dropped(dataset.id, path, exc))
     have = store.keys("clips")
     todo = [row for row in manifest if row["key"] not in have]
@@ -412,7 +423,7 @@ def _decode_missing(todo: list[dict[str, Any]], store: Store, shard_clips: int =
         for row in todo[start : start + shard_clips]:
             try:
                 decoded.setdefault(row["bucket"], []).append({"key": row["key"], **decode_clip(row)})
-            except (MediaError, OSError) as exc:
+            except MediaError as exc:
                 failed.append(dropped(row["dataset"], row["path"], exc))
             progress.update()
         for rows in decoded.values():

@@ -18,7 +18,7 @@ from PIL import Image, PngImagePlugin
 from loraflow.bucket_plan import latent_geometry
 from loraflow.config import ConfigError, parse_config
 from loraflow.ops import buckets
-from loraflow.ops.clips import build_clips, condition_frame, decode_clip, dropped
+from loraflow.ops.clips import build_clips, condition_frame, decode_clip
 from loraflow.ops.media import MediaError
 from loraflow.pipelines import get_family
 from loraflow.store import Store
@@ -142,15 +142,23 @@ def test_odd_files_are_quarantined_and_the_rest_proceeds(tiny_k5: Path, tmp_path
     assert reasons == {"caf\\xe9.mp4": "bad_filename", "chunky.png": "unreadable"}  # the manifest could be written
 
 
-def test_a_file_gone_or_changed_after_planning_is_quarantined(tmp_path: Path) -> None:
+def test_a_caption_file_the_os_will_not_read_is_that_files_problem(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    good, bad = videos(data, 2)
+    bad.with_suffix(".txt").unlink()
+    bad.with_suffix(".txt").symlink_to("/proc/self/mem")  # a regular file whose read fails (EIO), as a vanished
+    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))  # one would
+    assert [r["path"] for r in store.read_manifest("clips")] == [str(good)]
+    assert [(q["reason"], "Input/output error" in q["detail"]) for q in report.quarantined] == [("unreadable", True)]
+
+
+def test_a_file_changed_after_planning_is_quarantined(tmp_path: Path) -> None:
     (video,) = videos(tmp_path, 1, num_frames=12)
     row = {"path": str(video), "indices": [0, 11], "resize": [64, 96], "box": [0, 0, 64, 96]}
     write_h264(video, num_frames=6, width=96, height=64)  # replaced by a shorter take after the plan
     with pytest.raises(MediaError) as caught:
         decode_clip(row)
     assert caught.value.reason == "changed_during_run"
-    gone = dropped("d0", tmp_path / "gone.mp4", FileNotFoundError(2, "No such file or directory"))
-    assert gone["reason"] == "unreadable" and "No such file or directory" in gone["detail"]
 
 
 def test_new_keys_are_validated_naming_the_key(tiny_k5: Path, tmp_path: Path) -> None:
