@@ -1,9 +1,10 @@
 """How the `lora` asset trains: in the Dagster process on the CPU, or as `accelerate launch` under Dagster Pipes.
 
-One CPU process (the default) trains in-process, as every other stage does. `num_processes > 1`, or any CUDA run,
-starts `accelerate launch ... -m loraflow.train_main CONFIG` through PipesSubprocessClient: the GPUs' memory
-is the launched processes' alone and is given back when they exit, every rank trains, and rank 0 streams its log
-lines and reports the materialization, which becomes this asset's (see loraflow/train_main.py).
+One CPU process (the default) trains in-process, as every other stage does. Any CUDA run, or `num_processes > 1`,
+starts `python -m loraflow.train_main CONFIG` (one process) or `accelerate launch --multi_gpu ... -m
+loraflow.train_main CONFIG` through PipesSubprocessClient: the GPUs' memory is the launched processes' alone and is
+given back when they exit, every rank trains, and rank 0 streams its log lines and reports the materialization,
+which becomes this asset's (see loraflow/train_main.py). Trainers die with the process that started them.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ def needs_launch(config: LoraflowConfig) -> bool:
 
 
 def launch_command(config_path: str, num_processes: int, port: int | None = None) -> list[str]:
-    """`accelerate launch` of the training entry point: torchrun underneath with --multi_gpu, on CPUs as well."""
-    multi = ["--multi_gpu", "--main_process_port", str(port or free_port())] if num_processes > 1 else []
+    """The training entry point: one process runs it directly (the process Pipes starts is the trainer, so stopping
+    the run stops it); more go through `accelerate launch --multi_gpu` (torchrun underneath, on CPUs as well)."""
+    entry = ["-m", "loraflow.train_main", str(Path(config_path).resolve())]
+    if num_processes == 1:
+        return [sys.executable, *entry]
     # Explicit defaults: without an accelerate config file, launch would warn about each one.
-    return [sys.executable, "-m", "accelerate.commands.launch", *multi, "--num_processes", str(num_processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "-m", "loraflow.train_main", str(Path(config_path).resolve())]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--main_process_port",
+            str(port or free_port()), "--num_processes", str(num_processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", *entry]
 
 
 def free_port() -> int:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,7 @@ from loraflow.assets.stages import lora
 from loraflow.config import load_config
 from loraflow.ops import train as T
 from loraflow.store import Store
+from tests.conftest import REPO
 from tests.ops.test_train import build_caches, make_config
 
 
@@ -50,3 +54,40 @@ def test_only_rank_0_logs_to_dagster(launched) -> None:
     assert any("rank 0 of 2" in m for m in logs) and not any("rank 1 of 2" in m for m in logs)
     assert not any(e.dagster_event.event_type == DagsterEventType.STEP_FAILURE
                    for e in instance.all_logs(result.run_id) if e.dagster_event is not None)
+
+
+def test_one_process_is_started_directly_so_stopping_the_run_stops_the_trainer(tmp_path: Path) -> None:
+    from loraflow.assets.launch import launch_command
+
+    command = launch_command(str(tmp_path / "c.yaml"), 1)
+    assert command == [sys.executable, "-m", "loraflow.train_main", str(tmp_path / "c.yaml")]  # no accelerate
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_trainer_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    child_pid = tmp_path / "child.pid"
+    (tmp_path / "child.py").write_text("import os, sys, time\nfrom loraflow.train_main import die_with_parent\n"
+                                       "die_with_parent()\nopen(sys.argv[1], 'w').write(str(os.getpid()))\n"
+                                       "time.sleep(60)\n")
+    (tmp_path / "parent.py").write_text("import subprocess, sys, time\n"
+                                        "subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])\n"
+                                        "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "child.py"),
+                               str(child_pid)], cwd=REPO)
+    deadline = time.monotonic() + 30
+    while not (child_pid.is_file() and child_pid.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pid = int(child_pid.read_text())
+    parent.kill()  # SIGKILL: the parent gets no chance to clean up (a killed Dagster step)
+    parent.wait()
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited (init reaps it)
