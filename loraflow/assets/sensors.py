@@ -62,6 +62,15 @@ def dataset_state(config: Any, dataset: Any) -> dict[str, Any]:
     return {"hash": content_key(targets=state["hash"], sources=paired["hash"]), "files": state["files"] + paired["files"]}
 
 
+def read_cursor(cursor: str | None) -> tuple[dict[str, Any], int]:
+    """(each dataset's state at the last tick, how many ticks requested runs); a cursor of before the count was kept
+    is the states alone."""
+    data = json.loads(cursor) if cursor else {}
+    if "states" in data and "launches" in data:
+        return data["states"], data["launches"]
+    return data, 0
+
+
 def changed_datasets(previous: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Ids whose state differs from the last tick (a dataset seen for the first time counts as changed)."""
     return sorted(i for i, state in current.items() if previous.get(i, {}).get("hash") != state["hash"])
@@ -77,9 +86,9 @@ def partition_requests(added: list[str], deleted: list[str]) -> list[Any]:
                     "dataset added, or whose instance_data_dir had files added, changed or removed.")
 def dataset_watch(context: SensorEvaluationContext, loraflow: LoraflowResource) -> SensorResult:
     config = loraflow.load()
-    previous = json.loads(context.cursor) if context.cursor else {}
+    previous, launches = read_cursor(context.cursor)
     current = {d.id: dataset_state(config, d) for d in config.training_datasets}
-    cursor = json.dumps(current, sort_keys=True)
+    cursor = json.dumps({"states": current, "launches": launches}, sort_keys=True)
     added, deleted = partition_changes(context.instance, config)
     if deleted:
         context.log.info(f"datasets no longer in the config, partitions deleted: {deleted}")
@@ -91,10 +100,12 @@ def dataset_watch(context: SensorEvaluationContext, loraflow: LoraflowResource) 
     files = {i: {"before": previous.get(i, {}).get("files"), "after": current[i]["files"],
                  "missing_folder": current[i]["hash"] == MISSING} for i in to_run}
     context.log.info(f"datasets to cache: {files}")
+    # The launch count makes each tick's run keys new: a state seen before (a dataset removed and restored, a file
+    # moved out and back) must run again, and Dagster skips a run key it has launched once.
     return SensorResult(
-        run_requests=[RunRequest(run_key=content_key(dataset=i, before=previous.get(i), after=current[i]),
+        run_requests=[RunRequest(run_key=content_key(dataset=i, after=current[i], launch=launches + 1),
                                  partition_key=i, tags={CHANGED_TAG: i}) for i in to_run],
-        cursor=cursor,
+        cursor=json.dumps({"states": current, "launches": launches + 1}, sort_keys=True),
         dynamic_partitions_requests=partition_requests(added, deleted),
         asset_events=[AssetObservation(asset_key="clips", partition=i, metadata={"files": files[i]}) for i in to_run],
     )

@@ -210,6 +210,26 @@ def test_sensor_adds_a_partition_per_dataset_and_requests_a_run_per_changed_one(
         assert again.run_requests[0].run_key != request.run_key
 
 
+def test_sensor_runs_again_when_a_dataset_returns_to_a_state_it_had(tmp_path: Path) -> None:
+    config, dirs = _watch_config(tmp_path)
+    moved = tmp_path / "one.mp4"
+    with DagsterInstance.ephemeral() as instance:
+        first = _tick(config, None, instance)
+        instance.add_dynamic_partitions(DATASETS.name, ["cats", "dogs"])  # what the daemon does with the request
+        keys = {r.run_key for r in first.run_requests}
+        cursor = first.cursor
+        for _ in range(2):  # a file moved out and back (its mtime kept), twice: every change is a new run
+            (dirs["dogs"] / "one.mp4").rename(moved)
+            out = _tick(config, cursor, instance)
+            moved.rename(dirs["dogs"] / "one.mp4")
+            back = _tick(config, out.cursor, instance)
+            cursor = back.cursor
+            for result in (out, back):
+                (request,) = result.run_requests
+                assert request.partition_key == "dogs" and request.run_key not in keys  # Dagster would skip it
+                keys.add(request.run_key)
+
+
 def test_sensor_deletes_the_partition_of_a_removed_dataset_and_adds_a_new_one(tmp_path: Path) -> None:
     config, dirs = _watch_config(tmp_path)
     with DagsterInstance.ephemeral() as instance:
