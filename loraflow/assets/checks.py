@@ -3,24 +3,32 @@
 ERROR checks are blocking: in a job, a failed check stops the assets downstream of it (no training on
 latents of the wrong shape, no validation of a LoRA that does not load). The finders below are plain
 functions returning offending rows, so they read (and test) without Dagster. A check of a partitioned asset
-(clips, latents) checks the run's dataset only: another dataset may be half-way through its own run.
+(clips, latents) is partitioned like it: it checks the run's dataset only (another dataset may be half-way through
+its own run), and its result is that dataset's, so one dataset's pass never hides another's failure.
 """
 
 # No `from __future__ import annotations` here: Dagster inspects the real annotations of check functions.
+import warnings
 from collections.abc import Iterable, Iterator
 from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
+from dagster import (
+    AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, MetadataValue, PreviewWarning, asset_check,
+)
 
 from loraflow.assets import metadata as md
+from loraflow.assets.partitions import DATASETS
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import clips, latents, lora, text_embeds
 from loraflow.bucket_plan import LatentGeometry
 from loraflow.store import Store
 
+# Partitioned checks are "preview" in Dagster 1.13 (pinned in pyproject.toml); they are what keeps one dataset's
+# result from replacing another's, so the load-time warning about them is expected and quieted.
+warnings.filterwarnings("ignore", "Specifying a partitions_def on an AssetCheckSpec", PreviewWarning)
 READ_CLIPS = 64  # latents read per store.get: bounds memory on large datasets
 
 
@@ -77,7 +85,7 @@ def bad_latents(store: Store, geometry: LatentGeometry,
     return len(rows), offending
 
 
-@asset_check(asset=latents, blocking=True,
+@asset_check(asset=latents, blocking=True, partitions_def=DATASETS,
              description="Every latent has its clip's shape through the checkpoint's VAE, (C, (F-1)/4+1, H/s, W/s) "
                          "with s its spatial factor (8 or 16), and is finite.")
 def latents_shape_and_finite(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
@@ -104,7 +112,8 @@ def clips_without_latents(expected: list[dict[str, Any]], store: Store,
             for r in expected if r["key"] not in listed or r["key"] not in committed]
 
 
-@asset_check(asset=latents, blocking=True, description="Every clip in the clips manifest has a stored latent.")
+@asset_check(asset=latents, blocking=True, partitions_def=DATASETS,
+             description="Every clip in the clips manifest has a stored latent.")
 def latents_cover_clips(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
     from loraflow.ops.latents import latent_rows
 
@@ -158,7 +167,7 @@ def empty_captions(store: Store, datasets: list[str] | None = None) -> tuple[int
     return len(rows), offending
 
 
-@asset_check(asset=clips, description="No clip trains on the empty prompt by accident (an empty caption file). "
+@asset_check(asset=clips, partitions_def=DATASETS, description="No clip trains on the empty prompt by accident (an empty caption file). "
                                       "WARN: an empty caption is legitimate when unconditional training is intended.")
 def captions_not_empty(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
     config = loraflow.load()

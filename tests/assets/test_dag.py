@@ -58,6 +58,14 @@ def test_every_stage_materializes_with_metadata(dag_run) -> None:
     assert validation["num_frames"] == 9 and (validation["height"], validation["width"]) == (64, 96)
 
 
+def test_checks_of_a_dataset_are_recorded_for_its_partition(dag_run) -> None:
+    first, _, _ = dag_run  # a pass of another dataset must not replace this one's results (they are per partition)
+    evaluations = {(e.asset_check_key.name, e.partition)
+                   for r in first for e in r.get_asset_check_evaluations()}
+    assert {("latents_shape_and_finite", "demo-videos"), ("latents_cover_clips", "demo-videos"),
+            ("captions_not_empty", "demo-videos"), ("text_embeds_cover_captions", None)} <= evaluations
+
+
 def test_second_materialization_reuses_every_item(dag_run) -> None:
     first, second, _ = dag_run
     assert all(r.success for r in second)
