@@ -110,7 +110,9 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
     )
 
 
-@asset(deps=[lora], pool="gpu", group_name="loraflow",
+# text_embeds too: a new validation prompt is embedded without retraining (lora's version stays), and validation
+# must then show as stale and render it.
+@asset(deps=[lora, text_embeds], pool="gpu", group_name="loraflow",
        description="Base vs LoRA renders of every validation prompt, and eval loss on held-out clips.")
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
     from PIL import Image

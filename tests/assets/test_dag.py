@@ -66,6 +66,14 @@ def test_checks_of_a_dataset_are_recorded_for_its_partition(dag_run) -> None:
             ("captions_not_empty", "demo-videos"), ("text_embeds_cover_captions", None)} <= evaluations
 
 
+def test_validation_is_downstream_of_the_prompt_embeddings_not_only_of_the_lora() -> None:
+    from dagster import AssetKey
+
+    from loraflow.assets.stages import validation
+
+    assert {AssetKey("lora"), AssetKey("text_embeds")} <= set(validation.dependency_keys)
+
+
 def test_second_materialization_reuses_every_item(dag_run) -> None:
     first, second, _ = dag_run
     assert all(r.success for r in second)
