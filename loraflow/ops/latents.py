@@ -170,8 +170,16 @@ def _encode_with_fallback(
         return family.vae_encode(vae, pixels, sampling)[0], "patch_conv"
     except torch.OutOfMemoryError:
         free_models()
-    vae.enable_tiling()  # approximate: the item is recorded, and a later full run with more memory can redo it
-    return family.vae_encode(vae, pixels, sampling)[0], "tiling"
+    # Tiling is approximate: only this clip gets it (listed in the report's oom_fallbacks; its row keeps the exact
+    # key, so redoing it means dropping the latents cache), and every later clip is tried as configured first
+    # again. Patch conv above stays on: it is exact.
+    configured = getattr(vae, "use_tiling", False)
+    vae.enable_tiling()
+    try:
+        return family.vae_encode(vae, pixels, sampling)[0], "tiling"
+    finally:
+        if not configured:
+            vae.disable_tiling()
 
 
 def latent_columns(encoded: torch.Tensor, sampling: str) -> dict[str, np.ndarray]:
