@@ -107,9 +107,16 @@ def clips_without_latents(expected: list[dict[str, Any]], store: Store,
     listed = {r["key"] for r in store.read_manifest("latents", parts=datasets)}
     committed = store.keys("latents")
     sources = {r["key"]: r["source"] for r in store.read_manifest("clips", parts=datasets)}
+    skipped = quarantined_latents(store, datasets)  # the latents report names them, with their reason
     return [{"clip": r["clip_key"], "source": sources.get(r["clip_key"], "?"), "bucket": r["bucket"],
              "problem": "no latent for the current VAE" if r["key"] not in listed else "latent listed but not stored"}
-            for r in expected if r["key"] not in listed or r["key"] not in committed]
+            for r in expected if r["key"] not in skipped and (r["key"] not in listed or r["key"] not in committed)]
+
+
+def quarantined_latents(store: Store, datasets: list[str] | None) -> set[str]:
+    """Latent keys the last latents run of each dataset quarantined (a store from before it kept them: none)."""
+    parts = [p for p in store.manifest_parts("latents_quarantine") if datasets is None or p in datasets]
+    return {r["key"] for r in store.read_manifest("latents_quarantine", parts=parts)} if parts else set()
 
 
 @asset_check(asset=latents, blocking=True, partitions_def=DATASETS,

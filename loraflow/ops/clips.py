@@ -347,7 +347,7 @@ def condition_frame(store: Store, clip_key: str) -> np.ndarray:
     return (stored["condition_frames"] if stored.get("condition_frames") is not None else stored["frames"])[0]
 
 
-DATASET_STAGES = ("clips", "quarantine", "latents")  # stages whose manifest has one part per dataset id
+DATASET_STAGES = ("clips", "quarantine", "latents", "latents_quarantine")  # one manifest part per dataset id
 
 
 def select_datasets(config: LoraflowConfig, ids: list[str] | None) -> list[DatasetConfig]:

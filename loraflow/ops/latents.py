@@ -88,6 +88,9 @@ def encode_latents(
     rows = [r for r in rows if r["key"] not in bad]
     for dataset in select_datasets(config, datasets):  # one part per dataset: parallel runs never collide
         store.write_manifest("latents", [r for r in rows if r["dataset"] == dataset.id], part=dataset.id)
+        # this run's failures (a failed clip is retried by every run): the coverage check leaves them out
+        store.write_manifest("latents_quarantine", [q for q in quarantined if q["dataset"] == dataset.id],
+                             part=dataset.id)
     return StageReport(
         data_version=data_version(r["key"] for r in rows),
         computed=len(todo) - len(bad),
@@ -121,7 +124,8 @@ def _encode(
                     log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
                     fallbacks.append({"clip_key": row["clip_key"], "fallback": fallback})
                 if not torch.isfinite(latent).all() or not all(np.isfinite(c).all() for c in condition.values()):
-                    quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "reason": "non_finite_latent"})
+                    quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "dataset": row["dataset"],
+                                        "reason": "non_finite_latent"})
                 else:
                     done.append({"key": row["key"], **latent_columns(latent.cpu(), sampling), **condition})
                 progress.update()

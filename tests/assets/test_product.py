@@ -33,6 +33,7 @@ from loraflow.assets.checks import (
     ALL_CHECKS,
     bad_latents,
     captions_not_empty,
+    clips_without_latents,
     latents_cover_clips,
     lora_problems,
     text_embeds_cover_captions,
@@ -105,6 +106,18 @@ def test_coverage_checks_name_the_clip_without_a_latent_and_the_caption_without_
         store.write_manifest("latents", latents_rows, part="demo-videos")
         store.write_manifest("text_embeds", texts)
     assert latents_cover_clips(direct(resource)).passed
+
+
+def test_a_latent_the_latents_stage_quarantined_is_not_reported_missing(tmp_path: Path) -> None:
+    store = Store(str(tmp_path))  # one clip encodes to NaN every time: the check must not block every cache run
+    store.write_manifest("clips", [{"key": f"c{i}", "source": f"{i}.mp4"} for i in range(2)], part="d")
+    store.put("latents", [{"key": "l0", "latent": np.zeros((1,), np.float32)}])
+    store.write_manifest("latents", [{"key": "l0", "clip_key": "c0", "bucket": "b"}], part="d")
+    expected = [{"key": f"l{i}", "clip_key": f"c{i}", "bucket": "b"} for i in range(2)]
+    assert [r["clip"] for r in clips_without_latents(expected, store, ["d"])] == ["c1"]
+    store.write_manifest("latents_quarantine", [{"key": "l1", "clip_key": "c1", "dataset": "d",
+                                                 "reason": "non_finite_latent"}], part="d")
+    assert clips_without_latents(expected, store, ["d"]) == [] == clips_without_latents(expected, store, None)
 
 
 def test_latent_check_lists_wrong_shapes_and_non_finite_values(tmp_path: Path) -> None:
