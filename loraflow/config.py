@@ -390,6 +390,24 @@ class LoraflowConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _outputs_outside_datasets(self) -> LoraflowConfig:
+        """Dataset folders are read recursively and watched by the sensor: a cache or output folder inside one would
+        feed rendered videos back as training data and make every run look like a dataset change."""
+        written = {"output_dir": self.output_dir}
+        if "://" not in self.cache_dir:  # an object store is no dataset folder
+            written["cache_dir"] = self.cache_dir
+        for d in self.datasets:
+            if d.disabled or not d.instance_data_dir:
+                continue
+            for key, folder in written.items():
+                inside = Path(folder).resolve()
+                data = Path(d.instance_data_dir).resolve()
+                if inside == data or data in inside.parents:
+                    raise ValueError(f"`{key}` {folder} is inside dataset '{d.id}' ({d.instance_data_dir}), which is "
+                                     "read recursively: put it outside every dataset folder")
+        return self
+
+    @model_validator(mode="after")
     def _training_memory(self) -> LoraflowConfig:
         if self.group_offload_use_stream and not self.enable_group_offload:
             raise ValueError("`group_offload_use_stream` needs `enable_group_offload: true`; set both or neither")

@@ -162,3 +162,14 @@ def test_a_dataset_id_must_be_a_valid_partition_key(bad_id: str) -> None:
     data["datasets"][0]["id"] = bad_id
     (problem,) = problems(data)
     assert problem.startswith("datasets[0].id:") and "partition" in problem
+
+
+@pytest.mark.parametrize("key", ["output_dir", "cache_dir"])
+def test_outputs_inside_a_dataset_folder_are_refused(key: str, tmp_path: Path) -> None:
+    data = demo()
+    data["datasets"][0]["instance_data_dir"] = str(tmp_path / "videos")
+    data[key] = str(tmp_path / "videos" / "run")  # rendered videos would become training data, and the sensor loop
+    (problem,) = problems(data)
+    assert f"`{key}`" in problem and "inside dataset" in problem
+    data[key] = "s3://bucket/videos" if key == "cache_dir" else str(tmp_path / "out")
+    parse_config(data)
