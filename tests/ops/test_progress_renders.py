@@ -182,7 +182,7 @@ def test_the_renderer_wraps_the_given_transformer_without_moving_it(family_name:
     from loraflow.pipelines.tiny import build_tiny
 
     path = build_tiny(family_name, tmp_path / family_name)
-    data = {**demo_dict(path, tmp_path, tmp_path), "model_family": family_name, "model_flavour": None}
+    data = {**demo_dict(path, tmp_path / "data", tmp_path), "model_family": family_name, "model_flavour": None}
     if family_name == "kandinsky5-image":
         data["datasets"][0]["video"] = {"num_frames": 1}  # single frames: what this family trains on
     family = get_family(parse_config(data))
