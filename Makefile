@@ -1,7 +1,7 @@
 # The two commands of the README. Both are idempotent.
 export DAGSTER_HOME := $(CURDIR)/.dagster
 
-.PHONY: setup demo test dev
+.PHONY: setup demo test test-variants dev
 setup:
 	./scripts/setup.sh
 
@@ -10,6 +10,9 @@ demo: setup   ## tiny model + demo data, then materialize every stage; prints th
 
 test: setup   ## the whole test suite
 	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+
+test-variants: setup  ## the suite under each CPU variant (ATen AVX2, one thread, both, MKL's AMD kernels)
+	./scripts/test_variants.sh $(PYTEST_ARGS)
 
 dev: setup    ## the Dagster UI on http://127.0.0.1:3000 (loopback only)
 	.venv/bin/dagster dev -h 127.0.0.1 -p 3000

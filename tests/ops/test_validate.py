@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from loraflow.ops.validate import contact_sheet, negative_prompt, render_setting
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component, set_lora_scale
 from loraflow.store import Store
+from tests.conftest import REPO
 
 LIBRARY = {"blue": "a blue square spins slowly", "two words/odd": "a green triangle"}
 CAPTIONS = [f"clip {i}: a {c} ball bounces" for i, c in enumerate(["red", "blue", "green", "white", "black"])]
@@ -144,6 +147,27 @@ def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(s
     other = validate(parse_config({**data, **one, "validation_seed": 8}), get_family(config), store, str(lora))
     assert other.data_version != first.data_version and other.facts["seed"] == 8 and other.computed == 1
     assert not np.array_equal(decode(other.tables["prompts"][0]["lora"])[0], after)
+
+
+def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(setup, first_run, tmp_path: Path) -> None:
+    """What the README promises: a render depends on the prompt, seed, settings and LoRA, not on what the process
+    rendered before nor on which process renders it (a resumed run is a new one); on one machine, the same bits."""
+    data, store, lora = setup
+    alone = {**data, "validation_prompt": None, "user_prompt_library": {"blue": LIBRARY["blue"]},
+             "eval_holdout_fraction": 0}
+    (tmp_path / "alone.yaml").write_text(json.dumps(alone))  # JSON is YAML
+    code = ("import json, sys; from loraflow.config import load_config; from loraflow.ops.validate import validate; "
+            "from loraflow.pipelines import get_family; from loraflow.store import Store; "
+            "c = load_config(sys.argv[1]); print(json.dumps(validate(c, get_family(c), Store(c.cache_dir), "
+            "sys.argv[2]).tables['prompts'][0]))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "alone.yaml"), str(lora)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fresh = json.loads(done.stdout.strip().splitlines()[-1])
+    among = first_run.tables["prompts"][1]  # rendered second, after another prompt, in this process
+    assert among["name"] == fresh["name"] == "blue"
+    for kind in ("base", "lora"):
+        assert np.array_equal(decode(among[kind])[0], decode(fresh[kind])[0]), kind
 
 
 def test_lora_at_scale_zero_renders_exactly_the_base_model(setup) -> None:
