@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from loraflow.ops.devices import pick_device
+from loraflow.ops.devices import fixed_mkl_threads, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ def join(num_processes: int) -> tuple[World, torch.device]:
         return world, pick_device()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", world.local_rank) if cuda else torch.device("cpu")
+    fixed_mkl_threads()
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
