@@ -1,7 +1,7 @@
 """What a config would cache, before any model loads: buckets, dropped files, and the bytes they will take.
 
 `loraflow check` prints this; the latents asset check uses `LatentGeometry` for the shape every latent must
-have. Planning reuses the clips stage's own functions (source_files, read_captions, probe, plan_clips), so
+have. Planning reuses the clips stage's own functions (list_folder, read_captions, probe, plan_clips), so
 the plan is what the clips stage will do, not a second opinion.
 """
 
@@ -74,17 +74,20 @@ class BucketPlan:
 def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGeometry | None,
                  progress: bool = True) -> BucketPlan:
     """Probe every source file (metadata and one frame, no full decode) and plan its clips."""
-    from loraflow.ops.clips import check_name, dropped, find_source_image, plan_clips, read_captions, source_files
+    from loraflow.ops.clips import check_name, dropped, find_source_image, plan_clips, read_captions
+    from loraflow.ops.dataset_folder import list_folder
     from loraflow.ops.media import MediaError, probe
 
     plan = BucketPlan()
     clips_seen: list[tuple[str, int, int, int]] = []
     for dataset in config.training_datasets:
         try:
-            files = list(source_files(dataset))
+            listing = list_folder(dataset)
         except FileNotFoundError as exc:
             plan.problems.append(str(exc))
             continue
+        files = listing.files
+        plan.dropped += [dropped(dataset.id, path, exc) for path, exc in listing.others]
         if not files:
             plan.problems.append(f"dataset '{dataset.id}': no video/image files under {dataset.instance_data_dir}")
         sources = config.source_images(dataset)

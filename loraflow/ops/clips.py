@@ -2,7 +2,8 @@
 
 Flow for one file: identity -> probe (cached by path+size+mtime) -> frame plan -> clip keys -> decode the
 missing clips at their bucket size -> store frames -> manifest row with captions. A file that cannot be
-used becomes a quarantine row with a reason; every other file proceeds.
+used becomes a quarantine row with a reason; every other file proceeds. Every folder entry that is no media file
+(a broken link, a GIF, a stray note: `dataset_folder`) gets a quarantine row too.
 
 Captions (caption_strategy): `textfile` reads NAME.txt beside the file, one caption per non-empty line;
 `filename` uses the file's stem; `instanceprompt` the dataset's `instance_prompt`; `metadata` looks the file
@@ -10,7 +11,8 @@ up in `metadata_file` (.jsonl, .csv or .parquet with a file column - file_name, 
 holding the dataset-relative path or the bare name, and a caption column - caption, captions, text or
 prompt - holding a string or a list; repeated rows add captions). Rules, the same for every strategy: an
 empty caption trains on the empty prompt; a missing caption (no .txt, not in the metadata) quarantines the
-file as `missing_caption`; a caption file that is not UTF-8 quarantines it as `caption_not_utf8`.
+file as `missing_caption`; a caption file that is not UTF-8 quarantines it as `caption_not_utf8` (a byte-order
+mark is read: UTF-16 as Windows editors save "Unicode" text, and UTF-8).
 
 i2v: the conditioning image is the first frame of the stored clip (`condition_frame`), i.e. source frame
 indices[0] after cropping, so it always matches the clip's first latent frame.
@@ -22,12 +24,12 @@ text_embeds stage keys the prompt embedding by it (i2i's prompt embedding sees t
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import json
 import logging
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
@@ -40,9 +42,11 @@ from tqdm import tqdm
 
 from loraflow.bucket_plan import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.config import DatasetConfig, LoraflowConfig
+from loraflow.dataset_config import DEFAULT_MAX_UPSCALE
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.ops import buckets
-from loraflow.ops.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, Probe, decode_frames, probe
+from loraflow.ops.dataset_folder import list_folder, printable
+from loraflow.ops.media import IMAGE_EXTENSIONS, MediaError, Probe, decode_frames, probe
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily
 from loraflow.store import Store
@@ -51,14 +55,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
 PROBE_VERSION = 2  # bump when a probe would describe the same file differently (2: VFR frame times)
-
-
-def source_files(dataset: DatasetConfig) -> Iterator[Path]:
-    root = Path(dataset.instance_data_dir or "")
-    if not root.is_dir():
-        raise FileNotFoundError(f"dataset '{dataset.id}': instance_data_dir {root} is not a folder")
-    media = VIDEO_EXTENSIONS | IMAGE_EXTENSIONS
-    yield from sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in media)
 
 
 def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
@@ -73,18 +69,25 @@ def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     caption_file = path.with_suffix(".txt")
     if not caption_file.is_file():
         raise MediaError("missing_caption", f"{path.name}: no caption file {caption_file.name} (caption_strategy textfile)")
-    return _clean(_utf8(_read(caption_file), caption_file).splitlines())
+    return _clean(_text(_read(caption_file), caption_file).splitlines())
 
 
 def _clean(captions: list[str]) -> list[str]:
     return [c.strip() for c in captions if c and c.strip()] or [""]
 
 
-def _utf8(data: bytes, path: Path) -> str:
+# Windows editors save "Unicode" text as UTF-16 with a byte-order mark: the mark says how to read the file.
+_BOMS = ((codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def _text(data: bytes, path: Path) -> str:
+    """A caption or metadata file's text: UTF-16 or UTF-8 by its byte-order mark, else UTF-8."""
+    encoding = next((name for bom, name in _BOMS if data.startswith(bom)), "utf-8")
     try:
-        return data.decode("utf-8-sig")
+        return data.decode(encoding)
     except UnicodeDecodeError as exc:
-        raise MediaError("caption_not_utf8", f"{path.name} is not UTF-8 ({exc.reason}); re-save it as UTF-8") from None
+        raise MediaError("caption_not_utf8", f"{path.name} is not {encoding.upper().removesuffix('-SIG')} "
+                         f"({exc.reason}); re-save it as UTF-8") from None
 
 
 FILE_COLUMNS = ("file_name", "file", "filename", "path")
@@ -143,7 +146,7 @@ def _metadata_rows(meta: Path) -> list[dict[str, Any]]:
     suffix = meta.suffix.lower()
     if suffix == ".parquet":
         return pq.read_table(meta).to_pylist()
-    text = _utf8(meta.read_bytes(), meta)
+    text = _text(meta.read_bytes(), meta)
     if suffix == ".csv":
         return list(csv.DictReader(io.StringIO(text)))
     if suffix in (".jsonl", ".json"):
@@ -179,26 +182,14 @@ def plan_clips(
     """
     video = dataset.video
     is_image = info.is_image or dataset.dataset_type == "image"
-    if is_image:
-        clips = [[0]]
-    else:
-        timeline = buckets.resampled_indices(info.num_frames, info.fps, video.frame_rate or family.flavour.fps,
-                                             info.frame_times)
-        if video.min_frames and len(timeline) < video.min_frames:
-            raise MediaError("too_short", f"{path.name}: {len(timeline)} frames < min_frames {video.min_frames}")
-        if video.max_frames and len(timeline) > video.max_frames and video.frame_extraction != "full":
-            raise MediaError("too_long", f"{path.name}: {len(timeline)} frames > max_frames {video.max_frames}")
-        try:
-            clips = buckets.select_clips(timeline, video.num_frames, video.frame_extraction, video.max_frames,
-                                         video.frame_stride, video.frame_sample)
-        except buckets.TooShort as exc:
-            raise MediaError("too_short", f"{path.name}: {exc} (num_frames {video.num_frames})") from None
+    clips = [[0]] if is_image else _video_clips(path, info, dataset, video.frame_rate or family.flavour.fps)
     height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, family.spatial_multiple,
                                         dataset.resolution_type, dataset.crop_aspect, dataset.crop_aspect_buckets)
     problem = family.size_problem(model_path, height, width)
-    if problem:
+    if problem:  # the bucket, whatever the source: the config's problem, said first
         raise MediaError("source_too_large", f"{path.name}: {problem}: lower `resolution` ({dataset.resolution}) of "
                          f"dataset '{dataset.id}'")
+    _check_source_size(path, info, dataset, (height, width))
     planned = []
     for indices in clips:
         if video.bucket_strategy == "resolution_frames" and len(indices) > 1:
@@ -206,6 +197,36 @@ def plan_clips(
         planned.append({"indices": indices, "height": height, "width": width})
     _check_clip_lengths(path, {len(p["indices"]) for p in planned}, family, images_allowed, is_image)
     return planned
+
+
+def _video_clips(path: Path, info: Probe, dataset: DatasetConfig, target_fps: float | None) -> list[list[int]]:
+    """A video's clips as source frame indices; a drop for its length names both rates and both frame counts."""
+    video = dataset.video
+    timeline = buckets.resampled_indices(info.num_frames, info.fps, target_fps, info.frame_times)
+    counts = f"{path.name}: {buckets.resampling_note(info.num_frames, info.fps, target_fps, len(timeline))}; "
+    if video.min_frames and len(timeline) < video.min_frames:
+        raise MediaError("too_short", f"{counts}{len(timeline)} < min_frames {video.min_frames}")
+    if video.max_frames and len(timeline) > video.max_frames and video.frame_extraction != "full":
+        raise MediaError("too_long", f"{counts}{len(timeline)} > max_frames {video.max_frames}")
+    try:
+        return buckets.select_clips(timeline, video.num_frames, video.frame_extraction, video.max_frames,
+                                    video.frame_stride, video.frame_sample)
+    except buckets.TooShort:
+        raise MediaError("too_short", f"{counts}{len(timeline)} < num_frames {video.num_frames}") from None
+
+
+def _check_source_size(path: Path, info: Probe, dataset: DatasetConfig, bucket: tuple[int, int]) -> None:
+    """A source far smaller than its bucket would be upscaled into blur and trained on as if it were detail."""
+    edge, floor = buckets.source_edge(info.height, info.width, dataset.resolution_type), dataset.minimum_source_edge()
+    if edge >= floor:
+        return
+    measure = "shorter side" if dataset.resolution_type == "pixel" else "area edge (square root of its area)"
+    limit = (f"minimum_image_size {dataset.minimum_image_size}" if dataset.minimum_image_size is not None else
+             f"minimum_image_size (unset: resolution {dataset.resolution} / {DEFAULT_MAX_UPSCALE} = {floor:g})")
+    raise MediaError("source_too_small", f"{path.name}: a {info.width}x{info.height} source, {measure} {edge:g} px < "
+                     f"{limit}; its {bucket[1]}x{bucket[0]} bucket would upscale it "
+                     f"{buckets.source_edge(*bucket, dataset.resolution_type) / edge:.3g}x: use a larger source, or "
+                     "lower `minimum_image_size` (0 keeps every size)")
 
 
 def _check_clip_lengths(path: Path, lengths: set[int], family: ModelFamily, images_allowed: bool,
@@ -266,11 +287,6 @@ def check_name(path: Path) -> Path:
         raise MediaError("bad_filename", f"{printable(path)}: the file name is not UTF-8 (an old archive's "
                          "encoding?); rename the file") from None
     return path
-
-
-def printable(path: str | Path) -> str:
-    """The path as text that always encodes (undecodable bytes shown as \\xNN)."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def dropped(dataset: str, path: str | Path, exc: MediaError) -> dict[str, str]:
@@ -382,13 +398,8 @@ def build_clips(
     manifest, quarantine = [], []
     probes = store.keys("probes")
     for dataset in selected:
-        for path in source_files(dataset):
-            try:
-                manifest += _clip_rows(path, dataset, family, config.pretrained_model_name_or_path, store, probes,
-                                       images_allowed=dataset.id == config.render_dataset_id,
-                                       sources=config.source_images(dataset))
-            except MediaError as exc:
-                quarantine.append(dropped(dataset.id, path, exc))
+        rows, dropped_rows = _plan_dataset(config, family, dataset, store, probes)
+        manifest, quarantine = manifest + rows, quarantine + dropped_rows
     have = store.keys("clips")
     todo = [row for row in manifest if row["key"] not in have]
     failed = _decode_missing(todo, store)
@@ -411,6 +422,21 @@ def build_clips(
         facts={"est_latent_bytes": None if any(r["est_latent_bytes"] is None for r in table)
                else sum(r["est_latent_bytes"] for r in table)},
     )
+
+
+def _plan_dataset(config: LoraflowConfig, family: ModelFamily, dataset: DatasetConfig, store: Store,
+                  probes: set[str]) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """A dataset's clip rows, and a quarantine row for every entry of its folder that yields none."""
+    listing = list_folder(dataset)
+    manifest, quarantine = [], [dropped(dataset.id, path, exc) for path, exc in listing.others]
+    for path in listing.files:
+        try:
+            manifest += _clip_rows(path, dataset, family, config.pretrained_model_name_or_path, store, probes,
+                                   images_allowed=dataset.id == config.render_dataset_id,
+                                   sources=config.source_images(dataset))
+        except MediaError as exc:
+            quarantine.append(dropped(dataset.id, path, exc))
+    return manifest, quarantine
 
 
 def _decode_missing(todo: list[dict[str, Any]], store: Store, shard_clips: int = 8) -> list[dict[str, str]]:

@@ -1,0 +1,173 @@
+"""Every entry of a dataset folder is accounted for: a clip, or a quarantine row with a reason (the clips stage and
+`loraflow check` alike); sources far smaller than their bucket; frame rates near the target; captions by BOM."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from loraflow.bucket_plan import plan_buckets
+from loraflow.cli import main
+from loraflow.config import ConfigError
+from loraflow.pipelines import get_family
+from tests.conftest import demo_dict, write_config
+from tests.media_factory import read_index, write_h264, write_video
+from tests.ops.test_clips import make_config, run, videos
+
+
+def animated_gif(path: Path, frames: int = 4) -> Path:
+    images = [Image.fromarray(np.full((64, 96, 3), 40 * i, np.uint8)) for i in range(frames)]
+    images[0].save(path, save_all=True, append_images=images[1:], duration=40, loop=0)
+    return path
+
+
+def odd_folder(tmp_path: Path) -> Path:
+    """One good clip beside every kind of entry that is not one."""
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    (good,) = videos(data, 1)
+    animated_gif(data / "wave.gif").with_suffix(".txt").write_text("a wave")
+    os.symlink(data / "gone.mp4.orig", data / "gone.mp4")  # dangling
+    os.symlink("loop.mp4", data / "loop.mp4")  # a link to itself
+    (data / "folder.mp4").mkdir()  # a folder named like a video
+    videos(outside, 1)
+    os.symlink(outside, data / "linked")  # a link to a folder of videos: not followed
+    os.symlink(outside / "clip_0.mp4", data / "alias.mp4")  # a link to a video is that video
+    (data / "alias.txt").write_text("the linked video")
+    (data / "orphan.txt").write_text("a caption whose video was deleted")
+    (data / "notes.json").write_text("{}")
+    (data / ".DS_Store").write_bytes(b"\0")  # hidden, not a media name: not data, no row
+    (data / ".hidden.mp4").write_bytes(good.read_bytes())  # hidden but named like media: a row
+    return data
+
+
+EXPECTED = {"wave.gif": "unsupported_format", "gone.mp4": "broken_link", "loop.mp4": "broken_link",
+            "folder.mp4": "not_a_file", "linked": "linked_folder", "orphan.txt": "not_used",
+            "notes.json": "not_used", ".hidden.mp4": "hidden_file"}
+
+
+def test_every_entry_that_is_not_a_clip_has_a_row_in_the_stage_and_the_plan(tiny_k5: Path, tmp_path: Path) -> None:
+    data = odd_folder(tmp_path)
+    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}])
+    report, store = run(config)
+    assert sorted(r["source"] for r in store.read_manifest("clips")) == ["alias.mp4", "clip_0.mp4"]
+    reasons = {Path(q["file"]).name: q["reason"] for q in report.quarantined}
+    assert reasons == EXPECTED
+    details = {Path(q["file"]).name: q["detail"] for q in report.quarantined}
+    assert "symlink loop" in details["loop.mp4"] and "gone.mp4.orig" in details["gone.mp4"]
+    assert ".mp4" in details["wave.gif"] and "ffmpeg" in details["wave.gif"]  # what is read, and how to convert
+    assert {q["file"] for q in store.read_manifest("quarantine")} == {q["file"] for q in report.quarantined}
+    plan = plan_buckets(config, get_family(config), None, progress=False)
+    assert {Path(d["file"]).name: d["reason"] for d in plan.dropped} == EXPECTED
+
+
+def test_check_lists_every_entry_that_is_not_a_clip(tiny_k5: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    data = odd_folder(tmp_path)
+    settings = demo_dict(tiny_k5, data, tmp_path)
+    settings["datasets"][0]["video"] = {"num_frames": 5}  # the folder's videos are 12 frames long
+    config = write_config(tmp_path / "config.yaml", settings)
+    assert main(["check", str(config)]) == 0
+    listed = capsys.readouterr().out.split(f"dropped {len(EXPECTED)} file(s):")[1].splitlines()[2:]
+    assert {line.split()[1]: line.split()[2] for line in listed} == EXPECTED
+
+
+def test_a_caption_strategy_that_reads_no_text_files_says_so(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    videos(data, 1)  # clip_0.txt beside it, which caption_strategy filename never reads
+    report, _ = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "caption_strategy": "filename"}]))
+    (row,) = report.quarantined
+    assert (Path(row["file"]).name, row["reason"]) == ("clip_0.txt", "not_used")
+    assert "caption_strategy filename" in row["detail"]
+
+
+# ---------------------------------------------------------------------------------------------- source size
+
+
+def test_a_source_far_smaller_than_its_bucket_is_quarantined(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    videos(data, 1, width=96, height=64)
+    write_video(data / "tiny.mp4", 8, 2, 2)  # 2x2 px: a 64 px bucket would upscale it 32x
+    (data / "tiny.txt").write_text("a tiny video")
+    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    assert [r["source"] for r in store.read_manifest("clips")] == ["clip_0.mp4"]
+    (row,) = report.quarantined
+    assert (Path(row["file"]).name, row["reason"]) == ("tiny.mp4", "source_too_small")
+    assert "2x2" in row["detail"] and "minimum_image_size" in row["detail"]
+
+
+@pytest.mark.parametrize(("resolution_type", "kept"), [("pixel", {"big.mp4"}), ("area", {"big.mp4", "wide.mp4"})])
+def test_minimum_image_size_is_the_shorter_side_or_the_area_edge(tiny_k5: Path, tmp_path: Path,
+                                                                 resolution_type: str, kept: set[str]) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, (width, height) in {"big.mp4": (96, 64), "wide.mp4": (128, 48), "small.mp4": (64, 48)}.items():
+        write_h264(data / name, num_frames=6, width=width, height=height)
+        (data / name).with_suffix(".txt").write_text(name)
+    # pixel: shorter side >= 64 (128x48 is out); area: sqrt(w*h) >= 64 (128x48 = 78 px edge is in, 64x48 = 55 out)
+    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "minimum_image_size": 64,
+                                               "resolution_type": resolution_type}])
+    report, store = run(config)
+    assert {r["source"] for r in store.read_manifest("clips")} == kept
+    assert {q["reason"] for q in report.quarantined} == {"source_too_small"}
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"minimum_image_size": -1}, "minimum_image_size: .*greater than or equal to 0"),
+    ({"minimum_image_size": 1, "resolution_type": "area"}, "minimum_image_size.*megapixels"),
+])
+def test_a_bad_minimum_image_size_fails_at_load_naming_the_key(tiny_k5: Path, tmp_path: Path, entry: dict,
+                                                               message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(tmp_path), **entry}])
+
+
+# ---------------------------------------------------------------------------------------------- frame rate
+
+
+def test_a_49_frame_25_fps_clip_is_kept_at_24_fps(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_video(data / "pal.mp4", 49, 96, 64, fps=25)
+    (data / "pal.txt").write_text("a PAL clip")
+    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data),
+                                               "video": {"num_frames": 49, "min_frames": 49}}])  # flavour: 24 fps
+    report, store = run(config)
+    assert report.quarantined == []
+    (row,) = store.read_manifest("clips")
+    assert list(row["indices"]) == list(range(49))  # 25 fps is within 5% of 24: every frame, 1:1
+    assert [read_index(f) for f in store.get("clips", [row["key"]])[row["key"]]["frames"]] == list(range(49))
+
+
+@pytest.mark.parametrize(("frames", "fps", "video", "words"), [
+    (45, 25, {"num_frames": 49}, ["45 frames", "25 fps", "24 fps", "1:1"]),  # near the target: not resampled
+    (60, 48, {"num_frames": 5, "min_frames": 49}, ["60 frames at 48 fps", "30 frames at 24 fps"]),  # resampled
+    (60, 48, {"num_frames": 5, "max_frames": 25}, ["60 frames at 48 fps", "30 frames at 24 fps"]),
+])
+def test_every_rate_related_drop_names_both_rates_and_both_counts(tiny_k5: Path, tmp_path: Path, frames: int,
+                                                                  fps: int, video: dict, words: list[str]) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_video(data / "v.mp4", frames, 96, 64, fps=fps)
+    (data / "v.txt").write_text("v")
+    report, _ = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "video": video}]))
+    (row,) = report.quarantined
+    assert row["reason"] in ("too_short", "too_long")
+    assert all(w in row["detail"] for w in words), row["detail"]
+
+
+# ---------------------------------------------------------------------------------------------- captions
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be"])  # (a UTF-8 BOM was read before)
+def test_captions_with_a_byte_order_mark_are_read(tiny_k5: Path, tmp_path: Path, encoding: str) -> None:
+    data = tmp_path / "data"
+    (video,) = videos(data, 1, captions=False)
+    bom = {"utf-16-be": "\ufeff"}.get(encoding, "")  # Python writes the BOM itself for utf-16
+    video.with_suffix(".txt").write_text(bom + "café au lait\nsecond line\n", encoding=encoding)
+    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    assert report.quarantined == []
+    assert store.read_manifest("clips")[0]["captions"] == ["café au lait", "second line"]
