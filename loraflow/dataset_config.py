@@ -11,6 +11,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 VAE_TEMPORAL_FACTOR = 4  # all three families' VAEs compress time 4x: video clips have 4k+1 frames
+# Without `minimum_image_size`, a source whose edge is under resolution / 4 is dropped: a 16x upscale in pixels is
+# blur, not training data (a 2x2 video filled a 256x256 bucket), while 480p videos at resolution 512 still pass.
+DEFAULT_MAX_UPSCALE = 4
 
 
 def check_4k_plus_1(name: str, frames: int | None) -> int | None:
@@ -76,6 +79,10 @@ class DatasetConfig(StrictModel):
     resolution: int = Field(512, gt=0, description="pixel: the shorter side; area: the side of a square of equal area")
     resolution_type: Literal["pixel", "area", "pixel_area"] = Field(
         "pixel", description="pixel: shorter side = resolution; area (alias pixel_area): resolution**2 pixels")
+    minimum_image_size: int | None = Field(
+        None, ge=0, description="sources whose edge is smaller are dropped (source_too_small), in `resolution`'s unit: "
+        "pixel: the shorter side; area/pixel_area: the side of a square of equal area (pixels, not SimpleTuner's "
+        "megapixels); unset: resolution / 4; 0: keep every size")
     crop_aspect: Literal["preserve", "square", "closest"] = Field(
         "preserve", description="bucket aspect: the source's, 1:1, or the closest of `crop_aspect_buckets`")
     crop_aspect_buckets: tuple[float, ...] = Field((), description="crop_aspect closest: width/height ratios")
@@ -114,4 +121,14 @@ class DatasetConfig(StrictModel):
             raise ValueError(f"dataset '{self.id}': `resolution` {self.resolution} with resolution_type "
                              f"{self.resolution_type} is the side in pixels of a square of the target area (e.g. "
                              "512 for 0.26 MP), not megapixels")
+        if self.resolution_type != "pixel" and self.minimum_image_size and self.minimum_image_size < 16:
+            raise ValueError(f"dataset '{self.id}': `minimum_image_size` {self.minimum_image_size} with "
+                             f"resolution_type {self.resolution_type} is the side in pixels of a square of the "
+                             "smallest area kept, like `resolution`, not megapixels")
         return self
+
+    def minimum_source_edge(self) -> float:
+        """The smallest source edge kept (`buckets.source_edge`'s measure): `minimum_image_size` or the default."""
+        if self.minimum_image_size is not None:
+            return self.minimum_image_size
+        return self.resolution / DEFAULT_MAX_UPSCALE

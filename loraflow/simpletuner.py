@@ -226,11 +226,15 @@ def _dataset_resolution(where: str, entry: dict[str, Any], settings: dict[str, A
     if "resolution" not in dataset and "resolution" in settings:
         dataset["resolution"] = settings["resolution"]
     if kind == "pixel_area":
-        out.notes.append(f"{where}: resolution_type pixel_area read as pixels of the shorter side")
+        out.notes.append(f"{where}: resolution_type pixel_area read as pixels of the shorter side (resolution and "
+                         "minimum_image_size)")
     elif kind != "pixel":
         out.skip(f"{where}.resolution_type", kind, "loraflow's resolution is pixels of the shorter side: "
                                                    "resolution not copied")
         dataset.pop("resolution", None)
+        if "minimum_image_size" in dataset:  # megapixels under `area`: as pixels it would keep every source
+            out.skip(f"{where}.minimum_image_size", dataset.pop("minimum_image_size"),
+                     "megapixels under resolution_type area; loraflow's is pixels of the shorter side: not copied")
 
 
 def to_yaml(imported: Imported, sources: list[str]) -> str:

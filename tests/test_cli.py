@@ -225,3 +225,16 @@ def test_an_i2i_backend_keeps_its_conditioning_dataset_and_pairing() -> None:
     other = import_simpletuner({"model_family": "kandinsky5-video", "model_flavour": "i2v-lite-5s"}, backend)
     assert "conditioning_data" not in other.config["datasets"][0]  # SimpleTuner's i2v/ControlNet pairing
     assert [key for key, _, _ in other.unmapped] == ["datasets[0].conditioning_data"]
+
+
+def test_minimum_image_size_is_carried_in_pixels_and_left_out_in_megapixels() -> None:
+    backend = [{"id": "px", "type": "local", "dataset_type": "video", "instance_data_dir": "a", "resolution": 480,
+                "resolution_type": "pixel_area", "minimum_image_size": 480},
+               {"id": "mp", "type": "local", "dataset_type": "video", "instance_data_dir": "b", "resolution": 1.05,
+                "resolution_type": "area", "minimum_image_size": 1.05}]
+    imported = import_simpletuner({"model_family": "kandinsky5-video"}, backend)
+    px, mp = imported.config["datasets"]
+    assert px["minimum_image_size"] == 480 and "minimum_image_size" not in mp
+    assert ("datasets[1].minimum_image_size", 1.05) in [(key, value) for key, value, _ in imported.unmapped]
+    config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m"})
+    assert config.datasets[0].minimum_image_size == 480

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FPS_TOLERANCE = 1.01  # sources within 1% of the target fps are not resampled
+# Sources at most 5% faster than the target fps are taken 1:1, not resampled: 25 -> 24 fps would drop every 25th
+# frame (a judder each second, and a 49-frame clip becomes 47, too short for 49), while playing 25 fps footage 4%
+# slower is what film-to-PAL transfer has always done unnoticed. 29.97/30 and 59.94/60 fall well inside.
+FPS_TOLERANCE = 1.05
 
 
 class TooShort(ValueError):
@@ -39,6 +42,22 @@ def resampled_indices(num_frames: int, source_fps: float, target_fps: float | No
     step = source_fps / target_fps
     count = int((num_frames - 1) / step) + 1
     return [min(num_frames - 1, round(i * step)) for i in range(count)]
+
+
+def resampling_note(num_frames: int, source_fps: float, target_fps: float | None, kept: int) -> str:
+    """How a video's frame count became `kept`, for every rate-related drop: both rates and both counts."""
+    source = f"{num_frames} frames at {source_fps:g} fps"
+    if not target_fps:
+        return f"{source} (no target fps: every frame)"
+    if source_fps > target_fps * FPS_TOLERANCE:
+        return f"{source} resampled to {kept} frames at {target_fps:g} fps"
+    why = f"within {FPS_TOLERANCE - 1:.0%} of" if source_fps > target_fps else "not faster than"
+    return f"{source}, {why} the {target_fps:g} fps target: {kept} frames taken 1:1"
+
+
+def source_edge(height: int, width: int, resolution_type: str) -> float:
+    """A source's size in `resolution`'s unit: pixel = the shorter side, area = the side of a square of its area."""
+    return float(min(height, width)) if resolution_type == "pixel" else math.sqrt(height * width)
 
 
 def round_down_4k1(frames: int) -> int:

@@ -107,9 +107,10 @@ def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
     settings = config.model_dump(mode="json", exclude=set(VALIDATION_ONLY_KEYS | RUNTIME_ONLY_KEYS | {"num_processes"}))
     if config.num_processes > 1:  # N processes see N times the samples per step; one keeps the keys of before
         settings["num_processes"] = config.num_processes
-    for dataset in settings["datasets"]:  # added for i2i: every other run keeps the key of before
-        if dataset["conditioning_data"] is None:
-            del dataset["conditioning_data"]
+    for dataset in settings["datasets"]:  # fields added later leave every run that does not set them its key
+        for name in ("conditioning_data", "minimum_image_size"):
+            if dataset[name] is None:
+                del dataset[name]
     key = content_key(inputs=upstream, config=settings, code=CODE_VERSION)
     return Path(config.output_dir) / "runs" / key
 
