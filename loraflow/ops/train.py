@@ -241,6 +241,10 @@ def load_transformer(config: LoraflowConfig, family: ModelFamily, device: torch.
         # Before the adapter: the casting hooks then sit on the base layers only, and LoRA stays fp32.
         transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     if config.tread_config is not None:  # fail before the first step, naming the route
+        if transformer.config.get("attention_type") == "nabla":  # Kandinsky 5's 10 s checkpoints
+            raise ValueError("tread_config: this transformer uses NABLA attention, whose block mask covers every "
+                             "visual token in a fixed order; TREAD hands its blocks a random subset. Remove "
+                             "tread_config for this checkpoint")
         resolve_routes(config.tread_config.routes, len(getattr(transformer, family.tread_layout.blocks)))
     params = add_lora(transformer, config, family)
     if config.gradient_checkpointing:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -59,12 +60,42 @@ def cu_seqlens(embeds: torch.Tensor) -> torch.Tensor:
     return torch.arange(batch + 1, dtype=torch.int32) * length
 
 
+def uses_nabla(transformer: torch.nn.Module) -> bool:
+    """The checkpoint attends with NABLA (block-sparse; the 10 s video checkpoints' config says so)."""
+    return transformer.config.get("attention_type") == "nabla"
+
+
+def use_flex_attention(transformer: torch.nn.Module) -> None:
+    """NABLA's mask is a flex-attention BlockMask, which only diffusers' "flex" backend takes (the default native
+    backend fails on it). Once per model."""
+    if not transformer.__dict__.get("_loraflow_flex"):
+        transformer.set_attention_backend("flex")
+        transformer.__dict__["_loraflow_flex"] = True
+
+
+def nabla_params(pipeline: type, transformer: torch.nn.Module, hidden: torch.Tensor) -> dict[str, Any] | None:
+    """The `sparse_params` the video `pipeline` passes to every transformer call for a latent of `hidden`'s shape
+    (B, T, h, w, C): NABLA's when the checkpoint uses it, else None. Computed by the pipeline's own
+    `get_sparse_params`, which reads nothing of the pipeline but its transformer, so training, eval loss and renders
+    pass exactly what inference passes."""
+    if not uses_nabla(transformer):
+        return None
+    if torch.is_grad_enabled() and hidden.device.type != "cuda":
+        raise ValueError("this checkpoint's transformer uses NABLA attention (attention_type: nabla), which trains on "
+                         "CUDA only: torch's flex attention has no backward on the CPU. Train on a GPU, or use a 5 s "
+                         "checkpoint (attention_type flash)")
+    use_flex_attention(transformer)
+    as_pipeline = SimpleNamespace(transformer=transformer, fast_sta_nabla=pipeline.fast_sta_nabla)
+    return pipeline.get_sparse_params(as_pipeline, hidden, hidden.device)
+
+
 def denoise(
     transformer: torch.nn.Module, hidden: torch.Tensor, sigma: torch.Tensor, text: Mapping[str, torch.Tensor],
-    scale_factor: Sequence[float],
+    scale_factor: Sequence[float], sparse_params: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """One Kandinsky 5 DiT call, as every K5 pipeline's loop makes it, on channels-last `hidden` (B, T, h, w, C_in)
-    -> velocity (B, 16, T, h, w) float32. `scale_factor`: the RoPE scale (video: by size; image: 1)."""
+    -> velocity (B, 16, T, h, w) float32. `scale_factor`: the RoPE scale (video: by size; image: 1);
+    `sparse_params`: the video pipelines' NABLA parameters (`nabla_params`), None for the image pipelines."""
     _, frames, height, width, _ = hidden.shape
     dtype = compute_dtype(transformer)
     out = transformer(
@@ -79,7 +110,7 @@ def denoise(
         ],
         text_rope_pos=torch.arange(text["text_embeds"].shape[1], device=hidden.device),
         scale_factor=list(scale_factor),
-        sparse_params=None,
+        sparse_params=sparse_params,
         return_dict=True,  # with False this model returns the bare tensor, unlike most diffusers models
     ).sample
     return out.permute(0, 4, 1, 2, 3).float()

@@ -101,7 +101,8 @@ class Kandinsky5Video(Kandinsky5Shared):
             mask = torch.zeros(*hidden.shape[:-1], 1, dtype=hidden.dtype, device=hidden.device)
             mask[:, :given] = 1
             hidden = torch.cat([hidden, cond, mask], dim=-1)  # (B, T, h, w, 16 + 16 + 1)
-        return kandinsky5.denoise(transformer, hidden, sigma, text, _rope_scale(height * 8, width * 8))
+        sparse = kandinsky5.nabla_params(self.pipeline_class, transformer, hidden)
+        return kandinsky5.denoise(transformer, hidden, sigma, text, _rope_scale(height * 8, width * 8), sparse)
 
     # lora_targets, save_lora: Kandinsky5Shared
 
@@ -110,8 +111,14 @@ class Kandinsky5Video(Kandinsky5Shared):
         self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
     ) -> Kandinsky5T2VPipeline:
         """The t2v or i2v pipeline (one checkpoint layout: the class differs only in how it prepares latents)."""
-        pipeline = Kandinsky5I2VPipeline if self.flavour.conditioning_frames else Kandinsky5T2VPipeline
-        return load_pipeline(pipeline, model_path, lora_path, device, transformer)
+        pipe = load_pipeline(self.pipeline_class, model_path, lora_path, device, transformer)
+        if kandinsky5.uses_nabla(pipe.transformer):  # the pipeline builds NABLA's mask itself; it needs flex to run
+            kandinsky5.use_flex_attention(pipe.transformer)
+        return pipe
+
+    @property
+    def pipeline_class(self) -> type:
+        return Kandinsky5I2VPipeline if self.flavour.conditioning_frames else Kandinsky5T2VPipeline
 
     @torch.no_grad()
     def render(
