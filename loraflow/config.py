@@ -23,7 +23,7 @@ DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among
 VALIDATION_ONLY_KEYS = frozenset({
     "validation_prompt", "validation_resolution", "validation_num_video_frames", "validation_guidance",
     "validation_num_inference_steps", "user_prompt_library", "validation_seed", "validation_negative_prompt",
-    "validation_steps", "validation_using_datasets",
+    "validation_steps", "validation_using_datasets", "validation_flow_shift",
 })
 
 
@@ -95,6 +95,9 @@ class LoraflowConfig(StrictModel):
     validation_resolution: str = Field("768x512", description="WIDTHxHEIGHT in pixels")
     validation_num_video_frames: int | None = Field(None, description="4k+1; default: the flavour's")
     validation_guidance: float | None = Field(None, description="default: the flavour's")
+    validation_flow_shift: float | None = Field(
+        None, gt=0, description="the sigma shift of validation renders; default: the checkpoint's scheduler config "
+        "(scheduler/scheduler_config.json `shift`), else the flavour's")
     validation_num_inference_steps: int = Field(30, ge=1)
     user_prompt_library: dict[str, str] | None = Field(
         None, description="more validation prompts {shortname: prompt}: inline, or a JSON file (relative to the config)"

@@ -35,7 +35,7 @@ from loraflow.ops.evaluation import (
 )
 from loraflow.ops.report import StageReport
 from loraflow.ops.text_embeds import TextItem, prompts_see_image, text_lookup
-from loraflow.pipelines.base import ModelFamily, TextRow, component_fingerprint
+from loraflow.pipelines.base import ModelFamily, TextRow, component_fingerprint, scheduler_shift
 from loraflow.store import Store
 
 CODE_VERSION = "validation-2"
@@ -70,8 +70,17 @@ def render_settings(config: LoraflowConfig, family: ModelFamily) -> RenderSettin
         num_inference_steps=config.validation_num_inference_steps,
         guidance=config.validation_guidance if config.validation_guidance is not None else flavour.guidance,
         seed=config.validation_seed if config.validation_seed is not None else config.seed,
-        flow_shift=flavour.flow_shift,
+        flow_shift=render_shift(config, family),
     )
+
+
+def render_shift(config: LoraflowConfig, family: ModelFamily) -> float:
+    """`validation_flow_shift`, else the shift of the checkpoint's own scheduler config (what its pipeline renders
+    with: a checkpoint knows its shift better than a table), else the flavour's."""
+    if config.validation_flow_shift is not None:
+        return config.validation_flow_shift
+    from_checkpoint = scheduler_shift(config.pretrained_model_name_or_path)
+    return from_checkpoint if from_checkpoint is not None else family.flavour.flow_shift
 
 
 def negative_prompt(config: LoraflowConfig, family: ModelFamily) -> str:

@@ -247,6 +247,13 @@ def set_lora_scale(transformer: torch.nn.Module, scale: float | None) -> None:
     transformer.set_adapters([LORA_ADAPTER], [scale])
 
 
+def scheduler_shift(path: str | Path) -> float | None:
+    """The sigma shift the checkpoint's own scheduler config names (what its pipeline renders with), or None."""
+    config = Path(path) / "scheduler" / "scheduler_config.json"
+    shift = json.loads(config.read_text()).get("shift") if config.is_file() else None
+    return float(shift) if shift is not None else None
+
+
 def model_index(path: str | Path) -> dict[str, Any]:
     index = Path(path) / "model_index.json"
     if not index.is_file():

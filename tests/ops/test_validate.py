@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -303,3 +304,21 @@ def test_image_family_renders_base_and_lora_as_pngs(tmp_path: Path) -> None:
     assert row["base"].endswith(".png") and base.shape == tuned.shape == (HEIGHT, WIDTH, 3)
     assert np.abs(base.astype(int) - tuned).mean() > 1.0 and report.facts["num_frames"] == 1
     assert Image.open(row["contact_sheet"]).size == (round(WIDTH * 128 / HEIGHT), 2 * 128 + 2)
+
+
+def test_renders_take_the_shift_from_the_checkpoint_unless_the_config_sets_one(setup, tmp_path: Path) -> None:
+    data, _, _ = setup
+    model = tmp_path / "model"
+    shutil.copytree(data["pretrained_model_name_or_path"], model)
+    scheduler = model / "scheduler" / "scheduler_config.json"
+    config = json.loads(scheduler.read_text())
+    assert config["shift"] == 10.0 == get_family(parse_config(data)).flavour.flow_shift  # the tiny checkpoint's
+    scheduler.write_text(json.dumps({**config, "shift": 3.0}))  # a checkpoint that disagrees with the table
+    at = {**data, "pretrained_model_name_or_path": str(model)}
+    family = get_family(parse_config(at))
+    assert render_settings(parse_config(at), family).flow_shift == 3.0
+    assert render_settings(parse_config({**at, "validation_flow_shift": 7.0}), family).flow_shift == 7.0
+    scheduler.write_text(json.dumps({k: v for k, v in config.items() if k != "shift"}))
+    assert render_settings(parse_config(at), family).flow_shift == 10.0  # no shift there: the flavour's
+    with pytest.raises(ConfigError, match="validation_flow_shift"):
+        parse_config({**at, "validation_flow_shift": 0})
