@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loraflow.lifetime import die_with_parent
 from loraflow.ops.report import StageReport
 
 log = logging.getLogger(__name__)
@@ -50,19 +51,6 @@ def train(config_path: str) -> StageReport:
     return train_lora(config, get_family(config), Store(config.cache_dir))
 
 
-def die_with_parent() -> None:
-    """Linux: this process gets SIGTERM when its parent (the Dagster step, or accelerate's launcher) dies, so a
-    killed step never leaves a trainer holding the GPU and writing into a run folder a resumed run also writes to.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1  # noqa: N806 (prctl's name)
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
@@ -72,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loraflow.train_main", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the YAML/JSON config of the run")
     args = parser.parse_args(argv)
+    # SIGTERM when the Dagster step (or accelerate's launcher) dies: a killed step leaves no trainer holding the GPU
+    # and writing into a run folder a resumed run also writes to
     die_with_parent()
     world = world_from_env()
     logging.basicConfig(level=logging.INFO if world.main else logging.WARNING, stream=sys.stderr,

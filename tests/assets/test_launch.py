@@ -66,7 +66,7 @@ def test_one_process_is_started_directly_so_stopping_the_run_stops_the_trainer(t
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
 def test_a_trainer_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
     child_pid = tmp_path / "child.pid"
-    (tmp_path / "child.py").write_text("import os, sys, time\nfrom loraflow.train_main import die_with_parent\n"
+    (tmp_path / "child.py").write_text("import os, sys, time\nfrom loraflow.lifetime import die_with_parent\n"
                                        "die_with_parent()\nopen(sys.argv[1], 'w').write(str(os.getpid()))\n"
                                        "time.sleep(60)\n")
     (tmp_path / "parent.py").write_text("import subprocess, sys, time\n"

@@ -1,0 +1,30 @@
+"""Processes that die with the process that started them (Linux), so a killed parent leaves no orphan at work.
+
+No Dagster import: the trainer entry point (train_main.py) uses this on GPU boxes without Dagster.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1  # prctl's option number (linux/prctl.h)
+
+
+def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> bool:
+    """Ask the kernel to send `signum` to this process when its parent dies; return whether it was asked (Linux only).
+
+    The kernel sends it when the *thread* that started this process exits: the caller must know that thread lives as
+    long as the parent does. With `parent` (the pid that started this process), a parent that died before the request
+    took effect (this process already re-parented) gets the signal sent now instead.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum) != 0:
+        return False
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signum)
+    return True
