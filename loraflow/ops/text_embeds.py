@@ -18,7 +18,8 @@ Store schema (`text_embeds/shards/*.parquet`, one row per distinct key):
     encoders         str   JSON {component: fingerprint} of the text encoders and tokenizers
     precision        str   fp32 | bf16 | int8-torchao: the first text encoder's (`text_encoder_1_precision`)
     n_tokens         int   valid tokens of `text_embeds` (L)
-    truncated        bool  the caption had more than `family.max_text_tokens` tokens; the rest was dropped
+    truncated        bool  the encoding was cut at the limit: the cleaned caption inside its template had more tokens
+                           than the family keeps (its end, <|im_end|>, is cut first); the family says so per row
     text_embeds      float32 (L, D) valid tokens only: padding and the text mask are rebuilt by
                            `family.collate_text` at batch time, so no row stores padding
     pooled_embeds    float32 (768,)       Kandinsky 5: CLIP pooled output

@@ -154,6 +154,8 @@ class HunyuanVideo15:
                 [chat(text)], add_generation_prompt=True, tokenize=True, return_dict=True,
                 max_length=crop + MAX_TEXT_TOKENS, truncation=True, return_tensors="pt",
             ).to(qwen.device)
+            templated = tokenizer.apply_chat_template([chat(text)], add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"][0]
             hidden = qwen(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"],
                           output_hidden_states=True).hidden_states[HIDDEN_LAYER]
             byt5, byt5_mask = self._glyph_embeds(components, text)
@@ -161,6 +163,7 @@ class HunyuanVideo15:
                 "text_embeds": hidden[0, crop:].float().cpu().numpy(),  # (L, 3584)
                 "byt5_embeds": byt5,  # (L2, 1472)
                 "byt5_mask": byt5_mask,  # (L2,)
+                "truncated": len(templated) > crop + MAX_TEXT_TOKENS,  # the template's end is cut first
             })
         return rows
 

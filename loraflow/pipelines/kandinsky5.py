@@ -138,15 +138,15 @@ class Kandinsky5Shared:
         crop = template_crop(tokenizer, self.prompt_template)
         rows = []
         for text in texts:
-            text = prompt_clean(text)
-            ids = tokenizer(
-                self.prompt_template.format(text), max_length=crop + MAX_TEXT_TOKENS, truncation=True,
-                return_tensors="pt",
-            )["input_ids"].to(qwen.device)
+            text, limit = prompt_clean(text), crop + MAX_TEXT_TOKENS
+            templated = tokenizer(self.prompt_template.format(text))["input_ids"]
+            ids = torch.tensor([templated[:limit]], device=qwen.device)  # the pipeline's truncation=True
             hidden = qwen(input_ids=ids, output_hidden_states=True, return_dict=True)["hidden_states"][-1]
             rows.append({
                 "text_embeds": hidden[0, crop:].float().cpu().numpy(),  # (L, 3584)
                 "pooled_embeds": clip_pooled(components, text),  # (768,)
+                # of the tokens encoded: the cleaned text, and the template's end (<|im_end|>) is cut first
+                "truncated": len(templated) > limit,
             })
         return rows
 
