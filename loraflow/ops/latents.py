@@ -36,7 +36,8 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
     """One row per current clip of the datasets (None: every training dataset) with the key its latent has.
     Patch conv is exact, so it is not in the key; tiling blends seams and changes the numbers, so it is; so
     does the sampling (a mode row and a distribution row of one clip never share a key), and for i2v flavours
-    the first-frame image latent (see `_with_image_latent`) or image condition (`encode_image_condition`)."""
+    the first-frame image latent (see `_with_image_latent`) or image condition (`encode_image_condition`).
+    `tiled_key` is the key of the clip's latent when an out-of-memory encode falls back to tiling."""
     vae_id = component_fingerprint(config.pretrained_model_name_or_path, "vae")
     family = get_family(config)
     given = family.flavour.conditioning_frames
@@ -48,14 +49,12 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
         image["image_condition"] = family.image_condition
     ids = {d.id for d in select_datasets(config, datasets)}
     clips = store.read_manifest("clips", parts=datasets)
+    key = lambda clip, tiling: content_key(  # noqa: E731
+        clip=clip["key"], vae=vae_id, dtype="float32", sampling=config.latent_sampling, tiling=tiling,
+        code=CODE_VERSION, **image)
     return [
-        {
-            "key": content_key(clip=clip["key"], vae=vae_id, dtype="float32", sampling=config.latent_sampling,
-                               tiling=config.vae_enable_tiling, code=CODE_VERSION, **image),
-            "clip_key": clip["key"],
-            "bucket": clip["bucket"],
-            "dataset": clip["dataset"],
-        }
+        {"key": key(clip, config.vae_enable_tiling), "tiled_key": key(clip, True), "clip_key": clip["key"],
+         "bucket": clip["bucket"], "dataset": clip["dataset"]}
         for clip in clips
         if clip["dataset"] in ids  # a dataset no longer in the config is never encoded or listed
     ]
@@ -82,10 +81,12 @@ def encode_latents(
             vae.enable_slicing()
         image = [load_component(config.pretrained_model_name_or_path, c, torch.float32, str(device))
                  for c in family.image_condition_components]  # [] or (image encoder, its processor)
-        quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling, image)
+        quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling, image,
+                                         have)
         free_models(vae, *image)
     bad = {q["key"] for q in quarantined}
-    rows = [r for r in rows if r["key"] not in bad]
+    tiled = {f["key"] for f in fallbacks if f["fallback"] == "tiling"}
+    rows = [listed(r, r["key"] in tiled) for r in rows if r["key"] not in bad]
     for dataset in select_datasets(config, datasets):  # one part per dataset: parallel runs never collide
         store.write_manifest("latents", [r for r in rows if r["dataset"] == dataset.id], part=dataset.id)
         # this run's failures (a failed clip is retried by every run): the coverage check leaves them out
@@ -104,7 +105,7 @@ def encode_latents(
 @torch.no_grad()
 def _encode(
     todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device, shard_clips: int,
-    sampling: str, image: list[Any],
+    sampling: str, image: list[Any], have: set[str],
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Encode clip by clip; commit a shard every `shard_clips` so a killed run loses at most one shard's work."""
     quarantined: list[dict[str, str]] = []
@@ -120,14 +121,15 @@ def _encode(
                 latent, fallback = _encode_with_fallback(vae, family, pixels, sampling)
                 latent = _with_image_latent(latent, vae, family, pixels, sampling)
                 condition = _image_condition(vae, family, image, stored, pixels)
+                key = row["tiled_key"] if fallback == "tiling" else row["key"]  # tiled: other numbers, other key
                 if fallback:
                     log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
-                    fallbacks.append({"clip_key": row["clip_key"], "fallback": fallback})
+                    fallbacks.append({"clip_key": row["clip_key"], "fallback": fallback, "key": row["key"]})
                 if not torch.isfinite(latent).all() or not all(np.isfinite(c).all() for c in condition.values()):
                     quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "dataset": row["dataset"],
                                         "reason": "non_finite_latent"})
-                else:
-                    done.append({"key": row["key"], **latent_columns(latent.cpu(), sampling), **condition})
+                elif key not in have:
+                    done.append({"key": key, **latent_columns(latent.cpu(), sampling), **condition})
                 progress.update()
             store.put("latents", done)
     progress.close()
@@ -161,6 +163,13 @@ def _with_image_latent(
     return torch.cat([image[:, :given], latent[:, given:]], dim=1)  # (C, T, h, w): frames are dim 1
 
 
+def listed(row: dict[str, Any], tiled: bool) -> dict[str, Any]:
+    """The manifest row of a clip's latent. An out-of-memory encode that fell back to tiling was stored under the
+    tiled key and is listed as approximate; the next run tries the exact encode again (its key is still missing)."""
+    key = row["tiled_key"] if tiled else row["key"]
+    return {**{k: v for k, v in row.items() if k != "tiled_key"}, "key": key, "approximate": tiled}
+
+
 def _encode_with_fallback(
     vae: torch.nn.Module, family: ModelFamily, pixels: torch.Tensor, sampling: str
 ) -> tuple[torch.Tensor, str]:
@@ -174,9 +183,8 @@ def _encode_with_fallback(
         return family.vae_encode(vae, pixels, sampling)[0], "patch_conv"
     except torch.OutOfMemoryError:
         free_models()
-    # Tiling is approximate: only this clip gets it (listed in the report's oom_fallbacks; its row keeps the exact
-    # key, so redoing it means dropping the latents cache), and every later clip is tried as configured first
-    # again. Patch conv above stays on: it is exact.
+    # Tiling is approximate: only this clip gets it (stored under its tiled key, listed as approximate; see
+    # `listed`), and every later clip is tried as configured first again. Patch conv above stays on: it is exact.
     configured = getattr(vae, "use_tiling", False)
     vae.enable_tiling()
     try:

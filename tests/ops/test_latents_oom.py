@@ -1,0 +1,63 @@
+"""An out-of-memory latent encode that falls back to tiling: its latent is approximate, so it is stored under the
+tiled key and listed as approximate, and a later run that has the memory encodes it exactly.
+
+A CUDA out-of-memory error cannot happen on a CPU (and a CPU allocation failure is a plain RuntimeError), so the
+test plays the GPU's part: a forward pre-hook on the real VAE's encoder raises torch's own OutOfMemoryError
+whenever the VAE is not tiling, as a VAE too large for its card does until tiling shrinks what it holds at once.
+Everything else is real: clips from real videos, the tiny real VAE through `from_pretrained`, the real store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import loraflow.ops.latents as L
+from loraflow.assets.checks import clips_without_latents
+from loraflow.config import load_config
+from loraflow.ops.clips import build_clips
+from loraflow.pipelines import get_family
+from loraflow.store import Store
+from tests.conftest import demo_dict, write_config
+
+
+def out_of_memory_unless_tiling(vae: torch.nn.Module) -> None:
+    def hook(_module: torch.nn.Module, _args: tuple) -> None:
+        if not vae.use_tiling:
+            raise torch.OutOfMemoryError("CUDA out of memory (played by the test: the VAE fits only when tiling)")
+
+    vae.encoder.register_forward_pre_hook(hook)
+
+
+def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
+        tiny_k5: Path, demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = load_config(write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))
+    family, store = get_family(config), Store(config.cache_dir)
+    build_clips(config, family, store)
+    exact = {r["clip_key"]: r for r in L.latent_rows(config, store)}
+    assert all(r["key"] != r["tiled_key"] for r in exact.values())  # tiling is off in the demo config
+
+    load = L.load_component
+
+    def small_card(path: str, name: str, *args, **kwargs):
+        component = load(path, name, *args, **kwargs)
+        if name == "vae":
+            out_of_memory_unless_tiling(component)
+        return component
+
+    monkeypatch.setattr(L, "load_component", small_card)
+    report = L.encode_latents(config, family, store)
+    assert {f["fallback"] for f in report.tables["oom_fallbacks"]} == {"tiling"}
+    listed = store.read_manifest("latents")
+    assert listed and all(r["approximate"] and r["key"] == exact[r["clip_key"]]["tiled_key"] for r in listed)
+    stored = store.keys("latents")
+    assert not stored & {r["key"] for r in exact.values()}  # nothing approximate under an exact key
+    assert clips_without_latents(list(exact.values()), store) == []  # the blocking check counts them
+
+    monkeypatch.setattr(L, "load_component", load)  # a card with the memory: the next run redoes them exactly
+    again = L.encode_latents(config, family, store)
+    assert again.computed == len(exact) and again.tables["oom_fallbacks"] == []
+    listed = store.read_manifest("latents")
+    assert all(not r["approximate"] and r["key"] == exact[r["clip_key"]]["key"] for r in listed)
