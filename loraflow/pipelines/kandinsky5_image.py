@@ -54,17 +54,24 @@ TEXT_SIGNATURE = content_key(template=PROMPT_TEMPLATE, max_tokens=MAX_TEXT_TOKEN
 VAE_FACTOR = 8  # the pipeline hard-codes vae_scale_factor_spatial = 8 (K5T2I:181)
 IMAGE_ROPE_SCALE = (1.0, 1.0, 1.0)  # both image pipelines' scale_factor
 
-# i2i: the I2I pipeline's `prompt_template` (K5I2I:177), byte for byte: no newlines around the user turn (the original
-# Kandinsky 5 repo has them), the source image's vision tokens after the user text. Cropped after the prefix.
-I2I_PROMPT_TEMPLATE = (
-    "<|im_start|>system\nYou are a prompt engineer. Based on the provided source image (first image) and target "
-    "image (second image), create an interesting text prompt that can be used together with the source image to "
-    "create the target image:<|im_end|><|im_start|>user{}<|vision_start|><|image_pad|><|vision_end|><|im_end|>"
-)
+# i2i: the original Kandinsky 5 repo's "image_edit" template (kandinskylab/kandinsky-5,
+# kandinsky/models/text_embedders.py: its parts joined by "\n", "promt" as it spells it), the source image's vision
+# tokens and <|im_end|> appended after the user text as its embedder does. diffusers' I2I template (K5I2I:177) fixes
+# the typo and drops both "\n": not what the checkpoints were trained with (docs/families.md).
+I2I_PROMPT_TEMPLATE = "\n".join((
+    "<|im_start|>system\nYou are a promt engineer. Based on the provided source image (first image) and target image "
+    "(second image), create an interesting text prompt that can be used together with the source image to create the "
+    "target image:<|im_end|>",
+    "<|im_start|>user\n{}",
+)) + "<|vision_start|><|image_pad|><|vision_end|><|im_end|>"
+# The original crops 55 tokens: its 52-token prefix (real Qwen2 tokenizer) and the user turn's first 3 tokens, which
+# the transformer therefore never saw. Kept, to feed the embeddings it was trained on (diffusers: 54, 5 past its 49).
+I2I_CROP_PAST_PREFIX = 3
 # The I2I pipeline's max_sequence_length default (K5I2I:300): tokens after the crop, vision tokens included.
 I2I_MAX_TEXT_TOKENS = 1024
 I2I_CLOSING_TOKENS = 3  # <|vision_start|>, <|vision_end|>, <|im_end|>: the template's tokens after the user text
-I2I_TEXT_SIGNATURE = content_key(template=I2I_PROMPT_TEMPLATE, max_tokens=I2I_MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS,
+I2I_TEXT_SIGNATURE = content_key(template=I2I_PROMPT_TEMPLATE, crop_past_prefix=I2I_CROP_PAST_PREFIX,
+                                 max_tokens=I2I_MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS,
                                  image="source image at half size, through the checkpoint's Qwen2-VL processor")
 
 
@@ -74,8 +81,9 @@ def template_crop(tokenizer: Any) -> int:
 
 
 def i2i_template_crop(processor: Any) -> int:
-    """Tokens in the i2i template before the user text (the I2I pipeline hard-codes 54 for the real tokenizer)."""
-    return kandinsky5.template_crop(processor, I2I_PROMPT_TEMPLATE)
+    """Tokens cropped off the front of i2i embeddings: the template prefix and I2I_CROP_PAST_PREFIX user-turn tokens
+    (55 for the real Qwen2.5 tokenizer, as the original repo; tests/pipelines/test_qwen_templates.py)."""
+    return kandinsky5.template_crop(processor, I2I_PROMPT_TEMPLATE) + I2I_CROP_PAST_PREFIX
 
 
 @dataclass(frozen=True)
@@ -172,7 +180,8 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
     def encode_text(
         self, components: Mapping[str, Any], texts: list[str], images: list[np.ndarray] | None = None
     ) -> list[TextRow]:
-        """`Kandinsky5I2IPipeline.encode_prompt(text, image=PIL image)` (K5I2I:184-259, 295-385), one text at a time.
+        """`Kandinsky5I2IPipeline.encode_prompt(text, image=PIL image)` (K5I2I:184-259, 295-385), one text at a time,
+        with the original repo's template and crop (`I2I_PROMPT_TEMPLATE`, `i2i_template_crop`) in place of diffusers'.
 
         `images`: each text's source image, uint8 (H, W, 3). Rows: `text_embeds` (L, D) = Qwen2.5-VL's last hidden
         state after the template prefix (the user text, the image's vision tokens, the closing tokens: L <= 1024),
@@ -299,11 +308,11 @@ def _fit_text(processor: Any, text: str, image: Image.Image, crop: int) -> str:
     if len(ids) <= crop + I2I_MAX_TEXT_TOKENS:
         return text
     image_tokens = int((ids == processor.image_token_id).sum())
-    budget = I2I_MAX_TEXT_TOKENS - image_tokens - I2I_CLOSING_TOKENS  # user-text tokens that fit
+    budget = I2I_MAX_TEXT_TOKENS - image_tokens - I2I_CLOSING_TOKENS  # user-text tokens that fit after the crop
     if budget < 0:
         raise ValueError(f"a {image.width * 2}x{image.height * 2} source image gives {image_tokens} vision tokens, "
                          f"more than Kandinsky 5 i2i's {I2I_MAX_TEXT_TOKENS}-token prompt: use smaller images")
-    user = ids[ids != processor.image_token_id][crop:-I2I_CLOSING_TOKENS]
+    user = ids[ids != processor.image_token_id][crop:-I2I_CLOSING_TOKENS]  # the crop may take its first tokens
     removed = processor.decode(user[budget:])
     return text[: -len(removed)] if removed else text
 
