@@ -3,6 +3,7 @@
 from dagster import Definitions
 
 from loraflow.assets.checks import ALL_CHECKS
+from loraflow.assets.dead_runs import watch_dead_runs
 from loraflow.assets.jobs import JOBS
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.schedules import recache_schedule
@@ -18,3 +19,8 @@ defs = Definitions(
     sensors=[dataset_watch],
     resources={"loraflow": resource},
 )
+
+# A killed `dagster asset materialize` run stays STARTED and keeps its `gpu` slot, and nothing in Dagster watches CLI
+# runs. Loading this module is the one piece of our code that runs in such a process before its run claims a slot
+# (and in the code server of `dagster dev`), so the dead-run guard starts here, on a thread: dead_runs.py.
+watch_dead_runs()

@@ -18,11 +18,15 @@ Reads fetch only the row groups holding the wanted keys: a shard's rows are grou
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
 import io
 import os
+import tempfile
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -213,6 +217,33 @@ class Store:
             self._remove(self._manifest_path(stage, name))
         return gone
 
+    @contextlib.contextmanager
+    def part_lock(self, part: str, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+        """Hold this host's lock on one part (a dataset) of this store, in every stage; call `on_wait` first if another
+        process holds it. Two runs of one dataset then write its parts one after the other, each from inputs it read
+        under the lock, so the last writer's list is computed from the newest state, never an older one written over
+        it. A file lock (flock): the kernel releases it when the holder dies, so a killed run never keeps it."""
+        import fcntl
+
+        folder = self._lock_folder()
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{quote(part, safe='')}.lock", "a") as f:  # released when the file is closed
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if on_wait is not None:
+                    on_wait()
+                fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    def _lock_folder(self) -> Path:
+        """Beside the data for a local store (whoever may write the store may lock it); for a remote one, this
+        machine's temporary folder, one subfolder per store URL."""
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
+        if "file" in protocols:
+            return Path(self.root) / ".locks"
+        return Path(tempfile.gettempdir()) / "loraflow-locks" / _digest(self.fs.unstrip_protocol(self.root))
+
     def only_parts(self, parts: Iterable[str]) -> Store:
         """This store, with `read_manifest` restricted to the given parts (one dataset's view of its clips)."""
         view = copy.copy(self)
@@ -261,6 +292,10 @@ def _with_shapes(f: Any, columns: list[str] | None) -> list[str] | None:
     f.seek(0)
     wanted = {"key", *columns}
     return [n for n in names if n in wanted or (n.endswith(SHAPE_SUFFIX) and n.removesuffix(SHAPE_SUFFIX) in wanted)]
+
+
+def _digest(url: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def _fsync_local(f: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from dagster import ConfigurableResource, Failure
+from dagster import ConfigurableResource, Failure, InitResourceContext
 
 from loraflow.config import ConfigError, LoraflowConfig, load_config
 from loraflow.store import Store
@@ -16,6 +16,13 @@ class LoraflowResource(ConfigurableResource):
     """Typed: swap the config (and so the store URL: local, memory://, s3://) per deployment or test."""
 
     config_path: str = os.environ.get("LORAFLOW_CONFIG", DEFAULT_CONFIG)
+
+    def setup_for_execution(self, context: InitResourceContext) -> None:
+        """Every step sets up this resource before its work: a step worker dies with its run's process from here on
+        (dead_runs.die_with_run), so a killed run leaves no step at work."""
+        from loraflow.assets.dead_runs import die_with_run
+
+        die_with_run(context.instance, context.run.run_id if context.run else None)
 
     def load(self) -> LoraflowConfig:
         """The validated config. A bad config fails the step without retries: it fails the same way again."""

@@ -17,6 +17,12 @@ from loraflow.assets.partitions import DATASETS
 from loraflow.assets.resources import LoraflowResource
 
 
+def _log_waiting(context: AssetExecutionContext, dataset: str) -> None:
+    # Runs of one dataset from the queue never overlap (`dagster/partition` limit in .dagster/dagster.yaml); these
+    # are CLI runs, which bypass the queue: the store's part lock makes them write one after the other.
+    context.log.info(f"waiting for another process writing dataset '{dataset}' to this store")
+
+
 @asset(partitions_def=DATASETS, group_name="loraflow",
        description="One dataset: probe videos/images, choose clips, bucket, decode only the kept frames.")
 def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
@@ -28,7 +34,8 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
     config = loraflow.load()
     store = loraflow.store(config)
     dataset = loraflow.dataset(config, context.partition_key)
-    report = build_clips(config, get_family(config), store, datasets=[dataset])
+    with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):
+        report = build_clips(config, get_family(config), store, datasets=[dataset])
     for row in report.quarantined:
         context.log.warning(f"quarantined {row['file']}: {row['reason']} ({row['detail']})")
     return MaterializeResult(
@@ -59,7 +66,9 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
 
     config = loraflow.load()
     dataset = loraflow.dataset(config, context.partition_key)
-    report = encode_latents(config, get_family(config), loraflow.store(config), datasets=[dataset])
+    store = loraflow.store(config)
+    with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):  # it reads the clips part too
+        report = encode_latents(config, get_family(config), store, datasets=[dataset])
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={"dataset": dataset, **md.counts(report), "latents": report.computed + report.reused,

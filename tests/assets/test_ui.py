@@ -8,16 +8,9 @@ LORAFLOW_SAVE_SCREENSHOT=1 one is copied to docs/ui.png. Skipped only where Chro
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +21,7 @@ from loraflow.assets.jobs import materialize_everything
 from loraflow.assets.resources import LoraflowResource
 from loraflow.keys import env_flag
 from tests.conftest import REPO, demo_dict, write_config
+from tests.dagster_dev import dagster_dev
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -38,12 +32,6 @@ WAIT_MS = 30_000  # the UI fetches over GraphQL after the page loads; 2 CPU core
 if not CHROMIUM.exists() and not os.environ.get("CI"):
     pytest.skip("headless Chromium is not installed at /usr/bin/chromium (apt-get install chromium); "
                 "under CI this test runs and fails instead", allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -65,49 +53,9 @@ def materialized(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPa
 
 @pytest.fixture(scope="module")
 def server(materialized: tuple[Path, Path, Path]) -> Iterator[str]:
-    """`dagster dev` on 127.0.0.1 in its own process group, killed as a group at the end."""
     root, home, config = materialized
-    port = free_port()
-    log = (root / "dagster_dev.log").open("wb")
-    env = {**os.environ, "DAGSTER_HOME": str(home), "LORAFLOW_CONFIG": str(config)}
-    dagster = str(Path(sys.executable).with_name("dagster"))
-    process = subprocess.Popen([dagster, "dev", "-m", "loraflow.definitions", "-h", "127.0.0.1", "-p", str(port)],
-                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for(url, process, root / "dagster_dev.log")
+    with dagster_dev(home, config, root / "dagster_dev.log") as url:
         yield url
-    finally:
-        _kill_group(process)
-        log.close()
-
-
-def _wait_for(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"dagster dev exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/server_info", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    pytest.fail(f"dagster dev did not answer on {url} within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    """dagster dev starts a webserver, a daemon and code servers in its process group: end them all."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=3)  # it rarely exits on TERM alone; nothing in it needs a clean stop
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):  # children outliving the leader, or a leader ignoring TERM
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

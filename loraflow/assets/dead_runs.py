@@ -1,0 +1,142 @@
+"""A dead run never blocks the next: a run whose processes are all gone is failed and its pool slots are freed.
+
+`kill -9`, the OOM killer or a power cut stop a run's process before it can report anything: the run stays STARTED
+and keeps its `gpu` slot, so every later GPU step waits for it forever. Dagster recovers the runs it launched: under
+`dagster dev` the code server fails a run whose worker died, and the monitoring daemon frees the slots of finished
+runs (`run_monitoring` in .dagster/dagster.yaml). A run of `dagster asset materialize` or `job execute` was launched
+by nothing and is watched by nothing (nor is a run whose code server died with it), so this module does it:
+
+- a run's processes are the pids its own events record: Dagster logs the run worker's, the executor's and each step
+  worker's;
+- a run all of whose recorded processes are provably gone (no such pid, a zombie, or the pid now held by a process
+  started after the event: reused) is reported failed, and its slots are freed;
+- a run that has recorded no pid yet is starting and is left alone, and so is every run of an instance whose storage
+  is not SQLite files on this host (its pids could be another machine's). Assumed: every process using this
+  DAGSTER_HOME sees the same pids (one machine, no container with a PID namespace of its own sharing it), as with
+  Dagster's default run launcher, which starts every run on the machine of `dagster dev`.
+
+The guard runs on a thread of every main process that loads loraflow.definitions (dagster's CLI, the code server of
+`dagster dev`): at once (as a rule before the CLI's own run asks for its slot; if not, its step asks again within
+seconds), and every WATCH_INTERVAL_S while that process lives, so a run already waiting for the slot of a run that
+dies goes on too.
+
+And a step worker dies with the run process that started it (`die_with_run`), so it never reports after its run
+failed, nor keeps the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+
+log = logging.getLogger(__name__)
+PID_EVENTS = {DagsterEventType.ENGINE_EVENT, DagsterEventType.STEP_WORKER_STARTED}
+CLOCK_SLACK_S = 2.0  # /proc's boot time is whole seconds and drifts with the clock: a pid counts as reused past this
+WATCH_INTERVAL_S = 15.0  # as often as a blocked step re-asks for its slot at the most (Dagster: every 15 s)
+_watching = threading.Event()
+
+
+def recorded_pids(instance: DagsterInstance, run_id: str) -> list[tuple[int, float]]:
+    """(pid, when it was recorded) of every process the run's events name."""
+    found = []
+    for entry in instance.all_logs(run_id, of_type=PID_EVENTS):
+        metadata = getattr(entry.dagster_event.event_specific_data, "metadata", None) or {}
+        if "pid" in metadata:
+            found.append((int(metadata["pid"].value), entry.timestamp))
+    return found
+
+
+def process_alive(pid: int, recorded_at: float) -> bool:
+    """False only where provably gone: no such process, a zombie, or a process started after `recorded_at`."""
+    if not Path("/proc/self/stat").exists():  # no /proc (macOS): existence only, a reused pid counts as alive
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone else's process
+            pass
+        return True
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    if fields[0] in ("Z", "X"):  # exited, not reaped yet
+        return False
+    started = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time, in ticks since boot
+    return started <= recorded_at + CLOCK_SLACK_S
+
+
+def _boot_time() -> float:
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    raise RuntimeError("/proc/stat has no btime")
+
+
+def on_this_host(instance: DagsterInstance) -> bool:
+    """Whether the instance's runs are this machine's: SQLite storage (files under DAGSTER_HOME, one host)."""
+    from dagster._core.storage.runs import SqliteRunStorage
+
+    return isinstance(instance.run_storage, SqliteRunStorage)
+
+
+def reap_dead_runs(instance: DagsterInstance) -> list[str]:
+    """Fail the in-progress runs whose recorded processes are all gone and free their pool slots; return their ids."""
+    if not on_this_host(instance):
+        return []
+    dead = []
+    for run in instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTING, DagsterRunStatus.STARTED])):
+        pids = recorded_pids(instance, run.run_id)
+        if not pids or any(process_alive(pid, at) for pid, at in pids):
+            continue
+        # Slots first: a crash between the two leaves a STARTED run with dead pids, which the next pass finds again.
+        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+        instance.report_run_failed(run, f"every process of this run is gone (pids {sorted({p for p, _ in pids})}: "
+                                        "killed, out of memory or a power cut); its pool slots were freed")
+        dead.append(run.run_id)
+    return dead
+
+
+def watch_dead_runs(interval_s: float = WATCH_INTERVAL_S) -> bool:
+    """Reap dead runs of the DAGSTER_HOME instance now and every `interval_s`, on a daemon thread; return whether
+    it started. Only in a main process (the CLI, a code server): a multiprocessing child's ancestor runs one."""
+    if multiprocessing.parent_process() is not None or not os.environ.get("DAGSTER_HOME") or _watching.is_set():
+        return False
+    _watching.set()
+    threading.Thread(target=_watch, args=(interval_s,), name="loraflow-dead-runs", daemon=True).start()
+    return True
+
+
+def _watch(interval_s: float) -> None:
+    instance = None
+    while True:
+        try:
+            instance = instance or DagsterInstance.get()
+            for run_id in reap_dead_runs(instance):
+                log.warning("run %s: every process of it is gone; reported failed, its pool slots freed", run_id)
+        except Exception as exc:  # a busy database, say: never the importing process's failure; the next pass retries
+            log.warning("dead-run guard: %s: %s", type(exc).__name__, exc)
+        time.sleep(interval_s)
+
+
+def die_with_run(instance: DagsterInstance | None, run_id: str | None) -> bool:
+    """In a step worker of the multiprocess executor: SIGKILL this process when the run process that started it
+    dies (SIGKILL: no step failure, no materialization reported after the run failed). Return whether it was set.
+
+    Only where the parent is a process the run recorded (its executor): a code server's run worker is a
+    multiprocessing child too, and tied to the code server's request thread it would die when that thread ends."""
+    from loraflow.lifetime import die_with_parent
+
+    parent = multiprocessing.parent_process()
+    if parent is None or instance is None or run_id is None:
+        return False
+    if parent.pid not in {pid for pid, _ in recorded_pids(instance, run_id)}:
+        return False
+    return die_with_parent(signal.SIGKILL, parent=parent.pid)

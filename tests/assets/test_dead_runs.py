@@ -1,0 +1,296 @@
+"""A dead run never blocks the next: real `dagster asset materialize` processes and a real `dagster dev`, SIGKILLed.
+
+Every run here uses the project's .dagster/dagster.yaml (the `gpu` pool of one slot, the queue's one run per dataset
+partition, run monitoring) in a DAGSTER_HOME of its own. A killed run's step worker must die with it and report
+nothing, its `gpu` slot must come free, and the next materialization must finish with every clip's latent listed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, materialize
+
+from loraflow.assets.dead_runs import WATCH_INTERVAL_S
+from loraflow.assets.resources import LoraflowResource
+from loraflow.assets.stages import clips
+from loraflow.store import Store
+from tests.conftest import REPO, demo_dict, write_config
+from tests.dagster_dev import dagster_dev
+
+PARTITION = "demo-videos"
+RUN_S = 180  # one latents run on 2 busy cores takes 15-30 s; a run blocked for good takes forever
+CLAIM_RETRY_S = 15  # a blocked step asks for its slot again at most this far apart (Dagster's MAX_CONCURRENCY_...)
+
+
+@pytest.fixture(scope="module")
+def cached(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(DAGSTER_HOME with the project's dagster.yaml, config): the dataset's partition added and its clips cached."""
+    root = tmp_path_factory.mktemp("dead_runs")
+    config = write_config(root / "config.yaml", demo_dict(tiny_k5, demo_data, root))
+    home = root / "home"
+    home.mkdir()
+    shutil.copyfile(REPO / ".dagster" / "dagster.yaml", home / "dagster.yaml")
+    with DagsterInstance.from_config(str(home)) as instance:
+        instance.add_dynamic_partitions("datasets", [PARTITION])
+        result = materialize([clips], partition_key=PARTITION, instance=instance,
+                             resources={"loraflow": LoraflowResource(config_path=str(config))})
+        assert result.success
+    return home, config
+
+
+@pytest.fixture
+def spawn(cached: tuple[Path, Path], tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Start a command with the test's DAGSTER_HOME and config, in a process group of its own (its log under
+    tmp_path); every group started is SIGKILLed at the end, so no orphan outlives a failed test."""
+    home, config = cached
+    env = {**os.environ, "DAGSTER_HOME": str(home), "LORAFLOW_CONFIG": str(config), "CUDA_VISIBLE_DEVICES": ""}
+    started: list[subprocess.Popen] = []
+
+    def start(name: str, *command: str) -> subprocess.Popen:
+        log = (tmp_path / f"{name}.log").open("wb")
+        started.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True))
+        started[-1].log_path = tmp_path / f"{name}.log"  # type: ignore[attr-defined]
+        return started[-1]
+
+    yield start
+    for process in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+def materialize_latents(spawn: Callable[..., subprocess.Popen], name: str) -> subprocess.Popen:
+    dagster = str(Path(sys.executable).with_name("dagster"))
+    return spawn(name, dagster, "asset", "materialize", "-m", "loraflow.definitions", "--select", "latents",
+                 "--partition", PARTITION)
+
+
+def instance_of(cached: tuple[Path, Path]) -> DagsterInstance:
+    return DagsterInstance.from_config(str(cached[0]))
+
+
+def wait_until(what: str, condition: Callable[[], Any], timeout_s: float, log: Path | None = None) -> Any:
+    """condition()'s first truthy value, polled every 0.1 s; fails naming `what` (and the log's tail) past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
+    pytest.fail(f"{what}: not within {timeout_s:.0f} s\n{tail}")
+
+
+def step_worker(instance: DagsterInstance, run_id: str, step: str) -> int | None:
+    """The pid of the run's step worker for `step` once that step has started, else None."""
+    entries = instance.all_logs(run_id, of_type={DagsterEventType.STEP_WORKER_STARTED, DagsterEventType.STEP_START})
+    if not any(e.dagster_event.event_type == DagsterEventType.STEP_START and e.step_key == step for e in entries):
+        return None
+    (worker,) = [e for e in entries if e.dagster_event.event_type == DagsterEventType.STEP_WORKER_STARTED
+                 and e.step_key == step]
+    return int(worker.dagster_event.event_specific_data.metadata["pid"].value)
+
+
+def running_latents(instance: DagsterInstance, spawn: Callable[..., subprocess.Popen],
+                    name: str) -> tuple[subprocess.Popen, str, int]:
+    """(process, run id, latents step worker pid) of a CLI latents materialization whose latents step has started."""
+    before = {r.run_id for r in instance.get_runs()}
+    process = materialize_latents(spawn, name)
+    (run_id,) = wait_until(f"run of `{name}` created", lambda: new_runs(instance, before), RUN_S, process.log_path)
+    pid = wait_until(f"latents step of `{name}` started", lambda: step_worker(instance, run_id, "latents"), RUN_S,
+                     process.log_path)
+    return process, run_id, pid
+
+
+def executor_pid(instance: DagsterInstance, run_id: str) -> int | None:
+    """The pid of the run's process that starts its step workers (Dagster's multiprocess executor logs it)."""
+    for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
+        if (entry.user_message or "").startswith("Executing steps using multiprocess executor"):
+            return int(entry.dagster_event.event_specific_data.metadata["pid"].value)
+    return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie has exited
+
+
+def kill_and_time_its_step(process: subprocess.Popen, step_pid: int) -> float:
+    """SIGKILL the run's process alone (its step worker is left to itself); seconds until that worker is gone."""
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    killed = time.monotonic()
+    wait_until(f"step worker {step_pid} gone after its run was killed", lambda: not alive(step_pid), RUN_S)
+    return time.monotonic() - killed
+
+
+def finished(process: subprocess.Popen, timeout_s: float) -> float:
+    """Seconds until the process exited 0; fails (with its log) if it did not, or not within timeout_s."""
+    start = time.monotonic()
+    wait_until(f"{process.args[-5:]} finished", lambda: process.poll() is not None, timeout_s, process.log_path)
+    assert process.returncode == 0, process.log_path.read_text(errors="replace")[-3000:]
+    return time.monotonic() - start
+
+
+def materializations(instance: DagsterInstance, run_id: str) -> list[Any]:
+    return instance.all_logs(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
+
+
+def assert_nothing_missing(instance: DagsterInstance, config: Path) -> None:
+    """No run holds a `gpu` slot, and the latents part lists a latent for every clip of the clips part."""
+    assert gpu_claims(instance) == []
+    from loraflow.config import load_config
+
+    store = Store(load_config(config).cache_dir)
+    clip_keys = {r["key"] for r in store.read_manifest("clips", parts=[PARTITION])}
+    listed = {r["clip_key"] for r in store.read_manifest("latents", parts=[PARTITION])}
+    assert len(clip_keys) >= 5 and listed == clip_keys, f"clips without a latent: {sorted(clip_keys - listed)}"
+
+
+def gpu_claims(instance: DagsterInstance) -> list[Any]:
+    return instance.event_log_storage.get_concurrency_info("gpu").claimed_slots
+
+
+def new_runs(instance: DagsterInstance, before: set[str]) -> list[str]:
+    return [r.run_id for r in instance.get_runs() if r.run_id not in before]
+
+
+def blocked(instance: DagsterInstance, run_id: str) -> bool:
+    return any("blocked by limit for pool gpu" in (e.user_message or "")
+               for e in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT))
+
+
+def forget_latents(config: Path) -> None:
+    """Remove every cached latent, so that the next latents step encodes for seconds (time to kill it mid-way)."""
+    from loraflow.config import load_config
+
+    shutil.rmtree(Path(load_config(config).cache_dir) / "latents", ignore_errors=True)
+
+
+FINISHED = (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
+
+
+def status(instance: DagsterInstance, run_id: str) -> DagsterRunStatus:
+    return instance.get_run_by_id(run_id).status
+
+
+def materialization_keys(instance: DagsterInstance, run_id: str) -> list[Any]:
+    return [e.dagster_event.event_specific_data.materialization for e in materializations(instance, run_id)]
+
+
+def waiting_for_writer(instance: DagsterInstance, run_id: str) -> bool:
+    return any("waiting for another process writing dataset" in (e.user_message or "")
+               for e in instance.all_logs(run_id))
+
+
+def test_a_killed_cli_run_frees_its_slot_and_its_step_dies_with_it(cached, spawn) -> None:
+    """`kill -9` of `dagster asset materialize --select latents`, then the same command again (the issue's case)."""
+    forget_latents(cached[1])
+    with instance_of(cached) as instance:
+        killed, run_id, step_pid = running_latents(instance, spawn, "killed")
+        step_gone_s = kill_and_time_its_step(killed, step_pid)
+        assert step_gone_s < 3, f"the killed run's step worker lived on for {step_gone_s:.1f} s"
+        assert materializations(instance, run_id) == []  # it died before reporting, not after its run ended
+        again_s = finished(materialize_latents(spawn, "again"), RUN_S)
+        print(f"step worker gone {step_gone_s:.2f} s after the kill; the next run finished in {again_s:.1f} s")
+        assert instance.get_run_by_id(run_id).status == DagsterRunStatus.FAILURE  # reported by the next process
+        assert_nothing_missing(instance, cached[1])
+
+
+def test_a_run_waiting_for_the_slot_of_a_killed_run_goes_on(cached, spawn) -> None:
+    """The next run was already waiting for the `gpu` slot when the run holding it was killed."""
+    forget_latents(cached[1])
+    with instance_of(cached) as instance:
+        killed, run_id, step_pid = running_latents(instance, spawn, "killed")
+        os.kill(step_pid, signal.SIGSTOP)  # it keeps the slot however slowly the next run starts on busy cores
+        before = {r.run_id for r in instance.get_runs()}
+        waiting = materialize_latents(spawn, "waiting")
+        (waiting_id,) = wait_until("the waiting run created", lambda: new_runs(instance, before), RUN_S,
+                                   waiting.log_path)
+        wait_until("the waiting run blocked by the gpu pool", lambda: blocked(instance, waiting_id), RUN_S,
+                   waiting.log_path)
+        kill_and_time_its_step(killed, step_pid)
+        # its guard looks again within WATCH_INTERVAL_S, and its step asks for the slot again within CLAIM_RETRY_S
+        waiting_s = finished(waiting, WATCH_INTERVAL_S + CLAIM_RETRY_S + RUN_S)
+        print(f"the waiting run finished {waiting_s:.1f} s after the kill")
+        assert instance.get_run_by_id(run_id).status == DagsterRunStatus.FAILURE
+        assert instance.get_run_by_id(waiting_id).status == DagsterRunStatus.SUCCESS
+        assert_nothing_missing(instance, cached[1])
+
+
+@pytest.mark.filterwarnings("ignore:Using variable_values:DeprecationWarning")  # dagster_graphql's call into gql
+def test_under_dagster_dev_a_killed_run_worker_frees_the_slot_and_the_queued_run_of_its_dataset_goes_on(
+        cached, tmp_path: Path) -> None:
+    """Two runs of one dataset launched as the UI launches them: the second waits in the queue while the first runs;
+    the first's worker is killed in its latents step; the second then runs and finishes."""
+    from dagster_graphql import DagsterGraphQLClient
+
+    forget_latents(cached[1])
+    with dagster_dev(*cached, tmp_path / "dagster_dev.log") as url, instance_of(cached) as instance:
+        client = DagsterGraphQLClient("127.0.0.1", port_number=int(url.rsplit(":", 1)[1]))
+        first = client.submit_job_execution("cache_dataset", tags={"dagster/partition": PARTITION})
+        wait_until("the first run started", lambda: status(instance, first) == DagsterRunStatus.STARTED, RUN_S)
+        second = client.submit_job_execution("cache_dataset", tags={"dagster/partition": PARTITION})
+
+        def first_in_latents_second_queued() -> int | None:
+            assert status(instance, second) == DagsterRunStatus.QUEUED, "two runs of one dataset at once"
+            return step_worker(instance, first, "latents")
+
+        step_pid = wait_until("the first run's latents step started", first_in_latents_second_queued, RUN_S)
+        killed = time.monotonic()
+        os.kill(executor_pid(instance, first), signal.SIGKILL)  # the run worker, started by the code server
+        wait_until("the killed run's step worker gone", lambda: not alive(step_pid), RUN_S)
+        step_gone_s = time.monotonic() - killed
+        wait_until("the killed run reported failed", lambda: status(instance, first) == DagsterRunStatus.FAILURE, 30)
+        # the daemon looks every poll_interval_seconds (10 s) for runs ended free_slots_after_run_end_seconds (5) ago
+        wait_until("its gpu slot freed", lambda: not gpu_claims(instance), 60)
+        slot_s = time.monotonic() - killed
+        wait_until("the queued run finished", lambda: status(instance, second) in FINISHED, RUN_S)
+        print(f"dagster dev: step worker gone {step_gone_s:.2f} s, slot free {slot_s:.1f} s, queued run done "
+              f"{time.monotonic() - killed:.1f} s after the kill")
+        assert step_gone_s < 3, f"the killed run's step worker lived on for {step_gone_s:.1f} s"
+        assert [e.asset_key.path[-1] for e in materialization_keys(instance, first)] == ["clips"]  # no latents
+        assert status(instance, second) == DagsterRunStatus.SUCCESS
+        assert_nothing_missing(instance, cached[1])
+
+
+def test_a_cli_run_waits_for_another_writer_of_its_dataset_and_a_killed_writer_frees_it(cached, spawn) -> None:
+    """CLI runs bypass the queue: a writer of the dataset's parts (a process holding the store's part lock, as a
+    clips or latents step does) makes a clips run wait; SIGKILLed, it lets the run go on."""
+    from loraflow.config import load_config
+
+    cache_dir = load_config(cached[1]).cache_dir
+    holder = spawn("holder", sys.executable, "-c", "import time\nfrom loraflow.store import Store\n"
+                   f"with Store({cache_dir!r}).part_lock({PARTITION!r}):\n    print('held', flush=True)\n"
+                   "    time.sleep(600)\n")
+    wait_until("the lock held", lambda: "held" in holder.log_path.read_text(), RUN_S, holder.log_path)
+    with instance_of(cached) as instance:
+        before = {r.run_id for r in instance.get_runs()}
+        dagster = str(Path(sys.executable).with_name("dagster"))
+        run = spawn("clips", dagster, "asset", "materialize", "-m", "loraflow.definitions", "--select", "clips",
+                    "--partition", PARTITION)
+        (run_id,) = wait_until("the clips run created", lambda: new_runs(instance, before), RUN_S, run.log_path)
+        wait_until("the clips run waiting for the writer", lambda: waiting_for_writer(instance, run_id), RUN_S,
+                   run.log_path)
+        time.sleep(2)  # still waiting a while later: nothing it does goes past the lock
+        assert run.poll() is None and materializations(instance, run_id) == []
+        os.killpg(holder.pid, signal.SIGKILL)
+        print(f"the clips run finished {finished(run, RUN_S):.1f} s after the writer was killed")
+        assert [e.asset_key.path[-1] for e in materialization_keys(instance, run_id)] == ["clips"]
+
+
