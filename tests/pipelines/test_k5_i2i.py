@@ -2,8 +2,10 @@
 
 Text rows == the pipeline's encode_prompt with the source image; the cached source latent == the pipeline VAE's
 mode() * scaling; velocity == the transformer called on the pipeline's own prepared latents; a LoRA learns and loads;
-a render at lora_scale 0 == the pipeline given the same image, prompt and seed. As in test_families.py, the
-pipeline's hard-coded crop (54, the real tokenizer's) is set to the one computed for the tiny byte-level tokenizer.
+a render at lora_scale 0 == the pipeline given the same image, prompt and seed. loraflow encodes with the original
+Kandinsky 5 repo's i2i template and crop (`I2I_PROMPT_TEMPLATE`, 3 tokens past its prefix), not diffusers', so the
+reference pipeline is given that template and that crop, computed for the tiny byte-level tokenizer (the pipeline's
+hard-coded 54 is the real tokenizer's crop of diffusers' template).
 """
 
 from __future__ import annotations
@@ -23,13 +25,20 @@ from PIL import Image
 from loraflow.ops.checkpoints import adapter_config
 from loraflow.pipelines import hunyuanvideo15, kandinsky5_image, kandinsky5_video
 from loraflow.pipelines.base import load_component
-from loraflow.pipelines.kandinsky5_image import I2I_MAX_TEXT_TOKENS, Kandinsky5ImageI2I, i2i_template_crop
+from loraflow.pipelines.kandinsky5_image import (
+    I2I_CROP_PAST_PREFIX,
+    I2I_MAX_TEXT_TOKENS,
+    I2I_PROMPT_TEMPLATE,
+    Kandinsky5ImageI2I,
+    i2i_template_crop,
+)
 from loraflow.pipelines.tiny import build_tiny, kandinsky5_transformer
 
 I2I = "i2i-lite-sft"
 PROMPTS = ["make the circle green", "  Tom &amp; Jerry\n run  ", ""]
 LONG_PROMPT = "a long and winding road through the hills " * 30  # 1290 bytes: past the 1024-token budget
 IMAGE_TOKENS = 4  # a 64 px source, halved by the pipeline, is 2 x 2 merged patches in the tiny processor
+USER_TOKENS_CUT = I2I_CROP_PAST_PREFIX  # the crop takes the first user-turn tokens too (one a byte here)
 
 
 @dataclass
@@ -45,6 +54,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> Loaded:
     path = build_tiny("kandinsky5-image", tmp_path_factory.mktemp("tiny") / "k5-i2i", flavour=I2I)
     pipe = Kandinsky5I2IPipeline.from_pretrained(path)
     pipe.set_progress_bar_config(disable=True)
+    pipe.prompt_template = I2I_PROMPT_TEMPLATE  # the original repo's, as loraflow encodes
     pipe.prompt_template_encode_start_idx = i2i_template_crop(pipe.tokenizer)
     family = kandinsky5_image.make_family(I2I)
     return Loaded(path, family, pipe, {name: load_component(path, name) for name in family.text_components})
@@ -113,9 +123,10 @@ def test_text_rows_equal_pipeline_encode_prompt(loaded: Loaded) -> None:
         close(row["text_embeds"][None], qwen, atol=1e-6)
         close(row["pooled_embeds"][None], clip, atol=1e-6)
         assert cu_seqlens.tolist() == [0, len(row["text_embeds"])]
-    # after the crop: the user text (one token a byte here), the image's vision tokens, the 3 closing tokens
-    assert len(rows[-1]["text_embeds"]) == IMAGE_TOKENS + 3
-    assert len(rows[0]["text_embeds"]) == len(PROMPTS[0]) + IMAGE_TOKENS + 3
+    # after the crop: the user text (one token a byte here), the image's vision tokens, the 3 closing tokens, less
+    # the USER_TOKENS_CUT tokens the crop takes past the template's prefix
+    assert len(rows[-1]["text_embeds"]) == IMAGE_TOKENS + 3 - USER_TOKENS_CUT
+    assert len(rows[0]["text_embeds"]) == len(PROMPTS[0]) + IMAGE_TOKENS + 3 - USER_TOKENS_CUT
 
 
 def test_text_rows_see_the_source_image(loaded: Loaded) -> None:
@@ -123,7 +134,7 @@ def test_text_rows_see_the_source_image(loaded: Loaded) -> None:
     prompt = PROMPTS[0]
     first, second = loaded.family.encode_text(loaded.text, [prompt, prompt], images=[source(0), source(1)])
     assert first["text_embeds"].shape == second["text_embeds"].shape
-    user = len(prompt)
+    user = len(prompt) - USER_TOKENS_CUT  # the user text's tokens left after the crop
     np.testing.assert_array_equal(first["text_embeds"][:user], second["text_embeds"][:user])
     assert np.abs(first["text_embeds"][user:] - second["text_embeds"][user:]).max() > 1e-2
     np.testing.assert_array_equal(first["pooled_embeds"], second["pooled_embeds"])
@@ -135,12 +146,13 @@ def test_non_square_source_gives_its_own_vision_tokens(loaded: Loaded) -> None:
     """64x96 (H x W), halved to 48 x 32 px (W x H): 2 x 3 merged patches; the pipeline agrees."""
     image = source(2, 64, 96)
     (row,) = loaded.family.encode_text(loaded.text, [""], images=[image])
-    assert len(row["text_embeds"]) == 6 + 3
+    assert len(row["text_embeds"]) == 6 + 3 - USER_TOKENS_CUT
     close(row["text_embeds"][None], reference_text(loaded, "", image)[0], atol=1e-6)
 
 
 def test_long_prompt_is_cut_to_the_token_budget(loaded: Loaded) -> None:
-    """The row keeps 1024 tokens after the crop: the text's first 1024 - 4 - 3 bytes, the image, the closing tokens.
+    """The row keeps 1024 tokens after the crop: the text's first 1024 - 4 - 3 bytes after the USER_TOKENS_CUT the crop
+    takes, the image, the closing tokens.
 
     diffusers 0.42.1 cuts the removed text off the end of the whole templated string, image markers included, and
     then fails; if it stops failing, compare with the pipeline on the long prompt itself.
@@ -150,7 +162,7 @@ def test_long_prompt_is_cut_to_the_token_budget(loaded: Loaded) -> None:
     assert len(row["text_embeds"]) == I2I_MAX_TEXT_TOKENS
     with pytest.raises(ValueError):
         reference_text(loaded, LONG_PROMPT, image)
-    kept = LONG_PROMPT[: I2I_MAX_TEXT_TOKENS - IMAGE_TOKENS - 3]  # ASCII, one token a byte in the tiny tokenizer
+    kept = LONG_PROMPT[: USER_TOKENS_CUT + I2I_MAX_TEXT_TOKENS - IMAGE_TOKENS - 3]  # ASCII: a token a byte (tiny)
     qwen, _, _ = reference_text(loaded, kept, image)
     close(row["text_embeds"][None], qwen, atol=1e-6)
     with torch.no_grad():  # CLIP sees the whole prompt, as in the pipeline (it keeps 77 tokens of it anyway)
