@@ -1,0 +1,84 @@
+"""Today's keys of every example config, pinned: a refactor must leave every cache and run where it is.
+
+The literals were computed on commit e55ad30. A failing pin means every user of that config re-caches (text,
+latents) or retrains (run key): change a pin only on purpose, with a CODE_VERSION bump that says why.
+The keys hash config fields and content only (no model weights, no floats), so they are the same on any machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loraflow.config import load_config
+from loraflow.keys import content_key
+from loraflow.ops import latents as L
+from loraflow.ops import train as T
+from loraflow.ops.text_embeds import text_key
+from loraflow.pipelines import get_family
+
+REPO = Path(__file__).resolve().parents[1]
+UPSTREAM = {"latents": "l", "text_embeds": "t"}  # fixed data versions: the pin depends on the config only
+ENCODERS = {"text_encoder": "e1", "text_encoder_2": "e2"}  # fixed fingerprints: no weight files read
+CLIP = {"key": "clip-0", "bucket": "b", "dataset": None}  # the dataset is filled in per config
+
+# config file -> (run key, text key of "a cat", text key of "a cat" seen with image "img", latent key, tiled key)
+PINNED: dict[str, tuple[str, str, str, str, str]] = {
+    "demo.yaml": ("6d960b4921c5061b9fa65689cc87413d", "bfc371558b952e9a743c28f04f174c4d",
+                  "6126de36b025bce2f7d1a6769178b8af", "e4a46b15ca1503b15648cfd8ef97ad79",
+                  "6b14d68d6d021695b5393b14b4bbc527"),
+    "hunyuanvideo15.yaml": ("daa2eeaa3542b2f63bd319b1aca5fde3", "219c8afa4df85c88dc7cca29f5031d08",
+                            "b69ab6de8dae3cc1a51a2060dc31ee0b", "e4a46b15ca1503b15648cfd8ef97ad79",
+                            "6b14d68d6d021695b5393b14b4bbc527"),
+    "hunyuanvideo15_i2v.yaml": ("321a6c34826f86a97f61e512162eea52", "219c8afa4df85c88dc7cca29f5031d08",
+                                "b69ab6de8dae3cc1a51a2060dc31ee0b", "f562f26b86c9527a82088f6a0e824099",
+                                "062e496019dd74d4c242217c75729d7c"),
+    "kandinsky5_image.yaml": ("36e8ee29937b4263c887b93b2b2e92ff", "d78758be2ea0b657ac32810d5081ddae",
+                              "176446c9c8885094f32140322e03d01b", "e4a46b15ca1503b15648cfd8ef97ad79",
+                              "6b14d68d6d021695b5393b14b4bbc527"),
+    "kandinsky5_image_i2i.yaml": ("dac82510ea284c87ffacb6e0fffe69f0", "e4a164ec2d2cce3b34d79802ab9572c0",
+                                  "4f7ab14cb9beb793082f2d149bb117d7", "72c750a8c949596f22c99e3acbd7b784",
+                                  "f0ded7002a1e6fce6f313ad2d972160e"),
+    "kandinsky5_video.yaml": ("59248a724f67c650f8d96b736a2c2fb5", "bfc371558b952e9a743c28f04f174c4d",
+                              "6126de36b025bce2f7d1a6769178b8af", "e4a46b15ca1503b15648cfd8ef97ad79",
+                              "6b14d68d6d021695b5393b14b4bbc527"),
+    "kandinsky5_video_i2v.yaml": ("544e1c91a4b05c88b765a4bed977cffe", "bfc371558b952e9a743c28f04f174c4d",
+                                  "6126de36b025bce2f7d1a6769178b8af", "b14af841b52ad78b61a845c1648dce8b",
+                                  "f0672af01b1831a37116c785e55ab780"),
+}
+
+
+class _Clips:
+    """The one store call `latent_rows` makes."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def read_manifest(self, name: str, parts: list[str] | None = None) -> list[dict[str, Any]]:
+        return self.rows
+
+
+def keys_of(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str, str, str]:
+    config = load_config(REPO / "configs" / name)
+    family = get_family(config)
+    monkeypatch.setattr(L, "component_fingerprint", lambda path, component: f"fp-{component}")
+    dataset = next(d.id for d in config.datasets if d.dataset_type != "text_embeds")
+    row = L.latent_rows(config, _Clips([{**CLIP, "dataset": dataset}]))[0]
+    precision = config.text_encoder_1_precision
+    return (T.run_dir(config, UPSTREAM).name, text_key("a cat", family, ENCODERS, precision),
+            text_key("a cat", family, ENCODERS, precision, image="img"), row["key"], row["tiled_key"])
+
+
+def test_the_content_key_itself_is_pinned() -> None:
+    assert content_key(b=[1, "x"], a={"z": None}) == "633867a794e272c3cc83a5e09a0c0989"
+
+
+def test_every_example_config_is_pinned() -> None:
+    assert sorted(PINNED) == sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_example_config_keys_are_those_of_before(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert keys_of(name, monkeypatch) == PINNED[name]
