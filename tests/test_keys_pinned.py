@@ -17,6 +17,7 @@ from loraflow.keys import content_key
 from loraflow.ops import latents as L
 from loraflow.ops import train as T
 from loraflow.ops.text_embeds import text_key
+from loraflow.ops.validate import prompt_image, render_settings
 from loraflow.pipelines import get_family
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,6 +49,11 @@ PINNED: dict[str, tuple[str, str, str, str, str]] = {
                                   "6126de36b025bce2f7d1a6769178b8af", "b14af841b52ad78b61a845c1648dce8b",
                                   "f0672af01b1831a37116c785e55ab780"),
 }
+
+# i2v/i2i: (the clip renders start from, the image id i2i prompts are encoded with) among three fake clips: pins the
+# hold-out split (seeded by config) and the prompt image key, which is part of every i2i validation text key
+RENDER_FROM = {"hunyuanvideo15_i2v.yaml": ("clip-1", ""), "kandinsky5_video_i2v.yaml": ("clip-1", ""),
+               "kandinsky5_image_i2i.yaml": ("clip-0", "c21a58f5775e9f2e0f14cf6a8e2bc512")}
 
 
 class _Clips:
@@ -82,3 +88,11 @@ def test_every_example_config_is_pinned() -> None:
 @pytest.mark.parametrize("name", sorted(PINNED))
 def test_example_config_keys_are_those_of_before(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert keys_of(name, monkeypatch) == PINNED[name]
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_the_image_renders_start_from_is_that_of_before(name: str) -> None:
+    config = load_config(REPO / "configs" / name)
+    family, dataset = get_family(config), config.datasets[0].id
+    clips = _Clips([{"key": f"clip-{i}", "dataset": dataset, "source": f"s{i}.mp4", "indices": [0]} for i in range(3)])
+    assert prompt_image(config, family, clips, render_settings(config, family)) == RENDER_FROM.get(name, (None, ""))
