@@ -1,0 +1,40 @@
+"""Tolerances derived from the arithmetic, for the comparisons that cannot be bit for bit (issue 15: the suite must
+mean the same on any x86 CPU and thread count, whatever order their kernels add in).
+
+One IEEE rounding moves a value by at most u of itself: u = 2^-24 in float32, 2^-53 in float64. A float sum of n
+terms errs by at most gamma_n * sum|terms|, gamma_n = n u / (1 - n u), in whatever order it adds them (Higham,
+Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1): two orders differ by at most twice that.
+
+A comparison is bit for bit where both sides run the same ops on the same shapes with the same thread count. Where
+they cannot (another padding, batch composition or slab shape changes how a kernel blocks its sums), either the
+bound above is computed from the magnitudes involved (one layer), or the network runs in float64 and the two
+sides must agree to FLOAT64_AGREEMENT (`assert_float64_close`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+U32 = 2.0**-24
+U64 = 2.0**-53
+
+# Two float64 runs of one network's math (other shapes, paddings or summation orders): each layer's sums of
+# n <= 2^11 products (the tiny models' widest) differ by at most 2 gamma_n ~ 2^-41 of their magnitudes; with 2^5
+# for the layers amplifying it, 2^-36 (1.5e-11) of the output's largest magnitude. float32 runs differ by ~2^-22 of
+# it, and a wrong pad, mask, crop, scale or input moves it by more than 1e-4: both fail.
+FLOAT64_AGREEMENT = 2.0**-36
+
+
+def gamma(n: int, u: float) -> float:
+    """The bound on the relative error of a sum of n terms (of their absolute sum), in any order."""
+    return n * u / (1 - n * u)
+
+
+def assert_float64_close(mine: torch.Tensor, reference: torch.Tensor, float32_roundings: int = 0) -> None:
+    """`mine` and `reference` computed in float64 by different routes to the same math; `float32_roundings` of them
+    were then rounded to float32 (a family returns float32), each moving a value by at most U32 of itself."""
+    reference = reference.double().reshape(mine.shape)
+    difference = (mine.double() - reference).abs()
+    tolerance = float32_roundings * U32 * reference.abs() + FLOAT64_AGREEMENT * reference.abs().max()
+    worst = (difference / tolerance).max().item()
+    assert worst <= 1, f"differs by up to {worst:.3g} x the tolerance (max |difference| {difference.max().item():.3g})"
