@@ -3,6 +3,11 @@
 For each family, on its tiny real-architecture VAE: the stored mean is diffusers' `latent_dist.mean` x the
 pipeline's scaling, the stored variance is `latent_dist.var` x scaling², and `draw_latents` with a seeded
 generator is `latent_dist.sample(generator)` x scaling for the same seed.
+
+The mean is bit for bit: one clip per encode on both sides (the latents stage encodes one clip at a time; a batch of
+two convolves with other blocking), the same ops. Variance and draw are other formulas of the same math (exp of the
+scaled logvar vs exp(logvar) * scale²), so they are compared within the rounding of each formula, element by element
+(u = 2^-24; exp within 1 ulp, 2u): `variance_tolerance` and `draw_tolerance`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from loraflow.pipelines.base import load_component
 from loraflow.pipelines.tiny import build_tiny
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
+from tests.numerics import U32
 
 FAMILIES = {  # family -> (module, frames (F, H, W) the tiny VAE encodes)
     "kandinsky5-video": (kandinsky5_video, (5, 32, 32)),
@@ -42,12 +48,28 @@ def reference_posteriors(vae: torch.nn.Module, frames: torch.Tensor) -> list:
     """diffusers' posterior of each clip, from pixels normalized as the pipelines' image processors do."""
     pixels = torch.from_numpy(VaeImageProcessor.normalize(frames.numpy().astype(np.float32) / 255.0))
     posteriors = []
-    for clip in pixels:
-        x = clip.permute(3, 0, 1, 2)[None]  # (1, 3, F, H, W)
+    for i in range(len(pixels)):
+        x = pixels[i : i + 1].permute(0, 4, 1, 2, 3)  # (1, 3, F, H, W): a channels-last view, as numpy_to_pt makes
         if x.shape[2] == 1 and vae.__class__.__name__ == "AutoencoderKL":
             x = x[:, :, 0]  # Kandinsky 5 Image: the 2D Flux VAE
         posteriors.append(vae.encode(x).latent_dist)
     return posteriors
+
+
+def variance_tolerance(logvar: torch.Tensor, scale: float, variance: torch.Tensor) -> torch.Tensor:
+    """|exp(fl(logvar_vae + fl(2 ln s))) - fl(exp(logvar_vae) * fl(s²))| for the scaled `logvar`: the sum's and
+    2 ln s's roundings move the exponent by u (|logvar_vae| + 2 |2 ln s|) <= u (|logvar| + 6 |ln s|), so the value
+    by that relative; the three exps are within 1 ulp (2u), s² and the product round once each: 6u more. Times 2 for
+    second-order terms."""
+    return 2 * U32 * (logvar.abs() + 6 * abs(math.log(scale)) + 6) * variance.abs()
+
+
+def draw_tolerance(mean: torch.Tensor, logvar: torch.Tensor, scale: float, sample: torch.Tensor) -> torch.Tensor:
+    """mean + exp(logvar / 2) eps (the scaled posterior) vs (mean_vae + exp(logvar_vae / 2) eps) * s: the noise term
+    carries half the exponent's shift, u (|logvar| / 2 + 3 |ln s|), two exps (2u each) and two products; the mean
+    term its scaling's rounding; the whole the sums' and the final scaling's roundings (4u). Times 2 as above."""
+    noise = (sample - mean).abs()
+    return 2 * U32 * ((logvar.abs() / 2 + 3 * abs(math.log(scale)) + 6) * noise + mean.abs() + 4 * sample.abs())
 
 
 @torch.no_grad()
@@ -55,22 +77,27 @@ def test_stored_distribution_and_draws_equal_diffusers_posterior(family_vae) -> 
     family, vae, size = family_vae
     frames = torch.randint(0, 256, (2, *size, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     scale = vae.config.scaling_factor
-    encoded = family.vae_encode(vae, frames, "distribution")
-    mode = family.vae_encode(vae, frames)
+    encoded = torch.cat([family.vae_encode(vae, clip[None], "distribution") for clip in frames])  # as the stage does
+    mode = torch.cat([family.vae_encode(vae, clip[None]) for clip in frames])
     channels = mode.shape[1]
     assert encoded.shape == (mode.shape[0], 2 * channels, *mode.shape[2:])
     mean, logvar = encoded[:, :channels], encoded[:, channels:]
-    torch.testing.assert_close(mean, mode, rtol=0, atol=0)  # a diagonal Gaussian's mode is its mean
+    assert torch.equal(mean, mode)  # a diagonal Gaussian's mode is its mean
     for i, posterior in enumerate(reference_posteriors(vae, frames)):
-        torch.testing.assert_close(mean[i], (posterior.mean * scale).reshape(mean[i].shape), rtol=1e-5, atol=1e-6)
+        assert torch.equal(mean[i], (posterior.mean * scale).reshape(mean[i].shape))  # one clip a call, both sides
         # variance of a scaled sample: scale² x var (logvar + 2 log scale, checked through exp)
-        torch.testing.assert_close(logvar[i].exp(), (posterior.var * scale**2).reshape(logvar[i].shape),
-                                   rtol=1e-5, atol=1e-7)
+        variance = (posterior.var * scale**2).reshape(logvar[i].shape)
+        tolerance = variance_tolerance(logvar[i], scale, variance)
+        assert ((logvar[i].exp() - variance).abs() <= tolerance).all()
+        assert ((posterior.var.reshape(variance.shape) - variance).abs() > tolerance).any()  # unscaled: fails
         assert posterior.var.std() > 0  # the VAE's variance is not a constant: the check can fail
         # same seed, same eps: the draw is diffusers' sample, scaled (K5 Image: (16, h, w) vs (16, 1, h, w))
         drawn = draw_latents(mean[i][None], logvar[i][None], torch.Generator().manual_seed(7 + i))
-        sample = posterior.sample(torch.Generator().manual_seed(7 + i)) * scale
-        torch.testing.assert_close(drawn, sample.reshape(drawn.shape), rtol=1e-5, atol=1e-6)
+        sample = (posterior.sample(torch.Generator().manual_seed(7 + i)) * scale).reshape(drawn.shape)
+        tolerance = draw_tolerance(mean[i][None], logvar[i][None], scale, sample)
+        assert ((drawn - sample).abs() <= tolerance).all()
+        unscaled_std = mean[i][None] + (sample - mean[i][None]) / scale  # the std of the unscaled posterior: fails
+        assert ((unscaled_std - sample).abs() > tolerance).any()
         assert not torch.allclose(drawn, mean[i][None], atol=1e-4)  # a draw, not the mean
 
 
@@ -78,7 +105,9 @@ def test_draw_latents_is_mean_plus_std_times_seeded_normal() -> None:
     mean = torch.arange(24, dtype=torch.float32).reshape(1, 2, 3, 2, 2)
     logvar = torch.full_like(mean, math.log(4.0))  # std 2
     eps = torch.randn(mean.shape, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(draw_latents(mean, logvar, torch.Generator().manual_seed(3)), mean + 2.0 * eps)
+    # exp(fl(ln 4) / 2) = 2 (1 + d), |d| <= 0.7u + 2u (ln 4's rounding, exp's ulp); then a product and a sum
+    drawn = draw_latents(mean, logvar, torch.Generator().manual_seed(3))
+    assert ((drawn - (mean + 2.0 * eps)).abs() <= 2 * U32 * (4 * 2 * eps.abs() + (mean + 2 * eps).abs())).all()
     first = draw_latents(mean, logvar, torch.Generator().manual_seed(3))
     again = draw_latents(mean, logvar, torch.Generator().manual_seed(4))
     assert not torch.equal(first, again)  # a new seed (epoch) draws a new sample
