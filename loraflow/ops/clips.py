@@ -47,6 +47,7 @@ from loraflow.keys import content_key, data_version, file_identity
 from loraflow.ops import buckets
 from loraflow.ops.dataset_folder import list_folder, printable
 from loraflow.ops.media import IMAGE_EXTENSIONS, MediaError, Probe, decode_frames, probe
+from loraflow.ops.exchange import condition_frame  # noqa: F401  (re-exported: the stored clip's first image)
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily
 from loraflow.store import Store
@@ -354,13 +355,6 @@ def _decode_cropped(path: str, indices: list[int], resize: list[int], box: list[
                          "the stage again") from None
     top, left, height, width = box
     return np.ascontiguousarray(frames[:, top : top + height, left : left + width])
-
-
-def condition_frame(store: Store, clip_key: str) -> np.ndarray:
-    """uint8 (H, W, 3): the image a clip's render starts from: i2i its source image, i2v frame 0 of the stored
-    (cropped) clip."""
-    stored = store.get("clips", [clip_key])[clip_key]
-    return (stored["condition_frames"] if stored.get("condition_frames") is not None else stored["frames"])[0]
 
 
 DATASET_STAGES = ("clips", "quarantine", "latents", "latents_quarantine")  # one manifest part per dataset id

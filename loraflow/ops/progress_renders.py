@@ -33,9 +33,9 @@ from loraflow.config import LoraflowConfig
 from loraflow.ops.checkpoints import write_json
 from loraflow.ops.devices import peak_memory_gib
 from loraflow.ops.distributed import World, barrier
+from loraflow.ops.exchange import conditioning_image, negative_prompt, prompt_image, render_settings
 from loraflow.ops.validate import (
-    SHEET_ROW_HEIGHT, cached_texts, conditioning_image, contact_sheet, negative_prompt, prompt_image,
-    render_settings, render_video, save_png, slug, write_media,
+    SHEET_ROW_HEIGHT, cached_texts, contact_sheet, render_video, save_png, slug, write_media,
 )
 from loraflow.pipelines.base import ModelFamily
 from loraflow.store import Store

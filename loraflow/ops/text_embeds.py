@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -45,8 +45,12 @@ from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key, data_version
-from loraflow.ops.clips import condition_frame
 from loraflow.ops.devices import free_models, pick_device
+from loraflow.ops.exchange import (
+    ImageLoader, TextItem, condition_frame, conditioning_image, negative_prompt, prompt_image, prompts_see_image,
+    render_settings,
+)
+from loraflow.ops.exchange import text_lookup  # noqa: F401  (re-exported: the text stage's keys, asked of it)
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.store import Store
@@ -59,20 +63,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8-torchao": torch.b
 HISTOGRAM_EDGES = (16, 32, 64, 128, 256, 512, 1024)  # upper bounds of the token-count bins
 
 
-TextItem = tuple[str, str]  # (text, image id): the image is "" where prompts see no image (all but i2i)
-ImageLoader = Callable[[], np.ndarray]  # uint8 (H, W, 3), read only when the item must be encoded
-
-
-def prompts_see_image(family: ModelFamily) -> bool:
-    """Kandinsky 5 i2i encodes each prompt together with its source image."""
-    return family.flavour.task == "i2i"
-
-
 def needed_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> dict[TextItem, ImageLoader | None]:
     """Every item later stages read, sorted, with how to load the image it sees (None: the text alone)."""
-    # validate imports this module (text_lookup); it reads the clips manifest to pick its image
-    from loraflow.ops.validate import conditioning_image, negative_prompt, prompt_image, render_settings
-
     clips = store.read_manifest("clips")
     if not prompts_see_image(family):
         texts = {caption for clip in clips for caption in clip["captions"]}
@@ -248,6 +240,3 @@ def stage_bytes(store: Store) -> int:
     return int(sum(store.fs.size(s) for s in shards))
 
 
-def text_lookup(store: Store) -> dict[TextItem, str]:
-    """(text, image) -> key for the current text set."""
-    return {(row["text"], row.get("image") or ""): row["key"] for row in store.read_manifest("text_embeds")}

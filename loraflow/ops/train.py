@@ -43,11 +43,10 @@ from loraflow.ops.devices import free_models, peak_memory_gib
 from loraflow.ops.distributed import (
     World, average_gradients_, barrier, broadcast_, check_same_everywhere, join, sum_over_ranks, tensors_fingerprint,
 )
-from loraflow.ops.evaluation import split_clips
+from loraflow.ops.exchange import split_clips, text_lookup
 from loraflow.ops.latents import draw_latents
 from loraflow.ops.progress_renders import ProgressRenders
 from loraflow.ops.report import StageReport
-from loraflow.ops.text_embeds import text_lookup
 from loraflow.pipelines.base import (
     ModelFamily, TextRow, conditioned_noisy, flow_mse, image_conditions, load_component,
 )

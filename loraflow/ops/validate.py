@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -28,64 +28,20 @@ from PIL import Image
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key, file_sha256
-from loraflow.ops.clips import condition_frame
 from loraflow.ops.devices import free_models, pick_device
-from loraflow.ops.evaluation import (
-    EVAL_SIGMAS, eval_items, eval_loss_plot, eval_losses, evaluates, loss_summary, split_clips,
+from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_loss_plot, eval_losses, loss_summary
+from loraflow.ops.exchange import (
+    TextItem, conditioning_image, evaluates, negative_prompt, prompt_image, render_settings,
 )
+from loraflow.ops.exchange import conditioning_clip  # noqa: F401  (re-exported: the clip validation renders from)
 from loraflow.ops.report import StageReport
-from loraflow.ops.text_embeds import TextItem, prompts_see_image, text_lookup
-from loraflow.pipelines.base import ModelFamily, TextRow, component_fingerprint, scheduler_shift
+from loraflow.ops.exchange import text_lookup
+from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint
 from loraflow.store import Store
 
 CODE_VERSION = "validation-2"
 RESULTS = "results.json"
 SHEET_ROW_HEIGHT = 128  # pixels per contact-sheet row: small enough to embed in the asset's metadata
-
-
-@dataclass(frozen=True)
-class RenderSettings:
-    height: int
-    width: int
-    num_frames: int
-    num_inference_steps: int
-    guidance: float
-    seed: int
-    flow_shift: float
-
-
-def render_settings(config: LoraflowConfig, family: ModelFamily) -> RenderSettings:
-    """The config's validation_* keys, each falling back to the flavour's default; checked against the family."""
-    height, width = config.validation_size
-    flavour, multiple = family.flavour, family.spatial_multiple
-    if height % multiple or width % multiple:
-        near = lambda v: max(multiple, round(v / multiple) * multiple)  # noqa: E731
-        raise ValueError(f"`validation_resolution` {config.validation_resolution}: {family.name} needs multiples of "
-                         f"{multiple} (VAE x patch); use {near(width)}x{near(height)}")
-    frames = config.validation_num_video_frames or flavour.num_frames
-    if flavour.num_frames == 1 and frames != 1:
-        raise ValueError(f"`validation_num_video_frames` {frames}: {family.name} renders images; remove the key")
-    return RenderSettings(
-        height=height, width=width, num_frames=frames,
-        num_inference_steps=config.validation_num_inference_steps,
-        guidance=config.validation_guidance if config.validation_guidance is not None else flavour.guidance,
-        seed=config.validation_seed if config.validation_seed is not None else config.seed,
-        flow_shift=render_shift(config, family),
-    )
-
-
-def render_shift(config: LoraflowConfig, family: ModelFamily) -> float:
-    """`validation_flow_shift`, else the shift of the checkpoint's own scheduler config (what its pipeline renders
-    with: a checkpoint knows its shift better than a table), else the flavour's."""
-    if config.validation_flow_shift is not None:
-        return config.validation_flow_shift
-    from_checkpoint = scheduler_shift(config.pretrained_model_name_or_path)
-    return from_checkpoint if from_checkpoint is not None else family.flavour.flow_shift
-
-
-def negative_prompt(config: LoraflowConfig, family: ModelFamily) -> str:
-    return config.validation_negative_prompt if config.validation_negative_prompt is not None \
-        else family.default_negative_prompt
 
 
 def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_path: str) -> StageReport:
@@ -142,46 +98,6 @@ def cached_texts(store: Store, items: list[TextItem]) -> dict[TextItem, TextRow]
                        ", with the image validation renders from for i2i)")
     rows = store.get("text_embeds", {keys[i] for i in items})
     return {i: rows[keys[i]] for i in items}
-
-
-def prompt_image(config: LoraflowConfig, family: ModelFamily, store: Store,
-                 settings: RenderSettings) -> tuple[str | None, str]:
-    """The clip renders start from (i2v, i2i; None for others) and the image id validation prompts are encoded
-    with: i2i's prompt embedding sees the render's source image (`conditioning_image`); "" for other flavours."""
-    clip = conditioning_clip(config, family, store)
-    if clip is None or not prompts_see_image(family):
-        return clip, ""
-    return clip, content_key(clip=clip, size=(settings.height, settings.width), code=CODE_VERSION)
-
-
-def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store) -> str | None:
-    """i2v/i2i: the clip whose first frame (i2i: source image) every render starts from (an eval clip first: one
-    never trained on)."""
-    if family.flavour.task not in ("i2v", "i2i"):  # K5 i2v, HunyuanVideo 1.5 i2v (cond channels), K5 i2i alike
-        return None
-    clips = store.read_manifest("clips")
-    if config.render_dataset_id is not None:  # validation_using_datasets: its first file, by name
-        chosen = [c for c in clips if c["dataset"] == config.render_dataset_id]
-        if not chosen:
-            raise ValueError(f"validation_using_datasets: dataset '{config.render_dataset_id}' has no clip to "
-                             "render from; see the `clips` asset's quarantine table for why its files were dropped")
-        return min(chosen, key=lambda c: (c["source"], c["indices"][0]))["key"]
-    train, held = split_clips(clips, config)
-    if not train + held:
-        raise ValueError("i2v validation renders from a clip's first frame, but the clips stage stored no clip: "
-                         "materialize `clips`")
-    return min(held) if held else min(train)
-
-
-def conditioning_image(store: Store, clip_key: str, settings: RenderSettings) -> np.ndarray:
-    """The clip's first frame (i2i: its source image), center-cropped to the render's aspect and resized to its
-    size: uint8 (H, W, 3)."""
-    frame = Image.fromarray(np.asarray(condition_frame(store, clip_key)))
-    scale = max(settings.width / frame.width, settings.height / frame.height)
-    size = (max(settings.width, round(frame.width * scale)), max(settings.height, round(frame.height * scale)))
-    left, top = (size[0] - settings.width) // 2, (size[1] - settings.height) // 2
-    resized = frame.resize(size, Image.LANCZOS).crop((left, top, left + settings.width, top + settings.height))
-    return np.asarray(resized, dtype=np.uint8)
 
 
 def render_prompt(

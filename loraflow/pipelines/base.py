@@ -14,6 +14,7 @@ import importlib
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -122,7 +123,10 @@ class ModelFamily(Protocol):
         """
 
 
-class RenderSettings(Protocol):
+@dataclass(frozen=True)
+class RenderSettings:
+    """How validation renders: built by `loraflow.ops.exchange.render_settings`, read by each family's renderer."""
+
     height: int
     width: int
     num_frames: int

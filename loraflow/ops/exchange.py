@@ -1,0 +1,167 @@
+"""What the stages exchange: each contract between two stages, defined once, here.
+
+Stage modules (clips, text_embeds, latents, train, validate, evaluation, progress_renders) import this module;
+it imports no stage module, so no stage needs another to agree with a third. What lives here:
+- the (text, image) items of the text set (`TextItem`), whether prompts see an image (`prompts_see_image`), and the
+  current text keys (`text_lookup`);
+- the hold-out split: which clips train and which are held out for eval loss (`split_holdout`, `split_clips`,
+  `evaluates`);
+- the image a render starts from: its clip (`conditioning_clip`), its pixels (`condition_frame`,
+  `conditioning_image`) and the image id i2i prompts are encoded with (`prompt_image`);
+- the render settings and the negative prompt every render uses (`render_settings`, `negative_prompt`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from loraflow.config import LoraflowConfig
+from loraflow.keys import content_key
+from loraflow.pipelines.base import ModelFamily, RenderSettings, scheduler_shift
+from loraflow.store import Store
+
+# Part of the i2i prompt image key, so of every i2i validation text key: the validation stage's CODE_VERSION when
+# the key moved here. It stays, so that moving the function re-encodes nothing.
+PROMPT_IMAGE_VERSION = "validation-2"
+
+
+# 1. the text set ------------------------------------------------------------------------------------------------
+TextItem = tuple[str, str]  # (text, image id): the image is "" where prompts see no image (all but i2i)
+ImageLoader = Callable[[], np.ndarray]  # uint8 (H, W, 3), read only when the item must be encoded
+
+
+def prompts_see_image(family: ModelFamily) -> bool:
+    """Kandinsky 5 i2i encodes each prompt together with its source image."""
+    return family.flavour.task == "i2i"
+
+
+def text_lookup(store: Store) -> dict[TextItem, str]:
+    """(text, image) -> key for the current text set."""
+    return {(row["text"], row.get("image") or ""): row["key"] for row in store.read_manifest("text_embeds")}
+
+
+# 2. the hold-out split -------------------------------------------------------------------------------------------
+def split_holdout(keys: Sequence[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Split keys into (train, eval), each in input order; round(fraction * n) keys (at least 1) are held out.
+
+    Keys are ranked by sha256(seed, key), so the split ignores the order of `keys`, and adding a key moves
+    at most one other key from one side to the other.
+    """
+    if not 0 <= fraction < 1:
+        raise ValueError(f"`eval_holdout_fraction` must be in [0, 1); got {fraction}")
+    if len(set(keys)) != len(keys):
+        raise ValueError("split_holdout needs distinct keys")
+    if fraction == 0 or not keys:
+        return list(keys), []
+    count = max(1, round(fraction * len(keys)))
+    if count >= len(keys):
+        raise ValueError(f"`eval_holdout_fraction` {fraction} of {len(keys)} source(s) leaves nothing to train on; "
+                         "add videos or lower the fraction")
+    ranked = sorted(keys, key=lambda k: hashlib.sha256(f"{seed}:{k}".encode()).hexdigest())
+    held = set(ranked[:count])
+    return [k for k in keys if k not in held], [k for k in keys if k in held]
+
+
+def split_clips(clips: Sequence[Mapping[str, Any]], config: LoraflowConfig) -> tuple[list[str], list[str]]:
+    """Clip keys (train, eval) from the clips manifest: all of `eval_dataset_id`, and every clip of a held-out
+    `eval_holdout_fraction` of the other source videos (whole videos: no frame of an eval video is trained on)."""
+    held = {c["key"] for c in clips if c["dataset"] == config.eval_dataset_id}
+    sources = sorted({_source(c) for c in clips if c["key"] not in held})
+    _, held_sources = split_holdout(sources, config.eval_holdout_fraction, config.seed)
+    held |= {c["key"] for c in clips if _source(c) in set(held_sources)}
+    return [c["key"] for c in clips if c["key"] not in held], [c["key"] for c in clips if c["key"] in held]
+
+
+def _source(clip: Mapping[str, Any]) -> str:
+    return f"{clip['dataset']}/{clip['source']}"  # dataset-relative path: stable across machines and re-encodes
+
+
+def evaluates(config: LoraflowConfig) -> bool:
+    return config.eval_holdout_fraction > 0 or config.eval_dataset_id is not None
+
+
+# 3. renders: their settings and the image they start from ----------------------------------------------------
+def render_settings(config: LoraflowConfig, family: ModelFamily) -> RenderSettings:
+    """The config's validation_* keys, each falling back to the flavour's default; checked against the family."""
+    height, width = config.validation_size
+    flavour, multiple = family.flavour, family.spatial_multiple
+    if height % multiple or width % multiple:
+        near = lambda v: max(multiple, round(v / multiple) * multiple)  # noqa: E731
+        raise ValueError(f"`validation_resolution` {config.validation_resolution}: {family.name} needs multiples of "
+                         f"{multiple} (VAE x patch); use {near(width)}x{near(height)}")
+    frames = config.validation_num_video_frames or flavour.num_frames
+    if flavour.num_frames == 1 and frames != 1:
+        raise ValueError(f"`validation_num_video_frames` {frames}: {family.name} renders images; remove the key")
+    return RenderSettings(
+        height=height, width=width, num_frames=frames,
+        num_inference_steps=config.validation_num_inference_steps,
+        guidance=config.validation_guidance if config.validation_guidance is not None else flavour.guidance,
+        seed=config.validation_seed if config.validation_seed is not None else config.seed,
+        flow_shift=render_shift(config, family),
+    )
+
+
+def render_shift(config: LoraflowConfig, family: ModelFamily) -> float:
+    """`validation_flow_shift`, else the shift of the checkpoint's own scheduler config (what its pipeline renders
+    with: a checkpoint knows its shift better than a table), else the flavour's."""
+    if config.validation_flow_shift is not None:
+        return config.validation_flow_shift
+    from_checkpoint = scheduler_shift(config.pretrained_model_name_or_path)
+    return from_checkpoint if from_checkpoint is not None else family.flavour.flow_shift
+
+
+def negative_prompt(config: LoraflowConfig, family: ModelFamily) -> str:
+    return config.validation_negative_prompt if config.validation_negative_prompt is not None \
+        else family.default_negative_prompt
+
+
+def prompt_image(config: LoraflowConfig, family: ModelFamily, store: Store,
+                 settings: RenderSettings) -> tuple[str | None, str]:
+    """The clip renders start from (i2v, i2i; None for others) and the image id validation prompts are encoded
+    with: i2i's prompt embedding sees the render's source image (`conditioning_image`); "" for other flavours."""
+    clip = conditioning_clip(config, family, store)
+    if clip is None or not prompts_see_image(family):
+        return clip, ""
+    return clip, content_key(clip=clip, size=(settings.height, settings.width), code=PROMPT_IMAGE_VERSION)
+
+
+def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store) -> str | None:
+    """i2v/i2i: the clip whose first frame (i2i: source image) every render starts from (an eval clip first: one
+    never trained on)."""
+    if family.flavour.task not in ("i2v", "i2i"):  # K5 i2v, HunyuanVideo 1.5 i2v (cond channels), K5 i2i alike
+        return None
+    clips = store.read_manifest("clips")
+    if config.render_dataset_id is not None:  # validation_using_datasets: its first file, by name
+        chosen = [c for c in clips if c["dataset"] == config.render_dataset_id]
+        if not chosen:
+            raise ValueError(f"validation_using_datasets: dataset '{config.render_dataset_id}' has no clip to "
+                             "render from; see the `clips` asset's quarantine table for why its files were dropped")
+        return min(chosen, key=lambda c: (c["source"], c["indices"][0]))["key"]
+    train, held = split_clips(clips, config)
+    if not train + held:
+        raise ValueError("i2v validation renders from a clip's first frame, but the clips stage stored no clip: "
+                         "materialize `clips`")
+    return min(held) if held else min(train)
+
+
+def conditioning_image(store: Store, clip_key: str, settings: RenderSettings) -> np.ndarray:
+    """The clip's first frame (i2i: its source image), center-cropped to the render's aspect and resized to its
+    size: uint8 (H, W, 3)."""
+    frame = Image.fromarray(np.asarray(condition_frame(store, clip_key)))
+    scale = max(settings.width / frame.width, settings.height / frame.height)
+    size = (max(settings.width, round(frame.width * scale)), max(settings.height, round(frame.height * scale)))
+    left, top = (size[0] - settings.width) // 2, (size[1] - settings.height) // 2
+    resized = frame.resize(size, Image.LANCZOS).crop((left, top, left + settings.width, top + settings.height))
+    return np.asarray(resized, dtype=np.uint8)
+
+
+def condition_frame(store: Store, clip_key: str) -> np.ndarray:
+    """uint8 (H, W, 3): the image a clip's render starts from: i2i its source image, i2v frame 0 of the stored
+    (cropped) clip."""
+    stored = store.get("clips", [clip_key])[clip_key]
+    return (stored["condition_frames"] if stored.get("condition_frames") is not None else stored["frames"])[0]
