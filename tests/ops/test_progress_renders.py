@@ -82,6 +82,8 @@ def test_the_last_render_is_what_validation_renders(caches: dict[str, Path], tmp
     report = train(config)
     V.validate(config, get_family(config), Store(config.cache_dir), report.facts["lora_path"])
     (ours,), (base, lora) = written["progress"], written["validation"]  # validation writes base.mp4, then lora.mp4
+    # bit for bit by construction: the exported file holds training's fp32 adapter, both renders run it unmerged at
+    # scale 1 through the same pipeline call, in this process (same kernels, same thread count)
     assert np.array_equal(ours, lora)
     assert not np.array_equal(ours, base)  # the LoRA shows in the pixels: the comparison means something
     mp4 = decode(step_folder(Path(report.facts["run_dir"]) / "validation", 2) / "00-validation.mp4")

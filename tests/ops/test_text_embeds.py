@@ -112,6 +112,8 @@ def test_batching_by_length_gives_the_embeddings_of_one_at_a_time(tiny_k5: Path,
     components = load_encoders(config, family, torch.device("cpu"))
     manifest = store.read_manifest("text_embeds")
     stored = store.get("text_embeds", [r["key"] for r in manifest])
+    # bit for bit by construction: the family encodes one text at a time, unpadded, inside any batch (Kandinsky 5's
+    # transformer has no text mask), so a batch runs each text through the same kernels on the same shapes
     for row in manifest:
         (alone,) = family.encode_text(components, [row["text"]])
         for name, value in alone.items():
@@ -155,7 +157,12 @@ def test_a_lower_precision_text_encoder_is_its_own_cache_entry(tiny_k5: Path, de
     assert not np.array_equal(full["text_embeds"], half["text_embeds"])  # the lower precision really ran
     cosine = (full["text_embeds"] * half["text_embeds"]).sum(-1) / (
         np.linalg.norm(full["text_embeds"], axis=-1) * np.linalg.norm(half["text_embeds"], axis=-1))
-    assert cosine.min() > 0.98
+    # A relative error r keeps the cosine >= 1 - r^2 / 2. The format rounds each value by at most `unit` of it (bf16:
+    # 2^-9; int8 weights: half a 1/127 step of their channel's largest, 1/254), and the tiny 3-layer encoder is about
+    # 16 roundings deep (embedding, per layer 2 norms, attention and MLP, the final norm): r <= 16 unit (measured 3.7
+    # and 1.7 units), whatever kernels run the lower precision.
+    unit = {"bf16": 2**-9, "int8-torchao": 1 / 254}[precision]
+    assert cosine.min() > 1 - (16 * unit) ** 2 / 2
 
 
 def test_int8_text_encoder_holds_its_linear_weights_in_int8(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
