@@ -46,7 +46,8 @@ from loraflow.dataset_config import DEFAULT_MAX_UPSCALE
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.ops import buckets
 from loraflow.ops.dataset_folder import list_folder, printable
-from loraflow.ops.media import IMAGE_EXTENSIONS, MediaError, Probe, decode_frames, probe
+from loraflow.ops.media import decode_frames, probe
+from loraflow.ops.media_types import IMAGE_EXTENSIONS, MediaError, Probe
 from loraflow.ops.exchange import condition_frame  # noqa: F401  (re-exported: the stored clip's first image)
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraflow.dataset_config import DatasetConfig
-from loraflow.ops.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
+from loraflow.ops.media_types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 
 MEDIA_EXTENSIONS = VIDEO_EXTENSIONS | IMAGE_EXTENSIONS
 # Formats FFmpeg or Pillow read that datasets do not take: named, so that each is reported with how to convert it.

@@ -31,67 +31,16 @@ import threading
 import traceback
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from loraflow.ops.media_decode import decode_local, probe_local  # light: it imports decord and PyAV when it decodes
+from loraflow.ops.media_types import MediaError, Probe
+
 logger = logging.getLogger(__name__)
-
-IMAGE_EXTENSIONS: frozenset[str] = frozenset({".png", ".jpg", ".jpeg", ".webp"})
-VIDEO_EXTENSIONS: frozenset[str] = frozenset({".mp4", ".mov", ".m4v", ".mkv", ".webm", ".avi"})
-
-# The codes this module raises. Callers add their own (the clips stage: "missing_caption",
-# "too_short", ...), so MediaError accepts any short code.
-REASONS = frozenset(
-    {
-        "unreadable",
-        "empty_file",
-        "not_media",
-        "no_video_stream",
-        "zero_frames",
-        "truncated",
-        "unsupported_codec",
-        "decode_timeout",
-    }
-)
-
-
-class MediaError(Exception):
-    """A file that cannot be used. `reason` is a short machine code, the message says what to do."""
-
-    reason: str
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Default exception pickling replays only `args`; keep `reason` across processes.
-        return (MediaError, (self.reason, str(self)))
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What the clips stage needs to know about one file, without decoding it."""
-
-    width: int  # display size: sample aspect ratio and rotation applied
-    height: int
-    num_frames: int  # frames the decoder will output (discarded edit-list frames excluded)
-    fps: float  # nominal rate for CFR; num_frames / duration_s for VFR
-    is_vfr: bool
-    duration_s: float
-    rotation: int  # clockwise degrees the display matrix asks for: 0, 90, 180 or 270
-    pix_fmt: str
-    bit_depth: int
-    has_audio: bool
-    codec: str
-    is_image: bool  # still images are 1-frame media
-    # VFR only: each output frame's time in seconds from the first (CFR: (), the frame rate says it all)
-    frame_times: tuple[float, ...] = ()
-
 
 # --------------------------------------------------------------------------------------------
 # Public API (runs in the caller's process; the work happens in a worker process)
@@ -386,8 +335,6 @@ def _serve(request_fd: int, reply_fd: int) -> None:
 
 
 def _answer(request: tuple[Any, ...], replies: Connection) -> None:
-    from loraflow.ops.media_decode import decode_local, probe_local  # worker side only
-
     op, path = request[0], Path(request[1])
     try:
         if op == "probe":

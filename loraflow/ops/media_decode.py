@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from loraflow.ops.media import IMAGE_EXTENSIONS, MediaError, Probe
+from loraflow.ops.media_types import IMAGE_EXTENSIONS, MediaError, Probe
 
 logger = logging.getLogger("loraflow.ops.media")
 

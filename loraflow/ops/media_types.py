@@ -1,0 +1,61 @@
+"""The media vocabulary both sides of the decode worker share: file extensions, `MediaError` and `Probe`.
+
+Below `media` (the caller's side) and `media_decode` (the worker's side), so neither imports the other for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+IMAGE_EXTENSIONS: frozenset[str] = frozenset({".png", ".jpg", ".jpeg", ".webp"})
+VIDEO_EXTENSIONS: frozenset[str] = frozenset({".mp4", ".mov", ".m4v", ".mkv", ".webm", ".avi"})
+
+# The codes the media modules raise. Callers add their own (the clips stage: "missing_caption",
+# "too_short", ...), so MediaError accepts any short code.
+REASONS = frozenset(
+    {
+        "unreadable",
+        "empty_file",
+        "not_media",
+        "no_video_stream",
+        "zero_frames",
+        "truncated",
+        "unsupported_codec",
+        "decode_timeout",
+    }
+)
+
+
+class MediaError(Exception):
+    """A file that cannot be used. `reason` is a short machine code, the message says what to do."""
+
+    reason: str
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Default exception pickling replays only `args`; keep `reason` across processes.
+        return (MediaError, (self.reason, str(self)))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the clips stage needs to know about one file, without decoding it."""
+
+    width: int  # display size: sample aspect ratio and rotation applied
+    height: int
+    num_frames: int  # frames the decoder will output (discarded edit-list frames excluded)
+    fps: float  # nominal rate for CFR; num_frames / duration_s for VFR
+    is_vfr: bool
+    duration_s: float
+    rotation: int  # clockwise degrees the display matrix asks for: 0, 90, 180 or 270
+    pix_fmt: str
+    bit_depth: int
+    has_audio: bool
+    codec: str
+    is_image: bool  # still images are 1-frame media
+    # VFR only: each output frame's time in seconds from the first (CFR: (), the frame rate says it all)
+    frame_times: tuple[float, ...] = ()
