@@ -7,61 +7,22 @@ the plan is what the clips stage will do, not a second opinion.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
-from loraflow.ops.buckets import bucket_label
+from loraflow.ops.buckets import BucketRow, LatentGeometry, tally_buckets
+from loraflow.ops.buckets import latent_geometry  # noqa: F401  (re-exported: `loraflow check` and tests read it here)
+from loraflow.ops.clips import check_name, dropped, find_source_image, plan_clips, read_captions
+from loraflow.ops.dataset_folder import list_folder
+from loraflow.ops.media import probe
+from loraflow.ops.media_types import MediaError
 
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
     from loraflow.pipelines.base import ModelFamily
-
-LATENT_BYTES = 4  # latents are cached as float32
-
-
-@dataclass(frozen=True)
-class LatentGeometry:
-    """How the checkpoint's VAE maps a (F, H, W) clip to a (C, T, h, w) latent."""
-
-    channels: int
-    temporal: int
-    spatial: int
-
-    def shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
-        # Causal video VAEs keep the first frame and compress the rest: F = 4k+1 -> k+1 latent frames.
-        return (self.channels, (num_frames - 1) // self.temporal + 1, height // self.spatial, width // self.spatial)
-
-    def nbytes(self, num_frames: int, height: int, width: int) -> int:
-        c, t, h, w = self.shape(num_frames, height, width)
-        return c * t * h * w * LATENT_BYTES
-
-
-def latent_geometry(model_path: str | Path, family: ModelFamily) -> LatentGeometry:
-    """Read the VAE's factors from its config.json (no weights): the family gives the temporal factor.
-
-    Video VAEs name `spatial_compression_ratio`; image VAEs (AutoencoderKL) downsample once per block after
-    the first, which is how every diffusers pipeline computes its `vae_scale_factor`.
-    """
-    path = Path(model_path) / "vae" / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no VAE config at {path}: `pretrained_model_name_or_path` must hold a vae/ folder")
-    vae = json.loads(path.read_text())
-    spatial = vae.get("spatial_compression_ratio") or 2 ** (len(vae["block_out_channels"]) - 1)
-    return LatentGeometry(channels=int(vae["latent_channels"]), temporal=family.vae_temporal_factor, spatial=int(spatial))
-
-
-@dataclass
-class BucketRow:
-    dataset: str
-    bucket: str
-    clips: int = 0
-    frames_bytes: int = 0  # uint8 RGB frames the clips stage stores
-    latent_bytes: int | None = 0  # None when the VAE config is not readable
 
 
 @dataclass
@@ -74,10 +35,6 @@ class BucketPlan:
 def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGeometry | None,
                  progress: bool = True) -> BucketPlan:
     """Probe every source file (metadata and one frame, no full decode) and plan its clips."""
-    from loraflow.ops.clips import check_name, dropped, find_source_image, plan_clips, read_captions
-    from loraflow.ops.dataset_folder import list_folder
-    from loraflow.ops.media import MediaError, probe
-
     plan = BucketPlan()
     clips_seen: list[tuple[str, int, int, int]] = []
     for dataset in config.training_datasets:
@@ -104,18 +61,6 @@ def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGe
             clips_seen += [(dataset.id, c["height"], c["width"], len(c["indices"])) for c in clips]
     plan.buckets = tally_buckets(clips_seen, geometry)
     return plan
-
-
-def tally_buckets(clips: list[tuple[str, int, int, int]], geometry: LatentGeometry | None) -> list[BucketRow]:
-    """Bucket rows from (dataset, height, width, num_frames) per clip: the plan here and the clips stage's table."""
-    rows: dict[tuple[str, str], BucketRow] = {}
-    for dataset, height, width, frames in clips:
-        label = bucket_label(height, width, frames)
-        row = rows.setdefault((dataset, label), BucketRow(dataset, label))
-        row.clips += 1
-        row.frames_bytes += frames * height * width * 3
-        row.latent_bytes = None if geometry is None else row.latent_bytes + geometry.nbytes(frames, height, width)
-    return sorted(rows.values(), key=lambda r: (r.dataset, r.bucket))
 
 
 def human_bytes(n: int | None) -> str:

@@ -1,16 +1,24 @@
 """Pure clip planning: which source frames a clip keeps, and the size (bucket) it is cropped to.
 
-No I/O here, so the rules are property-tested on their own (tests/ops/test_buckets.py).
+No I/O here but `latent_geometry` (one VAE config.json), so the rules are property-tested on their own
+(tests/ops/test_buckets.py). The latent geometry and bucket tally sit here, below the clips stage and `loraflow check`'s
+plan (bucket_plan.py), which both use them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
+    from loraflow.pipelines.base import ModelFamily
 
 # Sources at most 5% faster than the target fps are taken 1:1, not resampled: 25 -> 24 fps would drop every 25th
 # frame (a judder each second, and a 49-frame clip becomes 47, too short for 49), while playing 25 fps footage 4%
@@ -174,3 +182,59 @@ def crop_plan(source: tuple[int, int], target: tuple[int, int], style: str, seed
     else:
         raise ValueError(f"crop_style {style!r} is not known; allowed: center, random, none")
     return CropPlan((rh, rw), (top, left, th, tw))
+
+
+# What a bucket's latents take: the clips stage's table and `loraflow check`'s plan ----------------------------
+LATENT_BYTES = 4  # latents are cached as float32
+
+
+@dataclass(frozen=True)
+class LatentGeometry:
+    """How the checkpoint's VAE maps a (F, H, W) clip to a (C, T, h, w) latent."""
+
+    channels: int
+    temporal: int
+    spatial: int
+
+    def shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        # Causal video VAEs keep the first frame and compress the rest: F = 4k+1 -> k+1 latent frames.
+        return (self.channels, (num_frames - 1) // self.temporal + 1, height // self.spatial, width // self.spatial)
+
+    def nbytes(self, num_frames: int, height: int, width: int) -> int:
+        c, t, h, w = self.shape(num_frames, height, width)
+        return c * t * h * w * LATENT_BYTES
+
+
+def latent_geometry(model_path: str | Path, family: ModelFamily) -> LatentGeometry:
+    """Read the VAE's factors from its config.json (no weights): the family gives the temporal factor.
+
+    Video VAEs name `spatial_compression_ratio`; image VAEs (AutoencoderKL) downsample once per block after
+    the first, which is how every diffusers pipeline computes its `vae_scale_factor`.
+    """
+    path = Path(model_path) / "vae" / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no VAE config at {path}: `pretrained_model_name_or_path` must hold a vae/ folder")
+    vae = json.loads(path.read_text())
+    spatial = vae.get("spatial_compression_ratio") or 2 ** (len(vae["block_out_channels"]) - 1)
+    return LatentGeometry(channels=int(vae["latent_channels"]), temporal=family.vae_temporal_factor, spatial=int(spatial))
+
+
+@dataclass
+class BucketRow:
+    dataset: str
+    bucket: str
+    clips: int = 0
+    frames_bytes: int = 0  # uint8 RGB frames the clips stage stores
+    latent_bytes: int | None = 0  # None when the VAE config is not readable
+
+
+def tally_buckets(clips: list[tuple[str, int, int, int]], geometry: LatentGeometry | None) -> list[BucketRow]:
+    """Bucket rows from (dataset, height, width, num_frames) per clip: the plan here and the clips stage's table."""
+    rows: dict[tuple[str, str], BucketRow] = {}
+    for dataset, height, width, frames in clips:
+        label = bucket_label(height, width, frames)
+        row = rows.setdefault((dataset, label), BucketRow(dataset, label))
+        row.clips += 1
+        row.frames_bytes += frames * height * width * 3
+        row.latent_bytes = None if geometry is None else row.latent_bytes + geometry.nbytes(frames, height, width)
+    return sorted(rows.values(), key=lambda r: (r.dataset, r.bucket))

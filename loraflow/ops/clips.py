@@ -40,11 +40,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from loraflow.bucket_plan import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.config import DatasetConfig, LoraflowConfig
 from loraflow.dataset_config import DEFAULT_MAX_UPSCALE
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.ops import buckets
+from loraflow.ops.buckets import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.ops.dataset_folder import list_folder, printable
 from loraflow.ops.media import decode_frames, probe
 from loraflow.ops.media_types import IMAGE_EXTENSIONS, MediaError, Probe

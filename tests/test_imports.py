@@ -1,0 +1,83 @@
+"""No import cycle among loraflow's modules: each contract lives in one place below the stages that use it.
+
+Walks every module's imports with `ast`, those inside functions too (a function-level import hides a cycle; it
+does not break it), but not those under `if TYPE_CHECKING:` (never run). Run alone:
+`.venv/bin/python -m pytest -q tests/test_imports.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "loraflow"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported(node: ast.AST, modules: set[str]) -> set[str]:
+    """The loraflow modules one import statement runs (`from pkg import mod` names the module, not pkg)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in modules}
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module in modules:
+        subs = {f"{node.module}.{a.name}" for a in node.names} & modules
+        return subs | ({node.module} if len(subs) < len(node.names) else set())
+    return set()
+
+
+def imports_of(tree: ast.AST, modules: set[str]) -> set[str]:
+    found: set[str] = set()
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and _type_checking(node):
+            todo.extend(node.orelse)
+            continue
+        found |= _imported(node, modules)
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    return {name: imports_of(ast.parse(path.read_text()), modules) - {name} for name, path in paths.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle (first module repeated at the end), or None; depth-first with an explicit path."""
+    done: set[str] = set()
+    for start in sorted(graph):
+        path, on_path, stack = [], set(), [(start, iter(sorted(graph[start])))]
+        path.append(start), on_path.add(start)
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop(), path.pop(), on_path.discard(node), done.add(node)
+            elif child in on_path:
+                return path[path.index(child):] + [child]
+            elif child not in done:
+                stack.append((child, iter(sorted(graph[child])))), path.append(child), on_path.add(child)
+    return None
+
+
+def test_the_walk_sees_imports_inside_functions_but_not_type_checking_blocks() -> None:
+    code = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\ndef f():\n    from b import c\n"
+    assert imports_of(ast.parse(code), {"a", "b", "b.c"}) == {"b.c"}
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_loraflow_has_no_import_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
