@@ -101,3 +101,13 @@ def test_nabla_training_on_the_cpu_fails_with_what_to_do(nabla_model: Path) -> N
     text = family.collate_text([rows()[0]], "cpu")
     with pytest.raises(ValueError, match="trains on CUDA only"):  # flex attention has no CPU backward
         family.velocity(pipe.transformer, torch.zeros(1, 16, 2, 16, 16), torch.tensor([0.5]), text)
+
+
+def test_flex_attention_stays_with_the_nabla_model(nabla_model: Path, tiny_k5: Path) -> None:
+    """diffusers' set_attention_backend also sets the process-wide default: a regular model loaded next must still
+    train on the CPU (flex attention has no CPU backward)."""
+    family = kandinsky5_video.make_family("t2v-lite-sft-5s")
+    family.load_renderer(str(nabla_model), None, torch.device("cpu"))
+    regular = family.load_renderer(str(tiny_k5), None, torch.device("cpu")).transformer.requires_grad_(True)
+    text = family.collate_text([rows()[0]], "cpu")
+    family.velocity(regular, torch.zeros(1, 16, 2, 16, 16), torch.tensor([0.5]), text).sum().backward()
