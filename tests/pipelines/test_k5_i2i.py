@@ -5,7 +5,9 @@ mode() * scaling; velocity == the transformer called on the pipeline's own prepa
 a render at lora_scale 0 == the pipeline given the same image, prompt and seed. loraflow encodes with the original
 Kandinsky 5 repo's i2i template and crop (`I2I_PROMPT_TEMPLATE`, 3 tokens past its prefix), not diffusers', so the
 reference pipeline is given that template and that crop, computed for the tiny byte-level tokenizer (the pipeline's
-hard-coded 54 is the real tokenizer's crop of diffusers' template).
+hard-coded 54 is the real tokenizer's crop of diffusers' template). Borrowed from loraflow, then: the template and
+the crop. Not borrowed: tests/pipelines/test_qwen_templates.py counts both templates under the real Qwen vocabulary
+and pins the crop to the original repository's 55.
 
 Every comparison is bit for bit, by construction (issue 15: the same verdict on any CPU): the family and the
 pipeline run the same ops on the same shapes in this process, one prompt and one source image at a time, unpadded.
