@@ -96,7 +96,8 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
 
 def check(config_path: str) -> int:
     """Validate the config (every problem at once), then plan buckets without loading a model."""
-    from loraflow.bucket_plan import human_bytes, latent_geometry, plan_buckets
+    from loraflow.ops.bucket_plan import human_bytes, plan_buckets
+    from loraflow.ops.buckets import latent_geometry
     from loraflow.pipelines import get_family
     from loraflow.pipelines.base import check_layout
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loraflow.bucket_plan import human_bytes
+from loraflow.ops.bucket_plan import human_bytes
 from loraflow.cli import main
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.simpletuner import import_simpletuner

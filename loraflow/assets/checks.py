@@ -23,7 +23,7 @@ from loraflow.assets import metadata as md
 from loraflow.assets.partitions import DATASETS
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import clips, latents, lora, text_embeds
-from loraflow.bucket_plan import LatentGeometry
+from loraflow.ops.bucket_plan import LatentGeometry
 from loraflow.store import Store
 
 # Partitioned checks are "preview" in Dagster 1.13 (pinned in pyproject.toml); they are what keeps one dataset's
@@ -89,7 +89,7 @@ def bad_latents(store: Store, geometry: LatentGeometry,
              description="Every latent has its clip's shape through the checkpoint's VAE, (C, (F-1)/4+1, H/s, W/s) "
                          "with s its spatial factor (8 or 16), and is finite.")
 def latents_shape_and_finite(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
-    from loraflow.bucket_plan import latent_geometry
+    from loraflow.ops.buckets import latent_geometry
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
@@ -142,7 +142,7 @@ def latents_cover_clips(context: AssetCheckExecutionContext, loraflow: LoraflowR
 def texts_without_embeddings(needed: Iterable[tuple[str, str]], store: Store) -> list[dict[str, Any]]:
     """Needed (text, image) items (captions, "", negative, validation prompt; i2i: with their source image)
     missing from the manifest or the store."""
-    from loraflow.ops.text_embeds import text_lookup
+    from loraflow.ops.exchange import text_lookup
 
     listed = text_lookup(store)
     committed = store.keys("text_embeds")

@@ -26,7 +26,7 @@ def _log_waiting(context: AssetExecutionContext, dataset: str) -> None:
 @asset(partitions_def=DATASETS, group_name="loraflow",
        description="One dataset: probe videos/images, choose clips, bucket, decode only the kept frames.")
 def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.bucket_plan import human_bytes
+    from loraflow.ops.bucket_plan import human_bytes
     from loraflow.ops.clips import build_clips
     from loraflow.ops.previews import clip_preview
     from loraflow.pipelines import get_family

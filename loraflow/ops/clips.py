@@ -48,7 +48,6 @@ from loraflow.ops.buckets import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.ops.dataset_folder import list_folder, printable
 from loraflow.ops.media import decode_frames, probe
 from loraflow.ops.media_types import IMAGE_EXTENSIONS, MediaError, Probe
-from loraflow.ops.exchange import condition_frame  # noqa: F401  (re-exported: the stored clip's first image)
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily
 from loraflow.store import Store

@@ -21,7 +21,6 @@ from PIL import Image, ImageDraw
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key
 from loraflow.ops.exchange import split_clips, text_lookup
-from loraflow.ops.exchange import split_holdout  # noqa: F401  (re-exported: the split eval loss scores)
 from loraflow.pipelines.base import ModelFamily, conditioned_noisy, flow_mse, image_conditions, set_lora_scale
 from loraflow.store import Store
 

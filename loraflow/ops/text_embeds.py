@@ -50,7 +50,6 @@ from loraflow.ops.exchange import (
     ImageLoader, TextItem, condition_frame, conditioning_image, negative_prompt, prompt_image, prompts_see_image,
     render_settings,
 )
-from loraflow.ops.exchange import text_lookup  # noqa: F401  (re-exported: the text stage's keys, asked of it)
 from loraflow.ops.report import StageReport
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.store import Store

@@ -33,7 +33,6 @@ from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_loss_plot, eva
 from loraflow.ops.exchange import (
     TextItem, conditioning_image, evaluates, negative_prompt, prompt_image, render_settings,
 )
-from loraflow.ops.exchange import conditioning_clip  # noqa: F401  (re-exported: the clip validation renders from)
 from loraflow.ops.report import StageReport
 from loraflow.ops.exchange import text_lookup
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint

@@ -15,10 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, PngImagePlugin
 
-from loraflow.bucket_plan import latent_geometry
+from loraflow.ops.buckets import latent_geometry
 from loraflow.config import ConfigError, parse_config
 from loraflow.ops import buckets
-from loraflow.ops.clips import build_clips, condition_frame, decode_clip
+from loraflow.ops.clips import build_clips, decode_clip
+from loraflow.ops.exchange import condition_frame
 from loraflow.ops.media import MediaError
 from loraflow.pipelines import get_family
 from loraflow.store import Store

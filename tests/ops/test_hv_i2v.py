@@ -23,8 +23,9 @@ from loraflow.ops import train as T
 from loraflow.ops.clips import build_clips
 from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
 from loraflow.ops.latents import encode_latents, latent_rows
-from loraflow.ops.text_embeds import encode_texts, text_lookup
-from loraflow.ops.validate import conditioning_clip, conditioning_image, render_settings, validate
+from loraflow.ops.exchange import conditioning_clip, text_lookup
+from loraflow.ops.text_embeds import encode_texts
+from loraflow.ops.validate import conditioning_image, render_settings, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component, load_lora_file
 from loraflow.pipelines.flavours import FLAVOURS

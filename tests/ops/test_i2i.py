@@ -20,10 +20,11 @@ from PIL import Image
 
 from loraflow.config import LoraflowConfig, parse_config
 from loraflow.ops import train as T
-from loraflow.ops.clips import build_clips, condition_frame
+from loraflow.ops.clips import build_clips
+from loraflow.ops.exchange import condition_frame, text_lookup
 from loraflow.ops.demo_data import make_demo_edits
 from loraflow.ops.latents import encode_latents
-from loraflow.ops.text_embeds import encode_texts, load_encoders, text_lookup
+from loraflow.ops.text_embeds import encode_texts, load_encoders
 from loraflow.ops.validate import RESULTS, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component

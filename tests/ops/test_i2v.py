@@ -17,8 +17,8 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from loraflow.ops import train as T
 from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
-from loraflow.ops.text_embeds import text_lookup
-from loraflow.ops.validate import conditioning_clip, conditioning_image, render_settings, validate
+from loraflow.ops.exchange import conditioning_clip, text_lookup
+from loraflow.ops.validate import conditioning_image, render_settings, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component, load_lora_file
 from loraflow.pipelines.flavours import FLAVOURS

@@ -29,7 +29,8 @@ from loraflow.config import LoraflowConfig, load_config
 from loraflow.ops import train as T
 from loraflow.ops.clips import build_clips
 from loraflow.ops.latents import encode_latents
-from loraflow.ops.text_embeds import encode_texts, text_lookup
+from loraflow.ops.exchange import text_lookup
+from loraflow.ops.text_embeds import encode_texts
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config

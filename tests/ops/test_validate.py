@@ -23,7 +23,8 @@ import torch
 from PIL import Image
 
 from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
-from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips, split_holdout
+from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips
+from loraflow.ops.exchange import split_holdout
 from loraflow.ops.report import StageReport
 from loraflow.ops.text_embeds import encode_texts
 from loraflow.ops.validate import contact_sheet, negative_prompt, render_settings, validate, write_media

@@ -15,7 +15,6 @@ from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
 from loraflow.ops.buckets import BucketRow, LatentGeometry, tally_buckets
-from loraflow.ops.buckets import latent_geometry  # noqa: F401  (re-exported: `loraflow check` and tests read it here)
 from loraflow.ops.clips import check_name, dropped, find_source_image, plan_clips, read_captions
 from loraflow.ops.dataset_folder import list_folder
 from loraflow.ops.media import probe
