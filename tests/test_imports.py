@@ -1,7 +1,8 @@
 """No import cycle among loraflow's modules: each contract lives in one place below the stages that use it.
 
-Walks every module's imports with `ast`, those inside functions too (a function-level import hides a cycle; it
-does not break it), but not those under `if TYPE_CHECKING:` (never run). Run alone:
+Walks every module's imports with `ast`, those inside functions and under `if TYPE_CHECKING:` too (a
+function-level import hides a cycle, it does not break it; a type-only one still ties the two modules together).
+Run alone:
 `.venv/bin/python -m pytest -q tests/test_imports.py`.
 """
 
@@ -16,12 +17,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "loraflow"
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _imported(node: ast.AST, modules: set[str]) -> set[str]:
@@ -39,9 +34,6 @@ def imports_of(tree: ast.AST, modules: set[str]) -> set[str]:
     todo = [tree]
     while todo:
         node = todo.pop()
-        if isinstance(node, ast.If) and _type_checking(node):
-            todo.extend(node.orelse)
-            continue
         found |= _imported(node, modules)
         todo.extend(ast.iter_child_nodes(node))
     return found
@@ -71,9 +63,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_walk_sees_imports_inside_functions_but_not_type_checking_blocks() -> None:
+def test_the_walk_sees_imports_inside_functions_and_type_checking_blocks() -> None:
     code = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\ndef f():\n    from b import c\n"
-    assert imports_of(ast.parse(code), {"a", "b", "b.c"}) == {"b.c"}
+    assert imports_of(ast.parse(code), {"a", "b", "b.c"}) == {"a", "b.c"}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 

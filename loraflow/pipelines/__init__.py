@@ -6,13 +6,19 @@ Adding a family = one module with a `FAMILY` object, and one row in `_MODULES`.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from loraflow.pipelines.flavours import FLAVOURS
 
 if TYPE_CHECKING:
-    from loraflow.config import LoraflowConfig
     from loraflow.pipelines.base import ModelFamily
+
+
+class FamilyChoice(Protocol):
+    """What picks a family: the config's two keys (the config model imports this package, never the reverse)."""
+
+    model_family: str
+    model_flavour: str | None
 
 _MODULES = {
     "kandinsky5-video": "loraflow.pipelines.kandinsky5_video",
@@ -29,7 +35,7 @@ def flavour_names(family: str) -> list[str]:
     return sorted(FLAVOURS[family])
 
 
-def get_family(config: LoraflowConfig) -> ModelFamily:
+def get_family(config: FamilyChoice) -> ModelFamily:
     """The family object for a config, bound to its flavour (the family's default when unset)."""
     module = importlib.import_module(_MODULES[config.model_family])
     return module.make_family(config.model_flavour)
