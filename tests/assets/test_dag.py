@@ -115,7 +115,8 @@ def test_trained_lora_loads_into_the_diffusers_pipeline_and_changes_the_output(d
 
 
 def test_single_stage_from_the_dagster_cli(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
-    """The README's commands: `loraflow partitions`, then one stage for one dataset partition."""
+    """The README's commands: `loraflow partitions`, then one stage for one dataset partition (`dagster asset
+    materialize` for clips, `dg launch` for latents)."""
     config = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path))
     env = {**os.environ, "LORAFLOW_CONFIG": str(config), "DAGSTER_HOME": str(tmp_path / "home")}
     (tmp_path / "home").mkdir()
@@ -127,9 +128,10 @@ def test_single_stage_from_the_dagster_cli(tiny_k5: Path, demo_data: Path, tmp_p
     added = subprocess.run([str(bin_dir / "loraflow"), "partitions", str(config)], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
     assert added.returncode == 0 and "added: demo-videos" in added.stdout, added.stderr[-3000:]
-    for stage in ("clips", "latents"):
-        done = subprocess.run([*materialize, stage, "--partition", "demo-videos"],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    # The same stage command both ways: Dagster's own CLI, and `dg launch` reading `[tool.dg]` of pyproject.toml
+    launch = [str(bin_dir / "dg"), "launch", "--assets", "latents", "--partition", "demo-videos"]
+    for command in ([*materialize, "clips", "--partition", "demo-videos"], launch):
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
     from loraflow.store import Store
 
