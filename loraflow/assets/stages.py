@@ -10,12 +10,17 @@ is that dataset's content. `text_embeds`, `lora` and `validation` are not: each 
 
 
 # No `from __future__ import annotations` here: Dagster inspects the real annotation of `context`.
-from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, AutomationCondition, DataVersion, MaterializeResult, MetadataValue, asset
 
 from loraflow.assets import metadata as md
 from loraflow.assets.partitions import DATASETS
 from loraflow.assets.resources import LoraflowResource
 
+# Declarative automation, for Dagster's `default_automation_condition_sensor` (off until switched on, like
+# dataset_watch): once upstream is new, text_embeds re-embeds (a dataset the sensor or `recache` re-cached) and
+# validation renders (a LoRA trained from the CLI, a new validation prompt). The same follow-ups train_and_validate
+# runs in one go; `lora` is never automated, because starting a training run is the user's call.
+AFTER_UPSTREAM = AutomationCondition.eager()
 
 def _log_waiting(context: AssetExecutionContext, dataset: str) -> None:
     # Runs of one dataset from the queue never overlap (`dagster/partition` limit in .dagster/dagster.yaml); these
@@ -78,7 +83,7 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
     )
 
 
-@asset(deps=[clips], pool="gpu", group_name="loraflow",
+@asset(deps=[clips], pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
        description="Text embeddings of every distinct text of every dataset.")
 def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.ops.text_embeds import encode_texts
@@ -121,7 +126,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
 
 # text_embeds too: a new validation prompt is embedded without retraining (lora's version stays), and validation
 # must then show as stale and render it.
-@asset(deps=[lora, text_embeds], pool="gpu", group_name="loraflow",
+@asset(deps=[lora, text_embeds], pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
        description="Base vs LoRA renders of every validation prompt, and eval loss on held-out clips.")
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
     from PIL import Image
