@@ -16,15 +16,9 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 # Dataset entries (one per dataset folder) are the config's other part; importable from here as well.
-from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1
+from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
-# Keys that change only what validation renders: a training run's key must not include them.
-VALIDATION_ONLY_KEYS = frozenset({
-    "validation_prompt", "validation_resolution", "validation_num_video_frames", "validation_guidance",
-    "validation_num_inference_steps", "user_prompt_library", "validation_seed", "validation_negative_prompt",
-    "validation_steps", "validation_using_datasets", "validation_flow_shift",
-})
 
 
 class ConfigError(ValueError):
@@ -38,15 +32,18 @@ class ConfigError(ValueError):
 class TreadRoute(StrictModel):
     """One TREAD route: a random `selection_ratio` of the visual tokens skips blocks start..end (inclusive)."""
 
-    selection_ratio: float = Field(ge=0, lt=1, description="fraction of visual tokens that skip the span, [0, 1)")
-    start_layer_idx: int = Field(description="first block of the span; negative counts from the end (-1: last)")
-    end_layer_idx: int = Field(description="last block of the span (inclusive); negative counts from the end")
+    selection_ratio: float = setting(
+        run_key="always", ge=0, lt=1, description="fraction of visual tokens that skip the span, [0, 1)")
+    start_layer_idx: int = setting(
+        run_key="always", description="first block of the span; negative counts from the end (-1: last)")
+    end_layer_idx: int = setting(
+        run_key="always", description="last block of the span (inclusive); negative counts from the end")
 
 
 class TreadConfig(StrictModel):
     """TREAD token routing during training (the seeds' `tread_config`); validation never routes."""
 
-    routes: tuple[TreadRoute, ...] = Field(description="disjoint block spans, each with its ratio")
+    routes: tuple[TreadRoute, ...] = setting(run_key="always", description="disjoint block spans, each with its ratio")
 
     @field_validator("routes")
     @classmethod
@@ -59,96 +56,116 @@ class TreadConfig(StrictModel):
 class LoraflowConfig(StrictModel):
     """A whole run: model, data, training and validation. Units are in each field's description."""
 
-    model_family: str = Field(description="kandinsky5-video | kandinsky5-image | hunyuanvideo-1.5")
-    model_flavour: str | None = Field(None, description="one of the family's flavours; default: the family's")
-    pretrained_model_name_or_path: str = Field(description="a local diffusers-layout directory")
-    output_dir: str = "output"
-    cache_dir: str = Field("cache", description="store root: a local path or an fsspec URL (s3://...)")
-    dataset_backend_config: str | None = Field(None, description="JSON file with the dataset list")
-    datasets: tuple[DatasetConfig, ...] = ()
+    model_family: str = setting(run_key="always", description="kandinsky5-video | kandinsky5-image | hunyuanvideo-1.5")
+    model_flavour: str | None = setting(
+        None, run_key="always", description="one of the family's flavours; default: the family's")
+    pretrained_model_name_or_path: str = setting(run_key="always", description="a local diffusers-layout directory")
+    output_dir: str = setting("output", run_key="never")
+    cache_dir: str = setting(
+        "cache", run_key="never", description="store root: a local path or an fsspec URL (s3://...)")
+    dataset_backend_config: str | None = setting(None, run_key="never", description="JSON file with the dataset list")
+    datasets: tuple[DatasetConfig, ...] = setting((), run_key="always")
 
-    lora_rank: int = Field(16, gt=0)
-    lora_alpha: float | None = Field(None, description="default: lora_rank (scale 1.0)")
-    learning_rate: float = Field(1e-4, gt=0)
-    train_batch_size: int = Field(1, ge=1)
-    max_train_steps: int = Field(100, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    lr_scheduler: Literal["constant", "cosine"] = "constant"
-    lr_warmup_steps: int = Field(0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_include_ffn: bool = Field(False, description="also adapt the feed-forward layers")
-    lora_format: Literal["diffusers", "comfyui"] = Field(
-        "diffusers", description="diffusers: the diffusers/peft file only (what validation loads); comfyui: "
-        "also a ComfyUI file (diffusion_model.* names, lora_up/lora_down, alpha) beside it")
-    caption_dropout_probability: float = Field(0.0, ge=0, le=1, description="train on the empty prompt this often")
-    flow_sigma_sampling: Literal["sigmoid", "logit_normal", "uniform"] = "sigmoid"
-    flow_sigmoid_scale: float = Field(1.0, gt=0)
-    checkpointing_steps: int = Field(50, ge=1, description="save a resumable checkpoint every N optimizer steps")
-    checkpoints_total_limit: int | None = Field(2, ge=1, description="keep the newest N checkpoints")
-    seed: int = 42
-    num_processes: int = Field(1, ge=1, description="data-parallel training processes (one per GPU), each taking "
-                               "train_batch_size samples per micro-step; > 1, or any CUDA run, trains under "
-                               "`accelerate launch`")
+    lora_rank: int = setting(16, run_key="always", gt=0)
+    lora_alpha: float | None = setting(None, run_key="always", description="default: lora_rank (scale 1.0)")
+    learning_rate: float = setting(1e-4, run_key="always", gt=0)
+    train_batch_size: int = setting(1, run_key="always", ge=1)
+    max_train_steps: int = setting(100, run_key="always", ge=1)
+    gradient_accumulation_steps: int = setting(1, run_key="always", ge=1)
+    lr_scheduler: Literal["constant", "cosine"] = setting("constant", run_key="always")
+    lr_warmup_steps: int = setting(0, run_key="always", ge=0)
+    max_grad_norm: float = setting(1.0, run_key="always", gt=0)
+    lora_dropout: float = setting(0.0, run_key="always", ge=0, lt=1)
+    lora_include_ffn: bool = setting(False, run_key="always", description="also adapt the feed-forward layers")
+    # an export format, not part of the run: a finished run converts its file (`export_comfyui`)
+    lora_format: Literal["diffusers", "comfyui"] = setting(
+        "diffusers", run_key="never", description="diffusers: the diffusers/peft file only (what validation loads); "
+        "comfyui: also a ComfyUI file (diffusion_model.* names, lora_up/lora_down, alpha) beside it")
+    caption_dropout_probability: float = setting(
+        0.0, run_key="always", ge=0, le=1, description="train on the empty prompt this often")
+    flow_sigma_sampling: Literal["sigmoid", "logit_normal", "uniform"] = setting("sigmoid", run_key="always")
+    flow_sigmoid_scale: float = setting(1.0, run_key="always", gt=0)
+    checkpointing_steps: int = setting(
+        50, run_key="never", ge=1, description="save a resumable checkpoint every N optimizer steps")
+    checkpoints_total_limit: int | None = setting(2, run_key="never", ge=1, description="keep the newest N checkpoints")
+    seed: int = setting(42, run_key="always")
+    # N processes see N times the samples per step; one keeps the keys of runs from before it existed
+    num_processes: int = setting(
+        1, run_key="when_set", ge=1, description="data-parallel training processes (one per GPU), each taking "
+        "train_batch_size samples per micro-step; > 1, or any CUDA run, trains under `accelerate launch`")
 
-    validation_prompt: str | None = None
-    validation_resolution: str = Field("768x512", description="WIDTHxHEIGHT in pixels")
-    validation_num_video_frames: int | None = Field(None, description="4k+1; default: the flavour's")
-    validation_guidance: float | None = Field(None, description="default: the flavour's")
-    validation_flow_shift: float | None = Field(
-        None, gt=0, description="the sigma shift of validation renders; default: the checkpoint's scheduler config "
-        "(scheduler/scheduler_config.json `shift`), else the flavour's")
-    validation_num_inference_steps: int = Field(30, ge=1)
-    user_prompt_library: dict[str, str] | None = Field(
-        None, description="more validation prompts {shortname: prompt}: inline, or a JSON file (relative to the config)"
-    )
-    validation_seed: int | None = Field(None, description="noise seed of every validation render; default: seed")
-    validation_negative_prompt: str | None = Field(None, description="default: the family's negative prompt")
-    validation_steps: int | None = Field(
-        None, ge=0, description="also render the validation prompts with the LoRA so far every N optimizer steps "
-        "during training, into the run folder (validation/step-NNNNNNN/); 0 or unset: off. Not part of the run: "
-        "training computes the same LoRA with or without it")
-    eval_holdout_fraction: float = Field(
-        0.0, ge=0, lt=1, description="fraction of source videos held out of training to measure eval loss on"
-    )
-    eval_dataset_id: str | None = Field(None, description="a dataset whose clips are only evaluated, never trained on")
-    validation_using_datasets: bool = Field(
-        False, description="i2v: render validation from the first file (by name) of `eval_dataset_id`, its first "
-        "frame; that dataset may then hold images (the seeds' way to validate i2v from an image dataset)")
+    # validation_*: what validation renders, never part of the run (a new prompt re-renders, never retrains)
+    validation_prompt: str | None = setting(None, run_key="never")
+    validation_resolution: str = setting("768x512", run_key="never", description="WIDTHxHEIGHT in pixels")
+    validation_num_video_frames: int | None = setting(None, run_key="never", description="4k+1; default: the flavour's")
+    validation_guidance: float | None = setting(None, run_key="never", description="default: the flavour's")
+    validation_flow_shift: float | None = setting(
+        None, run_key="never", gt=0, description="the sigma shift of validation renders; default: the checkpoint's "
+        "scheduler config (scheduler/scheduler_config.json `shift`), else the flavour's")
+    validation_num_inference_steps: int = setting(30, run_key="never", ge=1)
+    user_prompt_library: dict[str, str] | None = setting(
+        None, run_key="never", description="more validation prompts {shortname: prompt}: inline, or a JSON file "
+        "(relative to the config)")
+    validation_seed: int | None = setting(
+        None, run_key="never", description="noise seed of every validation render; default: seed")
+    validation_negative_prompt: str | None = setting(
+        None, run_key="never", description="default: the family's negative prompt")
+    validation_steps: int | None = setting(
+        None, run_key="never", ge=0, description="also render the validation prompts with the LoRA so far every N "
+        "optimizer steps during training, into the run folder (validation/step-NNNNNNN/); 0 or unset: off. Not part "
+        "of the run: training computes the same LoRA with or without it")
+    eval_holdout_fraction: float = setting(
+        0.0, run_key="always", ge=0, lt=1, description="fraction of source videos held out of training to measure "
+        "eval loss on")
+    eval_dataset_id: str | None = setting(
+        None, run_key="always", description="a dataset whose clips are only evaluated, never trained on")
+    validation_using_datasets: bool = setting(
+        False, run_key="never", description="i2v: render validation from the first file (by name) of "
+        "`eval_dataset_id`, its first frame; that dataset may then hold images (the seeds' way to validate i2v from "
+        "an image dataset)")
 
-    offload_during_startup: bool = Field(False, description="never keep the VAE and text encoders on the GPU together")
+    offload_during_startup: bool = setting(
+        False, run_key="never", description="never keep the VAE and text encoders on the GPU together")
     # no_change is listed so errors name it; `_no_change` stores it as fp32
-    text_encoder_1_precision: Literal["fp32", "bf16", "int8-torchao", "no_change"] = Field(
-        "fp32", description="weights and compute of the first text encoder: bf16 halves its memory on a GPU "
-        "(allowed on CPU, but slow there); int8-torchao stores its linear weights in int8 (torchao weight-only) "
-        "and computes in bf16; no_change (the seeds' default) is fp32; part of every text key")
-    vae_enable_patch_conv: bool = Field(False, description="exact slab-wise VAE convs: same numbers, lower peak")
-    vae_enable_tiling: bool = Field(False, description="spatial tiles with seam blending: approximate, lowest peak")
-    vae_enable_slicing: bool = Field(False, description="encode a batch one sample at a time")
-    latent_sampling: Literal["mode", "distribution"] = Field(
-        "mode", description="mode: cache the VAE posterior's mode (deterministic); distribution: cache its mean and "
-        "log-variance so training draws a fresh sample each epoch; part of every latent key")
-    flow_schedule_shift: float | None = Field(None, description="sigma shift for training; default: the flavour's")
-    recache_cron: str | None = Field(
-        None, description="cron (5 fields, UTC) for the `recache` schedule (a cache_dataset run per dataset); unset: schedule off"
-    )
+    text_encoder_1_precision: Literal["fp32", "bf16", "int8-torchao", "no_change"] = setting(
+        "fp32", run_key="always", description="weights and compute of the first text encoder: bf16 halves its memory "
+        "on a GPU (allowed on CPU, but slow there); int8-torchao stores its linear weights in int8 (torchao "
+        "weight-only) and computes in bf16; no_change (the seeds' default) is fp32; part of every text key")
+    vae_enable_patch_conv: bool = setting(
+        False, run_key="never", description="exact slab-wise VAE convs: same numbers, lower peak")
+    vae_enable_tiling: bool = setting(
+        False, run_key="always", description="spatial tiles with seam blending: approximate, lowest peak")
+    vae_enable_slicing: bool = setting(False, run_key="always", description="encode a batch one sample at a time")
+    latent_sampling: Literal["mode", "distribution"] = setting(
+        "mode", run_key="always", description="mode: cache the VAE posterior's mode (deterministic); distribution: "
+        "cache its mean and log-variance so training draws a fresh sample each epoch; part of every latent key")
+    flow_schedule_shift: float | None = setting(
+        None, run_key="always", description="sigma shift for training; default: the flavour's")
+    recache_cron: str | None = setting(
+        None, run_key="never", description="cron (5 fields, UTC) for the `recache` schedule (a cache_dataset run per "
+        "dataset); unset: schedule off")
 
     # Training memory and speed (seed names). None of the group_offload_* / gradient_checkpointing keys changes
     # the numbers: changing them resumes the same training run.
-    gradient_checkpointing: bool = Field(False, description="recompute block activations in backward (less memory)")
-    enable_group_offload: bool = Field(False, description="keep transformer blocks on the CPU, each moved to the "
-                                       "GPU only for its forward (diffusers group offloading); LoRA stays on the GPU")
-    group_offload_type: Literal["block_level", "leaf_level"] = "block_level"
-    group_offload_blocks_per_group: int = Field(1, ge=1, description="block_level: blocks moved together")
-    group_offload_use_stream: bool = Field(False, description="overlap transfers with compute (CUDA only)")
-    base_model_precision: Literal["no_change", "bf16", "fp8-layerwise"] = Field(
-        "no_change", description="frozen transformer weights: no_change = fp32 as loaded; bf16 (modules diffusers "
-        "keeps in fp32 stay fp32); fp8-layerwise = stored float8_e4m3fn, computed in bf16 per layer (diffusers "
-        "layerwise casting). LoRA parameters are always fp32")
-    mixed_precision: Literal["auto", "no", "bf16"] = Field(
-        "auto", description="bf16 autocast of the forward: auto = on CUDA, or when base_model_precision is not "
-        "no_change; no = fp32 compute (needs base_model_precision no_change)")
-    tread_config: TreadConfig | None = Field(None, description="TREAD token routing; unset: every token, every block")
+    gradient_checkpointing: bool = setting(
+        False, run_key="never", description="recompute block activations in backward (less memory)")
+    enable_group_offload: bool = setting(
+        False, run_key="never", description="keep transformer blocks on the CPU, each moved to the GPU only for its "
+        "forward (diffusers group offloading); LoRA stays on the GPU")
+    group_offload_type: Literal["block_level", "leaf_level"] = setting("block_level", run_key="never")
+    group_offload_blocks_per_group: int = setting(
+        1, run_key="never", ge=1, description="block_level: blocks moved together")
+    group_offload_use_stream: bool = setting(
+        False, run_key="never", description="overlap transfers with compute (CUDA only)")
+    base_model_precision: Literal["no_change", "bf16", "fp8-layerwise"] = setting(
+        "no_change", run_key="always", description="frozen transformer weights: no_change = fp32 as loaded; bf16 "
+        "(modules diffusers keeps in fp32 stay fp32); fp8-layerwise = stored float8_e4m3fn, computed in bf16 per "
+        "layer (diffusers layerwise casting). LoRA parameters are always fp32")
+    mixed_precision: Literal["auto", "no", "bf16"] = setting(
+        "auto", run_key="always", description="bf16 autocast of the forward: auto = on CUDA, or when "
+        "base_model_precision is not no_change; no = fp32 compute (needs base_model_precision no_change)")
+    tread_config: TreadConfig | None = setting(
+        None, run_key="always", description="TREAD token routing; unset: every token, every block")
 
     @field_validator("recache_cron")
     @classmethod

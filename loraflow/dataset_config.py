@@ -2,13 +2,21 @@
 
 Part of the one config model (`loraflow.config` imports and re-exports these): what a dataset folder holds and how
 its files become clips. Cross-dataset rules (pairing, flavour fit, folders) are checked by `LoraflowConfig`.
+Every config field is a `setting` that declares what it does to a training run's key (`run_key_settings`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import to_jsonable_python
+
+# What a field does to a training run's key (`run_key_settings`), declared by every field of the config:
+#   always:   part of every run's key
+#   never:    how a run computes or what validation renders, never what training computes: changing it keeps the run
+#   when_set: part of the key only away from its default, so a field added after runs exist leaves theirs alone
+RunKey = Literal["always", "never", "when_set"]
 
 VAE_TEMPORAL_FACTOR = 4  # all three families' VAEs compress time 4x: video clips have 4k+1 frames
 # Without `minimum_image_size`, a source whose edge is under resolution / 4 is dropped: a 16x upscale in pixels is
@@ -31,22 +39,64 @@ def check_4k_plus_1(name: str, frames: int | None) -> int | None:
     return frames
 
 
+def setting(default: Any = ..., *, run_key: RunKey, **kwargs: Any) -> Any:
+    """A config field (pydantic `Field`) that declares what it does to the run key."""
+    return Field(default, json_schema_extra={"run_key": run_key}, **kwargs)
+
+
+def run_key_of(model: type[BaseModel], name: str) -> RunKey:
+    extra = model.model_fields[name].json_schema_extra
+    rule = extra.get("run_key") if isinstance(extra, dict) else None
+    if rule not in get_args(RunKey):
+        raise TypeError(f"config field `{model.__name__}.{name}` does not declare what it does to the run key: define "
+                        f"it with `setting(..., run_key=...)`, run_key one of {', '.join(get_args(RunKey))}")
+    return rule  # type: ignore[return-value]
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        for name in cls.model_fields:  # a field that forgot its run key fails at import
+            run_key_of(cls, name)
+
+
+def run_key_settings(model: StrictModel) -> dict[str, Any]:
+    """The fields of `model` (nested models too) that change a run's key, as JSON: what `run_dir` hashes."""
+    kept = {}
+    for name, info in type(model).model_fields.items():
+        rule, value = run_key_of(type(model), name), getattr(model, name)
+        if rule == "always" or (rule == "when_set" and value != info.get_default(call_default_factory=True)):
+            kept[name] = _as_json(value)
+    return kept
+
+
+def _as_json(value: Any) -> Any:
+    if isinstance(value, StrictModel):
+        return run_key_settings(value)
+    if isinstance(value, tuple):
+        return [_as_json(v) for v in value]
+    return to_jsonable_python(value)
 
 
 class VideoSettings(StrictModel):
     """How frames are chosen from one video (the `video:` block of a dataset)."""
 
-    num_frames: int = Field(17, description="frames per training clip; 4k+1")
-    min_frames: int | None = Field(None, description="videos with fewer frames (after fps resampling) are skipped")
-    max_frames: int | None = Field(None, description="videos with more frames are skipped; caps `full` clips")
-    frame_rate: float | None = Field(None, description="resample to this fps; default: the flavour's fps")
-    bucket_strategy: Literal["aspect_ratio", "resolution_frames"] = "aspect_ratio"
-    frame_interval: int | None = Field(None, description="resolution_frames: round frame counts down to this step")
-    frame_extraction: Literal["head", "chunk", "slide", "uniform", "full"] = "head"
-    frame_stride: int = Field(1, ge=1, description="slide: start offset between clips, in frames")
-    frame_sample: int = Field(1, ge=1, description="uniform: number of clips spread over the video")
+    num_frames: int = setting(17, run_key="always", description="frames per training clip; 4k+1")
+    min_frames: int | None = setting(
+        None, run_key="always", description="videos with fewer frames (after fps resampling) are skipped")
+    max_frames: int | None = setting(
+        None, run_key="always", description="videos with more frames are skipped; caps `full` clips")
+    frame_rate: float | None = setting(
+        None, run_key="always", description="resample to this fps; default: the flavour's fps")
+    bucket_strategy: Literal["aspect_ratio", "resolution_frames"] = setting("aspect_ratio", run_key="always")
+    frame_interval: int | None = setting(
+        None, run_key="always", description="resolution_frames: round frame counts down to this step")
+    frame_extraction: Literal["head", "chunk", "slide", "uniform", "full"] = setting("head", run_key="always")
+    frame_stride: int = setting(1, run_key="always", ge=1, description="slide: start offset between clips, in frames")
+    frame_sample: int = setting(1, run_key="always", ge=1, description="uniform: number of clips spread over the video")
 
     @field_validator("num_frames")
     @classmethod
@@ -63,36 +113,45 @@ class VideoSettings(StrictModel):
 class DatasetConfig(StrictModel):
     """One entry of the dataset list (the seeds' multidatabackend.json)."""
 
-    id: str = Field(description="names the dataset everywhere, and its Dagster partition")
-    type: Literal["local"] = "local"
-    dataset_type: Literal["video", "image", "conditioning", "text_embeds"] = Field(
-        "video", description="conditioning: i2i source images, named by another dataset's `conditioning_data`; "
-        "never trained on by themselves")
-    conditioning_data: str | None = Field(
-        None, description="i2i: id of the `dataset_type: conditioning` dataset holding each image's source image, "
-        "paired by path relative to the folder (any image extension)")
-    instance_data_dir: str | None = None
-    caption_strategy: Literal["textfile", "filename", "instanceprompt", "metadata"] = "textfile"
-    instance_prompt: str | None = None
-    metadata_file: str | None = Field(None, description="caption_strategy metadata: .jsonl/.csv/.parquet of file -> "
-                                      "caption(s); a relative path is inside instance_data_dir")
-    resolution: int = Field(512, gt=0, description="pixel: the shorter side; area: the side of a square of equal area")
-    resolution_type: Literal["pixel", "area", "pixel_area"] = Field(
-        "pixel", description="pixel: shorter side = resolution; area (alias pixel_area): resolution**2 pixels")
-    minimum_image_size: int | None = Field(
-        None, ge=0, description="sources whose edge is smaller are dropped (source_too_small), in `resolution`'s unit: "
-        "pixel: the shorter side; area/pixel_area: the side of a square of equal area (pixels, not SimpleTuner's "
-        "megapixels); unset: resolution / 4; 0: keep every size")
-    crop_aspect: Literal["preserve", "square", "closest"] = Field(
-        "preserve", description="bucket aspect: the source's, 1:1, or the closest of `crop_aspect_buckets`")
-    crop_aspect_buckets: tuple[float, ...] = Field((), description="crop_aspect closest: width/height ratios")
-    video: VideoSettings = VideoSettings()
-    crop_style: Literal["center", "random", "none"] = "center"
-    repeats: int = Field(1, ge=1, description="how many times each clip is seen per epoch")
-    cache_dir: str | None = Field(None, description="accepted for multidatabackend.json compatibility and not used: "
-                                  "every cache lives under the top-level cache_dir, keyed by content")
-    default: bool = False
-    disabled: bool = False
+    id: str = setting(run_key="always", description="names the dataset everywhere, and its Dagster partition")
+    type: Literal["local"] = setting("local", run_key="always")
+    dataset_type: Literal["video", "image", "conditioning", "text_embeds"] = setting(
+        "video", run_key="always", description="conditioning: i2i source images, named by another dataset's "
+        "`conditioning_data`; never trained on by themselves")
+    # conditioning_data and minimum_image_size came after runs existed: unset, they leave those runs their keys
+    conditioning_data: str | None = setting(
+        None, run_key="when_set", description="i2i: id of the `dataset_type: conditioning` dataset holding each "
+        "image's source image, paired by path relative to the folder (any image extension)")
+    instance_data_dir: str | None = setting(None, run_key="always")
+    caption_strategy: Literal["textfile", "filename", "instanceprompt", "metadata"] = setting(
+        "textfile", run_key="always")
+    instance_prompt: str | None = setting(None, run_key="always")
+    metadata_file: str | None = setting(
+        None, run_key="always", description="caption_strategy metadata: .jsonl/.csv/.parquet of file -> caption(s); a "
+        "relative path is inside instance_data_dir")
+    resolution: int = setting(
+        512, run_key="always", gt=0, description="pixel: the shorter side; area: the side of a square of equal area")
+    resolution_type: Literal["pixel", "area", "pixel_area"] = setting(
+        "pixel", run_key="always", description="pixel: shorter side = resolution; area (alias pixel_area): "
+        "resolution**2 pixels")
+    minimum_image_size: int | None = setting(
+        None, run_key="when_set", ge=0, description="sources whose edge is smaller are dropped (source_too_small), in "
+        "`resolution`'s unit: pixel: the shorter side; area/pixel_area: the side of a square of equal area (pixels, "
+        "not SimpleTuner's megapixels); unset: resolution / 4; 0: keep every size")
+    crop_aspect: Literal["preserve", "square", "closest"] = setting(
+        "preserve", run_key="always", description="bucket aspect: the source's, 1:1, or the closest of "
+        "`crop_aspect_buckets`")
+    crop_aspect_buckets: tuple[float, ...] = setting(
+        (), run_key="always", description="crop_aspect closest: width/height ratios")
+    video: VideoSettings = setting(VideoSettings(), run_key="always")
+    crop_style: Literal["center", "random", "none"] = setting("center", run_key="always")
+    repeats: int = setting(1, run_key="always", ge=1, description="how many times each clip is seen per epoch")
+    # unused, yet part of every run key since the first runs: declaring it neutral now would move them all
+    cache_dir: str | None = setting(
+        None, run_key="always", description="accepted for multidatabackend.json compatibility and not used: every "
+        "cache lives under the top-level cache_dir, keyed by content")
+    default: bool = setting(False, run_key="always")
+    disabled: bool = setting(False, run_key="always")
 
     @field_validator("id")
     @classmethod

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 from peft import LoraConfig
 
-from loraflow.config import VALIDATION_ONLY_KEYS, LoraflowConfig
+from loraflow.config import LoraflowConfig
+from loraflow.dataset_config import run_key_settings
 from loraflow.keys import content_key, data_version
 from loraflow.kernels.flow_matching import lr_at, sample_sigmas
 from loraflow.kernels.tread import resolve_routes, tread_routing
@@ -56,13 +57,6 @@ from loraflow.store import Store
 log = logging.getLogger(__name__)
 CODE_VERSION = "train-2"
 WEIGHT_DECAY = 1e-2
-# Keys that change how a run computes, never what: changing them continues the same run.
-RUNTIME_ONLY_KEYS = frozenset({
-    "output_dir", "cache_dir", "dataset_backend_config", "recache_cron", "offload_during_startup",
-    "vae_enable_patch_conv", "checkpointing_steps", "checkpoints_total_limit", "gradient_checkpointing",
-    "enable_group_offload", "group_offload_type", "group_offload_blocks_per_group", "group_offload_use_stream",
-    "lora_format",  # an export format: a finished run converts its file (`export_comfyui`)
-})
 
 
 # 1. data: samples, batches, and the random draws of a micro-step ----------------------------------------------
@@ -103,14 +97,7 @@ def upstream_versions(store: Store) -> dict[str, str]:
 
 def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
     """Where one training run lives: keyed by its inputs' data versions and the config, so a change starts fresh."""
-    settings = config.model_dump(mode="json", exclude=set(VALIDATION_ONLY_KEYS | RUNTIME_ONLY_KEYS | {"num_processes"}))
-    if config.num_processes > 1:  # N processes see N times the samples per step; one keeps the keys of before
-        settings["num_processes"] = config.num_processes
-    for dataset in settings["datasets"]:  # fields added later leave every run that does not set them its key
-        for name in ("conditioning_data", "minimum_image_size"):
-            if dataset[name] is None:
-                del dataset[name]
-    key = content_key(inputs=upstream, config=settings, code=CODE_VERSION)
+    key = content_key(inputs=upstream, config=run_key_settings(config), code=CODE_VERSION)
     return Path(config.output_dir) / "runs" / key
 
 
