@@ -21,27 +21,29 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.lifetime import die_with_parent
-from loraflow.ops.report import StageReport
+from loraflow.ops.report import LoraReport
 
 log = logging.getLogger(__name__)
 
 
-def summary(report: StageReport) -> dict[str, Any]:
+def summary(report: LoraReport) -> dict[str, Any]:
     """The report as JSON values (the history stays in the run folder's history.json)."""
-    history = report.tables["history"]
-    return {"computed": report.computed, "reused": report.reused, **report.facts,
-            "final_loss": history[-1]["loss"] if history else None}
+    comfyui = {"comfyui_lora_path": report.comfyui_lora_path} if report.comfyui_lora_path else {}
+    return {"computed": report.computed, "reused": report.reused, "lora_path": report.lora_path,
+            "run_dir": report.run_dir, "inputs": report.inputs, "resumed_at_step": report.resumed_at_step,
+            "samples_per_s": report.samples_per_s, "peak_gib": report.peak_gib, **comfyui,
+            "final_loss": report.final_loss}
 
 
-def report_from_summary(values: dict[str, Any], data_version: str) -> StageReport:
-    """The report a launched run summarised, with its history read back from the run folder."""
-    facts = {k: v for k, v in values.items() if k not in ("computed", "reused", "final_loss")}
-    history = json.loads((Path(facts["run_dir"]) / "history.json").read_text())
-    return StageReport(data_version=data_version, computed=int(values["computed"]), reused=int(values["reused"]),
-                       tables={"history": history}, facts=facts)
+def report_from_summary(values: dict[str, Any]) -> LoraReport:
+    """The report a launched run summarised, the rest read back from its run folder."""
+    from loraflow.ops.train import lora_report  # torch: imported when used, as in train()
+
+    return lora_report(Path(values["run_dir"]), values["inputs"], computed=int(values["computed"]),
+                       resumed_at=int(values["resumed_at_step"]))
 
 
-def train(config_path: str) -> StageReport:
+def train(config_path: str) -> LoraReport:
     from loraflow.config import load_config
     from loraflow.ops.train import train_lora
     from loraflow.pipelines import get_family

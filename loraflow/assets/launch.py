@@ -17,7 +17,7 @@ from typing import Any
 from dagster import AssetExecutionContext, PipesSubprocessClient
 
 from loraflow.config import LoraflowConfig
-from loraflow.ops.report import StageReport
+from loraflow.ops.report import LoraReport
 
 
 def needs_launch(config: LoraflowConfig) -> bool:
@@ -45,7 +45,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(context: AssetExecutionContext, config: LoraflowConfig, config_path: str, store: Any) -> StageReport:
+def train(context: AssetExecutionContext, config: LoraflowConfig, config_path: str, store: Any) -> LoraReport:
     """The lora stage's report, trained here or by the launched processes."""
     from loraflow.ops.train import train_lora
     from loraflow.train_main import report_from_summary
@@ -57,4 +57,4 @@ def train(context: AssetExecutionContext, config: LoraflowConfig, config_path: s
     context.log.info(f"launching {config.num_processes} training process(es): {' '.join(command)}")
     result = PipesSubprocessClient().run(command=command, context=context).get_materialize_result()
     values = {name: value.value for name, value in (result.metadata or {}).items()}
-    return report_from_summary(values, result.data_version.value)
+    return report_from_summary(values)

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import asdict, is_dataclass
+from typing import TYPE_CHECKING, Any
 
 from dagster import MetadataValue
 from PIL import Image, ImageDraw
 
+if TYPE_CHECKING:
+    from loraflow.ops.report import StageReport, TrainStep
 
-def counts(report: Any) -> dict[str, Any]:
+
+def counts(report: StageReport) -> dict[str, Any]:
     status = "cached: nothing to compute" if report.computed == 0 else f"computed {report.computed}"
     return {"computed": report.computed, "reused": report.reused, "status": status}
 
 
-def md_table(rows: list[dict[str, Any]], limit: int = 50) -> MetadataValue:
+def md_table(rows: Sequence[Any], limit: int = 50) -> MetadataValue:
+    """Rows as a markdown table: mappings, or dataclasses (a report's rows) whose fields are the columns."""
+    rows = [asdict(row) if is_dataclass(row) else row for row in rows]
     if not rows:
         return MetadataValue.md("_none_")
     header = list(rows[0])
@@ -33,11 +40,11 @@ def md_image(image: Image.Image, alt: str) -> MetadataValue:
     return MetadataValue.md(f"![{alt}](data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()})")
 
 
-def loss_curve(history: list[dict[str, Any]], size: tuple[int, int] = (480, 200)) -> Image.Image:
+def loss_curve(history: Sequence[TrainStep], size: tuple[int, int] = (480, 200)) -> Image.Image:
     """A plain line plot of loss per step (no plotting library needed)."""
     image = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(image)
-    losses = [h["loss"] for h in history]
+    losses = [h.loss for h in history]
     if len(losses) < 2:
         return image
     low, high = min(losses), max(losses)

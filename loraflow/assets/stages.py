@@ -10,6 +10,8 @@ is that dataset's content. `text_embeds`, `lora` and `validation` are not: each 
 
 
 # No `from __future__ import annotations` here: Dagster inspects the real annotation of `context`.
+from dataclasses import asdict
+
 from dagster import AssetExecutionContext, AutomationCondition, DataVersion, MaterializeResult, MetadataValue, asset
 
 from loraflow.assets import metadata as md
@@ -42,19 +44,19 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
     with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):
         report = build_clips(config, get_family(config), store, datasets=[dataset])
     for row in report.quarantined:
-        context.log.warning(f"quarantined {row['file']}: {row['reason']} ({row['detail']})")
+        context.log.warning(f"quarantined {row.file}: {row.reason} ({row.detail})")
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={
             "dataset": dataset,
             **md.counts(report),
-            "clips": sum(r["clips"] for r in report.tables["buckets"]),
+            "clips": report.clips,
             # est_latent_bytes: what the latents stage will write (float32, the VAE's factors), before it runs
-            "buckets": md.md_table([{**r, "frames_bytes": human_bytes(r["frames_bytes"]),
-                                     "est_latent_bytes": human_bytes(r["est_latent_bytes"])}
-                                    for r in report.tables["buckets"]]),
-            "est_latent_bytes": human_bytes(report.facts["est_latent_bytes"]),
-            "dropped": md.md_table(report.tables["dropped"]),
+            "buckets": md.md_table([{"dataset": r.dataset, "bucket": r.bucket, "clips": r.clips,
+                                     "frames_bytes": human_bytes(r.frames_bytes),
+                                     "est_latent_bytes": human_bytes(r.latent_bytes)} for r in report.buckets]),
+            "est_latent_bytes": human_bytes(report.est_latent_bytes),
+            "dropped": md.md_table(report.dropped),
             "quarantined": len(report.quarantined),
             "quarantine": md.md_table(report.quarantined),
             "preview": md.md_image(clip_preview(store.only_parts([dataset])),
@@ -77,9 +79,8 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={"dataset": dataset, **md.counts(report), "latents": report.computed + report.reused,
-                  **report.facts, "quarantined": len(report.quarantined),
-                  "quarantine": md.md_table(report.quarantined),
-                  "oom_fallbacks": md.md_table(report.tables["oom_fallbacks"])},
+                  "device": report.device, "peak_gib": report.peak_gib, "quarantined": len(report.quarantined),
+                  "quarantine": md.md_table(report.quarantined), "oom_fallbacks": md.md_table(report.oom_fallbacks)},
     )
 
 
@@ -93,9 +94,12 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
     report = encode_texts(config, get_family(config), loraflow.store(config))
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
-        metadata={**md.counts(report), **report.facts,
-                  "tokens_histogram": md.md_table(report.tables["tokens_histogram"]),
-                  "truncated": md.md_table(report.tables["truncated"])},
+        metadata={**md.counts(report), "distinct_texts": report.distinct_texts,
+                  "truncated_texts": report.truncated_texts, "device": report.device,
+                  "text_encoder_1_precision": report.text_encoder_1_precision, "bytes_on_disk": report.bytes_on_disk,
+                  "seconds": report.seconds, "texts_per_s": report.texts_per_s,
+                  "tokens_histogram": md.md_table(report.tokens_histogram),
+                  "truncated": md.md_table(report.truncated)},
     )
 
 
@@ -108,16 +112,15 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
     report = train(context, config, loraflow.config_path, loraflow.store(config))
-    history = report.tables["history"]
-    sheet = progress_sheet_path(report.facts["run_dir"])  # validation_steps: renders during training
+    sheet = progress_sheet_path(report.run_dir)  # validation_steps: renders during training
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={
             **md.counts(report),
-            "lora_path": MetadataValue.path(report.facts["lora_path"]),
-            "final_loss": history[-1]["loss"] if history else float("nan"),
-            "loss_curve": md.md_image(md.loss_curve(history), "loss per step"),
-            "inputs": MetadataValue.json(report.facts["inputs"]),
+            "lora_path": MetadataValue.path(report.lora_path),
+            "final_loss": float("nan") if report.final_loss is None else report.final_loss,
+            "loss_curve": md.md_image(md.loss_curve(report.history), "loss per step"),
+            "inputs": MetadataValue.json(report.inputs),
             **({"renders_during_training": md.md_image(Image.open(sheet), "first validation prompt, per step")}
                if sheet else {}),
         },
@@ -138,24 +141,26 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     config = loraflow.load()
     store = loraflow.store(config)
     report = validate(config, get_family(config), store, current_lora_path(config, store))
-    prompts, losses, facts = report.tables["prompts"], report.tables["eval_loss"], dict(report.facts)
-    metadata = {**md.counts(report), "prompts": md.md_table(prompts)}
-    condition = facts.pop("condition_image", None)  # i2v's first frame, i2i's source image
-    if prompts:
-        sheets = [f"**{p['name']}**: {p['prompt']}\n\n"
-                  + md.md_image(Image.open(p["contact_sheet"]), "base (top) vs LoRA (bottom)").value for p in prompts]
-        if condition:
+    metadata = {**md.counts(report), "prompts": len(report.prompts)}
+    if report.prompts:
+        sheets = [f"**{p.name}**: {p.prompt}\n\n"
+                  + md.md_image(Image.open(p.contact_sheet), "base (top) vs LoRA (bottom)").value
+                  for p in report.prompts]
+        if report.condition_image:
             sheets.insert(0, "**every render starts from**\n\n"
-                          + md.md_image(Image.open(condition), "the conditioning image").value)
-        metadata |= {"video": MetadataValue.path(facts.pop("video")),
-                     "base_video": MetadataValue.path(facts.pop("base_video")),
+                          + md.md_image(Image.open(report.condition_image), "the conditioning image").value)
+        metadata |= {"video": MetadataValue.path(report.prompts[0].lora),
+                     "base_video": MetadataValue.path(report.prompts[0].base),
                      "preview": MetadataValue.md("\n\n".join(sheets))}
-        facts.pop("contact_sheet")
-    if losses:
-        plot = Image.open(facts.pop("eval_plot"))
-        table = [{**r, "base": f"{r['base']:.5f}", "lora": f"{r['lora']:.5f}"} for r in losses]
-        metadata |= {"eval_loss": md.md_table(table), "eval_loss_plot": md.md_image(plot, "eval loss per sigma")}
-    return MaterializeResult(data_version=DataVersion(report.data_version), metadata={**metadata, **facts})
+    if report.eval_loss:
+        table = [{**asdict(r), "base": f"{r.base:.5f}", "lora": f"{r.lora:.5f}"} for r in report.eval_loss]
+        metadata |= {"eval_loss": md.md_table(table),
+                     "eval_loss_plot": md.md_image(Image.open(report.eval_plot), "eval loss per sigma")}
+    summary = {"mean_abs_pixel_change": report.mean_abs_pixel_change, "eval_loss_base": report.eval_loss_base,
+               "eval_loss_lora": report.eval_loss_lora, "eval_loss_change": report.eval_loss_change}
+    metadata |= {**asdict(report.settings), "fps": report.fps, "eval_clips": report.eval_clips,
+                 **{name: value for name, value in summary.items() if value is not None}}  # None: no prompts/clips
+    return MaterializeResult(data_version=DataVersion(report.data_version), metadata=metadata)
 
 
 ALL_ASSETS = [clips, latents, text_embeds, lora, validation]

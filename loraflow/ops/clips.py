@@ -48,7 +48,7 @@ from loraflow.ops.buckets import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.ops.dataset_folder import list_folder, printable
 from loraflow.ops.media import decode_frames, probe
 from loraflow.ops.media_types import IMAGE_EXTENSIONS, MediaError, Probe
-from loraflow.ops.report import StageReport
+from loraflow.ops.report import ClipsReport, DropReason, DroppedFile
 from loraflow.pipelines.base import ModelFamily
 from loraflow.store import Store
 
@@ -379,7 +379,7 @@ def drop_removed_datasets(config: LoraflowConfig, store: Store) -> list[str]:
 
 def build_clips(
     config: LoraflowConfig, family: ModelFamily, store: Store, datasets: list[str] | None = None
-) -> StageReport:
+) -> ClipsReport:
     """Plan the datasets (`datasets` ids; None: every training dataset), decode what the store lacks, and write
     each dataset's manifest part of current clips (one dataset's run never touches another's part)."""
     selected = select_datasets(config, datasets)
@@ -404,17 +404,16 @@ def build_clips(
     for dataset in selected:
         store.write_manifest("clips", [r for r in manifest if r["dataset"] == dataset.id], part=dataset.id)
         store.write_manifest("quarantine", [q for q in quarantine if q["dataset"] == dataset.id], part=dataset.id)
-    table = bucket_table(manifest, _geometry(config, family))
-    return StageReport(
+    return ClipsReport(
         # Captions and repeats are part of what this asset stands for (text_embeds reads them), not of the frames.
         data_version=data_version(content_key(clip=r["key"], captions=r["captions"], repeats=r["repeats"])
                                   for r in manifest),
         computed=computed,
         reused=len(manifest) - computed,
-        quarantined=quarantine,
-        tables={"buckets": table, "dropped": dropped_table(quarantine)},
-        facts={"est_latent_bytes": None if any(r["est_latent_bytes"] is None for r in table)
-               else sum(r["est_latent_bytes"] for r in table)},
+        quarantined=tuple(DroppedFile(**q) for q in quarantine),
+        buckets=tuple(tally_buckets([(r["dataset"], r["height"], r["width"], r["num_frames"]) for r in manifest],
+                                    _geometry(config, family))),
+        dropped=tuple(DropReason(**r) for r in dropped_table(quarantine)),
     )
 
 
@@ -459,13 +458,6 @@ def _geometry(config: LoraflowConfig, family: ModelFamily) -> LatentGeometry | N
     except FileNotFoundError as exc:
         log.warning("no latent estimate: %s", exc)
         return None
-
-
-def bucket_table(manifest: list[dict[str, Any]], geometry: LatentGeometry | None = None) -> list[dict[str, Any]]:
-    """Per dataset and bucket: clips, stored frame bytes, and the ESTIMATED latent bytes the next stage writes."""
-    rows = tally_buckets([(r["dataset"], r["height"], r["width"], r["num_frames"]) for r in manifest], geometry)
-    return [{"dataset": r.dataset, "bucket": r.bucket, "clips": r.clips, "frames_bytes": r.frames_bytes,
-             "est_latent_bytes": r.latent_bytes} for r in rows]
 
 
 def dropped_table(quarantine: list[dict[str, str]]) -> list[dict[str, Any]]:

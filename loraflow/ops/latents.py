@@ -22,7 +22,7 @@ from loraflow.keys import content_key, data_version
 from loraflow.kernels.patch_conv import enable_patch_conv
 from loraflow.ops.clips import select_datasets
 from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
-from loraflow.ops.report import StageReport
+from loraflow.ops.report import BadLatent, LatentsReport, OomFallback
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.pipelines import get_family
 from loraflow.store import Store
@@ -63,7 +63,7 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
 def encode_latents(
     config: LoraflowConfig, family: ModelFamily, store: Store, shard_clips: int = SHARD_CLIPS,
     datasets: list[str] | None = None,
-) -> StageReport:
+) -> LatentsReport:
     """Encode the datasets' clips (None: every training dataset) the store lacks; write each one's manifest part."""
     rows = latent_rows(config, store, datasets)
     have = store.keys("latents")
@@ -92,13 +92,14 @@ def encode_latents(
         # this run's failures (a failed clip is retried by every run): the coverage check leaves them out
         store.write_manifest("latents_quarantine", [q for q in quarantined if q["dataset"] == dataset.id],
                              part=dataset.id)
-    return StageReport(
+    return LatentsReport(
         data_version=data_version(r["key"] for r in rows),
         computed=len(todo) - len(bad),
         reused=len(rows) - (len(todo) - len(bad)),
-        quarantined=quarantined,
-        tables={"oom_fallbacks": fallbacks},
-        facts={"device": str(device), "peak_gib": round(peak_memory_gib(device), 3)},
+        quarantined=tuple(BadLatent(**q) for q in quarantined),
+        oom_fallbacks=tuple(OomFallback(**f) for f in fallbacks),
+        device=str(device),
+        peak_gib=round(peak_memory_gib(device), 3),
     )
 
 

@@ -50,7 +50,7 @@ from loraflow.ops.exchange import (
     ImageLoader, TextItem, condition_frame, conditioning_image, negative_prompt, prompt_image, prompts_see_image,
     render_settings,
 )
-from loraflow.ops.report import StageReport
+from loraflow.ops.report import TextEmbedsReport, TokenBin, TruncatedText
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.store import Store
 
@@ -92,7 +92,7 @@ def text_key(text: str, family: ModelFamily, encoders: dict[str, str], precision
 
 def encode_texts(
     config: LoraflowConfig, family: ModelFamily, store: Store, batch_texts: int = BATCH_TEXTS
-) -> StageReport:
+) -> TextEmbedsReport:
     """Encode the texts not yet in the store (shortest first, `batch_texts` per shard) and list the text set."""
     started = time.perf_counter()
     path, precision = config.pretrained_model_name_or_path, config.text_encoder_1_precision
@@ -115,14 +115,15 @@ def encode_texts(
     for row in truncated:
         log.warning("text longer than %d tokens truncated (%d tokens kept), used by %s: %r", row["limit"],
                     row["tokens_kept"], row["files"], row["text"])
-    return StageReport(
+    return TextEmbedsReport(
         data_version=data_version(r["key"] for r in rows),
         computed=len(todo),
         reused=len(rows) - len(todo),
-        tables={"tokens_histogram": token_histogram([r["n_tokens"] for r in rows]), "truncated": truncated},
-        facts={"distinct_texts": len(rows), "truncated_texts": len(truncated), "device": str(device),
-               "text_encoder_1_precision": precision, "bytes_on_disk": stage_bytes(store),
-               "seconds": round(seconds, 3), "texts_per_s": round(len(todo) / seconds, 2) if todo else 0.0},
+        tokens_histogram=tuple(TokenBin(**b) for b in token_histogram([r["n_tokens"] for r in rows])),
+        truncated=tuple(TruncatedText(**t) for t in truncated),
+        distinct_texts=len(rows), device=str(device), text_encoder_1_precision=precision,
+        bytes_on_disk=stage_bytes(store), seconds=round(seconds, 3),
+        texts_per_s=round(len(todo) / seconds, 2) if todo else 0.0,
     )
 
 

@@ -47,7 +47,7 @@ from loraflow.ops.distributed import (
 from loraflow.ops.exchange import split_clips, text_lookup
 from loraflow.ops.latents import draw_latents
 from loraflow.ops.progress_renders import ProgressRenders
-from loraflow.ops.report import StageReport
+from loraflow.ops.report import LoraReport, TrainStep
 from loraflow.pipelines.base import (
     ModelFamily, TextRow, conditioned_noisy, flow_mse, image_conditions, load_component,
 )
@@ -340,7 +340,7 @@ def routing(transformer: torch.nn.Module, family: ModelFamily, config: LoraflowC
 
 
 # 4. the loop ---------------------------------------------------------------------------------------------------
-def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> StageReport:
+def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> LoraReport:
     """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
     # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
     world, device = join(config.num_processes)
@@ -351,7 +351,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Sta
     if finished:
         if config.lora_format == "comfyui" and world.main and not (out / COMFYUI_LORA_FILE).is_file():
             export_comfyui(out, family)
-        return _report(out, upstream, computed=0)
+        return lora_report(out, upstream, computed=0)
     samples = build_samples(config, store)
     check_same_everywhere("the samples", lambda: content_key(samples=[(s.latent_key, s.text_key) for s in samples]),
                           world, device)
@@ -379,7 +379,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Sta
     barrier(world)  # every rank returns once the run is done
     del transformer, trainable, optimizer, params  # the last references: free_models can free the weights
     free_models()
-    return _report(out, upstream, computed=config.max_train_steps - start, resumed_at=start)
+    return lora_report(out, upstream, computed=config.max_train_steps - start, resumed_at=start)
 
 
 def run_steps(
@@ -461,13 +461,14 @@ def _tensorboard(out: Path, start: int) -> Any:
     return SummaryWriter(str(out / "tensorboard"), purge_step=start + 1)  # a resumed run drops the lost steps
 
 
-def _report(out: Path, upstream: dict[str, str], computed: int, resumed_at: int = 0) -> StageReport:
-    history = json.loads((out / "history.json").read_text())  # written before the adapter: always there
-    speeds = [row["samples_per_s"] for row in history if "samples_per_s" in row]
-    facts = {"lora_path": str(out / LORA_FILE), "run_dir": str(out), "inputs": upstream, "resumed_at_step": resumed_at,
-             "samples_per_s": float(np.median(speeds)) if speeds else 0.0,
-             "peak_gib": max((row.get("peak_gib", 0.0) for row in history), default=0.0)}
-    if (out / COMFYUI_LORA_FILE).is_file():
-        facts["comfyui_lora_path"] = str(out / COMFYUI_LORA_FILE)
-    return StageReport(data_version=out.name, computed=computed, reused=0 if computed else 1,
-                       tables={"history": history}, facts=facts)
+def lora_report(out: Path, upstream: dict[str, str], computed: int, resumed_at: int = 0) -> LoraReport:
+    """The report of the run in `out`, read from its folder (also by the process that launched the trainers)."""
+    rows = json.loads((out / "history.json").read_text())  # written before the adapter: always there
+    history = tuple(TrainStep(**row) for row in rows)
+    speeds = [row.samples_per_s for row in history if row.samples_per_s is not None]
+    comfyui = out / COMFYUI_LORA_FILE
+    return LoraReport(data_version=out.name, computed=computed, reused=0 if computed else 1, history=history,
+                      lora_path=str(out / LORA_FILE), run_dir=str(out), inputs=upstream, resumed_at_step=resumed_at,
+                      samples_per_s=float(np.median(speeds)) if speeds else 0.0,
+                      peak_gib=max((row.peak_gib or 0.0 for row in history), default=0.0),
+                      comfyui_lora_path=str(comfyui) if comfyui.is_file() else None)

@@ -33,7 +33,7 @@ from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_loss_plot, eva
 from loraflow.ops.exchange import (
     TextItem, conditioning_image, evaluates, negative_prompt, prompt_image, render_settings,
 )
-from loraflow.ops.report import StageReport
+from loraflow.ops.report import EvalLoss, PromptRenders, ValidationReport
 from loraflow.ops.exchange import text_lookup
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint
 from loraflow.store import Store
@@ -43,7 +43,7 @@ RESULTS = "results.json"
 SHEET_ROW_HEIGHT = 128  # pixels per contact-sheet row: small enough to embed in the asset's metadata
 
 
-def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_path: str) -> StageReport:
+def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_path: str) -> ValidationReport:
     """Render every validation prompt (base and LoRA) and measure eval loss; reuse a finished run."""
     # 1. plan: settings, prompts, eval clips, and the run's key
     settings = render_settings(config, family)
@@ -131,22 +131,20 @@ def render_video(
     return video
 
 
-def _report(out: Path, computed: int) -> StageReport:
+def _report(out: Path, computed: int) -> ValidationReport:
     results = json.loads((out / RESULTS).read_text())
     prompts, losses = results["prompts"], results["eval_loss"]
-    total = len(prompts) + bool(results["eval_clips"])
-    facts: dict[str, Any] = {**results["settings"], "fps": results["fps"], "prompts": len(prompts),
-                             "eval_clips": results["eval_clips"]}
-    if prompts:
-        facts |= {"video": prompts[0]["lora"], "base_video": prompts[0]["base"],
-                  "contact_sheet": prompts[0]["contact_sheet"],
-                  "mean_abs_pixel_change": float(np.mean([p["mean_abs_pixel_change"] for p in prompts]))}
-    if losses:
-        facts |= {"eval_plot": str(out / "eval_loss.png"), **loss_summary(losses)}
-    if (out / "condition.png").is_file():
-        facts["condition_image"] = str(out / "condition.png")
-    return StageReport(data_version=out.name, computed=computed, reused=total - computed, facts=facts,
-                       tables={"prompts": prompts, "eval_loss": losses})
+    condition = out / "condition.png"
+    return ValidationReport(
+        data_version=out.name, computed=computed, reused=len(prompts) + bool(results["eval_clips"]) - computed,
+        settings=RenderSettings(**results["settings"]), fps=results["fps"],
+        prompts=tuple(PromptRenders(**p) for p in prompts), eval_loss=tuple(EvalLoss(**r) for r in losses),
+        eval_clips=results["eval_clips"],
+        mean_abs_pixel_change=float(np.mean([p["mean_abs_pixel_change"] for p in prompts])) if prompts else None,
+        **(loss_summary(losses) if losses else {}),  # eval_loss_base, eval_loss_lora, eval_loss_change
+        eval_plot=str(out / "eval_loss.png") if losses else None,
+        condition_image=str(condition) if condition.is_file() else None,
+    )
 
 
 def slug(name: str) -> str:

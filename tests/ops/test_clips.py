@@ -66,9 +66,9 @@ def test_caption_rules_textfile(tiny_k5: Path, tmp_path: Path) -> None:
     report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     captions = {Path(r["path"]).name: r["captions"] for r in store.read_manifest("clips")}
     assert captions == {a.name: ["first caption", "second caption"], b.name: [""]}
-    reasons = {Path(q["file"]).name: q["reason"] for q in report.quarantined}
+    reasons = {Path(q.file).name: q.reason for q in report.quarantined}
     assert reasons == {c.name: "caption_not_utf8", d.name: "missing_caption"}
-    assert {(r["reason"], r["files"]) for r in report.tables["dropped"]} == {("caption_not_utf8", 1),
+    assert {(r.reason, r.files) for r in report.dropped} == {("caption_not_utf8", 1),
                                                                            ("missing_caption", 1)}
 
 
@@ -93,7 +93,7 @@ def test_metadata_file_maps_files_to_captions(tiny_k5: Path, tmp_path: Path, fmt
     report, store = run(config)
     captions = {r["source"]: r["captions"] for r in store.read_manifest("clips")}
     assert captions == {"sub/clip_0.mp4": ["by relative path"], "sub/clip_1.mp4": ["by name", "a second caption"]}
-    assert [(Path(q["file"]).name, q["reason"]) for q in report.quarantined] == [(c.name, "missing_caption")]
+    assert [(Path(q.file).name, q.reason) for q in report.quarantined] == [(c.name, "missing_caption")]
 
 
 def test_metadata_file_that_is_not_utf8_quarantines_its_files(tiny_k5: Path, tmp_path: Path) -> None:
@@ -104,8 +104,8 @@ def test_metadata_file_that_is_not_utf8_quarantines_its_files(tiny_k5: Path, tmp
                                                "metadata_file": "meta.csv"}])
     report, store = run(config)
     assert store.read_manifest("clips") == []
-    assert {q["reason"] for q in report.quarantined} == {"caption_not_utf8"}
-    assert "meta.csv" in report.quarantined[0]["detail"]
+    assert {q.reason for q in report.quarantined} == {"caption_not_utf8"}
+    assert "meta.csv" in report.quarantined[0].detail
 
 
 @pytest.mark.parametrize("content", [
@@ -122,7 +122,7 @@ def test_a_broken_metadata_file_quarantines_its_files_with_a_reason(tiny_k5: Pat
     config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "caption_strategy": "metadata",
                                                "metadata_file": meta.name}])
     report, store = run(config)  # before: TypeError, KeyError, ArrowInvalid out of the stage
-    assert store.read_manifest("clips") == [] and {q["reason"] for q in report.quarantined} == {"bad_metadata"}
+    assert store.read_manifest("clips") == [] and {q.reason for q in report.quarantined} == {"bad_metadata"}
 
 
 def test_odd_files_are_quarantined_and_the_rest_proceeds(tiny_k5: Path, tmp_path: Path) -> None:
@@ -139,7 +139,7 @@ def test_odd_files_are_quarantined_and_the_rest_proceeds(tiny_k5: Path, tmp_path
     chunky.with_suffix(".txt").write_text("caption")
     report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     assert [r["path"] for r in store.read_manifest("clips")] == [str(good)]
-    reasons = {q["file"].rsplit("/", 1)[1]: q["reason"] for q in report.quarantined}
+    reasons = {q.file.rsplit("/", 1)[1]: q.reason for q in report.quarantined}
     assert reasons == {"caf\\xe9.mp4": "bad_filename", "chunky.png": "unreadable"}  # the manifest could be written
 
 
@@ -150,7 +150,7 @@ def test_a_caption_file_the_os_will_not_read_is_that_files_problem(tiny_k5: Path
     bad.with_suffix(".txt").symlink_to("/proc/self/mem")  # a regular file whose read fails (EIO), as a vanished
     report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))  # one would
     assert [r["path"] for r in store.read_manifest("clips")] == [str(good)]
-    assert [(q["reason"], "Input/output error" in q["detail"]) for q in report.quarantined] == [("unreadable", True)]
+    assert [(q.reason, "Input/output error" in q.detail) for q in report.quarantined] == [("unreadable", True)]
 
 
 def test_a_file_changed_after_planning_is_quarantined(tmp_path: Path) -> None:
@@ -203,10 +203,10 @@ def test_bucket_plan_estimates_latent_bytes_and_i2v_first_frame(tiny_k5: Path, t
     config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}])
     report, store = run(config)
     geometry = latent_geometry(tiny_k5, get_family(config))
-    table = {r["bucket"]: r for r in report.tables["buckets"]}
-    assert {b: r["clips"] for b, r in table.items()} == {"96x64@5": 2, "96x64@1": 1}
-    assert table["96x64@5"]["est_latent_bytes"] == 2 * geometry.nbytes(5, 64, 96)
-    assert report.facts["est_latent_bytes"] == sum(r["est_latent_bytes"] for r in table.values())
+    table = {r.bucket: r for r in report.buckets}
+    assert {b: r.clips for b, r in table.items()} == {"96x64@5": 2, "96x64@1": 1}
+    assert table["96x64@5"].latent_bytes == 2 * geometry.nbytes(5, 64, 96)
+    assert report.est_latent_bytes == sum(r.latent_bytes for r in table.values())
     c, t, h, w = geometry.shape(5, 64, 96)
     assert (t, h, w) == (2, 8, 12)  # 4k+1 frames -> k+1 latent frames, 8x spatial
     for row in store.read_manifest("clips"):
@@ -223,7 +223,7 @@ def test_an_image_among_i2v_videos_is_quarantined_not_trained_into_a_nan_loss(ti
     (data / "still.txt").write_text("a still", encoding="utf-8")
     config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}], model_flavour="i2v-lite-5s")
     report, store = run(config)
-    assert [(Path(q["file"]).name, q["reason"]) for q in report.quarantined] == [("still.png", "single_image")]
+    assert [(Path(q.file).name, q.reason) for q in report.quarantined] == [("still.png", "single_image")]
     assert [Path(c["source"]).name for c in store.read_manifest("clips")] == ["clip_0.mp4"]
 
 
@@ -234,7 +234,7 @@ def test_a_full_extraction_too_short_for_i2v_is_quarantined(tiny_k5: Path, tmp_p
     config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "video": {
         "num_frames": 5, "frame_extraction": "full"}}], model_flavour="i2v-lite-5s")
     report, store = run(config)
-    assert {(Path(q["file"]).name, q["reason"]) for q in report.quarantined} == {
+    assert {(Path(q.file).name, q.reason) for q in report.quarantined} == {
         (short.name, "too_short"), ("clip_1.mp4", "too_short")}
     assert [len(c["indices"]) > 1 for c in store.read_manifest("clips")] == [True]
 
@@ -336,4 +336,4 @@ def test_latent_estimate_equals_what_the_latents_stage_writes(tiny_k5: Path, tmp
     encode_latents(config, get_family(config), store)
     latents = store.get("latents", [r["key"] for r in store.read_manifest("latents")])
     assert len(latents) == 2
-    assert sum(v["latent"].nbytes for v in latents.values()) == report.facts["est_latent_bytes"]
+    assert sum(v["latent"].nbytes for v in latents.values()) == report.est_latent_bytes

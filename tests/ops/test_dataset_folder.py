@@ -54,12 +54,12 @@ def test_every_entry_that_is_not_a_clip_has_a_row_in_the_stage_and_the_plan(tiny
     config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}])
     report, store = run(config)
     assert sorted(r["source"] for r in store.read_manifest("clips")) == ["alias.mp4", "clip_0.mp4"]
-    reasons = {Path(q["file"]).name: q["reason"] for q in report.quarantined}
+    reasons = {Path(q.file).name: q.reason for q in report.quarantined}
     assert reasons == EXPECTED
-    details = {Path(q["file"]).name: q["detail"] for q in report.quarantined}
+    details = {Path(q.file).name: q.detail for q in report.quarantined}
     assert "symlink loop" in details["loop.mp4"] and "gone.mp4.orig" in details["gone.mp4"]
     assert ".mp4" in details["wave.gif"] and "ffmpeg" in details["wave.gif"]  # what is read, and how to convert
-    assert {q["file"] for q in store.read_manifest("quarantine")} == {q["file"] for q in report.quarantined}
+    assert {q["file"] for q in store.read_manifest("quarantine")} == {q.file for q in report.quarantined}
     plan = plan_buckets(config, get_family(config), None, progress=False)
     assert {Path(d["file"]).name: d["reason"] for d in plan.dropped} == EXPECTED
 
@@ -80,8 +80,8 @@ def test_a_caption_strategy_that_reads_no_text_files_says_so(tiny_k5: Path, tmp_
     videos(data, 1)  # clip_0.txt beside it, which caption_strategy filename never reads
     report, _ = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "caption_strategy": "filename"}]))
     (row,) = report.quarantined
-    assert (Path(row["file"]).name, row["reason"]) == ("clip_0.txt", "not_used")
-    assert "caption_strategy filename" in row["detail"]
+    assert (Path(row.file).name, row.reason) == ("clip_0.txt", "not_used")
+    assert "caption_strategy filename" in row.detail
 
 
 # ---------------------------------------------------------------------------------------------- source size
@@ -95,8 +95,8 @@ def test_a_source_far_smaller_than_its_bucket_is_quarantined(tiny_k5: Path, tmp_
     report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     assert [r["source"] for r in store.read_manifest("clips")] == ["clip_0.mp4"]
     (row,) = report.quarantined
-    assert (Path(row["file"]).name, row["reason"]) == ("tiny.mp4", "source_too_small")
-    assert "2x2" in row["detail"] and "minimum_image_size" in row["detail"]
+    assert (Path(row.file).name, row.reason) == ("tiny.mp4", "source_too_small")
+    assert "2x2" in row.detail and "minimum_image_size" in row.detail
 
 
 @pytest.mark.parametrize(("resolution_type", "kept"), [("pixel", {"big.mp4"}), ("area", {"big.mp4", "wide.mp4"})])
@@ -112,7 +112,7 @@ def test_minimum_image_size_is_the_shorter_side_or_the_area_edge(tiny_k5: Path, 
                                                "resolution_type": resolution_type}])
     report, store = run(config)
     assert {r["source"] for r in store.read_manifest("clips")} == kept
-    assert {q["reason"] for q in report.quarantined} == {"source_too_small"}
+    assert {q.reason for q in report.quarantined} == {"source_too_small"}
 
 
 @pytest.mark.parametrize(("entry", "message"), [
@@ -136,7 +136,7 @@ def test_a_49_frame_25_fps_clip_is_kept_at_24_fps(tiny_k5: Path, tmp_path: Path)
     config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data),
                                                "video": {"num_frames": 49, "min_frames": 49}}])  # flavour: 24 fps
     report, store = run(config)
-    assert report.quarantined == []
+    assert report.quarantined == ()
     (row,) = store.read_manifest("clips")
     assert list(row["indices"]) == list(range(49))  # 25 fps is within 5% of 24: every frame, 1:1
     assert [read_index(f) for f in store.get("clips", [row["key"]])[row["key"]]["frames"]] == list(range(49))
@@ -155,8 +155,8 @@ def test_every_rate_related_drop_names_both_rates_and_both_counts(tiny_k5: Path,
     (data / "v.txt").write_text("v")
     report, _ = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "video": video}]))
     (row,) = report.quarantined
-    assert row["reason"] in ("too_short", "too_long")
-    assert all(w in row["detail"] for w in words), row["detail"]
+    assert row.reason in ("too_short", "too_long")
+    assert all(w in row.detail for w in words), row.detail
 
 
 # ---------------------------------------------------------------------------------------------- captions
@@ -169,5 +169,5 @@ def test_captions_with_a_byte_order_mark_are_read(tiny_k5: Path, tmp_path: Path,
     bom = {"utf-16-be": "\ufeff"}.get(encoding, "")  # Python writes the BOM itself for utf-16
     video.with_suffix(".txt").write_text(bom + "café au lait\nsecond line\n", encoding=encoding)
     report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
-    assert report.quarantined == []
+    assert report.quarantined == ()
     assert store.read_manifest("clips")[0]["captions"] == ["café au lait", "second line"]

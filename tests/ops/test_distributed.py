@@ -119,10 +119,10 @@ def test_two_processes_equal_one_process_accumulating_two_micro_steps(two_ranks:
         one = train(make_config(caches, tmp_path / "one", gradient_accumulation_steps=2, **SETTINGS))
     two = json.loads((two_ranks["run"] / "history.json").read_text())
     assert [r["step"] for r in two] == [1, 2, 3]
-    assert [(r["loss"], r["grad_norm"]) for r in one.tables["history"]] == [(r["loss"], r["grad_norm"]) for r in two]
-    assert same_lora_file(Path(one.facts["lora_path"]), two_ranks["run"] / T.LORA_FILE)  # bit for bit
+    assert [(r.loss, r.grad_norm) for r in one.history] == [(r["loss"], r["grad_norm"]) for r in two]
+    assert same_lora_file(Path(one.lora_path), two_ranks["run"] / T.LORA_FILE)  # bit for bit
     # The comparison can fail: one process with one micro-step per step trains other numbers.
-    single = load_file(train(make_config(caches, tmp_path / "single", **SETTINGS)).facts["lora_path"])
+    single = load_file(train(make_config(caches, tmp_path / "single", **SETTINGS)).lora_path)
     trained = load_file(two_ranks["run"] / T.LORA_FILE)
     assert max((single[k] - trained[k]).abs().max().item() for k in single) > 1e-4
 

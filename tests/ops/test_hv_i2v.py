@@ -151,7 +151,7 @@ def test_two_hv_i2v_steps_equal_a_hand_written_reference(trained, root: Path) ->
     params = [p.requires_grad_(True) for n, p in transformer.named_parameters() if "lora_" in n]
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
     plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
-    history = report.tables["history"]
+    history = report.history
     assert len(history) == 2
     for step, logged in enumerate(history):
         (sample,) = plan(step)
@@ -173,8 +173,8 @@ def test_two_hv_i2v_steps_equal_a_hand_written_reference(trained, root: Path) ->
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
         optimizer.step()
         optimizer.zero_grad()
-        assert (loss.item(), norm) == (logged["loss"], logged["grad_norm"])
-        assert abs(zeroed_loss - logged["loss"]) > 1e-4  # the SigLIP tokens are really used
+        assert (loss.item(), norm) == (logged.loss, logged.grad_norm)
+        assert abs(zeroed_loss - logged.loss) > 1e-4  # the SigLIP tokens are really used
 
 
 def test_hv_i2v_eval_loss_uses_the_cached_condition(trained) -> None:
@@ -183,7 +183,7 @@ def test_hv_i2v_eval_loss_uses_the_cached_condition(trained) -> None:
     row = store.read_manifest("latents")[0]
     text_key = text_lookup(store)["", ""]
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
-    load_lora_file(transformer, report.facts["lora_path"])
+    load_lora_file(transformer, report.lora_path)
     losses = eval_losses(transformer, family, store, [EvalItem(row["clip_key"], row["key"], text_key)], 3, CPU)
     plain = load_component(config.pretrained_model_name_or_path, "transformer")
     cached = store.get("latents", [row["key"]])[row["key"]]
@@ -210,11 +210,11 @@ def test_hv_i2v_validation_renders_from_the_first_frame(trained) -> None:
     settings = render_settings(config, family)
     image = conditioning_image(store, conditioning_clip(config, family, store), settings)
     assert image.shape == (settings.height, settings.width, 3) == (48, 64, 3)
-    result = validate(config, family, store, report.facts["lora_path"])
-    for key in ("video", "base_video"):
-        with av.open(result.facts[key]) as container:
+    result = validate(config, family, store, report.lora_path)
+    for path in (result.prompts[0].lora, result.prompts[0].base):
+        with av.open(path) as container:
             assert sum(1 for _ in container.decode(video=0)) == config.validation_num_video_frames == 9
-    assert (Path(result.facts["video"]).parents[1] / "condition.png").is_file()
+    assert (Path(result.prompts[0].lora).parents[1] / "condition.png").is_file()
 
     pipe = family.load_renderer(config.pretrained_model_name_or_path, None, CPU)
     seen: list[dict[str, torch.Tensor]] = []

@@ -63,7 +63,7 @@ def cached(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoraflowConfig, Pa
     (targets / "orphan.txt").write_text("make it grey")
     config = i2i_config(root, model, (targets, sources))
     family, store = get_family(config), Store(config.cache_dir)
-    assert build_clips(config, family, store).quarantined[0]["reason"] == "missing_source_image"
+    assert build_clips(config, family, store).quarantined[0].reason == "missing_source_image"
     encode_latents(config, family, store)
     encode_texts(config, family, store)
     return config, sources
@@ -157,7 +157,7 @@ def test_two_i2i_steps_equal_a_hand_written_reference(cached, tmp_path: Path) ->
     report = T.train_lora(config, family, store)
     transformer, params, optimizer = reference_lora(Path(config.pretrained_model_name_or_path), config)
     plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
-    for step, logged in enumerate(report.tables["history"]):
+    for step, logged in enumerate(report.history):
         (sample,) = plan(step)
         row = store.get("latents", [sample.latent_key])[sample.latent_key]
         x0, image = (torch.from_numpy(np.array(row[k]))[None] for k in ("latent", "image_latent"))
@@ -173,20 +173,20 @@ def test_two_i2i_steps_equal_a_hand_written_reference(cached, tmp_path: Path) ->
         optimizer.step()
         optimizer.zero_grad()
         # bit for bit: the same ops on the same shapes as training's step (tests/ops/test_train.py's reference test)
-        assert (loss.item(), norm) == (logged["loss"], logged["grad_norm"])
+        assert (loss.item(), norm) == (logged.loss, logged.grad_norm)
         assert norm > 0
-        assert abs(((blind - (draws.noise - x0)) ** 2).mean().item() - logged["loss"]) > 1e-4  # the source is used
+        assert abs(((blind - (draws.noise - x0)) ** 2).mean().item() - logged.loss) > 1e-4  # the source is used
 
 
 def test_i2i_validation_renders_from_a_source_image(cached, tmp_path: Path) -> None:
     config, sources = cached
     config = config.model_copy(update={"output_dir": str(tmp_path / "out")})
     store, family = Store(config.cache_dir), get_family(config)
-    lora = T.train_lora(config, family, store).facts["lora_path"]
+    lora = T.train_lora(config, family, store).lora_path
     report = validate(config, family, store, lora)
-    out = Path(report.facts["video"]).parents[1]
-    assert (out / RESULTS).is_file() and Image.open(report.facts["video"]).size == (64, 64)
-    assert report.facts["condition_image"] == str(out / "condition.png")
+    out = Path(report.prompts[0].lora).parents[1]
+    assert (out / RESULTS).is_file() and Image.open(report.prompts[0].lora).size == (64, 64)
+    assert report.condition_image == str(out / "condition.png")
     condition = np.asarray(Image.open(out / "condition.png"))  # the image every render started from
     # sources are 64 px high: fitting one into 64x64 is a center crop, no resampling
     centers = [np.asarray(Image.open(p).convert("RGB"))[:, (Image.open(p).width - 64) // 2:][:, :64]
@@ -200,9 +200,9 @@ def test_i2i_eval_loss_without_validation_prompts(cached, tmp_path: Path) -> Non
                            "validation_prompt": None, "eval_holdout_fraction": 0.5})
     store, family = Store(config.cache_dir), get_family(config)
     encode_texts(config, family, store)
-    lora = T.train_lora(config, family, store).facts["lora_path"]
+    lora = T.train_lora(config, family, store).lora_path
     report = validate(config, family, store, lora)
-    assert report.facts["eval_clips"] >= 1 and np.isfinite(report.facts["eval_loss_lora"])
+    assert report.eval_clips >= 1 and np.isfinite(report.eval_loss_lora)
 
 
 def test_a_source_image_pairs_by_exact_name_and_an_ambiguous_one_is_quarantined(tmp_path: Path) -> None:
@@ -235,9 +235,9 @@ def test_a_source_too_large_for_the_prompt_is_quarantined_before_decoding(cached
     big["datasets"][0]["resolution"] = 1792
     big = parse_config({**big, "pretrained_model_name_or_path": str(model), "cache_dir": str(tmp_path / "cache")})
     report = build_clips(big, family, Store(big.cache_dir))
-    too_large = [q for q in report.quarantined if q["reason"] == "source_too_large"]
+    too_large = [q for q in report.quarantined if q.reason == "source_too_large"]
     assert report.computed == 0 and len(too_large) == len(report.quarantined) - 1 >= 3  # and the orphan
-    assert "lower `resolution` (1792) of dataset 'edits'" in too_large[0]["detail"]
+    assert "lower `resolution` (1792) of dataset 'edits'" in too_large[0].detail
 
 
 def test_source_folders_must_be_separate_from_their_targets(tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ def test_two_i2v_steps_equal_a_hand_written_reference(trained, caches: dict[str,
     store, family = Store(config.cache_dir), get_family(config)
     transformer, params, optimizer = reference_lora(caches["model"], config)
     plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
-    for step, logged in enumerate(report.tables["history"]):
+    for step, logged in enumerate(report.history):
         (sample,) = plan(step)
         x0 = torch.from_numpy(np.array(store.get("latents", [sample.latent_key])[sample.latent_key]["latent"]))[None]
         draws = T.step_draws(config, family, step, tuple(x0.shape))
@@ -122,8 +122,8 @@ def test_two_i2v_steps_equal_a_hand_written_reference(trained, caches: dict[str,
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
         optimizer.step()
         optimizer.zero_grad()
-        assert (loss.item(), norm) == (logged["loss"], logged["grad_norm"])
-        assert abs(everywhere - logged["loss"]) > 1e-4
+        assert (loss.item(), norm) == (logged.loss, logged.grad_norm)
+        assert abs(everywhere - logged.loss) > 1e-4
 
 
 def test_i2v_eval_loss_is_the_masked_loss(trained) -> None:
@@ -132,7 +132,7 @@ def test_i2v_eval_loss_is_the_masked_loss(trained) -> None:
     row = store.read_manifest("latents")[0]
     text_key = text_lookup(store)["", ""]
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
-    load_lora_file(transformer, report.facts["lora_path"])
+    load_lora_file(transformer, report.lora_path)
     (losses,) = [eval_losses(transformer, family, store, [EvalItem(row["clip_key"], row["key"], text_key)], 3,
                              torch.device("cpu"))]
     plain = load_component(config.pretrained_model_name_or_path, "transformer")
@@ -160,11 +160,11 @@ def test_i2v_validation_renders_from_the_first_frame(trained, caches: dict[str, 
     clip_key = conditioning_clip(config, family, store)
     image = conditioning_image(store, clip_key, settings)
     assert image.shape == (settings.height, settings.width, 3)
-    result = validate(config, family, store, report.facts["lora_path"])
-    for key in ("video", "base_video"):
-        with av.open(result.facts[key]) as container:
+    result = validate(config, family, store, report.lora_path)
+    for path in (result.prompts[0].lora, result.prompts[0].base):
+        with av.open(path) as container:
             assert sum(1 for _ in container.decode(video=0)) == config.validation_num_video_frames == 17
-    assert (Path(result.facts["video"]).parents[1] / "condition.png").is_file()
+    assert (Path(result.prompts[0].lora).parents[1] / "condition.png").is_file()
 
     seen: dict[str, list[torch.Tensor]] = {}
     t2v = make_family("t2v-lite-sft-5s")
@@ -227,7 +227,7 @@ def test_validation_using_datasets_renders_from_an_image_of_the_eval_dataset(tin
                           validation_resolution="96x64",
                           validation_num_video_frames=17)
     report, store = run(config)
-    assert report.quarantined == []
+    assert report.quarantined == ()
     family = get_family(config)
     encode_latents(config, family, store)
     encode_texts(config, family, store)

@@ -49,7 +49,7 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
 
     monkeypatch.setattr(L, "load_component", small_card)
     report = L.encode_latents(config, family, store)
-    assert {f["fallback"] for f in report.tables["oom_fallbacks"]} == {"tiling"}
+    assert {f.fallback for f in report.oom_fallbacks} == {"tiling"}
     listed = store.read_manifest("latents")
     assert listed and all(r["approximate"] and r["key"] == exact[r["clip_key"]]["tiled_key"] for r in listed)
     stored = store.keys("latents")
@@ -58,6 +58,6 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
 
     monkeypatch.setattr(L, "load_component", load)  # a card with the memory: the next run redoes them exactly
     again = L.encode_latents(config, family, store)
-    assert again.computed == len(exact) and again.tables["oom_fallbacks"] == []
+    assert again.computed == len(exact) and again.oom_fallbacks == ()
     listed = store.read_manifest("latents")
     assert all(not r["approximate"] and r["key"] == exact[r["clip_key"]]["key"] for r in listed)

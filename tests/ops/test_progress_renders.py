@@ -52,10 +52,10 @@ def test_renders_every_n_steps_and_the_same_lora_as_without(caches: dict[str, Pa
     upstream = T.upstream_versions(Store(plain.cache_dir))
     assert T.run_dir(rendered, upstream).name == T.run_dir(plain, upstream).name  # not part of the run
     with_renders, without = train(rendered), train(plain)
-    run = Path(with_renders.facts["run_dir"])
-    assert same_lora_file(run / T.LORA_FILE, Path(without.facts["lora_path"]))
-    assert [r["loss"] for r in with_renders.tables["history"]] == [r["loss"] for r in without.tables["history"]]
-    assert not (Path(without.facts["run_dir"]) / "validation").exists()
+    run = Path(with_renders.run_dir)
+    assert same_lora_file(run / T.LORA_FILE, Path(without.lora_path))
+    assert [r.loss for r in with_renders.history] == [r.loss for r in without.history]
+    assert not (Path(without.run_dir) / "validation").exists()
     folders = sorted(p.name for p in (run / "validation").glob("step-*"))
     assert folders == ["step-0000002", "step-0000004"]
     videos = [decode(step_folder(run / "validation", s) / "00-validation.mp4") for s in (2, 4)]
@@ -80,13 +80,13 @@ def test_the_last_render_is_what_validation_renders(caches: dict[str, Path], tmp
                             or keep(frames, stem, fps))
     config = make_config(caches, tmp_path / "out", max_train_steps=2, validation_steps=2, **{**RENDERS, **flavour})
     report = train(config)
-    V.validate(config, get_family(config), Store(config.cache_dir), report.facts["lora_path"])
+    V.validate(config, get_family(config), Store(config.cache_dir), report.lora_path)
     (ours,), (base, lora) = written["progress"], written["validation"]  # validation writes base.mp4, then lora.mp4
     # bit for bit by construction: the exported file holds training's fp32 adapter, both renders run it unmerged at
     # scale 1 through the same pipeline call, in this process (same kernels, same thread count)
     assert np.array_equal(ours, lora)
     assert not np.array_equal(ours, base)  # the LoRA shows in the pixels: the comparison means something
-    mp4 = decode(step_folder(Path(report.facts["run_dir"]) / "validation", 2) / "00-validation.mp4")
+    mp4 = decode(step_folder(Path(report.run_dir) / "validation", 2) / "00-validation.mp4")
     assert mp4.shape == ours.shape  # (h264 at this size and noise is far from lossless: no pixel comparison)
 
 
@@ -99,8 +99,8 @@ def test_the_lora_is_the_same_with_renders_under_memory_features(caches: dict[st
                                                                    memory: dict) -> None:
     rendered = train(make_config(caches, tmp_path / "a", validation_steps=1, **RENDERS, **memory))
     plain = train(make_config(caches, tmp_path / "b", **RENDERS, **memory))
-    run = Path(rendered.facts["run_dir"])
-    assert same_lora_file(run / T.LORA_FILE, Path(plain.facts["lora_path"]))
+    run = Path(rendered.run_dir)
+    assert same_lora_file(run / T.LORA_FILE, Path(plain.lora_path))
     assert decode(step_folder(run / "validation", 2) / "00-validation.mp4").shape == (5, 48, 64, 3)
 
 
@@ -134,14 +134,14 @@ def test_a_resumed_run_renders_only_the_steps_it_has_not(caches: dict[str, Path]
     between the two would) resumes at 2, renders step 4 again and leaves step 3's files alone."""
     config = make_config(caches, tmp_path / "out", max_train_steps=4, validation_steps=1, checkpointing_steps=2,
                          **RENDERS)
-    run = Path(train(config).facts["run_dir"])
+    run = Path(train(config).run_dir)
     folder = run / "validation"
     assert sorted(p.name for p in folder.glob("step-*")) == [f"step-000000{s}" for s in (1, 2, 3, 4)]
     kept = {p: p.stat().st_mtime_ns for p in step_folder(folder, 3).iterdir()}
     shutil.rmtree(step_folder(folder, 4))
     (run / T.LORA_FILE).unlink()
     resumed = train(config)
-    assert resumed.facts["resumed_at_step"] == 2
+    assert resumed.resumed_at_step == 2
     assert {p: p.stat().st_mtime_ns for p in step_folder(folder, 3).iterdir()} == kept
     assert (step_folder(folder, 4) / "result.json").is_file()
     assert decode(step_folder(folder, 4) / "00-validation.mp4").shape == (5, 48, 64, 3)

@@ -81,15 +81,15 @@ def test_a_caption_over_the_token_limit_is_truncated_and_counted(tiny_k5: Path, 
     long = "x" * (family.max_text_tokens + 50)  # the tiny tokenizer is byte-level: one token per character
     config, family, store = setup(tiny_k5, demo_data, tmp_path, ["a short caption", long, long])
     report = encode_texts(config, family, store)
-    assert report.facts["truncated_texts"] == 1
-    (row,) = report.tables["truncated"]
-    assert row["files"] == "/data/clip1.mp4, /data/clip2.mp4" and row["limit"] == family.max_text_tokens
+    assert report.truncated_texts == 1
+    (row,) = report.truncated
+    assert row.files == "/data/clip1.mp4, /data/clip2.mp4" and row.limit == family.max_text_tokens
     manifest = {r["text"]: r for r in store.read_manifest("text_embeds")}
     assert manifest[long]["truncated"] and not manifest["a short caption"]["truncated"]
     stored = store.get("text_embeds", [manifest[long]["key"]])[manifest[long]["key"]]
     assert stored["truncated"] and stored["n_tokens"] == len(stored["text_embeds"]) == family.max_text_tokens
     again = encode_texts(config, family, store)  # reused rows are still counted
-    assert again.computed == 0 and again.tables["truncated"] == report.tables["truncated"]
+    assert again.computed == 0 and again.truncated == report.truncated
 
 
 def test_an_i2i_caption_cut_beside_one_source_lists_only_that_sources_files(tmp_path: Path) -> None:
@@ -118,8 +118,8 @@ def test_batching_by_length_gives_the_embeddings_of_one_at_a_time(tiny_k5: Path,
         (alone,) = family.encode_text(components, [row["text"]])
         for name, value in alone.items():
             np.testing.assert_array_equal(stored[row["key"]][name], value, err_msg=f"{name} of {row['text']!r}")
-    histogram = report.tables["tokens_histogram"]
-    assert sum(b["texts"] for b in histogram) == report.facts["distinct_texts"] == len(manifest)
+    histogram = report.tokens_histogram
+    assert sum(b.texts for b in histogram) == report.distinct_texts == len(manifest)
 
 
 def test_store_rows_have_the_documented_columns_and_no_padding(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
@@ -129,7 +129,7 @@ def test_store_rows_have_the_documented_columns_and_no_padding(tiny_k5: Path, de
     table = pq.read_table(shards[0])
     assert {"key", "text", "image", "family", "encoders", "precision", "n_tokens", "truncated", "text_embeds",
             "text_embeds__shape", "pooled_embeds"} <= set(table.column_names)
-    assert report.facts["bytes_on_disk"] == sum(s.stat().st_size for s in shards) > 0
+    assert report.bytes_on_disk == sum(s.stat().st_size for s in shards) > 0
     manifest = store.read_manifest("text_embeds")
     assert set(manifest[0]) == {"key", "text", "image", "n_tokens", "truncated"}
     rows = store.get("text_embeds", [r["key"] for r in manifest])

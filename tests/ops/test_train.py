@@ -107,7 +107,7 @@ def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Pa
     store, family = Store(config.cache_dir), get_family(config)
     transformer, params, optimizer = reference_lora(caches["model"], config)
     plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
-    for step, logged in enumerate(report.tables["history"]):
+    for step, logged in enumerate(report.history):
         (sample,) = plan(step)
         x0 = torch.from_numpy(np.array(store.get("latents", [sample.latent_key])[sample.latent_key]["latent"]))[None]
         draws = T.step_draws(config, family, step, tuple(x0.shape))
@@ -131,8 +131,8 @@ def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Pa
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
         optimizer.step()
         optimizer.zero_grad()
-        assert (loss.item(), norm) == (logged["loss"], logged["grad_norm"])
-    trained = load_file(report.facts["lora_path"])
+        assert (loss.item(), norm) == (logged.loss, logged.grad_norm)
+    trained = load_file(report.lora_path)
     expected = get_peft_model_state_dict(transformer)
     assert sorted(trained) == sorted(f"transformer.{k}" for k in expected)
     assert len(expected) == 40  # A and B of 20 adapted linears (1 text + 2 visual blocks)
@@ -182,11 +182,11 @@ def test_a_killed_run_resumes_to_the_same_bits(caches: dict[str, Path], tmp_path
     assert process.returncode == -signal.SIGKILL, stderr[-2000:]
     assert not (run / T.LORA_FILE).exists()  # it really was interrupted
     resumed = train(killed)
-    assert 2 <= resumed.facts["resumed_at_step"] < 24 and resumed.computed == 24 - resumed.facts["resumed_at_step"]
+    assert 2 <= resumed.resumed_at_step < 24 and resumed.computed == 24 - resumed.resumed_at_step
     whole = train(make_config(caches, tmp_path / "whole", **settings))
-    assert whole.facts["resumed_at_step"] == 0
-    assert same_lora_file(run / T.LORA_FILE, Path(whole.facts["lora_path"]))
-    assert [r["loss"] for r in resumed.tables["history"]] == [r["loss"] for r in whole.tables["history"]]
+    assert whole.resumed_at_step == 0
+    assert same_lora_file(run / T.LORA_FILE, Path(whole.lora_path))
+    assert [r.loss for r in resumed.history] == [r.loss for r in whole.history]
     assert len(list((run / "checkpoints").glob("step-*"))) == 1  # checkpoints_total_limit
 
 
@@ -198,9 +198,9 @@ def test_a_config_change_starts_a_new_run_and_a_rerun_computes_nothing(baseline,
     assert train(runtime_only).computed == 0  # how a run computes is not what it computes
     changed = make_config(caches, Path(config.output_dir), lora_rank=2, lora_alpha=8)
     report = train(changed)
-    assert report.computed == 2 and report.facts["run_dir"] != first.facts["run_dir"]
-    assert {v.shape[0] for k, v in load_file(report.facts["lora_path"]).items() if "lora_A" in k} == {2}
-    with safe_open(report.facts["lora_path"], "pt") as f:  # alpha travels with the file: loaders scale by 8/2
+    assert report.computed == 2 and report.run_dir != first.run_dir
+    assert {v.shape[0] for k, v in load_file(report.lora_path).items() if "lora_A" in k} == {2}
+    with safe_open(report.lora_path, "pt") as f:  # alpha travels with the file: loaders scale by 8/2
         header = json.loads(f.metadata()["lora_adapter_metadata"])
     assert header["transformer.r"] == 2 and header["transformer.lora_alpha"] == 8
 
@@ -209,15 +209,15 @@ def test_switching_to_comfyui_converts_the_finished_run_without_retraining(basel
     from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 
     config, first = baseline
-    run = Path(first.facts["run_dir"])
+    run = Path(first.run_dir)
     (run / COMFYUI_LORA_FILE).unlink(missing_ok=True)
     again = train(make_config(caches, Path(config.output_dir), lora_format="comfyui"))
-    assert again.computed == 0 and again.facts["run_dir"] == str(run)
-    comfy = load_file(again.facts["comfyui_lora_path"])
+    assert again.computed == 0 and again.run_dir == str(run)
+    comfy = load_file(again.comfyui_lora_path)
     ranks = {v.shape[0] for k, v in comfy.items() if k.endswith("lora_down.weight")}
     alphas = {float(v) for k, v in comfy.items() if k.endswith(".alpha")}
     assert ranks == {config.lora_rank} and alphas == {float(config.lora_alpha or config.lora_rank)}
-    diffusers = load_file(first.facts["lora_path"])
+    diffusers = load_file(first.lora_path)
     assert len(comfy) == 3 * len(diffusers) // 2  # down, up, alpha per adapted module
 
 
@@ -253,9 +253,9 @@ def test_tread_with_ratio_zero_trains_exactly_like_no_tread(baseline, caches: di
     config, plain = baseline
     route = {"selection_ratio": 0.0, "start_layer_idx": 0, "end_layer_idx": -1}
     routed = train(make_config(caches, tmp_path / "out", tread_config={"routes": [route]}))
-    assert [r["loss"] for r in routed.tables["history"]] == [r["loss"] for r in plain.tables["history"]]
+    assert [r.loss for r in routed.history] == [r.loss for r in plain.history]
     half = train(make_config(caches, tmp_path / "half", tread_config={"routes": [{**route, "selection_ratio": 0.5}]}))
-    assert [r["loss"] for r in half.tables["history"]] != [r["loss"] for r in plain.tables["history"]]
+    assert [r.loss for r in half.history] != [r.loss for r in plain.history]
     with pytest.raises(ValueError, match=r"tread_config.routes\[0\]"):
         train(make_config(caches, tmp_path / "bad", tread_config={"routes": [{**route, "start_layer_idx": 5}]}))
 
@@ -302,7 +302,7 @@ def test_streams_need_cuda_and_fp8_keeps_lora_fp32(caches: dict[str, Path], tmp_
     assert torch.float8_e4m3fn in dtypes and {p.dtype for p in params} == {torch.float32}
     assert T.uses_autocast(config, CPU)
     report = train(config)
-    assert report.computed == 2 and np.isfinite(report.tables["history"][-1]["loss"])
+    assert report.computed == 2 and np.isfinite(report.history[-1].loss)
 
 
 def test_a_new_validation_prompt_encodes_one_text_and_retrains_nothing(baseline, caches: dict[str, Path],
@@ -315,7 +315,7 @@ def test_a_new_validation_prompt_encodes_one_text_and_retrains_nothing(baseline,
     prompted = make_config(caches, Path(config.output_dir), validation_prompt="a red ball rolls", **moved)
     assert encode_texts(prompted, get_family(prompted), store).computed == 1  # the new prompt, nothing else
     again = train(prompted)
-    assert again.computed == 0 and again.facts["run_dir"] == first.facts["run_dir"]
+    assert again.computed == 0 and again.run_dir == first.run_dir
 
 
 def test_distribution_latents_draw_fresh_samples_and_comfyui_is_exported_too(baseline, caches: dict[str, Path],
@@ -328,10 +328,10 @@ def test_distribution_latents_draw_fresh_samples_and_comfyui_is_exported_too(bas
                           latent_sampling="distribution", lora_format="comfyui")
     assert encode_latents(sampled, get_family(sampled), Store(sampled.cache_dir)).computed == 3
     report = train(sampled)
-    run = Path(report.facts["run_dir"])
+    run = Path(report.run_dir)
     assert (run / T.LORA_FILE).is_file() and (run / COMFYUI_LORA_FILE).is_file()
     # same seed, same noise and sigma: only the drawn x0 differs from the mode run
-    assert [r["loss"] for r in report.tables["history"]] != [r["loss"] for r in first.tables["history"]]
+    assert [r.loss for r in report.history] != [r.loss for r in first.history]
     assert train(sampled).computed == 0
 
 

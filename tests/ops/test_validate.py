@@ -25,7 +25,7 @@ from PIL import Image
 from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
 from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips
 from loraflow.ops.exchange import split_holdout
-from loraflow.ops.report import StageReport
+from loraflow.ops.report import ValidationReport
 from loraflow.ops.text_embeds import encode_texts
 from loraflow.ops.validate import contact_sheet, negative_prompt, render_settings, validate, write_media
 from loraflow.pipelines import get_family
@@ -92,7 +92,7 @@ def setup(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict
 
 
 @pytest.fixture(scope="module")
-def first_run(setup) -> StageReport:
+def first_run(setup) -> ValidationReport:
     """The demo-like config validated once, in a fresh output folder (frames 5, 3 prompts, eval on 1 clip)."""
     data, store, lora = setup
     config = parse_config(data)
@@ -113,20 +113,20 @@ def test_every_prompt_renders_base_and_lora_at_the_configured_frames_and_size(se
     config = parse_config({**data, "validation_num_video_frames": frames})
     report = first_run if frames == 5 else validate(config, get_family(config), store, str(lora))
     assert report.computed == 4 and report.reused == 0  # 3 prompts + eval
-    rows = report.tables["prompts"]
-    assert [r["name"] for r in rows] == ["validation", "blue", "two words/odd"]
+    rows = report.prompts
+    assert [r.name for r in rows] == ["validation", "blue", "two words/odd"]
     for row in rows:
-        base, fps = decode(row["base"])
-        tuned, _ = decode(row["lora"])
+        base, fps = decode(row.base)
+        tuned, _ = decode(row.lora)
         assert base.shape == tuned.shape == (frames, HEIGHT, WIDTH, 3)
         assert fps == 24.0  # the flavour's fps
         assert np.abs(base.astype(int) - tuned).mean() > 1.0  # the LoRA changes the render
-        sheet = Image.open(row["contact_sheet"])
+        sheet = Image.open(row.contact_sheet)
         tile = round(WIDTH * 128 / HEIGHT)  # frames scaled to 128 px rows, 2 px gaps
         assert sheet.size == (min(frames, 8) * (tile + 2) - 2, 2 * 128 + 2)  # base row over LoRA row
-        assert Path(row["base"]).parent.name.startswith(f"{rows.index(row):02d}-")
-    assert report.facts["num_frames"] == frames and (report.facts["height"], report.facts["width"]) == (HEIGHT, WIDTH)
-    assert report.facts["seed"] == 7 and report.facts["flow_shift"] == 10.0 and report.facts["guidance"] == 3.0
+        assert Path(row.base).parent.name.startswith(f"{rows.index(row):02d}-")
+    assert report.settings.num_frames == frames and (report.settings.height, report.settings.width) == (HEIGHT, WIDTH)
+    assert report.settings.seed == 7 and report.settings.flow_shift == 10.0 and report.settings.guidance == 3.0
 
 
 def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(setup, first_run) -> None:
@@ -135,20 +135,20 @@ def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(s
     again = validate(config, get_family(config), store, str(lora))
     assert again.computed == 0 and again.reused == 4 and again.data_version == first.data_version
     # a killed run: results.json and one prompt's result missing -> only that prompt and eval are redone
-    out = Path(first.facts["video"]).parents[1]
+    out = Path(first.prompts[0].lora).parents[1]
     (out / "results.json").unlink()
     (out / "01-blue" / "result.json").unlink()
-    before, _ = decode(first.tables["prompts"][1]["lora"])
+    before, _ = decode(first.prompts[1].lora)
     resumed = validate(config, get_family(config), store, str(lora))
     assert resumed.computed == 2 and resumed.reused == 2
-    after, _ = decode(resumed.tables["prompts"][1]["lora"])
+    after, _ = decode(resumed.prompts[1].lora)
     assert np.array_equal(before, after)  # same prompt, same seed: the same video
-    assert resumed.tables["eval_loss"] == first.tables["eval_loss"]
+    assert resumed.eval_loss == first.eval_loss
     # another seed renders elsewhere and differently (one prompt, no eval: just the seed at work)
     one = {"validation_prompt": None, "user_prompt_library": {"blue": LIBRARY["blue"]}, "eval_holdout_fraction": 0}
     other = validate(parse_config({**data, **one, "validation_seed": 8}), get_family(config), store, str(lora))
-    assert other.data_version != first.data_version and other.facts["seed"] == 8 and other.computed == 1
-    assert not np.array_equal(decode(other.tables["prompts"][0]["lora"])[0], after)
+    assert other.data_version != first.data_version and other.settings.seed == 8 and other.computed == 1
+    assert not np.array_equal(decode(other.prompts[0].lora)[0], after)
 
 
 def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(setup, first_run, tmp_path: Path) -> None:
@@ -158,18 +158,18 @@ def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(setup, 
     alone = {**data, "validation_prompt": None, "user_prompt_library": {"blue": LIBRARY["blue"]},
              "eval_holdout_fraction": 0}
     (tmp_path / "alone.yaml").write_text(json.dumps(alone))  # JSON is YAML
-    code = ("import json, sys; from loraflow.config import load_config; from loraflow.ops.validate import validate; "
+    code = ("import dataclasses, json, sys; from loraflow.config import load_config; from loraflow.ops.validate import validate; "
             "from loraflow.pipelines import get_family; from loraflow.store import Store; "
-            "c = load_config(sys.argv[1]); print(json.dumps(validate(c, get_family(c), Store(c.cache_dir), "
-            "sys.argv[2]).tables['prompts'][0]))")
+            "c = load_config(sys.argv[1]); print(json.dumps(dataclasses.asdict(validate(c, get_family(c), "
+            "Store(c.cache_dir), sys.argv[2]).prompts[0])))")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "alone.yaml"), str(lora)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     fresh = json.loads(done.stdout.strip().splitlines()[-1])
-    among = first_run.tables["prompts"][1]  # rendered second, after another prompt, in this process
-    assert among["name"] == fresh["name"] == "blue"
+    among = first_run.prompts[1]  # rendered second, after another prompt, in this process
+    assert among.name == fresh["name"] == "blue"
     for kind in ("base", "lora"):
-        assert np.array_equal(decode(among[kind])[0], decode(fresh[kind])[0]), kind
+        assert np.array_equal(decode(getattr(among, kind))[0], decode(fresh[kind])[0]), kind
 
 
 def test_lora_at_scale_zero_renders_exactly_the_base_model(setup) -> None:
@@ -198,7 +198,8 @@ def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(setup, fir
     items = eval_items(config, get_family(config), store)
     assert len(items) == 1  # 0.2 of 5 videos
     pipe = family.load_renderer(config.pretrained_model_name_or_path, str(lora), torch.device("cpu"))
-    runs = [first_run.tables["eval_loss"], eval_losses(pipe.transformer, family, store, items, 7, torch.device("cpu"))]
+    runs = [[dataclasses.asdict(r) for r in first_run.eval_loss],
+            eval_losses(pipe.transformer, family, store, items, 7, torch.device("cpu"))]
     assert runs[0] == runs[1]  # a second pipeline load reproduces the validation run's numbers exactly
     assert [r["sigma"] for r in runs[0]] == list(EVAL_SIGMAS) and runs[0][0]["timestep"] == 100
     assert all(np.isfinite(r["base"]) and np.isfinite(r["lora"]) and r["base"] != r["lora"] for r in runs[0])
@@ -208,9 +209,9 @@ def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(setup, fir
 
 def test_validation_report_carries_eval_table_and_plot(first_run) -> None:
     report = first_run
-    assert report.facts["eval_clips"] == 1 and len(report.tables["eval_loss"]) == 9
-    assert report.facts["eval_loss_base"] != report.facts["eval_loss_lora"]
-    assert Image.open(report.facts["eval_plot"]).size == (480, 220)
+    assert report.eval_clips == 1 and len(report.eval_loss) == 9
+    assert report.eval_loss_base != report.eval_loss_lora
+    assert Image.open(report.eval_plot).size == (480, 220)
 
 
 def test_split_holdout_is_seeded_stable_and_disjoint() -> None:
@@ -300,11 +301,11 @@ def test_image_family_renders_base_and_lora_as_pngs(tmp_path: Path) -> None:
     store.write_manifest("clips", [])  # no captions needed: only the validation texts
     encode_texts(config, get_family(config), store)
     report = validate(config, get_family(config), store, str(make_lora(config, tmp_path / "lora")))
-    (row,) = report.tables["prompts"]
-    base, tuned = (np.asarray(Image.open(row[k])) for k in ("base", "lora"))
-    assert row["base"].endswith(".png") and base.shape == tuned.shape == (HEIGHT, WIDTH, 3)
-    assert np.abs(base.astype(int) - tuned).mean() > 1.0 and report.facts["num_frames"] == 1
-    assert Image.open(row["contact_sheet"]).size == (round(WIDTH * 128 / HEIGHT), 2 * 128 + 2)
+    (row,) = report.prompts
+    base, tuned = (np.asarray(Image.open(path)) for path in (row.base, row.lora))
+    assert row.base.endswith(".png") and base.shape == tuned.shape == (HEIGHT, WIDTH, 3)
+    assert np.abs(base.astype(int) - tuned).mean() > 1.0 and report.settings.num_frames == 1
+    assert Image.open(row.contact_sheet).size == (round(WIDTH * 128 / HEIGHT), 2 * 128 + 2)
 
 
 def test_renders_take_the_shift_from_the_checkpoint_unless_the_config_sets_one(setup, tmp_path: Path) -> None:
