@@ -59,7 +59,10 @@ class WandbSink:
         self.run.log({f"train/{name}": value for name, value in row.items()}, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # finish returns before W&B's service has written the run's files; this waits for it
 
 
 def open_sink(report_to: str, run_dir: Path, start: int, config: dict[str, Any] | None = None) -> Sink:
