@@ -185,3 +185,10 @@ class ValidationReport(StageReport):
     eval_loss_change: float | None = None  # (lora - base) / base: negative when the LoRA fits held-out clips better
     eval_plot: str | None = None
     condition_image: str | None = None  # i2v's first frame, i2i's source image
+
+
+# -- teacher_features (CREPA) ---------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class TeacherFeaturesReport(StageReport):
+    teacher: str  # the teacher checkpoint's folder
+    image_size: int  # the side the teacher sees each frame at

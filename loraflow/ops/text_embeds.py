@@ -50,6 +50,7 @@ from loraflow.ops.exchange import (
     ImageLoader, TextItem, condition_frame, conditioning_image, negative_prompt, prompt_image, prompts_see_image,
     render_settings,
 )
+from loraflow.ops.quantize import quantize_int8
 from loraflow.ops.report import TextEmbedsReport, TokenBin, TruncatedText
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.store import Store
@@ -167,19 +168,8 @@ def load_encoders(config: LoraflowConfig, family: ModelFamily, device: torch.dev
                                        DTYPES[precision] if name == first else torch.float32, str(device))
                   for name in family.text_components}
     if precision == "int8-torchao":
-        quantize_int8(components[first])
+        quantize_int8(components[first], "text_encoder_1_precision")
     return components
-
-
-def quantize_int8(model: torch.nn.Module) -> None:
-    """Every linear weight to int8 with per-channel scales (torchao weight-only), in place: about half the bf16
-    bytes of a Qwen2.5-VL, whose weights are nearly all linear."""
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    except ImportError as exc:
-        raise ImportError("text_encoder_1_precision int8-torchao needs torchao: `pip install torchao`, or use "
-                          "bf16") from exc
-    quantize_(model, Int8WeightOnlyConfig())
 
 
 @contextmanager

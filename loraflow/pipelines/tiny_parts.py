@@ -1,5 +1,5 @@
 """Parts of the tiny checkpoints (`loraflow.pipelines.tiny`) kept apart to hold tiny.py under 500 lines: the SigLIP
-image encoder of HunyuanVideo 1.5 i2v, and listing extra components in model_index.json."""
+image encoder of HunyuanVideo 1.5 i2v, CREPA's DINOv2 teacher, and listing extra components in model_index.json."""
 
 from __future__ import annotations
 
@@ -40,3 +40,16 @@ def index_extras(folder: Path, extras: Mapping[str, object]) -> None:
     for name, component in extras.items():
         index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
     index_path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
+
+
+def tiny_dinov2(out_dir: str | Path, seed: int = 0) -> Path:
+    """A DINOv2 image encoder (CREPA's teacher) at width 16, patch 4, saved with save_pretrained: a folder
+    `crepa_encoder_path` can name, loaded with the real from_pretrained."""
+    import torch
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(seed)
+    config = Dinov2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                          patch_size=4, image_size=16)
+    Dinov2Model(config).eval().save_pretrained(out_dir)
+    return Path(out_dir)
