@@ -10,6 +10,8 @@ is that dataset's content. `text_embeds`, `lora` and `validation` are not: each 
 
 
 # No `from __future__ import annotations` here: Dagster inspects the real annotation of `context`.
+from pathlib import Path
+
 from dagster import AssetExecutionContext, DataVersion, MaterializeResult, MetadataValue, asset
 
 from loraflow.assets import metadata as md
@@ -96,9 +98,8 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
 
 @asset(deps=[latents, text_embeds], pool="gpu", group_name="loraflow", description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from PIL import Image
-
     from loraflow.assets.launch import train
+    from loraflow.ops.previews import loss_plot
     from loraflow.ops.progress_renders import progress_sheet_path
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
@@ -110,11 +111,12 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
         metadata={
             **md.counts(report),
             "lora_path": MetadataValue.path(report.facts["lora_path"]),
-            "final_loss": history[-1]["loss"] if history else float("nan"),
-            "loss_curve": md.md_image(md.loss_curve(history), "loss per step"),
+            "final_loss": md.number(history[-1]["loss"] if history else float("nan")),
+            "loss": md.loss_words(history),
+            "loss_curve": md.md_image(loss_plot(history), "training loss per step"),
+            "history": MetadataValue.path(str(Path(report.facts["run_dir"]) / "history.json")),  # every digit
             "inputs": MetadataValue.json(report.facts["inputs"]),
-            **({"renders_during_training": md.md_image(Image.open(sheet), "first validation prompt, per step")}
-               if sheet else {}),
+            **({"renders_during_training": md.md_image(sheet, "first validation prompt, per step")} if sheet else {}),
         },
     )
 
@@ -124,8 +126,6 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
 @asset(deps=[lora, text_embeds], pool="gpu", group_name="loraflow",
        description="Base vs LoRA renders of every validation prompt, and eval loss on held-out clips.")
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
-    from PIL import Image
-
     from loraflow.ops.train import current_lora_path
     from loraflow.ops.validate import validate
     from loraflow.pipelines import get_family
@@ -138,19 +138,20 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     condition = facts.pop("condition_image", None)  # i2v's first frame, i2i's source image
     if prompts:
         sheets = [f"**{p['name']}**: {p['prompt']}\n\n"
-                  + md.md_image(Image.open(p["contact_sheet"]), "base (top) vs LoRA (bottom)").value for p in prompts]
+                  + (md.md_image(p["animation"], "base and LoRA, playing").value + "\n\n" if p["animation"] else "")
+                  + md.md_image(p["contact_sheet"], "base frames over LoRA frames").value for p in prompts]
         if condition:
-            sheets.insert(0, "**every render starts from**\n\n"
-                          + md.md_image(Image.open(condition), "the conditioning image").value)
+            start = md.md_image(condition, "the conditioning image").value
+            sheets.insert(0, f"**every render starts from**\n\n{start}")
         metadata |= {"video": MetadataValue.path(facts.pop("video")),
                      "base_video": MetadataValue.path(facts.pop("base_video")),
                      "preview": MetadataValue.md("\n\n".join(sheets))}
         facts.pop("contact_sheet")
     if losses:
-        plot = Image.open(facts.pop("eval_plot"))
-        table = [{**r, "base": f"{r['base']:.5f}", "lora": f"{r['lora']:.5f}"} for r in losses]
-        metadata |= {"eval_loss": md.md_table(table), "eval_loss_plot": md.md_image(plot, "eval loss per sigma")}
-    return MaterializeResult(data_version=DataVersion(report.data_version), metadata={**metadata, **facts})
+        table = [{**r, "base": f"{r['base']:.4g}", "lora": f"{r['lora']:.4g}"} for r in losses]
+        metadata |= {"eval_loss": md.md_table(table),
+                     "eval_loss_plot": md.md_image(facts.pop("eval_plot"), "eval loss per sigma")}
+    return MaterializeResult(data_version=DataVersion(report.data_version), metadata={**metadata, **md.readable(facts)})
 
 
 ALL_ASSETS = [clips, latents, text_embeds, lora, validation]
