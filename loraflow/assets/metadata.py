@@ -1,4 +1,7 @@
-"""Turning op reports into Dagster metadata: counts, tables, and pictures the UI shows inline."""
+"""Turning op reports into Dagster metadata: counts, rounded numbers, tables, and pictures.
+
+Dagster 1.13 shows markdown metadata inline only under 1,000 characters (ui-core MetadataEntry.tsx); an embedded
+image is longer, so it opens from its row's [Show Markdown]."""
 
 from __future__ import annotations
 
@@ -6,13 +9,16 @@ import base64
 import io
 from collections.abc import Sequence
 from dataclasses import asdict, is_dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dagster import MetadataValue
-from PIL import Image, ImageDraw
+from PIL import Image
+
+IMAGE_TYPES = {".png": "image/png", ".webp": "image/webp"}  # the files md_image embeds
 
 if TYPE_CHECKING:
-    from loraflow.ops.report import StageReport, TrainStep
+    from loraflow.ops.report import StageReport
 
 
 def counts(report: StageReport) -> dict[str, Any]:
@@ -33,25 +39,34 @@ def md_table(rows: Sequence[Any], limit: int = 50) -> MetadataValue:
     return MetadataValue.md("\n".join(lines))
 
 
-def md_image(image: Image.Image, alt: str) -> MetadataValue:
-    """An inline PNG (data URI) so the asset page shows it without opening files."""
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return MetadataValue.md(f"![{alt}](data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()})")
+def number(value: float) -> MetadataValue:
+    """A float for reading and for the Plots tab, which charts it across materializations: 4 significant digits
+    (the run's files keep every digit)."""
+    return MetadataValue.float(float(f"{value:.4g}"))
 
 
-def loss_curve(history: Sequence[TrainStep], size: tuple[int, int] = (480, 200)) -> Image.Image:
-    """A plain line plot of loss per step (no plotting library needed)."""
-    image = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
-    losses = [h.loss for h in history]
-    if len(losses) < 2:
-        return image
-    low, high = min(losses), max(losses)
-    span = (high - low) or 1.0
-    pad = 20
-    points = [(pad + i * (size[0] - 2 * pad) / (len(losses) - 1), size[1] - pad - (v - low) / span * (size[1] - 2 * pad))
-              for i, v in enumerate(losses)]
-    draw.line(points, fill=(200, 40, 40), width=2)
-    draw.text((pad, 2), f"loss {high:.4f} .. {low:.4f} over {len(losses)} steps", fill="black")
-    return image
+def readable(facts: dict[str, Any]) -> dict[str, Any]:
+    """`facts` with every float as a `number`, and the floats as they were under `raw_numbers`."""
+    raw = {k: v for k, v in facts.items() if isinstance(v, float)}
+    rounded = {k: number(v) for k, v in raw.items()}
+    return {**facts, **rounded, **({"raw_numbers": MetadataValue.json(raw)} if raw else {})}
+
+
+def md_image(image: Image.Image | str | Path, alt: str) -> MetadataValue:
+    """An embedded image (data URI), so the asset page shows it without opening files: a PIL image as PNG, a
+    file (PNG, animated WebP) as it is."""
+    if isinstance(image, Image.Image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        data, mime = buffer.getvalue(), "image/png"
+    else:
+        data, mime = Path(image).read_bytes(), IMAGE_TYPES[Path(image).suffix]
+    return MetadataValue.md(f"![{alt}](data:{mime};base64,{base64.b64encode(data).decode()})")
+
+
+def loss_words(history: list[dict[str, Any]]) -> str:
+    """First and last training loss in words: short text, which the UI shows without a click."""
+    if not history:
+        return "no steps"
+    first, last = history[0], history[-1]
+    return f"{first['loss']:.4g} at step {first['step']} → {last['loss']:.4g} at step {last['step']}"

@@ -11,6 +11,7 @@ is that dataset's content. `text_embeds`, `lora` and `validation` are not: each 
 
 # No `from __future__ import annotations` here: Dagster inspects the real annotation of `context`.
 from dataclasses import asdict
+from pathlib import Path
 
 from dagster import AssetExecutionContext, AutomationCondition, DataVersion, MaterializeResult, MetadataValue, asset
 
@@ -105,24 +106,25 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
 
 @asset(deps=[latents, text_embeds], pool="gpu", group_name="loraflow", description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from PIL import Image
-
     from loraflow.assets.launch import train
+    from loraflow.ops.previews import loss_plot
     from loraflow.ops.progress_renders import progress_sheet_path
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
     report = train(context, config, loraflow.config_path, loraflow.store(config))
     sheet = progress_sheet_path(report.run_dir)  # validation_steps: renders during training
+    history = [asdict(step) for step in report.history]
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={
             **md.counts(report),
             "lora_path": MetadataValue.path(report.lora_path),
-            "final_loss": float("nan") if report.final_loss is None else report.final_loss,
-            "loss_curve": md.md_image(md.loss_curve(report.history), "loss per step"),
+            "final_loss": md.number(float("nan") if report.final_loss is None else report.final_loss),
+            "loss": md.loss_words(history),
+            "loss_curve": md.md_image(loss_plot(history), "training loss per step"),
+            "history": MetadataValue.path(str(Path(report.run_dir) / "history.json")),  # every digit
             "inputs": MetadataValue.json(report.inputs),
-            **({"renders_during_training": md.md_image(Image.open(sheet), "first validation prompt, per step")}
-               if sheet else {}),
+            **({"renders_during_training": md.md_image(sheet, "first validation prompt, per step")} if sheet else {}),
         },
     )
 
@@ -132,8 +134,6 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
 @asset(deps=[lora, text_embeds], pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
        description="Base vs LoRA renders of every validation prompt, and eval loss on held-out clips.")
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
-    from PIL import Image
-
     from loraflow.ops.train import current_lora_path
     from loraflow.ops.validate import validate
     from loraflow.pipelines import get_family
@@ -144,23 +144,23 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     metadata = {**md.counts(report), "prompts": len(report.prompts)}
     if report.prompts:
         sheets = [f"**{p.name}**: {p.prompt}\n\n"
-                  + md.md_image(Image.open(p.contact_sheet), "base (top) vs LoRA (bottom)").value
-                  for p in report.prompts]
-        if report.condition_image:
-            sheets.insert(0, "**every render starts from**\n\n"
-                          + md.md_image(Image.open(report.condition_image), "the conditioning image").value)
+                  + (md.md_image(p.animation, "base and LoRA, playing").value + "\n\n" if p.animation else "")
+                  + md.md_image(p.contact_sheet, "base frames over LoRA frames").value for p in report.prompts]
+        if report.condition_image:  # i2v's first frame, i2i's source image
+            start = md.md_image(report.condition_image, "the conditioning image").value
+            sheets.insert(0, f"**every render starts from**\n\n{start}")
         metadata |= {"video": MetadataValue.path(report.prompts[0].lora),
                      "base_video": MetadataValue.path(report.prompts[0].base),
                      "preview": MetadataValue.md("\n\n".join(sheets))}
     if report.eval_loss:
-        table = [{**asdict(r), "base": f"{r.base:.5f}", "lora": f"{r.lora:.5f}"} for r in report.eval_loss]
+        table = [{**asdict(r), "base": f"{r.base:.4g}", "lora": f"{r.lora:.4g}"} for r in report.eval_loss]
         metadata |= {"eval_loss": md.md_table(table),
-                     "eval_loss_plot": md.md_image(Image.open(report.eval_plot), "eval loss per sigma")}
+                     "eval_loss_plot": md.md_image(report.eval_plot, "eval loss per sigma")}
     summary = {"mean_abs_pixel_change": report.mean_abs_pixel_change, "eval_loss_base": report.eval_loss_base,
                "eval_loss_lora": report.eval_loss_lora, "eval_loss_change": report.eval_loss_change}
-    metadata |= {**asdict(report.settings), "fps": report.fps, "eval_clips": report.eval_clips,
-                 **{name: value for name, value in summary.items() if value is not None}}  # None: no prompts/clips
-    return MaterializeResult(data_version=DataVersion(report.data_version), metadata=metadata)
+    facts = {**asdict(report.settings), "fps": report.fps, "eval_clips": report.eval_clips,
+             **{name: value for name, value in summary.items() if value is not None}}  # None: no prompts/clips
+    return MaterializeResult(data_version=DataVersion(report.data_version), metadata={**metadata, **md.readable(facts)})
 
 
 ALL_ASSETS = [clips, latents, text_embeds, lora, validation]

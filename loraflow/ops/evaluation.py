@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key
@@ -100,29 +99,3 @@ def loss_summary(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
     base = float(np.mean([r["base"] for r in rows]))
     lora = float(np.mean([r["lora"] for r in rows]))
     return {"eval_loss_base": base, "eval_loss_lora": lora, "eval_loss_change": (lora - base) / base}
-
-
-def eval_loss_plot(rows: Sequence[Mapping[str, float]], size: tuple[int, int] = (480, 220)) -> Image.Image:
-    """Loss per sigma, base (blue) and LoRA (red), on one shared y axis (no plotting library needed)."""
-    image = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
-    if not rows:
-        return image
-    values = [r[n] for r in rows for n in SCALES]
-    low, high = min(values), max(values)
-    span = (high - low) or 1.0
-    pad, top = 24, 20
-
-    def point(i: int, v: float) -> tuple[float, float]:
-        x = pad + i * (size[0] - 2 * pad) / max(1, len(rows) - 1)
-        return x, size[1] - pad - (v - low) / span * (size[1] - pad - top)
-
-    for name, colour in (("base", (40, 80, 200)), ("lora", (200, 40, 40))):
-        points = [point(i, r[name]) for i, r in enumerate(rows)]
-        draw.line(points, fill=colour, width=2)
-        for x, y in points:
-            draw.ellipse((x - 2, y - 2, x + 2, y + 2), fill=colour)
-    for i, r in enumerate(rows):
-        draw.text((point(i, low)[0] - 8, size[1] - pad + 4), f"{r['sigma']:.1f}", fill="black")
-    draw.text((pad, 2), f"eval loss per sigma: base (blue), LoRA (red); y {low:.4f} .. {high:.4f}", fill="black")
-    return image

@@ -3,10 +3,10 @@ trained so far, so a user sees the adapter evolve before the run ends.
 
 Into the run folder (rank 0 only):
     validation/step-NNNNNNN/<nn>-<shortname>.mp4   h264 at the flavour's fps (.png for image families)
-    validation/step-NNNNNNN/contact_sheet.png      one row per prompt
+    validation/step-NNNNNNN/contact_sheet.png      every prompt's frames, labelled with its shortname
     validation/step-NNNNNNN/result.json            written last (with the render's peak GiB on CUDA): the step is
                                                    rendered, and a resumed run skips it
-    validation/progress.png                        the first prompt's row per rendered step, oldest on top
+    validation/progress.png                        the first prompt's frames per rendered step, oldest on top
 
 Training is not disturbed: the renderer runs the training transformer itself (no second copy on the device) in
 eval mode under no_grad, with the global RNG states saved and restored, then hands it back in train mode. The
@@ -27,24 +27,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from loraflow.config import LoraflowConfig
 from loraflow.ops.checkpoints import write_json
 from loraflow.ops.devices import peak_memory_gib
 from loraflow.ops.distributed import World, barrier
 from loraflow.ops.exchange import conditioning_image, negative_prompt, prompt_image, render_settings
-from loraflow.ops.validate import (
-    SHEET_ROW_HEIGHT, cached_texts, contact_sheet, render_video, save_png, slug, write_media,
-)
+from loraflow.ops.previews import contact_sheet
+from loraflow.ops.validate import cached_texts, read_media, render_video, save_png, slug, write_media
 from loraflow.pipelines.base import ModelFamily
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
 RESULT = "result.json"
 PROGRESS_SHEET = "progress.png"
-LABEL_WIDTH = 72  # pixels left of each progress row for its step number
 MAX_PROGRESS_ROWS = 12  # the sheet is embedded in the lora asset's metadata: keep it small
+PROGRESS_FRAMES = 4  # frames per step in the progress sheet: few, so twelve steps stay a short sheet
 AS_TRAINED = None  # `lora_scale` for the renders: the training adapter as it is (see set_lora_scale)
 
 
@@ -90,7 +89,7 @@ class ProgressRenders:
         fps = self.family.flavour.fps
         paths = {name: write_media(video, folder / f"{i:02d}-{slug(name)}", fps)
                  for i, (name, video) in enumerate(videos.items())}
-        save_png(contact_sheet(list(videos.values())), folder / "contact_sheet.png")
+        save_png(contact_sheet(videos, title=f"step {step}"), folder / "contact_sheet.png")
         write_json(folder / RESULT, {"step": step, "prompts": self.prompts, "peak_gib": peak,
                                      "media": {n: str(p) for n, p in paths.items()}})
         save_png(progress_sheet(self.folder), self.folder / PROGRESS_SHEET)
@@ -130,22 +129,14 @@ def rendering(transformer: torch.nn.Module) -> Iterator[None]:
 
 
 def progress_sheet(folder: Path) -> Image.Image:
-    """The first prompt's contact-sheet row of rendered steps (at most MAX_PROGRESS_ROWS, spread from first to
-    last), oldest on top, each labelled with its step."""
-    steps = sorted(json.loads(p.read_text())["step"] for p in folder.glob(f"step-*/{RESULT}"))
-    picks = np.linspace(0, len(steps) - 1, min(len(steps), MAX_PROGRESS_ROWS)).round().astype(int)
-    steps = [steps[i] for i in sorted(set(picks))]
-    rows = [Image.open(step_folder(folder, s) / "contact_sheet.png") for s in steps]
-    rows = [r.crop((0, 0, r.width, min(r.height, SHEET_ROW_HEIGHT))) for r in rows]
-    gap = 2
-    width = LABEL_WIDTH + max((r.width for r in rows), default=0)
-    sheet = Image.new("RGB", (width, max(1, len(rows) * (SHEET_ROW_HEIGHT + gap) - gap)), "white")
-    draw = ImageDraw.Draw(sheet)
-    for i, (step, row) in enumerate(zip(steps, rows)):
-        top = i * (SHEET_ROW_HEIGHT + gap)
-        sheet.paste(row, (LABEL_WIDTH, top))
-        draw.text((4, top + SHEET_ROW_HEIGHT // 2 - 6), f"step {step}", fill="black")
-    return sheet
+    """The first prompt's render at each rendered step (at most MAX_PROGRESS_ROWS, spread from first to last),
+    oldest on top, each labelled with its step."""
+    results = sorted((json.loads(p.read_text()) for p in folder.glob(f"step-*/{RESULT}")), key=lambda r: r["step"])
+    picks = np.linspace(0, len(results) - 1, min(len(results), MAX_PROGRESS_ROWS)).round().astype(int)
+    results = [results[i] for i in sorted(set(picks))]
+    name = next(iter(results[0]["prompts"]))
+    videos = {f"step {r['step']}": read_media(r["media"][name]) for r in results}
+    return contact_sheet(videos, title=f"{name}, per step", columns=PROGRESS_FRAMES)
 
 
 def progress_sheet_path(run_dir: str | Path) -> Path | None:

@@ -160,6 +160,7 @@ class PromptRenders:
     lora: str
     contact_sheet: str
     mean_abs_pixel_change: float
+    animation: str | None = None  # preview.webp, base beside LoRA; None for an image family's stills
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The pipeline loads once per run (`family.load_renderer`); each prompt renders at
 model, exactly) and 1 with the same seed, from cached embeddings only. Outputs under
 output_dir/validation/<key>/:
     <nn>-<shortname>/base.mp4, lora.mp4   h264 yuv420p at the flavour's fps (base.png, lora.png for images)
-    <nn>-<shortname>/contact_sheet.png    base row over LoRA row
+    <nn>-<shortname>/contact_sheet.png    base frames over LoRA frames, labelled, under the prompt
+    <nn>-<shortname>/preview.webp         videos: base and LoRA side by side, animated
     condition.png                         i2v, i2i: the image every render starts from (first frame, source)
     <nn>-<shortname>/result.json          written last: the prompt is done (a killed run resumes after it)
     eval_loss.png, results.json           results.json is written last: the whole run is done
@@ -29,18 +30,17 @@ from PIL import Image
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key, file_sha256
 from loraflow.ops.devices import free_models, pick_device
-from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_loss_plot, eval_losses, loss_summary
+from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_losses, loss_summary
 from loraflow.ops.exchange import (
-    TextItem, conditioning_image, evaluates, negative_prompt, prompt_image, render_settings,
+    TextItem, conditioning_image, evaluates, negative_prompt, prompt_image, render_settings, text_lookup,
 )
+from loraflow.ops.previews import contact_sheet, eval_loss_plot, save_animation
 from loraflow.ops.report import EvalLoss, PromptRenders, ValidationReport
-from loraflow.ops.exchange import text_lookup
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint
 from loraflow.store import Store
 
-CODE_VERSION = "validation-2"
+CODE_VERSION = "validation-3"  # 3: labelled, wrapped contact sheets and preview.webp
 RESULTS = "results.json"
-SHEET_ROW_HEIGHT = 128  # pixels per contact-sheet row: small enough to embed in the asset's metadata
 
 
 def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_path: str) -> ValidationReport:
@@ -104,16 +104,20 @@ def render_prompt(
     settings: RenderSettings, image: np.ndarray | None = None,
 ) -> None:
     """Base (LoRA scale 0) and LoRA renders of one prompt, same seed (and i2v: same first frame); media, contact
-    sheet, then result.json."""
+    sheet, animation, then result.json."""
     folder.mkdir(parents=True, exist_ok=True)
     base = render_video(family, pipe, text, negative, settings, image, lora_scale=0.0)
     tuned = render_video(family, pipe, text, negative, settings, image, lora_scale=1.0)
     fps = family.flavour.fps
     paths = {"base": write_media(base, folder / "base", fps), "lora": write_media(tuned, folder / "lora", fps)}
-    save_png(contact_sheet([base, tuned]), folder / "contact_sheet.png")
+    videos = {"base": base, "LoRA": tuned}
+    save_png(contact_sheet(videos, title=f"{name}: {prompt}"), folder / "contact_sheet.png")
+    animation = folder / "preview.webp" if len(base) > 1 else None  # an image family's render does not move
+    if animation:
+        save_animation(videos, fps, animation)
     _write_json(folder / "result.json", {
         "name": name, "prompt": prompt, **{k: str(p) for k, p in paths.items()},
-        "contact_sheet": str(folder / "contact_sheet.png"),
+        "contact_sheet": str(folder / "contact_sheet.png"), "animation": str(animation) if animation else None,
         "mean_abs_pixel_change": float(np.abs(base.astype(np.int16) - tuned).mean()),
     })
 
@@ -152,7 +156,7 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:60] or "prompt"
 
 
-# -- media: mp4 for videos, PNG for images, a contact sheet per prompt ---------------------------------------
+# -- media: mp4 for videos, PNG for images -------------------------------------------------------------------
 def write_media(frames: np.ndarray, stem: Path, fps: float) -> Path:
     """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4."""
     if len(frames) == 1:
@@ -162,6 +166,14 @@ def write_media(frames: np.ndarray, stem: Path, fps: float) -> Path:
         path = stem.with_suffix(".mp4")
         write_mp4(frames, path, fps)
     return path
+
+
+def read_media(path: str | Path) -> np.ndarray:
+    """uint8 (F, H, W, 3) of what write_media wrote (an mp4's frames as decoded, lossy)."""
+    if Path(path).suffix == ".png":
+        return np.asarray(Image.open(path).convert("RGB"))[None]
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
 def write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
@@ -176,28 +188,6 @@ def write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
     tmp.rename(path)
-
-
-def contact_sheet(
-    videos: list[np.ndarray], columns: int = 8, row_height: int = SHEET_ROW_HEIGHT, gap: int = 2
-) -> Image.Image:
-    """One row per video (base over LoRA), up to `columns` frames spread over its length, `row_height` px
-    tall, with white `gap`s so frame and row boundaries show."""
-    rows = []
-    for video in videos:
-        picks = np.linspace(0, len(video) - 1, min(columns, len(video))).round().astype(int)
-        height, width = video.shape[1:3]
-        size = (max(1, round(width * row_height / height)), row_height)
-        resample = Image.NEAREST if row_height >= height else Image.LANCZOS  # crisp pixels when enlarging
-        rows.append([Image.fromarray(video[i]).resize(size, resample) for i in picks])
-    sheet_width = max(sum(t.width + gap for t in row) for row in rows) - gap
-    sheet = Image.new("RGB", (sheet_width, len(rows) * (row_height + gap) - gap), "white")
-    for r, row in enumerate(rows):
-        x = 0
-        for tile in row:
-            sheet.paste(tile, (x, r * (row_height + gap)))
-            x += tile.width + gap
-    return sheet
 
 
 def save_png(image: Image.Image, path: Path) -> None:

@@ -1,9 +1,11 @@
 """The Dagster UI on a materialized demo, in headless Chromium: what a user sees after `make demo && make dev`.
 
 `dagster dev` runs on a free loopback port against a DAGSTER_HOME where every asset (and check) was
-materialized; the browser must find the five assets (clips and latents with their one dataset partition),
-the validation preview image inline, and the clips bucket table. Screenshots go to the test's tmp dir; with
-LORAFLOW_SAVE_SCREENSHOT=1 one is copied to docs/ui.png. Skipped only where Chromium is missing and CI is not set.
+materialized; the browser must find the five assets (clips and latents with their one dataset partition), the
+clips bucket table, the loss in words, and every picture (clips, loss curve, validation renders: an animation that
+plays and a labelled sheet) decoded and whole inside the window. Screenshots go to the test's tmp dir; with
+LORAFLOW_SAVE_SCREENSHOT=1 the validation preview's is copied to docs/ui.png. Skipped only where Chromium is
+missing and CI is not set.
 """
 
 from __future__ import annotations
@@ -83,14 +85,35 @@ def _metadata_row(page, key: str):
     return row
 
 
-def _open_image(page, key: str):
-    """Markdown metadata over 1,000 characters (any real image) sits behind [Show Markdown]: open it."""
+def _open_images(page, root: Path, key: str) -> list[dict]:
+    """Open `key`'s markdown dialog, screenshot it, and check that every embedded image decoded and is shown whole,
+    at its own size, inside the window; close the dialog. Markdown metadata of 1,000 characters or more (any real
+    image) sits behind [Show Markdown]: Dagster 1.13 (ui-core MetadataEntry.tsx) shows only shorter ones inline."""
     _metadata_row(page, key).get_by_text("[Show Markdown]").click()
-    image = page.get_by_role("dialog").locator('img[src^="data:image/png;base64,"]').first
-    image.wait_for()
-    complete, width, height = image.evaluate("img => [img.complete, img.naturalWidth, img.naturalHeight]")
-    assert complete and width > 0 and height > 0, f"the {key} PNG did not decode in the browser"
-    return width, height
+    dialog = page.get_by_role("dialog")
+    images = dialog.locator('img[src^="data:image/"]')
+    images.first.wait_for()
+    page.wait_for_function("imgs => imgs.every(i => i.complete)", arg=images.element_handles())
+    page.wait_for_function("() => document.getAnimations().length === 0")  # the dialog's zoom-in has ended
+    shown = images.evaluate_all("""imgs => imgs.map(i => ({type: i.src.slice(5, i.src.indexOf(';')),
+        width: i.naturalWidth, height: i.naturalHeight, box: i.getBoundingClientRect().toJSON()}))""")
+    window = page.viewport_size
+    for image in shown:
+        box = image["box"]
+        assert image["width"] > 0 and image["height"] > 0, f"a {key} image did not decode in the browser: {image}"
+        assert (box["width"], box["height"]) == (image["width"], image["height"]), f"{key}: scaled: {image}"
+        assert 0 <= box["left"] and box["right"] <= window["width"], f"{key}: cut off on the side: {image}"
+    assert shown[0]["box"]["top"] >= 0 and shown[0]["box"]["bottom"] <= window["height"], shown[0]
+    scroller = dialog.evaluate("d => [...d.querySelectorAll('*')].some(e => e.scrollWidth > e.clientWidth + 1 && "
+                               "getComputedStyle(e).overflowX !== 'visible')")
+    assert not scroller, f"the {key} dialog scrolls sideways"
+    _shot(page, root, f"{page.url.rsplit('/', 1)[-1]}_{key}")
+    return shown
+
+
+def _close(page) -> None:
+    page.keyboard.press("Escape")
+    page.get_by_role("dialog").wait_for(state="detached")
 
 
 def test_catalog_lists_the_five_assets_and_the_dataset_partitions(page, server: str, materialized) -> None:
@@ -106,16 +129,33 @@ def test_catalog_lists_the_five_assets_and_the_dataset_partitions(page, server: 
     _shot(page, materialized[0], "catalog")
 
 
-def test_validation_page_shows_its_metadata_and_the_preview_image(page, server: str, materialized) -> None:
+def test_validation_page_shows_the_renders_playing_and_a_labelled_sheet(page, server: str, materialized) -> None:
     page.goto(f"{server}/assets/validation")
     for key in ("computed", "status", "video", "base_video"):
         _metadata_row(page, key)
     assert ".mp4" in _metadata_row(page, "video").inner_text()
-    width, height = _open_image(page, "preview")
-    assert width > height  # a contact sheet: frames side by side, base row over LoRA row
+    animation, sheet = _open_images(page, materialized[0], "preview")
+    assert animation["type"] == "image/webp" and sheet["type"] == "image/png"
+    assert animation["width"] > animation["height"]  # base and LoRA side by side
+    # it plays: two looks at the animation 120 ms apart (a 9-frame loop of 375 ms) show different frames
+    image = page.get_by_role("dialog").locator('img[src^="data:image/webp"]')
+    first = image.screenshot()
+    page.wait_for_timeout(120)
+    assert image.screenshot() != first, "the animated preview does not move in the browser"
     path = _shot(page, materialized[0], "validation")
     if env_flag("LORAFLOW_SAVE_SCREENSHOT"):
         shutil.copyfile(path, REPO / "docs" / "ui.png")
+    _close(page)
+
+
+def test_lora_page_shows_the_loss_in_words_and_its_curve(page, server: str, materialized) -> None:
+    page.goto(f"{server}/assets/lora")
+    words = _metadata_row(page, "loss").locator("td").last.inner_text()  # the value cell
+    assert re.fullmatch(r"\d\.\d+ at step 1 → \d\.\d+ at step 2", words.strip()), words  # max_train_steps 2
+    assert re.search(r"\d\.\d", _metadata_row(page, "final_loss").inner_text())
+    (curve,) = _open_images(page, materialized[0], "loss_curve")
+    assert curve["type"] == "image/png" and curve["width"] > curve["height"]
+    _close(page)
 
 
 def test_clips_page_shows_the_bucket_table_and_the_first_frames(page, server: str, materialized) -> None:
@@ -127,5 +167,5 @@ def test_clips_page_shows_the_bucket_table_and_the_first_frames(page, server: st
     cells = table.locator("td").all_inner_texts()
     assert any(cell.strip().endswith("@17") for cell in cells), cells  # WIDTHxHEIGHT@FRAMES, 17-frame clips
     _shot(page, materialized[0], "clips")
-    _open_image(page, "preview")
-    _shot(page, materialized[0], "clips_preview")
+    _open_images(page, materialized[0], "preview")
+    _close(page)

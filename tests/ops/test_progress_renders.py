@@ -23,7 +23,7 @@ from loraflow.ops import train as T
 from loraflow.ops import validate as V
 from loraflow.ops.distributed import World
 from loraflow.ops.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
-from loraflow.ops.validate import SHEET_ROW_HEIGHT
+from loraflow.ops.previews import BLOCK_GAP, SHEET_ROW_HEIGHT, TEXT_HEIGHT
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import demo_dict
@@ -62,7 +62,7 @@ def test_renders_every_n_steps_and_the_same_lora_as_without(caches: dict[str, Pa
     assert all(v.shape == (5, 48, 64, 3) for v in videos)
     assert np.abs(videos[0].astype(int) - videos[1]).mean() > 0  # the LoRA evolved between the renders
     sheet = Image.open(progress_sheet_path(run))
-    assert sheet.height == 2 * SHEET_ROW_HEIGHT + 2  # one row per rendered step
+    assert sheet.height == TEXT_HEIGHT + 2 * SHEET_ROW_HEIGHT + BLOCK_GAP  # the prompt, then one line per step
 
 
 @pytest.mark.parametrize("flavour", [{}, {"model_flavour": "i2v-lite-5s", "validation_num_video_frames": 17}],
