@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 
 # Dataset entries (one per dataset folder) are the config's other part; importable from here as well.
 from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
+from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
 
@@ -56,7 +57,7 @@ class TreadConfig(StrictModel):
 class LoraflowConfig(StrictModel):
     """A whole run: model, data, training and validation. Units are in each field's description."""
 
-    model_family: str = setting(run_key="always", description="kandinsky5-video | kandinsky5-image | hunyuanvideo-1.5")
+    model_family: str = setting(run_key="always", description=describe_families())
     model_flavour: str | None = setting(
         None, run_key="always", description="one of the family's flavours; default: the family's")
     pretrained_model_name_or_path: str = setting(run_key="always", description="a local diffusers-layout directory")
@@ -203,8 +204,6 @@ class LoraflowConfig(StrictModel):
     @field_validator("model_family")
     @classmethod
     def _family(cls, v: str) -> str:
-        from loraflow.pipelines import family_names
-
         if v not in family_names():
             raise ValueError(_unknown("model_family", v, family_names()))
         return v
@@ -212,8 +211,6 @@ class LoraflowConfig(StrictModel):
     @field_validator("model_flavour")
     @classmethod
     def _flavour(cls, v: str | None, info: ValidationInfo) -> str | None:
-        from loraflow.pipelines import family_names, flavour_names
-
         family = info.data.get("model_family")
         if v is None or family not in family_names():
             return v
@@ -250,10 +247,8 @@ class LoraflowConfig(StrictModel):
     @model_validator(mode="after")
     def _datasets_fit_flavour(self) -> LoraflowConfig:
         """Clip lengths the flavour can train on, checked before any file is read."""
-        from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS
-
-        flavour = FLAVOURS[self.model_family][self.model_flavour or DEFAULT_FLAVOUR[self.model_family]]
-        if self.validation_using_datasets and flavour.task not in ("i2v", "i2i"):
+        flavour = family_flavour(self.model_family, self.model_flavour)
+        if self.validation_using_datasets and not flavour.takes_image:
             raise ValueError(f"`validation_using_datasets` gives i2v/i2i renders their image; flavour "
                              f"'{flavour.name}' takes no image: remove it, or choose an i2v or i2i flavour")
         if self.validation_using_datasets and self.eval_dataset_id is None:
@@ -281,19 +276,17 @@ class LoraflowConfig(StrictModel):
     @model_validator(mode="after")
     def _source_images(self) -> LoraflowConfig:
         """i2i datasets name their source images' dataset (`conditioning_data`); no other flavour takes one."""
-        from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS
-
-        flavour = FLAVOURS[self.model_family][self.model_flavour or DEFAULT_FLAVOUR[self.model_family]]
+        flavour = family_flavour(self.model_family, self.model_flavour)
         sources = [d.id for d in self.datasets if d.dataset_type == "conditioning" and not d.disabled]
         for d in self.datasets:
             if d.dataset_type in ("conditioning", "text_embeds") and d.conditioning_data is not None:
                 raise ValueError(f"dataset '{d.id}': `conditioning_data` goes on the image dataset whose images "
                                  f"are edits of the source images, not on a {d.dataset_type} dataset")
         for d in self.training_datasets:
-            if flavour.task != "i2i" and d.conditioning_data is not None:
+            if not flavour.edits_image and d.conditioning_data is not None:
                 raise ValueError(f"dataset '{d.id}': `conditioning_data` pairs images with source images for i2i; "
                                  f"flavour '{flavour.name}' takes none: remove it, or choose an i2i flavour")
-            if flavour.task == "i2i" and d.conditioning_data is None:
+            if flavour.edits_image and d.conditioning_data is None:
                 raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' edits a source image into each "
                                  "target image: set `conditioning_data` to the id of a `dataset_type: conditioning` "
                                  f"dataset holding them (same relative paths); conditioning datasets: "

@@ -17,14 +17,8 @@ from typing import Any
 import yaml
 
 from loraflow.config import DatasetConfig, LoraflowConfig, VideoSettings
+from loraflow.pipelines import family_specs
 
-# SimpleTuner's model_family names -> loraflow's (a vocabulary table for an outside tool, not family logic).
-FAMILIES = {
-    "kandinsky5-video": "kandinsky5-video",
-    "kandinsky5-image": "kandinsky5-image",
-    "hunyuanvideo": "hunyuanvideo-1.5",
-    "hunyuanvideo-1.5": "hunyuanvideo-1.5",
-}
 BACKEND_KEYS = ("data_backend_config", "dataset_backend_config")
 LR_SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine"}
 BASE_PRECISIONS = typing.get_args(LoraflowConfig.model_fields["base_model_precision"].annotation)
@@ -132,10 +126,12 @@ def _backends_from(settings: dict[str, Any], base_dir: Path | None, out: Importe
 
 
 def _family(value: str, out: Imported) -> str:
-    if value not in FAMILIES:
-        out.notes.append(f"model_family {value!r} is not one loraflow imports (known: {', '.join(FAMILIES)})")
+    """SimpleTuner's model_family name -> loraflow's, as each family's SPEC lists its SimpleTuner names."""
+    families = {alias: spec.name for spec in family_specs() for alias in spec.simpletuner_names}
+    if value not in families:
+        out.notes.append(f"model_family {value!r} is not one loraflow imports (known: {', '.join(families)})")
         return value
-    return FAMILIES[value]
+    return families[value]
 
 
 def _resolution(value: Any, out: Imported) -> str:

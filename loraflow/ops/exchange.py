@@ -2,8 +2,8 @@
 
 Stage modules (clips, text_embeds, latents, train, validate, evaluation, progress_renders) import this module;
 it imports no stage module, so no stage needs another to agree with a third. What lives here:
-- the (text, image) items of the text set (`TextItem`), whether prompts see an image (`prompts_see_image`), and the
-  current text keys (`text_lookup`);
+- the (text, image) items of the text set (`TextItem`; whether prompts see an image is the flavour's
+  `prompt_sees_image`), and the current text keys (`text_lookup`);
 - the hold-out split: which clips train and which are held out for eval loss (`split_holdout`, `split_clips`,
   `evaluates`);
 - the image a render starts from: its clip (`conditioning_clip`), its pixels (`condition_frame`,
@@ -33,11 +33,6 @@ PROMPT_IMAGE_VERSION = "validation-2"
 # 1. the text set ------------------------------------------------------------------------------------------------
 TextItem = tuple[str, str]  # (text, image id): the image is "" where prompts see no image (all but i2i)
 ImageLoader = Callable[[], np.ndarray]  # uint8 (H, W, 3), read only when the item must be encoded
-
-
-def prompts_see_image(family: ModelFamily) -> bool:
-    """Kandinsky 5 i2i encodes each prompt together with its source image."""
-    return family.flavour.task == "i2i"
 
 
 def text_lookup(store: Store) -> dict[TextItem, str]:
@@ -125,7 +120,7 @@ def prompt_image(config: LoraflowConfig, family: ModelFamily, store: Store,
     """The clip renders start from (i2v, i2i; None for others) and the image id validation prompts are encoded
     with: i2i's prompt embedding sees the render's source image (`conditioning_image`); "" for other flavours."""
     clip = conditioning_clip(config, family, store)
-    if clip is None or not prompts_see_image(family):
+    if clip is None or not family.flavour.prompt_sees_image:
         return clip, ""
     return clip, content_key(clip=clip, size=(settings.height, settings.width), code=PROMPT_IMAGE_VERSION)
 
@@ -133,7 +128,7 @@ def prompt_image(config: LoraflowConfig, family: ModelFamily, store: Store,
 def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store) -> str | None:
     """i2v/i2i: the clip whose first frame (i2i: source image) every render starts from (an eval clip first: one
     never trained on)."""
-    if family.flavour.task not in ("i2v", "i2i"):  # K5 i2v, HunyuanVideo 1.5 i2v (cond channels), K5 i2i alike
+    if not family.flavour.takes_image:  # K5 i2v, HunyuanVideo 1.5 i2v (cond channels), K5 i2i alike
         return None
     clips = store.read_manifest("clips")
     if config.render_dataset_id is not None:  # validation_using_datasets: its first file, by name

@@ -36,17 +36,17 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
     """One row per current clip of the datasets (None: every training dataset) with the key its latent has.
     Patch conv is exact, so it is not in the key; tiling blends seams and changes the numbers, so it is; so
     does the sampling (a mode row and a distribution row of one clip never share a key), and for i2v flavours
-    the first-frame image latent (see `_with_image_latent`) or image condition (`encode_image_condition`).
+    the first-frame image latent (see `_with_image_latent`) or image condition (the family's `image_condition`).
     `tiled_key` is the key of the clip's latent when an out-of-memory encode falls back to tiling."""
     vae_id = component_fingerprint(config.pretrained_model_name_or_path, "vae")
     family = get_family(config)
     given = family.flavour.conditioning_frames
     image = {"image_frames": given} if given else {}  # t2v keys stay what they were
     parts = family.image_condition_components
-    if parts:
+    if parts:  # the models that compute the image condition name it (HV1.5 i2v: SigLIP)
         image["image_condition"] = {c: component_fingerprint(config.pretrained_model_name_or_path, c) for c in parts}
-    elif family.image_condition:  # i2i: the source image's latent (the clip key already names the source)
-        image["image_condition"] = family.image_condition
+    elif family.image_condition_name:  # the VAE alone computes it (K5 i2i: from the source, which the clip key names)
+        image["image_condition"] = family.image_condition_name
     ids = {d.id for d in select_datasets(config, datasets)}
     clips = store.read_manifest("clips", parts=datasets)
     key = lambda clip, tiling: content_key(  # noqa: E731
@@ -121,7 +121,7 @@ def _encode(
                 pixels = torch.from_numpy(np.array(stored["frames"]))[None].to(device)  # copy: Arrow is read-only
                 latent, fallback = _encode_with_fallback(vae, family, pixels, sampling)
                 latent = _with_image_latent(latent, vae, family, pixels, sampling)
-                condition = _image_condition(vae, family, image, stored, pixels)
+                condition = family.image_condition(vae, image, stored) or {}
                 key = row["tiled_key"] if fallback == "tiling" else row["key"]  # tiled: other numbers, other key
                 if fallback:
                     log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
@@ -135,18 +135,6 @@ def _encode(
             store.put("latents", done)
     progress.close()
     return quarantined, fallbacks
-
-
-def _image_condition(vae: torch.nn.Module, family: ModelFamily, image: list[Any], stored: dict[str, Any],
-                     pixels: torch.Tensor) -> dict[str, np.ndarray]:
-    """The columns `velocity` reads beside the latent: HunyuanVideo 1.5 i2v's first-frame condition, or
-    Kandinsky 5 i2i's source-image latent; {} for every other flavour."""
-    if family.image_condition == "first_frame":
-        return family.encode_image_condition(vae, *image, pixels[0, 0])
-    if family.image_condition == "source_image":
-        source = torch.from_numpy(np.array(stored["condition_frames"][0])).to(pixels.device)  # (H, W, 3)
-        return family.encode_image_condition(vae, source)
-    return {}
 
 
 def _with_image_latent(

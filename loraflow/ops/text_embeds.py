@@ -47,8 +47,7 @@ from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key, data_version
 from loraflow.ops.devices import free_models, pick_device
 from loraflow.ops.exchange import (
-    ImageLoader, TextItem, condition_frame, conditioning_image, negative_prompt, prompt_image, prompts_see_image,
-    render_settings,
+    ImageLoader, TextItem, condition_frame, conditioning_image, negative_prompt, prompt_image, render_settings,
 )
 from loraflow.ops.quantize import quantize_int8
 from loraflow.ops.report import TextEmbedsReport, TokenBin, TruncatedText
@@ -66,7 +65,7 @@ HISTOGRAM_EDGES = (16, 32, 64, 128, 256, 512, 1024)  # upper bounds of the token
 def needed_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> dict[TextItem, ImageLoader | None]:
     """Every item later stages read, sorted, with how to load the image it sees (None: the text alone)."""
     clips = store.read_manifest("clips")
-    if not prompts_see_image(family):
+    if not family.flavour.prompt_sees_image:
         texts = {caption for clip in clips for caption in clip["captions"]}
         texts |= {"", family.default_negative_prompt, *config.validation_prompts.values()}
         if config.validation_negative_prompt is not None:
@@ -144,7 +143,8 @@ def _encode(
                  "precision": config.text_encoder_1_precision}
         for start in tqdm(range(0, len(order), batch_texts), desc="text_embeds", unit="batch"):
             batch = order[start : start + batch_texts]
-            images = [todo[item]() for item in batch] if prompts_see_image(family) else None  # type: ignore[misc]
+            sees_image = family.flavour.prompt_sees_image
+            images = [todo[item]() for item in batch] if sees_image else None  # type: ignore[misc]
             with on_device(components, device, offload):
                 encoded = family.encode_text(components, [text for text, _ in batch], images=images)
             # a family may say itself (i2i: the budget left beside the image's vision tokens)

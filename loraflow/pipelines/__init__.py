@@ -1,6 +1,8 @@
 """Model families. Only this package knows family names: stages ask `get_family(config)` and call methods.
 
-Adding a family = one module with a `FAMILY` object, and one row in `_MODULES`.
+A family is the module a row of `FAMILIES` names: its `SPEC` (`flavours.FamilySpec`: flavours, default flavour,
+description, SimpleTuner names) is plain data at its top, read here when a config is validated; the adapter and tiny
+builder live in `SPEC.module`, imported only when a stage needs them. docs/families.md says how to add one.
 """
 
 from __future__ import annotations
@@ -8,10 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Protocol
 
-from loraflow.pipelines.flavours import FLAVOURS
-
 if TYPE_CHECKING:
     from loraflow.pipelines.base import ModelFamily
+    from loraflow.pipelines.flavours import FamilySpec, Flavour
 
 
 class FamilyChoice(Protocol):
@@ -20,22 +21,52 @@ class FamilyChoice(Protocol):
     model_family: str
     model_flavour: str | None
 
-_MODULES = {
-    "kandinsky5-video": "loraflow.pipelines.kandinsky5_video",
-    "kandinsky5-image": "loraflow.pipelines.kandinsky5_image",
-    "hunyuanvideo-1.5": "loraflow.pipelines.hunyuanvideo15",
+
+# model_family -> the module whose `SPEC` declares it. Each of these keeps torch and diffusers out of its imports
+# (its SPEC.module has them), so validating a config and loading the code location import neither.
+FAMILIES: dict[str, str] = {
+    "kandinsky5-video": "loraflow.pipelines.kandinsky5_video_spec",
+    "kandinsky5-image": "loraflow.pipelines.kandinsky5_image_spec",
+    "hunyuanvideo-1.5": "loraflow.pipelines.hunyuanvideo15_spec",
 }
 
 
 def family_names() -> list[str]:
-    return sorted(_MODULES)
+    return sorted(FAMILIES)
+
+
+def family_spec(name: str) -> FamilySpec:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown family {name!r}; expected one of {family_names()}")
+    spec = importlib.import_module(FAMILIES[name]).SPEC
+    if spec.name != name:
+        raise ValueError(f"FAMILIES row {name!r} names {FAMILIES[name]}, whose SPEC is family {spec.name!r}")
+    return spec
+
+
+def family_specs() -> list[FamilySpec]:
+    return [family_spec(name) for name in FAMILIES]
+
+
+def describe_families() -> str:
+    """One line per family for the config's help: name (description)."""
+    return " | ".join(f"{spec.name} ({spec.description})" for spec in family_specs())
 
 
 def flavour_names(family: str) -> list[str]:
-    return sorted(FLAVOURS[family])
+    return family_spec(family).flavour_names()
+
+
+def family_flavour(family: str, flavour: str | None) -> Flavour:
+    """The family's flavour called `flavour` (None: its default)."""
+    return family_spec(family).flavour(flavour)
+
+
+def load_family(name: str, flavour: str | None = None) -> ModelFamily:
+    """The family object bound to a flavour (None: the family's default); imports the family's torch side."""
+    return importlib.import_module(family_spec(name).module).make_family(flavour)
 
 
 def get_family(config: FamilyChoice) -> ModelFamily:
     """The family object for a config, bound to its flavour (the family's default when unset)."""
-    module = importlib.import_module(_MODULES[config.model_family])
-    return module.make_family(config.model_flavour)
+    return load_family(config.model_family, config.model_flavour)

@@ -44,16 +44,11 @@ class ModelFamily(Protocol):
     max_text_tokens: int  # the first text encoder keeps at most this many caption tokens (more: truncated)
     tread_layout: TokenLayout  # where the transformer keeps its visual tokens, for TREAD routing
     comfyui_names: tuple[ComfyRule, ...]  # diffusers module -> ComfyUI module (lora_format: comfyui)
-    # components the latents stage loads beside the VAE for `encode_image_condition` (HV1.5 i2v's SigLIP); ()
+    # components the latents stage loads beside the VAE for `image_condition` (HV1.5 i2v's SigLIP); ()
     image_condition_components: tuple[str, ...]
-    # What the latents stage caches beside each latent with the family's `encode_image_condition`, whose signature
-    # differs per kind (the rows' IMAGE_CONDITION_COLUMNS then reach `velocity` through `image_conditions`):
-    #   ""              nothing (t2v, t2i, and K5 i2v, whose image is latent frame 0 itself)
-    #   "first_frame"   HunyuanVideo 1.5 i2v: encode_image_condition(vae, image_encoder, feature_extractor, frame)
-    #                   -> {"image_latent" (32, 1, h, w), "image_embeds" (729, D)} of the clip's first frame
-    #   "source_image"  Kandinsky 5 Image i2i: encode_image_condition(vae, frame) -> {"image_latent" (16, 1, h, w)}
-    #                   of the clip's source image, uint8 (H, W, 3) at the target's size
-    image_condition: str
+    # what `image_condition` caches ("" nothing), for the latent key where it has no components, whose fingerprints
+    # name it instead: "first_frame" (HunyuanVideo 1.5 i2v), "source_image" (Kandinsky 5 Image i2i)
+    image_condition_name: str
 
     def encode_text(
         self, components: Mapping[str, Any], texts: list[str], images: list[np.ndarray] | None = None
@@ -77,6 +72,18 @@ class ModelFamily(Protocol):
         """uint8 (B, F, H, W, 3) -> scaled latents (B, C, T, h, w), or (B, 2C, T, h, w) mean and logvar
         (`scaled_posterior`)."""
 
+    def image_condition(
+        self, vae: torch.nn.Module, parts: Sequence[Any], clip: Mapping[str, Any]
+    ) -> dict[str, np.ndarray] | None:
+        """What the latents stage caches beside a clip's latent (IMAGE_CONDITION_COLUMNS, which then reach `velocity`
+        through `image_conditions`), or None for flavours without it (t2v, t2i, K5 i2v: its image is latent frame 0).
+
+        `parts`: the loaded `image_condition_components`, in order; `clip`: the stored clip row (`frames` uint8
+        (F, H, W, 3), and `condition_frames` (1, H, W, 3), the source image of an i2i clip at its size).
+        HunyuanVideo 1.5 i2v: {"image_latent" (32, 1, h, w), "image_embeds" (729, D)} of the first frame; Kandinsky 5
+        Image i2i: {"image_latent" (16, 1, h, w)} of the source image.
+        """
+
     def velocity(
         self, transformer: torch.nn.Module, noisy: torch.Tensor, sigma: torch.Tensor, text: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
@@ -84,7 +91,7 @@ class ModelFamily(Protocol):
 
         The first `flavour.conditioning_frames` latent frames of `noisy` are clean (`conditioned_noisy`): an i2v
         family marks them as given in the transformer's input. `text` also holds the latent rows'
-        `image_conditions` where the family caches any (`image_condition` not ""): `image_latent` (B, C, 1, h, w)
+        `image_conditions` where the family caches any (`image_condition`): `image_latent` (B, C, 1, h, w)
         float32, and for HunyuanVideo 1.5 i2v `image_embeds`.
         """
 

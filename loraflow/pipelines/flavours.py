@@ -1,4 +1,5 @@
-"""The flavour table: each family's flavours and their defaults (plain data, no torch).
+"""What a family declares as plain data (no torch: the config model reads it at load): its flavours, and the
+`FamilySpec` each registered family module holds as `SPEC` (`loraflow.pipelines.FAMILIES`).
 
 fps, frames and size are what validation renders and clips are resampled to unless the config says
 otherwise; flow_shift is the inference/training sigma shift of the original repos; components are the
@@ -9,12 +10,17 @@ is given clean (Kandinsky 5 i2v: the first), which training and eval loss leave 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+Task = Literal["t2v", "i2v", "t2i", "i2i"]
+# The components of a diffusers pipeline with two text encoders (Kandinsky 5, HunyuanVideo 1.5 and its guider)
+TWO_ENCODER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 
 
 @dataclass(frozen=True)
 class Flavour:
     name: str
-    task: str  # t2v | i2v | t2i | i2i
+    task: Task  # callers ask the properties below, which say what the task means for them
     fps: float
     num_frames: int  # validation default, 4k+1 (1 for images)
     size: tuple[int, int]  # validation default (height, width)
@@ -27,59 +33,61 @@ class Flavour:
     # (`hunyuanvideo15.HunyuanVideo15._condition`).
     conditioning_frames: int = 0
 
+    def __post_init__(self) -> None:
+        if self.task not in get_args(Task):
+            raise ValueError(f"flavour '{self.name}': task must be one of {', '.join(get_args(Task))}; "
+                             f"got {self.task!r}")
 
-_K5_PARTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+    @property
+    def takes_image(self) -> bool:
+        """Renders start from an image: i2v from the video's first frame, i2i from the source image it edits."""
+        return self.task in ("i2v", "i2i")
 
+    @property
+    def image_is_first_frame(self) -> bool:
+        """i2v: the image is the first frame of the video (training: each clip's own first frame)."""
+        return self.task == "i2v"
 
-def _k5_video(name: str, seconds: int, shift: float) -> Flavour:
-    task = name.split("-")[0]
-    # i2v: the image's latent replaces latent frame 0 (Kandinsky5I2VPipeline.prepare_latents), one clean frame
-    return Flavour(name, task, 24.0, 24 * seconds + 1, (512, 768), shift, 5.0, _K5_PARTS, int(task == "i2v"))
+    @property
+    def edits_image(self) -> bool:
+        """i2i: each training image is an edit of a source image from another dataset (`conditioning_data`)."""
+        return self.task == "i2i"
 
-
-def _k5_image(name: str) -> Flavour:
-    # One frame; fps only matters when frames are sampled from videos. Shift 1.0 is the seed doc's default.
-    task = name.split("-")[0]
-    return Flavour(name, task, 24.0, 1, (1024, 1024), 1.0, 5.0, _K5_PARTS)
-
-
-_HV15_PARTS = (*_K5_PARTS, "guider")
-_SIGLIP_PARTS = ("image_encoder", "feature_extractor")
-
-
-def _hv15(name: str, shift: float) -> Flavour:
-    task, resolution = name.split("-")
-    size = {"480p": (480, 848), "720p": (720, 1280)}[resolution]
-    parts = _HV15_PARTS + (_SIGLIP_PARTS if task == "i2v" else ())
-    # conditioning_frames 0 for i2v too: HunyuanVideo15ImageToVideoPipeline steps every latent frame (HVI:931)
-    return Flavour(name, task, 24.0, 121, size, shift, 6.0, parts)
+    @property
+    def prompt_sees_image(self) -> bool:
+        """Prompts are encoded together with the image (Kandinsky 5 i2i), so a text key names its image too."""
+        return self.task == "i2i"
 
 
-FLAVOURS: dict[str, dict[str, Flavour]] = {
-    "kandinsky5-video": {
-        f.name: f
-        for f in [
-            _k5_video("t2v-lite-sft-5s", 5, 10.0),
-            _k5_video("t2v-lite-sft-10s", 10, 10.0),
-            _k5_video("t2v-lite-pretrain-5s", 5, 10.0),
-            _k5_video("t2v-lite-pretrain-10s", 10, 10.0),
-            _k5_video("t2v-pro-sft-5s-hd", 5, 5.0),
-            _k5_video("t2v-pro-sft-10s-hd", 10, 5.0),
-            _k5_video("t2v-pro-pretrain-5s-hd", 5, 5.0),
-            _k5_video("t2v-pro-pretrain-10s-hd", 10, 5.0),
-            _k5_video("i2v-lite-5s", 5, 5.0),
-            _k5_video("i2v-pro-sft-5s", 5, 5.0),
-            _k5_video("i2v-pro-pretrain-5s", 5, 5.0),
-        ]
-    },
-    "kandinsky5-image": {
-        f.name: f for f in map(_k5_image, ["t2i-lite-sft", "t2i-lite-pretrain", "i2i-lite-sft", "i2i-lite-pretrain"])
-    },
-    "hunyuanvideo-1.5": {
-        f.name: f
-        for f in [_hv15("t2v-480p", 5.0), _hv15("t2v-720p", 9.0), _hv15("i2v-480p", 5.0), _hv15("i2v-720p", 7.0)]
-    },
-}
+@dataclass(frozen=True)
+class FamilySpec:
+    """A family's plain data, the `SPEC` at the top of its registered module; nothing here imports torch.
 
-DEFAULT_FLAVOUR = {"kandinsky5-video": "t2v-lite-sft-5s", "kandinsky5-image": "t2i-lite-sft",
-                   "hunyuanvideo-1.5": "t2v-480p"}
+    `module` is where the rest of the family lives, imported only when a stage needs it: `make_family(flavour name
+    or None) -> ModelFamily` (the adapter) and `tiny(flavour) -> (pipeline class, build)` (its tiny checkpoint, for
+    `loraflow.pipelines.tiny.build_tiny`). A family without heavy imports at its top may name its own module.
+    """
+
+    name: str  # the config's `model_family`
+    description: str  # one line, shown in the config's help for `model_family`
+    flavours: tuple[Flavour, ...]
+    default_flavour: str
+    module: str
+    simpletuner_names: tuple[str, ...] = ()  # SimpleTuner's `model_family` values that import as this family
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.flavours]
+        if len(set(names)) != len(names) or self.default_flavour not in names:
+            raise ValueError(f"family '{self.name}': flavour names must be distinct and include the default "
+                             f"'{self.default_flavour}'; got {', '.join(names)}")
+
+    def flavour_names(self) -> list[str]:
+        return sorted(f.name for f in self.flavours)
+
+    def flavour(self, name: str | None) -> Flavour:
+        """The flavour called `name` (None: the family's default)."""
+        wanted = name or self.default_flavour
+        for flavour in self.flavours:
+            if flavour.name == wanted:
+                return flavour
+        raise ValueError(f"unknown flavour {wanted!r} of {self.name}; expected one of {self.flavour_names()}")

@@ -8,19 +8,21 @@ conditioning: the `cond` channels carry the image's latent (`latent_dist.mode()`
 and zeros elsewhere, the mask is 1 on frame 0 (HVI:594-632), and `image_embeds` are SigLIP's `last_hidden_state` of
 the image (HVI:391-402). x_t itself is not touched: every latent frame, frame 0 included, is noised and stepped
 (HVI:851-931), so the flavour has no `conditioning_frames` and the loss covers every frame. The latents stage caches
-the image latent and the SigLIP tokens of each clip's first frame (`encode_image_condition`).
+the image latent and the SigLIP tokens of each clip's first frame (`image_condition`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
+from diffusers import (
+    ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline,
+)
 from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
 from PIL import Image
@@ -32,9 +34,12 @@ from loraflow.pipelines.base import (
     RenderSettings, TextRow, compute_dtype, load_pipeline, lora_file_header, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
-from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
+from loraflow.pipelines.flavours import Flavour
+from loraflow.pipelines.hunyuanvideo15_spec import SPEC
 
-FAMILY = "hunyuanvideo-1.5"
+if TYPE_CHECKING:
+    from loraflow.pipelines.tiny import TinyPipeline
+
 # The pipeline's system turn (HV:227-232), byte for byte: its backslash continuations keep the
 # 8-space indents, and the text encoder sees them.
 SYSTEM_MESSAGE = (
@@ -110,7 +115,7 @@ def lora_pattern(include_ffn: bool) -> str:
 @dataclass(frozen=True)
 class HunyuanVideo15:
     flavour: Flavour
-    name: str = FAMILY
+    name: str = SPEC.name
     spatial_multiple: int = 16  # VAE 16x, patch 1
     vae_temporal_factor: int = 4
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -123,13 +128,13 @@ class HunyuanVideo15:
 
     @property
     def image_condition_components(self) -> tuple[str, ...]:
-        """What the latents stage loads beside the VAE to cache `encode_image_condition` (i2v only)."""
-        return IMAGE_COMPONENTS if self.flavour.task == "i2v" else ()
+        """What the latents stage loads beside the VAE for `image_condition` (i2v only)."""
+        return IMAGE_COMPONENTS if self.flavour.image_is_first_frame else ()
 
     @property
-    def image_condition(self) -> str:
-        """i2v: the latents stage caches `encode_image_condition` of each clip's first frame."""
-        return "first_frame" if self.flavour.task == "i2v" else ""
+    def image_condition_name(self) -> str:
+        """i2v: the latents stage caches `image_condition` of each clip's first frame."""
+        return "first_frame" if self.flavour.image_is_first_frame else ""
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -206,16 +211,21 @@ class HunyuanVideo15:
         return torch.cat(latents)
 
     @torch.no_grad()
-    def encode_image_condition(
-        self, vae: torch.nn.Module, image_encoder: torch.nn.Module, feature_extractor: Any, frame: torch.Tensor,
-    ) -> dict[str, np.ndarray]:
-        """i2v: a clip's first frame, uint8 (H, W, 3) at the clip's size, as the i2v pipeline conditions on it.
+    def image_condition(
+        self, vae: torch.nn.Module, parts: Sequence[Any], clip: Mapping[str, Any]
+    ) -> dict[str, np.ndarray] | None:
+        """i2v: the clip's first frame, uint8 (H, W, 3) at the clip's size, as the i2v pipeline conditions on it, with
+        `parts` the loaded `image_condition_components` (SigLIP and its processor); None for t2v.
 
         `image_latent` (32, 1, h, w): the frame encoded alone, `latent_dist.mode()` * scaling (HVI:375-388), whatever
         `latent_sampling` says (the pipeline never samples it). `image_embeds` (729, D): SigLIP's last_hidden_state
         after the feature extractor's resize (HVI:391-402). The pipeline first crops the image to its bucket; clips
         already are at their bucket's size, so the frame goes in as it is.
         """
+        if not self.flavour.image_is_first_frame:
+            return None
+        image_encoder, feature_extractor = parts
+        frame = torch.from_numpy(np.array(clip["frames"][0]))  # copy: Arrow is read-only
         latent = self.vae_encode(vae, frame[None, None].to(next(vae.parameters()).device), "mode")[0]
         inputs = feature_extractor.preprocess(images=Image.fromarray(frame.cpu().numpy()), do_resize=True,
                                               return_tensors="pt", do_convert_rgb=True)
@@ -257,7 +267,7 @@ class HunyuanVideo15:
         batch, _, frames, height, width = noisy.shape
         cond = torch.zeros_like(noisy)
         mask = torch.zeros(batch, 1, frames, height, width, dtype=noisy.dtype, device=noisy.device)
-        if self.flavour.task != "i2v":
+        if not self.flavour.image_is_first_frame:
             image_embeds = torch.zeros(batch, IMAGE_TOKENS, transformer.config.image_embed_dim, device=noisy.device)
             return cond, mask, image_embeds
         if "image_latent" not in text or "image_embeds" not in text:
@@ -289,7 +299,7 @@ class HunyuanVideo15:
         self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
     ) -> HunyuanVideo15Pipeline:
         """The t2v pipeline, or for i2v the image-to-video one (which also loads image_encoder, feature_extractor)."""
-        pipeline = HunyuanVideo15ImageToVideoPipeline if self.flavour.task == "i2v" else HunyuanVideo15Pipeline
+        pipeline = HunyuanVideo15ImageToVideoPipeline if self.flavour.image_is_first_frame else HunyuanVideo15Pipeline
         return load_pipeline(pipeline, model_path, lora_path, device, transformer)
 
     @torch.no_grad()
@@ -322,7 +332,7 @@ class HunyuanVideo15:
 
     def _image_input(self, pipe: Any, image: np.ndarray | None, settings: RenderSettings) -> dict[str, Any]:
         """i2v: {"image": PIL} (checked: size, and that the pipeline renders at that size); t2v: height, width."""
-        if self.flavour.task != "i2v":
+        if not self.flavour.image_is_first_frame:
             if image is not None:
                 raise ValueError(f"flavour '{self.flavour.name}' is text-to-video: it takes no conditioning image")
             return {"height": settings.height, "width": settings.width}
@@ -354,4 +364,32 @@ def _pad(arrays: list[np.ndarray], masks: list[np.ndarray]) -> tuple[torch.Tenso
 
 def make_family(flavour: str | None) -> HunyuanVideo15:
     """t2v and i2v flavours; i2v trains with the cached first-frame latent and SigLIP tokens (never zeros)."""
-    return HunyuanVideo15(flavour=FLAVOURS[FAMILY][flavour or DEFAULT_FLAVOUR[FAMILY]])
+    return HunyuanVideo15(flavour=SPEC.flavour(flavour))
+
+
+def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
+    """Every flavour loads one tiny checkpoint (`loraflow.pipelines.tiny.build_tiny`): the t2v pipeline's, with
+    SigLIP as extra components so the i2v pipeline loads the same folder."""
+    return HunyuanVideo15Pipeline, _tiny_pipeline
+
+
+def _tiny_pipeline() -> TinyPipeline:
+    from transformers import ByT5Tokenizer
+
+    from loraflow.pipelines import tiny as parts  # the tiny parts only when a tiny checkpoint is built
+    from loraflow.pipelines.tiny_parts import siglip_image_encoder
+
+    tokenizer = parts.qwen_tokenizer()
+    tokenizer_2 = ByT5Tokenizer()
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=parts.qwen_vl_text_encoder(tokenizer),
+        tokenizer=tokenizer,
+        transformer=parts.hunyuan_video15_transformer(),
+        vae=parts.hunyuan_video15_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
+        text_encoder_2=parts.byt5_encoder(tokenizer_2),
+        tokenizer_2=tokenizer_2,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+    image_encoder, feature_extractor = siglip_image_encoder()
+    return pipe, {"image_encoder": image_encoder, "feature_extractor": feature_extractor}

@@ -169,6 +169,11 @@ class Kandinsky5Shared:
     def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
         return ""  # any bucket size trains
 
+    def image_condition(self, vae: torch.nn.Module, parts: Sequence[Any], clip: Mapping[str, Any]) -> None:
+        """Nothing cached beside the latent: video i2v's image is latent frame 0 itself (`conditioning_frames`);
+        Image i2i overrides this with its source image's latent."""
+        return None
+
     def prompt_embeds(self, prompt: TextRow, negative: TextRow, device: torch.device) -> dict[str, torch.Tensor]:
         """The pipelines' precomputed-embedding arguments for one prompt and its negative."""
         kwargs = {}

@@ -9,7 +9,7 @@ i2i (image editing) differs from t2i in three places, all in `Kandinsky5ImageI2I
   - the prompt is encoded together with the source image: its own template, whose user turn ends in the image's
     vision tokens, through the Qwen2-VL processor (the checkpoint's `tokenizer`), at half the image's size;
   - the transformer (visual_cond=True) takes channels-last cat([x_t, source latent, ones]): 16 + 16 + 1 channels;
-  - the source image's latent is cached by the latents stage (`encode_image_condition`) and reaches `velocity`
+  - the source image's latent is cached by the latents stage (`image_condition`) and reaches `velocity`
     as `text["image_latent"]`. x_t itself holds only the target: no frame is given clean (conditioning_frames 0).
 """
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -35,14 +35,17 @@ from loraflow.pipelines.base import (
     RenderSettings, TextRow, load_component, load_pipeline, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
-from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
+from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.kandinsky5 import (
     CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared, clip_pooled,
 )
+from loraflow.pipelines.kandinsky5_image_spec import SPEC
+
+if TYPE_CHECKING:
+    from loraflow.pipelines.tiny import TinyPipeline
 
 log = logging.getLogger(__name__)
 
-FAMILY = "kandinsky5-image"
 # The T2I pipeline's `prompt_template` (K5T2I:178); we crop the hidden states after its prefix.
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nYou are a prompt engineer. Describe the image by detailing the color, shape, size, "
@@ -94,7 +97,7 @@ class Kandinsky5Image(Kandinsky5Shared):
     task: ClassVar[str] = "t2i"
     pipeline_class: ClassVar[type] = Kandinsky5T2IPipeline  # what `load_renderer` loads
     flavour: Flavour
-    name: str = FAMILY
+    name: str = SPEC.name
     spatial_multiple: int = 16  # VAE 8x, patch 2x2
     vae_temporal_factor: int = 1  # a 2D VAE: every frame is its own image
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -104,7 +107,7 @@ class Kandinsky5Image(Kandinsky5Shared):
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # same transformer class as video
     image_condition_components: tuple[str, ...] = ()  # i2i's source latent needs the VAE only
-    image_condition: str = ""  # none; i2i: "source_image"
+    image_condition_name: str = ""  # none; i2i: "source_image"
 
     def __post_init__(self) -> None:
         if self.flavour.task != self.task:
@@ -173,7 +176,7 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
     pipeline_class: ClassVar[type] = Kandinsky5I2IPipeline
     text_signature: str = I2I_TEXT_SIGNATURE  # another template and limit: i2i never reuses t2i embeddings
     max_text_tokens: int = I2I_MAX_TEXT_TOKENS  # after the crop, the source image's vision tokens included
-    image_condition: str = "source_image"  # the latents stage caches `encode_image_condition` of the source
+    image_condition_name: str = "source_image"  # the latents stage caches `image_condition`: the source's latent
 
     # 1. text -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -225,15 +228,18 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
 
     # 2. latents ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_image_condition(self, vae: torch.nn.Module, frame: torch.Tensor) -> dict[str, np.ndarray]:
-        """The source image, uint8 (H, W, 3) at the target clip's size -> `image_latent` float32 (16, 1, h, w):
-        Flux VAE `mode()` * scaling_factor, no shift, as `vae_encode(..., "mode")`.
+    def image_condition(
+        self, vae: torch.nn.Module, parts: Sequence[Any], clip: Mapping[str, Any]
+    ) -> dict[str, np.ndarray]:
+        """The clip's source image (`condition_frames`, uint8 (H, W, 3) at its target's size) -> `image_latent`
+        float32 (16, 1, h, w): Flux VAE `mode()` * scaling_factor, no shift, as `vae_encode(..., "mode")`.
 
         The pipeline draws `latent_dist.sample(generator)` (K5I2I:538); the cache keeps the mode, deterministic and
         free of a per-run draw. The pipeline resizes the image to the render size first; a clip's source image
         already is at its target's size.
         """
-        latent = self.vae_encode(vae, frame[None, None].to(next(vae.parameters()).device), "mode")[0]
+        source = torch.from_numpy(np.array(clip["condition_frames"][0]))  # copy: Arrow is read-only
+        latent = self.vae_encode(vae, source[None, None].to(next(vae.parameters()).device), "mode")[0]
         return {"image_latent": latent.float().cpu().numpy()}
 
     # 3. transformer --------------------------------------------------------------------------------
@@ -344,5 +350,36 @@ def _render(
 
 def make_family(flavour: str | None) -> Kandinsky5Image:
     """t2i flavours: `Kandinsky5Image`; i2i flavours: `Kandinsky5ImageI2I` (source image in prompt and input)."""
-    chosen = FLAVOURS[FAMILY][flavour or DEFAULT_FLAVOUR[FAMILY]]
-    return (Kandinsky5ImageI2I if chosen.task == "i2i" else Kandinsky5Image)(flavour=chosen)
+    chosen = SPEC.flavour(flavour)
+    return (Kandinsky5ImageI2I if chosen.edits_image else Kandinsky5Image)(flavour=chosen)
+
+
+def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
+    """The tiny checkpoint a flavour loads (`loraflow.pipelines.tiny.build_tiny`): i2i has its own."""
+    return (Kandinsky5I2IPipeline, _tiny_i2i) if flavour.edits_image else (Kandinsky5T2IPipeline, _tiny_t2i)
+
+
+def _tiny_t2i() -> TinyPipeline:
+    from loraflow.pipelines import tiny as parts  # the tiny parts only when a tiny checkpoint is built
+
+    pipe = Kandinsky5T2IPipeline(
+        transformer=parts.kandinsky5_transformer(visual_cond=False),
+        vae=parts.flux_vae(),
+        scheduler=parts.kandinsky5_scheduler(shift=1.0),
+        **parts.kandinsky5_text_components(),
+    )
+    return pipe, {}
+
+
+def _tiny_i2i() -> TinyPipeline:
+    """Image-to-image: visual_cond (16 noisy + 16 source + 1 ones channels) and the VL processor as tokenizer."""
+    from loraflow.pipelines import tiny as parts
+
+    text = parts.kandinsky5_text_components()
+    pipe = Kandinsky5I2IPipeline(
+        transformer=parts.kandinsky5_transformer(visual_cond=True),
+        vae=parts.flux_vae(),
+        scheduler=parts.kandinsky5_scheduler(shift=1.0),
+        **text | {"tokenizer": parts.qwen_vl_processor(text["tokenizer"])},
+    )
+    return pipe, {}

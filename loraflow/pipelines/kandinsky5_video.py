@@ -9,9 +9,9 @@ stepped; so training gives frame 0 clean and leaves it out of the loss (`flavour
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -25,8 +25,12 @@ from loraflow.pipelines.base import (
     RenderSettings, TextRow, load_pipeline, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
-from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
+from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.kandinsky5 import CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared
+from loraflow.pipelines.kandinsky5_video_spec import SPEC
+
+if TYPE_CHECKING:
+    from loraflow.pipelines.tiny import TinyPipeline
 
 # The pipeline's system prompt (its `prompt_template`); we crop the hidden states after its prefix.
 PROMPT_TEMPLATE = "\n".join(
@@ -61,7 +65,7 @@ def template_crop(tokenizer: Any) -> int:
 class Kandinsky5Video(Kandinsky5Shared):
     prompt_template: ClassVar[str] = PROMPT_TEMPLATE
     flavour: Flavour
-    name: str = "kandinsky5-video"
+    name: str = SPEC.name
     spatial_multiple: int = 16  # VAE 8x, patch 2x2
     vae_temporal_factor: int = 4
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -72,7 +76,7 @@ class Kandinsky5Video(Kandinsky5Shared):
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # lora_format: comfyui
     image_condition_components: tuple[str, ...] = ()  # the image condition is latent frame 0 itself
-    image_condition: str = ""  # i2v gives its image as latent frame 0 (`conditioning_frames`), nothing cached beside
+    image_condition_name: str = ""  # i2v gives its image as latent frame 0 (`conditioning_frames`), nothing beside
 
     # 1. text: Kandinsky5Shared (encode_text, collate_text) ----------------------------------------
 
@@ -167,4 +171,21 @@ def _rope_scale(height: int, width: int) -> tuple[float, float, float]:
 
 def make_family(flavour: str | None) -> Kandinsky5Video:
     """t2v and i2v flavours; i2v trains with latent frame 0 clean (the clip's first frame) and renders from an image."""
-    return Kandinsky5Video(flavour=FLAVOURS["kandinsky5-video"][flavour or DEFAULT_FLAVOUR["kandinsky5-video"]])
+    return Kandinsky5Video(flavour=SPEC.flavour(flavour))
+
+
+def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
+    """Every flavour loads one tiny checkpoint (`loraflow.pipelines.tiny.build_tiny`): the t2v pipeline's."""
+    return Kandinsky5T2VPipeline, _tiny_pipeline
+
+
+def _tiny_pipeline() -> TinyPipeline:
+    from loraflow.pipelines import tiny as parts  # the tiny parts only when a tiny checkpoint is built
+
+    pipe = Kandinsky5T2VPipeline(
+        transformer=parts.kandinsky5_transformer(visual_cond=True),
+        vae=parts.hunyuan_video_vae(),
+        scheduler=parts.kandinsky5_scheduler(shift=10.0),
+        **parts.kandinsky5_text_components(),
+    )
+    return pipe, {}

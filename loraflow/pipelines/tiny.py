@@ -7,10 +7,14 @@ directory layout, so ``<Pipeline>.from_pretrained(out_dir)`` works exactly as wi
 
 Compression ratios of the VAEs are kept at their real values (8x/16x spatial, 4x temporal) so that
 shape arithmetic in the training code is exercised exactly as with the real models.
+
+This module is the parts library and the writer: each family's module assembles its tiny pipeline from these parts
+(`tiny(flavour)`, next to its adapter), and `build_tiny` writes the one a family and flavour pick.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -22,9 +26,8 @@ from typing import Protocol
 
 import torch
 from diffusers import (
-    AutoencoderKL, AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance,
-    FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel, Kandinsky5I2IPipeline,
-    Kandinsky5T2IPipeline, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel,
+    AutoencoderKL, AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo15, FlowMatchEulerDiscreteScheduler,
+    HunyuanVideo15Transformer3DModel, Kandinsky5Transformer3DModel,
 )
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from tokenizers import AddedToken
@@ -36,10 +39,8 @@ from transformers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
-from loraflow.pipelines.flavours import FLAVOURS
-from loraflow.pipelines.tiny_parts import IMAGE_DIM, index_extras, siglip_image_encoder
-
-FAMILIES: tuple[str, ...] = ("kandinsky5-video", "kandinsky5-image", "hunyuanvideo-1.5")
+from loraflow.pipelines import family_spec
+from loraflow.pipelines.tiny_parts import IMAGE_DIM, index_extras
 
 # Qwen2.5-VL special tokens that chat templates and the VL processor refer to; ids follow the 256 bytes.
 QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -343,7 +344,7 @@ def kandinsky5_scheduler(shift: float) -> FlowMatchEulerDiscreteScheduler:
 
 
 # ----------------------------------------------------------------------------------------------
-# Families
+# Parts shared by families
 # ----------------------------------------------------------------------------------------------
 
 
@@ -353,10 +354,12 @@ class _Saveable(Protocol):
     def save_pretrained(self, save_directory: str | os.PathLike[str]) -> object: ...
 
 
-# A pipeline plus extra components written as additional subfolders, listed in model_index.json too.
-_Built = tuple[DiffusionPipeline, dict[str, _Saveable]]
+# What a family's tiny builder returns (its module's `tiny(flavour)`): a pipeline plus extra components written
+# as additional subfolders, listed in model_index.json too.
+TinyPipeline = tuple[DiffusionPipeline, dict[str, _Saveable]]
 
-def _kandinsky5_text_components() -> dict[str, object]:
+
+def kandinsky5_text_components() -> dict[str, object]:
     """Qwen2.5-VL + CLIP encoders with their offline tokenizers, shared by all K5 pipelines."""
     tokenizer = qwen_tokenizer()
     tokenizer_2 = clip_tokenizer()
@@ -366,77 +369,6 @@ def _kandinsky5_text_components() -> dict[str, object]:
         "text_encoder_2": clip_text_encoder(tokenizer_2),
         "tokenizer_2": tokenizer_2,
     }
-
-
-def _build_kandinsky5_video() -> _Built:
-    pipe = Kandinsky5T2VPipeline(
-        transformer=kandinsky5_transformer(visual_cond=True),
-        vae=hunyuan_video_vae(),
-        scheduler=kandinsky5_scheduler(shift=10.0),
-        **_kandinsky5_text_components(),
-    )
-    return pipe, {}
-
-
-def _build_kandinsky5_image() -> _Built:
-    pipe = Kandinsky5T2IPipeline(
-        transformer=kandinsky5_transformer(visual_cond=False),
-        vae=flux_vae(),
-        scheduler=kandinsky5_scheduler(shift=1.0),
-        **_kandinsky5_text_components(),
-    )
-    return pipe, {}
-
-
-def _build_kandinsky5_i2i() -> _Built:
-    """Image-to-image: visual_cond (16 noisy + 16 source + 1 ones channels) and the VL processor as tokenizer."""
-    text = _kandinsky5_text_components()
-    pipe = Kandinsky5I2IPipeline(
-        transformer=kandinsky5_transformer(visual_cond=True),
-        vae=flux_vae(),
-        scheduler=kandinsky5_scheduler(shift=1.0),
-        **text | {"tokenizer": qwen_vl_processor(text["tokenizer"])},
-    )
-    return pipe, {}
-
-
-def _build_hunyuan_video15() -> _Built:
-    """t2v pipeline; the SigLIP encoder/processor for the i2v pipeline go in as extras (one folder loads both)."""
-    tokenizer = qwen_tokenizer()
-    tokenizer_2 = ByT5Tokenizer()
-    pipe = HunyuanVideo15Pipeline(
-        text_encoder=qwen_vl_text_encoder(tokenizer),
-        tokenizer=tokenizer,
-        transformer=hunyuan_video15_transformer(),
-        vae=hunyuan_video15_vae(),
-        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
-        text_encoder_2=byt5_encoder(tokenizer_2),
-        tokenizer_2=tokenizer_2,
-        guider=ClassifierFreeGuidance(guidance_scale=6.0),
-    )
-    image_encoder, feature_extractor = siglip_image_encoder()
-    return pipe, {"image_encoder": image_encoder, "feature_extractor": feature_extractor}
-
-
-# key: the family, or `<family>/<task>` where a flavour needs a checkpoint of its own -> (pipeline, builder)
-_BUILDERS: dict[str, tuple[type[DiffusionPipeline], Callable[[], _Built]]] = {
-    "kandinsky5-video": (Kandinsky5T2VPipeline, _build_kandinsky5_video),
-    "kandinsky5-image": (Kandinsky5T2IPipeline, _build_kandinsky5_image),
-    "kandinsky5-image/i2i": (Kandinsky5I2IPipeline, _build_kandinsky5_i2i),
-    "hunyuanvideo-1.5": (HunyuanVideo15Pipeline, _build_hunyuan_video15),
-}
-
-
-def _builder_key(family: str, flavour: str | None) -> str:
-    """K5 video i2v and HV1.5 i2v load their family's one checkpoint; K5 Image i2i has its own."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-    if flavour is None:
-        return family
-    if flavour not in FLAVOURS[family]:
-        raise ValueError(f"unknown flavour {flavour!r} of {family}; expected one of {sorted(FLAVOURS[family])}")
-    key = f"{family}/{FLAVOURS[family][flavour].task}"
-    return key if key in _BUILDERS else family
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,7 +399,8 @@ def _publish(staging: Path, out_dir: Path, entries: Iterable[str]) -> None:
 
 
 def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | None = None) -> Path:
-    """Write a tiny diffusers-layout checkpoint for `family` into out_dir (`flavour`: K5 Image i2i has its own).
+    """Write a tiny diffusers-layout checkpoint for `family` into out_dir, with the builder its module's
+    `tiny(flavour)` picks (None: the default flavour's; Kandinsky 5 Image i2i has its own).
 
     Idempotent: if out_dir/model_index.json exists, return immediately (after checking that it holds the
     pipeline the flavour needs). Components are built in a staging directory next to ``out_dir`` and moved
@@ -475,7 +408,8 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
     Weights are fp32 and depend only on ``seed`` (the global torch RNG state is left untouched).
     """
     out_dir = Path(out_dir)
-    pipeline, builder = _BUILDERS[_builder_key(family, flavour)]
+    spec = family_spec(family)
+    pipeline, builder = importlib.import_module(spec.module).tiny(spec.flavour(flavour))
     if (out_dir / "model_index.json").exists():
         built = json.loads((out_dir / "model_index.json").read_text())["_class_name"]
         if built != pipeline.__name__:

@@ -26,9 +26,8 @@ from loraflow.ops.latents import encode_latents, latent_rows
 from loraflow.ops.exchange import conditioning_clip, text_lookup
 from loraflow.ops.text_embeds import encode_texts
 from loraflow.ops.validate import conditioning_image, render_settings, validate
-from loraflow.pipelines import get_family
+from loraflow.pipelines import family_spec, get_family
 from loraflow.pipelines.base import load_component, load_lora_file
-from loraflow.pipelines.flavours import FLAVOURS
 from loraflow.pipelines.hunyuanvideo15 import lora_pattern, make_family
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
@@ -77,7 +76,7 @@ def condition_frame(store: Store, clip_key: str) -> np.ndarray:
 
 
 def test_every_hv_flavour_is_accepted_and_only_i2v_caches_an_image_condition() -> None:
-    for flavour in FLAVOURS["hunyuanvideo-1.5"].values():
+    for flavour in family_spec("hunyuanvideo-1.5").flavours:
         family = make_family(flavour.name)
         assert family.flavour.conditioning_frames == 0  # the i2v pipeline noises and steps frame 0 too
         expected = ("image_encoder", "feature_extractor") if flavour.task == "i2v" else ()

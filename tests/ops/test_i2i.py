@@ -101,9 +101,8 @@ def test_the_source_latent_is_cached_beside_the_target_latent(cached) -> None:
     vae = load_component(config.pretrained_model_name_or_path, "vae")
     for row in store.read_manifest("latents"):
         cached_row = store.get("latents", [row["key"]])[row["key"]]
-        source = torch.from_numpy(np.array(condition_frame(store, row["clip_key"])))
-        with torch.no_grad():
-            expected = family.encode_image_condition(vae, source)["image_latent"]
+        source = np.array(condition_frame(store, row["clip_key"]))  # uint8 (H, W, 3)
+        expected = family.image_condition(vae, [], {"condition_frames": [source]})["image_latent"]
         # bit for bit: the latents stage ran this same encode (same ops, shapes and threads) in this process
         np.testing.assert_array_equal(np.array(cached_row["image_latent"]), expected)
         assert np.abs(np.array(cached_row["latent"]) - expected).max() > 1e-2  # not the target's own latent

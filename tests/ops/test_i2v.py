@@ -19,9 +19,8 @@ from loraflow.ops import train as T
 from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
 from loraflow.ops.exchange import conditioning_clip, text_lookup
 from loraflow.ops.validate import conditioning_image, render_settings, validate
-from loraflow.pipelines import get_family
+from loraflow.pipelines import family_spec, get_family
 from loraflow.pipelines.base import load_component, load_lora_file
-from loraflow.pipelines.flavours import FLAVOURS
 from loraflow.pipelines.kandinsky5_video import make_family
 from loraflow.store import Store
 from tests.numerics import assert_float64_close
@@ -43,7 +42,7 @@ def trained(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_every_k5_i2v_flavour_gives_one_clean_frame_and_t2v_none() -> None:
-    flavours = FLAVOURS["kandinsky5-video"].values()
+    flavours = family_spec("kandinsky5-video").flavours
     assert {f.name for f in flavours if f.task == "i2v"} == {"i2v-lite-5s", "i2v-pro-sft-5s", "i2v-pro-pretrain-5s"}
     for flavour in flavours:
         assert make_family(flavour.name).flavour.conditioning_frames == (1 if flavour.task == "i2v" else 0)

@@ -8,13 +8,12 @@ cuts off. HunyuanVideo 1.5 encodes the caption in its chat template the same way
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
 
 from loraflow.ops.text_embeds import caption_tokens
-from loraflow.pipelines import _MODULES
+from loraflow.pipelines import load_family
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.tiny import build_tiny
 
@@ -25,7 +24,7 @@ FITS_ONCE_CLEANED = "&amp; " * 200  # raw: > 512 tokens in the tiny byte-level t
 def encoder(request: pytest.FixtureRequest, tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory):
     name = request.param
     path = tiny_k5 if name == "kandinsky5-video" else build_tiny(name, tmp_path_factory.mktemp("hv") / name)
-    family = importlib.import_module(_MODULES[name]).make_family(None)
+    family = load_family(name)
     return family, {c: load_component(path, c) for c in family.text_components}
 
 

@@ -18,7 +18,6 @@ MKL_ENABLE_INSTRUCTIONS=AVX2.)
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file
 
 from loraflow.config import ConfigError, parse_config
-from loraflow.pipelines import _MODULES
+from loraflow.pipelines import load_family
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE, ComfyRule, comfyui_name, save_comfyui_lora, to_comfyui
 from loraflow.pipelines.tiny import build_tiny
@@ -85,7 +84,7 @@ CASES = {  # family: (ComfyUI layout, latent shape (C, T, h, w), text builder)
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     name = request.param
-    family = importlib.import_module(_MODULES[name]).make_family(None)
+    family = load_family(name)
     path = build_tiny(name, tmp_path_factory.mktemp("models") / name)
     return name, family, path
 
@@ -176,7 +175,7 @@ def test_comfyui_lora_reproduces_the_peft_adapter(case, tmp_path: Path) -> None:
 
 
 def test_hunyuanvideo15_names_follow_comfyui_double_blocks(tmp_path_factory: pytest.TempPathFactory) -> None:
-    family = importlib.import_module(_MODULES["hunyuanvideo-1.5"]).make_family(None)
+    family = load_family("hunyuanvideo-1.5")
     assert comfyui_name(family.comfyui_names, "transformer_blocks.53.attn.add_v_proj") == (
         "double_blocks.53.txt_attn.qkv", 2, 3)
     assert comfyui_name(family.comfyui_names, "transformer_blocks.7.ff_context.net.2") == (

@@ -335,7 +335,7 @@ def _check_targets_exist(targets: list[str] | str, names: list[str], transformer
 def test_i2i_flavours_build_the_i2i_family(flavour: str) -> None:
     family, t2i = kandinsky5_image.make_family(flavour), kandinsky5_image.make_family(None)
     assert isinstance(family, kandinsky5_image.Kandinsky5ImageI2I) and family.flavour.task == "i2i"
-    assert family.image_condition == "source_image" and family.text_signature != t2i.text_signature
+    assert family.image_condition_name == "source_image" and family.text_signature != t2i.text_signature
 
 
 @pytest.mark.parametrize(

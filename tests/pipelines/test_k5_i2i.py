@@ -90,7 +90,7 @@ def test_i2i_family_has_its_own_template_limit_and_condition() -> None:
     assert not isinstance(t2i, Kandinsky5ImageI2I)
     assert i2i.text_signature != t2i.text_signature  # no text key is shared between the two
     assert (i2i.max_text_tokens, t2i.max_text_tokens) == (1024, 512)
-    assert (i2i.image_condition, t2i.image_condition) == ("source_image", "")
+    assert (i2i.image_condition_name, t2i.image_condition_name) == ("source_image", "")
     assert i2i.flavour.conditioning_frames == 0  # the source is extra channels, not a clean frame
     with pytest.raises(ValueError, match="make_family"):  # the t2i class cannot silently run an i2i flavour
         kandinsky5_image.Kandinsky5Image(flavour=i2i.flavour)
@@ -102,7 +102,7 @@ def test_i2i_family_has_its_own_template_limit_and_condition() -> None:
     (hunyuanvideo15, "t2v-480p", ""), (hunyuanvideo15, "i2v-480p", "first_frame"),
 ])
 def test_every_family_names_its_image_condition(module: Any, flavour: str, expected: str) -> None:
-    assert module.make_family(flavour).image_condition == expected
+    assert module.make_family(flavour).image_condition_name == expected
 
 
 @pytest.mark.parametrize(("module", "flavour"), [
@@ -188,7 +188,7 @@ def test_a_source_image_past_the_token_budget_is_refused(loaded: Loaded) -> None
 def test_image_condition_equals_pipeline_vae_mode(loaded: Loaded) -> None:
     """The pipeline's preprocess + VAE, with the posterior's mode where it samples: (16, 1, H/8, W/8) float32."""
     vae, image = load_component(loaded.path, "vae"), source(3, 48, 80)
-    cached = loaded.family.encode_image_condition(vae, torch.from_numpy(image))["image_latent"]
+    cached = loaded.family.image_condition(vae, [], {"condition_frames": [image]})["image_latent"]
     pixels = loaded.pipe.image_processor.preprocess(Image.fromarray(image), height=48, width=80)
     with torch.no_grad():
         posterior = loaded.pipe.vae.encode(pixels).latent_dist

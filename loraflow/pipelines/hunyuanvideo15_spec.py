@@ -1,0 +1,27 @@
+"""HunyuanVideo 1.5's plain data: flavours and names. The family itself is `hunyuanvideo15` (torch, diffusers),
+imported only when a stage needs it."""
+
+from __future__ import annotations
+
+from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
+
+_SIGLIP_PARTS = ("image_encoder", "feature_extractor")
+
+
+def _flavour(name: str, shift: float) -> Flavour:
+    task, resolution = name.split("-")
+    size = {"480p": (480, 848), "720p": (720, 1280)}[resolution]
+    parts = (*TWO_ENCODER_PARTS, "guider") + (_SIGLIP_PARTS if task == "i2v" else ())
+    # conditioning_frames 0 for i2v too: HunyuanVideo15ImageToVideoPipeline steps every latent frame (HVI:931)
+    return Flavour(name, task, 24.0, 121, size, shift, 6.0, parts)
+
+
+SPEC = FamilySpec(
+    name="hunyuanvideo-1.5",
+    description="HunyuanVideo 1.5 at 480p and 720p, text-to-video and image-to-video",
+    flavours=(_flavour("t2v-480p", 5.0), _flavour("t2v-720p", 9.0), _flavour("i2v-480p", 5.0),
+              _flavour("i2v-720p", 7.0)),
+    default_flavour="t2v-480p",
+    module="loraflow.pipelines.hunyuanvideo15",
+    simpletuner_names=("hunyuanvideo", "hunyuanvideo-1.5"),
+)
