@@ -61,7 +61,21 @@ class LoraflowConfig(StrictModel):
 
     model_family: str = Field(description="kandinsky5-video | kandinsky5-image | hunyuanvideo-1.5")
     model_flavour: str | None = Field(None, description="one of the family's flavours; default: the family's")
-    pretrained_model_name_or_path: str = Field(description="a local diffusers-layout directory")
+    pretrained_model_name_or_path: str = Field(
+        description="a local diffusers-layout folder, or a Hugging Face repo id (org/name) resolved into the Hugging "
+        "Face cache (downloaded when online; under HF_HUB_OFFLINE=1 read from the cache); default: the flavour's "
+        "diffusers-format repository")
+    revision: str | None = Field(None, description="branch, tag or commit of the Hugging Face repo; default: main")
+    vae_path: str | None = Field(
+        None, description="a VAE folder (config.json + safetensors, laid out as a checkpoint's vae/) used instead of "
+        "the checkpoint's")
+    text_encoder_path: str | None = Field(
+        None, description="a folder of the first text encoder, laid out as a checkpoint's text_encoder/, used "
+        "instead of the checkpoint's (the tokenizer stays the checkpoint's); hunyuanvideo-1.5: default "
+        "$HUNYUANVIDEO_TEXT_ENCODER_PATH")
+    vision_encoder_path: str | None = Field(
+        None, description="flavours with a vision encoder (HunyuanVideo 1.5 i2v): a folder laid out as a "
+        "checkpoint's image_encoder/; hunyuanvideo-1.5: default $HUNYUANVIDEO_VISION_ENCODER_PATH")
     output_dir: str = "output"
     cache_dir: str = Field("cache", description="store root: a local path or an fsspec URL (s3://...)")
     dataset_backend_config: str | None = Field(None, description="JSON file with the dataset list")
@@ -149,6 +163,20 @@ class LoraflowConfig(StrictModel):
         "auto", description="bf16 autocast of the forward: auto = on CUDA, or when base_model_precision is not "
         "no_change; no = fp32 compute (needs base_model_precision no_change)")
     tread_config: TreadConfig | None = Field(None, description="TREAD token routing; unset: every token, every block")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_model(cls, data: Any) -> Any:
+        """Left out, the model is the flavour's diffusers-format repository, as SimpleTuner picks it."""
+        from loraflow.pipelines.flavours import FLAVOURS, flavour_of
+
+        if not isinstance(data, dict) or data.get("pretrained_model_name_or_path") is not None:
+            return data
+        family, flavour = data.get("model_family"), data.get("model_flavour")
+        if family in FLAVOURS and (flavour is None or flavour in FLAVOURS[family]):
+            repo = flavour_of(family, flavour).repo
+            return {**data, "pretrained_model_name_or_path": repo} if repo else data
+        return data
 
     @field_validator("recache_cron")
     @classmethod
@@ -306,6 +334,27 @@ class LoraflowConfig(StrictModel):
                 if inside == data or data in inside.parents:
                     raise ValueError(f"`{key}` {folder} is inside dataset '{d.id}' ({d.instance_data_dir}), which is "
                                      "read recursively: put it outside every dataset folder")
+        return self
+
+    @model_validator(mode="after")
+    def _model_location(self) -> LoraflowConfig:
+        """A repository loraflow cannot read is refused before any work; component folders are checked now."""
+        from loraflow.pipelines.flavours import NOT_DIFFUSERS, flavour_of
+        from loraflow.pipelines.sources import FOLDER_KEYS, folder_problem, is_hub_id, unused_problem
+
+        flavour, spec = flavour_of(self.model_family, self.model_flavour), self.pretrained_model_name_or_path
+        if spec in NOT_DIFFUSERS:
+            instead = f"use {flavour.repo!r}, the flavour's diffusers-format repository (or leave the key out)" \
+                if flavour.repo else "point it at a local diffusers-layout folder"
+            raise ValueError(f"`pretrained_model_name_or_path` {spec!r} is {NOT_DIFFUSERS[spec]}: {instead}")
+        if self.revision is not None and not is_hub_id(spec):
+            raise ValueError(f"`revision` {self.revision!r} picks a version of a Hugging Face repository, but "
+                             f"`pretrained_model_name_or_path` {spec!r} is a local folder: remove `revision`")
+        for key, component in FOLDER_KEYS.items():
+            folder = getattr(self, key)
+            problem = folder and (folder_problem(key, folder) or unused_problem(key, component, flavour))
+            if problem:
+                raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

@@ -51,6 +51,7 @@ from loraflow.pipelines.base import (
     ModelFamily, TextRow, conditioned_noisy, flow_mse, image_conditions, load_component,
 )
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,11 @@ def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
     settings = config.model_dump(mode="json", exclude=set(VALIDATION_ONLY_KEYS | RUNTIME_ONLY_KEYS | {"num_processes"}))
     if config.num_processes > 1:  # N processes see N times the samples per step; one keeps the keys of before
         settings["num_processes"] = config.num_processes
-    for dataset in settings["datasets"]:  # fields added later leave every run that does not set them its key
+    # fields added later leave every run that does not set them its key
+    for name in ("revision", "vae_path", "text_encoder_path", "vision_encoder_path"):
+        if settings[name] is None:
+            del settings[name]
+    for dataset in settings["datasets"]:
         for name in ("conditioning_data", "minimum_image_size"):
             if dataset[name] is None:
                 del dataset[name]
@@ -235,7 +240,7 @@ def load_transformer(config: LoraflowConfig, family: ModelFamily, device: torch.
                          "group_offload_use_stream: false (group offloading itself works without it)")
     dtype = torch.float32 if config.base_model_precision == "no_change" else torch.bfloat16
     where = "cpu" if config.enable_group_offload else str(device)  # group offloading moves the blocks itself
-    transformer = load_component(config.pretrained_model_name_or_path, "transformer", dtype, where)
+    transformer = load_component(model_source(config), "transformer", dtype, where)
     if config.base_model_precision == "fp8-layerwise":
         # Before the adapter: the casting hooks then sit on the base layers only, and LoRA stays fp32.
         transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)

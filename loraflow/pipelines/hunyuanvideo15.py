@@ -33,6 +33,7 @@ from loraflow.pipelines.base import (
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import DEFAULT_FLAVOUR, FLAVOURS, Flavour
+from loraflow.pipelines.sources import ModelSource
 
 FAMILY = "hunyuanvideo-1.5"
 # The pipeline's system turn (HV:227-232), byte for byte: its backslash continuations keep the
@@ -190,7 +191,7 @@ class HunyuanVideo15:
         return {"text_embeds": text.to(device), "text_mask": text_mask.to(device),
                 "byt5_embeds": byt5.to(device), "byt5_mask": byt5_mask.to(device)}
 
-    def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
+    def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         return ""  # any bucket size trains
 
     # 2. latents ----------------------------------------------------------------------------------
@@ -286,11 +287,12 @@ class HunyuanVideo15:
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(
-        self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
+        self, model: ModelSource | str, lora_path: str | None, device: torch.device,
+        transformer: torch.nn.Module | None = None,
     ) -> HunyuanVideo15Pipeline:
         """The t2v pipeline, or for i2v the image-to-video one (which also loads image_encoder, feature_extractor)."""
         pipeline = HunyuanVideo15ImageToVideoPipeline if self.flavour.task == "i2v" else HunyuanVideo15Pipeline
-        return load_pipeline(pipeline, model_path, lora_path, device, transformer)
+        return load_pipeline(pipeline, model, lora_path, device, transformer)
 
     @torch.no_grad()
     def render(
