@@ -193,3 +193,17 @@ def test_check_says_what_is_cached_and_what_is_missing(tiny_k5: Path, tmp_path: 
     vae_bytes = sum(f.stat().st_size for f in (tiny_k5 / "vae").iterdir())
     assert rows["vae"][0] == "cached" and " ".join(rows["vae"][1:3]) == human_bytes(vae_bytes)
     assert all(row[0] == "cached" for row in rows.values())
+
+
+def test_a_download_fetches_only_the_flavours_configs_tokenizers_and_safetensors(tiny_hv: Path) -> None:
+    """The allow patterns as huggingface_hub applies them (its own filter) to a repository's file list."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from loraflow.pipelines.sources import fetched_patterns
+
+    wanted = [f.relative_to(tiny_hv).as_posix() for f in sorted(tiny_hv.rglob("*")) if f.is_file()]
+    wanted = [f for f in wanted if not f.startswith(("image_encoder/", "feature_extractor/"))]  # i2v only
+    elsewhere = ["README.md", ".gitattributes", "transformer/diffusion_pytorch_model.bin", "vae/model.ckpt",
+                 "text_encoder/modeling_qwen.py", "text_encoder_2/tf_model.h5", "image_encoder/model.safetensors"]
+    t2v = flavour_of("hunyuanvideo-1.5", "t2v-480p").components
+    assert sorted(filter_repo_objects(wanted + elsewhere, allow_patterns=fetched_patterns(t2v))) == sorted(wanted)
