@@ -103,7 +103,9 @@ DEFAULT_FLAVOUR = {"kandinsky5-video": "t2v-lite-sft-5s", "kandinsky5-image": "t
 # loading it would mean diffusers' conversion script (not part of the wheel) plus three other repositories.
 NOT_DIFFUSERS = {"tencent/HunyuanVideo-1.5": "HunyuanVideo 1.5's original release, not in the diffusers layout "
                                              "(no model_index.json; text and vision encoders are separate downloads)"}
-# Component folders the family's guide names by environment variable: component -> variable.
+# Component folders the family's guide names by environment variable: component -> variable. loraflow reads each as a
+# diffusers component folder (config.json + safetensors, as the diffusers repository's text_encoder/, image_encoder/),
+# not as the original release's text_encoder/llm or vision_encoder/siglip tree SimpleTuner points them at.
 FOLDER_VARIABLES = {"hunyuanvideo-1.5": {"text_encoder": "HUNYUANVIDEO_TEXT_ENCODER_PATH",
                                          "image_encoder": "HUNYUANVIDEO_VISION_ENCODER_PATH"}}
 
