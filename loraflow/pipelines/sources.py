@@ -191,9 +191,15 @@ def _download(repo: str, revision: str | None, components: tuple[str, ...], flav
 def _refuse_unusable(repo: str, revision: str | None, components: tuple[str, ...], flavour_repo: str | None) -> None:
     """From the repository's file list on the Hub: a repository that cannot be used fails before any download."""
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
 
-    problem = layout_problem(_named(repo, revision), HfApi().list_repo_files(repo, revision=revision), components,
-                             flavour_repo)
+    try:
+        files = HfApi().list_repo_files(repo, revision=revision)
+    except HfHubHTTPError as exc:  # no such repo or revision, gated, private: as diffusers, no such folder either
+        raise FileNotFoundError(f"{_named(repo, revision)} is neither a folder here nor a Hugging Face repository "
+                                f"this machine can read ({type(exc).__name__}; gated or private: `hf auth login`)"
+                                ) from None
+    problem = layout_problem(_named(repo, revision), files, components, flavour_repo)
     if problem:
         raise FileNotFoundError(problem)
 
