@@ -8,8 +8,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from loraflow.config import ConfigError, load_config, parse_config
+from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
+
+if TYPE_CHECKING:
+    from loraflow.ops.buckets import LatentGeometry
+    from loraflow.pipelines.base import ModelFamily
+    from loraflow.pipelines.sources import ModelSource
 
 DEMO_CONFIG = "configs/demo.yaml"
 
@@ -95,24 +101,17 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
 
 
 def check(config_path: str) -> int:
-    """Validate the config (every problem at once), then plan buckets without loading a model."""
+    """Validate the config (every problem at once), say where each model component is and what a run would
+    download, then plan buckets without loading a model."""
     from loraflow.ops.bucket_plan import human_bytes, plan_buckets
-    from loraflow.ops.buckets import latent_geometry
     from loraflow.pipelines import get_family
-    from loraflow.pipelines.base import check_layout
 
     config = load_config(config_path)
     print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
           f"{len(config.training_datasets)} training dataset(s))")
     family = get_family(config)
-    problems: list[str] = []
-    geometry = None
-    try:
-        check_layout(config.pretrained_model_name_or_path, family.flavour)
-        geometry = latent_geometry(config.pretrained_model_name_or_path, family)
-    except FileNotFoundError as exc:
-        problems.append(str(exc))
-    plan = plan_buckets(config, family, geometry)
+    problems, source, geometry = model_problems(config, family)
+    plan = plan_buckets(config, family, geometry, source)
     problems += plan.problems
     rows = [(b.dataset, b.bucket, b.clips, human_bytes(b.frames_bytes), human_bytes(b.latent_bytes))
             for b in plan.buckets]
@@ -131,6 +130,35 @@ def check(config_path: str) -> int:
         print("\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
     return 0
+
+
+def model_problems(config: LoraflowConfig, family: ModelFamily) -> tuple[list[str], ModelSource | None,
+                                                                          LatentGeometry | None]:
+    """Print a table of the model's components (where, cached or not, size, what a run downloads) and return the
+    problems, the model when it is on disk, and its VAE geometry (None: unknown until downloaded)."""
+    from loraflow.ops.bucket_plan import human_bytes
+    from loraflow.ops.buckets import latent_geometry
+    from loraflow.pipelines.base import check_layout
+    from loraflow.pipelines.sources import component_status, model_source
+
+    try:
+        statuses = component_status(config)
+    except FileNotFoundError as exc:
+        return [str(exc)], None, None
+    print(f"\nmodel {config.pretrained_model_name_or_path}" + (f" @ {config.revision}" if config.revision else ""))
+    print(table([(s.component, s.state, human_bytes(s.size), s.where) for s in statuses],
+                ("component", "state", "size", "from")))
+    fetched = sum(s.size or 0 for s in statuses if s.state == "download")
+    if fetched:  # nothing wrong: the first stage that needs the model downloads it
+        print(f"  a run downloads {human_bytes(fetched)} into the Hugging Face cache (configs, tokenizers, "
+              "safetensors)")
+        return [], None, None
+    try:
+        source = model_source(config, download=False)
+        check_layout(source, family.flavour)
+        return [], source, latent_geometry(source, family)
+    except FileNotFoundError as exc:
+        return [str(exc)], None, None
 
 
 def import_simpletuner(config_json: str, backend_json: str | None, out_path: str | None) -> int:

@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 
 # Dataset entries (one per dataset folder) are the config's other part; importable from here as well.
 from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
-from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names
+from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
+from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
 
@@ -60,7 +61,24 @@ class LoraflowConfig(StrictModel):
     model_family: str = setting(run_key="always", description=describe_families())
     model_flavour: str | None = setting(
         None, run_key="always", description="one of the family's flavours; default: the family's")
-    pretrained_model_name_or_path: str = setting(run_key="always", description="a local diffusers-layout directory")
+    pretrained_model_name_or_path: str = setting(
+        run_key="always",
+        description="a local diffusers-layout folder, or a Hugging Face repo id (org/name) resolved into the Hugging "
+        "Face cache (downloaded when online; under HF_HUB_OFFLINE=1 read from the cache); default: the flavour's "
+        "diffusers-format repository")
+    # Model sources added after runs existed: `when_set` leaves every run that does not set them its key.
+    revision: str | None = setting(
+        None, run_key="when_set", description="branch, tag or commit of the Hugging Face repo; default: main")
+    vae_path: str | None = setting(
+        None, run_key="when_set", description="a VAE folder (config.json + safetensors, laid out as a checkpoint's "
+        "vae/) used instead of the checkpoint's")
+    text_encoder_path: str | None = setting(
+        None, run_key="when_set", description="a folder of the first text encoder, laid out as a checkpoint's "
+        "text_encoder/, used instead of the checkpoint's (the tokenizer stays the checkpoint's); hunyuanvideo-1.5: "
+        "default $HUNYUANVIDEO_TEXT_ENCODER_PATH")
+    vision_encoder_path: str | None = setting(
+        None, run_key="when_set", description="flavours with a vision encoder (HunyuanVideo 1.5 i2v): a folder laid "
+        "out as a checkpoint's image_encoder/; hunyuanvideo-1.5: default $HUNYUANVIDEO_VISION_ENCODER_PATH")
     output_dir: str = setting("output", run_key="never")
     cache_dir: str = setting(
         "cache", run_key="never", description="store root: a local path or an fsspec URL (s3://...)")
@@ -167,6 +185,15 @@ class LoraflowConfig(StrictModel):
         "base_model_precision is not no_change; no = fp32 compute (needs base_model_precision no_change)")
     tread_config: TreadConfig | None = setting(
         None, run_key="always", description="TREAD token routing; unset: every token, every block")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_model(cls, data: Any) -> Any:
+        """Left out, the model is the flavour's diffusers-format repository, as SimpleTuner picks it."""
+        if not isinstance(data, dict) or data.get("pretrained_model_name_or_path") is not None:
+            return data
+        flavour = known_flavour(data.get("model_family"), data.get("model_flavour"))
+        return {**data, "pretrained_model_name_or_path": flavour.repo} if flavour and flavour.repo else data
 
     @field_validator("recache_cron")
     @classmethod
@@ -319,6 +346,26 @@ class LoraflowConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _model_location(self) -> LoraflowConfig:
+        """A repository loraflow cannot read is refused before any work; component folders are checked now."""
+        from loraflow.pipelines.sources import FOLDER_KEYS, folder_problem, is_hub_id, unused_problem
+
+        flavour, spec = self.flavour, self.pretrained_model_name_or_path
+        if spec in NOT_DIFFUSERS:
+            instead = f"use {flavour.repo!r}, the flavour's diffusers-format repository (or leave the key out)" \
+                if flavour.repo else "point it at a local diffusers-layout folder"
+            raise ValueError(f"`pretrained_model_name_or_path` {spec!r} is {NOT_DIFFUSERS[spec]}: {instead}")
+        if self.revision is not None and not is_hub_id(spec):
+            raise ValueError(f"`revision` {self.revision!r} picks a version of a Hugging Face repository, but "
+                             f"`pretrained_model_name_or_path` {spec!r} is a local folder: remove `revision`")
+        for key, component in FOLDER_KEYS.items():
+            folder = getattr(self, key)
+            problem = folder and (folder_problem(key, folder) or unused_problem(key, component, flavour))
+            if problem:
+                raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _training_memory(self) -> LoraflowConfig:
         if self.group_offload_use_stream and not self.enable_group_offload:
             raise ValueError("`group_offload_use_stream` needs `enable_group_offload: true`; set both or neither")
@@ -326,6 +373,11 @@ class LoraflowConfig(StrictModel):
             raise ValueError(f"`base_model_precision` {self.base_model_precision} computes in bf16: set "
                              "`mixed_precision` to auto or bf16 (or base_model_precision to no_change)")
         return self
+
+    @property
+    def flavour(self) -> Flavour:
+        """The flavour the two model keys pick (the family's default when `model_flavour` is unset)."""
+        return family_flavour(self.model_family, self.model_flavour)
 
     @property
     def validation_prompts(self) -> dict[str, str]:

@@ -1,14 +1,16 @@
 """Import a SimpleTuner configuration (config.json + multidatabackend.json) as a loraflow config.
 
 Keys loraflow shares with SimpleTuner (the seed guides' vocabulary) are copied; a few are translated
-(`hunyuanvideo` -> `hunyuanvideo-1.5`, `--flag` spellings, `crop` + `crop_style`, a bare validation
-resolution); everything else is reported, key by key, with the reason, and written as comments at the top
-of the output so nothing disappears silently. The result is validated like any config.
+(`hunyuanvideo` -> `hunyuanvideo-1.5`, `--flag` spellings, `crop` + `crop_style`/`crop_aspect`, a bare validation
+resolution, `area` megapixels, a guide's repository that is not in the diffusers layout); everything else is
+reported, key by key, with the reason, and written as comments at the top of the output so nothing disappears
+silently. The result is validated like any config.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +19,11 @@ from typing import Any
 import yaml
 
 from loraflow.config import DatasetConfig, LoraflowConfig, VideoSettings
-from loraflow.pipelines import family_specs
+from loraflow.pipelines import family_specs, known_flavour
+from loraflow.pipelines.flavours import NOT_DIFFUSERS
 
 BACKEND_KEYS = ("data_backend_config", "dataset_backend_config")
+CROP_ASPECTS = typing.get_args(DatasetConfig.model_fields["crop_aspect"].annotation)
 LR_SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine"}
 BASE_PRECISIONS = typing.get_args(LoraflowConfig.model_fields["base_model_precision"].annotation)
 ONLY_VALUE = {"model_type": "lora", "lora_type": "standard"}
@@ -32,8 +36,17 @@ WHY = {  # reasons for keys people ask about; any other unknown key is "no loraf
     "report_to": "metrics go to Dagster metadata",
     "push_to_hub": "loraflow never uploads",
     "hub_model_id": "loraflow never uploads",
-    "text_encoder_2_precision": "the second text encoder (CLIP-L, Glyph-ByT5) is small and always runs in fp32",
-    "base_model_default_dtype": "set base_model_precision (bf16, fp8-layerwise) and mixed_precision",
+}
+# Keys whose reason depends on the value: (key, value) -> why; any other value of the key: (key, None) -> why.
+WHY_VALUE = {
+    ("text_encoder_2_precision", "no_change"): "nothing to set: loraflow runs the second text encoder (CLIP-L, "
+                                               "Glyph-ByT5) unquantised in fp32, which is what no_change asks",
+    ("text_encoder_2_precision", None): "the second text encoder (CLIP-L, Glyph-ByT5) is small and always runs "
+                                        "unquantised in fp32",
+    ("base_model_default_dtype", "bf16"): "nothing to set: it is the dtype of a quantised base model's other "
+                                          "weights, which loraflow (fp8-layerwise) keeps in bf16 already",
+    ("base_model_default_dtype", None): "loraflow keeps a quantised base model's other weights in bf16 "
+                                        "(fp8-layerwise); for an fp32 base set base_model_precision no_change",
 }
 # The first text encoder's quantised precisions map to the one loraflow has (torchao int8 weight-only).
 TEXT_PRECISIONS = {"int8-quanto": "int8-torchao"}
@@ -47,7 +60,9 @@ class Imported:
     notes: list[str] = field(default_factory=list)
 
     def skip(self, key: str, value: Any, why: str | None = None) -> None:
-        self.unmapped.append((key, value, why or WHY.get(key.rsplit(".", 1)[-1], "no loraflow equivalent")))
+        name = key.rsplit(".", 1)[-1]
+        why = why or WHY_VALUE.get((name, value)) or WHY_VALUE.get((name, None))
+        self.unmapped.append((key, value, why or WHY.get(name, "no loraflow equivalent")))
 
 
 def read_json(path: str | Path) -> Any:
@@ -73,6 +88,8 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
     for key, value in settings.items():
         if key == "model_family":
             out.config[key] = _family(value, out)
+        elif key == "pretrained_model_name_or_path" and value in NOT_DIFFUSERS:
+            out.config[key] = _diffusers_repo(value, settings, out)
         elif key == "validation_resolution":
             out.config[key] = _resolution(value, out)
         elif key == "lr_scheduler" and value in LR_SCHEDULERS:
@@ -101,10 +118,6 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
     out.config["datasets"] = [d for i, b in enumerate(backends) if (d := _dataset(i, b, settings, out)) is not None]
     if "resolution" in settings and not any("resolution" not in b for b in backends if _is_media(b)):
         out.skip("resolution", settings["resolution"], "every dataset sets its own resolution")
-    path = str(out.config.get("pretrained_model_name_or_path", ""))
-    if path and not Path(path).is_dir():
-        out.notes.append(f"pretrained_model_name_or_path {path!r} is not a local folder: download the diffusers "
-                         "checkpoint and point this key at it (loraflow never downloads)")
     return out
 
 
@@ -125,13 +138,29 @@ def _backends_from(settings: dict[str, Any], base_dir: Path | None, out: Importe
     raise ValueError("no dataset list: pass multidatabackend.json as the second argument")
 
 
-def _family(value: str, out: Imported) -> str:
+def simpletuner_families() -> dict[str, str]:
     """SimpleTuner's model_family name -> loraflow's, as each family's SPEC lists its SimpleTuner names."""
-    families = {alias: spec.name for spec in family_specs() for alias in spec.simpletuner_names}
+    return {alias: spec.name for spec in family_specs() for alias in spec.simpletuner_names}
+
+
+def _family(value: str, out: Imported) -> str:
+    families = simpletuner_families()
     if value not in families:
         out.notes.append(f"model_family {value!r} is not one loraflow imports (known: {', '.join(families)})")
         return value
     return families[value]
+
+
+def _diffusers_repo(value: str, settings: dict[str, Any], out: Imported) -> str:
+    """A guide's repository that is not in the diffusers layout becomes the flavour's diffusers-format one."""
+    flavour = known_flavour(simpletuner_families().get(settings.get("model_family", "")),
+                            settings.get("model_flavour"))
+    repo = flavour.repo if flavour else None
+    if repo is None:
+        return value  # the config's validation names what to use
+    out.notes.append(f"pretrained_model_name_or_path {value!r} is {NOT_DIFFUSERS[value]}: imported as {repo!r}, the "
+                     "flavour's diffusers-format repository")
+    return repo
 
 
 def _resolution(value: Any, out: Imported) -> str:
@@ -156,7 +185,8 @@ def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: I
     if not _is_media(entry) and entry.get("dataset_type") not in ("text_embeds", "conditioning"):
         out.skip(f"{where} (id {entry.get('id')})", entry.get("dataset_type"), "dataset_type not supported: dropped")
         return None
-    known = set(DatasetConfig.model_fields) - {"crop_style", "video", "conditioning_data"}
+    known = set(DatasetConfig.model_fields) - {"crop_style", "crop_aspect", "crop_aspect_buckets", "video",
+                                               "conditioning_data", "resolution_type"}
     dataset: dict[str, Any] = {}
     for key, value in entry.items():
         if key == "conditioning_data":
@@ -165,7 +195,7 @@ def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: I
             dataset[key] = value
         elif key == "video":
             dataset["video"] = _video(where, value, out)
-        elif key in ("crop", "crop_style", "crop_aspect", "resolution_type"):
+        elif key in ("crop", "crop_style", "crop_aspect", "crop_aspect_buckets", "resolution_type"):
             continue  # translated together below
         else:
             out.skip(f"{where}.{key}", value)
@@ -200,37 +230,56 @@ def _video(where: str, video: dict[str, Any], out: Imported) -> dict[str, Any]:
 
 
 def _crop(where: str, entry: dict[str, Any], dataset: dict[str, Any], out: Imported) -> None:
-    """crop false (the default) = aspect buckets, which is loraflow's `center` (only the rounding remainder
-    is cut); crop true + crop_style center/random maps; other crop styles and square aspects do not."""
-    style = entry.get("crop_style", "center")
-    if _truthy(entry.get("crop", False)):
-        if style in ("center", "centre", "random"):
-            dataset["crop_style"] = "random" if style == "random" else "center"
-        else:
-            out.skip(f"{where}.crop_style", style, "loraflow crops center or random")
-    elif "crop_style" in entry:
-        out.skip(f"{where}.crop_style", style, "ignored: crop is off")
-    aspect = entry.get("crop_aspect", "preserve")
-    if aspect != "preserve":
-        out.skip(f"{where}.crop_aspect", aspect, "loraflow keeps each source's aspect ratio (bucketed)")
+    """SimpleTuner crops only with `crop: true`, to crop_style center/random and crop_aspect preserve/square/closest
+    (of crop_aspect_buckets), which all map. crop false (the default) = aspect buckets, which is loraflow's `center`
+    (only the rounding remainder is cut), and SimpleTuner then ignores the crop keys."""
+    cropping = ("crop_style", "crop_aspect", "crop_aspect_buckets")
+    if not _truthy(entry.get("crop", False)):
+        for key in (k for k in cropping if k in entry):
+            out.skip(f"{where}.{key}", entry[key], "ignored: crop is off")
+        return
+    style, aspect = entry.get("crop_style", "center"), entry.get("crop_aspect", "preserve")
+    if style in ("center", "centre", "random"):
+        dataset["crop_style"] = "random" if style == "random" else "center"
+    else:
+        out.skip(f"{where}.crop_style", style, "loraflow crops center or random")
+    if aspect in CROP_ASPECTS:
+        dataset["crop_aspect"] = aspect
+    else:
+        out.skip(f"{where}.crop_aspect", aspect, f"loraflow crops to one of {', '.join(CROP_ASPECTS)}")
+    if "crop_aspect_buckets" in entry and aspect == "closest":
+        dataset["crop_aspect_buckets"] = entry["crop_aspect_buckets"]
+    elif "crop_aspect_buckets" in entry:
+        out.skip(f"{where}.crop_aspect_buckets", entry["crop_aspect_buckets"], "loraflow reads them with crop_aspect "
+                                                                               "closest only")
 
 
 def _dataset_resolution(where: str, entry: dict[str, Any], settings: dict[str, Any], dataset: dict[str, Any],
                         out: Imported) -> None:
-    """Datasets inherit the global resolution in SimpleTuner; loraflow's is pixels of the shorter side."""
+    """Datasets inherit the global resolution in SimpleTuner. pixel and pixel_area mean what they mean in loraflow;
+    area is in megapixels there, and in loraflow the side in pixels of a square of that area."""
     kind = entry.get("resolution_type", settings.get("resolution_type", "pixel"))
     if "resolution" not in dataset and "resolution" in settings:
         dataset["resolution"] = settings["resolution"]
-    if kind == "pixel_area":
-        out.notes.append(f"{where}: resolution_type pixel_area read as pixels of the shorter side (resolution and "
-                         "minimum_image_size)")
-    elif kind != "pixel":
-        out.skip(f"{where}.resolution_type", kind, "loraflow's resolution is pixels of the shorter side: "
+    if kind in ("pixel", "pixel_area"):
+        if kind != "pixel":
+            dataset["resolution_type"] = kind
+        return
+    if kind != "area":
+        out.skip(f"{where}.resolution_type", kind, "loraflow's resolution_type is pixel, area or pixel_area: "
                                                    "resolution not copied")
         dataset.pop("resolution", None)
-        if "minimum_image_size" in dataset:  # megapixels under `area`: as pixels it would keep every source
+        if "minimum_image_size" in dataset:
             out.skip(f"{where}.minimum_image_size", dataset.pop("minimum_image_size"),
-                     "megapixels under resolution_type area; loraflow's is pixels of the shorter side: not copied")
+                     f"in the unit of resolution_type {kind!r}: not copied")
+        return
+    dataset["resolution_type"] = "area"
+    for key in ("resolution", "minimum_image_size"):
+        if dataset.get(key):  # megapixels, as SimpleTuner's pixel_area conversion counts them (1 MP = 1000**2)
+            side = round(math.sqrt(float(dataset[key]) * 1_000_000))
+            out.notes.append(f"{where}.{key} {dataset[key]} megapixels (resolution_type area) became {side}, the "
+                             "side in pixels of a square of that area")
+            dataset[key] = side
 
 
 def to_yaml(imported: Imported, sources: list[str]) -> str:

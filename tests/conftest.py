@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +48,23 @@ def write_config(path: Path, data: dict[str, Any]) -> Path:
 @pytest.fixture
 def demo_config(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> LoraflowConfig:
     return load_config(write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))
+
+
+def hf_cache_snapshot(cache: Path, repo: str, checkpoint: Path, commit: str, branch: str = "main") -> Path:
+    """Put a checkpoint folder into a Hugging Face cache as huggingface_hub stores a download: each file once as a
+    blob named by its content hash, the snapshot a tree of relative links to them, refs/<branch> the commit."""
+    from loraflow.keys import file_sha256
+
+    storage = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = storage / "snapshots" / commit
+    for file in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
+        blob = storage / "blobs" / file_sha256(file)
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            shutil.copyfile(file, blob)
+        link = snapshot / file.relative_to(checkpoint)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (storage / "refs").mkdir(exist_ok=True)
+    (storage / "refs" / branch).write_text(commit)
+    return snapshot

@@ -147,11 +147,13 @@ def test_hunyuan_seed_config_round_trips_and_reports_unmapped_keys(
     assert reported == unmapped
     for key in unmapped:
         assert f"#   {key} = " in out.read_text(), key  # kept as a comment in the file too
-    assert "not a local folder" in err
+    # the guide's repository is not in the diffusers layout: the flavour's diffusers-format one, said in a note
+    assert "imported as 'hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v'" in err
     config = load_config(out)
     assert config.model_family == "hunyuanvideo-1.5"
+    assert config.pretrained_model_name_or_path == "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"
     for key, value in HV_CONFIG.items():
-        if key not in consumed | unmapped:
+        if key not in consumed | unmapped | {"pretrained_model_name_or_path"}:
             assert getattr(config, key) == value, key
     video, text = config.datasets
     dumped = video.model_dump()
@@ -169,9 +171,9 @@ def test_flag_style_config_finds_its_backend_file_and_translates_crop(
     captured = capsys.readouterr()
     imported = yaml.safe_load(captured.out)
     assert imported["offload_during_startup"] == "true"  # carried as written; the config model parses it
-    assert imported["datasets"][0]["crop_style"] == "center"
+    assert (imported["datasets"][0]["crop_style"], imported["datasets"][0]["crop_aspect"]) == ("center", "square")
     unmapped = [line.split(":")[0] for line in captured.err.splitlines() if line.startswith("  - ")]
-    assert unmapped == ["  - report_to = 'wandb'", "  - push_to_hub = 'false'", "  - datasets[0].crop_aspect = 'square'"]
+    assert unmapped == ["  - report_to = 'wandb'", "  - push_to_hub = 'false'"]
     config = load_config(write_config(tmp_path / "out.yaml", imported))
     assert config.vae_enable_patch_conv and config.offload_during_startup
     assert config.tread_config is not None and config.tread_config.routes[0].selection_ratio == 0.5
@@ -227,14 +229,16 @@ def test_an_i2i_backend_keeps_its_conditioning_dataset_and_pairing() -> None:
     assert [key for key, _, _ in other.unmapped] == ["datasets[0].conditioning_data"]
 
 
-def test_minimum_image_size_is_carried_in_pixels_and_left_out_in_megapixels() -> None:
+def test_resolution_and_minimum_image_size_are_carried_in_pixels_and_converted_from_megapixels() -> None:
     backend = [{"id": "px", "type": "local", "dataset_type": "video", "instance_data_dir": "a", "resolution": 480,
                 "resolution_type": "pixel_area", "minimum_image_size": 480},
                {"id": "mp", "type": "local", "dataset_type": "video", "instance_data_dir": "b", "resolution": 1.05,
                 "resolution_type": "area", "minimum_image_size": 1.05}]
     imported = import_simpletuner({"model_family": "kandinsky5-video"}, backend)
     px, mp = imported.config["datasets"]
-    assert px["minimum_image_size"] == 480 and "minimum_image_size" not in mp
-    assert ("datasets[1].minimum_image_size", 1.05) in [(key, value) for key, value, _ in imported.unmapped]
+    assert (px["resolution_type"], px["resolution"], px["minimum_image_size"]) == ("pixel_area", 480, 480)
+    side = 1025  # sqrt(1.05e6) = 1024.7: SimpleTuner's megapixels are 1000**2 pixels (its pixel_area conversion)
+    assert (mp["resolution_type"], mp["resolution"], mp["minimum_image_size"]) == ("area", side, side)
+    assert not imported.unmapped and len(imported.notes) == 2
     config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m"})
-    assert config.datasets[0].minimum_image_size == 480
+    assert [d.minimum_image_size for d in config.datasets] == [480, side]

@@ -22,6 +22,7 @@ from loraflow.ops.media_types import MediaError
 
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
     from loraflow.pipelines.base import ModelFamily
+    from loraflow.pipelines.sources import ModelSource
 
 
 @dataclass
@@ -32,8 +33,9 @@ class BucketPlan:
 
 
 def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGeometry | None,
-                 progress: bool = True) -> BucketPlan:
-    """Probe every source file (metadata and one frame, no full decode) and plan its clips."""
+                 model: ModelSource | None = None, progress: bool = True) -> BucketPlan:
+    """Probe every source file (metadata and one frame, no full decode) and plan its clips (`model`: the checkpoint
+    on disk, for sizes that depend on it; None: as the config names it)."""
     plan = BucketPlan()
     clips_seen: list[tuple[str, int, int, int]] = []
     for dataset in config.training_datasets:
@@ -52,7 +54,7 @@ def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGe
                 read_captions(check_name(path), dataset)
                 if sources is not None:  # i2i: a target without its source image is dropped by clips too
                     probe(check_name(find_source_image(path, dataset, sources)))
-                clips = plan_clips(path, probe(path), dataset, family, config.pretrained_model_name_or_path,
+                clips = plan_clips(path, probe(path), dataset, family, model or config.pretrained_model_name_or_path,
                                    dataset.id == config.render_dataset_id)
             except MediaError as exc:
                 plan.dropped.append(dropped(dataset.id, path, exc))

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from loraflow.pipelines.sources import ModelSource, as_source
+
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
     from loraflow.pipelines.base import ModelFamily
 
@@ -205,15 +207,16 @@ class LatentGeometry:
         return c * t * h * w * LATENT_BYTES
 
 
-def latent_geometry(model_path: str | Path, family: ModelFamily) -> LatentGeometry:
+def latent_geometry(model: ModelSource | str | Path, family: ModelFamily) -> LatentGeometry:
     """Read the VAE's factors from its config.json (no weights): the family gives the temporal factor.
 
     Video VAEs name `spatial_compression_ratio`; image VAEs (AutoencoderKL) downsample once per block after
     the first, which is how every diffusers pipeline computes its `vae_scale_factor`.
     """
-    path = Path(model_path) / "vae" / "config.json"
+    path = as_source(model).folder("vae") / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no VAE config at {path}: `pretrained_model_name_or_path` must hold a vae/ folder")
+        raise FileNotFoundError(f"no VAE config at {path}: `pretrained_model_name_or_path` must hold a vae/ folder "
+                                "(or `vae_path` name one)")
     vae = json.loads(path.read_text())
     spatial = vae.get("spatial_compression_ratio") or 2 ** (len(vae["block_out_channels"]) - 1)
     return LatentGeometry(channels=int(vae["latent_channels"]), temporal=family.vae_temporal_factor, spatial=int(spatial))

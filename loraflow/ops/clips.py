@@ -50,6 +50,7 @@ from loraflow.ops.media import decode_frames, probe
 from loraflow.ops.media_types import IMAGE_EXTENSIONS, MediaError, Probe
 from loraflow.ops.report import ClipsReport, DropReason, DroppedFile
 from loraflow.pipelines.base import ModelFamily
+from loraflow.pipelines.sources import ModelSource, model_source
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def probe_cached(path: Path, identity: dict[str, Any], store: Store, known: set[
 
 
 def plan_clips(
-    path: Path, info: Probe, dataset: DatasetConfig, family: ModelFamily, model_path: str,
+    path: Path, info: Probe, dataset: DatasetConfig, family: ModelFamily, model: ModelSource | str,
     images_allowed: bool = False,
 ) -> list[dict[str, Any]]:
     """The clips a source yields: frame indices, bucket size and crop, before any decoding.
@@ -186,7 +187,7 @@ def plan_clips(
     clips = [[0]] if is_image else _video_clips(path, info, dataset, video.frame_rate or family.flavour.fps)
     height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, family.spatial_multiple,
                                         dataset.resolution_type, dataset.crop_aspect, dataset.crop_aspect_buckets)
-    problem = family.size_problem(model_path, height, width)
+    problem = family.size_problem(model, height, width)
     if problem:  # the bucket, whatever the source: the config's problem, said first
         raise MediaError("source_too_large", f"{path.name}: {problem}: lower `resolution` ({dataset.resolution}) of "
                          f"dataset '{dataset.id}'")
@@ -242,7 +243,7 @@ def _check_clip_lengths(path: Path, lengths: set[int], family: ModelFamily, imag
                          "after a clean first frame, so it needs videos")
 
 
-def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model_path: str, store: Store,
+def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model: ModelSource | str, store: Store,
                probes: set[str], images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
     """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image."""
     check_name(path)
@@ -251,7 +252,7 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model_pa
     info = probe_cached(path, identity, store, probes)
     source = _source_image(path, dataset, sources, store, probes) if sources else None
     rows = []
-    for plan in plan_clips(path, info, dataset, family, model_path, images_allowed):
+    for plan in plan_clips(path, info, dataset, family, model, images_allowed):
         size = (plan["height"], plan["width"])
         paired = {"condition": source[0]} if source else {}  # t2v/t2i keys stay as they were
         key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style,
@@ -422,9 +423,10 @@ def _plan_dataset(config: LoraflowConfig, family: ModelFamily, dataset: DatasetC
     """A dataset's clip rows, and a quarantine row for every entry of its folder that yields none."""
     listing = list_folder(dataset)
     manifest, quarantine = [], [dropped(dataset.id, path, exc) for path, exc in listing.others]
+    model = model_source(config)
     for path in listing.files:
         try:
-            manifest += _clip_rows(path, dataset, family, config.pretrained_model_name_or_path, store, probes,
+            manifest += _clip_rows(path, dataset, family, model, store, probes,
                                    images_allowed=dataset.id == config.render_dataset_id,
                                    sources=config.source_images(dataset))
         except MediaError as exc:
@@ -454,7 +456,7 @@ def _decode_missing(todo: list[dict[str, Any]], store: Store, shard_clips: int =
 def _geometry(config: LoraflowConfig, family: ModelFamily) -> LatentGeometry | None:
     """The VAE's factors for the latent estimate; None (estimate unknown) when the checkpoint has no vae config."""
     try:
-        return latent_geometry(config.pretrained_model_name_or_path, family)
+        return latent_geometry(model_source(config), family)
     except FileNotFoundError as exc:
         log.warning("no latent estimate: %s", exc)
         return None

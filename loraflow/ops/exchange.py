@@ -23,6 +23,7 @@ from PIL import Image
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key
 from loraflow.pipelines.base import ModelFamily, RenderSettings, scheduler_shift
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 # Part of the i2i prompt image key, so of every i2i validation text key: the validation stage's CODE_VERSION when
@@ -106,7 +107,7 @@ def render_shift(config: LoraflowConfig, family: ModelFamily) -> float:
     with: a checkpoint knows its shift better than a table), else the flavour's."""
     if config.validation_flow_shift is not None:
         return config.validation_flow_shift
-    from_checkpoint = scheduler_shift(config.pretrained_model_name_or_path)
+    from_checkpoint = scheduler_shift(model_source(config))
     return from_checkpoint if from_checkpoint is not None else family.flavour.flow_shift
 
 

@@ -25,6 +25,7 @@ from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
 from loraflow.ops.report import BadLatent, LatentsReport, OomFallback
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,14 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
     does the sampling (a mode row and a distribution row of one clip never share a key), and for i2v flavours
     the first-frame image latent (see `_with_image_latent`) or image condition (the family's `image_condition`).
     `tiled_key` is the key of the clip's latent when an out-of-memory encode falls back to tiling."""
-    vae_id = component_fingerprint(config.pretrained_model_name_or_path, "vae")
+    model = model_source(config)
+    vae_id = component_fingerprint(model, "vae")
     family = get_family(config)
     given = family.flavour.conditioning_frames
     image = {"image_frames": given} if given else {}  # t2v keys stay what they were
     parts = family.image_condition_components
     if parts:  # the models that compute the image condition name it (HV1.5 i2v: SigLIP)
-        image["image_condition"] = {c: component_fingerprint(config.pretrained_model_name_or_path, c) for c in parts}
+        image["image_condition"] = {c: component_fingerprint(model, c) for c in parts}
     elif family.image_condition_name:  # the VAE alone computes it (K5 i2i: from the source, which the clip key names)
         image["image_condition"] = family.image_condition_name
     ids = {d.id for d in select_datasets(config, datasets)}
@@ -72,14 +74,15 @@ def encode_latents(
     fallbacks: list[dict[str, str]] = []
     device = pick_device()
     if todo:
-        vae = load_component(config.pretrained_model_name_or_path, "vae", torch.float32, str(device))
+        model = model_source(config)
+        vae = load_component(model, "vae", torch.float32, str(device))
         if config.vae_enable_patch_conv:
             enable_patch_conv(vae)
         if config.vae_enable_tiling:
             vae.enable_tiling()
         if config.vae_enable_slicing:
             vae.enable_slicing()
-        image = [load_component(config.pretrained_model_name_or_path, c, torch.float32, str(device))
+        image = [load_component(model, c, torch.float32, str(device))
                  for c in family.image_condition_components]  # [] or (image encoder, its processor)
         quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling, image,
                                          have)

@@ -37,6 +37,7 @@ from loraflow.ops.exchange import conditioning_image, negative_prompt, prompt_im
 from loraflow.ops.previews import contact_sheet
 from loraflow.ops.validate import cached_texts, read_media, render_video, save_png, slug, write_media
 from loraflow.pipelines.base import ModelFamily
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class ProgressRenders:
         """
         device = _device_of(self.transformer)
         if self.pipe is None:
-            self.pipe = self.family.load_renderer(self.config.pretrained_model_name_or_path, None,
+            self.pipe = self.family.load_renderer(model_source(self.config), None,
                                                   torch.device("cpu"), transformer=self.transformer)
             self.pipe.set_progress_bar_config(disable=True)
         self.pipe.vae.to(device)

@@ -52,6 +52,7 @@ from loraflow.ops.exchange import (
 from loraflow.ops.quantize import quantize_int8
 from loraflow.ops.report import TextEmbedsReport, TokenBin, TruncatedText
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,8 @@ def encode_texts(
 ) -> TextEmbedsReport:
     """Encode the texts not yet in the store (shortest first, `batch_texts` per shard) and list the text set."""
     started = time.perf_counter()
-    path, precision = config.pretrained_model_name_or_path, config.text_encoder_1_precision
-    encoders = {name: component_fingerprint(path, name) for name in family.text_components}
+    model, precision = model_source(config), config.text_encoder_1_precision
+    encoders = {name: component_fingerprint(model, name) for name in family.text_components}
     items = needed_texts(config, family, store)
     keys = {item: text_key(item[0], family, encoders, precision, image=item[1]) for item in items}
     have = store.keys("text_embeds")
@@ -164,7 +165,8 @@ def load_encoders(config: LoraflowConfig, family: ModelFamily, device: torch.dev
     first, precision = family.text_components[0], config.text_encoder_1_precision
     if precision != "fp32" and device.type == "cpu":
         log.warning("text_encoder_1_precision %s on the CPU: allowed, but much slower than fp32 there", precision)
-    components = {name: load_component(config.pretrained_model_name_or_path, name,
+    model = model_source(config)
+    components = {name: load_component(model, name,
                                        DTYPES[precision] if name == first else torch.float32, str(device))
                   for name in family.text_components}
     if precision == "int8-torchao":

@@ -52,6 +52,7 @@ from loraflow.pipelines.base import (
     ModelFamily, TextRow, conditioned_noisy, flow_mse, image_conditions, load_component,
 )
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ def load_transformer(config: LoraflowConfig, family: ModelFamily, device: torch.
                          "group_offload_use_stream: false (group offloading itself works without it)")
     dtype = torch.float32 if config.base_model_precision == "no_change" else torch.bfloat16
     where = "cpu" if config.enable_group_offload else str(device)  # group offloading moves the blocks itself
-    transformer = load_component(config.pretrained_model_name_or_path, "transformer", dtype, where)
+    transformer = load_component(model_source(config), "transformer", dtype, where)
     if config.base_model_precision == "fp8-layerwise":
         # Before the adapter: the casting hooks then sit on the base layers only, and LoRA stays fp32.
         transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)

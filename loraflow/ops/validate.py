@@ -37,6 +37,7 @@ from loraflow.ops.exchange import (
 from loraflow.ops.previews import contact_sheet, eval_loss_plot, save_animation
 from loraflow.ops.report import EvalLoss, PromptRenders, ValidationReport
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 CODE_VERSION = "validation-3"  # 3: labelled, wrapped contact sheets and preview.webp
@@ -54,7 +55,7 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
                          "or `eval_holdout_fraction` / `eval_dataset_id` (eval loss)")
     condition, seen = prompt_image(config, family, store, settings) if prompts else (None, "")
     texts = cached_texts(store, [(t, seen) for t in [*prompts.values(), negative]] if prompts else [])
-    model = config.pretrained_model_name_or_path
+    model = model_source(config)
     out = Path(config.output_dir) / "validation" / content_key(
         lora=file_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
         family=family.name, flavour=family.flavour.name, fps=family.flavour.fps, settings=asdict(settings),

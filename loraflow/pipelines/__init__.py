@@ -57,6 +57,13 @@ def flavour_names(family: str) -> list[str]:
     return family_spec(family).flavour_names()
 
 
+def known_flavour(family: str | None, flavour: str | None) -> Flavour | None:
+    """The flavour a config's two keys pick, or None when either names nothing registered (validation says so)."""
+    if family not in FAMILIES or (flavour is not None and flavour not in flavour_names(family)):
+        return None
+    return family_flavour(family, flavour)
+
+
 def family_flavour(family: str, flavour: str | None) -> Flavour:
     """The family's flavour called `flavour` (None: its default)."""
     return family_spec(family).flavour(flavour)

@@ -22,11 +22,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from loraflow.keys import content_key, directory_fingerprint
 from loraflow.kernels.flow_matching import noisy_sample
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
+from loraflow.pipelines.sources import ModelSource, as_source
 
 TextRow = dict[str, np.ndarray]
 
@@ -64,7 +64,7 @@ class ModelFamily(Protocol):
     def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
         """Batch text rows for the transformer (padding, masks)."""
 
-    def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
+    def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         """Why a clip of this bucket size cannot be trained ("" when it can), known before decoding: Kandinsky 5
         Image i2i's source image at this size gives more vision tokens than its prompt holds; "" elsewhere."""
 
@@ -108,7 +108,8 @@ class ModelFamily(Protocol):
         """
 
     def load_renderer(
-        self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
+        self, model: ModelSource | str | Path, lora_path: str | None, device: torch.device,
+        transformer: torch.nn.Module | None = None,
     ) -> Any:
         """The family's diffusers pipeline without text encoders, loaded once per validation run.
 
@@ -213,14 +214,18 @@ def compute_dtype(transformer: torch.nn.Module) -> torch.dtype:
     return transformer.__dict__["_loraflow_dtype"]
 
 
-def load_pipeline(pipeline: type, model_path: str, lora_path: str | Path | None, device: torch.device,
-                  transformer: torch.nn.Module | None = None) -> Any:
+def load_pipeline(pipeline: type, model: ModelSource | str | Path, lora_path: str | Path | None,
+                  device: torch.device, transformer: torch.nn.Module | None = None) -> Any:
     """A family's diffusers pipeline without text encoders (renders read cached embeddings), the LoRA file in its
     transformer, the components on `device`: all of them, or all but a given (training) transformer, which is
-    used as it is and stays where training keeps it."""
-    components = {} if transformer is None else {"transformer": transformer}
-    pipe = pipeline.from_pretrained(model_path, text_encoder=None, tokenizer=None, text_encoder_2=None,
-                                    tokenizer_2=None, **components)
+    used as it is and stays where training keeps it. Components from other folders (`vae_path`, ...) are loaded
+    from there."""
+    source = as_source(model)
+    unused = dict(text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
+    components = {c: load_component(source, c) for c, _ in source.folders if c not in unused}
+    if transformer is not None:
+        components["transformer"] = transformer
+    pipe = pipeline.from_pretrained(source.root, use_safetensors=True, **unused, **components)
     if lora_path is not None:
         load_lora_file(pipe.transformer, lora_path)
     if transformer is None:
@@ -258,48 +263,52 @@ def set_lora_scale(transformer: torch.nn.Module, scale: float | None) -> None:
     transformer.set_adapters([LORA_ADAPTER], [scale])
 
 
-def scheduler_shift(path: str | Path) -> float | None:
+def scheduler_shift(model: ModelSource | str | Path) -> float | None:
     """The sigma shift the checkpoint's own scheduler config names (what its pipeline renders with), or None."""
-    config = Path(path) / "scheduler" / "scheduler_config.json"
+    config = as_source(model).folder("scheduler") / "scheduler_config.json"
     shift = json.loads(config.read_text()).get("shift") if config.is_file() else None
     return float(shift) if shift is not None else None
 
 
-def model_index(path: str | Path) -> dict[str, Any]:
-    index = Path(path) / "model_index.json"
+def model_index(model: ModelSource | str | Path) -> dict[str, Any]:
+    index = as_source(model).root / "model_index.json"
     if not index.is_file():
         raise FileNotFoundError(
-            f"{path} is not a diffusers checkpoint folder (no model_index.json). "
-            "Point `pretrained_model_name_or_path` at a local folder laid out like the Hugging Face repo."
+            f"{model} is not a diffusers checkpoint folder (no model_index.json). Point "
+            "`pretrained_model_name_or_path` at a local folder laid out like the Hugging Face repo, or at the repo's id."
         )
     return json.loads(index.read_text())
 
 
-def check_layout(path: str | Path, flavour: Flavour) -> None:
+def check_layout(model: ModelSource | str | Path, flavour: Flavour) -> None:
     """Fail early, naming what is missing, when a checkpoint does not hold what the flavour needs."""
-    index = model_index(path)
-    missing = [c for c in flavour.components if not (Path(path) / c).is_dir() or index.get(c, [None])[0] is None]
+    source = as_source(model)
+    index = model_index(source)
+    missing = [c for c in flavour.components if not source.folder(c).is_dir() or index.get(c, [None])[0] is None]
     if missing:
         raise FileNotFoundError(
-            f"{path} lacks component(s) {', '.join(missing)} that flavour '{flavour.name}' needs "
+            f"{source} lacks component(s) {', '.join(missing)} that flavour '{flavour.name}' needs "
             f"(expected sub-folders: {', '.join(flavour.components)})"
         )
 
 
-def load_component(path: str | Path, name: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
-    """Load one component with its real class's from_pretrained, as model_index.json names it.
+def load_component(model: ModelSource | str | Path, name: str, dtype: torch.dtype = torch.float32,
+                   device: str = "cpu") -> Any:
+    """Load one component with its real class's from_pretrained, as model_index.json names it, from safetensors
+    only (never a pickle), from the component's own folder where one is given (`vae_path`, ...).
 
     from_pretrained applies each model's `_keep_in_fp32_modules` (Kandinsky 5's modulation layers crash
     under a plain .to(bfloat16)), so dtype goes through it rather than through .to().
     """
-    library, class_name = model_index(path)[name]
+    source = as_source(model)
+    library, class_name = model_index(source)[name]
     cls = getattr(importlib.import_module(library), class_name)
-    folder = str(Path(path) / name)
+    folder = str(source.folder(name))
     if not hasattr(cls, "to"):  # tokenizers, schedulers, processors
         return cls.from_pretrained(folder)
-    model = cls.from_pretrained(folder, torch_dtype=dtype)
+    model = cls.from_pretrained(folder, torch_dtype=dtype, use_safetensors=True)
     return model.to(device).eval().requires_grad_(False)
 
 
-def component_fingerprint(path: str | Path, name: str) -> str:
-    return content_key(component=name, files=directory_fingerprint(Path(path) / name))
+def component_fingerprint(model: ModelSource | str | Path, name: str) -> str:
+    return as_source(model).fingerprint(name)

@@ -4,7 +4,9 @@
 fps, frames and size are what validation renders and clips are resampled to unless the config says
 otherwise; flow_shift is the inference/training sigma shift of the original repos; components are the
 sub-folders a local checkpoint must hold for this flavour; conditioning_frames are the latent frames the model
-is given clean (Kandinsky 5 i2v: the first), which training and eval loss leave out of the loss.
+is given clean (Kandinsky 5 i2v: the first), which training and eval loss leave out of the loss; repo is the
+flavour's diffusers-format Hugging Face repository, the default `pretrained_model_name_or_path` (None: none is
+published, the config must name a folder). Each family's spec module says where its repository ids come from.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from typing import Literal, get_args
 Task = Literal["t2v", "i2v", "t2i", "i2i"]
 # The components of a diffusers pipeline with two text encoders (Kandinsky 5, HunyuanVideo 1.5 and its guider)
 TWO_ENCODER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+# Hugging Face repositories that are not in the diffusers layout, refused before any work with the flavour's repo
+# named instead. tencent/HunyuanVideo-1.5 (the HunyuanVideo 1.5 guide's id, 338 GB) holds transformer/<res>_<task>/
+# folders, vae/ and scheduler/ but no model_index.json, tokenizers or text/vision encoders (separate downloads):
+# loading it would mean diffusers' conversion script (not part of the wheel) plus three other repositories.
+NOT_DIFFUSERS = {"tencent/HunyuanVideo-1.5": "HunyuanVideo 1.5's original release, not in the diffusers layout "
+                                             "(no model_index.json; text and vision encoders are separate downloads)"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,10 @@ class Flavour:
     # pipeline noises and steps frame 0 like every frame and gives the image only through its condition channels
     # (`hunyuanvideo15.HunyuanVideo15._condition`).
     conditioning_frames: int = 0
+    repo: str | None = None  # the diffusers-format Hugging Face repository (module docstring)
+    # Component folders the family's guide names by environment variable: (component, variable). loraflow reads each
+    # as a diffusers component folder (config.json + safetensors, as the diffusers repository's text_encoder/).
+    folder_variables: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.task not in get_args(Task):

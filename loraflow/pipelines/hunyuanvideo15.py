@@ -36,6 +36,7 @@ from loraflow.pipelines.base import (
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.hunyuanvideo15_spec import SPEC
+from loraflow.pipelines.sources import ModelSource
 
 if TYPE_CHECKING:
     from loraflow.pipelines.tiny import TinyPipeline
@@ -195,7 +196,7 @@ class HunyuanVideo15:
         return {"text_embeds": text.to(device), "text_mask": text_mask.to(device),
                 "byt5_embeds": byt5.to(device), "byt5_mask": byt5_mask.to(device)}
 
-    def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
+    def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         return ""  # any bucket size trains
 
     # 2. latents ----------------------------------------------------------------------------------
@@ -296,11 +297,12 @@ class HunyuanVideo15:
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(
-        self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
+        self, model: ModelSource | str, lora_path: str | None, device: torch.device,
+        transformer: torch.nn.Module | None = None,
     ) -> HunyuanVideo15Pipeline:
         """The t2v pipeline, or for i2v the image-to-video one (which also loads image_encoder, feature_extractor)."""
         pipeline = HunyuanVideo15ImageToVideoPipeline if self.flavour.image_is_first_frame else HunyuanVideo15Pipeline
-        return load_pipeline(pipeline, model_path, lora_path, device, transformer)
+        return load_pipeline(pipeline, model, lora_path, device, transformer)
 
     @torch.no_grad()
     def render(

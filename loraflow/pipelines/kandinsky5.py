@@ -20,6 +20,7 @@ from transformers import ProcessorMixin
 from loraflow.pipelines.base import TextRow, compute_dtype
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
+from loraflow.pipelines.sources import ModelSource
 
 MAX_TEXT_TOKENS = 512  # every K5 pipeline's max_sequence_length
 CLIP_TOKENS = 77
@@ -166,7 +167,7 @@ class Kandinsky5Shared:
             "pooled_embeds": torch.from_numpy(np.stack([r["pooled_embeds"] for r in rows])).to(device),
         }
 
-    def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
+    def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         return ""  # any bucket size trains
 
     def image_condition(self, vae: torch.nn.Module, parts: Sequence[Any], clip: Mapping[str, Any]) -> None:

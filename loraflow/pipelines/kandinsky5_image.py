@@ -36,6 +36,7 @@ from loraflow.pipelines.base import (
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
+from loraflow.pipelines.sources import ModelSource, as_source
 from loraflow.pipelines.kandinsky5 import (
     CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared, clip_pooled,
 )
@@ -152,9 +153,10 @@ class Kandinsky5Image(Kandinsky5Shared):
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(
-        self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
+        self, model: ModelSource | str, lora_path: str | None, device: torch.device,
+        transformer: torch.nn.Module | None = None,
     ) -> Kandinsky5T2IPipeline | Kandinsky5I2IPipeline:
-        return load_pipeline(self.pipeline_class, model_path, lora_path, device, transformer)
+        return load_pipeline(self.pipeline_class, model, lora_path, device, transformer)
 
     @torch.no_grad()
     def render(
@@ -215,12 +217,12 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
             })
         return rows
 
-    def size_problem(self, model_path: str | Path, height: int, width: int) -> str:
+    def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         """A source image cut to (height, width) whose vision tokens alone overflow the 1024-token prompt (the
         encoder would fail on it: `_fit_text`); checked when clips are planned, before any decoding."""
-        if not (Path(model_path) / "tokenizer").is_dir():
+        if not as_source(model).folder("tokenizer").is_dir():
             return ""  # no checkpoint yet (`loraflow check` says so): the clips stage needs none, text_embeds fails
-        tokens = source_vision_tokens(str(model_path), height, width)
+        tokens = source_vision_tokens(as_source(model), height, width)
         if tokens + I2I_CLOSING_TOKENS <= I2I_MAX_TEXT_TOKENS:
             return ""
         return (f"a {width}x{height} source image gives {tokens} vision tokens, more than Kandinsky 5 i2i's "
@@ -286,19 +288,19 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
 
 
 @functools.lru_cache(maxsize=256)
-def source_vision_tokens(model_path: str, height: int, width: int) -> int:
+def source_vision_tokens(model: ModelSource | str, height: int, width: int) -> int:
     """Vision tokens of a source image of this size in the checkpoint's processor: halved as the pipeline does
     (K5I2I:212), resized by the image processor (patch and pixel bounds from its config), merge_size**2 patches
     per token, as `Qwen2VLProcessor` expands the image placeholder."""
-    image_processor = _i2i_processor(model_path).image_processor
+    image_processor = _i2i_processor(model).image_processor
     grid = image_processor(images=[Image.new("RGB", (max(width // 2, 1), max(height // 2, 1)))],
                            return_tensors="np")["image_grid_thw"][0]
     return int(np.prod(grid)) // image_processor.merge_size**2
 
 
 @functools.lru_cache(maxsize=4)
-def _i2i_processor(model_path: str) -> Any:
-    return load_component(model_path, "tokenizer")
+def _i2i_processor(model: ModelSource | str) -> Any:
+    return load_component(model, "tokenizer")
 
 
 def _fit_text(processor: Any, text: str, image: Image.Image, crop: int) -> str:

@@ -26,6 +26,7 @@ from loraflow.pipelines.base import (
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
+from loraflow.pipelines.sources import ModelSource
 from loraflow.pipelines.kandinsky5 import CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared
 from loraflow.pipelines.kandinsky5_video_spec import SPEC
 
@@ -112,10 +113,11 @@ class Kandinsky5Video(Kandinsky5Shared):
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(
-        self, model_path: str, lora_path: str | None, device: torch.device, transformer: torch.nn.Module | None = None
+        self, model: ModelSource | str, lora_path: str | None, device: torch.device,
+        transformer: torch.nn.Module | None = None,
     ) -> Kandinsky5T2VPipeline:
         """The t2v or i2v pipeline (one checkpoint layout: the class differs only in how it prepares latents)."""
-        pipe = load_pipeline(self.pipeline_class, model_path, lora_path, device, transformer)
+        pipe = load_pipeline(self.pipeline_class, model, lora_path, device, transformer)
         if kandinsky5.uses_nabla(pipe.transformer):  # the pipeline builds NABLA's mask itself; it needs flex to run
             kandinsky5.use_flex_attention(pipe.transformer)
         return pipe

@@ -329,7 +329,9 @@ def test_definitions_wire_partitions_jobs_checks_sensor_schedule_and_retries() -
 
 
 def test_a_config_error_fails_the_cache_job_once_without_retries(tmp_path: Path) -> None:
-    broken = write_config(tmp_path / "broken.yaml", {"model_family": "kandinsky5-video", "lora_rnk": 4})
+    # a flavour without a published diffusers repository: the model is a required key
+    broken = write_config(tmp_path / "broken.yaml", {"model_family": "kandinsky5-video",
+                                                     "model_flavour": "i2v-pro-pretrain-5s", "lora_rnk": 4})
     defs = build_defs(LoraflowResource(config_path=str(broken)))
     instance = DagsterInstance.ephemeral()
     instance.add_dynamic_partitions(DATASETS.name, ["demo-videos"])

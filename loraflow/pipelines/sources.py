@@ -1,0 +1,280 @@
+"""Where a checkpoint's components are read from: a local diffusers folder, or a Hugging Face repository resolved into
+the standard Hugging Face cache (downloaded when online, read from the cache under HF_HUB_OFFLINE=1).
+
+Of a repository only the components the flavour needs are fetched, and of those only configs, tokenizer files and
+safetensors weights: never pickled weights (.bin, .pt, .ckpt) and never code (.py), so no remote code can run.
+Components may also come from folders elsewhere (`vae_path`, `text_encoder_path`, `vision_encoder_path`, and for
+HunyuanVideo 1.5 the guide's HUNYUANVIDEO_*_PATH variables), checked and fingerprinted like the checkpoint's own.
+
+Fingerprints (part of every latent and text key): a local folder's are its files' names, sizes and mtimes (as
+always); a repository's are its commit hash and the component's file names and sizes, so moving the cache never
+re-encodes anything and a new revision always does.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from loraflow.keys import content_key, directory_fingerprint
+from loraflow.pipelines.flavours import Flavour
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+# What a component folder is fetched with: configs, tokenizer files (vocab, merges, sentencepiece, chat template),
+# safetensors weights. Everything else in a repository stays there.
+FETCHED = (".json", ".safetensors", ".txt", ".jinja", ".model")
+UNREAD_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".h5", ".msgpack")  # pickles, TF and Flax weights
+# Config keys naming a component folder from elsewhere -> the component it replaces.
+FOLDER_KEYS = {"vae_path": "vae", "text_encoder_path": "text_encoder", "vision_encoder_path": "image_encoder"}
+
+
+class ModelChoice(Protocol):
+    """The config keys that say where the model is (the config model imports this package, never the reverse)."""
+
+    model_family: str
+    model_flavour: str | None
+    pretrained_model_name_or_path: str
+    revision: str | None
+    vae_path: str | None
+    text_encoder_path: str | None
+    vision_encoder_path: str | None
+
+    @property
+    def flavour(self) -> Flavour: ...
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A diffusers-layout root (a local folder or a snapshot in the HF cache) and components from elsewhere."""
+
+    root: Path
+    repo_id: str | None = None  # set when root is a snapshot of this repository
+    commit: str | None = None  # the snapshot's commit hash
+    folders: tuple[tuple[str, Path], ...] = ()  # (component, folder) from elsewhere; a tuple keeps it hashable
+
+    def folder(self, component: str) -> Path:
+        return dict(self.folders).get(component, self.root / component)
+
+    def fingerprint(self, component: str) -> str:
+        folder = self.folder(component)
+        if self.repo_id is None or component in dict(self.folders):  # a local folder: the keys it always had
+            return content_key(component=component, files=directory_fingerprint(folder))
+        files = [{"path": f.relative_to(folder).as_posix(), "size": f.stat().st_size} for f in _files(folder)]
+        return content_key(component=component, repo=self.repo_id, revision=self.commit, files=files)
+
+    def __str__(self) -> str:
+        return f"{self.repo_id}@{self.commit} ({self.root})" if self.repo_id else str(self.root)
+
+
+def as_source(model: ModelSource | str | Path) -> ModelSource:
+    """A local checkpoint folder is a source as it is."""
+    return model if isinstance(model, ModelSource) else ModelSource(Path(model))
+
+
+def is_hub_id(spec: str) -> bool:
+    """`org/name` that is no existing path, as diffusers' from_pretrained tells them apart."""
+    return bool(HUB_ID.fullmatch(spec)) and not Path(spec).expanduser().exists()
+
+
+def model_source(choice: ModelChoice, download: bool = True) -> ModelSource:
+    """The config's model; a repository is first downloaded into the HF cache (offline, or without `download`: only
+    read from it)."""
+    flavour = choice.flavour
+    folders = component_folders(choice, flavour)
+    spec, revision = choice.pretrained_model_name_or_path, choice.revision
+    if not is_hub_id(spec):
+        return ModelSource(Path(spec), folders=tuple(folders.items()))
+    wanted = tuple(c for c in flavour.components if c not in folders)
+    if download and not hub_offline():
+        root = _download(spec, revision, wanted, flavour.repo, hub_cache())
+    else:
+        root = _cached_snapshot(spec, revision, wanted, hub_cache())
+    problem = layout_problem(_named(spec, revision), _relative_files(root), wanted, flavour.repo)
+    if problem:
+        raise FileNotFoundError(problem)
+    return ModelSource(root, spec, root.name, tuple(folders.items()))
+
+
+@dataclass(frozen=True)
+class ComponentStatus:
+    """What `loraflow check` says of one component before any work: where it is, and what a run would download."""
+
+    component: str
+    where: str  # a folder, or repo@revision
+    state: str  # local | cached | download | missing
+    size: int | None  # bytes on disk; for `download`, bytes to download; None: unknown
+
+
+def component_status(choice: ModelChoice) -> list[ComponentStatus]:
+    """Each component the flavour needs, without downloading (online, the Hub is asked what a run would fetch)."""
+    flavour = choice.flavour
+    folders = component_folders(choice, flavour)
+    spec, revision = choice.pretrained_model_name_or_path, choice.revision
+    wanted = tuple(c for c in flavour.components if c not in folders)
+    elsewhere = [_on_disk(c, folder, "local") for c, folder in folders.items()]
+    if not is_hub_id(spec):
+        return [_on_disk(c, Path(spec) / c, "local") for c in wanted] + elsewhere
+    named = _named(spec, revision)
+    if hub_offline():
+        try:
+            root = _cached_snapshot(spec, revision, wanted, hub_cache())
+        except FileNotFoundError:
+            return [ComponentStatus(c, named, "missing", None) for c in wanted] + elsewhere
+        return [_on_disk(c, root / c, "cached", named) for c in wanted] + elsewhere
+    from huggingface_hub import snapshot_download
+
+    _refuse_unusable(spec, revision, wanted, flavour.repo)
+    planned = snapshot_download(spec, revision=revision, allow_patterns=fetched_patterns(wanted),
+                                cache_dir=hub_cache(), dry_run=True)
+    rows = []
+    for c in wanted:
+        files = [f for f in planned if f.filename.startswith(f"{c}/")]
+        fetch = [f for f in files if f.will_download]
+        rows.append(ComponentStatus(c, named, "download" if fetch else "cached",
+                                    sum(f.file_size or 0 for f in fetch or files)))
+    return rows + elsewhere
+
+
+def _on_disk(component: str, folder: Path, state: str, where: str | None = None) -> ComponentStatus:
+    if not folder.is_dir():
+        return ComponentStatus(component, where or str(folder), "missing", None)
+    return ComponentStatus(component, where or str(folder), state, sum(f.stat().st_size for f in _files(folder)))
+
+
+def hub_cache() -> str:
+    """HF_HUB_CACHE as the environment says now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+
+
+def hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE")
+    return constants.HF_HUB_OFFLINE if value is None else value.upper() in constants.ENV_VARS_TRUE_VALUES
+
+
+def fetched_patterns(components: tuple[str, ...]) -> list[str]:
+    """snapshot_download's allow_patterns: the index, and each component's configs, tokenizer files, safetensors."""
+    return ["model_index.json", *(f"{c}/*{suffix}" for c in components for suffix in FETCHED)]
+
+
+def _cached_snapshot(repo: str, revision: str | None, components: tuple[str, ...], cache: str) -> Path:
+    """The snapshot huggingface_hub finds in the cache for this revision (refs/<branch> or a commit), no network."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=fetched_patterns(components),
+                                      cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        offline = "; HF_HUB_OFFLINE is set: run once online, or" if hub_offline() else ": run the stages, or"
+        raise FileNotFoundError(
+            f"{_named(repo, revision)} is not in the Hugging Face cache ({cache}){offline} `hf download {repo}` "
+            f"with --include for {', '.join(components)} (*.json, *.safetensors and tokenizer files)") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _download(repo: str, revision: str | None, components: tuple[str, ...], flavour_repo: str | None,
+              cache: str) -> Path:
+    """Download what the cache lacks of `components` (once per process: a branch cannot move under a running
+    stage)."""
+    from huggingface_hub import snapshot_download
+
+    _refuse_unusable(repo, revision, components, flavour_repo)
+    return Path(snapshot_download(repo, revision=revision, allow_patterns=fetched_patterns(components),
+                                  cache_dir=cache))
+
+
+def _refuse_unusable(repo: str, revision: str | None, components: tuple[str, ...], flavour_repo: str | None) -> None:
+    """From the repository's file list on the Hub: a repository that cannot be used fails before any download."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        files = HfApi().list_repo_files(repo, revision=revision)
+    except HfHubHTTPError as exc:  # no such repo or revision, gated, private: as diffusers, no such folder either
+        raise FileNotFoundError(f"{_named(repo, revision)} is neither a folder here nor a Hugging Face repository "
+                                f"this machine can read ({type(exc).__name__}; gated or private: `hf auth login`)"
+                                ) from None
+    problem = layout_problem(_named(repo, revision), files, components, flavour_repo)
+    if problem:
+        raise FileNotFoundError(problem)
+
+
+def layout_problem(named: str, files: list[str], components: tuple[str, ...], flavour_repo: str | None) -> str:
+    """Why a repository's file list (relative paths) cannot give `components` ("" when it can)."""
+    instead = f": use the flavour's diffusers-format repository {flavour_repo}" if flavour_repo else ""
+    if "model_index.json" not in files:
+        return f"{named} is not in the diffusers layout (no model_index.json){instead}"
+    by_component = {c: [f for f in files if f.startswith(f"{c}/")] for c in components}
+    missing = [c for c, listed in by_component.items() if not listed]
+    if missing:
+        return f"{named} lacks component(s) {', '.join(missing)}{instead}"
+    for component, listed in by_component.items():
+        problem = weights_problem(f"{named} {component}/", listed)
+        if problem:
+            return problem
+    return ""
+
+
+def weights_problem(where: str, files: list[str]) -> str:
+    """A folder whose weights are only in formats loraflow never reads (pickles can run code when loaded)."""
+    unread = [Path(f).name for f in files if f.endswith(UNREAD_WEIGHTS)]
+    if unread and not any(f.endswith(".safetensors") for f in files):
+        return (f"{where} holds weights only as {', '.join(sorted(unread)[:3])}: loraflow reads safetensors only "
+                "(a pickled checkpoint can run code when loaded); convert it with safetensors, or use a repository "
+                "that ships .safetensors")
+    return ""
+
+
+def folder_problem(key: str, folder: str | Path) -> str:
+    """Why a component folder from elsewhere cannot be loaded ("" when it can): a model's config and safetensors."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        return f"`{key}` {folder} is not a folder"
+    files = [f.name for f in path.iterdir() if f.is_file()]
+    if "config.json" not in files:
+        return f"`{key}` {folder} holds no config.json: point it at a component folder (config.json + safetensors)"
+    problem = weights_problem(f"`{key}` {folder}", files)
+    if problem or any(f.endswith(".safetensors") for f in files):
+        return problem
+    return f"`{key}` {folder} holds no .safetensors weights"
+
+
+def component_folders(choice: ModelChoice, flavour: Flavour) -> dict[str, Path]:
+    """Components from elsewhere: the config's keys, else (HunyuanVideo 1.5) the guide's environment variables."""
+    named = {component: (key, getattr(choice, key)) for key, component in FOLDER_KEYS.items() if getattr(choice, key)}
+    for component, variable in flavour.folder_variables:
+        if component not in named and os.environ.get(variable) and component in flavour.components:
+            named[component] = (f"${variable}", os.environ[variable])
+    folders = {}
+    for component, (key, folder) in named.items():
+        problem = folder_problem(key, folder) or unused_problem(key, component, flavour)
+        if problem:
+            raise FileNotFoundError(problem)
+        folders[component] = Path(folder).expanduser()
+    return folders
+
+
+def unused_problem(key: str, component: str, flavour: Flavour) -> str:
+    if component in flavour.components:
+        return ""
+    return f"`{key}` names a {component}, which flavour '{flavour.name}' does not use: remove it"
+
+
+def _named(repo: str, revision: str | None) -> str:
+    return f"{repo}@{revision}" if revision else repo
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def _relative_files(root: Path) -> list[str]:
+    return [f.relative_to(root).as_posix() for f in _files(root)]
