@@ -164,7 +164,8 @@ def test_separate_dataset_file_is_read(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["demo.yaml", "kandinsky5_video.yaml", "kandinsky5_video_i2v.yaml",
                                   "kandinsky5_image.yaml", "kandinsky5_image_i2i.yaml", "hunyuanvideo15.yaml",
-                                  "hunyuanvideo15_i2v.yaml"])
+                                  "hunyuanvideo15_i2v.yaml", "kandinsky5_video_crepa.yaml",
+                                  "kandinsky5_image_crepa.yaml", "hunyuanvideo15_crepa.yaml"])
 def test_every_example_config_validates(name: str) -> None:
     from loraflow.pipelines import get_family
 
