@@ -13,7 +13,7 @@ from dagster import DagsterInstance, materialize
 from safetensors.torch import load_file
 
 from loraflow.assets.resources import LoraflowResource
-from loraflow.assets.stages import lora
+from loraflow.assets.stages import lora, teacher_features
 from loraflow.kernels.crepa import PROJECTOR_FILE
 from loraflow.ops import train as T
 from loraflow.pipelines.tiny_parts import tiny_dinov2
@@ -38,15 +38,15 @@ def crepa(caches: dict[str, Path], **more) -> dict:
 
 
 def through_asset(caches: dict[str, Path], name: str, **overrides) -> tuple[dict[str, torch.Tensor], dict]:
-    """Materialize `lora` alone (the caches are built) for a config with `overrides`: the adapter and the metadata."""
+    """Materialize `teacher_features` and `lora` (the other caches are built) for a config with `overrides`: the
+    adapter, and the metadata of lora with teacher_features' under "teacher_features"."""
     make_config(caches, caches["root"] / name, **overrides)
-    result = materialize([lora], resources={"loraflow": LoraflowResource(config_path=str(caches["root"] /
-                                                                                           f"{name}.yaml"))},
-                         instance=DagsterInstance.ephemeral())
+    result = materialize([teacher_features, lora], instance=DagsterInstance.ephemeral(),
+                         resources={"loraflow": LoraflowResource(config_path=str(caches["root"] / f"{name}.yaml"))})
     assert result.success
-    (event,) = result.get_asset_materialization_events()
-    meta = {k: v.value for k, v in event.materialization.metadata.items()}
-    return load_file(meta["lora_path"]), meta
+    teacher, trained = ({k: v.value for k, v in e.materialization.metadata.items()}
+                        for e in result.get_asset_materialization_events())
+    return load_file(trained["lora_path"]), {**trained, "teacher_features": teacher}
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -63,6 +63,7 @@ def test_features_off_leave_the_lora_bit_identical(caches: dict[str, Path], plai
            "scheduled_sampling_probability": 0.0, "crepa_lambda": 0.25}
     adapter, meta = through_asset(caches, "off", **off)
     assert same(adapter, plain[0])
+    assert meta["teacher_features"]["crepa_enabled"] is False and meta["teacher_features"]["computed"] == 0
     assert not (Path(meta["lora_path"]).parent / "tensorboard").exists()  # report_to: none
     assert (Path(plain[1]["lora_path"]).parent / "tensorboard").is_dir()  # the default writes TensorBoard as before
 
@@ -82,6 +83,7 @@ def test_crepa_trains_a_projector_and_logs_its_term_apart(caches: dict[str, Path
     assert adapter.keys() == plain[0].keys() and not same(adapter, plain[0])
     run = Path(meta["lora_path"]).parent
     assert set(meta["inputs"]) == {"latents", "text_embeds", "teacher_features"}
+    assert meta["teacher_features"]["computed"] == 3 and meta["teacher_features"]["image_size"] == 16  # 3 clips
     assert set(load_file(run / PROJECTOR_FILE)) == {"norm.weight", "norm.bias", "linear.weight", "linear.bias"}
     history = json.loads((run / "history.json").read_text())
     # lambda x minus a cosine alignment summed over 1 + 2 exp(-1) frames' weights: |term| <= 0.5 x 1.74
