@@ -1,14 +1,17 @@
 """The lora stage: flow-matching LoRA training from the latent and text caches only (no VAE, no text encoder).
 
 Resume is exact: an epoch's batch order comes from (seed, epoch) and every random draw of a micro-step (caption
-dropout, noise, sigmas, TREAD's tokens, LoRA dropout) from (seed, micro-step). A run lives in
-output_dir/runs/<key>, keyed by the input caches' data versions and every config key that changes numbers:
+dropout, noise, sigmas, TREAD's tokens, LoRA dropout, scheduled sampling's rollouts) from (seed, micro-step). A run
+lives in output_dir/runs/<key>, keyed by the input caches' data versions and every config key that changes numbers:
     checkpoints/step-NNNNNNN/   lora + optimizer .safetensors, state.json (written as .tmp, then renamed)
-    history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA)
+    history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA), crepa_loss (CREPA);
+                                the event files per `report_to` (ops/tracking.py)
+    crepa_projector.safetensors CREPA's projector (also in each checkpoint; ops/crepa_training.py)
     pytorch_lora_weights.safetensors   the adapter, diffusers format, written last: the run is done
 Gradient checkpointing and group offloading are exact (not in the key: turning them on after an OOM resumes the
-run); TREAD is not. base_model_precision stores frozen weights in bf16 or fp8 (layerwise casting); the forward
-runs under bf16 autocast on CUDA; LoRA weights, gradients and AdamW state are always fp32.
+run); TREAD is not. base_model_precision stores frozen weights in bf16, fp8 (layerwise casting) or int8 (torchao,
+ops/quantize.py); the forward runs under bf16 autocast on CUDA; LoRA weights and gradients are always fp32, AdamW's
+moments too unless `optimizer: adamw_bf16`.
 Under `accelerate launch` (num_processes > 1) each rank trains its share of every step and only rank 0 writes
 (loraflow/ops/distributed.py; loraflow/train_main.py is the launched entry point).
 """
