@@ -123,3 +123,15 @@ def _store(config):
     from loraflow.store import Store
 
     return Store(config.cache_dir)
+
+
+def test_report_to_wandb_offline_logs_the_crepa_term_and_trains_the_same(caches: dict[str, Path], plain,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never the network in tests
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    adapter, meta = through_asset(caches, "wandb", report_to="wandb", **crepa(caches))
+    run = Path(meta["lora_path"]).parent
+    (records,) = (run / "wandb").glob(f"offline-run-*-{run.name}/run-{run.name}.wandb")
+    assert b"train/crepa_loss" in records.read_bytes() and b"train/loss" in records.read_bytes()
+    crepa_only, _ = through_asset(caches, "crepa-tb", **crepa(caches))  # report_to changes no number
+    assert same(adapter, crepa_only)
