@@ -176,15 +176,62 @@ class LoraflowConfig(StrictModel):
         1, run_key="never", ge=1, description="block_level: blocks moved together")
     group_offload_use_stream: bool = setting(
         False, run_key="never", description="overlap transfers with compute (CUDA only)")
-    base_model_precision: Literal["no_change", "bf16", "fp8-layerwise"] = setting(
+    base_model_precision: Literal["no_change", "bf16", "fp8-layerwise", "int8-torchao", "int8-quanto"] = setting(
         "no_change", run_key="always", description="frozen transformer weights: no_change = fp32 as loaded; bf16 "
         "(modules diffusers keeps in fp32 stay fp32); fp8-layerwise = stored float8_e4m3fn, computed in bf16 per "
-        "layer (diffusers layerwise casting). LoRA parameters are always fp32")
+        "layer (diffusers layerwise casting); int8-torchao = int8 weight-only (torchao), computed in bf16; "
+        "int8-quanto runs as int8-torchao (ops/quantize.py). LoRA parameters are always fp32")
     mixed_precision: Literal["auto", "no", "bf16"] = setting(
         "auto", run_key="always", description="bf16 autocast of the forward: auto = on CUDA, or when "
         "base_model_precision is not no_change; no = fp32 compute (needs base_model_precision no_change)")
     tread_config: TreadConfig | None = setting(
         None, run_key="always", description="TREAD token routing; unset: every token, every block")
+    optimizer: Literal["adamw", "adamw_bf16"] = setting(
+        "adamw", run_key="when_set", description="adamw: torch AdamW, fp32 moments; adamw_bf16: the same update with "
+        "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory")
+    report_to: Literal["tensorboard", "wandb", "none"] = setting(
+        "tensorboard", run_key="never", description="where per-step numbers go besides history.json: tensorboard "
+        "(<run>/tensorboard), wandb (W&B's own environment variables, e.g. WANDB_MODE=offline) or none")
+
+    # Scheduled sampling (SimpleTuner's names, kernels/scheduled_sampling.py): off while max_step_offset is 0
+    scheduled_sampling_max_step_offset: int = setting(
+        0, run_key="when_set", ge=0, description="longest rollout in timesteps (1/1000 in sigma); 0: off")
+    scheduled_sampling_probability: float = setting(
+        0.0, run_key="when_set", ge=0, le=1, description="chance a sample is rolled out (without a ramp)")
+    scheduled_sampling_ramp_steps: int = setting(
+        0, run_key="when_set", ge=0, description="ramp the probability from prob_start to prob_end over N steps")
+    scheduled_sampling_start_step: int = setting(0, run_key="when_set", ge=0, description="the ramp's first step")
+    scheduled_sampling_prob_start: float | None = setting(
+        None, run_key="when_set", ge=0, le=1, description="the ramp's start; default: probability")
+    scheduled_sampling_prob_end: float | None = setting(
+        None, run_key="when_set", ge=0, le=1, description="the ramp's end; default: probability")
+    scheduled_sampling_ramp_shape: Literal["linear", "cosine"] = setting("linear", run_key="when_set")
+    scheduled_sampling_strategy: Literal["uniform", "biased_early", "biased_late"] = setting(
+        "uniform", run_key="when_set", description="how rollout lengths are drawn in 0..max_step_offset")
+    scheduled_sampling_sampler: Literal["euler"] = setting(
+        "euler", run_key="when_set", description="the rollout's solver; only euler (the importer maps unipc to it)")
+
+    # CREPA (SimpleTuner's names, kernels/crepa.py): block N's tokens aligned to cached teacher features
+    crepa_enabled: bool = setting(False, run_key="when_set", description="add the CREPA term to the flow loss")
+    crepa_block_index: int = setting(8, run_key="when_set", ge=0, description="the visual block whose output aligns")
+    crepa_lambda: float = setting(0.5, run_key="when_set", ge=0, description="weight of the CREPA term")
+    crepa_adjacent_distance: int = setting(
+        1, run_key="when_set", ge=0, description="neighbour frames aligned too (0: each frame to its own only)")
+    crepa_adjacent_tau: float = setting(1.0, run_key="when_set", gt=0, description="neighbour weight exp(-k / tau)")
+    crepa_cumulative_neighbors: bool = setting(
+        False, run_key="when_set", description="every neighbour 1..distance, not only the one at distance")
+    crepa_normalize_by_frames: bool = setting(True, run_key="when_set", description="divide by the frame count")
+    crepa_spatial_align: bool = setting(
+        True, run_key="when_set", description="patch-wise alignment (teacher resampled to the token grid); false: "
+        "one mean token per frame")
+    crepa_encoder: str = setting(
+        "dinov2_vitg14", run_key="when_set", description="the teacher's name (a label; the weights come from "
+        "crepa_encoder_path)")
+    crepa_encoder_path: str | None = setting(
+        None, run_key="when_set", description="local folder of the teacher (transformers save_pretrained, DINOv2); "
+        "nothing is downloaded")
+    crepa_encoder_image_size: int = setting(
+        518, run_key="when_set", gt=0, description="frames go to the teacher at this square size")
 
     @model_validator(mode="before")
     @classmethod
@@ -372,6 +419,16 @@ class LoraflowConfig(StrictModel):
         if self.mixed_precision == "no" and self.base_model_precision != "no_change":
             raise ValueError(f"`base_model_precision` {self.base_model_precision} computes in bf16: set "
                              "`mixed_precision` to auto or bf16 (or base_model_precision to no_change)")
+        return self
+
+    @model_validator(mode="after")
+    def _crepa(self) -> LoraflowConfig:
+        if self.crepa_enabled and self.crepa_encoder_path is None:
+            raise ValueError("`crepa_enabled` needs the teacher's weights: set `crepa_encoder_path` to a local folder "
+                             "holding a transformers DINOv2 (save_pretrained)")
+        if self.crepa_enabled and self.tread_config is not None:
+            raise ValueError("`crepa_enabled` reads every token of block `crepa_block_index`; TREAD routes a subset "
+                             "of them: remove `tread_config` or set crepa_enabled: false")
         return self
 
     @property

@@ -28,12 +28,12 @@ LR_SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "co
 BASE_PRECISIONS = typing.get_args(LoraflowConfig.model_fields["base_model_precision"].annotation)
 ONLY_VALUE = {"model_type": "lora", "lora_type": "standard"}
 WHY = {  # reasons for keys people ask about; any other unknown key is "no loraflow equivalent"
-    "optimizer": "loraflow trains with torch AdamW",
+    "optimizer": "loraflow has adamw and adamw_bf16 (bf16 moments, stochastic rounding)",
     "cache_dir_vae": "latents are keyed by content under the config's cache_dir",
     "frame_rate": "set `video.frame_rate` per dataset",
     "framerate": "set `video.frame_rate` per dataset",
     "num_train_epochs": "set max_train_steps",
-    "report_to": "metrics go to Dagster metadata",
+    "report_to": "loraflow reports to tensorboard, wandb or none",
     "push_to_hub": "loraflow never uploads",
     "hub_model_id": "loraflow never uploads",
 }
@@ -51,6 +51,10 @@ WHY_VALUE = {
 # The first text encoder's quantised precisions map to the one loraflow has (torchao int8 weight-only).
 TEXT_PRECISIONS = {"int8-quanto": "int8-torchao"}
 TEXT_PRECISION_NAMES = typing.get_args(LoraflowConfig.model_fields["text_encoder_1_precision"].annotation)
+OPTIMIZERS = typing.get_args(LoraflowConfig.model_fields["optimizer"].annotation)
+REPORT_TO = typing.get_args(LoraflowConfig.model_fields["report_to"].annotation)
+# SimpleTuner's rollout samplers -> loraflow's (Euler only: kernels/scheduled_sampling.py)
+ROLLOUT_SAMPLERS = {"euler": "euler", "unipc": "euler"}
 
 
 @dataclass
@@ -101,8 +105,25 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
             if value != ONLY_VALUE[key]:
                 out.skip(key, value, f"only {ONLY_VALUE[key]!r} is supported")
         elif key == "base_model_precision" and value not in BASE_PRECISIONS:
-            out.skip(key, value, f"quantised base models are not supported; loraflow stores the base in one of "
-                                 f"{', '.join(BASE_PRECISIONS)} (fp8-layerwise: fp8 weights, bf16 compute)")
+            out.skip(key, value, f"loraflow stores the base in one of {', '.join(BASE_PRECISIONS)} (fp8-layerwise: "
+                                 "fp8 weights, bf16 compute; int8: torchao weight-only)")
+        elif key == "base_model_precision" and value == "int8-quanto":
+            out.config[key] = value
+            out.notes.append("base_model_precision 'int8-quanto' runs as int8-torchao (the same per-channel int8 "
+                             "weights; optimum-quanto is not a dependency)")
+        elif key == "optimizer" and value not in OPTIMIZERS:
+            out.skip(key, value)
+        elif key == "report_to" and value not in REPORT_TO:
+            out.skip(key, value)
+        elif key == "scheduled_sampling_sampler" and value in ROLLOUT_SAMPLERS:
+            out.config[key] = ROLLOUT_SAMPLERS[value]
+            if value != ROLLOUT_SAMPLERS[value]:
+                out.notes.append(f"scheduled_sampling_sampler {value!r} became 'euler' (the only rollout solver)")
+        elif key == "crepa_enabled" and _truthy(value) and "crepa_encoder_path" not in settings:
+            out.config[key] = value
+            out.notes.append("crepa_enabled: set crepa_encoder_path to a local folder with the teacher "
+                             f"({settings.get('crepa_encoder', 'dinov2_vitg14')}, transformers save_pretrained); "
+                             "loraflow never downloads")
         elif key == "text_encoder_1_precision" and value in TEXT_PRECISIONS:
             out.config[key] = TEXT_PRECISIONS[value]
             out.notes.append(f"text_encoder_1_precision {value!r} became {TEXT_PRECISIONS[value]!r} (int8 weights)")

@@ -39,7 +39,7 @@ K5_FLAGS = {
     "--validation_num_video_frames": 61, "--validation_guidance": 5.0, "--offload_during_startup": "true",
     "--vae_enable_patch_conv": "true", "--data_backend_config": "config/multidatabackend.json",
     "--tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]},
-    "--report_to": "wandb", "--push_to_hub": "false",  # keys loraflow has no use for
+    "--report_to": "comet_ml", "--push_to_hub": "false",  # values and keys loraflow has no use for
 }
 K5_IMAGE_BACKEND = [
     {"id": "my-image-dataset", "type": "local", "dataset_type": "image", "instance_data_dir": "datasets/my_images",
@@ -142,7 +142,7 @@ def test_hunyuan_seed_config_round_trips_and_reports_unmapped_keys(
     # Every seed key is carried with its value or reported; which depends on what the config model has today.
     consumed = {"model_type", "model_family", "dataset_backend_config"}
     unmapped = {k for k in HV_CONFIG if k not in LoraflowConfig.model_fields} - consumed
-    assert "optimizer" in unmapped
+    assert "optimizer" not in unmapped  # adamw_bf16 is carried over (checked below with every kept key)
     reported = {line.split(" = ")[0].removeprefix("  - ") for line in err.splitlines() if line.startswith("  - ")}
     assert reported == unmapped
     for key in unmapped:
@@ -173,7 +173,7 @@ def test_flag_style_config_finds_its_backend_file_and_translates_crop(
     assert imported["offload_during_startup"] == "true"  # carried as written; the config model parses it
     assert (imported["datasets"][0]["crop_style"], imported["datasets"][0]["crop_aspect"]) == ("center", "square")
     unmapped = [line.split(":")[0] for line in captured.err.splitlines() if line.startswith("  - ")]
-    assert unmapped == ["  - report_to = 'wandb'", "  - push_to_hub = 'false'"]
+    assert unmapped == ["  - report_to = 'comet_ml'", "  - push_to_hub = 'false'"]
     config = load_config(write_config(tmp_path / "out.yaml", imported))
     assert config.vae_enable_patch_conv and config.offload_during_startup
     assert config.tread_config is not None and config.tread_config.routes[0].selection_ratio == 0.5
@@ -189,10 +189,12 @@ def test_import_fails_clearly_without_a_dataset_list(tmp_path: Path, capsys: pyt
 
 
 def test_quantised_base_precision_is_reported_and_supported_ones_are_kept() -> None:
-    quantised = import_simpletuner({"model_family": "kandinsky5-video", "base_model_precision": "int8-quanto"}, [])
+    quantised = import_simpletuner({"model_family": "kandinsky5-video", "base_model_precision": "int4-quanto"}, [])
     assert "base_model_precision" not in quantised.config
     [(key, value, why)] = quantised.unmapped
-    assert (key, value) == ("base_model_precision", "int8-quanto") and "fp8-layerwise" in why
+    assert (key, value) == ("base_model_precision", "int4-quanto") and "int8-torchao" in why
+    int8 = import_simpletuner({"model_family": "kandinsky5-video", "base_model_precision": "int8-quanto"}, [])
+    assert int8.config["base_model_precision"] == "int8-quanto" and "int8-torchao" in int8.notes[0]
     kept = import_simpletuner({"model_family": "kandinsky5-video", "base_model_precision": "fp8-layerwise"}, [])
     assert kept.config["base_model_precision"] == "fp8-layerwise" and not kept.unmapped
 
@@ -203,11 +205,11 @@ def test_k5_image_guides_quantisation_block_imports_to_a_valid_config() -> None:
              "text_encoder_2_precision": "no_change", "lora_rank": 16, "base_model_default_dtype": "bf16"}
     imported = import_simpletuner({"model_family": "kandinsky5-image", **block}, K5_IMAGE_BACKEND)
     unmapped = {key: why for key, _, why in imported.unmapped if key in block}
-    assert set(unmapped) == {"base_model_precision", "text_encoder_2_precision", "base_model_default_dtype"}
+    assert set(unmapped) == {"text_encoder_2_precision", "base_model_default_dtype"}
     assert all(why != "no loraflow equivalent" for why in unmapped.values())
     config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m",
                                             "output_dir": "o"})
-    assert config.text_encoder_1_precision == "fp32"
+    assert (config.text_encoder_1_precision, config.base_model_precision) == ("fp32", "int8-quanto")
     int8 = import_simpletuner({"model_family": "kandinsky5-image", "text_encoder_1_precision": "int8-quanto"}, [])
     assert int8.config["text_encoder_1_precision"] == "int8-torchao" and "int8" in int8.notes[0]
     int4 = import_simpletuner({"model_family": "kandinsky5-image", "text_encoder_1_precision": "int4-quanto"}, [])
@@ -242,3 +244,25 @@ def test_resolution_and_minimum_image_size_are_carried_in_pixels_and_converted_f
     assert not imported.unmapped and len(imported.notes) == 2
     config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m"})
     assert [d.minimum_image_size for d in config.datasets] == [480, side]
+
+
+def test_the_guides_training_features_import_under_their_names() -> None:
+    """CREPA, scheduled sampling, the optimizer and report_to keep SimpleTuner's names; unipc rolls out with Euler;
+    values loraflow lacks are reported."""
+    guide = {"model_family": "kandinsky5-video", "crepa_enabled": True, "crepa_block_index": 8, "crepa_lambda": 0.5,
+             "crepa_adjacent_distance": 1, "crepa_adjacent_tau": 1.0, "crepa_encoder": "dinov2_vitg14",
+             "crepa_encoder_image_size": 518, "scheduled_sampling_max_step_offset": 10,
+             "scheduled_sampling_probability": 0.5, "scheduled_sampling_sampler": "unipc", "optimizer": "adamw_bf16",
+             "report_to": "wandb"}
+    imported = import_simpletuner(guide, K5_IMAGE_BACKEND)
+    assert imported.config["scheduled_sampling_sampler"] == "euler"
+    assert imported.unmapped == []  # every guide key here, and the backend's crop_aspect, carried over
+    assert {k: imported.config[k] for k in guide if k != "scheduled_sampling_sampler"} == {
+        k: v for k, v in guide.items() if k != "scheduled_sampling_sampler"}
+    assert any("crepa_encoder_path" in note for note in imported.notes)
+    assert any("'unipc' became 'euler'" in note for note in imported.notes)
+    config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m",
+                                            "output_dir": "o", "crepa_encoder_path": "teacher"})
+    assert (config.crepa_block_index, config.optimizer, config.report_to) == (8, "adamw_bf16", "wandb")
+    other = import_simpletuner({"model_family": "kandinsky5-video", "optimizer": "prodigy"}, [])
+    assert other.unmapped[0][:2] == ("optimizer", "prodigy") and "adamw_bf16" in other.unmapped[0][2]

@@ -51,6 +51,24 @@ def test_every_problem_is_reported_at_once() -> None:
     assert any(p.startswith("learning_rate:") for p in found)
 
 
+def test_the_guides_training_features_name_their_allowed_values() -> None:
+    data = demo()
+    data.update(optimizer="lion", report_to="comet_ml", base_model_precision="int4-quanto",
+                scheduled_sampling_strategy="late", scheduled_sampling_sampler="unipc")
+    found = problems(data)
+    assert "optimizer: Input should be 'adamw' or 'adamw_bf16' (got 'lion')" in found
+    assert "report_to: Input should be 'tensorboard', 'wandb' or 'none' (got 'comet_ml')" in found
+    assert any(p.startswith("base_model_precision:") and "'int8-torchao' or 'int8-quanto'" in p for p in found)
+    assert any(p.startswith("scheduled_sampling_strategy:") and "'biased_late'" in p for p in found)
+    assert any(p.startswith("scheduled_sampling_sampler:") and "'euler'" in p for p in found)
+    assert problems({**demo(), "crepa_enabled": True}) == [
+        "config: `crepa_enabled` needs the teacher's weights: set `crepa_encoder_path` to a local folder holding a "
+        "transformers DINOv2 (save_pretrained)"]
+    routed = {"tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": 0}]}}
+    assert "TREAD routes a subset" in problems({**demo(), "crepa_enabled": True, "crepa_encoder_path": "t",
+                                                **routed})[0]
+
+
 def i2i(**changes: object) -> dict:
     """The demo config as Kandinsky 5 Image i2i: an image dataset paired with a source-image dataset."""
     data = demo()
@@ -146,7 +164,8 @@ def test_separate_dataset_file_is_read(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["demo.yaml", "kandinsky5_video.yaml", "kandinsky5_video_i2v.yaml",
                                   "kandinsky5_image.yaml", "kandinsky5_image_i2i.yaml", "hunyuanvideo15.yaml",
-                                  "hunyuanvideo15_i2v.yaml"])
+                                  "hunyuanvideo15_i2v.yaml", "kandinsky5_video_crepa.yaml",
+                                  "kandinsky5_image_crepa.yaml", "hunyuanvideo15_crepa.yaml"])
 def test_every_example_config_validates(name: str) -> None:
     from loraflow.pipelines import get_family
 

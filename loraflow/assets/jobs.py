@@ -3,8 +3,8 @@
 One job cannot hold the whole DAG: a run of a job with partitioned assets has one partition key, so a run of
 clips -> ... -> validation would train after caching one dataset only. The partitioned part (`clips`,
 `latents`) is therefore its own job, a run per dataset (in parallel under `dagster dev`, each in its own
-process); `text_embeds`, `lora` and `validation` read every dataset and run once after them. (In the UI,
-materializing all five launches an asset backfill, which Dagster orders the same way.)
+process); `text_embeds`, `teacher_features`, `lora` and `validation` read every dataset and run once after
+them. (In the UI, materializing all six launches an asset backfill, which Dagster orders the same way.)
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ cache_dataset = define_asset_job(
     "cache_dataset", AssetSelection.assets("clips", "latents"), op_retry_policy=TRANSIENT,  # partitioned like them
     description="One dataset (the partition): clips and latents, and their checks")
 train_and_validate = define_asset_job(
-    "train_and_validate", AssetSelection.assets("text_embeds", "lora", "validation"),
-    description="Every dataset's captions embedded, then LoRA training and validation")
+    "train_and_validate", AssetSelection.assets("text_embeds", "teacher_features", "lora", "validation"),
+    description="Every dataset's captions embedded (and CREPA's teacher features), then LoRA training and validation")
 JOBS = [cache_dataset, train_and_validate]
 
 

@@ -1,4 +1,5 @@
-"""The five assets, in the order one video travels: file -> clips -> latents + text_embeds -> lora -> validation.
+"""The six assets, in the order one video travels: file -> clips -> latents + text_embeds (+ teacher_features, for
+CREPA) -> lora -> validation.
 
 Each asset: load the config, call its op (heavy imports happen there, not at code-location load), and return
 a MaterializeResult whose data version is a hash of the content it stands for.
@@ -104,7 +105,26 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
     )
 
 
-@asset(deps=[latents, text_embeds], pool="gpu", group_name="loraflow", description="Flow-matching LoRA training.")
+@asset(deps=[latents], pool="gpu", group_name="loraflow",
+       description="CREPA's teacher (DINOv2) patch features of every clip, cached by content; nothing while CREPA is "
+                   "off.")
+def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
+    from loraflow.ops.crepa_training import cache_teacher_features
+    from loraflow.pipelines import get_family
+
+    config = loraflow.load()
+    if not config.crepa_enabled:  # one version while off: lora is not made stale by a stage it does not read
+        return MaterializeResult(data_version=DataVersion("off"), metadata={
+            "computed": 0, "reused": 0, "status": "off: crepa_enabled is false", "crepa_enabled": False})
+    report = cache_teacher_features(config, get_family(config), loraflow.store(config))
+    return MaterializeResult(data_version=DataVersion(report.data_version),
+                             metadata={**md.counts(report), "crepa_enabled": True, "teacher": report.teacher,
+                                       "image_size": report.image_size})
+
+
+# teacher_features: training computes what it lacks itself too (a `loraflow train` run without Dagster)
+@asset(deps=[latents, text_embeds, teacher_features], pool="gpu", group_name="loraflow",
+       description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.assets.launch import train
     from loraflow.ops.previews import loss_plot
@@ -163,4 +183,4 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     return MaterializeResult(data_version=DataVersion(report.data_version), metadata={**metadata, **md.readable(facts)})
 
 
-ALL_ASSETS = [clips, latents, text_embeds, lora, validation]
+ALL_ASSETS = [clips, latents, text_embeds, teacher_features, lora, validation]

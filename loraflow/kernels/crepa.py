@@ -72,6 +72,13 @@ def token_grid(transformer_config: Any, latent_shape: tuple[int, int, int]) -> t
     return frames // pt, height // ph, width // pw
 
 
+def hidden_width(transformer_config: Any) -> int:
+    """The width of a visual block's tokens: Kandinsky 5 names it `model_dim`, HunyuanVideo 1.5 has heads x dim."""
+    if "model_dim" in transformer_config:
+        return int(transformer_config["model_dim"])
+    return int(transformer_config["num_attention_heads"] * transformer_config["attention_head_dim"])
+
+
 def frame_tokens(hidden: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
     """(B, N, D) tokens in (frame, row, column) order -> (B, frames, rows * columns, D)."""
     frames, rows, columns = grid

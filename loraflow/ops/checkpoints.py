@@ -28,19 +28,24 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 def save_checkpoint(out: Path, step: int, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    history: list[dict], total_limit: int | None) -> Path:
+                    history: list[dict], total_limit: int | None,
+                    extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """`extra`: more {file name: tensors} the run resumes from (CREPA's projector)."""
     final = out / "checkpoints" / f"step-{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(lora_state(transformer), tmp / "lora.safetensors")
+    for name, tensors in (extra or {}).items():
+        save_file(tensors, tmp / name)
     tensors, scalars = _flatten_optimizer(optimizer)
     save_file(tensors, tmp / "optimizer.safetensors")
     write_json(tmp / "state.json", {"step": step, "optimizer": scalars, "history": history})
     for path in (*tmp.iterdir(), tmp):  # on disk before the rename publishes them (a power cut, not only a kill)
         _fsync(path)
     tmp.rename(final)
-    for old in sorted((out / "checkpoints").glob("step-???????"))[: -total_limit if total_limit else None]:
+    # None keeps every checkpoint (a [:None] slice would delete them all, the new one included)
+    for old in sorted((out / "checkpoints").glob("step-???????"))[: -total_limit if total_limit else 0]:
         shutil.rmtree(old)
     return final
 

@@ -152,6 +152,12 @@ def loss_plot(history: Sequence[Mapping[str, float]]) -> Image.Image:
     axes.plot(steps, smoothed(losses, span), color="tab:red", linewidth=2, label=f"smoothed (EMA, span {span})")
     axes.set(title="training loss", xlabel="optimizer step", ylabel="flow-matching MSE")
     axes.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
+    crepa = [h.get("crepa_loss") for h in history]
+    if any(v is not None for v in crepa):  # its own axis: a negative cosine term summed in would hide the flow loss
+        twin = axes.twinx()
+        twin.plot(steps, crepa, color="tab:blue", linewidth=1.5, label="CREPA term (x crepa_lambda)")
+        twin.set_ylabel("CREPA term", color="tab:blue")
+        twin.legend(loc="upper center")
     return _image(figure, axes)
 
 

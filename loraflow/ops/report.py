@@ -131,6 +131,7 @@ class TrainStep:
     ms: float
     samples_per_s: float | None = None  # None in histories written before it was logged
     peak_gib: float | None = None  # CUDA only
+    crepa_loss: float | None = None  # CREPA's weighted term (crepa_enabled), apart from `loss`, the flow loss
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,14 +1,17 @@
 """The lora stage: flow-matching LoRA training from the latent and text caches only (no VAE, no text encoder).
 
 Resume is exact: an epoch's batch order comes from (seed, epoch) and every random draw of a micro-step (caption
-dropout, noise, sigmas, TREAD's tokens, LoRA dropout) from (seed, micro-step). A run lives in
-output_dir/runs/<key>, keyed by the input caches' data versions and every config key that changes numbers:
+dropout, noise, sigmas, TREAD's tokens, LoRA dropout, scheduled sampling's rollouts) from (seed, micro-step). A run
+lives in output_dir/runs/<key>, keyed by the input caches' data versions and every config key that changes numbers:
     checkpoints/step-NNNNNNN/   lora + optimizer .safetensors, state.json (written as .tmp, then renamed)
-    history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA)
+    history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA), crepa_loss (CREPA);
+                                the event files per `report_to` (ops/tracking.py)
+    crepa_projector.safetensors CREPA's projector (also in each checkpoint; ops/crepa_training.py)
     pytorch_lora_weights.safetensors   the adapter, diffusers format, written last: the run is done
 Gradient checkpointing and group offloading are exact (not in the key: turning them on after an OOM resumes the
-run); TREAD is not. base_model_precision stores frozen weights in bf16 or fp8 (layerwise casting); the forward
-runs under bf16 autocast on CUDA; LoRA weights, gradients and AdamW state are always fp32.
+run); TREAD is not. base_model_precision stores frozen weights in bf16, fp8 (layerwise casting) or int8 (torchao,
+ops/quantize.py); the forward runs under bf16 autocast on CUDA; LoRA weights and gradients are always fp32, AdamW's
+moments too unless `optimizer: adamw_bf16`.
 Under `accelerate launch` (num_processes > 1) each rank trains its share of every step and only rank 0 writes
 (loraflow/ops/distributed.py; loraflow/train_main.py is the launched entry point).
 """
@@ -29,16 +32,23 @@ from typing import Any
 import numpy as np
 import torch
 from peft import LoraConfig
+from safetensors.torch import save_file
 
 from loraflow.config import LoraflowConfig
 from loraflow.dataset_config import run_key_settings
 from loraflow.keys import content_key, data_version
+from loraflow.kernels.adamw_bf16 import AdamWBF16
 from loraflow.kernels.flow_matching import lr_at, sample_sigmas
+from loraflow.kernels.scheduled_sampling import draw_offsets, roll_out, rollout_probability
 from loraflow.kernels.tread import resolve_routes, tread_routing
 from loraflow.ops.batches import RowCache, prefetched
 from loraflow.ops.checkpoints import (
     LORA_FILE, export_comfyui, export_lora, latest_checkpoint, load_lora, resume_optimizer, save_checkpoint,
     write_json,
+)
+from loraflow.ops.crepa_training import (
+    Crepa, cache_teacher_features, capturing, load_teacher_batch, make_crepa, projector_state, teacher_keys,
+    teacher_version,
 )
 from loraflow.ops.devices import free_models, peak_memory_gib
 from loraflow.ops.distributed import (
@@ -47,7 +57,9 @@ from loraflow.ops.distributed import (
 from loraflow.ops.exchange import split_clips, text_lookup
 from loraflow.ops.latents import draw_latents
 from loraflow.ops.progress_renders import ProgressRenders
+from loraflow.ops.quantize import INT8_PRECISIONS, quantize_base_int8
 from loraflow.ops.report import LoraReport, TrainStep
+from loraflow.ops.tracking import open_sink
 from loraflow.pipelines.base import (
     ModelFamily, TextRow, conditioned_noisy, flow_mse, image_conditions, load_component,
 )
@@ -75,6 +87,7 @@ class StepDraws:
     noise: torch.Tensor  # (B, C, T, h, w) float32, drawn on the CPU: the same numbers on any device
     sigma: torch.Tensor  # (B,) in (0, 1), shifted
     seed: int  # seeds TREAD's token subset
+    rollout: torch.Tensor | None = None  # (B,) scheduled sampling's offsets in timesteps; None: off
 
 
 @dataclass(frozen=True)
@@ -83,17 +96,24 @@ class MicroBatch:
     x0: torch.Tensor  # (B, C, T, h, w) clean latents, CPU
     text: dict[str, torch.Tensor]  # family.collate_text output, CPU
     draws: StepDraws
+    teacher: torch.Tensor | None = None  # (B, T, g * g, E) CREPA's cached teacher features; None: off
 
 
-def upstream_versions(store: Store) -> dict[str, str]:
+def upstream_versions(store: Store, config: LoraflowConfig | None = None) -> dict[str, str]:
     """The data versions training reads: the lineage of an adapter.
 
     Only the texts training reads (captions and the empty prompt): a new validation prompt re-renders, never retrains.
+    With CREPA on (`config`), the teacher features too (other teacher weights in the same folder: a new run).
     """
     read = set(training_texts(store.read_manifest("clips")))
     text_keys = [key for item, key in text_lookup(store).items() if item in read]
-    return {"latents": data_version(r["key"] for r in store.read_manifest("latents")),
-            "text_embeds": data_version(text_keys)}
+    versions = {"latents": data_version(r["key"] for r in store.read_manifest("latents")),
+                "text_embeds": data_version(text_keys)}
+    if config is not None and config.crepa_enabled:
+        from loraflow.pipelines import get_family
+
+        versions["teacher_features"] = teacher_version(config, get_family(config), store)
+    return versions
 
 
 def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
@@ -103,7 +123,7 @@ def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
 
 
 def current_lora_path(config: LoraflowConfig, store: Store) -> str:
-    path = run_dir(config, upstream_versions(store)) / LORA_FILE
+    path = run_dir(config, upstream_versions(store, config)) / LORA_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no LoRA trained for the current caches and config ({path}): materialize `lora` first")
     return str(path)
@@ -182,11 +202,28 @@ def step_draws(config: LoraflowConfig, family: ModelFamily, micro_step: int, sha
     noise = torch.randn(shape, generator=generator)
     shift = config.flow_schedule_shift if config.flow_schedule_shift is not None else family.flavour.flow_shift
     sigma = sample_sigmas(shape[0], generator, config.flow_sigma_sampling, shift, config.flow_sigmoid_scale)
-    return StepDraws(drop, noise, sigma, step_seed(config.seed, micro_step, "tread"))
+    return StepDraws(drop, noise, sigma, step_seed(config.seed, micro_step, "tread"),
+                     rollout_offsets(config, micro_step, shape[0]))
+
+
+def rollout_offsets(config: LoraflowConfig, micro_step: int, batch: int) -> torch.Tensor | None:
+    """Scheduled sampling's per-sample rollout lengths, from their own generator: the other draws stay as they are
+    with it on or off, and a resumed run draws the same (None when max_step_offset is 0)."""
+    if not config.scheduled_sampling_max_step_offset:
+        return None
+    step = micro_step // (config.gradient_accumulation_steps * config.num_processes)  # the optimizer step
+    probability = rollout_probability(
+        step, config.scheduled_sampling_probability, config.scheduled_sampling_ramp_steps,
+        config.scheduled_sampling_prob_start, config.scheduled_sampling_prob_end,
+        config.scheduled_sampling_start_step, config.scheduled_sampling_ramp_shape)
+    generator = torch.Generator().manual_seed(step_seed(config.seed, micro_step, "rollout"))
+    return draw_offsets(batch, generator, probability, config.scheduled_sampling_max_step_offset,
+                        config.scheduled_sampling_strategy)
 
 
 def load_micro_batch(
     config: LoraflowConfig, family: ModelFamily, store: Store | RowCache, samples: list[Sample], micro_step: int,
+    teacher: dict[str, str] | None = None,
 ) -> MicroBatch:
     """Everything a micro-step reads, on the CPU (runs on the prefetch thread)."""
     latents = store.get("latents", {s.latent_key for s in samples})
@@ -199,7 +236,8 @@ def load_micro_batch(
     rows: dict[str, TextRow] = store.get("text_embeds", set(text_keys))
     text = family.collate_text([rows[k] for k in text_keys], torch.device("cpu"))
     text.update(image_conditions([latents[s.latent_key] for s in samples]))  # i2v rows' first-frame condition
-    return MicroBatch(samples, x0, text, draws)
+    features = load_teacher_batch(store, [teacher[s.latent_key] for s in samples]) if teacher else None
+    return MicroBatch(samples, x0, text, draws, features)
 
 
 # 2. model: precision, LoRA, memory features -------------------------------------------------------------------
@@ -224,6 +262,8 @@ def load_transformer(config: LoraflowConfig, family: ModelFamily, device: torch.
     dtype = torch.float32 if config.base_model_precision == "no_change" else torch.bfloat16
     where = "cpu" if config.enable_group_offload else str(device)  # group offloading moves the blocks itself
     transformer = load_component(model_source(config), "transformer", dtype, where)
+    if config.base_model_precision in INT8_PRECISIONS:
+        quantize_base_int8(transformer)  # before the adapter: peft wraps the int8 layers, LoRA stays fp32
     if config.base_model_precision == "fp8-layerwise":
         # Before the adapter: the casting hooks then sit on the base layers only, and LoRA stays fp32.
         transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
@@ -322,13 +362,44 @@ def _offload_hooks(transformer: torch.nn.Module) -> list[Any]:
 def flow_loss(
     transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
 ) -> torch.Tensor:
+    """The flow-matching loss of a micro-step alone (`step_losses` without CREPA)."""
+    return step_losses(transformer, family, batch, device, autocast)[0]
+
+
+def step_losses(
+    transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
+    crepa: Crepa | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32); i2v: frame 0
-    of x_t is x0's (the image) and the loss covers the generated frames only (`conditioned_noisy`, `flow_mse`)."""
+    of x_t is x0's (the image) and the loss covers the generated frames only (`conditioned_noisy`, `flow_mse`).
+    Scheduled sampling replaces x_t by the model's own rollout (the target stays); with CREPA, also its weighted
+    term (else None)."""
     x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
     text = {k: v.to(device) for k, v in batch.text.items()}
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        prediction = family.velocity(transformer, conditioned_noisy(family, x0, noise, sigma), sigma, text)
-    return flow_mse(family, prediction, x0, noise)
+    x_t = conditioned_noisy(family, x0, noise, sigma)
+    if batch.draws.rollout is not None:
+        x_t = rolled_out(transformer, family, x_t, x0, noise, sigma, batch.draws.rollout, text, autocast)
+    with capturing(crepa, transformer) as capture, torch.autocast(device.type, dtype=torch.bfloat16,
+                                                                  enabled=autocast):
+        prediction = family.velocity(transformer, x_t, sigma, text)
+    term = None if crepa is None else crepa.term(transformer, capture, batch.teacher, tuple(x0.shape[2:]))
+    return flow_mse(family, prediction, x0, noise), term
+
+
+def rolled_out(transformer: torch.nn.Module, family: ModelFamily, x_t: torch.Tensor, x0: torch.Tensor,
+               noise: torch.Tensor, sigma: torch.Tensor, offsets: torch.Tensor, text: dict[str, torch.Tensor],
+               autocast: bool) -> torch.Tensor:
+    """Scheduled sampling's input: the current model's no-grad Euler rollout from the later sigma. In eval mode:
+    LoRA dropout off, so the rollout is the model's own prediction and draws nothing from the global RNG."""
+    def predict(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+            return family.velocity(transformer, x, at, text).float()
+
+    transformer.eval()
+    try:
+        return roll_out(predict, x_t, x0, noise, sigma, offsets.to(x_t.device), family.flavour.conditioning_frames)
+    finally:
+        transformer.train()
 
 
 def routing(transformer: torch.nn.Module, family: ModelFamily, config: LoraflowConfig,
@@ -345,7 +416,10 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
     # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
     world, device = join(config.num_processes)
-    upstream = upstream_versions(store)
+    if config.crepa_enabled and world.main:  # the teacher_features stage: computes what the store lacks
+        cache_teacher_features(config, family, store)
+    barrier(world)
+    upstream = upstream_versions(store, config)
     out = run_dir(config, upstream)
     finished = (out / LORA_FILE).is_file()
     check_same_everywhere("the run folder", lambda: content_key(run=out.name, finished=finished), world, device)
@@ -364,29 +438,39 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     if checkpoint is not None:
         load_lora(checkpoint, transformer)
     enable_offload(transformer, config, device)
+    crepa = make_crepa(config, family, transformer, store, checkpoint, device)
+    params = params + ([] if crepa is None else list(crepa.projector.parameters()))  # trained with the LoRA
     trainable = Trainable(transformer, params, device)
     broadcast_(params, world)  # equal already (same seed or checkpoint); DDP's guarantee, made explicit
     trainable.sync_copies()
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY)
+    optimizer = make_optimizer(config, params)
     start, history = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
     # 3. steps
     history = run_steps(config, family, store, plan, transformer, trainable, optimizer, start, history, out,
-                        world)
+                        world, crepa)
     check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, params), world, device)
     # 4. rank 0 writes the history, then the adapter: the adapter's presence marks the run done
     if world.main:
         write_json(out / "history.json", history)
+        for name, tensors in projector_state(crepa).items():  # beside the adapter, before it marks the run done
+            save_file(tensors, out / name)
         export_lora(out, transformer, family, config.lora_format)
     barrier(world)  # every rank returns once the run is done
-    del transformer, trainable, optimizer, params  # the last references: free_models can free the weights
+    del transformer, trainable, optimizer, params, crepa  # the last references: free_models can free the weights
     free_models()
     return lora_report(out, upstream, computed=config.max_train_steps - start, resumed_at=start)
+
+
+def make_optimizer(config: LoraflowConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if config.optimizer == "adamw_bf16":
+        return AdamWBF16(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY, seed=config.seed)
+    return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY)
 
 
 def run_steps(
     config: LoraflowConfig, family: ModelFamily, store: Store, plan: BatchPlan,
     transformer: torch.nn.Module, trainable: Trainable, optimizer: torch.optim.Optimizer, start: int,
-    history: list[dict], out: Path, world: World = World(),
+    history: list[dict], out: Path, world: World = World(), crepa: Crepa | None = None,
 ) -> list[dict]:
     """Optimizer steps start..max_train_steps: set lr, micro-steps, average over ranks, clip + step, log, checkpoint.
 
@@ -395,10 +479,11 @@ def run_steps(
     device, accum = trainable.device, config.gradient_accumulation_steps
     autocast = uses_autocast(config, device)
     rows = RowCache(store)
+    teacher = teacher_keys(config, family, store) if crepa is not None else None
     batches = prefetched(lambda j: load_micro_batch(config, family, rows, plan(world.micro_step(j)),
-                                                    world.micro_step(j)),
+                                                    world.micro_step(j), teacher),
                          range(start * accum, config.max_train_steps * accum))
-    writer = _tensorboard(out, start) if world.main else None
+    sink = open_sink(config.report_to, out, start, run_key_settings(config)) if world.main else None
     renders = ProgressRenders(config, family, store, out, transformer, world)  # validation_steps; off by default
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -409,57 +494,55 @@ def run_steps(
             lr = lr_at(step, config.learning_rate, config.lr_warmup_steps, config.max_train_steps, config.lr_scheduler)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum, seen = 0.0, 0
+            losses, seen = [0.0, 0.0], 0  # flow loss, CREPA term (weighted)
             for micro in range(step * accum, (step + 1) * accum):
                 batch = next(batches)
                 if config.lora_dropout:  # peft's dropout draws from the global RNG
                     torch.manual_seed(step_seed(config.seed, world.micro_step(micro), "lora_dropout"))
                 with routing(transformer, family, config, batch.draws.seed):
-                    loss = flow_loss(transformer, family, batch, device, autocast)
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"step {step + 1}: loss is {loss.item()}; no update was made. "
+                    loss, term = step_losses(transformer, family, batch, device, autocast, crepa)
+                    total = loss if term is None else loss + term
+                    if not torch.isfinite(total):
+                        raise FloatingPointError(f"step {step + 1}: loss is {total.item()}; no update was made. "
                                                  "Lower learning_rate, or check the latent and text caches")
-                    (loss / accum if accum > 1 else loss).backward()
+                    (total / accum if accum > 1 else total).backward()
                 trainable.collect()
-                loss_sum, seen = loss_sum + loss.item() / accum, seen + len(batch.samples)
+                losses = [losses[0] + loss.item() / accum, losses[1] + (0.0 if term is None else term.item() / accum)]
+                seen += len(batch.samples)
             average_gradients_(trainable.gradients(), world)
             grad_norm = trainable.step(optimizer, config.max_grad_norm)  # the same on every rank
-            loss_sum, seen = sum_over_ranks([loss_sum / world.size, seen], world, device)
+            loss_sum, crepa_sum, seen = sum_over_ranks([losses[0] / world.size, losses[1] / world.size, seen],
+                                                       world, device)
             if world.main:
+                extra = {} if crepa is None else {"crepa_loss": crepa_sum}
                 history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
-                                         time.perf_counter() - began, seen, device, writer))
+                                         time.perf_counter() - began, seen, device, sink, extra))
             if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
                 if world.main:
-                    save_checkpoint(out, step + 1, transformer, optimizer, history, config.checkpoints_total_limit)
+                    save_checkpoint(out, step + 1, transformer, optimizer, history, config.checkpoints_total_limit,
+                                    projector_state(crepa))
                 barrier(world)  # no rank runs ahead of the newest checkpoint
             renders.after_step(step + 1)
     finally:
         batches.close()
-        if writer is not None:
-            writer.close()
+        if sink is not None:
+            sink.close()
     return history
 
 
 def _log_step(step: int, total: int, loss: float, lr: float, grad_norm: float, seconds: float, seen: int,
-              device: torch.device, writer: Any) -> dict[str, float]:
-    """One greppable line, one TensorBoard point, one history row."""
+              device: torch.device, sink: Any, extra: dict[str, float]) -> dict[str, float]:
+    """One greppable line, one point per number in the `report_to` sink, one history row. `loss` is the flow loss
+    alone; `extra` holds a regulariser's term (crepa_loss), logged as its own series."""
     row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": seconds * 1000,
            "samples_per_s": seen / seconds} | ({"peak_gib": peak_memory_gib(device)} if device.type == "cuda" else {})
-    log.info("step %d/%d | loss %.4f | lr %.1e | grad %.3f | %.0f ms | %.2f samples/s | %s GiB", step, total, loss, lr,
-             grad_norm, row["ms"], row["samples_per_s"], f"{row['peak_gib']:.1f}" if "peak_gib" in row else "-")
-    for name, value in row.items() if writer is not None else ():
-        writer.add_scalar(f"train/{name}", value, step)
+    row |= extra
+    log.info("step %d/%d | loss %.4f%s | lr %.1e | grad %.3f | %.0f ms | %.2f samples/s | %s GiB", step, total, loss,
+             "".join(f" | {k} {v:.4f}" for k, v in extra.items()), lr, grad_norm, row["ms"], row["samples_per_s"],
+             f"{row['peak_gib']:.1f}" if "peak_gib" in row else "-")
+    if sink is not None:
+        sink.log({k: v for k, v in row.items() if k != "step"}, step)
     return row
-
-
-def _tensorboard(out: Path, start: int) -> Any:
-    """A TensorBoard event writer under the run folder when tensorboard is installed (optional)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        log.info("tensorboard is not installed: no event files (history.json has the same numbers)")
-        return None
-    return SummaryWriter(str(out / "tensorboard"), purge_step=start + 1)  # a resumed run drops the lost steps
 
 
 def lora_report(out: Path, upstream: dict[str, str], computed: int, resumed_at: int = 0) -> LoraReport:

@@ -318,8 +318,8 @@ def test_definitions_wire_partitions_jobs_checks_sensor_schedule_and_retries() -
     assert {s.name for s in defs.sensors} == {"dataset_watch"}
     graph = defs.resolve_asset_graph()
     partitioned = {key.path[-1]: graph.get(key).partitions_def for key in graph.get_all_asset_keys()}
-    assert partitioned == {"clips": DATASETS, "latents": DATASETS, "text_embeds": None, "lora": None,
-                           "validation": None}
+    assert partitioned == {"clips": DATASETS, "latents": DATASETS, "text_embeds": None, "teacher_features": None,
+                           "lora": None, "validation": None}
     cache = defs.resolve_job_def("cache_dataset")
     assert cache.partitions_def == DATASETS
     assert cache.op_retry_policy is not None and cache.op_retry_policy.max_retries == 2

@@ -28,7 +28,7 @@ from tests.dagster_dev import dagster_dev
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-ASSETS = ("clips", "latents", "text_embeds", "lora", "validation")
+ASSETS = ("clips", "latents", "text_embeds", "teacher_features", "lora", "validation")
 WAIT_MS = 30_000  # the UI fetches over GraphQL after the page loads; 2 CPU cores are slow
 
 if not CHROMIUM.exists() and not os.environ.get("CI"):
@@ -122,7 +122,8 @@ def test_catalog_lists_the_five_assets_and_the_dataset_partitions(page, server: 
     page.goto(f"{server}/assets")
     for asset in ASSETS:
         page.locator(f'a[href$="/assets/{asset}"]').first.wait_for()
-    expect(page.get_by_text("Materialized", exact=True)).to_have_count(3)  # text_embeds, lora, validation
+    # text_embeds, teacher_features (CREPA off: one "off" version), lora, validation
+    expect(page.get_by_text("Materialized", exact=True)).to_have_count(4)
     # clips and latents: a partition per dataset (the demo has one), "All" of them materialized
     expect(page.get_by_text("1 partition", exact=True)).to_have_count(2)
     expect(page.get_by_text("All", exact=True)).to_have_count(2)

@@ -11,7 +11,8 @@ import torch
 from diffusers import HunyuanVideo15Transformer3DModel, Kandinsky5Transformer3DModel
 
 from loraflow.kernels.crepa import (
-    CrepaProjector, align_teacher, capture_block, crepa_loss, frame_tokens, load_projector, save_projector, token_grid,
+    CrepaProjector, align_teacher, capture_block, crepa_loss, frame_tokens, hidden_width, load_projector, save_projector,
+    token_grid,
 )
 from loraflow.kernels.tread import TokenLayout
 from tests.numerics import gamma
@@ -168,6 +169,7 @@ def test_block_tokens_are_frames_of_patches(name: str, request: pytest.FixtureRe
         forward(model, latents)
     tokens = frame_tokens(capture.hidden, grid)
     assert tokens.shape == (1, grid[0], grid[1] * grid[2], 32)  # both tiny transformers are 32 wide
+    assert hidden_width(model.config) == 32  # the projector's input width, read from each family's config
     crepa_loss(tokens, torch.randn(1, 3, 4, tokens.shape[-1]), grid).loss.backward()
     first = next(p for n, p in model.named_parameters() if n.startswith(f"{layout.blocks}.0."))
     assert first.grad is not None and first.grad.abs().sum() > 0

@@ -53,7 +53,7 @@ def spy(name, fn):
         writes.append(name)
         return fn(*args, **kwargs)
     return wrapped
-for name in ("save_checkpoint", "export_lora", "write_json", "_tensorboard"):
+for name in ("save_checkpoint", "export_lora", "write_json", "open_sink"):
     setattr(T, name, spy(name, getattr(T, name)))
 run_steps = T.run_steps
 def keep_transformer(*args, **kwargs):
@@ -107,7 +107,7 @@ def test_ranks_hold_identical_weights_and_only_rank_0_writes(two_ranks: dict) ->
     assert all(torch.equal(exported[f"transformer.{k}"], v) for k, v in rank0.items())
     writes = {r: (probe / f"rank{r}.writes").read_text().split() for r in (0, 1)}
     assert writes[1] == []
-    assert sorted(writes[0]) == ["_tensorboard", "export_lora", "save_checkpoint", "write_json"]
+    assert sorted(writes[0]) == ["export_lora", "open_sink", "save_checkpoint", "write_json"]
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000002"]
 
 

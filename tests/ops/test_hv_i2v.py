@@ -245,3 +245,22 @@ def test_the_hv_i2v_example_config_validates() -> None:
     config = load_config(REPO / "configs" / "hunyuanvideo15_i2v.yaml")
     family = get_family(config)
     assert family.flavour.task == "i2v" and family.image_condition_components
+
+
+def test_hv_i2v_trains_with_crepa_and_scheduled_sampling(trained, root: Path, tmp_path: Path) -> None:
+    """HunyuanVideo 1.5's block layout and i2v's clean first frame under both guide features: the rollout changes
+    step 1's input (its first latent frame stays the image's), CREPA's term is logged apart, the LoRA differs."""
+    from safetensors.torch import load_file
+
+    from loraflow.pipelines.tiny_parts import tiny_dinov2
+
+    _, plain = trained
+    guided = make_config(root, tmp_path / "out", crepa_enabled=True, crepa_block_index=1,
+                         crepa_encoder_path=str(tiny_dinov2(tmp_path / "dinov2")), crepa_encoder_image_size=16,
+                         scheduled_sampling_max_step_offset=8, scheduled_sampling_probability=1.0,
+                         scheduled_sampling_strategy="biased_late")
+    report = T.train_lora(guided, get_family(guided), Store(guided.cache_dir))
+    assert all(r.crepa_loss is not None and np.isfinite(r.crepa_loss) and r.crepa_loss != 0 for r in report.history)
+    assert report.history[0].loss != plain.history[0].loss  # same weights at step 1: only the rolled-out input differs
+    ours, theirs = load_file(report.lora_path), load_file(plain.lora_path)
+    assert ours.keys() == theirs.keys() and any(not torch.equal(ours[k], theirs[k]) for k in ours)

@@ -290,3 +290,23 @@ def test_check_lists_a_target_without_its_source_image(cached, tmp_path: Path,
     assert main(["check", str(path)]) == 0
     dropped = capsys.readouterr().out.split("dropped 1 file(s):")[1]
     assert "orphan.png" in dropped and "missing_source_image" in dropped
+
+
+def test_k5_image_trains_with_crepa_on_single_frames_and_an_int8_base(cached, tmp_path: Path) -> None:
+    """The K5 Image guide's int8-quanto base with CREPA on one-frame clips (REPA: each image aligned to its own
+    teacher features, no neighbours): it trains, logs the term apart, and the LoRA differs from the plain run's."""
+    from safetensors.torch import load_file
+
+    from loraflow.pipelines.tiny_parts import tiny_dinov2
+
+    config, _ = cached
+    settings = config.model_dump(mode="json", exclude_none=True)
+    plain = parse_config({**settings, "output_dir": str(tmp_path / "plain")})
+    store, family = Store(config.cache_dir), get_family(config)
+    guided = parse_config({**settings, "output_dir": str(tmp_path / "guided"), "base_model_precision": "int8-quanto",
+                           "crepa_enabled": True, "crepa_block_index": 1, "crepa_encoder_image_size": 16,
+                           "crepa_encoder_path": str(tiny_dinov2(tmp_path / "dinov2"))})
+    report, before = T.train_lora(guided, family, store), T.train_lora(plain, family, store)
+    assert all(r.crepa_loss is not None and np.isfinite(r.crepa_loss) and r.crepa_loss != 0 for r in report.history)
+    ours, theirs = load_file(report.lora_path), load_file(before.lora_path)
+    assert ours.keys() == theirs.keys() and any(not torch.equal(ours[k], theirs[k]) for k in ours)
