@@ -15,7 +15,9 @@ Arrow fixed-shape tensor columns; they are read as they were written (nothing to
 
 Reads fetch only the row groups holding the wanted keys: a shard's rows are grouped by about ROW_GROUP_BYTES
 (one latent per group at real sizes, many text rows per group), and each shard's keys and footer are read once per
-Store (shards are immutable, so neither goes stale). A local shard is read memory-mapped.
+Store (shards are immutable, so neither goes stale). A get finds its keys' shards in that index and lists the stage's
+shards again only for a key it has not seen, so a loop of one-key gets costs no listing per key. A local shard is
+read memory-mapped.
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ class Store:
         self.parts: frozenset[str] | None = None  # see only_parts
         self._index: dict[str, list[list[str]]] = {}  # shard path -> its keys, per row group
         self._footers: dict[str, pq.FileMetaData] = {}  # shard path -> its Parquet footer
+        self._where: dict[str, dict[str, tuple[str, int]]] = {}  # stage -> key -> (shard, row group) holding it
 
     def _dir(self, stage: str) -> str:
         return f"{self.root.rstrip('/')}/{stage}"
@@ -163,7 +166,7 @@ class Store:
             _fsync_local(f)
         self.fs.mv(tmp, path)
 
-    def _shard_keys(self, shard: str) -> list[list[str]]:
+    def _shard_keys(self, stage: str, shard: str) -> list[list[str]]:
         """The shard's keys, one list per row group (read once: a committed shard never changes)."""
         if shard not in self._index:
             with self._open(shard) as parquet:
@@ -172,7 +175,17 @@ class Store:
                 self._footers[shard] = parquet.metadata
             starts = np.cumsum([0, *sizes])
             self._index[shard] = [keys[a:b] for a, b in zip(starts[:-1], starts[1:])]
+            where = self._where.setdefault(stage, {})
+            for group, group_keys in enumerate(self._index[shard]):
+                for key in group_keys:
+                    where.setdefault(key, (shard, group))  # a key in two shards (two writers) is read from one
         return self._index[shard]
+
+    def _index_stage(self, stage: str) -> dict[str, tuple[str, int]]:
+        """List the stage's shards, index the new ones; where each committed key is."""
+        for shard in self.shard_paths(stage):
+            self._shard_keys(stage, shard)
+        return self._where.get(stage, {})
 
     @contextlib.contextmanager
     def _open(self, shard: str) -> Iterator[pq.ParquetFile]:
@@ -195,16 +208,21 @@ class Store:
 
     def keys(self, stage: str) -> set[str]:
         """Every committed key of a stage: the resume point."""
-        return {key for shard in self.shard_paths(stage) for group in self._shard_keys(shard) for key in group}
+        return set(self._index_stage(stage))
 
     def get(self, stage: str, keys: Iterable[str], columns: list[str] | None = None) -> dict[str, dict[str, Any]]:
         """Rows for the given keys, by key. Missing keys raise: reading a cache that is not there is a bug."""
         wanted = set(keys)
+        where = self._where.get(stage, {})
+        if not wanted <= where.keys():  # committed since this Store last looked, or not there at all
+            where = self._index_stage(stage)
+        groups_of: dict[str, set[int]] = {}
+        for key in wanted & where.keys():
+            shard, group = where[key]
+            groups_of.setdefault(shard, set()).add(group)
         rows: dict[str, dict[str, Any]] = {}
-        for shard in self.shard_paths(stage):
-            groups = [i for i, group in enumerate(self._shard_keys(shard)) if any(k in wanted for k in group)]
-            if not groups:
-                continue
+        for shard in sorted(groups_of):
+            groups = sorted(groups_of[shard])
             with self._open(shard) as parquet:
                 table = parquet.read_row_groups(groups, columns=_with_shapes(parquet.schema_arrow, columns))
             hits = [i for i, k in enumerate(table.column("key").to_pylist()) if k in wanted and k not in rows]
@@ -328,11 +346,13 @@ class Store:
         keep = self.manifest_keys(stage) if keep is None else keep
         removed = 0
         for shard in self.shard_paths(stage):
-            if not any(k in keep for group in self._shard_keys(shard) for k in group):
+            if not any(k in keep for group in self._shard_keys(stage, shard) for k in group):
                 self.fs.rm(shard)
-                self._index.pop(shard, None)
-                self._footers.pop(shard, None)
                 removed += 1
+        for shard in [s for s in self._index if s.startswith(f"{self._dir(stage)}/")]:  # re-read what is left
+            self._index.pop(shard)
+            self._footers.pop(shard, None)
+        self._where.pop(stage, None)
         return removed
 
 

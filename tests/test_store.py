@@ -197,3 +197,21 @@ def test_a_cache_dir_with_glob_characters_in_its_name_resumes(tmp_path: Path) ->
     again = Store(str(root))
     assert again.keys("clips") == {"a"} and again.manifest_parts("clips") == ["d0"]
     assert len(again.shard_paths("clips")) == 1
+
+
+def test_one_key_gets_list_the_shards_once_and_again_only_for_a_new_key(store: Store, monkeypatch) -> None:
+    for i in range(20):
+        store.put("stage", [{"key": f"k{i}", "x": i}])
+    listed: list[str] = []
+    original = store.fs.ls
+    monkeypatch.setattr(store.fs, "ls", lambda path, **kw: listed.append(path) or original(path, **kw))
+    assert [store.get("stage", [f"k{i}"])[f"k{i}"]["x"] for i in range(20)] == list(range(20))
+    assert len(listed) == 1  # listing per get made a loop over N keys cost N listings of N shards
+    store.put("stage", [{"key": "new", "x": 99}])  # committed after the listing: found by listing again
+    assert store.get("stage", ["new"])["new"]["x"] == 99 and len(listed) == 2
+    with pytest.raises(KeyError):
+        store.get("stage", ["never"])
+    assert store.clean("stage", keep={"k3", "new"}) == 19
+    assert store.get("stage", ["k3", "new"]).keys() == {"k3", "new"}
+    with pytest.raises(KeyError):
+        store.get("stage", ["k4"])  # its shard is gone, and so is its place in the index
