@@ -4,26 +4,22 @@
    latents/s of `encode_latents` from an empty latents cache (VAE load included; median of 3 fresh caches)
    and the time of a fully cached rerun (computed: 0), for `latent_sampling: mode` and `distribution`
    (mean + log-variance: twice the tensor bytes).
-2. the store at a real latent size (Kandinsky 5 Video, 61 frames at 480x720: float32 (16, 16, 60, 90),
-   5.5 MB; random normal values, so compression finds little, as in real latents' mantissas):
-   write `ITEMS` latents as the stage writes them (`Store.put` of SHARD_CLIPS rows per shard) vs one
-   `np.save` file per latent; then read random batches of 16 keys as training does (`Store.get` of 16 keys
-   vs 16 `np.load(allow_pickle=False)`), from the page cache ("warm") and after evicting every file from
-   it with POSIX_FADV_DONTNEED ("evicted": the guest's cache only; a VM host may still hold the bytes).
-   Writes are timed to the page cache and again including `os.sync()`. `bf16_as_uint16` repeats this with
-   the same latents as bf16 bit patterns (uint16): what a bf16 cache would cost (the stage stores float32).
-   Reads report the useful bytes (16 latents) per second; a Parquet shard is read whole, so `Store.get`
-   reads about `shards_read_per_batch` x SHARD_CLIPS latents to return 16.
-   Two what-ifs for store.py, same shards (SHARD_CLIPS rows, zstd): `parquet_binary` holds each latent as
-   one raw-bytes cell (`large_binary`) instead of a fixed-shape tensor column (which Parquet encodes as a
-   list, with repetition/definition levels per value), read the same way (key columns, then whole shards);
-   `parquet_binary_row_groups` also writes one row group per latent and reads only the row groups of the
-   wanted keys, so a batch no longer reads its shards' other latents.
+2. the store at a real latent size (Kandinsky 5 Video Lite, 5 s = 121 frames at 512x768 through the 4x temporal,
+   8x spatial, 16-channel VAE: float32 (16, 31, 64, 96), 12.2 MB, as the stage stores it; random normal values,
+   so compression finds little, as in real latents' mantissas): write `ITEMS` latents as the stage writes them
+   (`Store.put` of SHARD_CLIPS rows per shard) vs one `np.save` file per latent; then read random batches of 16
+   keys as training does (`Store.get` of 16 keys vs 16 `np.load(allow_pickle=False)`), from the page cache
+   ("warm") and after evicting every file from it with POSIX_FADV_DONTNEED ("evicted": the guest's cache only; a
+   VM host may still hold the bytes). Writes are timed to the page cache and again including `os.sync()`.
+   `store_before_raw_cells` is the layout the store wrote before raw-bytes cells (Arrow fixed-shape tensor
+   columns, zstd), written here by hand and read by today's `Store.get` (how a cache from then is read now).
+   Each way reads its batches interleaved with the others' (round robin), so load on a shared machine hits all
+   alike; `vs_npy` is the ratio of medians (npy time / this way's time: 1.0 = as fast as `.npy`).
 
 One torch/Arrow thread by default: the machine is shared; numbers are for comparing, not absolute.
 
     .venv/bin/python benchmarks/bench_latents.py     # writes benchmarks/results/latents_cpu.json
-    .venv/bin/python benchmarks/bench_latents.py --threads 2 --items 100
+    .venv/bin/python benchmarks/bench_latents.py --threads 2 --items 64
 """
 
 from __future__ import annotations
@@ -44,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: loraflow comes from this checkout
 RESULTS = ROOT / "benchmarks" / "results" / "latents_cpu.json"
 WORK = ROOT / "benchmarks" / "out" / "latents"  # git-ignored
-K5_VIDEO_LATENT = (16, 16, 60, 90)  # (C, T, h, w): 61 frames at 480x720 through the 8x/4x VAE
-ITEMS, BATCH, READ_BATCHES = 200, 16, 5
+K5_LITE_5S_LATENT = (16, 31, 64, 96)  # (C, T, h, w): 121 frames at 512x768 through the 4x/8x VAE
+ITEMS, BATCH, READ_BATCHES = 96, 16, 9
 
 
 def timed(fn: Any) -> tuple[Any, float]:
@@ -111,91 +107,70 @@ def evict(paths: list[Path]) -> None:
             os.close(fd)
 
 
-class BinaryShards:
-    """The what-if: Parquet shards whose latent column holds each tensor's raw bytes (one cell per latent)."""
+def put_before_raw_cells(root: Path, rows: list[dict[str, Any]]) -> None:
+    """One shard as the store wrote it before raw-bytes cells: a fixed-shape tensor column, every column zstd."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    def __init__(self, root: Path, shape: tuple[int, ...], dtype: Any, row_groups: bool) -> None:
-        self.root, self.shape, self.dtype, self.row_groups = root, shape, dtype, row_groups
-        root.mkdir(parents=True)
+    from loraflow.store import ROW_GROUP_BYTES
 
-    def put(self, rows: list[dict[str, Any]]) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        table = pa.table({"key": [r["key"] for r in rows],
-                          "latent": pa.array([r["latent"].tobytes() for r in rows], type=pa.large_binary())})
-        pq.write_table(table, self.root / f"{rows[0]['key']}.parquet", compression="zstd", use_dictionary=["key"],
-                       row_group_size=1 if self.row_groups else None)
-
-    def get(self, keys: list[str]) -> dict[str, Any]:
-        import numpy as np
-        import pyarrow.parquet as pq
-
-        wanted, found = set(keys), {}
-        for shard in sorted(self.root.glob("*.parquet")):
-            shard_keys = pq.read_table(shard, columns=["key"]).column("key").to_pylist()
-            hits = [i for i, k in enumerate(shard_keys) if k in wanted]
-            if hits:
-                # one row per row group: read just those; else the whole shard, then take, as Store.get does
-                if self.row_groups:
-                    table = pq.ParquetFile(shard).read_row_groups(hits)
-                else:
-                    table = pq.read_table(shard).take(hits)
-                for key, cell in zip(table.column("key").to_pylist(), table.column("latent")):
-                    found[key] = np.frombuffer(cell.as_buffer(), self.dtype).reshape(self.shape)
-        return found
+    flat = pa.array(np.stack([r["latent"] for r in rows]).reshape(-1))
+    storage = pa.FixedSizeListArray.from_arrays(flat, rows[0]["latent"].size)
+    latent = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(flat.type, rows[0]["latent"].shape), storage)
+    table = pa.table({"key": [r["key"] for r in rows], "latent": latent})
+    path = root / "latents" / "shards" / f"{rows[0]['key']}.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path, compression="zstd", use_dictionary=["key"],
+                   row_group_size=max(1, ROW_GROUP_BYTES * table.num_rows // table.nbytes))
 
 
-def store_vs_npy(latents: list, name: str) -> dict[str, Any]:
+def store_vs_npy(latents: list) -> dict[str, Any]:
     import numpy as np
 
     from loraflow.ops.latents import SHARD_CLIPS
     from loraflow.store import Store
 
-    root, npy = WORK / name, WORK / name / "npy"
-    npy.mkdir(parents=True)
-    store = Store(str(root / "store"))
-    binary, grouped = (BinaryShards(root / f"binary{g}", latents[0].shape, latents[0].dtype, g) for g in (0, 1))
+    root = WORK / "real"
     rows = [{"key": f"k{i:04d}", "latent": latent} for i, latent in enumerate(latents)]
     shards = [rows[start : start + SHARD_CLIPS] for start in range(0, len(rows), SHARD_CLIPS)]  # as the stage writes
-    item_mb = latents[0].nbytes / 1e6
+    (root / "npy").mkdir(parents=True)
+    stores = {name: Store(str(root / name)) for name in ("store", "store_before_raw_cells")}
     ways = {  # name -> (write all, read a batch of keys, the files it wrote)
-        "store": (lambda: [store.put("latents", shard) for shard in shards],
-                  lambda keys: store.get("latents", keys), lambda: sorted((root / "store").rglob("*.parquet"))),
-        "parquet_binary": (lambda: [binary.put(shard) for shard in shards],
-                           binary.get, lambda: sorted(binary.root.glob("*.parquet"))),
-        "parquet_binary_row_groups": (lambda: [grouped.put(shard) for shard in shards],
-                                      grouped.get, lambda: sorted(grouped.root.glob("*.parquet"))),
-        "npy": (lambda: [np.save(npy / f"{r['key']}.npy", r["latent"], allow_pickle=False) for r in rows],
-                lambda keys: [np.load(npy / f"{k}.npy", allow_pickle=False) for k in keys],
-                lambda: sorted(npy.glob("*.npy"))),
+        "store": (lambda: [stores["store"].put("latents", shard) for shard in shards],
+                  lambda keys: stores["store"].get("latents", keys),
+                  lambda: sorted((root / "store").rglob("*.parquet"))),
+        "store_before_raw_cells": (lambda: [put_before_raw_cells(root / "store_before_raw_cells", s) for s in shards],
+                                   lambda keys: stores["store_before_raw_cells"].get("latents", keys),
+                                   lambda: sorted((root / "store_before_raw_cells").rglob("*.parquet"))),
+        "npy": (lambda: [np.save(root / "npy" / f"{r['key']}.npy", r["latent"], allow_pickle=False) for r in rows],
+                lambda keys: {k: np.load(root / "npy" / f"{k}.npy", allow_pickle=False) for k in keys},
+                lambda: sorted((root / "npy").glob("*.npy"))),
     }
-    batches = [random.Random(b).sample([r["key"] for r in rows], BATCH) for b in range(READ_BATCHES)]
+    item_mb = latents[0].nbytes / 1e6
     out: dict[str, Any] = {"items": len(rows), "item_mb": round(item_mb, 2), "dtype": str(latents[0].dtype)}
-    for way, (write, read, files) in ways.items():
+    for way, (write, _, files) in ways.items():
         os.sync()
         _, seconds = timed(write)
         _, sync_s = timed(os.sync)
-        out[way] = {"write_items_per_s": round(len(rows) / seconds, 1),
-                    "write_mb_per_s": round(len(rows) * item_mb / seconds, 1),
+        out[way] = {"write_mb_per_s": round(len(rows) * item_mb / seconds, 1),
                     "write_with_sync_mb_per_s": round(len(rows) * item_mb / (seconds + sync_s), 1),
                     "bytes_on_disk": sum(p.stat().st_size for p in files())}
-        for cache in ("warm", "evicted"):
-            times = []
-            for keys in batches:
-                evict(files()) if cache == "evicted" else read(keys)  # warm: the batch's pages cached
-                times.append(timed(lambda: read(keys))[1])
-            median = statistics.median(times)
+    batches = [random.Random(b).sample([r["key"] for r in rows], BATCH) for b in range(READ_BATCHES)]
+    for cache in ("warm", "evicted"):
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        for keys in batches:
+            for way, (_, read, files) in ways.items():
+                evict(files()) if cache == "evicted" else read(keys)  # warm: the batch's pages and index cached
+                got, seconds = timed(lambda: read(keys))
+                times[way].append(seconds)
+                assert all(np.array_equal(got[k]["latent"] if way != "npy" else got[k], latents[int(k[1:])])
+                           for k in keys), f"{way} returned other numbers"
+        for way in ways:
+            median = statistics.median(times[way])
             out[way][f"read16_{cache}_ms"] = round(median * 1e3, 1)
-            out[way][f"read16_{cache}_items_per_s"] = round(BATCH / median, 1)
             out[way][f"read16_{cache}_mb_per_s"] = round(BATCH * item_mb / median, 1)
-        first = batches[0][0]
-        got = read([first])
-        got = got[first] if isinstance(got, dict) else got[0]
-        got = got["latent"] if isinstance(got, dict) else got
-        assert np.array_equal(got, rows[int(first[1:])]["latent"]), f"{way} returned other numbers"
-    shard_of = {r["key"]: i // SHARD_CLIPS for i, r in enumerate(rows)}
-    out["shards_read_per_batch"] = statistics.median(len({shard_of[k] for k in keys}) for keys in batches)
+            out[way][f"read16_{cache}_vs_npy"] = round(statistics.median(times["npy"]) / median, 2)
     shutil.rmtree(root)
     return out
 
@@ -204,12 +179,8 @@ def real_size(items: int) -> dict[str, Any]:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    float32 = [rng.standard_normal(K5_VIDEO_LATENT, dtype=np.float32) for _ in range(items)]
-    result = {"shape": list(K5_VIDEO_LATENT), "float32": store_vs_npy(float32, "float32")}
-    bf16 = [(a.view(np.uint32) >> 16).astype(np.uint16) for a in float32]  # bf16 bits (truncated)
-    del float32
-    result["bf16_as_uint16"] = store_vs_npy(bf16, "bf16")
-    return result
+    latents = [rng.standard_normal(K5_LITE_5S_LATENT, dtype=np.float32) for _ in range(items)]
+    return {"shape": list(K5_LITE_5S_LATENT), "float32": store_vs_npy(latents)}
 
 
 def main() -> None:
@@ -227,7 +198,7 @@ def main() -> None:
     started = time.perf_counter()
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": args.threads, "torch": torch.__version__, "pyarrow": pa.__version__},
-              "tiny_kandinsky5_video": tiny_stage(), "store_vs_npy_k5_video_latent": real_size(args.items)}
+              "tiny_kandinsky5_video": tiny_stage(), "store_vs_npy_k5_lite_5s_latent": real_size(args.items)}
     result["total_s"] = round(time.perf_counter() - started, 1)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")

@@ -161,6 +161,26 @@ def model_problems(config: LoraflowConfig, family: ModelFamily) -> tuple[list[st
         return [str(exc)], None, None
 
 
+def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> int:
+    """Cache one dataset with `workers` local latents workers (ops/fanout.py), or be the worker of one `shard`."""
+    from loraflow.keys import Shard
+    from loraflow.ops import fanout
+
+    if workers < 1:
+        print(f"cache: --workers {workers}: give 1 or more worker processes", file=sys.stderr)
+        return 2
+    config = load_config(config_path)
+    if shard is not None:  # one worker: what `--workers N` starts N of, and what a pod or container runs
+        report = fanout.cache_shard(config, dataset, Shard.parse(shard))
+        print(f"latents shard {shard} of '{dataset}': computed {report.computed}, reused {report.reused}, "
+              f"quarantined {len(report.quarantined)}")
+        return 0
+    clips, latents = fanout.cache_dataset(config_path, config, dataset, workers)
+    print(f"'{dataset}' cached by {workers} worker(s): clips computed {clips.computed}, reused {clips.reused}; "
+          f"latents {latents.computed + latents.reused} listed (data version {latents.data_version})")
+    return 0
+
+
 def import_simpletuner(config_json: str, backend_json: str | None, out_path: str | None) -> int:
     """Convert, write (or print), report every key not carried over, then validate the result."""
     from loraflow import simpletuner
@@ -203,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     parts.add_argument("config", nargs="?", default=os.environ.get("LORAFLOW_CONFIG", DEMO_CONFIG))
     checker = sub.add_parser("check", help="validate a config, print every problem and the bucket plan; no model loads")
     checker.add_argument("config")
+    cacher = sub.add_parser("cache", help="cache one dataset's clips and latents, the latents by N worker processes")
+    cacher.add_argument("config")
+    cacher.add_argument("--dataset", required=True, help="a training dataset's id")
+    cacher.add_argument("--workers", type=int, default=1, help="latents worker processes (one GPU each where any)")
+    cacher.add_argument("--shard", help="INDEX/COUNT: be that one worker (no clips, no manifest)")
     importer = sub.add_parser("import-simpletuner", help="convert a SimpleTuner config.json (+ multidatabackend.json)")
     importer.add_argument("config_json")
     importer.add_argument("backend_json", nargs="?", help="default: the file its data_backend_config names")
@@ -215,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args.config)
         if args.command == "partitions":
             return partitions(args.config)
+        if args.command == "cache":
+            return cache(args.config, args.dataset, args.workers, args.shard)
         if args.command == "import-simpletuner":
             return import_simpletuner(args.config_json, args.backend_json, args.output)
         return check(args.config)

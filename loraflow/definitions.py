@@ -4,6 +4,7 @@ from dagster import Definitions
 
 from loraflow.assets.checks import ALL_CHECKS
 from loraflow.assets.dead_runs import watch_dead_runs
+from loraflow.assets.fanout import cache_latents_fanout
 from loraflow.assets.jobs import JOBS
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.schedules import recache_schedule
@@ -14,7 +15,7 @@ resource = LoraflowResource()
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=JOBS,
+    jobs=[*JOBS, cache_latents_fanout],
     schedules=[recache_schedule(resource.config_path)],
     sensors=[dataset_watch],
     resources={"loraflow": resource},

@@ -1,4 +1,5 @@
-"""Content keys: a hash of everything that determines an item, so a key changes exactly when its content would.
+"""Content keys: a hash of everything that determines an item, so a key changes exactly when its content would; and
+the shard a key falls in when N workers split a dataset (ops/fanout.py).
 
 Each stage bumps its CODE_VERSION when its numbers change; the version is part of every key it makes.
 """
@@ -9,6 +10,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +68,32 @@ def directory_fingerprint(path: str | Path) -> str:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count` (0-based): the clips whose key hashes to `index` modulo `count`."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(f"shard {self.index}/{self.count}: the count must be >= 1 and the index in 0..count-1 "
+                             f"(shards of 4 are 0/4, 1/4, 2/4 and 3/4)")
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """'2/4' -> Shard(2, 4)."""
+        index, _, count = text.partition("/")
+        if not (index.isdigit() and count.isdigit()):
+            raise ValueError(f"shard '{text}': write INDEX/COUNT, e.g. 2/4 for the third of 4 shards")
+        return cls(int(index), int(count))
+
+    def owns(self, key: str) -> bool:
+        """Whether this shard's worker encodes the clip with this key. sha256 again rather than the key's own hex
+        digits: any string key spreads evenly."""
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % self.count == self.index
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"

@@ -7,13 +7,17 @@ Layout under the root:
                                       two datasets cached at once never replace each other's list
 
 A shard is written to a temporary name and renamed into place, so a reader never sees half a shard: the
-set of keys in committed shards is the resume point of a killed run. Tensors are stored as Arrow
-fixed-shape tensor columns when every row has the same shape (a bucket's latents: zero-copy to torch)
-and as flat lists with a shape column otherwise (text embeddings of different token counts).
+set of keys in committed shards is the resume point of a killed run. A tensor column whose rows share one shape (a
+bucket's latents or frames) holds each tensor's raw bytes in one cell, its dtype and shape in the column's field
+metadata (TENSOR_META); a batch reads each cell as a numpy view without decoding. Tensors of different shapes (text
+embeddings of different token counts) are flat lists with a shape column. Shards written before raw-bytes cells hold
+Arrow fixed-shape tensor columns; they are read as they were written (nothing to re-encode).
 
 Reads fetch only the row groups holding the wanted keys: a shard's rows are grouped by about ROW_GROUP_BYTES
-(one latent per group at real sizes, many text rows per group), and each shard's keys are indexed once per Store
-(shards are immutable, so the index never goes stale).
+(one latent per group at real sizes, many text rows per group), and each shard's keys and footer are read once per
+Store (shards are immutable, so neither goes stale). A get finds its keys' shards in that index and lists the stage's
+shards again only for a key it has not seen, so a loop of one-key gets costs no listing per key. A local shard is
+read memory-mapped.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import copy
 import hashlib
 import io
+import json
 import os
 import tempfile
 import uuid
@@ -39,42 +44,62 @@ SHAPE_SUFFIX = "__shape"
 ROW_GROUP_BYTES = 4 << 20  # a training batch reads a few rows of a shard: groups small enough to skip the rest
 
 
-def tensor_column(arrays: Sequence[np.ndarray]) -> tuple[pa.Array, pa.Array | None]:
-    """Arrow column for same-dtype arrays: fixed-shape tensor if shapes agree, else flat list + shapes."""
+TENSOR_META = b"loraflow.tensor"  # field metadata of a raw-bytes tensor column: {"dtype": "<f4", "shape": [...]}
+
+
+def tensor_column(name: str, arrays: Sequence[np.ndarray]) -> list[tuple[pa.Field, pa.Array]]:
+    """Arrow column(s) for same-dtype arrays: raw-bytes cells if shapes agree, else a flat list + a shape column."""
     shapes = {a.shape for a in arrays}
+    if len(shapes) == 1 and arrays[0].size:  # an empty cell would be indistinguishable from a missing one
+        meta = json.dumps({"dtype": arrays[0].dtype.str, "shape": list(arrays[0].shape)})  # .str names byte order
+        cells = pa.array([np.ascontiguousarray(a).tobytes() for a in arrays], type=pa.large_binary())
+        return [(pa.field(name, pa.large_binary(), metadata={TENSOR_META: meta}), cells)]
     dtype = pa.from_numpy_dtype(arrays[0].dtype)
-    if len(shapes) == 1 and arrays[0].size:  # Arrow fixed-size lists must be non-empty
-        shape = arrays[0].shape
-        flat = pa.array(np.stack(arrays).reshape(-1), type=dtype)
-        storage = pa.FixedSizeListArray.from_arrays(flat, int(np.prod(shape)))
-        return pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(dtype, shape), storage), None
     flat = pa.array(np.concatenate([a.reshape(-1) for a in arrays]), type=dtype)
     offsets = np.cumsum([0] + [a.size for a in arrays]).astype(np.int64)
     values = pa.LargeListArray.from_arrays(pa.array(offsets), flat)
-    return values, pa.array([list(a.shape) for a in arrays], type=pa.list_(pa.int64()))
+    shapes_column = pa.array([list(a.shape) for a in arrays], type=pa.list_(pa.int64()))
+    return [(pa.field(name, values.type), values), (pa.field(name + SHAPE_SUFFIX, shapes_column.type), shapes_column)]
 
 
 def column_to_arrays(table: pa.Table, name: str) -> list[np.ndarray]:
-    """Inverse of tensor_column: one numpy array per row (views into Arrow buffers where possible)."""
+    """Inverse of tensor_column: one numpy array per row (read-only views into Arrow buffers where possible)."""
+    meta = table.schema.field(name).metadata or {}
+    if TENSOR_META in meta:
+        return _cells(table.column(name), json.loads(meta[TENSOR_META]), name)
     column = table.column(name).combine_chunks()
-    if isinstance(column.type, pa.FixedShapeTensorType):
+    if isinstance(column.type, pa.FixedShapeTensorType):  # a shard written before raw-bytes cells
         return list(column.to_numpy_ndarray())
     shapes = table.column(name + SHAPE_SUFFIX).to_pylist()
     return [np.asarray(column[i].values).reshape(shape) for i, shape in enumerate(shapes)]
 
 
+def _cells(column: pa.ChunkedArray, meta: dict[str, Any], name: str) -> list[np.ndarray]:
+    """Raw-bytes cells as arrays of the recorded dtype and shape; a cell of any other length raises."""
+    dtype, shape = np.dtype(meta["dtype"]), tuple(meta["shape"])
+    nbytes = dtype.itemsize * int(np.prod(shape))
+    arrays = []
+    for chunk in column.chunks:
+        _, offsets, data = chunk.buffers()
+        starts = np.frombuffer(offsets, np.int64)[chunk.offset : chunk.offset + len(chunk) + 1]
+        for start, end in zip(starts[:-1], starts[1:]):
+            if end - start != nbytes:
+                raise ValueError(f"column '{name}': a cell of {end - start} bytes, but {dtype} {shape} is {nbytes}")
+            arrays.append(np.frombuffer(data, dtype, int(np.prod(shape)), int(start)).reshape(shape))
+    return arrays
+
+
 def rows_to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
     """Rows of scalars and numpy arrays -> a table (numpy arrays become tensor columns)."""
-    columns: dict[str, pa.Array] = {}
+    columns: list[tuple[pa.Field, pa.Array]] = []
     for name in rows[0]:
         values = [row[name] for row in rows]
         if isinstance(values[0], np.ndarray):
-            columns[name], shapes = tensor_column(values)
-            if shapes is not None:
-                columns[name + SHAPE_SUFFIX] = shapes
+            columns += tensor_column(name, values)
         else:
-            columns[name] = pa.array(values)
-    return pa.table(columns)
+            array = pa.array(values)
+            columns.append((pa.field(name, array.type), array))
+    return pa.Table.from_arrays([a for _, a in columns], schema=pa.schema([f for f, _ in columns]))
 
 
 def table_to_rows(table: pa.Table) -> list[dict[str, Any]]:
@@ -88,9 +113,17 @@ def table_to_rows(table: pa.Table) -> list[dict[str, Any]]:
 
 
 def _is_tensor(table: pa.Table, name: str) -> bool:
-    return isinstance(table.schema.field(name).type, pa.FixedShapeTensorType) or (
-        name + SHAPE_SUFFIX in table.column_names
-    )
+    field = table.schema.field(name)
+    return (TENSOR_META in (field.metadata or {}) or isinstance(field.type, pa.FixedShapeTensorType)
+            or name + SHAPE_SUFFIX in table.column_names)
+
+
+def _compression(table: pa.Table, name: str) -> str:
+    """zstd, except for raw-bytes float cells: a float's random low mantissa bits leave zstd about 8% to save
+    on latents, and decompressing cost most of a batch's read time (benchmarks/bench_latents.py)."""
+    meta = table.schema.field(name).metadata or {}
+    floating = TENSOR_META in meta and np.dtype(json.loads(meta[TENSOR_META])["dtype"]).kind == "f"
+    return "none" if floating else "zstd"
 
 
 class Store:
@@ -101,6 +134,8 @@ class Store:
         self.url = root
         self.parts: frozenset[str] | None = None  # see only_parts
         self._index: dict[str, list[list[str]]] = {}  # shard path -> its keys, per row group
+        self._footers: dict[str, pq.FileMetaData] = {}  # shard path -> its Parquet footer
+        self._where: dict[str, dict[str, tuple[str, int]]] = {}  # stage -> key -> (shard, row group) holding it
 
     def _dir(self, stage: str) -> str:
         return f"{self.root.rstrip('/')}/{stage}"
@@ -122,23 +157,46 @@ class Store:
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         rows_per_group = max(1, int(ROW_GROUP_BYTES * table.num_rows // max(table.nbytes, 1)))
         with self.fs.open(tmp, "wb") as f:
-            # no dictionary pages for tensor columns: float values rarely repeat, and the dictionary
+            # no dictionary pages or statistics for tensor columns: float values rarely repeat, and the dictionary
             # costs more than it saves (text_embeds shards: about a third smaller without it)
             plain = [n for n in table.column_names if not _is_tensor(table, n) and not n.endswith(SHAPE_SUFFIX)]
-            pq.write_table(table, f, compression="zstd", use_dictionary=plain, row_group_size=rows_per_group)
+            compression = {n: _compression(table, n) for n in table.column_names}
+            pq.write_table(table, f, compression=compression, use_dictionary=plain, write_statistics=plain,
+                           row_group_size=rows_per_group)
             _fsync_local(f)
         self.fs.mv(tmp, path)
 
-    def _shard_keys(self, shard: str) -> list[list[str]]:
+    def _shard_keys(self, stage: str, shard: str) -> list[list[str]]:
         """The shard's keys, one list per row group (read once: a committed shard never changes)."""
         if shard not in self._index:
-            with self.fs.open(shard, "rb") as f:
-                parquet = pq.ParquetFile(f)
+            with self._open(shard) as parquet:
                 keys = parquet.read(columns=["key"]).column("key").to_pylist()
                 sizes = [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)]
+                self._footers[shard] = parquet.metadata
             starts = np.cumsum([0, *sizes])
             self._index[shard] = [keys[a:b] for a, b in zip(starts[:-1], starts[1:])]
+            where = self._where.setdefault(stage, {})
+            for group, group_keys in enumerate(self._index[shard]):
+                for key in group_keys:
+                    where.setdefault(key, (shard, group))  # a key in two shards (two writers) is read from one
         return self._index[shard]
+
+    def _index_stage(self, stage: str) -> dict[str, tuple[str, int]]:
+        """List the stage's shards, index the new ones; where each committed key is."""
+        for shard in self.shard_paths(stage):
+            self._shard_keys(stage, shard)
+        return self._where.get(stage, {})
+
+    @contextlib.contextmanager
+    def _open(self, shard: str) -> Iterator[pq.ParquetFile]:
+        """A shard for reading: memory-mapped when local (Arrow reads the pages in place, no Python file calls),
+        else through fsspec; with its footer from the index once read."""
+        footer = self._footers.get(shard)
+        if self._is_local():
+            yield pq.ParquetFile(shard, metadata=footer, memory_map=True)
+            return
+        with self.fs.open(shard, "rb") as f:
+            yield pq.ParquetFile(f, metadata=footer)
 
     def put(self, stage: str, rows: Sequence[Mapping[str, Any]]) -> str | None:
         """Commit rows (each with a unique `key`) as one shard; return its path."""
@@ -150,20 +208,27 @@ class Store:
 
     def keys(self, stage: str) -> set[str]:
         """Every committed key of a stage: the resume point."""
-        return {key for shard in self.shard_paths(stage) for group in self._shard_keys(shard) for key in group}
+        return set(self._index_stage(stage))
 
     def get(self, stage: str, keys: Iterable[str], columns: list[str] | None = None) -> dict[str, dict[str, Any]]:
         """Rows for the given keys, by key. Missing keys raise: reading a cache that is not there is a bug."""
         wanted = set(keys)
+        where = self._where.get(stage, {})
+        if not wanted <= where.keys():  # committed since this Store last looked, or not there at all
+            where = self._index_stage(stage)
+        groups_of: dict[str, set[int]] = {}
+        for key in wanted & where.keys():
+            shard, group = where[key]
+            groups_of.setdefault(shard, set()).add(group)
         rows: dict[str, dict[str, Any]] = {}
-        for shard in self.shard_paths(stage):
-            groups = [i for i, group in enumerate(self._shard_keys(shard)) if any(k in wanted for k in group)]
-            if not groups:
-                continue
-            with self.fs.open(shard, "rb") as f:
-                table = pq.ParquetFile(f).read_row_groups(groups, columns=_with_shapes(f, columns))
+        for shard in sorted(groups_of):
+            groups = sorted(groups_of[shard])
+            with self._open(shard) as parquet:
+                table = parquet.read_row_groups(groups, columns=_with_shapes(parquet.schema_arrow, columns))
             hits = [i for i, k in enumerate(table.column("key").to_pylist()) if k in wanted and k not in rows]
-            for row in table_to_rows(table.take(hits)):
+            if len(hits) < table.num_rows:  # most reads want every row they read: take() would copy them all
+                table = table.take(hits)
+            for row in table_to_rows(table):
                 rows[row["key"]] = row
         missing = wanted - rows.keys()
         if missing:
@@ -236,11 +301,14 @@ class Store:
                 fcntl.flock(f, fcntl.LOCK_EX)
             yield
 
+    def _is_local(self) -> bool:
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
+        return "file" in protocols
+
     def _lock_folder(self) -> Path:
         """Beside the data for a local store (whoever may write the store may lock it); for a remote one, this
         machine's temporary folder, one subfolder per store URL."""
-        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
-        if "file" in protocols:
+        if self._is_local():
             return Path(self.root) / ".locks"
         return Path(tempfile.gettempdir()) / "loraflow-locks" / _digest(self.fs.unstrip_protocol(self.root))
 
@@ -278,18 +346,20 @@ class Store:
         keep = self.manifest_keys(stage) if keep is None else keep
         removed = 0
         for shard in self.shard_paths(stage):
-            if not any(k in keep for group in self._shard_keys(shard) for k in group):
+            if not any(k in keep for group in self._shard_keys(stage, shard) for k in group):
                 self.fs.rm(shard)
-                self._index.pop(shard, None)
                 removed += 1
+        for shard in [s for s in self._index if s.startswith(f"{self._dir(stage)}/")]:  # re-read what is left
+            self._index.pop(shard)
+            self._footers.pop(shard, None)
+        self._where.pop(stage, None)
         return removed
 
 
-def _with_shapes(f: Any, columns: list[str] | None) -> list[str] | None:
+def _with_shapes(schema: pa.Schema, columns: list[str] | None) -> list[str] | None:
     if columns is None:
         return None
-    names = pq.read_schema(f).names
-    f.seek(0)
+    names = schema.names
     wanted = {"key", *columns}
     return [n for n in names if n in wanted or (n.endswith(SHAPE_SUFFIX) and n.removesuffix(SHAPE_SUFFIX) in wanted)]
 

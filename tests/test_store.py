@@ -32,7 +32,7 @@ def test_a_batch_reads_only_the_row_groups_holding_its_keys(store: Store, monkey
 
     import loraflow.store
 
-    monkeypatch.setattr(loraflow.store, "ROW_GROUP_BYTES", 1000)  # two 480-byte rows per group
+    monkeypatch.setattr(loraflow.store, "ROW_GROUP_BYTES", 1100)  # two ~500-byte rows per group
     rows = [{"key": f"k{i}", "latent": np.full((2 + ragged * i, 60), i, np.float32), "n": i} for i in range(9)]
     shard = store.put("stage", rows)
     with store.fs.open(shard, "rb") as f:
@@ -49,11 +49,64 @@ def test_a_batch_reads_only_the_row_groups_holding_its_keys(store: Store, monkey
     assert store.get("stage", ["k5"], columns=["n"]) == {"k5": {"key": "k5", "n": 5}}
 
 
-def test_same_shapes_use_fixed_shape_tensor_column(tmp_path) -> None:
+def test_same_shapes_are_raw_bytes_cells_floats_uncompressed(tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    store = Store(str(tmp_path))
+    frames = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    shard = store.put("stage", [{"key": str(i), "latent": np.full((16, 5, 8, 12), i, np.float32), "frames": frames}
+                                for i in range(3)])
+    schema = pq.read_schema(shard)
+    assert schema.field("latent").type == pa.large_binary()
+    assert schema.field("latent").metadata[b"loraflow.tensor"] == b'{"dtype": "<f4", "shape": [16, 5, 8, 12]}'
+    columns = pq.ParquetFile(shard).metadata.row_group(0)
+    assert [columns.column(i).compression for i in range(3)] == ["ZSTD", "UNCOMPRESSED", "ZSTD"]  # key, latent, frames
+    got = store.get("stage", ["2"])["2"]
+    np.testing.assert_array_equal(got["latent"], np.full((16, 5, 8, 12), 2, np.float32))
+    np.testing.assert_array_equal(got["frames"], frames)
+
+
+def old_tensor_shard(path: Path, rows: list[dict]) -> None:
+    """A shard as the store wrote it before raw-bytes cells: Arrow fixed-shape tensor columns, all zstd."""
+    import pyarrow.parquet as pq
+
+    columns = {"key": pa.array([r["key"] for r in rows])}
+    for name in [n for n in rows[0] if n != "key"]:
+        arrays = [r[name] for r in rows]
+        flat = pa.array(np.stack(arrays).reshape(-1))
+        storage = pa.FixedSizeListArray.from_arrays(flat, arrays[0].size)
+        columns[name] = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(flat.type, arrays[0].shape), storage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path, compression="zstd", use_dictionary=["key"])
+
+
+def test_a_store_written_before_raw_bytes_cells_reads_as_written(tmp_path) -> None:
+    latent = np.random.default_rng(0).standard_normal((2, 16, 3, 4, 6), dtype=np.float32)
+    old_tensor_shard(tmp_path / "latents" / "shards" / "old.parquet",
+                     [{"key": f"old{i}", "latent": latent[i], "latent_logvar": -latent[i]} for i in range(2)])
+    store = Store(str(tmp_path))
+    store.put("latents", [{"key": "new", "latent": latent[0] + 1, "latent_logvar": latent[1]}])
+    assert store.keys("latents") == {"old0", "old1", "new"}
+    got = store.get("latents", ["old1", "new", "old0"])
+    for i in range(2):
+        np.testing.assert_array_equal(got[f"old{i}"]["latent"], latent[i])
+        np.testing.assert_array_equal(got[f"old{i}"]["latent_logvar"], -latent[i])
+    np.testing.assert_array_equal(got["new"]["latent"], latent[0] + 1)
+    only = store.get("latents", ["old0"], columns=["latent"])["old0"]
+    assert only.keys() == {"key", "latent"} and only["latent"].shape == (16, 3, 4, 6)
+
+
+def test_a_cell_of_another_length_than_its_shape_raises(tmp_path) -> None:
+    import pyarrow.parquet as pq
+
     from loraflow.store import rows_to_table
 
-    table = rows_to_table([{"key": str(i), "latent": np.zeros((16, 5, 8, 12), np.float32)} for i in range(3)])
-    assert isinstance(table.schema.field("latent").type, pa.FixedShapeTensorType)
+    table = rows_to_table([{"key": "a", "latent": np.zeros((2, 3), np.float32)}])
+    field = table.schema.field("latent").with_metadata({b"loraflow.tensor": b'{"dtype": "<f4", "shape": [2, 2]}'})
+    (tmp_path / "stage" / "shards").mkdir(parents=True)
+    pq.write_table(table.cast(table.schema.set(1, field)), tmp_path / "stage" / "shards" / "a.parquet")
+    with pytest.raises(ValueError, match="a cell of 24 bytes, but float32 \\(2, 2\\) is 16"):
+        Store(str(tmp_path)).get("stage", ["a"])
 
 
 def test_missing_key_raises_naming_the_stage(store: Store) -> None:
@@ -144,3 +197,21 @@ def test_a_cache_dir_with_glob_characters_in_its_name_resumes(tmp_path: Path) ->
     again = Store(str(root))
     assert again.keys("clips") == {"a"} and again.manifest_parts("clips") == ["d0"]
     assert len(again.shard_paths("clips")) == 1
+
+
+def test_one_key_gets_list_the_shards_once_and_again_only_for_a_new_key(store: Store, monkeypatch) -> None:
+    for i in range(20):
+        store.put("stage", [{"key": f"k{i}", "x": i}])
+    listed: list[str] = []
+    original = store.fs.ls
+    monkeypatch.setattr(store.fs, "ls", lambda path, **kw: listed.append(path) or original(path, **kw))
+    assert [store.get("stage", [f"k{i}"])[f"k{i}"]["x"] for i in range(20)] == list(range(20))
+    assert len(listed) == 1  # listing per get made a loop over N keys cost N listings of N shards
+    store.put("stage", [{"key": "new", "x": 99}])  # committed after the listing: found by listing again
+    assert store.get("stage", ["new"])["new"]["x"] == 99 and len(listed) == 2
+    with pytest.raises(KeyError):
+        store.get("stage", ["never"])
+    assert store.clean("stage", keep={"k3", "new"}) == 19
+    assert store.get("stage", ["k3", "new"]).keys() == {"k3", "new"}
+    with pytest.raises(KeyError):
+        store.get("stage", ["k4"])  # its shard is gone, and so is its place in the index

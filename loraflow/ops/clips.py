@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
 PROBE_VERSION = 2  # bump when a probe would describe the same file differently (2: VFR frame times)
+PROBE_BATCH = 256  # new probes per committed shard
 
 
 def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
@@ -162,16 +163,44 @@ def _metadata_rows(meta: Path) -> list[dict[str, Any]]:
     raise MediaError("bad_metadata", f"metadata_file {meta.name}: use .jsonl, .csv or .parquet")
 
 
-def probe_cached(path: Path, identity: dict[str, Any], store: Store, known: set[str]) -> Probe:
-    """Probe once per file identity; the result lives in the store's `probes` stage."""
-    key = content_key(identity=identity, code=CODE_VERSION, probe=PROBE_VERSION)
-    if key in known:
-        row = store.get("probes", [key])[key]
+class ProbeCache:
+    """The store's `probes` stage for one planning pass: each file identity is probed once, ever.
+
+    New probes are committed PROBE_BATCH at a time, not one shard each: a shard per probe cost an fsync per file and
+    left 100k shards for the next run to index. Cached probes are read in one pass over the stage the first time one
+    is needed, not a shard read per file. A killed pass loses at most PROBE_BATCH probes, which the next one redoes.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.stored = store.keys("probes")
+        self.pending: list[dict[str, Any]] = []
+        self.seen: dict[str, Probe] = {}
+        self._rows: dict[str, dict[str, Any]] | None = None  # every stored probe, read on the first hit
+
+    def probe(self, path: Path, identity: dict[str, Any]) -> Probe:
+        key = content_key(identity=identity, code=CODE_VERSION, probe=PROBE_VERSION)
+        if key not in self.seen:
+            self.seen[key] = self._stored(key) if key in self.stored else self._new(path, key)
+        return self.seen[key]
+
+    def _stored(self, key: str) -> Probe:
+        if self._rows is None:
+            self._rows = self.store.get("probes", self.stored)
+        row = self._rows[key]
         return Probe(**{k: tuple(v) if k == "frame_times" else v for k, v in row.items() if k != "key"})
-    result = probe(path)
-    store.put("probes", [{"key": key, **asdict(result)}])
-    known.add(key)
-    return result
+
+    def _new(self, path: Path, key: str) -> Probe:
+        result = probe(path)
+        self.pending.append({"key": key, **asdict(result)})
+        if len(self.pending) >= PROBE_BATCH:
+            self.commit()
+        return result
+
+    def commit(self) -> None:
+        """Store the probes made since the last commit."""
+        self.store.put("probes", self.pending)
+        self.pending = []
 
 
 def plan_clips(
@@ -243,14 +272,14 @@ def _check_clip_lengths(path: Path, lengths: set[int], family: ModelFamily, imag
                          "after a clean first frame, so it needs videos")
 
 
-def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model: ModelSource | str, store: Store,
-               probes: set[str], images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
+def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model: ModelSource | str, probes: ProbeCache,
+               images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
     """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image."""
     check_name(path)
     identity = _touch(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
     captions = read_captions(path, dataset)
-    info = probe_cached(path, identity, store, probes)
-    source = _source_image(path, dataset, sources, store, probes) if sources else None
+    info = probes.probe(path, identity)
+    source = _source_image(path, dataset, sources, probes) if sources else None
     rows = []
     for plan in plan_clips(path, info, dataset, family, model, images_allowed):
         size = (plan["height"], plan["width"])
@@ -268,14 +297,14 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model: M
     return rows
 
 
-def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig, store: Store,
-                  probes: set[str]) -> tuple[dict[str, Any], Path, Probe]:
+def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
+                  probes: ProbeCache) -> tuple[dict[str, Any], Path, Probe]:
     """i2i: the source image paired with `path`, its identity and its (cached) probe."""
     found = check_name(find_source_image(path, dataset, sources))
     relative = path.relative_to(dataset.instance_data_dir or "")
     identity = _touch(lambda: file_identity(found, sources.instance_data_dir or ""), found)
     try:
-        info = probe_cached(found, identity, store, probes)
+        info = probes.probe(found, identity)
     except MediaError as exc:
         raise MediaError(exc.reason, f"{relative}: its source image {identity['path']}: {exc}") from None
     return identity, found, info
@@ -391,9 +420,9 @@ def build_clips(
                                     f"{sources.instance_data_dir} is not a folder")
     drop_removed_datasets(config, store)
     manifest, quarantine = [], []
-    probes = store.keys("probes")
+    probes = ProbeCache(store)
     for dataset in selected:
-        rows, dropped_rows = _plan_dataset(config, family, dataset, store, probes)
+        rows, dropped_rows = _plan_dataset(config, family, dataset, probes)
         manifest, quarantine = manifest + rows, quarantine + dropped_rows
     have = store.keys("clips")
     todo = [row for row in manifest if row["key"] not in have]
@@ -418,19 +447,20 @@ def build_clips(
     )
 
 
-def _plan_dataset(config: LoraflowConfig, family: ModelFamily, dataset: DatasetConfig, store: Store,
-                  probes: set[str]) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+def _plan_dataset(config: LoraflowConfig, family: ModelFamily, dataset: DatasetConfig,
+                  probes: ProbeCache) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """A dataset's clip rows, and a quarantine row for every entry of its folder that yields none."""
     listing = list_folder(dataset)
     manifest, quarantine = [], [dropped(dataset.id, path, exc) for path, exc in listing.others]
     model = model_source(config)
     for path in listing.files:
         try:
-            manifest += _clip_rows(path, dataset, family, model, store, probes,
+            manifest += _clip_rows(path, dataset, family, model, probes,
                                    images_allowed=dataset.id == config.render_dataset_id,
                                    sources=config.source_images(dataset))
         except MediaError as exc:
             quarantine.append(dropped(dataset.id, path, exc))
+    probes.commit()
     return manifest, quarantine
 
 

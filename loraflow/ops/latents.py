@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
-from loraflow.keys import content_key, data_version
+from loraflow.keys import Shard, content_key, data_version
 from loraflow.kernels.patch_conv import enable_patch_conv
 from loraflow.ops.clips import select_datasets
 from loraflow.ops.devices import free_models, peak_memory_gib, pick_device
@@ -64,10 +64,11 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
 
 def encode_latents(
     config: LoraflowConfig, family: ModelFamily, store: Store, shard_clips: int = SHARD_CLIPS,
-    datasets: list[str] | None = None,
+    datasets: list[str] | None = None, shard: Shard | None = None,
 ) -> LatentsReport:
-    """Encode the datasets' clips (None: every training dataset) the store lacks; write each one's manifest part."""
-    rows = latent_rows(config, store, datasets)
+    """Encode the datasets' clips (None: every training dataset) the store lacks; write each one's manifest part.
+    With a `shard`, only that shard's clips, and no manifest: one of N workers (ops/fanout.py)."""
+    rows = [r for r in latent_rows(config, store, datasets) if shard is None or shard.owns(r["clip_key"])]
     have = store.keys("latents")
     todo = sorted((r for r in rows if r["key"] not in have), key=lambda r: r["bucket"])
     quarantined: list[dict[str, str]] = []
@@ -90,7 +91,7 @@ def encode_latents(
     bad = {q["key"] for q in quarantined}
     tiled = {f["key"] for f in fallbacks if f["fallback"] == "tiling"}
     rows = [listed(r, r["key"] in tiled) for r in rows if r["key"] not in bad]
-    for dataset in select_datasets(config, datasets):  # one part per dataset: parallel runs never collide
+    for dataset in select_datasets(config, datasets) if shard is None else []:  # one part per dataset
         store.write_manifest("latents", [r for r in rows if r["dataset"] == dataset.id], part=dataset.id)
         # this run's failures (a failed clip is retried by every run): the coverage check leaves them out
         store.write_manifest("latents_quarantine", [q for q in quarantined if q["dataset"] == dataset.id],

@@ -205,18 +205,18 @@ def test_i2i_eval_loss_without_validation_prompts(cached, tmp_path: Path) -> Non
 
 
 def test_a_source_image_pairs_by_exact_name_and_an_ambiguous_one_is_quarantined(tmp_path: Path) -> None:
-    from loraflow.ops.clips import _source_image
+    from loraflow.ops.clips import ProbeCache, _source_image
 
     targets, sources = make_demo_edits(tmp_path / "targets", tmp_path / "sources")
     config = i2i_config(tmp_path, tmp_path / "model", (targets, sources))
     edits, paired = config.training_datasets[0], config.source_images(config.training_datasets[0])
-    store, probes = Store(config.cache_dir), set()
+    probes = ProbeCache(Store(config.cache_dir))
     Image.open(sources / "edit_00.png").save(sources / "edit_00.v2.png")  # another stem: never its pair
     Image.open(sources / "edit_00.png").save(sources / "[edit_00].png")  # glob characters: just a name
-    assert _source_image(targets / "edit_00.png", edits, paired, store, probes)[1] == sources / "edit_00.png"
+    assert _source_image(targets / "edit_00.png", edits, paired, probes)[1] == sources / "edit_00.png"
     Image.open(sources / "edit_01.png").save(sources / "edit_01.jpg")
     with pytest.raises(Exception, match="2 source images share its name") as info:
-        _source_image(targets / "edit_01.png", edits, paired, store, probes)
+        _source_image(targets / "edit_01.png", edits, paired, probes)
     assert info.value.reason == "ambiguous_source_image"
 
 
