@@ -112,6 +112,9 @@ class LoraflowConfig(StrictModel):
     num_processes: int = setting(
         1, run_key="when_set", ge=1, description="data-parallel training processes (one per GPU), each taking "
         "train_batch_size samples per micro-step; > 1, or any CUDA run, trains under `accelerate launch`")
+    fsdp: bool = setting(
+        False, run_key="when_set", description="FSDP2: shard the frozen transformer, the LoRA and AdamW's state over "
+        "the num_processes ranks (`fully_shard` per block, then the root); needs num_processes > 1")
 
     # validation_*: what validation renders, never part of the run (a new prompt re-renders, never retrains)
     validation_prompt: str | None = setting(None, run_key="never")
@@ -419,6 +422,20 @@ class LoraflowConfig(StrictModel):
         if self.mixed_precision == "no" and self.base_model_precision != "no_change":
             raise ValueError(f"`base_model_precision` {self.base_model_precision} computes in bf16: set "
                              "`mixed_precision` to auto or bf16 (or base_model_precision to no_change)")
+        return self
+
+    @model_validator(mode="after")
+    def _sharding(self) -> LoraflowConfig:
+        if not self.fsdp:
+            return self
+        if self.num_processes < 2:
+            raise ValueError(f"`fsdp: true` shards the model over the training processes but num_processes is "
+                             f"{self.num_processes}: set num_processes: N (one per GPU, N > 1) or fsdp: false")
+        # Each of these runs the sharded transformer (or its LoRA) on rank 0 alone or beside FSDP's own hooks
+        for key in ("enable_group_offload", "crepa_enabled", "validation_steps"):
+            if getattr(self, key):
+                raise ValueError(f"`{key}` is not supported with `fsdp: true` (untested together): remove `{key}` "
+                                 "or set fsdp: false")
         return self
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from loraflow.ops.distributed import gathered, shard_like
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE, save_comfyui_lora
 
@@ -27,18 +28,19 @@ log = logging.getLogger(__name__)
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
-def save_checkpoint(out: Path, step: int, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    history: list[dict], total_limit: int | None,
-                    extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
-    """`extra`: more {file name: tensors} the run resumes from (CREPA's projector)."""
+def save_checkpoint(out: Path, step: int, lora: dict[str, torch.Tensor],
+                    optimizer: tuple[dict[str, torch.Tensor], dict[str, Any]], history: list[dict],
+                    total_limit: int | None, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """`lora` and `optimizer` as `lora_state` and `optimizer_state` return them (gathered on every rank under FSDP);
+    `extra`: more {file name: tensors} the run resumes from (CREPA's projector)."""
     final = out / "checkpoints" / f"step-{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(lora_state(transformer), tmp / "lora.safetensors")
+    save_file(lora, tmp / "lora.safetensors")
     for name, tensors in (extra or {}).items():
         save_file(tensors, tmp / name)
-    tensors, scalars = _flatten_optimizer(optimizer)
+    tensors, scalars = optimizer
     save_file(tensors, tmp / "optimizer.safetensors")
     write_json(tmp / "state.json", {"step": step, "optimizer": scalars, "history": history})
     for path in (*tmp.iterdir(), tmp):  # on disk before the rename publishes them (a power cut, not only a kill)
@@ -66,6 +68,9 @@ def resume_optimizer(checkpoint: Path, optimizer: torch.optim.Optimizer) -> tupl
     state = json.loads((checkpoint / "state.json").read_text())
     tensors = load_tensors(checkpoint / "optimizer.safetensors")
     optimizer.load_state_dict(_unflatten_optimizer(tensors, state["optimizer"]))
+    for param, entry in optimizer.state.items():  # under FSDP: each rank keeps its slice of the full moments
+        for name, value in entry.items():
+            entry[name] = shard_like(value, param)
     log.info("resuming from %s", checkpoint)
     return state["step"], state["history"]
 
@@ -79,7 +84,8 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def lora_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    """The adapter's full weights on the CPU (under FSDP every rank calls it: the shards are gathered)."""
+    return {k: gathered(v).detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
 def adapter_config(transformer: torch.nn.Module) -> dict:
@@ -89,9 +95,10 @@ def adapter_config(transformer: torch.nn.Module) -> dict:
     return {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
 
 
-def _flatten_optimizer(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """AdamW's full state as safetensors tensors and JSON scalars (under FSDP every rank calls it, as lora_state)."""
     state = optimizer.state_dict()
-    tensors = {f"{pid}.{name}": value.detach().cpu().contiguous() for pid, entry in state["state"].items()
+    tensors = {f"{pid}.{name}": gathered(value).detach().cpu().contiguous() for pid, entry in state["state"].items()
                for name, value in entry.items()}
     return tensors, {"param_groups": state["param_groups"]}
 
@@ -104,12 +111,13 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], scalars: dict[str, An
     return {"state": state, "param_groups": scalars["param_groups"]}
 
 
-def export_lora(out: Path, transformer: torch.nn.Module, family: ModelFamily, lora_format: str = "diffusers") -> None:
+def export_lora(out: Path, lora: dict[str, torch.Tensor], config: dict, family: ModelFamily,
+                lora_format: str = "diffusers") -> None:
     """diffusers format through the family's own writer, renamed into place (the file that marks a run finished);
     with `lora_format: comfyui` also the ComfyUI file, converted from it."""
     tmp = out / "export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    family.save_lora(lora_state(transformer), tmp, adapter_config(transformer))
+    family.save_lora(lora, tmp, config)
     _fsync(tmp / LORA_FILE)  # this file says "finished": never an empty one under its name after a power cut
     (tmp / LORA_FILE).rename(out / LORA_FILE)
     shutil.rmtree(tmp)

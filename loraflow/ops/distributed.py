@@ -5,6 +5,9 @@ holds the whole model and the same LoRA. Rank r's local micro-step j is micro-st
 batch plan, with that micro-step's random draws, and the LoRA gradients are averaged once per optimizer step. So N
 processes with gradient_accumulation_steps A compute what one process computes with A * N (the same batches and
 draws), up to the order of float sums; every batch is still one (bucket, text length) group. Only rank 0 writes.
+
+With `fsdp: true` (FSDP2) each rank holds 1/N of every parameter, frozen base and LoRA alike, and of AdamW's state;
+`parallelize` shards, `gathered` brings a full tensor back for checkpoints and export (every rank must call it).
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from loraflow.ops.devices import fixed_mkl_threads, pick_device
 
@@ -45,14 +51,15 @@ def world_from_env() -> World:
     return World(int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")), int(env.get("LOCAL_RANK", "0")))
 
 
-def join(num_processes: int) -> tuple[World, torch.device]:
-    """Check the launch against `num_processes`, join the process group (once); this rank's device."""
+def join(num_processes: int, fsdp: bool = False) -> tuple[World, torch.device]:
+    """Check the launch against `num_processes` and `fsdp`, join the process group (once); this rank's device."""
     world = world_from_env()
-    sharded = [name for name in ("FSDP", "DEEPSPEED") if os.environ.get(f"ACCELERATE_USE_{name}") == "true"]
-    if sharded:  # accelerate sets these for its Accelerator, which loraflow does not use: never ignore them silently
-        raise ValueError(f"the accelerate config asks for {sharded[0]}, which loraflow does not implement: every "
-                         "process holds the whole model (data parallel); drop it from the accelerate config (README, "
-                         "Multi-GPU)")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # never ignored silently: loraflow has no DeepSpeed
+        raise ValueError("the accelerate config asks for DEEPSPEED, which loraflow does not implement: drop it from "
+                         "the accelerate config (README, Multi-GPU), or use FSDP with fsdp: true")
+    if os.environ.get("ACCELERATE_USE_FSDP") == "true" and not fsdp:
+        raise ValueError("the accelerate config asks for FSDP but the loraflow config has fsdp: false: set fsdp: true "
+                         "to shard the model, or drop FSDP from the accelerate config to train data parallel")
     if world.size != num_processes:
         how = "train in this process" if num_processes == 1 else f"launch {num_processes} processes"
         raise ValueError(f"`num_processes` is {num_processes} but this launch has {world.size} process(es) "
@@ -76,6 +83,34 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
+def parallelize(transformer: torch.nn.Module, world: World, device: torch.device) -> list[torch.nn.Parameter]:
+    """FSDP2 as torchtitan's parallelize(): `fully_shard` each block of the transformer's block lists, then the root.
+
+    A block's weights are gathered just before its forward (and again in backward) and freed after it, so a rank
+    holds its 1/N share plus one block unsharded. The weights must already be equal on every rank: each keeps its
+    slice. Returns the LoRA parameters, which are now new DTensor parameters (the old ones are stale).
+    """
+    mesh = init_device_mesh(device.type, (world.size,))
+    for blocks in transformer.children():
+        if isinstance(blocks, torch.nn.ModuleList):
+            for block in blocks:
+                fully_shard(block, mesh=mesh)
+    fully_shard(transformer, mesh=mesh)  # the rest: embeddings, modulation, the output layer
+    return [p for name, p in transformer.named_parameters() if "lora_" in name]
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of an FSDP shard (a collective: every rank calls it), any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A full tensor (a resumed AdamW moment) sharded as its parameter is; unchanged for unsharded parameters."""
+    if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+    return value
+
+
 def barrier(world: World) -> None:
     if world.size > 1:
         dist.barrier()
@@ -97,7 +132,8 @@ def average_gradients_(grads: list[torch.Tensor | None], world: World) -> None:
 
     A None gradient (a layer whose output is unused) is None on every rank: it depends on the model, not the data.
     """
-    present = [g for g in grads if g is not None]
+    # FSDP's backward has reduce-scattered (averaged) its DTensor gradients already
+    present = [g for g in grads if g is not None and not isinstance(g, DTensor)]
     if world.size == 1 or not present:
         return
     flat = torch.cat([g.reshape(-1) for g in present])

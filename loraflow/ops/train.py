@@ -43,8 +43,8 @@ from loraflow.kernels.scheduled_sampling import draw_offsets, roll_out, rollout_
 from loraflow.kernels.tread import resolve_routes, tread_routing
 from loraflow.ops.batches import RowCache, prefetched
 from loraflow.ops.checkpoints import (
-    LORA_FILE, export_comfyui, export_lora, latest_checkpoint, load_lora, resume_optimizer, save_checkpoint,
-    write_json,
+    LORA_FILE, adapter_config, export_comfyui, export_lora, latest_checkpoint, load_lora, lora_state, optimizer_state,
+    resume_optimizer, save_checkpoint, write_json,
 )
 from loraflow.ops.crepa_training import (
     Crepa, cache_teacher_features, capturing, load_teacher_batch, make_crepa, projector_state, teacher_keys,
@@ -52,7 +52,8 @@ from loraflow.ops.crepa_training import (
 )
 from loraflow.ops.devices import free_models, peak_memory_gib
 from loraflow.ops.distributed import (
-    World, average_gradients_, barrier, broadcast_, check_same_everywhere, join, sum_over_ranks, tensors_fingerprint,
+    World, average_gradients_, barrier, broadcast_, check_same_everywhere, gathered, join, parallelize, sum_over_ranks,
+    tensors_fingerprint,
 )
 from loraflow.ops.exchange import split_clips, text_lookup
 from loraflow.ops.latents import draw_latents
@@ -337,7 +338,7 @@ class Trainable:
             for p, grad in zip(self.params, self.grads):
                 p.grad = grad
             self.grads = [None] * len(self.params)
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm).item()
+        norm = gathered(torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.sync_copies()
@@ -415,7 +416,7 @@ def routing(transformer: torch.nn.Module, family: ModelFamily, config: LoraflowC
 def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> LoraReport:
     """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
     # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
-    world, device = join(config.num_processes)
+    world, device = join(config.num_processes, config.fsdp)
     if config.crepa_enabled and world.main:  # the teacher_features stage: computes what the store lacks
         cache_teacher_features(config, family, store)
     barrier(world)
@@ -443,18 +444,23 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     trainable = Trainable(transformer, params, device)
     broadcast_(params, world)  # equal already (same seed or checkpoint); DDP's guarantee, made explicit
     trainable.sync_copies()
+    if config.fsdp:  # after the broadcast: each rank keeps its slice of equal weights
+        params = parallelize(transformer, world, device)
+        trainable = Trainable(transformer, params, device)
     optimizer = make_optimizer(config, params)
     start, history = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
     # 3. steps
     history = run_steps(config, family, store, plan, transformer, trainable, optimizer, start, history, out,
                         world, crepa)
-    check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, params), world, device)
+    check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, [gathered(p) for p in params]),
+                          world, device)
     # 4. rank 0 writes the history, then the adapter: the adapter's presence marks the run done
+    lora = lora_state(transformer)  # on every rank: under FSDP it gathers the shards
     if world.main:
         write_json(out / "history.json", history)
         for name, tensors in projector_state(crepa).items():  # beside the adapter, before it marks the run done
             save_file(tensors, out / name)
-        export_lora(out, transformer, family, config.lora_format)
+        export_lora(out, lora, adapter_config(transformer), family, config.lora_format)
     barrier(world)  # every rank returns once the run is done
     del transformer, trainable, optimizer, params, crepa  # the last references: free_models can free the weights
     free_models()
@@ -505,6 +511,8 @@ def run_steps(
                     if not torch.isfinite(total):
                         raise FloatingPointError(f"step {step + 1}: loss is {total.item()}; no update was made. "
                                                  "Lower learning_rate, or check the latent and text caches")
+                    if config.fsdp:  # reduce-scatter once per step, as DDP's all-reduce: the same sums in order
+                        transformer.set_requires_gradient_sync(micro == (step + 1) * accum - 1)
                     (total / accum if accum > 1 else total).backward()
                 trainable.collect()
                 losses = [losses[0] + loss.item() / accum, losses[1] + (0.0 if term is None else term.item() / accum)]
@@ -518,8 +526,9 @@ def run_steps(
                 history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
                                          time.perf_counter() - began, seen, device, sink, extra))
             if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
+                lora, moments = lora_state(transformer), optimizer_state(optimizer)  # every rank: FSDP gathers
                 if world.main:
-                    save_checkpoint(out, step + 1, transformer, optimizer, history, config.checkpoints_total_limit,
+                    save_checkpoint(out, step + 1, lora, moments, history, config.checkpoints_total_limit,
                                     projector_state(crepa))
                 barrier(world)  # no rank runs ahead of the newest checkpoint
             renders.after_step(step + 1)

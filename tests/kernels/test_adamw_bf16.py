@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from loraflow.kernels.adamw_bf16 import AdamWBF16, round_stochastic
-from loraflow.ops.checkpoints import _flatten_optimizer, _unflatten_optimizer
+from loraflow.ops.checkpoints import optimizer_state, _unflatten_optimizer
 
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one ulp is at most 2^-7 of the value it rounds
 
@@ -69,7 +69,7 @@ def test_resume_through_the_checkpoint_format_is_exact() -> None:
     first = params()
     optimizer = AdamWBF16(first, lr=1e-2, seed=7)
     run(optimizer, first, range(3))
-    tensors, scalars = _flatten_optimizer(optimizer)  # what save_checkpoint writes: safetensors + JSON
+    tensors, scalars = optimizer_state(optimizer)  # what save_checkpoint writes: safetensors + JSON
     resumed = [torch.nn.Parameter(p.detach().clone()) for p in first]
     optimizer = AdamWBF16(resumed, lr=1e-2, seed=7)
     optimizer.load_state_dict(_unflatten_optimizer(tensors, scalars))

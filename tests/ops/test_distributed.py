@@ -81,7 +81,12 @@ def launch(config_path: Path, *program: str) -> subprocess.CompletedProcess:
     assert command[-3:-1] == ["-m", "loraflow.train_main"]
     if program:
         command = command[:-3] + list(program)
-    cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPUs, also on a machine with one GPU
+    return run_ranks(command)
+
+
+def run_ranks(command: list[str], **env: str) -> subprocess.CompletedProcess:
+    """The launcher's command on CPUs (gloo), also on a machine with a GPU; it must succeed."""
+    cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env}
     done = subprocess.run(command, cwd=REPO, env=cpu_only, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
@@ -165,8 +170,11 @@ def test_a_launch_that_does_not_match_the_config_fails_naming_the_key(monkeypatc
         join(2)
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(ValueError, match="asks for FSDP, which loraflow does not implement"):
+    with pytest.raises(ValueError, match="asks for FSDP but the loraflow config has fsdp: false"):
         join(1)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="asks for DEEPSPEED, which loraflow does not implement"):
+        join(1, fsdp=True)
 
 
 def test_ranks_that_disagree_fail_together(tmp_path: Path) -> None:
