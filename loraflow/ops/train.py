@@ -526,17 +526,22 @@ def run_steps(
                 history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
                                          time.perf_counter() - began, seen, device, sink, extra))
             if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
-                lora, moments = lora_state(transformer), optimizer_state(optimizer)  # every rank: FSDP gathers
-                if world.main:
-                    save_checkpoint(out, step + 1, lora, moments, history, config.checkpoints_total_limit,
-                                    projector_state(crepa))
-                barrier(world)  # no rank runs ahead of the newest checkpoint
+                save_step(out, step + 1, transformer, optimizer, history, config, world, crepa)
             renders.after_step(step + 1)
     finally:
         batches.close()
         if sink is not None:
             sink.close()
     return history
+
+
+def save_step(out: Path, step: int, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              history: list[dict], config: LoraflowConfig, world: World, crepa: Crepa | None) -> None:
+    """Every rank takes the state (under FSDP: gathers the shards), rank 0 writes it."""
+    lora, moments = lora_state(transformer), optimizer_state(optimizer)
+    if world.main:
+        save_checkpoint(out, step, lora, moments, history, config.checkpoints_total_limit, projector_state(crepa))
+    barrier(world)  # no rank runs ahead of the newest checkpoint
 
 
 def _log_step(step: int, total: int, loss: float, lr: float, grad_norm: float, seconds: float, seen: int,
