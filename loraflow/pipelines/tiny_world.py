@@ -9,7 +9,9 @@ back with `from_pretrained`.
 
 What it carries (tests/pipelines/test_tiny_world.py): where the shape is, to about a pixel, as a blob near its
 colour; not the colours of flat backgrounds, which drift towards the world's mean colour (longer training did not
-help: PSNR ~10 dB at 400 and 800 steps). So the concept a LoRA is scored on should be motion or position, not hue.
+help: PSNR ~10 dB at 400 and 800 steps). Why: GroupNorm over a spatially constant map keeps only its normalised
+pattern, not its level; after 300 steps the 8 flat colours of the world encode to just 2 distinct latents. So the
+concept a LoRA is scored on should be motion or position, not hue (or every frame needs a fixed reference pattern).
 Not yet used by `build_tiny`: the tiny checkpoints still carry the random `tiny.hunyuan_video_vae`.
 """
 
