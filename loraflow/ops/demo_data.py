@@ -117,6 +117,20 @@ def make_demo_edits(targets_dir: str | Path, sources_dir: str | Path) -> tuple[P
     return targets, sources
 
 
+def world_frames(seed: int, count: int, size: int) -> np.ndarray:
+    """`count` single frames (uint8 (count, size, size, 3)) of the demo world: a shape of a named colour on another
+    named background, at a random point of a random motion; what the tiny world's VAE learns to reconstruct."""
+    rng = np.random.default_rng(seed)
+    names, motions = list(_COLOURS), [m for m in _MOTIONS if m != "center"]
+    frames = np.empty((count, size, size, 3), np.uint8)
+    for i in range(count):
+        shape_colour, background = (names[j] for j in rng.choice(len(names), size=2, replace=False))
+        item = _Clip("world", size, size, 2, ("circle", "square")[rng.integers(2)], motions[rng.integers(len(motions))],
+                     (shape_colour, background))
+        frames[i] = _draw(item, float(rng.random()), _COLOURS[shape_colour], _COLOURS[background])
+    return frames
+
+
 def _write_item(out: Path, item: _Clip, shape_colour: str, background: str) -> None:
     frames = [_draw(item, t, _COLOURS[shape_colour], _COLOURS[background]) for t in _times(item.frames)]
     if item.frames == 1:
