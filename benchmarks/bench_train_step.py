@@ -77,13 +77,14 @@ def bare(config_path: Path, steps: int, prep: bool = False) -> list[float]:
 
     from loraflow.config import load_config
     from loraflow.ops import train as T
+    from loraflow.ops import train_data as D
     from loraflow.pipelines import get_family
     from loraflow.store import Store
 
     config = load_config(config_path)
     family, store, cpu = get_family(config), Store(config.cache_dir), torch.device("cpu")
-    plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
-    batch = T.load_micro_batch(config, family, store, plan(0), 0)
+    plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
+    batch = D.load_micro_batch(config, family, store, plan(0), 0)
     transformer, params = T.load_transformer(config, family, cpu)
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=T.WEIGHT_DECAY)
     x0, noise, sigma = batch.x0, batch.draws.noise, batch.draws.sigma

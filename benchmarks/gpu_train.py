@@ -131,7 +131,7 @@ def random_batch(family: str, dims: Any, smoke: bool) -> Any:
     import numpy as np
     import torch
 
-    from loraflow.ops.train import MicroBatch, StepDraws
+    from loraflow.ops.train_data import MicroBatch, StepDraws
     from loraflow.pipelines import get_family
     from loraflow.config import parse_config
 

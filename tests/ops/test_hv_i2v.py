@@ -20,6 +20,7 @@ from PIL import Image
 
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.ops import train as T
+from loraflow.ops import train_data as D
 from loraflow.ops.clips import build_clips
 from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
 from loraflow.ops.latents import encode_latents, latent_rows
@@ -149,7 +150,7 @@ def test_two_hv_i2v_steps_equal_a_hand_written_reference(trained, root: Path) ->
     transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=lora_pattern(False), init_lora_weights=True))
     params = [p.requires_grad_(True) for n, p in transformer.named_parameters() if "lora_" in n]
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
-    plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
+    plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     history = report.history
     assert len(history) == 2
     for step, logged in enumerate(history):
@@ -158,7 +159,7 @@ def test_two_hv_i2v_steps_equal_a_hand_written_reference(trained, root: Path) ->
         x0 = torch.from_numpy(np.array(row["latent"]))[None]
         image_latent = torch.from_numpy(np.array(row["image_latent"]))[None]
         image_embeds = torch.from_numpy(np.array(row["image_embeds"]))[None]
-        draws = T.step_draws(config, family, step, tuple(x0.shape))
+        draws = D.step_draws(config, family, step, tuple(x0.shape))
         text_key = sample.empty_key if draws.drop_caption else sample.text_key
         text = store.get("text_embeds", [text_key])[text_key]
         s = draws.sigma.view(-1, 1, 1, 1, 1)

@@ -20,6 +20,7 @@ from PIL import Image
 
 from loraflow.config import LoraflowConfig, parse_config
 from loraflow.ops import train as T
+from loraflow.ops import train_data as D
 from loraflow.ops.clips import build_clips
 from loraflow.ops.exchange import condition_frame, text_lookup
 from loraflow.ops.demo_data import make_demo_edits
@@ -155,12 +156,12 @@ def test_two_i2i_steps_equal_a_hand_written_reference(cached, tmp_path: Path) ->
     store, family = Store(config.cache_dir), get_family(config)
     report = T.train_lora(config, family, store)
     transformer, params, optimizer = reference_lora(Path(config.pretrained_model_name_or_path), config)
-    plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
+    plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     for step, logged in enumerate(report.history):
         (sample,) = plan(step)
         row = store.get("latents", [sample.latent_key])[sample.latent_key]
         x0, image = (torch.from_numpy(np.array(row[k]))[None] for k in ("latent", "image_latent"))
-        draws = T.step_draws(config, family, step, tuple(x0.shape))
+        draws = D.step_draws(config, family, step, tuple(x0.shape))
         text = store.get("text_embeds", [sample.text_key])[sample.text_key]
         s = draws.sigma.view(-1, 1, 1, 1, 1)
         x_t = (1 - s) * x0 + s * draws.noise

@@ -16,6 +16,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from loraflow.ops import train as T
+from loraflow.ops import train_data as D
 from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
 from loraflow.ops.exchange import conditioning_clip, text_lookup
 from loraflow.ops.validate import conditioning_image, render_settings, validate
@@ -93,11 +94,11 @@ def test_two_i2v_steps_equal_a_hand_written_reference(trained, caches: dict[str,
     config, report = trained
     store, family = Store(config.cache_dir), get_family(config)
     transformer, params, optimizer = reference_lora(caches["model"], config)
-    plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
+    plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     for step, logged in enumerate(report.history):
         (sample,) = plan(step)
         x0 = torch.from_numpy(np.array(store.get("latents", [sample.latent_key])[sample.latent_key]["latent"]))[None]
-        draws = T.step_draws(config, family, step, tuple(x0.shape))
+        draws = D.step_draws(config, family, step, tuple(x0.shape))
         text = store.get("text_embeds", [sample.text_key])[sample.text_key]
         qwen, clip = (torch.from_numpy(np.array(text[k]))[None] for k in ("text_embeds", "pooled_embeds"))
         s = draws.sigma.view(-1, 1, 1, 1, 1)

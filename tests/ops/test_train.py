@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.ops import train as T
+from loraflow.ops import train_data as D
 from loraflow.ops.clips import build_clips
 from loraflow.ops.latents import encode_latents
 from loraflow.ops.exchange import text_lookup
@@ -78,10 +79,10 @@ def baseline(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     return config, train(config)
 
 
-def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> T.MicroBatch:
+def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> D.MicroBatch:
     store = Store(config.cache_dir)
-    plan = T.BatchPlan(T.build_samples(config, store), config.train_batch_size, config.seed)
-    return T.load_micro_batch(config, get_family(config), store, plan(micro_step), micro_step)
+    plan = D.BatchPlan(D.build_samples(config, store), config.train_batch_size, config.seed)
+    return D.load_micro_batch(config, get_family(config), store, plan(micro_step), micro_step)
 
 
 def reference_lora(model: Path, config: LoraflowConfig) -> tuple[torch.nn.Module, list, torch.optim.Optimizer]:
@@ -106,11 +107,11 @@ def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Pa
     config, report = baseline
     store, family = Store(config.cache_dir), get_family(config)
     transformer, params, optimizer = reference_lora(caches["model"], config)
-    plan = T.BatchPlan(T.build_samples(config, store), 1, config.seed)
+    plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     for step, logged in enumerate(report.history):
         (sample,) = plan(step)
         x0 = torch.from_numpy(np.array(store.get("latents", [sample.latent_key])[sample.latent_key]["latent"]))[None]
-        draws = T.step_draws(config, family, step, tuple(x0.shape))
+        draws = D.step_draws(config, family, step, tuple(x0.shape))
         assert not draws.drop_caption
         text = store.get("text_embeds", [sample.text_key])[sample.text_key]
         qwen, clip = (torch.from_numpy(np.array(text[k]))[None] for k in ("text_embeds", "pooled_embeds"))
@@ -231,18 +232,18 @@ def test_caption_dropout_trains_on_the_cached_empty_prompt(caches: dict[str, Pat
         assert torch.equal(dropped.text[name][0], torch.from_numpy(np.array(empty[name])))
     assert dropped.text["text_embeds"].shape[1] != kept.text["text_embeds"].shape[1]
     half = make_config(caches, tmp_path / "d", caption_dropout_probability=0.5)
-    rate = np.mean([T.step_draws(half, get_family(half), k, (1, 16, 1, 2, 2)).drop_caption for k in range(400)])
+    rate = np.mean([D.step_draws(half, get_family(half), k, (1, 16, 1, 2, 2)).drop_caption for k in range(400)])
     assert 0.4 < rate < 0.6
 
 
 def test_batches_of_two_never_mix_text_lengths(caches: dict[str, Path], tmp_path: Path) -> None:
     config = make_config(caches, tmp_path / "out", train_batch_size=2, max_train_steps=2)
     store = Store(config.cache_dir)
-    samples = T.build_samples(config, store)
+    samples = D.build_samples(config, store)
     short = next(r["key"] for r in store.read_manifest("text_embeds") if r["text"] == SHORT_CAPTION)
     bucket = next(s.group[0] for s in samples if s.text_key == short)
     assert len({s.group[1] for s in samples if s.group[0] == bucket}) == 2  # the data does mix lengths
-    plan = T.BatchPlan(samples, 2, config.seed)
+    plan = D.BatchPlan(samples, 2, config.seed)
     batches = [plan(k) for k in range(3 * plan.per_epoch)]
     assert all(len({s.group for s in b}) == 1 for b in batches)
     assert sum(len(b) == 2 for b in batches) >= plan.per_epoch  # real batches of two, not singletons
@@ -260,7 +261,7 @@ def test_tread_with_ratio_zero_trains_exactly_like_no_tread(baseline, caches: di
         train(make_config(caches, tmp_path / "bad", tread_config={"routes": [{**route, "start_layer_idx": 5}]}))
 
 
-def loss_and_grads(config: LoraflowConfig, batch: T.MicroBatch) -> tuple[float, torch.Tensor]:
+def loss_and_grads(config: LoraflowConfig, batch: D.MicroBatch) -> tuple[float, torch.Tensor]:
     family = get_family(config)
     transformer, params = T.load_transformer(config, family, CPU)
     T.enable_offload(transformer, config, CPU)
