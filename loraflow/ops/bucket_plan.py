@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
 from loraflow.ops.buckets import BucketRow, LatentGeometry, tally_buckets
-from loraflow.ops.clips import check_name, dropped, find_source_image, plan_clips, read_captions
+from loraflow.ops.captions import read_captions
+from loraflow.ops.clips import check_name, dropped, find_source_image, plan_clips
 from loraflow.ops.dataset_folder import list_folder
 from loraflow.ops.media import probe
 from loraflow.ops.media_types import MediaError

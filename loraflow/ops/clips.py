@@ -5,14 +5,7 @@ missing clips at their bucket size -> store frames -> manifest row with captions
 used becomes a quarantine row with a reason; every other file proceeds. Every folder entry that is no media file
 (a broken link, a GIF, a stray note: `dataset_folder`) gets a quarantine row too.
 
-Captions (caption_strategy): `textfile` reads NAME.txt beside the file, one caption per non-empty line;
-`filename` uses the file's stem; `instanceprompt` the dataset's `instance_prompt`; `metadata` looks the file
-up in `metadata_file` (.jsonl, .csv or .parquet with a file column - file_name, file, filename or path -
-holding the dataset-relative path or the bare name, and a caption column - caption, captions, text or
-prompt - holding a string or a list; repeated rows add captions). Rules, the same for every strategy: an
-empty caption trains on the empty prompt; a missing caption (no .txt, not in the metadata) quarantines the
-file as `missing_caption`; a caption file that is not UTF-8 quarantines it as `caption_not_utf8` (a byte-order
-mark is read: UTF-16 as Windows editors save "Unicode" text, and UTF-8).
+Captions: ops/captions.py (each caption_strategy, and its rules).
 
 i2v: the conditioning image is the first frame of the stored clip (`condition_frame`), i.e. source frame
 indices[0] after cropping, so it always matches the clip's first latent frame.
@@ -24,20 +17,12 @@ text_embeds stage keys the prompt embedding by it (i2i's prompt embedding sees t
 
 from __future__ import annotations
 
-import codecs
-import csv
-import io
-import json
 import logging
-from collections.abc import Callable
 from dataclasses import asdict
-from functools import lru_cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from loraflow.config import DatasetConfig, LoraflowConfig
@@ -45,7 +30,8 @@ from loraflow.dataset_config import DEFAULT_MAX_UPSCALE
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.ops import buckets
 from loraflow.ops.buckets import LatentGeometry, latent_geometry, tally_buckets
-from loraflow.ops.dataset_folder import list_folder, printable
+from loraflow.ops.captions import read_captions
+from loraflow.ops.dataset_folder import list_folder, printable, touch
 from loraflow.ops.media import decode_frames, probe
 from loraflow.ops.media_types import IMAGE_EXTENSIONS, MediaError, Probe
 from loraflow.ops.report import ClipsReport, DropReason, DroppedFile
@@ -54,113 +40,9 @@ from loraflow.pipelines.sources import ModelSource, model_source
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
 PROBE_VERSION = 2  # bump when a probe would describe the same file differently (2: VFR frame times)
 PROBE_BATCH = 256  # new probes per committed shard
-
-
-def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
-    """Captions for a file. Rule: textfile = one caption per non-empty line; an empty file is the empty
-    prompt; a missing or non-UTF-8 file quarantines the source (MediaError)."""
-    if dataset.caption_strategy == "instanceprompt":
-        return [dataset.instance_prompt or ""]
-    if dataset.caption_strategy == "filename":
-        return [path.stem.replace("_", " ").replace("-", " ").strip()]
-    if dataset.caption_strategy == "metadata":
-        return _metadata_captions(path, dataset)
-    caption_file = path.with_suffix(".txt")
-    if not caption_file.is_file():
-        raise MediaError("missing_caption", f"{path.name}: no caption file {caption_file.name} (caption_strategy textfile)")
-    return _clean(_text(_read(caption_file), caption_file).splitlines())
-
-
-def _clean(captions: list[str]) -> list[str]:
-    return [c.strip() for c in captions if c and c.strip()] or [""]
-
-
-# Windows editors save "Unicode" text as UTF-16 with a byte-order mark: the mark says how to read the file.
-_BOMS = ((codecs.BOM_UTF8, "utf-8-sig"), (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
-
-
-def _text(data: bytes, path: Path) -> str:
-    """A caption or metadata file's text: UTF-16 or UTF-8 by its byte-order mark, else UTF-8."""
-    encoding = next((name for bom, name in _BOMS if data.startswith(bom)), "utf-8")
-    try:
-        return data.decode(encoding)
-    except UnicodeDecodeError as exc:
-        raise MediaError("caption_not_utf8", f"{path.name} is not {encoding.upper().removesuffix('-SIG')} "
-                         f"({exc.reason}); re-save it as UTF-8") from None
-
-
-FILE_COLUMNS = ("file_name", "file", "filename", "path")
-CAPTION_COLUMNS = ("caption", "captions", "text", "prompt")
-
-
-def _metadata_captions(path: Path, dataset: DatasetConfig) -> list[str]:
-    root = Path(dataset.instance_data_dir or "")
-    meta = Path(dataset.metadata_file or "")
-    meta = meta if meta.is_absolute() else root / meta
-    if not meta.is_file():
-        raise MediaError("missing_caption", f"dataset '{dataset.id}': metadata_file {meta} does not exist")
-    stat = _touch(meta.stat, meta)
-    table, error = _load_metadata(str(meta), stat.st_size, stat.st_mtime_ns)
-    if error:
-        raise MediaError(*error)
-    relative = path.relative_to(root).as_posix()
-    for name in (relative, path.name):
-        if name in table:
-            return _clean(list(table[name]))
-    raise MediaError("missing_caption", f"{relative}: not in metadata_file {meta.name}; add a row for it")
-
-
-@lru_cache(maxsize=8)
-def _load_metadata(path: str, size: int, mtime_ns: int) -> tuple[dict[str, tuple[str, ...]], tuple[str, str] | None]:
-    """file -> captions, read once per file version; a broken file is an error every source reports."""
-    meta = Path(path)
-    try:
-        rows = _metadata_rows(meta)
-    except MediaError as exc:
-        return {}, (exc.reason, str(exc))
-    except (pa.ArrowException, OSError) as exc:  # a .parquet file that is not one
-        return {}, ("bad_metadata", f"{meta.name} cannot be read as Parquet ({exc}); re-export it")
-    if not all(isinstance(row, dict) for row in rows):
-        return {}, ("bad_metadata", f"{meta.name}: each row must be an object with a file and a caption column "
-                                    "(.json/.jsonl: one object per line)")
-    columns = set(rows[0]) if rows else set()
-    file_col = next((c for c in FILE_COLUMNS if c in columns), None)
-    caption_col = next((c for c in CAPTION_COLUMNS if c in columns), None)
-    if rows and (file_col is None or caption_col is None):
-        return {}, ("bad_metadata", f"{meta.name}: needs a file column ({', '.join(FILE_COLUMNS)}) and a caption "
-                                    f"column ({', '.join(CAPTION_COLUMNS)}); found {sorted(columns)}")
-    table: dict[str, list[str]] = {}
-    for number, row in enumerate(rows, 1):
-        if row.get(file_col) is None:
-            return {}, ("bad_metadata", f"{meta.name}: row {number} has no `{file_col}` (the file column row 1 "
-                                        "uses); give every row one")
-        value = row.get(caption_col)
-        items = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
-        captions = [str(c) for c in items if c is not None]
-        table.setdefault(str(row[file_col]).removeprefix("./"), []).extend(captions)
-    return {k: tuple(v) for k, v in table.items()}, None
-
-
-def _metadata_rows(meta: Path) -> list[dict[str, Any]]:
-    suffix = meta.suffix.lower()
-    if suffix == ".parquet":
-        return pq.read_table(meta).to_pylist()
-    text = _text(meta.read_bytes(), meta)
-    if suffix == ".csv":
-        return list(csv.DictReader(io.StringIO(text)))
-    if suffix in (".jsonl", ".json"):
-        rows = []
-        for number, line in enumerate(text.splitlines(), 1):
-            try:
-                rows += [json.loads(line)] if line.strip() else []
-            except json.JSONDecodeError as exc:
-                raise MediaError("bad_metadata", f"{meta.name} line {number} is not JSON ({exc.msg})") from None
-        return rows
-    raise MediaError("bad_metadata", f"metadata_file {meta.name}: use .jsonl, .csv or .parquet")
 
 
 class ProbeCache:
@@ -276,7 +158,7 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model: M
                images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
     """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image."""
     check_name(path)
-    identity = _touch(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
+    identity = touch(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
     captions = read_captions(path, dataset)
     info = probes.probe(path, identity)
     source = _source_image(path, dataset, sources, probes) if sources else None
@@ -302,7 +184,7 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
     """i2i: the source image paired with `path`, its identity and its (cached) probe."""
     found = check_name(find_source_image(path, dataset, sources))
     relative = path.relative_to(dataset.instance_data_dir or "")
-    identity = _touch(lambda: file_identity(found, sources.instance_data_dir or ""), found)
+    identity = touch(lambda: file_identity(found, sources.instance_data_dir or ""), found)
     try:
         info = probes.probe(found, identity)
     except MediaError as exc:
@@ -325,25 +207,11 @@ def dropped(dataset: str, path: str | Path, exc: MediaError) -> dict[str, str]:
     return {"dataset": dataset, "file": printable(path), "reason": exc.reason, "detail": str(exc)}
 
 
-def _touch(read: Callable[[], T], path: Path) -> T:
-    """`read()` of a source file; an OSError (the file deleted or moved since it was listed, no permission) is
-    that file's problem, quarantined as `unreadable`, not the stage's. Store errors are never caught here."""
-    try:
-        return read()
-    except OSError as exc:
-        raise MediaError("unreadable", f"{printable(path)}: {exc.strerror or exc}; check that the file is still "
-                         "there and readable") from None
-
-
-def _read(path: Path) -> bytes:
-    return _touch(path.read_bytes, path)
-
-
 def find_source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig) -> Path:
     """i2i: the file in `sources` with `path`'s relative folder and stem and an image extension."""
     relative = path.relative_to(dataset.instance_data_dir or "")
     folder = Path(sources.instance_data_dir or "") / relative.parent
-    found = sorted(p for p in (_touch(lambda: list(folder.iterdir()), folder) if folder.is_dir() else ())
+    found = sorted(p for p in (touch(lambda: list(folder.iterdir()), folder) if folder.is_dir() else ())
                    if p.stem == relative.stem and p.suffix.lower() in IMAGE_EXTENSIONS)
     if not found:
         raise MediaError("missing_source_image", f"{relative}: no source image {relative.with_suffix('.*')} in "

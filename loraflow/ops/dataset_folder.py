@@ -16,11 +16,15 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from loraflow.dataset_config import DatasetConfig
 from loraflow.ops.media_types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
+
+T = TypeVar("T")
 
 MEDIA_EXTENSIONS = VIDEO_EXTENSIONS | IMAGE_EXTENSIONS
 # Formats FFmpeg or Pillow read that datasets do not take: named, so that each is reported with how to convert it.
@@ -133,3 +137,13 @@ def _unlistable(exc: OSError) -> tuple[Path, MediaError]:
 def printable(path: str | Path) -> str:
     """The path as text that always encodes (undecodable bytes shown as \\xNN)."""
     return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def touch(read: Callable[[], T], path: Path) -> T:
+    """`read()` of a source file; an OSError (the file deleted or moved since it was listed, no permission) is
+    that file's problem, quarantined as `unreadable`, not the stage's. Store errors are never caught here."""
+    try:
+        return read()
+    except OSError as exc:
+        raise MediaError("unreadable", f"{printable(path)}: {exc.strerror or exc}; check that the file is still "
+                         "there and readable") from None
