@@ -6,17 +6,18 @@ A config is YAML or JSON. Dataset entries (`loraflow/dataset_config.py`) have th
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 
 # Dataset entries (one per dataset folder) are the config's other part; importable from here as well.
 from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
+from loraflow.config_errors import describe
+from loraflow.guide_features import GuideFeatures
 from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
@@ -55,7 +56,7 @@ class TreadConfig(StrictModel):
         return v
 
 
-class LoraflowConfig(StrictModel):
+class LoraflowConfig(GuideFeatures):
     """A whole run: model, data, training and validation. Units are in each field's description."""
 
     model_family: str = setting(run_key="always", description=describe_families())
@@ -195,46 +196,6 @@ class LoraflowConfig(StrictModel):
     report_to: Literal["tensorboard", "wandb", "none"] = setting(
         "tensorboard", run_key="never", description="where per-step numbers go besides history.json: tensorboard "
         "(<run>/tensorboard), wandb (W&B's own environment variables, e.g. WANDB_MODE=offline) or none")
-
-    # Scheduled sampling (SimpleTuner's names, kernels/scheduled_sampling.py): off while max_step_offset is 0
-    scheduled_sampling_max_step_offset: int = setting(
-        0, run_key="when_set", ge=0, description="longest rollout in timesteps (1/1000 in sigma); 0: off")
-    scheduled_sampling_probability: float = setting(
-        0.0, run_key="when_set", ge=0, le=1, description="chance a sample is rolled out (without a ramp)")
-    scheduled_sampling_ramp_steps: int = setting(
-        0, run_key="when_set", ge=0, description="ramp the probability from prob_start to prob_end over N steps")
-    scheduled_sampling_start_step: int = setting(0, run_key="when_set", ge=0, description="the ramp's first step")
-    scheduled_sampling_prob_start: float | None = setting(
-        None, run_key="when_set", ge=0, le=1, description="the ramp's start; default: probability")
-    scheduled_sampling_prob_end: float | None = setting(
-        None, run_key="when_set", ge=0, le=1, description="the ramp's end; default: probability")
-    scheduled_sampling_ramp_shape: Literal["linear", "cosine"] = setting("linear", run_key="when_set")
-    scheduled_sampling_strategy: Literal["uniform", "biased_early", "biased_late"] = setting(
-        "uniform", run_key="when_set", description="how rollout lengths are drawn in 0..max_step_offset")
-    scheduled_sampling_sampler: Literal["euler"] = setting(
-        "euler", run_key="when_set", description="the rollout's solver; only euler (the importer maps unipc to it)")
-
-    # CREPA (SimpleTuner's names, kernels/crepa.py): block N's tokens aligned to cached teacher features
-    crepa_enabled: bool = setting(False, run_key="when_set", description="add the CREPA term to the flow loss")
-    crepa_block_index: int = setting(8, run_key="when_set", ge=0, description="the visual block whose output aligns")
-    crepa_lambda: float = setting(0.5, run_key="when_set", ge=0, description="weight of the CREPA term")
-    crepa_adjacent_distance: int = setting(
-        1, run_key="when_set", ge=0, description="neighbour frames aligned too (0: each frame to its own only)")
-    crepa_adjacent_tau: float = setting(1.0, run_key="when_set", gt=0, description="neighbour weight exp(-k / tau)")
-    crepa_cumulative_neighbors: bool = setting(
-        False, run_key="when_set", description="every neighbour 1..distance, not only the one at distance")
-    crepa_normalize_by_frames: bool = setting(True, run_key="when_set", description="divide by the frame count")
-    crepa_spatial_align: bool = setting(
-        True, run_key="when_set", description="patch-wise alignment (teacher resampled to the token grid); false: "
-        "one mean token per frame")
-    crepa_encoder: str = setting(
-        "dinov2_vitg14", run_key="when_set", description="the teacher's name (a label; the weights come from "
-        "crepa_encoder_path)")
-    crepa_encoder_path: str | None = setting(
-        None, run_key="when_set", description="local folder of the teacher (transformers save_pretrained, DINOv2); "
-        "nothing is downloaded")
-    crepa_encoder_image_size: int = setting(
-        518, run_key="when_set", gt=0, description="frames go to the teacher at this square size")
 
     @model_validator(mode="before")
     @classmethod
@@ -503,36 +464,6 @@ def _unknown(key: str, value: str, allowed: list[str]) -> str:
     return f"`{key}` {value!r} is not known; allowed: {', '.join(allowed)}"
 
 
-def _nearest(key: str, model: type[BaseModel]) -> str:
-    close = difflib.get_close_matches(key, list(model.model_fields), n=1)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(model.model_fields)}"
-
-
-def _model_at(loc: tuple[Any, ...]) -> type[BaseModel]:
-    """The pydantic model that owns the key at `loc` (for 'did you mean' suggestions)."""
-    model: type[BaseModel] = LoraflowConfig
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        annotation = model.model_fields[part].annotation
-        model = {"datasets": DatasetConfig, "video": VideoSettings, "tread_config": TreadConfig,
-                 "routes": TreadRoute}.get(part, annotation)
-    return model
-
-
-def _describe(error: dict[str, Any]) -> str:
-    loc = error["loc"]
-    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "config"
-    if error["type"] == "extra_forbidden":
-        return f"{path}: unknown key{_nearest(str(loc[-1]), _model_at(loc))}"
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] == "missing":
-        return f"{path}: required key is missing"
-    if "input" in error and error["type"] not in ("value_error",):
-        return f"{path}: {message} (got {error['input']!r})"
-    return f"{path}: {message}"
-
-
 def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | None = None) -> LoraflowConfig:
     """Validate a config dict; raise ConfigError listing every problem with its key path."""
     data = dict(data)
@@ -548,7 +479,7 @@ def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | 
     try:
         return LoraflowConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError([_describe(e) for e in exc.errors()], source) from None
+        raise ConfigError([describe(e, LoraflowConfig) for e in exc.errors()], source) from None
 
 
 def load_config(path: str | Path) -> LoraflowConfig:

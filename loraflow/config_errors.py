@@ -1,0 +1,45 @@
+"""A pydantic validation error of a config, said the way `loraflow check` prints it: the key path, what is wrong,
+and for an unknown key the nearest valid one."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, get_args
+
+from pydantic import BaseModel
+
+
+def _nearest(key: str, model: type[BaseModel]) -> str:
+    close = difflib.get_close_matches(key, list(model.model_fields), n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(model.model_fields)}"
+
+
+def _model_at(loc: tuple[Any, ...], root: type[BaseModel]) -> type[BaseModel]:
+    """The pydantic model that owns the key at `loc` (for 'did you mean' suggestions)."""
+    model = root
+    for part in loc[:-1]:
+        if not isinstance(part, int):  # an index into a tuple of models stays on that model
+            model = _model_in(model.model_fields[part].annotation) or model
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds: itself, or inside `X | None` / `tuple[X, ...]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, get_args(annotation)) if m), None)
+
+
+def describe(error: dict[str, Any], root: type[BaseModel]) -> str:
+    """One pydantic error of a config whose model is `root`, as `key.path: what is wrong` (unknown keys: the nearest
+    valid one)."""
+    loc = error["loc"]
+    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or "config"
+    if error["type"] == "extra_forbidden":
+        return f"{path}: unknown key{_nearest(str(loc[-1]), _model_at(loc, root))}"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing":
+        return f"{path}: required key is missing"
+    if "input" in error and error["type"] not in ("value_error",):
+        return f"{path}: {message} (got {error['input']!r})"
+    return f"{path}: {message}"
