@@ -19,11 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from safetensors.torch import load_file
 
 from loraflow.assets.launch import free_port
 from loraflow.ops import train as T
 from loraflow.store import Store
+from tests.conftest import REPO
 from tests.ops.test_distributed import SETTINGS, run_ranks
 from tests.ops.test_train import build_caches, make_config, same_lora_file, train
 
@@ -132,6 +134,45 @@ def test_sharded_training_equals_one_process_accumulating_two_micro_steps(sharde
     # The comparison can fail: one process with one micro-step per step trains other numbers.
     single = load_file(train(make_config(caches, tmp_path / "single", **SETTINGS)).lora_path)
     assert max((single[k] - lora[k]).abs().max().item() for k in single) > 1e-4
+
+
+def readme_fsdp_accelerate_file() -> dict:
+    """The accelerate file README.md documents for FSDP2, read from README.md: the doc and this test cannot drift."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("**FSDP2 (`fsdp: true`"):]
+    block = section[section.index("```yaml\n") + len("```yaml\n"):]
+    return yaml.safe_load(block[:block.index("```")])
+
+
+def test_accelerate_launch_with_the_readme_fsdp_file_trains_the_torchrun_bits(sharded: dict, caches: dict[str, Path],
+                                                                             tmp_path: Path) -> None:
+    """`accelerate launch --config_file` with the README's file, as users launch FSDP2, on the sharded run's config.
+
+    Bit-identical by construction: with `distributed_type: FSDP` accelerate starts the ranks through torchrun's own
+    launcher (its multi_gpu_launcher), so the same two processes run the same train_main with the same RANK and
+    WORLD_SIZE, loraflow wraps the blocks itself (accelerate's FSDP_* variables and ACCELERATE_MIXED_PRECISION are
+    not read; ACCELERATE_USE_FSDP is only checked by join()), and the ranks run the same gloo collectives in the same order. The thread count is the
+    one thing a launcher could change: OMP_NUM_THREADS is set to the sharded run's, which accelerate passes on.
+    """
+    accelerate = readme_fsdp_accelerate_file()
+    assert accelerate["distributed_type"] == "FSDP" and accelerate["fsdp_config"]["fsdp_version"] == 2
+    # The one change: the README's file is for 8 GPUs, the sharded run's config says num_processes: 2 (join()
+    # refuses a launch of another size). Nothing is changed for the CPU: with FSDP accelerate starts torchrun's
+    # processes whether or not there is a GPU, and CUDA_VISIBLE_DEVICES="" (run_ranks) makes them gloo on CPU.
+    accelerate["num_processes"] = 2
+    (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(accelerate))
+    config = make_config(caches, tmp_path / "accel", num_processes=2, fsdp=True, **SETTINGS)
+    (threads,) = {held["threads"] for held in sharded["held"]}
+    # --main_process_port on the command line, not in the file (which sets none): accelerate's default port 29500
+    # may be taken by another launch on this machine.
+    run_ranks([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
+               "--main_process_port", str(free_port()), "-m", "loraflow.train_main", str(tmp_path / "accel.yaml")],
+              OMP_NUM_THREADS=str(threads))
+    run = T.run_dir(config, T.upstream_versions(Store(config.cache_dir)))
+    assert same_lora_file(run / T.LORA_FILE, sharded["run"] / T.LORA_FILE)  # bit for bit
+    computed = [[(r["step"], r["loss"], r["grad_norm"]) for r in json.loads((d / "history.json").read_text())]
+                for d in (run, sharded["run"])]  # not the timings
+    assert computed[0] == computed[1]
 
 
 def test_a_sharded_run_resumes_from_its_gathered_checkpoint(sharded: dict) -> None:
