@@ -26,7 +26,7 @@ def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
     from loraflow.pipelines.tiny import build_tiny
 
     config = load_config(config_path)
-    build_tiny(config.model_family, config.pretrained_model_name_or_path, flavour=config.model_flavour)
+    build_tiny(config.model_family, config.pretrained_model_name_or_path, flavour=config.model_flavour, world=True)
     for dataset in config.training_datasets:
         sources = config.source_images(dataset)  # i2i: edit pairs, the sources in their own folder
         if sources is not None:

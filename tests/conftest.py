@@ -31,7 +31,7 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def demo_dict(model: Path, data: Path, root: Path, **overrides: Any) -> dict[str, Any]:
     """The demo config with absolute paths under `root`, plus overrides (top-level keys)."""
-    config = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    config = yaml.safe_load((REPO / "tests" / "demo_t2v.yaml").read_text())
     config.update(pretrained_model_name_or_path=str(model), output_dir=str(root / "output"),
                   cache_dir=str(root / "cache"))
     config["datasets"][0]["instance_data_dir"] = str(data)

@@ -19,7 +19,7 @@ import numpy as np
 
 FPS = 24
 _MANIFEST = ".demo_manifest.json"  # written last: its presence means the set is complete
-_VERSION = 4  # bump when the drawing or encoding changes, so old sets are rebuilt
+_VERSION = 5  # bump when the drawing or encoding changes, so old sets are rebuilt
 
 # Named colours, so captions can say what is on screen.
 _COLOURS: dict[str, tuple[int, int, int]] = {
@@ -43,16 +43,20 @@ class _Clip:
     shape: str  # "circle" or "square"
     motion: str  # key of _MOTIONS
     colours: tuple[str, str]  # (shape, background) used for seed 0
+    # (start, end) centre in fractions of the free area; None: the motion's own, from edge to edge
+    path: tuple[tuple[float, float], tuple[float, float]] | None = None
 
 
 # Sizes cover 3:2, 2:3, 1:1, 16:9 and 9:16; lengths include 4k+1 counts (21, 29, 33, 45, 49).
 # Seed 0 keeps these colours, so clip_00's caption is the demo config's validation prompt.
+# Every clip moves left to right: the concept the demo's LoRA learns, which the tiny world's base model never saw
+# (it is pre-trained on shapes moving right to left, down and up: loraflow/pipelines/tiny_world.py).
 _CLIPS = (
     _Clip("clip_00", 96, 64, 21, "circle", "left_to_right", ("red", "blue")),
-    _Clip("clip_01", 64, 96, 29, "square", "top_to_bottom", ("yellow", "black")),
-    _Clip("clip_02", 80, 80, 33, "circle", "diagonal", ("green", "white")),
-    _Clip("clip_03", 128, 72, 45, "square", "right_to_left", ("orange", "purple")),
-    _Clip("clip_04", 72, 128, 49, "circle", "bottom_to_top", ("white", "green")),
+    _Clip("clip_01", 64, 96, 29, "square", "left_to_right", ("yellow", "black")),
+    _Clip("clip_02", 80, 80, 33, "circle", "left_to_right", ("green", "white")),
+    _Clip("clip_03", 128, 72, 45, "square", "left_to_right", ("orange", "purple")),
+    _Clip("clip_04", 72, 128, 49, "circle", "left_to_right", ("white", "green")),
 )
 _STILLS = (
     _Clip("still_00", 96, 64, 1, "circle", "center", ("purple", "yellow")),
@@ -117,18 +121,31 @@ def make_demo_edits(targets_dir: str | Path, sources_dir: str | Path) -> tuple[P
     return targets, sources
 
 
-def world_frames(seed: int, count: int, size: int) -> np.ndarray:
-    """`count` single frames (uint8 (count, size, size, 3)) of the demo world: a shape of a named colour on another
-    named background, at a random point of a random motion; what the tiny world's VAE learns to reconstruct."""
+def world_clips(seed: int, count: int, sizes: tuple[tuple[int, int], ...], frames: int,
+                motions: tuple[str, ...]) -> list[tuple[np.ndarray, str]]:
+    """`count` captioned clips (uint8 (frames, H, W, 3), caption) of the demo world, cycling through `sizes`
+    ((width, height)): a shape of a named colour on another, moving as one of `motions` (keys of _MOTIONS) says.
+    What the tiny world's transformer is pre-trained on (`loraflow.pipelines.tiny_world`)."""
     rng = np.random.default_rng(seed)
-    names, motions = list(_COLOURS), [m for m in _MOTIONS if m != "center"]
-    frames = np.empty((count, size, size, 3), np.uint8)
+    names, clips = list(_COLOURS), []
     for i in range(count):
+        width, height = sizes[i % len(sizes)]
         shape_colour, background = (names[j] for j in rng.choice(len(names), size=2, replace=False))
-        item = _Clip("world", size, size, 2, ("circle", "square")[rng.integers(2)], motions[rng.integers(len(motions))],
-                     (shape_colour, background))
-        frames[i] = _draw(item, float(rng.random()), _COLOURS[shape_colour], _COLOURS[background])
-    return frames
+        motion = motions[rng.integers(len(motions))]
+        item = _Clip("world", width, height, frames, ("circle", "square")[rng.integers(2)], motion,
+                     (shape_colour, background), _world_path(rng, motion))
+        video = np.stack([_draw(item, t, _COLOURS[shape_colour], _COLOURS[background]) for t in _times(frames)])
+        clips.append((video, _caption(item, shape_colour, background)))
+    return clips
+
+
+def _world_path(rng: np.random.Generator, motion: str, travel: float = 0.5) -> tuple[tuple[float, float], ...]:
+    """Half the motion's edge-to-edge path, starting anywhere it fits: the tiny DiT knows positions only relative to
+    each other (RoPE), so where a shape is must be free and only where it goes is learnt."""
+    (x0, y0), (x1, y1), _ = _MOTIONS[motion]
+    dx, dy = (x1 - x0) * travel, (y1 - y0) * travel
+    start = [float(rng.uniform(max(0.0, -d), min(1.0, 1.0 - d))) for d in (dx, dy)]
+    return (start[0], start[1]), (start[0] + dx, start[1] + dy)
 
 
 def _write_item(out: Path, item: _Clip, shape_colour: str, background: str) -> None:
@@ -178,9 +195,9 @@ def _times(frames: int) -> list[float]:
 
 
 def _draw(item: _Clip, t: float, colour: tuple[int, int, int], background: tuple[int, int, int]) -> np.ndarray:
-    """One RGB frame: the shape's centre travels from the motion's start to its end as t goes 0->1."""
-    (x0, y0), (x1, y1), _ = _MOTIONS[item.motion]
-    radius = max(4, min(item.width, item.height) // 6)
+    """One RGB frame: the shape's centre travels from the path's start to its end as t goes 0->1."""
+    (x0, y0), (x1, y1) = item.path or _MOTIONS[item.motion][:2]
+    radius = max(4, min(item.width, item.height) // 4)  # 16 px at 64: two latent cells, so the VAE's mosaic shows it
     # Keep the whole shape inside the frame at both ends of the path.
     cx = radius + (x0 + (x1 - x0) * t) * (item.width - 2 * radius)
     cy = radius + (y0 + (y1 - y0) * t) * (item.height - 2 * radius)

@@ -181,6 +181,12 @@ def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
     return Kandinsky5T2VPipeline, _tiny_pipeline
 
 
+def tiny_world(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
+    """The demo's tiny checkpoint (`build_tiny(..., world=True)`): the same layout, with a VAE that shows the demo's
+    shapes and a transformer pre-trained on them (cached after the first build), so renders show what a LoRA did."""
+    return Kandinsky5T2VPipeline, _world_pipeline
+
+
 def _tiny_pipeline() -> TinyPipeline:
     from loraflow.pipelines import tiny as parts  # the tiny parts only when a tiny checkpoint is built
 
@@ -190,4 +196,19 @@ def _tiny_pipeline() -> TinyPipeline:
         scheduler=parts.kandinsky5_scheduler(shift=10.0),
         **parts.kandinsky5_text_components(),
     )
+    return pipe, {}
+
+
+def _world_pipeline() -> TinyPipeline:
+    from loraflow.pipelines import tiny as parts
+    from loraflow.pipelines import tiny_world
+
+    text = parts.kandinsky5_text_components()
+    vae = tiny_world.mosaic_vae()
+    # 128 wide: a 2x2 patch of 16 channels is 64 numbers, all noise a velocity must carry; at 32 the pre-training loss
+    # stayed at 0.6, at 64 it reached 0.1 but renders stayed noisy. Pre-trained as i2v: see tiny_world.py.
+    transformer = tiny_world.pretrain(make_family("i2v-lite-5s"),
+                                      parts.kandinsky5_transformer(visual_cond=True, model_dim=128), vae, text)
+    pipe = Kandinsky5T2VPipeline(transformer=transformer, vae=vae, scheduler=parts.kandinsky5_scheduler(shift=10.0),
+                                 **text)
     return pipe, {}

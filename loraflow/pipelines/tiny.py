@@ -286,8 +286,9 @@ def rerandomise_zero_params(
     return touched
 
 
-def kandinsky5_transformer(visual_cond: bool) -> Kandinsky5Transformer3DModel:
-    """Lite-style K5 DiT with head_dim 16 = 4+6+6 rope axes.
+def kandinsky5_transformer(visual_cond: bool, model_dim: int = 32, visual_blocks: int = 2) -> Kandinsky5Transformer3DModel:
+    """Lite-style K5 DiT with 2 heads; head_dim = model_dim / 2 = the rope axes (4+6+6 at 32, 8+12+12 at 64).
+    The tiny world's video checkpoint is 64 wide: at 32 its pre-training loss stayed at 0.6 (0.1 at 64).
 
     ``visual_cond=True`` (video Lite/Pro, image-to-image) means 16 + 16 + 1 input channels; the T2I
     pipeline feeds plain 16-channel latents, so its checkpoint has ``visual_cond=False``.
@@ -299,11 +300,11 @@ def kandinsky5_transformer(visual_cond: bool) -> Kandinsky5Transformer3DModel:
         in_text_dim2=TEXT_DIM,
         time_dim=32,
         patch_size=(1, 2, 2),
-        model_dim=32,
-        ff_dim=64,
+        model_dim=model_dim,
+        ff_dim=2 * model_dim,
         num_text_blocks=1,
-        num_visual_blocks=2,
-        axes_dims=(4, 6, 6),
+        num_visual_blocks=visual_blocks,
+        axes_dims=(model_dim // 8, 3 * model_dim // 16, 3 * model_dim // 16),
         visual_cond=visual_cond,
         attention_type="regular",
     )
@@ -398,9 +399,11 @@ def _publish(staging: Path, out_dir: Path, entries: Iterable[str]) -> None:
         os.replace(staging / name, target)
 
 
-def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | None = None) -> Path:
+def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | None = None,
+               world: bool = False) -> Path:
     """Write a tiny diffusers-layout checkpoint for `family` into out_dir, with the builder its module's
-    `tiny(flavour)` picks (None: the default flavour's; Kandinsky 5 Image i2i has its own).
+    `tiny(flavour)` picks (None: the default flavour's; Kandinsky 5 Image i2i has its own). `world`: the module's
+    `tiny_world(flavour)` where it has one (Kandinsky 5 Video: the demo's pre-trained tiny world), else `tiny`.
 
     Idempotent: if out_dir/model_index.json exists, return immediately (after checking that it holds the
     pipeline the flavour needs). Components are built in a staging directory next to ``out_dir`` and moved
@@ -409,7 +412,9 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
     """
     out_dir = Path(out_dir)
     spec = family_spec(family)
-    pipeline, builder = importlib.import_module(spec.module).tiny(spec.flavour(flavour))
+    module = importlib.import_module(spec.module)
+    pick = module.tiny_world if world and hasattr(module, "tiny_world") else module.tiny
+    pipeline, builder = pick(spec.flavour(flavour))
     if (out_dir / "model_index.json").exists():
         built = json.loads((out_dir / "model_index.json").read_text())["_class_name"]
         if built != pipeline.__name__:

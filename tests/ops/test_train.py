@@ -337,6 +337,7 @@ def test_distribution_latents_draw_fresh_samples_and_comfyui_is_exported_too(bas
 
 
 def test_a_config_field_added_later_keeps_the_run_keys_of_before() -> None:
-    # stop 11's key for the demo config: `conditioning_data` (i2i, stop 12) left every other run where it was
-    config = load_config(REPO / "configs" / "demo.yaml")
+    # stop 11's key for the demo config (now tests/demo_t2v.yaml, unchanged; the demo became i2v in issue 21):
+    # `conditioning_data` (i2i, stop 12) left every other run where it was
+    config = load_config(REPO / "tests" / "demo_t2v.yaml")
     assert T.run_dir(config, {"latents": "l", "text_embeds": "t"}).name == "6d960b4921c5061b9fa65689cc87413d"
