@@ -29,9 +29,19 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_demo_dataset(tmp_path_factory.mktemp("data") / "demo")
 
 
-def demo_dict(model: Path, data: Path, root: Path, **overrides: Any) -> dict[str, Any]:
-    """The demo config with absolute paths under `root`, plus overrides (top-level keys)."""
-    config = yaml.safe_load((REPO / "tests" / "demo_t2v.yaml").read_text())
+@pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's checkpoint (`loraflow demo` builds it): pre-trained once per machine, then read from its cache."""
+    from loraflow.pipelines.tiny import build_tiny
+
+    return build_tiny("kandinsky5-video", tmp_path_factory.mktemp("models") / "tiny-world", world=True)
+
+
+def demo_dict(model: Path, data: Path, root: Path, base: str = "tests/demo_t2v.yaml",
+              **overrides: Any) -> dict[str, Any]:
+    """The suite's t2v config (or `base`: "configs/demo.yaml" is the README's demo) with absolute paths under
+    `root`, plus overrides (top-level keys)."""
+    config = yaml.safe_load((REPO / base).read_text())
     config.update(pretrained_model_name_or_path=str(model), output_dir=str(root / "output"),
                   cache_dir=str(root / "cache"))
     config["datasets"][0]["instance_data_dir"] = str(data)

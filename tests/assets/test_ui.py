@@ -37,11 +37,12 @@ if not CHROMIUM.exists() and not os.environ.get("CI"):
 
 
 @pytest.fixture(scope="module")
-def materialized(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """(root, DAGSTER_HOME, config): the demo, every asset and check materialized into a real instance."""
+def materialized(tiny_world: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory,
+                 ) -> tuple[Path, Path, Path]:
+    """(root, DAGSTER_HOME, config): the README's demo (configs/demo.yaml on the tiny world), every asset and check
+    materialized into a real instance: what a newcomer sees after `make demo && make dev`."""
     root = tmp_path_factory.mktemp("ui")
-    config = write_config(root / "config.yaml", demo_dict(tiny_k5, demo_data, root, max_train_steps=2,
-                                                          checkpointing_steps=2))
+    config = write_config(root / "config.yaml", demo_dict(tiny_world, demo_data, root, base="configs/demo.yaml"))
     home = root / "dagster_home"
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\nnux:\n  enabled: false\n")
@@ -135,10 +136,11 @@ def test_validation_page_shows_the_renders_playing_and_a_labelled_sheet(page, se
     for key in ("computed", "status", "video", "base_video"):
         _metadata_row(page, key)
     assert ".mp4" in _metadata_row(page, "video").inner_text()
-    animation, sheet = _open_images(page, materialized[0], "preview")
+    start, animation, sheet = _open_images(page, materialized[0], "preview")  # i2v: the first frame given, first
+    assert start["type"] == "image/png" and (start["width"], start["height"]) == (96, 64)  # at the render size
     assert animation["type"] == "image/webp" and sheet["type"] == "image/png"
     assert animation["width"] > animation["height"]  # base and LoRA side by side
-    # it plays: two looks at the animation 120 ms apart (a 9-frame loop of 375 ms) show different frames
+    # it plays: two looks at the animation 120 ms apart (a 17-frame loop of 708 ms) show different frames
     image = page.get_by_role("dialog").locator('img[src^="data:image/webp"]')
     first = image.screenshot()
     page.wait_for_timeout(120)
@@ -152,7 +154,7 @@ def test_validation_page_shows_the_renders_playing_and_a_labelled_sheet(page, se
 def test_lora_page_shows_the_loss_in_words_and_its_curve(page, server: str, materialized) -> None:
     page.goto(f"{server}/assets/lora")
     words = _metadata_row(page, "loss").locator("td").last.inner_text()  # the value cell
-    assert re.fullmatch(r"\d\.\d+ at step 1 → \d\.\d+ at step 2", words.strip()), words  # max_train_steps 2
+    assert re.fullmatch(r"\d\.\d+ at step 1 → \d\.\d+ at step 200", words.strip()), words  # the demo's 200 steps
     assert re.search(r"\d\.\d", _metadata_row(page, "final_loss").inner_text())
     (curve,) = _open_images(page, materialized[0], "loss_curve")
     assert curve["type"] == "image/png" and curve["width"] > curve["height"]
