@@ -62,7 +62,8 @@ def run_demo(config_path: str) -> int:
 
 
 def demo_summary(results: list) -> list[str]:
-    """One line per materialization (computed / reused), then where the LoRA and the video are."""
+    """One line per materialization (computed / reused), then where the LoRA, the video and its contact sheet (base
+    frames over LoRA frames: the quickest look at what training did) are."""
     lines, paths = [], []
     for result in results:
         for event in result.get_asset_materialization_events():
@@ -71,6 +72,8 @@ def demo_summary(results: list) -> list[str]:
             counts = {k: meta[k].value for k in ("computed", "reused") if k in meta}
             lines.append(f"{stage + where:>26}  computed {counts.get('computed', '-')}, reused {counts.get('reused', '-')}")
             paths += [f"{name}: {meta[name].value}" for name in ("lora_path", "video") if name in meta]
+            if "video" in meta:  # validate() writes the sheet beside the renders
+                paths.append(f"contact_sheet: {Path(meta['video'].value).with_name('contact_sheet.png')}")
     return lines + paths
 
 

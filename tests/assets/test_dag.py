@@ -94,6 +94,7 @@ def test_second_materialization_reuses_every_item(dag_run) -> None:
     assert sorted(stages[2:4]) == ["teacher_features", "text_embeds"]
     assert all("computed 0," in line for line in summary[:6])
     assert summary[6].startswith("lora_path: ") and summary[7].startswith("video: ")
+    assert Path(summary[8].removeprefix("contact_sheet: ")).is_file()
 
 
 def test_trained_lora_loads_into_the_diffusers_pipeline_and_changes_the_output(dag_run, tiny_k5: Path) -> None:
