@@ -286,9 +286,9 @@ def rerandomise_zero_params(
     return touched
 
 
-def kandinsky5_transformer(visual_cond: bool, model_dim: int = 32, visual_blocks: int = 2) -> Kandinsky5Transformer3DModel:
+def kandinsky5_transformer(visual_cond: bool, model_dim: int = 32) -> Kandinsky5Transformer3DModel:
     """Lite-style K5 DiT with 2 heads; head_dim = model_dim / 2 = the rope axes (4+6+6 at 32, 8+12+12 at 64).
-    The tiny world's video checkpoint is 64 wide: at 32 its pre-training loss stayed at 0.6 (0.1 at 64).
+    The tiny world's checkpoint is 128 wide (`kandinsky5_video._world_pipeline` says why); the others 32.
 
     ``visual_cond=True`` (video Lite/Pro, image-to-image) means 16 + 16 + 1 input channels; the T2I
     pipeline feeds plain 16-channel latents, so its checkpoint has ``visual_cond=False``.
@@ -303,7 +303,7 @@ def kandinsky5_transformer(visual_cond: bool, model_dim: int = 32, visual_blocks
         model_dim=model_dim,
         ff_dim=2 * model_dim,
         num_text_blocks=1,
-        num_visual_blocks=visual_blocks,
+        num_visual_blocks=2,
         axes_dims=(model_dim // 8, 3 * model_dim // 16, 3 * model_dim // 16),
         visual_cond=visual_cond,
         attention_type="regular",

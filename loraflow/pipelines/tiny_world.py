@@ -25,19 +25,21 @@ machine trains them once.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
 from loraflow.keys import content_key
+
+if TYPE_CHECKING:
+    from loraflow.pipelines.base import ModelFamily
 
 CACHE_ROOT = Path(__file__).resolve().parents[2] / ".loraflow" / "tiny_world"
 _VERSION = 1  # bump when the training code changes in a way the recipe's fields do not show
@@ -114,45 +116,43 @@ def _average_or_copy(conv: torch.nn.Conv3d) -> None:
                     conv.weight[channel, channel, t, y, x] = 1.0 / (len(frames) * len(cells) ** 2)
 
 
-def pretrain(family: Any, transformer: torch.nn.Module, vae: AutoencoderKLHunyuanVideo,
+def pretrain(family: ModelFamily, transformer: torch.nn.Module, vae: AutoencoderKLHunyuanVideo,
              components: dict[str, Any], recipe: WorldRecipe = WorldRecipe(), cache_root: str | Path = CACHE_ROOT,
              ) -> torch.nn.Module:
     """Load the pre-trained weights for these inputs from the cache, or train and cache them. Returns `transformer`."""
     from safetensors.torch import load_file
 
     path = Path(cache_root) / _key(family, transformer, components, recipe) / "transformer.safetensors"
-    if not path.is_file():
+    if path.is_file():
+        transformer.load_state_dict(load_file(path))
+    else:
         _train(family, transformer, vae, components, recipe)
         _save_atomic(transformer, path)
-    transformer.load_state_dict(load_file(path))
     return transformer.eval()
 
 
-def _key(family: Any, transformer: torch.nn.Module, components: dict[str, Any], recipe: WorldRecipe) -> str:
+def _key(family: ModelFamily, transformer: torch.nn.Module, components: dict[str, Any], recipe: WorldRecipe) -> str:
     """The inputs that decide the trained weights: how it is trained (family, flavour, recipe), architecture, initial
     weights, text encoders."""
+    from loraflow.ops.distributed import tensors_fingerprint
+
+    def weights(module: torch.nn.Module) -> str:
+        return tensors_fingerprint([tensor for _, tensor in sorted(module.state_dict().items())])
+
     return content_key(version=_VERSION, family=f"{family.name}/{family.flavour.name}", recipe=asdict(recipe),
                        # without diffusers' private entries: `_use_default_values` is a set's order, new per process
                        config={k: v for k, v in transformer.config.items() if not k.startswith("_")},
-                       transformer=_weights(transformer), text=_weights(components["text_encoder"]),
-                       text_2=_weights(components["text_encoder_2"]))
+                       transformer=weights(transformer), text=weights(components["text_encoder"]),
+                       text_2=weights(components["text_encoder_2"]))
 
 
-def _weights(module: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _train(family: Any, transformer: torch.nn.Module, vae: AutoencoderKLHunyuanVideo, components: dict[str, Any],
-           recipe: WorldRecipe) -> None:
+def _train(family: ModelFamily, transformer: torch.nn.Module, vae: AutoencoderKLHunyuanVideo,
+           components: dict[str, Any], recipe: WorldRecipe) -> None:
     """Flow matching on the whole transformer: batches of one size and one caption length (the K5 DiT has no text
     mask, so a batch's captions must be equally long)."""
     from tqdm import tqdm
 
-    from loraflow.kernels.flow_matching import shift_sigmas
+    from loraflow.kernels.flow_matching import sample_sigmas, shift_sigmas
     from loraflow.pipelines.base import conditioned_noisy, flow_mse
 
     pool, groups = _encoded_world(family, vae, components, recipe)
@@ -171,7 +171,7 @@ def _train(family: Any, transformer: torch.nn.Module, vae: AutoencoderKLHunyuanV
         noise = torch.randn(x0.shape, generator=generator)
         shifts = torch.tensor(recipe.sigma_shifts)[torch.randint(len(recipe.sigma_shifts), (len(x0),),
                                                                  generator=generator)]
-        sigma = shift_sigmas(torch.sigmoid(torch.randn(len(x0), generator=generator)), shifts)
+        sigma = shift_sigmas(sample_sigmas(len(x0), generator, "sigmoid"), shifts)
         noisy = conditioned_noisy(family, x0, noise, sigma)
         loss = flow_mse(family, family.velocity(transformer, noisy, sigma, text), x0, noise)
         loss.backward()
@@ -184,7 +184,7 @@ def _train(family: Any, transformer: torch.nn.Module, vae: AutoencoderKLHunyuanV
         schedule.step()
 
 
-def _encoded_world(family: Any, vae: AutoencoderKLHunyuanVideo, components: dict[str, Any], recipe: WorldRecipe,
+def _encoded_world(family: ModelFamily, vae: AutoencoderKLHunyuanVideo, components: dict[str, Any], recipe: WorldRecipe,
                    ) -> tuple[list, dict]:
     """[(latent (1, 16, T, h, w), text row, group)], and each group's pool indices. Clips of one size are encoded
     16 at a time (4x faster than one by one on a CPU), each caption once."""

@@ -151,8 +151,9 @@ def test_accelerate_launch_with_the_readme_fsdp_file_trains_the_torchrun_bits(sh
     Bit-identical by construction: with `distributed_type: FSDP` accelerate starts the ranks through torchrun's own
     launcher (its multi_gpu_launcher), so the same two processes run the same train_main with the same RANK and
     WORLD_SIZE, loraflow wraps the blocks itself (accelerate's FSDP_* variables and ACCELERATE_MIXED_PRECISION are
-    not read; ACCELERATE_USE_FSDP is only checked by join()), and the ranks run the same gloo collectives in the same order. The thread count is the
-    one thing a launcher could change: OMP_NUM_THREADS is set to the sharded run's, which accelerate passes on.
+    not read; ACCELERATE_USE_FSDP is only checked by join()), and the ranks run the same gloo collectives in the same
+    order. The thread count is the one thing a launcher could change: OMP_NUM_THREADS is set to the sharded run's,
+    which accelerate passes on.
     """
     accelerate = readme_fsdp_accelerate_file()
     assert accelerate["distributed_type"] == "FSDP" and accelerate["fsdp_config"]["fsdp_version"] == 2
