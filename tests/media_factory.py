@@ -89,6 +89,7 @@ def write_video(
     pts: Sequence[int] | None = None,
     time_base: Fraction | None = None,
     rotation_cw: int = 0,
+    sar: Fraction | None = None,
     audio: str | None = None,
     options: dict[str, str] | None = None,
     container_options: dict[str, str] | None = None,
@@ -97,7 +98,7 @@ def write_video(
 
     `pts` (in `time_base` units) makes a variable-frame-rate file. `rotation_cw`
     writes a display matrix asking players to turn the picture clockwise, the way
-    phones tag portrait clips. `audio` is None, "ok" (a real AAC track) or
+    phones tag portrait clips. `sar` stores anamorphic pixels (HDV/AVCHD's 1440x1080 shown 16:9). `audio` is None, "ok" (a real AAC track) or
     "broken" (an AAC track whose packets are random bytes).
     """
     path = Path(path)
@@ -107,6 +108,8 @@ def write_video(
         if time_base is not None:
             stream.codec_context.time_base = time_base
             stream.time_base = time_base
+        if sar is not None:
+            stream.codec_context.sample_aspect_ratio = sar
         if rotation_cw:
             # PyAV takes a counter-clockwise angle (FFmpeg's display-matrix convention).
             stream.set_display_rotation(-rotation_cw)

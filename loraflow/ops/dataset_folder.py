@@ -4,7 +4,7 @@ Nothing in a folder vanishes without a line. Each entry is a media file (clips, 
 later), the caption or metadata file of one, or a row here:
 `not_a_file` (a folder, fifo or socket named like media; a folder's own files are still read), `linked_folder` (a
 link to a folder: not followed, links can loop or leave the dataset), `broken_link` (a link to nothing, or a loop),
-`unsupported_format` (media the decoders read but datasets do not take: GIF, TIFF, MPEG-TS, ...), `hidden_file` (a
+`unsupported_format` (media datasets do not take: GIF, HEIC, WMV, ...), `hidden_file` (a
 hidden file named like media: the dataset_watch sensor does not watch hidden files, so they are not read),
 `unreadable` (a folder the OS will not list) and `not_used` (any other file nothing reads: a caption whose video is
 gone, `.txt` files under a caption_strategy other than textfile, notes). Other hidden entries (.DS_Store, .git)
@@ -28,9 +28,9 @@ T = TypeVar("T")
 
 MEDIA_EXTENSIONS = VIDEO_EXTENSIONS | IMAGE_EXTENSIONS
 # Formats FFmpeg or Pillow read that datasets do not take: named, so that each is reported with how to convert it.
+# (HEIC/HEIF and JPEG XL: this Pillow has no decoder for them.)
 OTHER_MEDIA_EXTENSIONS = frozenset({
-    ".gif", ".apng", ".bmp", ".tif", ".tiff", ".heic", ".heif", ".avif", ".jxl",
-    ".mpg", ".mpeg", ".ts", ".mts", ".m2ts", ".wmv", ".flv", ".3gp", ".ogv", ".vob", ".mxf", ".y4m",
+    ".gif", ".apng", ".bmp", ".heic", ".heif", ".jxl", ".wmv", ".flv", ".3gp", ".ogv", ".y4m",
 })
 
 

@@ -11,6 +11,7 @@ import logging
 import struct
 from fractions import Fraction
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import numpy as np
@@ -22,6 +23,9 @@ logger = logging.getLogger("loraflow.ops.media")
 # Containers whose rotation decord's bundled FFmpeg 4.0 reads the same way we do (the "rotate"
 # tag / display matrix of the MP4 family). Elsewhere a rotated stream goes to PyAV.
 _DECORD_ROTATION_SUFFIXES = frozenset({".mp4", ".mov", ".m4v"})
+# Containers whose frames decord finds by index. In AVI, MPEG-TS/PS and MXF its seeks land on the wrong frames
+# without an error (H.264 with B-frames in .ts: frame 14 for 0; in .avi: frame 0 for 28), so those go to PyAV.
+_DECORD_SUFFIXES = _DECORD_ROTATION_SUFFIXES | {".mkv", ".webm"}
 # decord 0.6 infers the channel count from the padded row size, so some narrow outputs come back
 # with 4..48 "channels" (or get_batch raises). Measured over widths 2..4096: 2, 3, 4, 6, 8, 12, 16,
 # 24, 48 and 72 break, nothing wider. The shape is still checked after every decord call.
@@ -170,20 +174,46 @@ def _timestamps_from_demux(container: Any, stream: Any, path: Path) -> tuple[int
     file_size = path.stat().st_size
     stamps: list[int] = []
     total = 0
+    first_key = _NO_KEYFRAME
     try:
         for packet in container.demux(stream):
             if packet.size == 0:
                 continue  # the flush packet PyAV appends
             total += 1
-            if packet.is_corrupt or (packet.pos >= 0 and packet.pos + packet.size > file_size):
+            if packet.is_corrupt or (packet.pos is not None and packet.pos >= 0 and packet.pos + packet.size > file_size):
                 _raise_truncated(path, f"packet {total} is incomplete")
-            if not packet.is_discard:
+            first_key = _first_key(first_key, packet)
+            if _shown(first_key, packet.pts) and not packet.is_discard:
                 stamps.append(packet.pts if packet.pts is not None else packet.dts if packet.dts is not None else total)
     except av.error.FFmpegError as err:
         _raise_truncated(path, f"reading stopped after {total} packets ({err})")
     if stream.frames > total:
         _raise_truncated(path, f"the header promises {stream.frames} frames but only {total} are present")
     return len(stamps), sorted(stamps)
+
+
+# A recording cut mid-stream (a .ts capture) opens on frames whose references were cut off. Decoders drop them, and
+# how many depends on the codec (H.264 shows an open GOP's leading frames, MPEG-2 drops them), so both the count and
+# the PyAV decode keep the same frames: from the first keyframe on, none shown before it.
+_NO_KEYFRAME = object()
+
+
+def _first_key(first_key: Any, packet: Any) -> Any:
+    """The first keyframe's pts once one was read (None: it has none), else _NO_KEYFRAME."""
+    return packet.pts if first_key is _NO_KEYFRAME and packet.is_keyframe else first_key
+
+
+def _shown(first_key: Any, pts: int | None) -> bool:
+    return first_key is not _NO_KEYFRAME and (first_key is None or pts is None or pts >= first_key)
+
+
+def _shown_frames(container: Any, stream: Any) -> Iterator[Any]:
+    """The decoded frames the probe counted (see _first_key)."""
+    first_key = _NO_KEYFRAME
+    for packet in container.demux(stream):
+        first_key = _first_key(first_key, packet)
+        if first_key is not _NO_KEYFRAME or packet.size == 0:  # the flush packet drains the decoder
+            yield from (frame for frame in packet.decode() if _shown(first_key, frame.pts))
 
 
 def _raise_truncated(path: Path, detail: str) -> NoReturn:
@@ -315,6 +345,8 @@ def decode_local(
 
 
 def _decord_unsuitable(path: Path, size: tuple[int, int], info: Probe) -> str:
+    if path.suffix.lower() not in _DECORD_SUFFIXES:
+        return f"decord seeks {path.suffix.lower()} files to the wrong frames"
     if size[1] < _DECORD_MIN_WIDTH:
         return f"width {size[1]} < {_DECORD_MIN_WIDTH} hits decord's row-padding bug"
     if info.rotation and path.suffix.lower() not in _DECORD_ROTATION_SUFFIXES:
@@ -366,7 +398,7 @@ def _decode_pyav(path: Path, indices: list[int], size: tuple[int, int], rotation
         stream = _video_stream(container, path)
         stream.thread_type = "AUTO"
         try:
-            for position, frame in enumerate(container.decode(stream)):
+            for position, frame in enumerate(_shown_frames(container, stream)):
                 if position < target:
                     continue  # decoded (it may be a reference) but never converted to RGB
                 rgb = frame.reformat(width=coded_w, height=coded_h, format="rgb24", interpolation="BICUBIC")

@@ -8,8 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-IMAGE_EXTENSIONS: frozenset[str] = frozenset({".png", ".jpg", ".jpeg", ".webp"})
-VIDEO_EXTENSIONS: frozenset[str] = frozenset({".mp4", ".mov", ".m4v", ".mkv", ".webm", ".avi"})
+# What datasets take: each is read by the installed Pillow or PyAV and tested in tests/ops/test_media.py. A TIFF or
+# AVIF gives its first page or frame. The MPEG transport stream (.ts; AVCHD's .mts/.m2ts), program stream
+# (.mpg/.mpeg, DVD .vob) and MXF have no frame index, so they are counted by demuxing and decoded with PyAV.
+IMAGE_EXTENSIONS: frozenset[str] = frozenset({".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".avif"})
+VIDEO_EXTENSIONS: frozenset[str] = frozenset({
+    ".mp4", ".mov", ".m4v", ".mkv", ".webm", ".avi", ".ts", ".mts", ".m2ts", ".mpg", ".mpeg", ".vob", ".mxf",
+})
 
 # The codes the media modules raise. Callers add their own (the clips stage: "missing_caption",
 # "too_short", ...), so MediaError accepts any short code.

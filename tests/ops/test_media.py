@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import tracemalloc
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -436,3 +437,91 @@ def test_demo_dataset_is_real_captioned_deterministic_and_idempotent(tmp_path: P
 
 def _digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:12] for p in sorted(folder.iterdir())}
+
+
+# ------------------------------------------------- containers without a frame index (MPEG-TS/PS, MXF) and AVI
+
+_H264 = {"preset": "veryfast"}  # B-frames: packets arrive out of display order
+_MPEG2 = {"bf": "2", "qmax": "2"}  # fine quantizers: coding noise never flips an index digit
+
+
+@pytest.fixture(scope="module")
+def unindexed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("unindexed")
+    m2ts = {"mpegts_m2ts_mode": "1"}  # AVCHD's 192-byte packets
+    return {
+        "obs.ts": mf.write_video(d / "obs.ts", 30, 96, 64, options=_H264),
+        "camcorder.mts": mf.write_video(d / "camcorder.mts", 30, 96, 64, options=_H264, container_options=m2ts),
+        "camcorder.m2ts": mf.write_video(d / "camcorder.m2ts", 30, 96, 64, options=_H264, container_options=m2ts),
+        "dvd.vob": mf.write_video(d / "dvd.vob", 30, 96, 64, fps=25, codec="mpeg2video", options=_MPEG2),
+        "old.mpg": mf.write_video(d / "old.mpg", 30, 96, 64, fps=25, codec="mpeg2video", options=_MPEG2),
+        "broadcast.mxf": mf.write_video(d / "broadcast.mxf", 30, 96, 64, fps=25, codec="mpeg2video", options=_MPEG2),
+        "clip.avi": mf.write_video(d / "clip.avi", 30, 96, 64, options=_H264),
+    }
+
+
+@pytest.mark.parametrize("name", ["obs.ts", "camcorder.mts", "camcorder.m2ts", "dvd.vob", "old.mpg", "broadcast.mxf",
+                                  "clip.avi"])
+def test_unindexed_containers_give_the_requested_frames(unindexed: dict[str, Path], name: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    # decord seeks these to wrong frames without an error (.ts: frame 14 for 0, .avi: frame 0 for 28); 96 px wide
+    # would go to decord, so this checks they go to PyAV and that its count and positions are the shown frames.
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    info = probe(unindexed[name])
+    fps = 25.0 if name.endswith((".vob", ".mpg", ".mxf")) else 24.0
+    assert (info.num_frames, info.fps, info.is_vfr, (info.width, info.height)) == (30, fps, False, (96, 64))
+    wanted = [0, 1, 2, 15, 28, 29]
+    assert indices_of(decode_frames(unindexed[name], wanted, (64, 96))) == wanted
+    assert backend_used(caplog) == "pyav"
+
+
+def test_transport_stream_starts_at_a_nonzero_time(unindexed: dict[str, Path]) -> None:
+    # What makes .ts different: its clock starts at 1.4 s, not 0; the probe's timing is relative to the first frame.
+    import av
+
+    with av.open(str(unindexed["obs.ts"])) as container:
+        assert container.streams.video[0].start_time > 0
+    assert probe(unindexed["obs.ts"]).duration_s == pytest.approx(30 / 24)
+
+
+@pytest.mark.parametrize(("codec", "shown"), [("libx264", range(11, 60)), ("mpeg2video", range(12, 60))])
+def test_a_transport_stream_cut_mid_stream_counts_the_frames_its_decoder_shows(
+    tmp_path: Path, codec: str, shown: range
+) -> None:
+    # A capture that starts mid-GOP: the frames before the first keyframe cannot be decoded (H.264 still shows the
+    # one that precedes its keyframe, MPEG-2 drops two). Counting every packet promised frames that never come.
+    whole = mf.write_video(tmp_path / "whole.ts", 60, 96, 64, fps=25, codec=codec,
+                           options={**(_H264 if codec == "libx264" else _MPEG2), "g": "12"})
+    data = whole.read_bytes()
+    cut = tmp_path / "capture.ts"
+    cut.write_bytes(data[len(data) // 10 // 188 * 188 :])  # whole 188-byte TS packets, as a tuner records them
+    info = probe(cut)
+    assert info.num_frames == len(shown)
+    assert indices_of(decode_frames(cut, list(range(info.num_frames)), (64, 96))) == list(shown)
+
+
+def test_anamorphic_transport_stream_is_shown_wide(tmp_path: Path) -> None:
+    path = mf.write_video(tmp_path / "hdv.m2ts", 12, 64, 64, sar=Fraction(3, 2), options=_H264)
+    info = probe(path)
+    assert (info.width, info.height) == (96, 64)
+    assert indices_of(decode_frames(path, [0, 11], (64, 96))) == [0, 11]
+
+
+def test_a_one_frame_transport_stream(tmp_path: Path) -> None:
+    path = mf.write_video(tmp_path / "one.ts", 1, 96, 64)
+    assert probe(path).num_frames == 1  # its rate is a guess (48: H.264's field rate), nothing to measure
+    assert indices_of(decode_frames(path, [0], (64, 96))) == [0]
+
+
+@pytest.mark.parametrize(("name", "codec"), [("scan.tif", "tiff"), ("scan.tiff", "tiff"), ("phone.avif", "avif")])
+def test_tiff_and_avif_stills(tmp_path: Path, name: str, codec: str) -> None:
+    path = mf.write_image(tmp_path / name, 80, 60, index=11)
+    info = probe(path)
+    assert (info.width, info.height, info.is_image, info.codec) == (80, 60, True, codec)
+    assert indices_of(decode_frames(path, [0], (30, 40))) == [11]
+
+
+def test_16bit_tiff_is_scaled_to_8bit(tmp_path: Path) -> None:
+    path = mf.write_png16(tmp_path / "deep.tif")  # Pillow writes the format the suffix names
+    assert probe(path).bit_depth == 16
+    assert decode_frames(path, [0], (48, 64))[0].mean() == pytest.approx(40000 / 257, abs=1)
