@@ -118,7 +118,8 @@ class DatasetConfig(StrictModel):
     dataset_type: Literal["video", "image", "conditioning", "text_embeds"] = setting(
         "video", run_key="always", description="conditioning: i2i source images, named by another dataset's "
         "`conditioning_data`; never trained on by themselves")
-    # conditioning_data and minimum_image_size came after runs existed: unset, they leave those runs their keys
+    # conditioning_data, minimum_image_size and the aspect limits came after runs existed: unset, they leave those
+    # runs their keys
     conditioning_data: str | None = setting(
         None, run_key="when_set", description="i2i: id of the `dataset_type: conditioning` dataset holding each "
         "image's source image, paired by path relative to the folder (any image extension)")
@@ -138,6 +139,14 @@ class DatasetConfig(StrictModel):
         None, run_key="when_set", ge=0, description="sources whose edge is smaller are dropped (source_too_small), in "
         "`resolution`'s unit: pixel: the shorter side; area/pixel_area: the side of a square of equal area (pixels, "
         "not SimpleTuner's megapixels); unset: resolution / 4; 0: keep every size")
+    # SimpleTuner's names and measure: the source's own width / height (as shown: rotation and pixel aspect applied),
+    # before any crop; after crop_aspect square every ratio would be 1. Unset (the default): no limit, keys unchanged.
+    minimum_aspect_ratio: float | None = setting(
+        None, run_key="when_set", gt=0, description="sources narrower than this width/height are dropped "
+        "(aspect_too_tall), e.g. 0.5 drops what is more than twice as tall as wide")
+    maximum_aspect_ratio: float | None = setting(
+        None, run_key="when_set", gt=0, description="sources wider than this width/height are dropped "
+        "(aspect_too_wide), e.g. 3 drops a 16:1 banner")
     crop_aspect: Literal["preserve", "square", "closest"] = setting(
         "preserve", run_key="always", description="bucket aspect: the source's, 1:1, or the closest of "
         "`crop_aspect_buckets`")
@@ -176,6 +185,10 @@ class DatasetConfig(StrictModel):
             raise ValueError(f"dataset '{self.id}': `crop_aspect_buckets` is only used with crop_aspect closest")
         if any(a <= 0 for a in self.crop_aspect_buckets):
             raise ValueError(f"dataset '{self.id}': `crop_aspect_buckets` must be positive width/height ratios")
+        low, high = self.minimum_aspect_ratio, self.maximum_aspect_ratio
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"dataset '{self.id}': `minimum_aspect_ratio` {low} is above `maximum_aspect_ratio` "
+                             f"{high}: every source would be dropped")
         if self.resolution_type != "pixel" and self.resolution < 16:  # 1.0 would be megapixels, SimpleTuner-style
             raise ValueError(f"dataset '{self.id}': `resolution` {self.resolution} with resolution_type "
                              f"{self.resolution_type} is the side in pixels of a square of the target area (e.g. "

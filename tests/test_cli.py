@@ -246,6 +246,17 @@ def test_resolution_and_minimum_image_size_are_carried_in_pixels_and_converted_f
     assert [d.minimum_image_size for d in config.datasets] == [480, side]
 
 
+def test_aspect_limits_are_carried_under_simpletuners_names() -> None:
+    backend = [{"id": "v", "type": "local", "dataset_type": "video", "instance_data_dir": "a",
+                "minimum_aspect_ratio": 0.5, "maximum_aspect_ratio": 2.4}]
+    imported = import_simpletuner({"model_family": "kandinsky5-video"}, backend)
+    (dataset,) = imported.config["datasets"]
+    assert (dataset["minimum_aspect_ratio"], dataset["maximum_aspect_ratio"]) == (0.5, 2.4)
+    assert not imported.unmapped
+    config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m"})
+    assert (config.datasets[0].minimum_aspect_ratio, config.datasets[0].maximum_aspect_ratio) == (0.5, 2.4)
+
+
 def test_the_guides_training_features_import_under_their_names() -> None:
     """CREPA, scheduled sampling, the optimizer and report_to keep SimpleTuner's names; unipc rolls out with Euler;
     values loraflow lacks are reported."""

@@ -95,6 +95,7 @@ def plan_clips(
     """
     video = dataset.video
     is_image = info.is_image or dataset.dataset_type == "image"
+    _check_aspect(path, info, dataset)
     clips = [[0]] if is_image else _video_clips(path, info, dataset, video.frame_rate or family.flavour.fps)
     height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, family.spatial_multiple,
                                         dataset.resolution_type, dataset.crop_aspect, dataset.crop_aspect_buckets)
@@ -126,6 +127,17 @@ def _video_clips(path: Path, info: Probe, dataset: DatasetConfig, target_fps: fl
                                     video.frame_stride, video.frame_sample)
     except buckets.TooShort:
         raise MediaError("too_short", f"{counts}{len(timeline)} < num_frames {video.num_frames}") from None
+
+
+def _check_aspect(path: Path, info: Probe, dataset: DatasetConfig) -> None:
+    """SimpleTuner's limits on the source's width / height as shown, before any crop (see DatasetConfig)."""
+    ratio, low, high = info.width / info.height, dataset.minimum_aspect_ratio, dataset.maximum_aspect_ratio
+    if low is not None and ratio < low:
+        raise MediaError("aspect_too_tall", f"{path.name}: a {info.width}x{info.height} source, aspect ratio (width / "
+                         f"height) {ratio:.3g} < minimum_aspect_ratio {low:g}; crop it, or lower the limit")
+    if high is not None and ratio > high:
+        raise MediaError("aspect_too_wide", f"{path.name}: a {info.width}x{info.height} source, aspect ratio (width / "
+                         f"height) {ratio:.3g} > maximum_aspect_ratio {high:g}; crop it, or raise the limit")
 
 
 def _check_source_size(path: Path, info: Probe, dataset: DatasetConfig, bucket: tuple[int, int]) -> None:

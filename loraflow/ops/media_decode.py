@@ -24,7 +24,8 @@ logger = logging.getLogger("loraflow.ops.media")
 # tag / display matrix of the MP4 family). Elsewhere a rotated stream goes to PyAV.
 _DECORD_ROTATION_SUFFIXES = frozenset({".mp4", ".mov", ".m4v"})
 # Containers whose frames decord finds by index. In AVI, MPEG-TS/PS and MXF its seeks land on the wrong frames
-# without an error (H.264 with B-frames in .ts: frame 14 for 0; in .avi: frame 0 for 28), so those go to PyAV.
+# without an error (H.264 with B-frames in .ts: frame 14 for 0, in .avi: frame 0 for 28; MPEG-2 in .mpg/.vob/.mxf:
+# frame 14 for 15), so those go to PyAV.
 _DECORD_SUFFIXES = _DECORD_ROTATION_SUFFIXES | {".mkv", ".webm"}
 # decord 0.6 infers the channel count from the padded row size, so some narrow outputs come back
 # with 4..48 "channels" (or get_batch raises). Measured over widths 2..4096: 2, 3, 4, 6, 8, 12, 16,

@@ -84,6 +84,61 @@ def test_a_caption_strategy_that_reads_no_text_files_says_so(tiny_k5: Path, tmp_
     assert "caption_strategy filename" in row.detail
 
 
+def test_screen_recordings_camcorder_files_and_tiff_stills_become_clips(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    write_h264(data / "obs.ts", num_frames=12)  # OBS's recording format
+    write_h264(data / "camcorder.m2ts", num_frames=12, container_options={"mpegts_m2ts_mode": "1"})  # AVCHD
+    Image.fromarray(np.full((64, 96, 3), 128, np.uint8)).save(data / "scan.tif")
+    (data / "phone.heic").write_bytes(b"\0\0\0\x18ftypheic")  # no HEIC decoder here: still refused, with a way out
+    os.mkfifo(data / "live.ts")  # a pipe named like a recording would block a decoder: never opened
+    for name in ("obs", "camcorder", "scan", "phone"):
+        (data / name).with_suffix(".txt").write_text(name)
+    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    clips = store.read_manifest("clips")
+    assert {r["source"] for r in clips} == {"obs.ts", "camcorder.m2ts", "scan.tif"}
+    assert {r["num_frames"] for r in clips if r["source"] != "scan.tif"} == {5}
+    rows = {Path(q.file).name: q for q in report.quarantined}
+    assert {name: q.reason for name, q in rows.items()} == {"phone.heic": "unsupported_format", "live.ts": "not_a_file"}
+    row = rows["phone.heic"]
+    assert ".ts" in row.detail and ".tif" in row.detail and ".png" in row.detail  # what is taken, what to convert to
+
+
+# ---------------------------------------------------------------------------------------------- aspect ratio
+
+
+def aspect_folder(tmp_path: Path) -> Path:
+    """A 3:2 clip, a 16:1 banner too short for 5-frame clips (issue 35) and a 1:3 portrait strip."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, (width, height, frames) in {"plain.mp4": (96, 64, 12), "banner.mp4": (256, 16, 3),
+                                          "strip.mp4": (32, 96, 12)}.items():
+        write_h264(data / name, num_frames=frames, width=width, height=height)
+        (data / name).with_suffix(".txt").write_text(name)
+    return data
+
+
+def test_aspect_limits_drop_sources_naming_the_ratio_and_the_limit(tiny_k5: Path, tmp_path: Path) -> None:
+    data = aspect_folder(tmp_path)
+    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "minimum_aspect_ratio": 0.5,
+                                               "maximum_aspect_ratio": 2}])
+    report, store = run(config)
+    assert [r["source"] for r in store.read_manifest("clips")] == ["plain.mp4"]
+    rows = {Path(q.file).name: q for q in report.quarantined}
+    assert {name: q.reason for name, q in rows.items()} == {"banner.mp4": "aspect_too_wide",
+                                                            "strip.mp4": "aspect_too_tall"}
+    assert "256x16" in rows["banner.mp4"].detail and "16 > maximum_aspect_ratio 2" in rows["banner.mp4"].detail
+    assert "0.333 < minimum_aspect_ratio 0.5" in rows["strip.mp4"].detail
+    plan = plan_buckets(config, get_family(config), None, progress=False)  # `loraflow buckets` says the same
+    assert {Path(d["file"]).name: d["reason"] for d in plan.dropped} == {n: q.reason for n, q in rows.items()}
+
+
+def test_without_aspect_limits_every_aspect_is_kept(tiny_k5: Path, tmp_path: Path) -> None:
+    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(aspect_folder(tmp_path))}]))
+    assert [r["source"] for r in store.read_manifest("clips")] == ["plain.mp4", "strip.mp4"]
+    assert [(Path(q.file).name, q.reason) for q in report.quarantined] == [("banner.mp4", "too_short")]
+
+
 # ---------------------------------------------------------------------------------------------- source size
 
 
@@ -118,8 +173,10 @@ def test_minimum_image_size_is_the_shorter_side_or_the_area_edge(tiny_k5: Path, 
 @pytest.mark.parametrize(("entry", "message"), [
     ({"minimum_image_size": -1}, "minimum_image_size: .*greater than or equal to 0"),
     ({"minimum_image_size": 1, "resolution_type": "area"}, "minimum_image_size.*megapixels"),
+    ({"maximum_aspect_ratio": 0}, "maximum_aspect_ratio: .*greater than 0"),
+    ({"minimum_aspect_ratio": 2, "maximum_aspect_ratio": 1.5}, "minimum_aspect_ratio` 2.0 is above `maximum"),
 ])
-def test_a_bad_minimum_image_size_fails_at_load_naming_the_key(tiny_k5: Path, tmp_path: Path, entry: dict,
+def test_a_bad_size_or_aspect_limit_fails_at_load_naming_the_key(tiny_k5: Path, tmp_path: Path, entry: dict,
                                                                message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(tmp_path), **entry}])
