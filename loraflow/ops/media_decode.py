@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import struct
+import traceback
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import numpy as np
@@ -386,6 +387,24 @@ def _decode_decord(
 
 def _decode_pyav(path: Path, indices: list[int], size: tuple[int, int], rotation: int) -> np.ndarray:
     """One pass over the stream; converts only wanted frames and stops after the last one."""
+    import av
+
+    # The worker sends FFmpeg's log lines to Python (media._serve), which takes the GIL in the thread that logs.
+    # Freeing a frame-threaded decoder holds the GIL while it waits for its threads, so a thread logging an error then
+    # (a stop before the end, a damaged file) hung the worker until the timeout: 2 of 12 runs on a 720p .ts. Logging
+    # stays off until this decoder is freed: on return with `_pyav_frames`' frame, on an error by clearing its frame.
+    level = av.logging.get_level()
+    av.logging.set_level(None)
+    try:
+        return _pyav_frames(path, indices, size, rotation)
+    except BaseException as err:
+        traceback.clear_frames(err.__traceback__)
+        raise
+    finally:
+        av.logging.set_level(level)
+
+
+def _pyav_frames(path: Path, indices: list[int], size: tuple[int, int], rotation: int) -> np.ndarray:
     import av
 
     height, width = size

@@ -525,3 +525,24 @@ def test_16bit_tiff_is_scaled_to_8bit(tmp_path: Path) -> None:
     path = mf.write_png16(tmp_path / "deep.tif")  # Pillow writes the format the suffix names
     assert probe(path).bit_depth == 16
     assert decode_frames(path, [0], (48, 64))[0].mean() == pytest.approx(40000 / 257, abs=1)
+
+
+def test_a_failed_pyav_decode_frees_its_decoder_before_ffmpeg_logs_go_back_to_python(tmp_path: Path) -> None:
+    # The worker sends FFmpeg's logs to Python; a frame-threaded decoder freed then, while one of its threads logs an
+    # error, deadlocks on the GIL (seen: 3 hangs in 22 early stops on a 720p .ts). An error's traceback holds the
+    # decoder, so _decode_pyav must free it before it turns logging back on and lets the error through.
+    import av
+    import gc
+
+    cut = mf.write_video(tmp_path / "cut.ts", 60, 96, 64, options=_H264)
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2 // 188 * 188])
+    before = {id(o) for o in gc.get_objects() if isinstance(o, av.codec.context.CodecContext)}
+    av.logging.set_level(av.logging.ERROR)  # as media._serve sets it
+    try:
+        with pytest.raises(MediaError) as caught:
+            media_decode._decode_pyav(cut, [0, 59], (64, 96), 0)
+        alive = [o for o in gc.get_objects() if isinstance(o, av.codec.context.CodecContext) and id(o) not in before]
+        assert caught.value.reason == "truncated" and alive == []
+        assert av.logging.get_level() == av.logging.ERROR
+    finally:
+        av.logging.set_level(None)
