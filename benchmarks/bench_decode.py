@@ -113,7 +113,7 @@ def _kept(path: Path, indices: list[int]) -> Any:
 
 
 def _kept_pyav(path: Path, indices: list[int]) -> Any:
-    from loraflow.ops.media import _decode_pyav
+    from loraflow.ops.media_decode import _decode_pyav
 
     return _decode_pyav(path, indices, KEEP_SIZE, 0)
 

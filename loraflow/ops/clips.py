@@ -41,7 +41,8 @@ from loraflow.store import Store
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
-PROBE_VERSION = 2  # bump when a probe would describe the same file differently (2: VFR frame times)
+PROBE_VERSION = 3  # bump when a probe would describe the same file differently (2: VFR frame times; 3: streams
+# without a frame index counted from their first keyframe, as decoders show them)
 PROBE_BATCH = 256  # new probes per committed shard
 
 
