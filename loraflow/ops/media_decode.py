@@ -201,7 +201,7 @@ _NO_KEYFRAME = object()
 
 
 def _first_key(first_key: Any, packet: Any) -> Any:
-    """The first keyframe's pts once one was read (None: it has none), else _NO_KEYFRAME."""
+    """The first keyframe's pts once one was read (None if that packet has no pts), else _NO_KEYFRAME."""
     return packet.pts if first_key is _NO_KEYFRAME and packet.is_keyframe else first_key
 
 
@@ -391,7 +391,7 @@ def _decode_pyav(path: Path, indices: list[int], size: tuple[int, int], rotation
 
     # The worker sends FFmpeg's log lines to Python (media._serve), which takes the GIL in the thread that logs.
     # Freeing a frame-threaded decoder holds the GIL while it waits for its threads, so a thread logging an error then
-    # (a stop before the end, a damaged file) hung the worker until the timeout: 2 of 12 runs on a 720p .ts. Logging
+    # (a stop before the end, a damaged file) hung the worker until the timeout: 3 of 22 runs on a 720p .ts. Logging
     # stays off until this decoder is freed: on return with `_pyav_frames`' frame, on an error by clearing its frame.
     level = av.logging.get_level()
     av.logging.set_level(None)
