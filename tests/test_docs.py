@@ -7,6 +7,7 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,13 +94,17 @@ def test_every_loraflow_command_and_job_the_docs_name_exists() -> None:
         text = doc.read_text()
         for name in re.findall(r"(?:`|bin/)loraflow ([a-z][\w-]*)", text):
             assert name in subparsers.choices, f"{doc.relative_to(REPO)}: `loraflow {name}` is no subcommand"
-        for block in fenced(text, "bash"):
-            for line in block.split("\n"):
-                words = shlex.split(line, comments=True)
-                if words and words[0].endswith("bin/loraflow"):
-                    parser.parse_args(words[1:])  # argparse exits (a failure here) on an unknown option or arity
-                if words[:3] == [".venv/bin/dagster", "job", "execute"]:
-                    assert words[words.index("-j") + 1] in jobs, f"{doc.relative_to(REPO)}: {line}"
+        # whole command lines: those of shell blocks, and `.venv/bin/loraflow ...` in the text
+        lines = [*"\n".join(fenced(text, "bash")).split("\n"), *re.findall(r"`(\.venv/bin/loraflow [^`]+)`", text)]
+        for line in lines:
+            words = shlex.split(line, comments=True)
+            if words and words[0].endswith("bin/loraflow"):
+                try:
+                    parser.parse_args(words[1:])
+                except SystemExit:  # argparse's answer to an unknown option or a missing argument
+                    pytest.fail(f"{doc.relative_to(REPO)}: the CLI refuses {line!r}")
+            if words[:3] == [".venv/bin/dagster", "job", "execute"]:
+                assert words[words.index("-j") + 1] in jobs, f"{doc.relative_to(REPO)}: {line}"
 
 
 def test_quick_start_config_loads_with_the_flavours_released_checkpoint(tmp_path: Path) -> None:
