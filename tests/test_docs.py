@@ -170,3 +170,39 @@ def test_the_quick_starts_paths_and_loaders_are_the_codes(tmp_path: Path) -> Non
     assert not hasattr(diffusers.HunyuanVideo15Pipeline, "load_lora_weights")
     assert "pipe.transformer.load_lora_adapter(" in text
     assert hasattr(diffusers.HunyuanVideo15Transformer3DModel, "load_lora_adapter")
+
+
+def test_the_quick_starts_diffusers_snippet_loads_a_lora_written_as_training_writes_it(tiny_k5: Path,
+                                                                                        tmp_path: Path) -> None:
+    """The README's Python, run as written, with the tiny checkpoint for the released one and a run folder holding an
+    adapter saved by the family's `save_lora` (what training exports): the pipeline ends up with those LoRA weights."""
+    import torch
+    from diffusers import Kandinsky5Transformer3DModel
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from loraflow.ops.checkpoints import adapter_config
+    from loraflow.pipelines import load_family
+
+    config = snippet()
+    family = load_family(config["model_family"], config["model_flavour"])
+    trained = Kandinsky5Transformer3DModel.from_pretrained(tiny_k5 / "transformer")
+    trained.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=family.lora_targets(False)))
+    with torch.no_grad():  # lora_B starts at zero: random values, so a LoRA that is not loaded shows
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)))
+    run = tmp_path / "runs" / "key"
+    family.save_lora(get_peft_model_state_dict(trained), run, adapter_config(trained))
+    (python,) = fenced(quick_start(), "python")
+    python = python.replace(f'"{config["pretrained_model_name_or_path"]}"', repr(str(tiny_k5)))
+    python = python.replace(f'"{config["output_dir"]}/runs/<key>"', repr(str(run)))
+    scope: dict = {}
+    exec(compile(python, "README.md", "exec"), scope)  # noqa: S102: the README's own code, paths substituted
+    loaded = scope["pipe"].transformer
+    ((adapter, lora_config),) = loaded.peft_config.items()
+    assert lora_config.lora_alpha == 8  # the header's LoraConfig, not alpha = rank
+    weights = get_peft_model_state_dict(loaded, adapter_name=adapter)
+    assert weights.keys() == get_peft_model_state_dict(trained).keys()
+    for name, param in get_peft_model_state_dict(trained).items():
+        # the pipeline's copy of each trained weight in its dtype: one rounding of the fp32 value, exactly
+        assert torch.equal(weights[name], param.to(loaded.dtype)), name
