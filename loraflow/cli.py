@@ -217,7 +217,8 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The subcommands and their options (also read by tests/test_docs.py: the docs name only what exists)."""
     parser = argparse.ArgumentParser(prog="loraflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build the tiny model + demo data, materialize every stage")
@@ -235,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     importer.add_argument("config_json")
     importer.add_argument("backend_json", nargs="?", help="default: the file its data_backend_config names")
     importer.add_argument("-o", "--output", help="YAML file to write (default: standard output)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("loraflow").setLevel(logging.INFO)  # our progress, not every library's INFO chatter
     try:

@@ -56,7 +56,7 @@ def join(num_processes: int, fsdp: bool = False) -> tuple[World, torch.device]:
     world = world_from_env()
     if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # never ignored silently: loraflow has no DeepSpeed
         raise ValueError("the accelerate config asks for DEEPSPEED, which loraflow does not implement: drop it from "
-                         "the accelerate config (README, Multi-GPU), or use FSDP with fsdp: true")
+                         "the accelerate config (docs/multi-gpu.md), or use FSDP with fsdp: true")
     if os.environ.get("ACCELERATE_USE_FSDP") == "true" and not fsdp:
         raise ValueError("the accelerate config asks for FSDP but the loraflow config has fsdp: false: set fsdp: true "
                          "to shard the model, or drop FSDP from the accelerate config to train data parallel")

@@ -9,7 +9,8 @@ and writes the dataset's manifest part.
 
 The shard of a clip depends on its key and N only: the same on every machine and in every run, so the shards can
 equally be N local processes (`loraflow cache --workers N`), N GPUs of one machine, or N steps that Dagster's Docker or
-Kubernetes executor places on other machines over an `s3://` store (README, "Caching one dataset with N workers").
+Kubernetes executor places on other machines over an `s3://` store (docs/multi-gpu.md, "Caching one dataset with N
+workers").
 """
 
 from __future__ import annotations

@@ -136,17 +136,17 @@ def test_sharded_training_equals_one_process_accumulating_two_micro_steps(sharde
     assert max((single[k] - lora[k]).abs().max().item() for k in single) > 1e-4
 
 
-def readme_fsdp_accelerate_file() -> dict:
-    """The accelerate file README.md documents for FSDP2, read from README.md: the doc and this test cannot drift."""
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("**FSDP2 (`fsdp: true`"):]
+def documented_fsdp_accelerate_file() -> dict:
+    """The accelerate file docs/multi-gpu.md documents for FSDP2, read from it: the doc and this test cannot drift."""
+    doc = (REPO / "docs" / "multi-gpu.md").read_text()
+    section = doc[doc.index("**FSDP2 (`fsdp: true`"):]
     block = section[section.index("```yaml\n") + len("```yaml\n"):]
     return yaml.safe_load(block[:block.index("```")])
 
 
 def test_accelerate_launch_with_the_readme_fsdp_file_trains_the_torchrun_bits(sharded: dict, caches: dict[str, Path],
                                                                              tmp_path: Path) -> None:
-    """`accelerate launch --config_file` with the README's file, as users launch FSDP2, on the sharded run's config.
+    """`accelerate launch --config_file` with the documented file, as users launch FSDP2, on the sharded run's config.
 
     Bit-identical by construction: with `distributed_type: FSDP` accelerate starts the ranks through torchrun's own
     launcher (its multi_gpu_launcher), so the same two processes run the same train_main with the same RANK and
@@ -155,9 +155,9 @@ def test_accelerate_launch_with_the_readme_fsdp_file_trains_the_torchrun_bits(sh
     order. The thread count is the one thing a launcher could change: OMP_NUM_THREADS is set to the sharded run's,
     which accelerate passes on.
     """
-    accelerate = readme_fsdp_accelerate_file()
+    accelerate = documented_fsdp_accelerate_file()
     assert accelerate["distributed_type"] == "FSDP" and accelerate["fsdp_config"]["fsdp_version"] == 2
-    # The one change: the README's file is for 8 GPUs, the sharded run's config says num_processes: 2 (join()
+    # The one change: the documented file is for 8 GPUs, the sharded run's config says num_processes: 2 (join()
     # refuses a launch of another size). Nothing is changed for the CPU: with FSDP accelerate starts torchrun's
     # processes whether or not there is a GPU, and CUDA_VISIBLE_DEVICES="" (run_ranks) makes them gloo on CPU.
     accelerate["num_processes"] = 2

@@ -155,8 +155,9 @@ def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(s
 
 
 def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(setup, first_run, tmp_path: Path) -> None:
-    """What the README promises: a render depends on the prompt, seed, settings and LoRA, not on what the process
-    rendered before nor on which process renders it (a resumed run is a new one); on one machine, the same bits."""
+    """What docs/reproducibility.md promises: a render depends on the prompt, seed, settings and LoRA, not on what the
+    process rendered before nor on which process renders it (a resumed run is a new one); on one machine, the same
+    bits."""
     data, store, lora = setup
     alone = {**data, "validation_prompt": None, "user_prompt_library": {"blue": LIBRARY["blue"]},
              "eval_holdout_fraction": 0}
