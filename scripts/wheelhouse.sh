@@ -26,7 +26,8 @@ while [ $# -gt 0 ]; do
     *) echo "wheelhouse.sh: unknown argument '$1' (see the header of scripts/wheelhouse.sh)" >&2; exit 2 ;;
   esac
 done
-out=${out:-wheelhouse/py${python_version}-${platform}$([ $minimal = 1 ] && echo -gpu)}
+suffix=; if [ $minimal = 1 ]; then suffix=-gpu; fi
+out=${out:-wheelhouse/py${python_version}-${platform}${suffix}}
 python=${PYTHON:-.venv/bin/python}
 
 # pip matches a manylinux_2_N tag exactly: name every older glibc too, so wheels built for those are taken

@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,18 @@ from tests.conftest import REPO
 RUN = REPO / "benchmarks" / "gpu" / "run.py"
 
 
-def registry_names() -> list[str]:
+def run_module() -> Any:
+    """benchmarks/gpu/run.py imported (it puts its folder on sys.path: restored after)."""
     spec = importlib.util.spec_from_file_location("gpu_run", RUN)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return [m.name for m in module.REGISTRY]
+    path = list(sys.path)
+    sys.modules["gpu_run"] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+        del sys.modules["gpu_run"]
+    return module
 
 
 def smoke(tmp_path: Path, *args: str) -> dict[str, Any]:
@@ -33,7 +42,7 @@ def smoke(tmp_path: Path, *args: str) -> dict[str, Any]:
 def test_every_measurement_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
     report = smoke(tmp_path, "--budget", "1500")
     results = report["results"]
-    assert report["device"] == "cpu-smoke" and list(results) == registry_names()
+    assert report["device"] == "cpu-smoke" and list(results) == [m.name for m in run_module().REGISTRY]
     assert {k: r for k, r in results.items() if r["status"] != "ok"} == {}
     assert all(r["estimate"] is None for r in results.values())  # until loraflow/estimates.py is connected
     assert results["matmul_peak"]["tflops"] > 0
@@ -61,3 +70,29 @@ def test_a_measurement_killed_by_its_timeout_leaves_the_earlier_ones_and_the_nex
     assert results["train_k5_plain"] == {"status": "timeout", "timeout_s": 0.5, "mfu": None, "estimate": None,
                                          "measured_over_estimate": {}}
     assert results["vae_hv15_720p"]["status"] == "ok"
+
+
+def test_a_run_killed_mid_measurement_leaves_the_json_of_the_ones_before(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    run = subprocess.Popen([sys.executable, str(RUN), "--smoke", "--only", "matmul_peak,train_k5_plain", "--out",
+                            str(out), "--work", str(tmp_path / "work")], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        while not out.exists():  # written atomically: once there, it is whole
+            assert run.poll() is None, "run.py ended before it wrote any JSON"
+            time.sleep(0.05)
+        run.send_signal(signal.SIGKILL)  # its child measures train_k5_plain (it dies with run.py)
+    finally:
+        run.wait()
+    assert run.returncode == -signal.SIGKILL, "the kill should land while train_k5_plain runs"
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["matmul_peak"] and results["matmul_peak"]["status"] == "ok"
+
+
+def test_mfu_and_the_comparison_with_estimates_divide_what_both_sides_have() -> None:
+    run = run_module()
+    assert run.mfu({"flops_per_step": 4e14, "seconds_per_step": 1.0}, 800.0) == 0.5
+    assert run.mfu({"flops_per_step": 4e14, "seconds_per_step": 1.0}, None) is None  # no measured peak: no MFU
+    measured = {"peak_allocated_gib": 30.0, "seconds_per_step": 2.0}
+    assert run.compared(measured, {"peak_allocated_gib": 24.0, "flops_per_step": 1e15}) == {"peak_allocated_gib": 1.25}
+    assert run.compared(measured, None) == {}

@@ -7,5 +7,5 @@ dir=${1:?usage: benchmarks/gpu/install.sh WHEELHOUSE_DIR [PYTHON] (build one wit
 python=${2:-python3}
 ls "$dir"/*.whl >/dev/null || { echo "install.sh: no wheels in $dir: build them with scripts/wheelhouse.sh" >&2; exit 2; }
 "$python" -m pip install --quiet --no-index --no-deps --find-links "$dir" "$dir"/*.whl
-"$python" -c "import loraflow.config, diffusers, transformers, peft, av, decord, dagster_pipes" \
+"$python" -c "import loraflow.config, diffusers, transformers, peft, dagster_pipes" \
   || { echo "install.sh: loraflow's dependencies do not all import: the wheelhouse lacks one (see above)" >&2; exit 1; }

@@ -9,7 +9,6 @@ bit for bit (same device, same kernels). Records the seconds of each launch and 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -70,13 +69,13 @@ def train_main(config: Path) -> tuple[dict[str, Any], float]:
 def kill_after_checkpoint(config: Path, out: Path) -> str:
     """Start train_main, SIGKILL it once a checkpoint folder is published; the checkpoint's name."""
     process = subprocess.Popen([sys.executable, "-m", "loraflow.train_main", str(config)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not (done := sorted(out.glob("runs/*/checkpoints/step-???????"))):
             if process.poll() is not None:
                 raise RuntimeError(f"train_main ended (exit {process.returncode}) before its first checkpoint")
             time.sleep(0.05)
-        os.killpg(process.pid, signal.SIGKILL)
+        process.send_signal(signal.SIGKILL)
     finally:
         process.wait()
     return done[-1].name

@@ -28,6 +28,7 @@ import importlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,7 +64,7 @@ REGISTRY: list[Measurement] = [
                                          "modes": ("stock", "patch")}, cap_s=180),
     Measurement("offload_startup", "offload", cap_s=120),
 ]
-SMOKE_CAP_S = 120.0  # per measurement on a CPU: the tiny models need seconds, a slow shared CPU more
+SMOKE_CAP_S = 300.0  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
 
 
 def estimate_for(measurement: Measurement) -> dict | None:
@@ -102,21 +103,30 @@ def mfu(result: dict[str, Any], peak_tflops: float | None) -> float | None:
 def run_one(measurement: Measurement, timeout: float, work: Path, smoke: bool) -> dict[str, Any]:
     """The measurement in a fresh process; its result, or why there is none."""
     argv = [sys.executable, __file__, "--child", measurement.name, "--work", str(work)] + (["--smoke"] if smoke else [])
+    # the child's own children (train_main) import this checkout's loraflow too
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     began = time.perf_counter()
-    try:  # the child's own children (train_main) import this checkout's loraflow too: PYTHONPATH
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    # its own process group: a timeout kills what it started too (train_main, media workers)
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
         return {"status": "timeout", "timeout_s": round(timeout, 1)}
     seconds = round(time.perf_counter() - began, 1)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode or not lines:
-        last = done.stderr.strip().splitlines()[-1:] or ["no output"]
-        return {"status": "error", "error": f"exit {done.returncode}: {last[0]}", "wall_s": seconds}
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if process.returncode or not lines:
+        last = stderr.strip().splitlines()[-1:] or ["no output"]
+        return {"status": "error", "error": f"exit {process.returncode}: {last[0]}", "wall_s": seconds}
     return {"status": "ok", "wall_s": seconds, **json.loads(lines[-1].removeprefix("RESULT "))}
 
 
 def child(name: str, work: Path, smoke: bool) -> None:
+    from loraflow.lifetime import die_with_parent
+
+    die_with_parent()  # in a session of its own: a killed run.py must not leave it holding the GPU
     (measurement,) = [m for m in REGISTRY if m.name == name]
     result = importlib.import_module(measurement.module).measure(work, smoke, **measurement.kwargs)
     print("RESULT " + json.dumps(result), flush=True)
@@ -124,7 +134,7 @@ def child(name: str, work: Path, smoke: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=None, help="total seconds (default 480; smoke 300)")
+    parser.add_argument("--budget", type=float, default=None, help="total seconds (default 480; smoke 900)")
     parser.add_argument("--only", default=None, help="comma-separated measurement names, run in registry order")
     parser.add_argument("--timeout", action="append", default=[], metavar="NAME=SECONDS",
                         help="override one measurement's own limit (repeatable)")
@@ -149,7 +159,7 @@ def main() -> None:
     device = device_name(args.smoke)
     out = args.out or (Path(tempfile.gettempdir()) / "gpu_cpu-smoke.json" if args.smoke else
                        ROOT / "benchmarks" / "results" / f"gpu_{re.sub(r'[^a-z0-9]+', '-', device.lower())}.json")
-    budget = args.budget or (300.0 if args.smoke else 480.0)
+    budget = args.budget or (900.0 if args.smoke else 480.0)
     deadline = time.monotonic() + budget
     report: dict[str, Any] = {"device": device, "smoke": args.smoke, "budget_s": budget, "results": {}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -41,13 +41,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
                               "group_offload_use_stream": True},
     "checkpointing+tread0.5": {"gradient_checkpointing": True, "tread_config": TREAD},
     "checkpointing+fp8": {"gradient_checkpointing": True, "base_model_precision": "fp8-layerwise"},
-    "offload": {"enable_group_offload": True, "group_offload_use_stream": True},
 }
 SAME_NUMBERS = {"checkpointing+offload": "checkpointing"}  # exact features: their LoRAs must agree
 
 
 def measure(work: Path, smoke: bool, family: str, variant: str, steps: int = 6, warmup: int = 2) -> dict[str, Any]:
-    """One variant: the median of `steps` timed steps after `warmup` (smoke: 2 after 1), peaks, counted FLOPs."""
+    """One variant: the median of `steps` timed steps after `warmup` (smoke: 1, no warm-up), peaks, counted FLOPs."""
     import torch
 
     model = work / family
@@ -55,7 +54,7 @@ def measure(work: Path, smoke: bool, family: str, variant: str, steps: int = 6, 
         from loraflow.pipelines.tiny import build_tiny
 
         build_tiny(family, model)  # idempotent: the first variant builds it
-        steps, warmup = 1, 1
+        steps, warmup = 1, 0
     elif not (model / "model_index.json").is_file():  # written last: a complete checkpoint
         write_checkpoint(family, model)
         gc.collect()
