@@ -35,12 +35,12 @@ def run_module() -> Any:
 def smoke(tmp_path: Path, *args: str) -> dict[str, Any]:
     out = tmp_path / "gpu.json"
     subprocess.run([sys.executable, str(RUN), "--smoke", "--out", str(out), "--work", str(tmp_path / "work"), *args],
-                   check=True, capture_output=True, timeout=1800)
+                   check=True, capture_output=True, timeout=3600)
     return json.loads(out.read_text())
 
 
 def test_every_measurement_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None:
-    report = smoke(tmp_path, "--budget", "1500")
+    report = smoke(tmp_path, "--budget", "3000")
     results = report["results"]
     assert report["device"] == "cpu-smoke" and list(results) == [m.name for m in run_module().REGISTRY]
     assert {k: r for k, r in results.items() if r["status"] != "ok"} == {}

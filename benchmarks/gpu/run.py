@@ -64,7 +64,7 @@ REGISTRY: list[Measurement] = [
                                          "modes": ("stock", "patch")}, cap_s=180),
     Measurement("offload_startup", "offload", cap_s=120),
 ]
-SMOKE_CAP_S = 300.0  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
+SMOKE_CAP_S = 600.0  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
 
 
 def estimate_for(measurement: Measurement) -> dict | None:
