@@ -91,7 +91,7 @@ def test_a_run_killed_mid_measurement_leaves_the_json_of_the_ones_before(tmp_pat
 
 def test_mfu_and_the_comparison_with_estimates_divide_what_both_sides_have() -> None:
     run = run_module()
-    assert run.mfu({"flops_per_step": 4e14, "seconds_per_step": 1.0}, 800.0) == 0.5
+    assert run.mfu({"flops_per_step": 4e14, "seconds_per_step": 2.0}, 800.0) == 0.25  # 200 of 800 TFLOP/s
     assert run.mfu({"flops_per_step": 4e14, "seconds_per_step": 1.0}, None) is None  # no measured peak: no MFU
     measured = {"peak_allocated_gib": 30.0, "seconds_per_step": 2.0}
     assert run.compared(measured, {"peak_allocated_gib": 24.0, "flops_per_step": 1e15}) == {"peak_allocated_gib": 1.25}
