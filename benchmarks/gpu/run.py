@@ -19,6 +19,8 @@ Measurements (priority order; the modules beside this file):
                      (resume.py; on the tiny demo model and data, the stages write the caches)
   vae_hv15_720p      HunyuanVideo 1.5 VAE encode 720p x 121: stock vs exact patch conv (vae.py)
   offload_startup    latents then text_embeds stages, offload_during_startup off/on (offload.py; tiny demo)
+Not measured yet (issue 30): a 61-frame 512x768 validation render, the Flux VAE at 1024x1024, the latents stage
+over 6 clips of 768x768x81, the real-size text encoders through text_embeds (bf16, int8).
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ def main() -> None:
 
     names = [m.name for m in REGISTRY]
     chosen = args.only.split(",") if args.only else names
+    if any(not re.fullmatch(r"[\w.+-]+=\d+(\.\d*)?", item) for item in args.timeout):
+        sys.exit(f"--timeout takes NAME=SECONDS (e.g. train_k5_plain=90); got {' '.join(args.timeout)}")
     caps = dict(item.split("=", 1) for item in args.timeout)
     unknown = sorted((set(chosen) | set(caps)) - set(names))
     if unknown:
