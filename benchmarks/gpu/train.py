@@ -1,35 +1,28 @@
-"""GPU benchmark: seconds per LoRA training step and peak memory of real-size transformers (random weights).
+"""Seconds per LoRA training step, peak memory and counted FLOPs of real-size transformers (random weights).
 
 - Kandinsky 5 Video Lite: the released config (2.01B), 512x768, 61 frames -> 24,576 visual tokens;
 - HunyuanVideo 1.5: diffusers' default config, which is the released architecture (8.33B), 480x848, 61 frames
   -> 25,440 visual tokens.
 bf16 weights (`base_model_precision: bf16`), bf16 autocast, fp32 LoRA rank 16 on attention, AdamW, batch 1,
-through the pieces `train_lora` itself runs (load_transformer, enable_offload, Trainable, routing, flow_loss),
-for each variant below, each in a fresh subprocess (clean allocator, honest peak). A run that does not fit
-records `oom`. The offload variant must train the same LoRA as the one without it: the script compares the
-LoRA weights after the timed steps (this checks that group offloading with streams keeps the updates).
+through the pieces `train_lora` itself runs (load_transformer, enable_offload, Trainable, routing, flow_loss).
+run.py runs each variant in a fresh process; the checkpoint is written once into its work folder. A run that does
+not fit records `oom`. Group offload with streams must train the same LoRA as checkpointing alone: its
+measurement compares the two LoRAs (when both ran), which checks that offloading keeps the updates.
+`flops_per_step`: torch's FlopCounterMode over one more step (matmuls, convolutions and attention, recomputation
+under checkpointing included), the numerator of run.py's MFU.
 
-CUDA only. `--smoke` runs the same code path on the CPU with the tiny checkpoints (numbers meaningless;
-streams and the real sizes are left out) so the script keeps working on machines without a GPU.
-
-    python benchmarks/gpu_train.py                  # writes benchmarks/results/train_gpu.json
-    python benchmarks/gpu_train.py --smoke          # CPU, tiny; prints, writes only with --out
+`--smoke` (run.py): the same code path on the CPU with the tiny checkpoints; streams and the real sizes are left
+out.
 """
 
 from __future__ import annotations
 
-import argparse
+import gc
 import json
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results" / "train_gpu.json"
 K5_LITE = dict(in_visual_dim=16, out_visual_dim=16, time_dim=512, patch_size=(1, 2, 2), model_dim=1792, ff_dim=7168,
                num_text_blocks=2, num_visual_blocks=32, axes_dims=(16, 24, 24), visual_cond=True, in_text_dim=3584,
                in_text_dim2=768)
@@ -48,9 +41,31 @@ VARIANTS: dict[str, dict[str, Any]] = {
                               "group_offload_use_stream": True},
     "checkpointing+tread0.5": {"gradient_checkpointing": True, "tread_config": TREAD},
     "checkpointing+fp8": {"gradient_checkpointing": True, "base_model_precision": "fp8-layerwise"},
-    "offload": {"enable_group_offload": True, "group_offload_use_stream": True},
 }
-SAME_NUMBERS = ("checkpointing", "checkpointing+offload")  # exact features: their LoRAs must agree
+SAME_NUMBERS = {"checkpointing+offload": "checkpointing"}  # exact features: their LoRAs must agree
+
+
+def measure(work: Path, smoke: bool, family: str, variant: str, steps: int = 6, warmup: int = 2) -> dict[str, Any]:
+    """One variant: the median of `steps` timed steps after `warmup` (smoke: 1, no warm-up), peaks, counted FLOPs."""
+    import torch
+
+    model = work / family
+    if smoke:
+        from loraflow.pipelines.tiny import build_tiny
+
+        build_tiny(family, model)  # idempotent: the first variant builds it
+        steps, warmup = 1, 0
+    elif not (model / "model_index.json").is_file():  # written last: a complete checkpoint
+        write_checkpoint(family, model)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the peak of training, not of writing the checkpoint
+    lora = work / f"{family}-{variant}.safetensors"
+    result = run_variant(family, str(model), variant, steps, warmup, smoke, str(lora))
+    if variant in SAME_NUMBERS:
+        result["lora_max_abs_diff_vs_" + SAME_NUMBERS[variant]] = compare_loras(
+            [lora, work / f"{family}-{SAME_NUMBERS[variant]}.safetensors"])
+    return result
 
 
 def write_checkpoint(family: str, folder: Path) -> None:
@@ -108,22 +123,51 @@ def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: 
             if device.type == "cuda":
                 torch.cuda.synchronize()
             began = time.perf_counter()
-            with T.routing(transformer, family_obj, config, seed=k):
-                loss = T.flow_loss(transformer, family_obj, batch, device, autocast)
-                loss.backward()
-            trainable.collect()
-            trainable.step(optimizer, 1.0)
+            loss = one_step(transformer, family_obj, config, batch, device, autocast, trainable, optimizer, seed=k)
             losses.append(loss.item())  # syncs
             times.append(time.perf_counter() - began)
+        peaks = peak_memory(device)  # before the counted step: FlopCounterMode's bookkeeping is no training memory
+        flops = counted_flops(lambda: one_step(transformer, family_obj, config, batch, device, autocast, trainable,
+                                               optimizer))
     except torch.cuda.OutOfMemoryError as err:
         return {"oom": True, "error": str(err).splitlines()[0]}
     except ValueError as err:  # a setting the family cannot do (e.g. TREAD without a token layout)
         return {"skipped": str(err)}
     save_file(lora_state(transformer), lora_out)
     timed = sorted(times[warmup:])
-    return {"seconds_per_step": round(timed[len(timed) // 2], 4), "steps_timed": len(timed),
-            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-            "visual_tokens": visual_tokens(batch, family), "losses": [round(v, 5) for v in losses]}
+    return {"seconds_per_step": round(timed[len(timed) // 2], 4), "steps_timed": len(timed), **peaks,
+            "flops_per_step": flops, "visual_tokens": visual_tokens(batch, family),
+            "losses": [round(v, 5) for v in losses]}
+
+
+def one_step(transformer: Any, family: Any, config: Any, batch: Any, device: Any, autocast: bool, trainable: Any,
+             optimizer: Any, seed: int = 0) -> Any:
+    """What train_lora's loop does for one micro-step of batch 1: routed forward, backward, collect, clip + step."""
+    from loraflow.ops import train as T
+
+    with T.routing(transformer, family, config, seed=seed):
+        loss = T.flow_loss(transformer, family, batch, device, autocast)
+        loss.backward()
+    trainable.collect()
+    trainable.step(optimizer, 1.0)
+    return loss
+
+
+def counted_flops(step: Any) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return int(counter.get_total_flops())
+
+
+def peak_memory(device: Any) -> dict[str, float | None]:
+    import torch
+
+    if device.type != "cuda":
+        return {"peak_allocated_gib": None, "peak_reserved_gib": None}
+    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
 
 
 def random_batch(family: str, dims: Any, smoke: bool) -> Any:
@@ -159,22 +203,6 @@ def visual_tokens(batch: Any, family: str) -> int:
     return t * h * w // (4 if family == "kandinsky5-video" else 1)  # K5 patches 2x2, HV1.5 1x1
 
 
-def child(args: argparse.Namespace) -> None:
-    if args.child == "write":
-        write_checkpoint(args.family, Path(args.model))
-        return
-    result = run_variant(args.family, args.model, args.child, args.steps, args.warmup, args.smoke, args.lora_out)
-    print("RESULT " + json.dumps(result), flush=True)
-
-
-def spawn(argv: list[str], timeout: int) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode or not lines:
-        return {"error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:] or ['?']}"}
-    return json.loads(lines[-1].removeprefix("RESULT "))
-
-
 def compare_loras(paths: list[Path]) -> float | None:
     from safetensors.torch import load_file
 
@@ -182,56 +210,3 @@ def compare_loras(paths: list[Path]) -> float | None:
         return None
     a, b = (load_file(p) for p in paths)
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny checkpoints on the CPU: checks the code path")
-    parser.add_argument("--families", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8; smoke 2)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2; smoke 1)")
-    parser.add_argument("--out", type=Path, default=None, help=f"result JSON (default {RESULTS}; smoke: none)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--family", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--lora-out", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        return child(args)
-    steps, warmup = args.steps or (2 if args.smoke else 8), args.warmup or (1 if args.smoke else 2)
-    import torch
-
-    if not args.smoke and not torch.cuda.is_available():
-        sys.exit("gpu_train.py needs a CUDA device (use --smoke for the CPU check at tiny size)")
-    results, checks = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for family in args.families:
-            model = Path(tmp) / family
-            if args.smoke:
-                from loraflow.pipelines.tiny import build_tiny
-
-                build_tiny(family, model)
-            else:
-                spawn(["--child", "write", "--family", family, "--model", str(model)], timeout=1800)
-            for variant in args.variants:
-                lora = Path(tmp) / f"{family}-{variant}.safetensors"
-                result = spawn(["--child", variant, "--family", family, "--model", str(model), "--steps", str(steps),
-                                "--warmup", str(warmup), "--lora-out", str(lora)] + (["--smoke"] if args.smoke else []),
-                               timeout=3600)
-                results.append({"family": family, "variant": variant, **result})
-                print(json.dumps(results[-1]), flush=True)
-            checks[family] = compare_loras([Path(tmp) / f"{family}-{v}.safetensors" for v in SAME_NUMBERS])
-    report = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(), "torch": torch.__version__,
-              "smoke": args.smoke, "steps_timed": steps, "warmup": warmup, "lora_rank": 16,
-              "variants": VARIANTS, "results": results,
-              "lora_max_abs_diff_offload_vs_not": checks}
-    print(json.dumps({"lora_max_abs_diff_offload_vs_not": checks}))
-    out = args.out or (None if args.smoke else RESULTS)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,88 @@
+"""A training run killed after its first checkpoint and resumed trains the LoRA an uninterrupted run trains.
+
+The clips, latents and text_embeds stages write the caches (the tiny demo model and data: real-size checkpoints
+are not built here); `python -m loraflow.train_main` then trains them twice, in two output folders: once through,
+once SIGKILLed as soon as the checkpoint at step 2 is on disk and started again. The two LoRA files must be equal
+bit for bit (same device, same kernels). Records the seconds of each launch and where the killed one resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from offload import demo_config
+
+STEPS, CHECKPOINT_AT = 4, 2
+
+
+def measure(work: Path, smoke: bool) -> dict[str, Any]:
+    import yaml
+
+    from loraflow.config import load_config
+    from loraflow.ops.clips import build_clips
+    from loraflow.ops.latents import encode_latents
+    from loraflow.ops.text_embeds import encode_texts
+    from loraflow.pipelines import get_family
+    from loraflow.store import Store
+
+    root = work / "demo"
+    base = yaml.safe_load(((root / "config.yaml") if (root / "config.yaml").is_file() else demo_config(root))
+                          .read_text())
+    configs = {}
+    for run in ("through", "killed"):
+        configs[run] = root / f"resume-{run}.yaml"
+        configs[run].write_text(yaml.safe_dump({**base, "cache_dir": str(work / "resume-cache"),
+                                                "output_dir": str(work / f"resume-{run}"),
+                                                "max_train_steps": STEPS, "checkpointing_steps": CHECKPOINT_AT}))
+    config = load_config(configs["through"])
+    family, store = get_family(config), Store(config.cache_dir)
+    began = time.perf_counter()
+    build_clips(config, family, store)
+    encode_latents(config, family, store)
+    encode_texts(config, family, store)
+    caches_s = time.perf_counter() - began
+
+    through, through_s = train_main(configs["through"])
+    killed_at = kill_after_checkpoint(configs["killed"], work / "resume-killed")
+    resumed, resumed_s = train_main(configs["killed"])
+    return {"steps": STEPS, "checkpoint_at": CHECKPOINT_AT, "caches_s": round(caches_s, 2),
+            "through_s": round(through_s, 2), "resumed_s": round(resumed_s, 2), "killed_at_checkpoint": killed_at,
+            "resumed_at_step": resumed["resumed_at_step"],
+            "same_lora_bits": same_tensors(Path(through["lora_path"]), Path(resumed["lora_path"]))}
+
+
+def train_main(config: Path) -> tuple[dict[str, Any], float]:
+    """One launch of the lora stage's process; its printed summary and its seconds."""
+    began = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "loraflow.train_main", str(config)], capture_output=True, text=True,
+                          check=True)
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(line), time.perf_counter() - began
+
+
+def kill_after_checkpoint(config: Path, out: Path) -> str:
+    """Start train_main, SIGKILL it once a checkpoint folder is published; the checkpoint's name."""
+    process = subprocess.Popen([sys.executable, "-m", "loraflow.train_main", str(config)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (done := sorted(out.glob("runs/*/checkpoints/step-???????"))):
+            if process.poll() is not None:
+                raise RuntimeError(f"train_main ended (exit {process.returncode}) before its first checkpoint")
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait()
+    return done[-1].name
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    x, y = load_file(a), load_file(b)
+    return x.keys() == y.keys() and all(x[k].equal(y[k]) for k in x)
