@@ -80,16 +80,19 @@ def components(flavour_or_repo: str) -> list[str]:
 
 
 def model_from_config(config: dict[str, Any]) -> Any:
-    """The real diffusers/transformers class built from a config.json dict, with random init, on the current
-    default device / fake mode (callers choose: `torch.device("meta")` or `fake_mode()`)."""
+    """The real diffusers/transformers class built from a config.json dict on the current default device or fake
+    mode (callers choose: `torch.device("meta")` or `fake_mode()`), for shapes, not values: transformers' weight
+    init is skipped (its truncated normal asks values of the tensor, which a fake tensor has none of)."""
     import diffusers
     import transformers
+    from transformers.initialization import no_init_weights
 
     if "_class_name" in config:
         return getattr(diffusers, config["_class_name"]).from_config(config)
     cls = getattr(transformers, config["architectures"][0])
     fields = {k: v for k, v in config.items() if k != "architectures"}
-    return cls._from_config(cls.config_class(**fields))
+    with no_init_weights():
+        return cls._from_config(cls.config_class(**fields))
 
 
 def released_model(flavour_or_repo: str, component: str, **overrides: Any) -> Any:
@@ -98,12 +101,13 @@ def released_model(flavour_or_repo: str, component: str, **overrides: Any) -> An
 
 
 def fake_mode() -> Any:
-    """A FakeTensorMode in which `nn.Module.to` works: torch memoizes each new fake tensor by a weak reference, and
+    """A FakeTensorMode for models built from these configs: real inputs (a batch, its draws) are taken as they are
+    (the mode fakes them), and `nn.Module.to` works: torch memoizes each new fake tensor by a weak reference, and
     Module.to swaps fake parameters, which a weakly referenced tensor refuses; a fresh tensor needs no memo (its meta
     tensor is new: nothing can look it up), so this mode's converter keeps none for them."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    mode = FakeTensorMode()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def fresh(fake_mode: FakeTensorMode, t: Any, device: Any, pytype: Any = None, dispatch_keys: Any = None) -> Any:
         return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)

@@ -1,0 +1,141 @@
+"""Real-size dry runs: every flavour's released transformer (loraflow/pipelines/released), built with its real class
+on fake tensors (no memory, no weights), trained one micro-step at the flavour's real validation size through
+loraflow's own code: `prepare_transformer` (bf16 or fp8-layerwise storage, peft LoRA, gradient checkpointing),
+`step_draws` (noise, sigmas), `routing` (TREAD) and `step_losses` (i2v/i2i conditioning, bf16 autocast, CREPA's
+block hook and term, the family's `velocity`), then backward. A shape or config mistake at released size fails here
+in seconds. Fake tensors cost Python time per op, not FLOPs: the transformers keep DEPTH of their visual blocks
+(every other dimension is the released one; tests/pipelines/test_released.py checks the full depth's size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from loraflow.config import LoraflowConfig, parse_config
+from loraflow.kernels.crepa import CrepaProjector, hidden_width
+from loraflow.ops import train as T
+from loraflow.ops.crepa_training import Crepa
+from loraflow.ops.teacher_features import latent_frame_indices, patch_features
+from loraflow.ops.train_data import MicroBatch, step_draws
+from loraflow.pipelines import get_family
+from loraflow.pipelines.base import ModelFamily
+from loraflow.pipelines.released import fake_mode, released_config, released_model
+
+DEPTH = 3  # visual blocks kept: TREAD routes the middle one, CREPA reads it
+TREAD = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
+TEXT_TOKENS = {"kandinsky5-video": 512, "kandinsky5-image": 512, "hunyuanvideo-1.5": 1000}  # the longest prompt
+LATENT = {"kandinsky5-video": (16, 8), "kandinsky5-image": (16, 8), "hunyuanvideo-1.5": (32, 16)}  # channels, VAE
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    flavour: str
+    feature: str  # "tread", "crepa" or "" (NABLA takes neither)
+    same_as: tuple[str, ...] = ()  # flavours with the same transformer file and task (the same dry run)
+
+
+CASES = [
+    Case("kandinsky5-video", "t2v-lite-sft-5s", "tread", ("t2v-lite-pretrain-5s",)),
+    Case("kandinsky5-video", "i2v-lite-5s", "crepa"),
+    Case("kandinsky5-video", "t2v-pro-sft-5s-hd", "tread", ("t2v-pro-pretrain-5s-hd",)),
+    Case("kandinsky5-video", "i2v-pro-sft-5s", "crepa", ("i2v-pro-pretrain-5s",)),
+    Case("kandinsky5-image", "t2i-lite-sft", "crepa", ("t2i-lite-pretrain",)),
+    Case("kandinsky5-image", "i2i-lite-sft", "tread", ("i2i-lite-pretrain",)),
+]
+
+
+def dry_config(case: Case) -> LoraflowConfig:
+    extra = {"tread": {"tread_config": TREAD},
+             "crepa": {"crepa_enabled": True, "crepa_encoder_path": "unused", "crepa_block_index": 1}}
+    dataset = {"id": "dry", "instance_data_dir": "unused"}
+    if case.family == "kandinsky5-image":
+        dataset["video"] = {"num_frames": 1}
+    sources = [{**dataset, "id": "sources", "dataset_type": "conditioning", "instance_data_dir": "unused-sources"}] if case.flavour.startswith("i2i") else []
+    if sources:
+        dataset["conditioning_data"] = "sources"
+    return parse_config({
+        "model_family": case.family, "model_flavour": case.flavour, "pretrained_model_name_or_path": "unused",
+        "datasets": [dataset, *sources], "lora_rank": 16,
+        "lora_include_ffn": True, "base_model_precision": "bf16", "gradient_checkpointing": True,
+        **extra.get(case.feature, {})})
+
+
+def depth(config: dict) -> dict:
+    """The config overrides that keep DEPTH visual blocks."""
+    return {"num_visual_blocks": DEPTH} if "num_visual_blocks" in config else {"num_layers": DEPTH}
+
+
+def as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """What `from_pretrained(torch_dtype=dtype)` leaves (`load_component`): every parameter in `dtype` but those of
+    the class's `_keep_in_fp32_modules` (diffusers' rule: a module name among the parameter name's parts)."""
+    keep = set(type(model)._keep_in_fp32_modules or ())
+    for name, p in model.named_parameters():
+        if not keep & set(name.split(".")):
+            p.data = p.data.to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def latent_shape(family: ModelFamily) -> tuple[int, ...]:
+    channels, factor = LATENT[family.name]
+    height, width = family.flavour.size
+    return 1, channels, (family.flavour.num_frames - 1) // family.vae_temporal_factor + 1, height // factor, width // factor
+
+
+def text_batch(family: ModelFamily, transformer_config: dict, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """What `load_micro_batch` hands `velocity`: the family's text at its longest prompt, and the latent rows'
+    image conditions (i2i: the source latent)."""
+    tokens = TEXT_TOKENS[family.name]
+    if family.name.startswith("kandinsky5"):
+        text = {"text_embeds": torch.randn(1, tokens, transformer_config["in_text_dim"]),
+                "pooled_embeds": torch.randn(1, transformer_config["in_text_dim2"])}
+    else:
+        text = {"text_embeds": torch.randn(1, tokens, transformer_config["text_embed_dim"]),
+                "text_mask": torch.ones(1, tokens), "byt5_embeds": torch.randn(1, 256, transformer_config["text_embed_2_dim"]),
+                "byt5_mask": torch.ones(1, 256)}
+    if family.flavour.edits_image:
+        text["image_latent"] = torch.randn(*shape[:2], 1, *shape[3:])
+    return text
+
+
+def teacher_features(config: LoraflowConfig, family: ModelFamily, frames: int) -> tuple[torch.Tensor, int]:
+    """CREPA's cached features of a real-size clip: the released DINOv2 teacher through `patch_features`."""
+    teacher = as_loaded(released_model(family.flavour.name, "crepa_encoder", num_hidden_layers=2), torch.float32)
+    pixels = family.flavour.num_frames
+    indices = latent_frame_indices(pixels, family.vae_temporal_factor) if pixels > 1 else [0]
+    assert len(indices) == frames
+    clip = torch.zeros(len(indices), *family.flavour.size, 3, dtype=torch.uint8)
+    features = patch_features(teacher, clip, config.crepa_encoder_image_size)
+    return features[None], teacher.config.hidden_size
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.family}-{c.flavour}")
+def test_training_step_at_released_size(case: Case) -> None:
+    config = dry_config(case)
+    family = get_family(config)
+    released = released_config(case.flavour, "transformer")
+    shape = latent_shape(family)
+    # the batch is real, as `load_micro_batch` makes it on the CPU; the model and everything it computes are fake
+    text, draws = text_batch(family, released, shape), step_draws(config, family, 0, shape)
+    x0 = torch.randn(shape)
+    with fake_mode():
+        model = as_loaded(released_model(case.flavour, "transformer", **depth(released)), T.base_dtype(config))
+        transformer, params = T.prepare_transformer(model, config, family)
+        crepa, teacher = None, None
+        if config.crepa_enabled:
+            teacher, width = teacher_features(config, family, shape[2])
+            crepa = Crepa(config, family, CrepaProjector(hidden_width(transformer.config), width))
+            params += list(crepa.projector.parameters())
+        batch = MicroBatch([], x0, text, draws, teacher)
+        transformer.train()
+        with T.routing(transformer, family, config, batch.draws.seed):
+            loss, term = T.step_losses(transformer, family, batch, torch.device("cpu"), T.uses_autocast(
+                config, torch.device("cpu")), crepa)
+            (loss if term is None else loss + term).backward()
+        assert loss.shape == () and loss.dtype == torch.float32
+        assert (term is not None) == config.crepa_enabled
+        grads = [p.grad for p in params]
+        assert all(g is not None and g.shape == p.shape and g.dtype == torch.float32 for g, p in zip(grads, params))
