@@ -16,6 +16,7 @@ import torch
 
 from loraflow.config import LoraflowConfig, parse_config
 from loraflow.kernels.crepa import CrepaProjector, hidden_width
+from loraflow.kernels.patch_conv import enable_patch_conv
 from loraflow.ops import train as T
 from loraflow.ops.crepa_training import Crepa
 from loraflow.ops.teacher_features import latent_frame_indices, patch_features
@@ -85,17 +86,24 @@ def latent_shape(family: ModelFamily) -> tuple[int, ...]:
     return 1, channels, (family.flavour.num_frames - 1) // family.vae_temporal_factor + 1, height // factor, width // factor
 
 
-def text_batch(family: ModelFamily, transformer_config: dict, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """What `load_micro_batch` hands `velocity`: the family's text at its longest prompt, and the latent rows'
-    image conditions (i2i: the source latent)."""
-    tokens = TEXT_TOKENS[family.name]
+def encoder_width(flavour: str, component: str) -> int:
+    """The width of what a released text encoder hands the transformer (Qwen's hidden states, CLIP's pooled
+    output, ByT5's states): its config's, not the transformer's, so a mismatch between the two fails."""
+    config = released_config(flavour, component)
+    config = config.get("text_config", config)  # Qwen2.5-VL nests its language model's
+    return config.get("hidden_size") or config["d_model"]
+
+
+def text_batch(family: ModelFamily, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """What `load_micro_batch` hands `velocity`: the family's text at its longest prompt, as wide as the released
+    text encoders make it, and the latent rows' image conditions (i2i: the source latent)."""
+    tokens, name = TEXT_TOKENS[family.name], family.flavour.name
+    qwen, second = encoder_width(name, "text_encoder"), encoder_width(name, "text_encoder_2")
     if family.name.startswith("kandinsky5"):
-        text = {"text_embeds": torch.randn(1, tokens, transformer_config["in_text_dim"]),
-                "pooled_embeds": torch.randn(1, transformer_config["in_text_dim2"])}
+        text = {"text_embeds": torch.randn(1, tokens, qwen), "pooled_embeds": torch.randn(1, second)}
     else:
-        text = {"text_embeds": torch.randn(1, tokens, transformer_config["text_embed_dim"]),
-                "text_mask": torch.ones(1, tokens), "byt5_embeds": torch.randn(1, 256, transformer_config["text_embed_2_dim"]),
-                "byt5_mask": torch.ones(1, 256)}
+        text = {"text_embeds": torch.randn(1, tokens, qwen), "text_mask": torch.ones(1, tokens),
+                "byt5_embeds": torch.randn(1, 256, second), "byt5_mask": torch.ones(1, 256)}
     if family.flavour.edits_image:
         text["image_latent"] = torch.randn(*shape[:2], 1, *shape[3:])
     return text
@@ -119,7 +127,7 @@ def test_training_step_at_released_size(case: Case) -> None:
     released = released_config(case.flavour, "transformer")
     shape = latent_shape(family)
     # the batch is real, as `load_micro_batch` makes it on the CPU; the model and everything it computes are fake
-    text, draws = text_batch(family, released, shape), step_draws(config, family, 0, shape)
+    text, draws = text_batch(family, shape), step_draws(config, family, 0, shape)
     x0 = torch.randn(shape)
     with fake_mode():
         model = as_loaded(released_model(case.flavour, "transformer", **depth(released)), T.base_dtype(config))
@@ -139,3 +147,20 @@ def test_training_step_at_released_size(case: Case) -> None:
         assert (term is not None) == config.crepa_enabled
         grads = [p.grad for p in params]
         assert all(g is not None and g.shape == p.shape and g.dtype == torch.float32 for g, p in zip(grads, params))
+
+
+@pytest.mark.parametrize(("flavour", "patch_conv"), [("t2v-lite-sft-5s", False), ("t2v-lite-sft-5s", True),
+                                                     ("t2i-lite-sft", False)])
+def test_vae_encode_at_released_size(flavour: str, patch_conv: bool) -> None:
+    """A real-size clip (the flavour's validation frames and size) through the released VAE as the latents stage
+    encodes it (`family.vae_encode`, with `enable_patch_conv` for `vae_enable_patch_conv`): the latent the training
+    dry run above feeds the transformer. (HunyuanVideo 1.5's VAE runs for minutes on fake tensors: not here.)"""
+    case = next(c for c in CASES if c.flavour == flavour)
+    family = get_family(dry_config(case))
+    clip = torch.zeros(1, family.flavour.num_frames, *family.flavour.size, 3, dtype=torch.uint8)
+    with fake_mode(), torch.no_grad():
+        vae = as_loaded(released_model(flavour, "vae"), torch.float32)  # the latents stage loads it in fp32
+        if patch_conv:
+            assert enable_patch_conv(vae) > 0
+        latent = family.vae_encode(vae, clip, "mode")
+    assert tuple(latent.shape) == latent_shape(family)
