@@ -21,8 +21,9 @@ from loraflow.ops import train as T
 from loraflow.ops.crepa_training import Crepa
 from loraflow.ops.teacher_features import latent_frame_indices, patch_features
 from loraflow.ops.train_data import MicroBatch, step_draws
-from loraflow.pipelines import get_family
+from loraflow.pipelines import get_family, kandinsky5
 from loraflow.pipelines.base import ModelFamily
+from loraflow.pipelines.kandinsky5 import MAX_TEXT_TOKENS
 from loraflow.pipelines.released import fake_mode, released_config, released_model
 
 DEPTH = 3  # visual blocks kept: TREAD routes the middle one, CREPA reads it
@@ -164,3 +165,25 @@ def test_vae_encode_at_released_size(flavour: str, patch_conv: bool) -> None:
             assert enable_patch_conv(vae) > 0
         latent = family.vae_encode(vae, clip, "mode")
     assert tuple(latent.shape) == latent_shape(family)
+
+
+@pytest.mark.parametrize("flavour", ["t2v-lite-sft-5s", "t2i-lite-sft"])
+def test_text_encoders_at_released_size(flavour: str) -> None:
+    """A prompt longer than the 512 tokens Kandinsky 5 keeps, through the released Qwen2.5-VL and CLIP-L as
+    `encode_text` runs them (`prompt_tensors`; the offline byte-level tokenizers: one token per byte): the row is as
+    wide as the released transformer takes (in_text_dim, in_text_dim2)."""
+    from loraflow.pipelines.tiny import clip_tokenizer, qwen_tokenizer
+
+    case = next(c for c in CASES if c.flavour == flavour)
+    family = get_family(dry_config(case))
+    transformer = released_config(flavour, "transformer")
+    tokenizer = qwen_tokenizer()
+    crop = kandinsky5.template_crop(tokenizer, family.prompt_template)
+    with fake_mode(), torch.no_grad():
+        components = {"tokenizer": tokenizer, "tokenizer_2": clip_tokenizer(),
+                      **{c: as_loaded(released_model(flavour, c), torch.bfloat16)
+                         for c in ("text_encoder", "text_encoder_2")}}
+        row = family.prompt_tensors(components, "a cat " * 100, crop)
+    assert tuple(row["text_embeds"].shape) == (MAX_TEXT_TOKENS, transformer["in_text_dim"])
+    assert tuple(row["pooled_embeds"].shape) == (transformer["in_text_dim2"],)
+    assert row["truncated"]
