@@ -10,6 +10,8 @@ from loraflow.pipelines import family_specs, released
 from loraflow.pipelines.hunyuanvideo15_spec import SPEC as HV15
 from loraflow.pipelines.released import CREPA_ENCODER, components, released_file, released_model
 
+pytestmark = pytest.mark.released
+
 # REFERENCE.md's figures, in billions, to the digits it gives (DINOv2 ViT-g/14 has none there: its public 1.1B)
 PARAMS_B = {
     "k5-video-lite-5s.transformer": 2.01, "k5-video-lite-10s.transformer": 2.01,

@@ -1,10 +1,17 @@
-"""Real-size dry runs: every flavour's released transformer (loraflow/pipelines/released), built with its real class
-on fake tensors (no memory, no weights), trained one micro-step at the flavour's real validation size through
-loraflow's own code: `prepare_transformer` (bf16 or fp8-layerwise storage, peft LoRA, gradient checkpointing),
-`step_draws` (noise, sigmas), `routing` (TREAD) and `step_losses` (i2v/i2i conditioning, bf16 autocast, CREPA's
-block hook and term, the family's `velocity`), then backward. A shape or config mistake at released size fails here
-in seconds. Fake tensors cost Python time per op, not FLOPs: the transformers keep DEPTH of their visual blocks
-(every other dimension is the released one; tests/pipelines/test_released.py checks the full depth's size).
+"""Real-size dry runs: the released configs (loraflow/pipelines/released), built with their real classes on fake
+tensors (no memory, no weights), run at the flavour's real validation size through loraflow's own code.
+
+Training, one micro-step: `prepare_transformer` (bf16 storage, peft LoRA, gradient checkpointing), `step_draws`
+(noise, sigmas), `routing` (TREAD) and `step_losses` (i2v/i2i conditioning, bf16 autocast, CREPA's block hook and
+term, the family's `velocity`), then backward. Latents: `vae_encode` of a real-size clip, with and without patch
+conv. Text: `prompt_tensors` on the released Qwen2.5-VL and CLIP-L. A shape or config mistake at released size fails
+here in seconds. Fake tensors cost Python time per op, not FLOPs: the transformers keep DEPTH of their visual
+blocks (every other dimension is the released one; tests/pipelines/test_released.py checks the full depth's size).
+
+Not here, because fake tensors have no values to answer them: HunyuanVideo 1.5's transformer (its forward asks
+whether the image tokens are all zero and gathers tokens by the text masks), NABLA (Kandinsky5T2VPipeline's
+fast_sta_nabla builds its mask from values), fp8-layerwise (Module.to swaps fake parameters, which fails while
+autograd holds the cast weight) and the validation render (the pipelines return numpy).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from loraflow.pipelines import get_family, kandinsky5
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.kandinsky5 import MAX_TEXT_TOKENS
 from loraflow.pipelines.released import fake_mode, released_config, released_model
+
+pytestmark = pytest.mark.released
 
 DEPTH = 3  # visual blocks kept: TREAD routes the middle one, CREPA reads it
 TREAD = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
