@@ -121,9 +121,21 @@ def load_transformer(config: LoraflowConfig, family: ModelFamily, device: torch.
     if config.group_offload_use_stream and device.type != "cuda":
         raise ValueError(f"`group_offload_use_stream` needs a CUDA device; this run is on {device.type}: set "
                          "group_offload_use_stream: false (group offloading itself works without it)")
-    dtype = torch.float32 if config.base_model_precision == "no_change" else torch.bfloat16
     where = "cpu" if config.enable_group_offload else str(device)  # group offloading moves the blocks itself
-    transformer = load_component(model_source(config), "transformer", dtype, where)
+    transformer = load_component(model_source(config), "transformer", base_dtype(config), where)
+    return prepare_transformer(transformer, config, family)
+
+
+def base_dtype(config: LoraflowConfig) -> torch.dtype:
+    """The dtype the frozen transformer is loaded in (fp8 and int8 start from bf16)."""
+    return torch.float32 if config.base_model_precision == "no_change" else torch.bfloat16
+
+
+def prepare_transformer(transformer: torch.nn.Module, config: LoraflowConfig,
+                        family: ModelFamily) -> tuple[torch.nn.Module, list]:
+    """A loaded frozen transformer (in `base_dtype`) made ready to train: quantized storage, fp32 LoRA, gradient
+    checkpointing; TREAD's routes checked. The real-size dry runs hand in released-config models built on fake
+    tensors (tests/pipelines/test_released_dry_runs.py)."""
     if config.base_model_precision in INT8_PRECISIONS:
         quantize_base_int8(transformer)  # before the adapter: peft wraps the int8 layers, LoRA stays fp32
     if config.base_model_precision == "fp8-layerwise":

@@ -48,11 +48,16 @@ def template_crop(tokenizer: Any, template: str) -> int:
 def clip_pooled(components: Mapping[str, Any], text: str) -> np.ndarray:
     """CLIP-L pooled output (768,) of a cleaned text, padded to 77 tokens as in every K5 pipeline's
     `_encode_prompt_clip`."""
+    return pooled_output(components, text).float().cpu().numpy()
+
+
+def pooled_output(components: Mapping[str, Any], text: str) -> torch.Tensor:
+    """`clip_pooled` as a tensor on the encoder's device."""
     clip_tokenizer, clip = components["tokenizer_2"], components["text_encoder_2"]
     clip_ids = clip_tokenizer(
         [text], max_length=CLIP_TOKENS, truncation=True, padding="max_length", return_tensors="pt"
     ).to(clip.device)
-    return clip(**clip_ids)["pooler_output"][0].float().cpu().numpy()
+    return clip(**clip_ids)["pooler_output"][0]
 
 
 def cu_seqlens(embeds: torch.Tensor) -> torch.Tensor:
@@ -140,21 +145,27 @@ class Kandinsky5Shared:
         """
         if images is not None:
             raise ValueError(f"{self.name} {self.flavour.name} encodes prompts alone; got source images")
-        tokenizer, qwen = components["tokenizer"], components["text_encoder"]
-        crop = template_crop(tokenizer, self.prompt_template)
+        crop = template_crop(components["tokenizer"], self.prompt_template)
         rows = []
         for text in texts:
-            text, limit = prompt_clean(text), crop + MAX_TEXT_TOKENS
-            templated = tokenizer(self.prompt_template.format(text))["input_ids"]
-            ids = torch.tensor([templated[:limit]], device=qwen.device)  # the pipeline's truncation=True
-            hidden = qwen(input_ids=ids, output_hidden_states=True, return_dict=True)["hidden_states"][-1]
-            rows.append({
-                "text_embeds": hidden[0, crop:].float().cpu().numpy(),  # (L, 3584)
-                "pooled_embeds": clip_pooled(components, text),  # (768,)
-                # of the tokens encoded: the cleaned text, and the template's end (<|im_end|>) is cut first
-                "truncated": len(templated) > limit,
-            })
+            row = self.prompt_tensors(components, text, crop)
+            rows.append({k: v.float().cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in row.items()})
         return rows
+
+    def prompt_tensors(self, components: Mapping[str, Any], text: str, crop: int) -> dict[str, Any]:
+        """One text's row as tensors on the encoders' device (`encode_text` stores them as numpy; the real-size dry
+        runs call this on fake encoders, which have no numbers to store)."""
+        tokenizer, qwen = components["tokenizer"], components["text_encoder"]
+        text, limit = prompt_clean(text), crop + MAX_TEXT_TOKENS
+        templated = tokenizer(self.prompt_template.format(text))["input_ids"]
+        ids = torch.tensor([templated[:limit]], device=qwen.device)  # the pipeline's truncation=True
+        hidden = qwen(input_ids=ids, output_hidden_states=True, return_dict=True)["hidden_states"][-1]
+        return {
+            "text_embeds": hidden[0, crop:],  # (L, 3584)
+            "pooled_embeds": pooled_output(components, text),  # (768,)
+            # of the tokens encoded: the cleaned text, and the template's end (<|im_end|>) is cut first
+            "truncated": len(templated) > limit,
+        }
 
     def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
         lengths = {len(r["text_embeds"]) for r in rows}

@@ -1,0 +1,116 @@
+"""The released checkpoints' component configs as data (nothing downloaded): one JSON per distinct config in this
+folder, `{"source": {"repo_id", "file", "revision_note", "same_in"}, "config": {...}}`, where `config` is the
+component's config.json as its library writes it (diffusers: `_class_name`; transformers: `architectures`) and
+`revision_note` says which values were read from where and which were derived (checked by parameter counts,
+tests/pipelines/test_released.py).
+
+`released_config(flavour or repo id, component)` reads one; `released_model(...)` builds its real class from it
+(on the meta device, or under a FakeTensorMode: no memory), which the real-size dry runs train, encode and render
+through loraflow's own code (tests/pipelines/test_released_dry_runs.py).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from loraflow.pipelines.hunyuanvideo15_spec import SPEC as HV15
+from loraflow.pipelines.kandinsky5_image_spec import SPEC as K5_IMAGE
+from loraflow.pipelines.kandinsky5_video_spec import SPEC as K5_VIDEO
+
+FOLDER = Path(__file__).parent
+CREPA_ENCODER = "crepa_encoder"  # CREPA's teacher, the same for every flavour
+
+
+def _k5_video(flavour: str) -> dict[str, str]:
+    size = "pro" if "-pro-" in flavour else "lite"
+    seconds = "10s" if flavour.endswith(("10s", "10s-hd")) else "5s"
+    return {"transformer": f"k5-video-{size}-{seconds}", "vae": "hunyuanvideo", "text_encoder": "qwen2.5-vl-7b",
+            "text_encoder_2": "clip-l"}
+
+
+def _k5_image(flavour: str) -> dict[str, str]:
+    return {"transformer": f"k5-image-{flavour.split('-')[0]}", "vae": "flux", "text_encoder": "qwen2.5-vl-7b",
+            "text_encoder_2": "clip-l"}
+
+
+def _hv15(flavour: str) -> dict[str, str]:
+    task, resolution = flavour.split("-")
+    files = {"transformer": f"hv15-{resolution}-{task}", "vae": "hv15", "text_encoder": "qwen2.5-vl-7b-text",
+             "text_encoder_2": "glyph-byt5"}
+    return files | ({"image_encoder": "siglip-so400m"} if task == "i2v" else {})
+
+
+# flavour name -> {component: file stem}; the file is `<stem>.<component>.json`
+FLAVOURS: dict[str, dict[str, str]] = {
+    **{f.name: _k5_video(f.name) for f in K5_VIDEO.flavours},
+    **{f.name: _k5_image(f.name) for f in K5_IMAGE.flavours},
+    **{f.name: _hv15(f.name) for f in HV15.flavours},
+}
+# a flavour's diffusers repository -> its flavour (i2v-pro-pretrain-5s has none: its config is I2V-Pro-sft-5s's)
+REPOS = {f.repo: f.name for spec in (K5_VIDEO, K5_IMAGE, HV15) for f in spec.flavours if f.repo}
+
+
+@cache
+def _read(name: str) -> dict[str, Any]:
+    return json.loads((FOLDER / f"{name}.json").read_text())
+
+
+def released_file(flavour_or_repo: str, component: str) -> dict[str, Any]:
+    """The whole JSON (`source` and `config`) of a flavour's (or its diffusers repository's) component."""
+    flavour = REPOS.get(flavour_or_repo, flavour_or_repo)
+    if flavour not in FLAVOURS:
+        raise KeyError(f"no released configs for {flavour_or_repo!r}; known flavours: {', '.join(sorted(FLAVOURS))}")
+    parts = {**FLAVOURS[flavour], CREPA_ENCODER: "dinov2-giant"}
+    if component not in parts:
+        raise KeyError(f"flavour {flavour!r} has no component {component!r}; it has {', '.join(sorted(parts))}")
+    return _read(f"{parts[component]}.{component}")
+
+
+def released_config(flavour_or_repo: str, component: str) -> dict:
+    """The config.json of a released checkpoint's component (a copy: callers may edit it)."""
+    return json.loads(json.dumps(released_file(flavour_or_repo, component)["config"]))
+
+
+def components(flavour_or_repo: str) -> list[str]:
+    """The components of a flavour with a released config (CREPA's teacher included)."""
+    return sorted({*FLAVOURS[REPOS.get(flavour_or_repo, flavour_or_repo)], CREPA_ENCODER})
+
+
+def model_from_config(config: dict[str, Any]) -> Any:
+    """The real diffusers/transformers class built from a config.json dict on the current default device or fake
+    mode (callers choose: `torch.device("meta")` or `fake_mode()`), for shapes, not values: transformers' weight
+    init is skipped (its truncated normal asks values of the tensor, which a fake tensor has none of)."""
+    import diffusers
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    if "_class_name" in config:
+        return getattr(diffusers, config["_class_name"]).from_config(config)
+    cls = getattr(transformers, config["architectures"][0])
+    fields = {k: v for k, v in config.items() if k != "architectures"}
+    with no_init_weights():
+        return cls._from_config(cls.config_class(**fields))
+
+
+def released_model(flavour_or_repo: str, component: str, **overrides: Any) -> Any:
+    """`model_from_config` of a released config, with `overrides` of its top-level keys (a dry run's depth)."""
+    return model_from_config(released_config(flavour_or_repo, component) | overrides)
+
+
+def fake_mode() -> Any:
+    """A FakeTensorMode for models built from these configs: real inputs (a batch, its draws) are taken as they are
+    (the mode fakes them), and `nn.Module.to` works: torch memoizes each new fake tensor by a weak reference, and
+    Module.to swaps fake parameters, which a weakly referenced tensor refuses; a fresh tensor needs no memo (its meta
+    tensor is new: nothing can look it up), so this mode's converter keeps none for them."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fresh(fake_mode: FakeTensorMode, t: Any, device: Any, pytype: Any = None, dispatch_keys: Any = None) -> Any:
+        return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
+
+    mode.fake_tensor_converter.from_meta_and_device = fresh
+    return mode

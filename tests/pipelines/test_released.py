@@ -1,0 +1,53 @@
+"""The released checkpoints' configs (loraflow/pipelines/released): every flavour has its files, and each config,
+built with its real class on the meta device, has the parameter count REFERENCE.md gives for that model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraflow.pipelines import family_specs, released
+from loraflow.pipelines.hunyuanvideo15_spec import SPEC as HV15
+from loraflow.pipelines.released import CREPA_ENCODER, components, released_file, released_model
+
+pytestmark = pytest.mark.released
+
+# REFERENCE.md's figures, in billions, to the digits it gives (DINOv2 ViT-g/14 has none there: its public 1.1B)
+PARAMS_B = {
+    "k5-video-lite-5s.transformer": 2.01, "k5-video-lite-10s.transformer": 2.01,
+    "k5-video-pro-5s.transformer": 19.3, "k5-video-pro-10s.transformer": 19.3,
+    "k5-image-t2i.transformer": 6.02, "k5-image-i2i.transformer": 6.02,
+    **{f"hv15-{r}-{t}.transformer": 8.33 for r in ("480p", "720p") for t in ("t2v", "i2v")},
+    "hunyuanvideo.vae": 0.25, "flux.vae": 0.08, "hv15.vae": 1.26,
+    "qwen2.5-vl-7b.text_encoder": 8.29, "qwen2.5-vl-7b-text.text_encoder": 7.07, "clip-l.text_encoder_2": 0.12,
+    "glyph-byt5.text_encoder_2": 0.22, "siglip-so400m.image_encoder": 0.43, "dinov2-giant.crepa_encoder": 1.1,
+}
+FILES = sorted(p.stem for p in released.FOLDER.glob("*.json"))
+
+
+def test_every_flavour_has_its_components() -> None:
+    flavours = {f.name for spec in family_specs() for f in spec.flavours}
+    assert set(released.FLAVOURS) == flavours, flavours ^ set(released.FLAVOURS)
+    siglip = {f.name for f in HV15.flavours if f.task == "i2v"}  # HunyuanVideo 1.5 i2v's image stream
+    for name in released.FLAVOURS:
+        common = {"transformer", "vae", "text_encoder", "text_encoder_2", CREPA_ENCODER}
+        assert set(components(name)) == common | ({"image_encoder"} if name in siglip else set())
+        for component in components(name):
+            source = released_file(name, component)["source"]
+            assert source["repo_id"] and source["file"].endswith("config.json") and source["revision_note"]
+    # by repository id too, as `estimates` will ask
+    assert released_file("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v", "transformer") == \
+        released_file("i2v-720p", "transformer")
+    assert FILES == sorted(PARAMS_B)  # every file is used by some flavour and checked below
+
+
+@pytest.mark.parametrize("stem", FILES)
+def test_parameter_count_matches_reference(stem: str) -> None:
+    name, component = stem.rsplit(".", 1)
+    flavour = next(f for f, parts in released.FLAVOURS.items()
+                   if parts.get(component) == name or component == CREPA_ENCODER)
+    with torch.device("meta"):
+        model = released_model(flavour, component)
+    count = sum(p.numel() for p in model.parameters()) / 1e9
+    digits = len(str(PARAMS_B[stem]).split(".")[1])
+    assert round(count, digits) == PARAMS_B[stem], f"{stem}: {count:.4f}B parameters"

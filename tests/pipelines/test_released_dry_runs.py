@@ -1,0 +1,198 @@
+"""Real-size dry runs: the released configs (loraflow/pipelines/released), built with their real classes on fake
+tensors (no memory, no weights), run at the flavour's real validation size through loraflow's own code.
+
+Training, one micro-step: `prepare_transformer` (bf16 storage, peft LoRA, gradient checkpointing), `step_draws`
+(noise, sigmas), `routing` (TREAD) and `step_losses` (i2v/i2i conditioning, bf16 autocast, CREPA's block hook and
+term, the family's `velocity`), then backward. Latents: `vae_encode` of a real-size clip, with and without patch
+conv. Text: `prompt_tensors` on the released Qwen2.5-VL and CLIP-L. A shape or config mistake at released size fails
+here in seconds. Fake tensors cost Python time per op, not FLOPs: the transformers keep DEPTH of their visual
+blocks (every other dimension is the released one; tests/pipelines/test_released.py checks the full depth's size).
+
+Not here, because fake tensors have no values to answer them: HunyuanVideo 1.5's transformer (its forward asks
+whether the image tokens are all zero and gathers tokens by the text masks), NABLA (Kandinsky5T2VPipeline's
+fast_sta_nabla builds its mask from values), fp8-layerwise (Module.to swaps fake parameters, which fails while
+autograd holds the cast weight) and the validation render (the pipelines return numpy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from loraflow.config import LoraflowConfig, parse_config
+from loraflow.kernels.crepa import CrepaProjector, hidden_width
+from loraflow.kernels.patch_conv import enable_patch_conv
+from loraflow.ops import train as T
+from loraflow.ops.crepa_training import Crepa
+from loraflow.ops.teacher_features import latent_frame_indices, patch_features
+from loraflow.ops.train_data import MicroBatch, step_draws
+from loraflow.pipelines import get_family, kandinsky5
+from loraflow.pipelines.base import ModelFamily
+from loraflow.pipelines.kandinsky5 import MAX_TEXT_TOKENS
+from loraflow.pipelines.released import fake_mode, released_config, released_model
+
+pytestmark = pytest.mark.released
+
+DEPTH = 3  # visual blocks kept: TREAD routes the middle one, CREPA reads it
+TREAD = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
+TEXT_TOKENS = {"kandinsky5-video": 512, "kandinsky5-image": 512, "hunyuanvideo-1.5": 1000}  # the longest prompt
+LATENT = {"kandinsky5-video": (16, 8), "kandinsky5-image": (16, 8), "hunyuanvideo-1.5": (32, 16)}  # channels, VAE
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    flavour: str
+    feature: str  # "tread", "crepa" or "" (NABLA takes neither)
+    same_as: tuple[str, ...] = ()  # flavours with the same transformer file and task (the same dry run)
+
+
+CASES = [
+    Case("kandinsky5-video", "t2v-lite-sft-5s", "tread", ("t2v-lite-pretrain-5s",)),
+    Case("kandinsky5-video", "i2v-lite-5s", "crepa"),
+    Case("kandinsky5-video", "t2v-pro-sft-5s-hd", "tread", ("t2v-pro-pretrain-5s-hd",)),
+    Case("kandinsky5-video", "i2v-pro-sft-5s", "crepa", ("i2v-pro-pretrain-5s",)),
+    Case("kandinsky5-image", "t2i-lite-sft", "crepa", ("t2i-lite-pretrain",)),
+    Case("kandinsky5-image", "i2i-lite-sft", "tread", ("i2i-lite-pretrain",)),
+]
+
+
+def dry_config(case: Case) -> LoraflowConfig:
+    extra = {"tread": {"tread_config": TREAD},
+             "crepa": {"crepa_enabled": True, "crepa_encoder_path": "unused", "crepa_block_index": 1}}
+    dataset = {"id": "dry", "instance_data_dir": "unused"}
+    if case.family == "kandinsky5-image":
+        dataset["video"] = {"num_frames": 1}
+    sources = [{**dataset, "id": "sources", "dataset_type": "conditioning", "instance_data_dir": "unused-sources"}] if case.flavour.startswith("i2i") else []
+    if sources:
+        dataset["conditioning_data"] = "sources"
+    return parse_config({
+        "model_family": case.family, "model_flavour": case.flavour, "pretrained_model_name_or_path": "unused",
+        "datasets": [dataset, *sources], "lora_rank": 16,
+        "lora_include_ffn": True, "base_model_precision": "bf16", "gradient_checkpointing": True,
+        **extra.get(case.feature, {})})
+
+
+def depth(config: dict) -> dict:
+    """The config overrides that keep DEPTH visual blocks."""
+    return {"num_visual_blocks": DEPTH} if "num_visual_blocks" in config else {"num_layers": DEPTH}
+
+
+def as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """What `from_pretrained(torch_dtype=dtype)` leaves (`load_component`): every parameter in `dtype` but those of
+    the class's `_keep_in_fp32_modules` (diffusers' rule: a module name among the parameter name's parts)."""
+    keep = set(type(model)._keep_in_fp32_modules or ())
+    for name, p in model.named_parameters():
+        if not keep & set(name.split(".")):
+            p.data = p.data.to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def latent_shape(family: ModelFamily) -> tuple[int, ...]:
+    channels, factor = LATENT[family.name]
+    height, width = family.flavour.size
+    return 1, channels, (family.flavour.num_frames - 1) // family.vae_temporal_factor + 1, height // factor, width // factor
+
+
+def encoder_width(flavour: str, component: str) -> int:
+    """The width of what a released text encoder hands the transformer (Qwen's hidden states, CLIP's pooled
+    output, ByT5's states): its config's, not the transformer's, so a mismatch between the two fails."""
+    config = released_config(flavour, component)
+    config = config.get("text_config", config)  # Qwen2.5-VL nests its language model's
+    return config.get("hidden_size") or config["d_model"]
+
+
+def text_batch(family: ModelFamily, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """What `load_micro_batch` hands `velocity`: the family's text at its longest prompt, as wide as the released
+    text encoders make it, and the latent rows' image conditions (i2i: the source latent)."""
+    tokens, name = TEXT_TOKENS[family.name], family.flavour.name
+    qwen, second = encoder_width(name, "text_encoder"), encoder_width(name, "text_encoder_2")
+    if family.name.startswith("kandinsky5"):
+        text = {"text_embeds": torch.randn(1, tokens, qwen), "pooled_embeds": torch.randn(1, second)}
+    else:
+        text = {"text_embeds": torch.randn(1, tokens, qwen), "text_mask": torch.ones(1, tokens),
+                "byt5_embeds": torch.randn(1, 256, second), "byt5_mask": torch.ones(1, 256)}
+    if family.flavour.edits_image:
+        text["image_latent"] = torch.randn(*shape[:2], 1, *shape[3:])
+    return text
+
+
+def teacher_features(config: LoraflowConfig, family: ModelFamily, frames: int) -> tuple[torch.Tensor, int]:
+    """CREPA's cached features of a real-size clip: the released DINOv2 teacher through `patch_features`."""
+    teacher = as_loaded(released_model(family.flavour.name, "crepa_encoder", num_hidden_layers=2), torch.float32)
+    pixels = family.flavour.num_frames
+    indices = latent_frame_indices(pixels, family.vae_temporal_factor) if pixels > 1 else [0]
+    assert len(indices) == frames
+    clip = torch.zeros(len(indices), *family.flavour.size, 3, dtype=torch.uint8)
+    features = patch_features(teacher, clip, config.crepa_encoder_image_size)
+    return features[None], teacher.config.hidden_size
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.family}-{c.flavour}")
+def test_training_step_at_released_size(case: Case) -> None:
+    config = dry_config(case)
+    family = get_family(config)
+    released = released_config(case.flavour, "transformer")
+    shape = latent_shape(family)
+    # the batch is real, as `load_micro_batch` makes it on the CPU; the model and everything it computes are fake
+    text, draws = text_batch(family, shape), step_draws(config, family, 0, shape)
+    x0 = torch.randn(shape)
+    with fake_mode():
+        model = as_loaded(released_model(case.flavour, "transformer", **depth(released)), T.base_dtype(config))
+        transformer, params = T.prepare_transformer(model, config, family)
+        crepa, teacher = None, None
+        if config.crepa_enabled:
+            teacher, width = teacher_features(config, family, shape[2])
+            crepa = Crepa(config, family, CrepaProjector(hidden_width(transformer.config), width))
+            params += list(crepa.projector.parameters())
+        batch = MicroBatch([], x0, text, draws, teacher)
+        transformer.train()
+        with T.routing(transformer, family, config, batch.draws.seed):
+            loss, term = T.step_losses(transformer, family, batch, torch.device("cpu"), T.uses_autocast(
+                config, torch.device("cpu")), crepa)
+            (loss if term is None else loss + term).backward()
+        assert loss.shape == () and loss.dtype == torch.float32
+        assert (term is not None) == config.crepa_enabled
+        grads = [p.grad for p in params]
+        assert all(g is not None and g.shape == p.shape and g.dtype == torch.float32 for g, p in zip(grads, params))
+
+
+@pytest.mark.parametrize(("flavour", "patch_conv"), [("t2v-lite-sft-5s", False), ("t2v-lite-sft-5s", True),
+                                                     ("t2i-lite-sft", False)])
+def test_vae_encode_at_released_size(flavour: str, patch_conv: bool) -> None:
+    """A real-size clip (the flavour's validation frames and size) through the released VAE as the latents stage
+    encodes it (`family.vae_encode`, with `enable_patch_conv` for `vae_enable_patch_conv`): the latent the training
+    dry run above feeds the transformer. (HunyuanVideo 1.5's VAE runs for minutes on fake tensors: not here.)"""
+    case = next(c for c in CASES if c.flavour == flavour)
+    family = get_family(dry_config(case))
+    clip = torch.zeros(1, family.flavour.num_frames, *family.flavour.size, 3, dtype=torch.uint8)
+    with fake_mode(), torch.no_grad():
+        vae = as_loaded(released_model(flavour, "vae"), torch.float32)  # the latents stage loads it in fp32
+        if patch_conv:
+            assert enable_patch_conv(vae) > 0
+        latent = family.vae_encode(vae, clip, "mode")
+    assert tuple(latent.shape) == latent_shape(family)
+
+
+@pytest.mark.parametrize("flavour", ["t2v-lite-sft-5s", "t2i-lite-sft"])
+def test_text_encoders_at_released_size(flavour: str) -> None:
+    """A prompt longer than the 512 tokens Kandinsky 5 keeps, through the released Qwen2.5-VL and CLIP-L as
+    `encode_text` runs them (`prompt_tensors`; the offline byte-level tokenizers: one token per byte): the row is as
+    wide as the released transformer takes (in_text_dim, in_text_dim2)."""
+    from loraflow.pipelines.tiny import clip_tokenizer, qwen_tokenizer
+
+    case = next(c for c in CASES if c.flavour == flavour)
+    family = get_family(dry_config(case))
+    transformer = released_config(flavour, "transformer")
+    tokenizer = qwen_tokenizer()
+    crop = kandinsky5.template_crop(tokenizer, family.prompt_template)
+    with fake_mode(), torch.no_grad():
+        components = {"tokenizer": tokenizer, "tokenizer_2": clip_tokenizer(),
+                      **{c: as_loaded(released_model(flavour, c), torch.bfloat16)
+                         for c in ("text_encoder", "text_encoder_2")}}
+        row = family.prompt_tensors(components, "a cat " * 100, crop)
+    assert tuple(row["text_embeds"].shape) == (MAX_TEXT_TOKENS, transformer["in_text_dim"])
+    assert tuple(row["pooled_embeds"].shape) == (transformer["in_text_dim2"],)
+    assert row["truncated"]
