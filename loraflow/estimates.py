@@ -78,13 +78,11 @@ def model_class(component_config: Mapping[str, Any], library: str = "diffusers")
     return getattr(importlib.import_module(library if "_class_name" in component_config else "transformers"), name)
 
 
-def fake_model(component_config: Mapping[str, Any], mode: Any, dtype: torch.dtype, device: str = "cpu",
-               adapter: Any = None) -> torch.nn.Module:
-    """The component built from its config with fake tensors (no memory) in `dtype`, its `_keep_in_fp32_modules`
-    kept fp32 as from_pretrained keeps them; `adapter`: a peft LoraConfig added as training adds it (fp32).
-
-    Built on the meta device (peft cannot add an adapter under FakeTensorMode), then each parameter, buffer and
-    plain tensor attribute (Kandinsky 5 keeps its time frequencies as one) becomes a fake tensor."""
+def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter: Any = None,
+               fp8: bool = False) -> torch.nn.Module:
+    """The component built from its config on the meta device (no memory) as training loads it: in `dtype` with its
+    `_keep_in_fp32_modules` kept fp32 (what from_pretrained does), `fp8`: diffusers' layerwise casting to
+    float8_e4m3fn storage, then `adapter` (a peft LoraConfig) with fp32 LoRA weights."""
     import torch
 
     cls = model_class(component_config)
@@ -92,17 +90,33 @@ def fake_model(component_config: Mapping[str, Any], mode: Any, dtype: torch.dtyp
     keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
     with torch.device("meta"):
         model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
-        if adapter is not None:
-            model.add_adapter(adapter)
-    with mode:
         for module_name, module in model.named_modules():
             for name, p in list(module._parameters.items()):
-                if p is None:
-                    continue
-                fp32 = "lora_" in module_name or keep & set(module_name.split("."))
-                wanted = torch.float32 if fp32 or not p.is_floating_point() else dtype
-                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=wanted, device=device),
-                                                              requires_grad=False)
+                if p is not None and p.is_floating_point() and not keep & set(module_name.split(".")):
+                    module._parameters[name] = torch.nn.Parameter(p.to(dtype), requires_grad=False)
+        if fp8:
+            model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        if adapter is not None:
+            model.add_adapter(adapter)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+    return model
+
+
+def fake_model(model: torch.nn.Module, mode: Any, device: str = "cpu") -> torch.nn.Module:
+    """`model` (a `meta_model`) with each parameter, buffer and plain tensor attribute (Kandinsky 5 keeps its time
+    frequencies as one) replaced by a fake tensor of its shape and dtype on `device`, frozen: ops on it run the
+    real code at no memory. (peft cannot add an adapter to a model built under FakeTensorMode, hence the meta step;
+    nor can a module be moved or cast there, so layerwise casting is counted on the meta model only.)"""
+    import torch
+
+    with mode:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                                  requires_grad=False)
             for name, b in list(module._buffers.items()):
                 if b is not None:
                     module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
@@ -222,51 +236,217 @@ def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family
     return sum(per_block) - sum(sorted(per_block, reverse=True)[:resident])
 
 
+def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
+                 precision: str) -> tuple[torch.nn.Module, list, int]:
+    """The fake transformer as `ops.train.load_transformer` prepares it (precision, fp32 LoRA), its LoRA parameters,
+    and the bytes of its frozen weights. fp8-layerwise computes as bf16 does: the fake model is bf16, its weights
+    are counted on a meta model with layerwise casting (1 byte each where diffusers casts); int8 weight-only is
+    counted the same way (its per-channel scales are left out)."""
+    from peft import LoraConfig
+
+    adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank,
+                         target_modules=family.lora_targets(config.lora_include_ffn))
+    one_byte = precision in ("fp8-layerwise", "int8-torchao", "int8-quanto")
+    transformer = fake_model(meta_model(transformer_config, _dtype(precision), adapter), mode)
+    weights = weights_bytes(meta_model(transformer_config, _dtype(precision), fp8=True) if one_byte else transformer)
+    lora = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    return transformer, lora, weights
+
+
+def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, transformer_config: Mapping[str, Any],
+                   latent_shape: tuple[int, ...], batch: int, autocast: bool, train: bool) -> Callable[[], None]:
+    """One transformer call on zeros of the batch's shapes: training's `step_losses` + backward, or a render's
+    no-grad velocity. The batch is made inside, as its device copies are made in a run."""
+    import torch
+
+    from loraflow.ops.train import step_losses
+    from loraflow.ops.train_data import MicroBatch, StepDraws
+
+    device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
+
+    def call() -> None:
+        shape = (batch, *latent_shape)
+        # collate_text's .to(device) copies the rows into fake tensors: the device copies of a GPU run
+        text = family.collate_text([family.example_text_row(transformer_config, family.max_text_tokens)] * batch,
+                                   device)
+        draws = StepDraws(drop_caption=False, noise=torch.zeros(shape), sigma=torch.full((batch,), 0.5), seed=0)
+        micro = MicroBatch(samples=[], x0=torch.zeros(shape), text=text, draws=draws)
+        if train:
+            step_losses(transformer, family, micro, device, autocast)[0].backward()
+            return
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            family.velocity(transformer, micro.x0, draws.sigma, text)
+
+    return call
+
+
+def _not_modelled(stage: str, family: ModelFamily) -> StageEstimate | None:
+    if family.image_condition_name:
+        return StageEstimate(stage, note=f"not estimated for {family.name} {family.flavour.name}: its image "
+                                         f"condition ({family.image_condition_name}) is not modelled yet")
+    return None
+
+
 def training_step(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
                   latent_shape: tuple[int, int, int, int], device_type: str = "cuda") -> StageEstimate:
     """One optimizer step of the lora stage at the largest bucket's latent (C, T, h, w), `train_batch_size` samples,
     `max_text_tokens` caption tokens (the longest a caption can be), on a `device_type` accelerator:
     weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included)."""
     import torch
-    from peft import LoraConfig
 
-    from loraflow.ops.train import step_losses, uses_autocast
-    from loraflow.ops.train_data import MicroBatch, StepDraws
+    from loraflow.ops.train import uses_autocast
 
-    if family.image_condition_name:
-        return StageEstimate("lora", note=f"not estimated for {family.name} {family.flavour.name}: its image "
-                                          f"condition ({family.image_condition_name}) is not modelled yet")
+    if (skipped := _not_modelled("lora", family)) is not None:
+        return skipped
     mode = _fake_mode()
-    adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank,
-                         target_modules=family.lora_targets(config.lora_include_ffn))
-    transformer = fake_model(transformer_config, mode, _dtype(config.base_model_precision), adapter=adapter)
-    if config.base_model_precision in ("fp8-layerwise", "int8-torchao", "int8-quanto"):
-        # int8 weight-only stores 1 byte per linear weight too (its per-channel scales are left out)
-        with mode:
-            transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-    lora = [p.requires_grad_(True) for n, p in transformer.named_parameters() if "lora_" in n]
+    transformer, lora, weights = _transformer(config, family, transformer_config, mode,
+                                              config.base_model_precision)
+    for p in lora:
+        p.requires_grad_(True)
     if config.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     transformer.train()
-    device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
     autocast = uses_autocast(config, torch.device(device_type))
-    batch = config.train_batch_size
-
-    def step() -> None:
-        shape = (batch, *latent_shape)
-        text = family.collate_text([family.example_text_row(transformer_config, family.max_text_tokens)] * batch,
-                                   device)
-        draws = StepDraws(drop_caption=False, noise=torch.zeros(shape), sigma=torch.full((batch,), 0.5), seed=0)
-        # collate_text's .to(device) copies the rows into fake tensors: the device copies of a GPU run
-        micro = MicroBatch(samples=[], x0=torch.zeros(shape), text=text, draws=draws)
-        loss, _ = step_losses(transformer, family, micro, device, autocast)
-        loss.backward()
-
+    step = _velocity_call(family, transformer, transformer_config, latent_shape, config.train_batch_size, autocast,
+                          train=True)
     activations, tflop = measured_step(step, mode, transformer)
-    weights = weights_bytes(transformer)
     if config.enable_group_offload:
         weights -= offloaded_bytes(transformer, config, family)
-    lora_bytes = tensor_bytes(lora)
     moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
-    return StageEstimate("lora", {"weights": weights, "lora": lora_bytes, "optimizer": moments,
+    return StageEstimate("lora", {"weights": weights, "lora": tensor_bytes(lora), "optimizer": moments,
                                   "activations": activations}, tflop)
+
+
+def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[str, Any],
+               frames: int, height: int, width: int) -> StageEstimate:
+    """The latents stage encoding one clip of the largest bucket: fp32 VAE weights + the peak of a fake
+    no-grad `family.vae_encode` with the configured patch conv / tiling / slicing (`ops.latents.prepare_vae`)."""
+    import torch
+
+    from loraflow.ops.latents import prepare_vae
+
+    mode = _fake_mode()
+    vae = fake_model(meta_model(vae_config, torch.float32), mode)
+    prepare_vae(vae, config)
+
+    def encode() -> None:
+        with torch.no_grad():
+            family.vae_encode(vae, torch.zeros((1, frames, height, width, 3), dtype=torch.uint8),
+                              config.latent_sampling)
+
+    activations, tflop = measured_step(encode, mode, vae)
+    note = "" if not family.image_condition_components else \
+        f"{', '.join(family.image_condition_components)} left out"
+    return StageEstimate("latents", {"weights": weights_bytes(vae), "activations": activations}, tflop, note)
+
+
+def text_encoders(config: LoraflowConfig, family: ModelFamily,
+                  component_configs: Mapping[str, Mapping[str, Any]]) -> StageEstimate:
+    """The text_embeds stage: the text encoders' weights (the first in `text_encoder_1_precision`: bf16 2 bytes,
+    int8 counted as bf16, fp32 4), all on the accelerator at once unless offload_during_startup (then the largest
+    alone). Their activations (one prompt, no grad) are left out."""
+    import torch
+
+    encoders = [c for c in family.text_components if c in component_configs]
+    sizes = []
+    for name in encoders:
+        precision = config.text_encoder_1_precision if name == "text_encoder" else "fp32"
+        sizes.append(weights_bytes(meta_model(component_configs[name], _dtype(precision))))
+    weights = max(sizes, default=0) if config.offload_during_startup else sum(sizes)
+    return StageEstimate("text_embeds", {"weights": weights}, None, "weights only")
+
+
+def validation(config: LoraflowConfig, family: ModelFamily, component_configs: Mapping[str, Mapping[str, Any]],
+               latent_shape: tuple[int, int, int, int]) -> StageEstimate:
+    """One validation render: the fp32 transformer with its LoRA and the VAE (as `load_renderer` loads them) + the
+    larger of one no-grad denoise call at the validation size and the VAE decode of its latent."""
+    import torch
+
+    if (skipped := _not_modelled("validation", family)) is not None:
+        return skipped
+    mode = _fake_mode()
+    transformer, lora, weights = _transformer(config, family, component_configs["transformer"], mode, "no_change")
+    denoise = _velocity_call(family, transformer, component_configs["transformer"], latent_shape, 1, False,
+                             train=False)
+    denoise_peak, tflop = measured_step(denoise, mode, transformer)
+    vae = fake_model(meta_model(component_configs["vae"], torch.float32), mode)
+
+    def decode() -> None:
+        with torch.no_grad():
+            vae.decode(torch.zeros((1, *latent_shape)))
+
+    decode_peak, _ = measured_step(decode, mode, vae)
+    return StageEstimate("validation", {"weights": weights + weights_bytes(vae), "lora": tensor_bytes(lora),
+                                        "activations": max(denoise_peak, decode_peak)}, tflop)
+
+
+# 3. a config's table, and what would make it fit ------------------------------------------------------------
+def component_configs(folders: Mapping[str, Path]) -> dict[str, dict]:
+    """Each model component's config.json (tokenizers and schedulers have none), read from its folder."""
+    files = {name: Path(folder) / "config.json" for name, folder in folders.items()}
+    return {name: json.loads(f.read_text()) for name, f in files.items() if f.is_file()}
+
+
+def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, Mapping[str, Any]],
+             bucket: tuple[int, int, int], device_type: str = "cuda") -> list[StageEstimate]:
+    """Every stage for the config's largest bucket (frames, height, width) and its validation size, from the
+    components' config dicts only (`component_configs`, or a released config: no weights are read)."""
+    from loraflow.ops.buckets import vae_geometry
+
+    frames, height, width = bucket
+    geometry = vae_geometry(dict(configs["vae"]), family)
+    latent = geometry.shape(frames, height, width)
+    val_height, val_width = config.validation_size
+    val_frames = config.validation_num_video_frames or family.flavour.num_frames
+    return [vae_encode(config, family, configs["vae"], frames, height, width),
+            text_encoders(config, family, configs),
+            training_step(config, family, configs["transformer"], latent, device_type),
+            validation(config, family, configs, geometry.shape(val_frames, val_height, val_width))]
+
+
+# each switch alone, then together: the settings that lower the training peak, by name as the config takes them
+SWITCHES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("gradient_checkpointing: true", {"gradient_checkpointing": True}),
+    ("base_model_precision: fp8-layerwise", {"base_model_precision": "fp8-layerwise"}),
+    ("enable_group_offload: true", {"enable_group_offload": True}),
+    ("optimizer: adamw_bf16", {"optimizer": "adamw_bf16"}),
+    ("train_batch_size: 1", {"train_batch_size": 1}),
+)
+
+
+def switches(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, Mapping[str, Any]],
+             bucket: tuple[int, int, int], device_type: str = "cuda") -> list[tuple[str, StageEstimate]]:
+    """The training estimate with each switch the config does not use yet, then with all of them."""
+    from loraflow.ops.buckets import vae_geometry
+
+    latent = vae_geometry(dict(configs["vae"]), family).shape(*bucket)
+    unused = [(label, change) for label, change in SWITCHES
+              if any(getattr(config, k) != v for k, v in change.items())]
+    if len(unused) > 1:
+        unused.append(("all of the above", {k: v for _, change in unused for k, v in change.items()}))
+    return [(label, training_step(config.model_copy(update=change), family, configs["transformer"], latent,
+                                  device_type)) for label, change in unused]
+
+
+def card_gb(config: LoraflowConfig) -> tuple[float | None, str]:
+    """The accelerator to fit: `gpu_memory_gb`, else the CUDA GPU this machine has, else none."""
+    if config.gpu_memory_gb is not None:
+        return config.gpu_memory_gb, "gpu_memory_gb"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GIB, props.name
+    return None, ""
+
+
+def estimate_rows(estimates: list[StageEstimate]) -> list[tuple[str, ...]]:
+    """`loraflow check`'s table: stage, peak GiB, TFLOP, then ✓/✗ per card of CARDS_GB."""
+    rows = []
+    for e in estimates:
+        if not e.parts:
+            rows.append((e.stage, "-", "-", *("-" for _ in CARDS_GB), e.note))
+            continue
+        tflop = "-" if e.tflop is None else f"{e.tflop:.4g}"
+        rows.append((e.stage, f"{e.peak_gib:.3g}", tflop, *("✓" if e.fits(gb) else "✗" for gb in CARDS_GB), e.note))
+    return rows
