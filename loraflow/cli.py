@@ -151,10 +151,9 @@ def print_estimates(config: LoraflowConfig, family: ModelFamily, source: ModelSo
     if not buckets:
         print("  nothing to estimate: no clips")
         return
-    sizes = [tuple(int(n) for n in b.bucket.replace("@", "x").split("x")) for b in buckets]  # (W, H, F)
-    width, height, frames = max(sizes, key=lambda s: s[0] * s[1] * s[2])
+    bucket = estimates.largest_bucket(b.bucket for b in buckets)
+    frames, height, width = bucket
     configs = estimates.component_configs({c: source.folder(c) for c in config.flavour.components})
-    bucket = (frames, height, width)
     stages = estimates.estimate(config, family, configs, bucket)
     print(f"  largest bucket {width}x{height}@{frames}, batch {config.train_batch_size}, "
           f"{family.max_text_tokens} text tokens; GiB peak on the accelerator, TFLOP of one step (lora: forward + "

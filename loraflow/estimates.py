@@ -133,11 +133,14 @@ def tensor_bytes(tensors: Any) -> int:
 
 
 def _counter_mode() -> type:
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
     from torch.utils.flop_counter import flop_registry, shape_wrapper
 
     formulas = {**flop_registry, **{op: shape_wrapper(f) for op, f in attention_flops().items()}}
+    attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    convolution = torch.ops.aten.convolution
 
     class StepCounter(TorchDispatchMode):
         """Bytes of the storages alive now and at most, from every storage an op returns (each counted once,
@@ -147,8 +150,9 @@ def _counter_mode() -> type:
         linear). (FlopCounterMode itself is not used: its module hooks keep recomputed activations alive under
         gradient checkpointing, which would be counted.)"""
 
-        def __init__(self, existing: Iterable[Any] = ()) -> None:
+        def __init__(self, existing: Iterable[Any] = (), device_type: str = "cuda") -> None:
             super().__init__()
+            self.device_type = device_type
             # keyed by the C storage: views (and fake tensors' storage objects) share it
             self.live: dict[int, int] = {t.untyped_storage()._cdata: 0 for t in existing}
             self.current = self.peak = self.flops = 0
@@ -169,11 +173,15 @@ def _counter_mode() -> type:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             kwargs = kwargs or {}
+            if func._overloadpacket is attention_backward:  # its workspace lives while it runs
+                self.peak = max(self.peak, self.current + attention_workspace(args[1], args[2], self.device_type))
             out = func(*args, **kwargs)
             if func._overloadpacket in formulas:
                 self.flops += formulas[func._overloadpacket](*args, **kwargs, out_val=out)
             for t in tree_flatten(out)[0]:
                 self.track(t)
+            if func._overloadpacket is convolution and self.device_type == "cpu":  # beside its output
+                self.peak = max(self.peak, self.current + conv3d_columns(args[1], out))
             return out
 
     return StepCounter
@@ -198,9 +206,39 @@ def attention_flops() -> dict:
             aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
 
 
-def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module) -> tuple[int, float]:
-    """Run `fn` under the fake `mode`: (peak bytes of the tensors it makes, `model`'s own not counted; TFLOP)."""
-    counter = _counter_mode()([*model.parameters(), *model.buffers()])
+def attention_workspace(query: torch.Tensor, key: torch.Tensor, device_type: str) -> int:
+    """Bytes an attention backward allocates inside itself, which no op returns. Both FlashAttention-2 on CUDA
+    (`dq_accum`) and torch's CPU flash kernel accumulate dQ in an fp32 buffer of the query's shape (B, H, N_q, d):
+    4 * B * H * N_q * d. The CPU kernel adds per thread two fp32 tiles (scores and their gradient) of
+    q_split x kv_split, q_split = 256 / 64 / 32 for N_q >= 768 / >= 192 / less and kv_split = min(512, N_kv) (the
+    split sizes aten's dispatcher passes it). Measured against the CPU allocator (fp32, 1 and 2 threads, N_q from
+    100 to 4096, N_q != N_kv): exact to 128 bytes; bf16 inputs take about 8% more (reduced-precision copies,
+    left out)."""
+    import torch
+
+    batch, heads, n_q, dim = query.shape
+    workspace = 4 * batch * heads * n_q * dim
+    if device_type == "cpu":
+        q_split = 256 if n_q >= 768 else 64 if n_q >= 192 else 32
+        workspace += torch.get_num_threads() * 2 * min(q_split, n_q) * min(512, key.shape[2]) * 4
+    return workspace
+
+
+def conv3d_columns(weight: torch.Tensor, out: torch.Tensor) -> int:
+    """Bytes of the column buffer torch's CPU 3D convolution (slow_conv3d) unfolds its input into, which no op
+    returns: B * (C_in / groups) * kT * kH * kW * output voxels, in the input's dtype (measured: exact against the
+    CPU allocator). 0 for 2D convolutions and on CUDA, where cuDNN keeps its workspace within its own limit (left
+    out)."""
+    if weight.dim() != 5:
+        return 0
+    return out.shape[0] * weight[0].numel() * out[0, 0].numel() * weight.element_size()
+
+
+def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module,
+                  device_type: str = "cuda") -> tuple[int, float]:
+    """Run `fn` under the fake `mode`: (peak bytes of the tensors it makes and of the attention backward's
+    workspace on `device_type`, `model`'s own tensors not counted; TFLOP)."""
+    counter = _counter_mode()([*model.parameters(), *model.buffers()], device_type)
     with mode, counter:
         fn()
     return counter.peak, counter.flops / 1e12
@@ -309,7 +347,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     autocast = uses_autocast(config, torch.device(device_type))
     step = _velocity_call(family, transformer, transformer_config, latent_shape, config.train_batch_size, autocast,
                           train=True)
-    activations, tflop = measured_step(step, mode, transformer)
+    activations, tflop = measured_step(step, mode, transformer, device_type)
     if config.enable_group_offload:
         weights -= offloaded_bytes(transformer, config, family)
     moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
@@ -318,7 +356,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
 
 
 def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[str, Any],
-               frames: int, height: int, width: int) -> StageEstimate:
+               frames: int, height: int, width: int, device_type: str = "cuda") -> StageEstimate:
     """The latents stage encoding one clip of the largest bucket: fp32 VAE weights + the peak of a fake
     no-grad `family.vae_encode` with the configured patch conv / tiling / slicing (`ops.latents.prepare_vae`)."""
     import torch
@@ -334,7 +372,7 @@ def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[
             family.vae_encode(vae, torch.zeros((1, frames, height, width, 3), dtype=torch.uint8),
                               config.latent_sampling)
 
-    activations, tflop = measured_step(encode, mode, vae)
+    activations, tflop = measured_step(encode, mode, vae, device_type)
     note = "" if not family.image_condition_components else \
         f"{', '.join(family.image_condition_components)} left out"
     return StageEstimate("latents", {"weights": weights_bytes(vae), "activations": activations}, tflop, note)
@@ -357,7 +395,7 @@ def text_encoders(config: LoraflowConfig, family: ModelFamily,
 
 
 def validation(config: LoraflowConfig, family: ModelFamily, component_configs: Mapping[str, Mapping[str, Any]],
-               latent_shape: tuple[int, int, int, int]) -> StageEstimate:
+               latent_shape: tuple[int, int, int, int], device_type: str = "cuda") -> StageEstimate:
     """One validation render: the fp32 transformer with its LoRA and the VAE (as `load_renderer` loads them) + the
     larger of one no-grad denoise call at the validation size and the VAE decode of its latent."""
     import torch
@@ -368,14 +406,14 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
     transformer, lora, weights = _transformer(config, family, component_configs["transformer"], mode, "no_change")
     denoise = _velocity_call(family, transformer, component_configs["transformer"], latent_shape, 1, False,
                              train=False)
-    denoise_peak, tflop = measured_step(denoise, mode, transformer)
+    denoise_peak, tflop = measured_step(denoise, mode, transformer, device_type)
     vae = fake_model(meta_model(component_configs["vae"], torch.float32), mode)
 
     def decode() -> None:
         with torch.no_grad():
             vae.decode(torch.zeros((1, *latent_shape)))
 
-    decode_peak, _ = measured_step(decode, mode, vae)
+    decode_peak, _ = measured_step(decode, mode, vae, device_type)
     return StageEstimate("validation", {"weights": weights + weights_bytes(vae), "lora": tensor_bytes(lora),
                                         "activations": max(denoise_peak, decode_peak)}, tflop)
 
@@ -387,9 +425,28 @@ def component_configs(folders: Mapping[str, Path]) -> dict[str, dict]:
     return {name: json.loads(f.read_text()) for name, f in files.items() if f.is_file()}
 
 
+def largest_bucket(labels: Iterable[str]) -> tuple[int, int, int]:
+    """(frames, height, width) of the largest of these bucket labels (WIDTHxHEIGHT@FRAMES, `ops.buckets`)."""
+    sizes = [tuple(int(n) for n in label.replace("@", "x").split("x")) for label in labels]
+    width, height, frames = max(sizes, key=lambda s: s[0] * s[1] * s[2])
+    return frames, height, width
+
+
+def stage_estimate(config: LoraflowConfig, family: ModelFamily, stage: str, buckets: Iterable[str],
+                   device_type: str) -> StageEstimate:
+    """One stage's estimate for the model on disk and these buckets: what the `latents` and `lora` assets show
+    beside the peak they measured."""
+    from loraflow.pipelines.sources import model_source
+
+    source = model_source(config, download=False)
+    configs = component_configs({c: source.folder(c) for c in config.flavour.components})
+    return next(e for e in estimate(config, family, configs, largest_bucket(buckets), device_type, (stage,)))
+
+
 def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, Mapping[str, Any]],
-             bucket: tuple[int, int, int], device_type: str = "cuda") -> list[StageEstimate]:
-    """Every stage for the config's largest bucket (frames, height, width) and its validation size, from the
+             bucket: tuple[int, int, int], device_type: str = "cuda",
+             stages: tuple[str, ...] = STAGES) -> list[StageEstimate]:
+    """`stages` for the config's largest bucket (frames, height, width) and its validation size, from the
     components' config dicts only (`component_configs`, or a released config: no weights are read)."""
     from loraflow.ops.buckets import vae_geometry
 
@@ -398,10 +455,12 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
     latent = geometry.shape(frames, height, width)
     val_height, val_width = config.validation_size
     val_frames = config.validation_num_video_frames or family.flavour.num_frames
-    return [vae_encode(config, family, configs["vae"], frames, height, width),
-            text_encoders(config, family, configs),
-            training_step(config, family, configs["transformer"], latent, device_type),
-            validation(config, family, configs, geometry.shape(val_frames, val_height, val_width))]
+    run = {"latents": lambda: vae_encode(config, family, configs["vae"], frames, height, width, device_type),
+           "text_embeds": lambda: text_encoders(config, family, configs),
+           "lora": lambda: training_step(config, family, configs["transformer"], latent, device_type),
+           "validation": lambda: validation(config, family, configs,
+                                            geometry.shape(val_frames, val_height, val_width), device_type)}
+    return [run[stage]() for stage in stages]
 
 
 # each switch alone, then together: the settings that lower the training peak, by name as the config takes them
