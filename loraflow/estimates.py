@@ -11,15 +11,17 @@ checkpointing) runs at released size in seconds and allocates nothing. Each numb
   the next is prefetched).
 - optimizer: AdamW's two moments per LoRA parameter, fp32 (8 bytes per parameter) or bf16 with adamw_bf16 (4).
 - activations: the peak of the bytes alive during one fake forward + backward of `ops.train.step_losses` (LoRA
-  gradients included) above the weights, counted by `LiveBytes` from the storages every op returns. With
-  gradient checkpointing diffusers' own checkpointing runs, so the saved block inputs and one block's recompute
-  are what is counted. Attention temporaries are what the SDPA kernel returns (output and log-sum-exp: the
-  memory-efficient kernels keep no N x N matrix).
-- TFLOP: torch's FlopCounterMode over the same fake step (matmuls and convolutions; backward = 2x forward; a
-  checkpointed block's forward is counted again when it is recomputed). The CPU flash-attention kernel that SDPA
-  takes on fake CPU tensors has no formula in the counter: `attention_flops` gives it one, 4 * B * heads * N_q *
-  N_kv * d forward (QK^T and PV, 2 flops per multiply-add) and twice that backward, as the counter's own SDPA
-  formula.
+  gradients and the batch's device copies included), counted by `StepCounter` from the storages every op
+  returns. With gradient checkpointing diffusers' own checkpointing runs, so the saved block inputs and one
+  block's recompute are what is counted. Attention keeps no N x N matrix (flash kernels: output and
+  log-sum-exp); what kernels allocate inside themselves is added by formula where it is large:
+  `attention_workspace` (the backward's fp32 dQ accumulator, and the CPU kernel's tiles) and `conv3d_columns`
+  (the CPU 3D convolution's column buffer; none on CUDA).
+- TFLOP: torch's flop-counter formulas over the same fake step (matmuls and convolutions; backward = 2x forward;
+  a checkpointed block's forward is counted again when it is recomputed). The CPU flash-attention kernel that SDPA
+  takes on fake CPU tensors has no formula in the counter: `attention_flops` gives it the counter's SDPA one,
+  4 * B * heads * N_q * N_kv * d forward (QK^T and PV, 2 flops per multiply-add) and twice that backward.
+  NABLA checkpoints (flex attention at their sparsity) are not modelled yet: their rows say so.
 
 The fake step runs on the CPU: with bf16 autocast where a CUDA run uses it (`ops.train.uses_autocast`), so the
 activation dtypes are those of a GPU run. What is left out is said where it is: allocator rounding and
@@ -318,7 +320,9 @@ def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, transforme
     return call
 
 
-def _not_modelled(stage: str, family: ModelFamily) -> StageEstimate | None:
+def _not_modelled(stage: str, family: ModelFamily, transformer_config: Mapping[str, Any]) -> StageEstimate | None:
+    if transformer_config.get("attention_type") == "nabla":  # Kandinsky 5's 10 s checkpoints (ops/train.py too)
+        return StageEstimate(stage, note="not estimated: NABLA attention (flex, block-sparse) is not modelled yet")
     if family.image_condition_name:
         return StageEstimate(stage, note=f"not estimated for {family.name} {family.flavour.name}: its image "
                                          f"condition ({family.image_condition_name}) is not modelled yet")
@@ -334,7 +338,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
 
     from loraflow.ops.train import uses_autocast
 
-    if (skipped := _not_modelled("lora", family)) is not None:
+    if (skipped := _not_modelled("lora", family, transformer_config)) is not None:
         return skipped
     mode = _fake_mode()
     transformer, lora, weights = _transformer(config, family, transformer_config, mode,
@@ -400,7 +404,7 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
     larger of one no-grad denoise call at the validation size and the VAE decode of its latent."""
     import torch
 
-    if (skipped := _not_modelled("validation", family)) is not None:
+    if (skipped := _not_modelled("validation", family, component_configs["transformer"])) is not None:
         return skipped
     mode = _fake_mode()
     transformer, lora, weights = _transformer(config, family, component_configs["transformer"], mode, "no_change")
