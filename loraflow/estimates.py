@@ -35,7 +35,7 @@ import json
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,11 +73,12 @@ class StageEstimate:
 
 
 # 1. fake models and counting ---------------------------------------------------------------------------------
-def model_class(component_config: Mapping[str, Any], library: str = "diffusers") -> type:
+def model_class(component_config: Mapping[str, Any]) -> type:
     """The class a component's config.json names (`_class_name` for diffusers, `architectures[0]` for
     transformers)."""
-    name = component_config.get("_class_name") or component_config["architectures"][0]
-    return getattr(importlib.import_module(library if "_class_name" in component_config else "transformers"), name)
+    if "_class_name" in component_config:
+        return getattr(importlib.import_module("diffusers"), component_config["_class_name"])
+    return getattr(importlib.import_module("transformers"), component_config["architectures"][0])
 
 
 def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter: Any = None,
@@ -236,13 +237,24 @@ def conv3d_columns(weight: torch.Tensor, out: torch.Tensor) -> int:
     return out.shape[0] * weight[0].numel() * out[0, 0].numel() * weight.element_size()
 
 
+class NotFakeable(Exception):
+    """The model's forward reads tensor values (HunyuanVideo 1.5 tests `torch.all(image_embeds == 0)`), which fake
+    tensors do not have."""
+
+
 def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module,
                   device_type: str = "cuda") -> tuple[int, float]:
     """Run `fn` under the fake `mode`: (peak bytes of the tensors it makes and of the attention backward's
     workspace on `device_type`, `model`'s own tensors not counted; TFLOP)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
     counter = _counter_mode()([*model.parameters(), *model.buffers()], device_type)
-    with mode, counter:
-        fn()
+    try:
+        with mode, counter:
+            fn()
+    except DataDependentOutputException as exc:
+        raise NotFakeable(f"not estimated yet: {type(model).__name__}'s forward reads tensor values ({exc.func}), "
+                          "which fake tensors do not have") from None
     return counter.peak, counter.flops / 1e12
 
 
@@ -293,8 +305,8 @@ def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config
     return transformer, lora, weights
 
 
-def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, transformer_config: Mapping[str, Any],
-                   latent_shape: tuple[int, ...], batch: int, autocast: bool, train: bool) -> Callable[[], None]:
+def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shape: tuple[int, ...], batch: int,
+                   autocast: bool, train: bool) -> Callable[[], None]:
     """One transformer call on zeros of the batch's shapes: training's `step_losses` + backward, or a render's
     no-grad velocity. The batch is made inside, as its device copies are made in a run."""
     import torch
@@ -307,7 +319,8 @@ def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, transforme
     def call() -> None:
         shape = (batch, *latent_shape)
         # collate_text's .to(device) copies the rows into fake tensors: the device copies of a GPU run
-        text = family.collate_text([family.example_text_row(transformer_config, family.max_text_tokens)] * batch,
+        # the model's config: the given one with every default filled in
+        text = family.collate_text([family.example_text_row(transformer.config, family.max_text_tokens)] * batch,
                                    device)
         draws = StepDraws(drop_caption=False, noise=torch.zeros(shape), sigma=torch.full((batch,), 0.5), seed=0)
         micro = MicroBatch(samples=[], x0=torch.zeros(shape), text=text, draws=draws)
@@ -349,9 +362,11 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
         transformer.enable_gradient_checkpointing()
     transformer.train()
     autocast = uses_autocast(config, torch.device(device_type))
-    step = _velocity_call(family, transformer, transformer_config, latent_shape, config.train_batch_size, autocast,
-                          train=True)
-    activations, tflop = measured_step(step, mode, transformer, device_type)
+    step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, train=True)
+    try:
+        activations, tflop = measured_step(step, mode, transformer, device_type)
+    except NotFakeable as exc:
+        return StageEstimate("lora", note=str(exc))
     if config.enable_group_offload:
         weights -= offloaded_bytes(transformer, config, family)
     moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
@@ -387,8 +402,6 @@ def text_encoders(config: LoraflowConfig, family: ModelFamily,
     """The text_embeds stage: the text encoders' weights (the first in `text_encoder_1_precision`: bf16 2 bytes,
     int8 counted as bf16, fp32 4), all on the accelerator at once unless offload_during_startup (then the largest
     alone). Their activations (one prompt, no grad) are left out."""
-    import torch
-
     encoders = [c for c in family.text_components if c in component_configs]
     sizes = []
     for name in encoders:
@@ -408,9 +421,11 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
         return skipped
     mode = _fake_mode()
     transformer, lora, weights = _transformer(config, family, component_configs["transformer"], mode, "no_change")
-    denoise = _velocity_call(family, transformer, component_configs["transformer"], latent_shape, 1, False,
-                             train=False)
-    denoise_peak, tflop = measured_step(denoise, mode, transformer, device_type)
+    denoise = _velocity_call(family, transformer, latent_shape, 1, False, train=False)
+    try:
+        denoise_peak, tflop = measured_step(denoise, mode, transformer, device_type)
+    except NotFakeable as exc:
+        return StageEstimate("validation", note=str(exc))
     vae = fake_model(meta_model(component_configs["vae"], torch.float32), mode)
 
     def decode() -> None:
