@@ -124,6 +124,7 @@ def check(config_path: str) -> int:
     print(f"  total: {sum(b.clips for b in plan.buckets)} clip(s) in {len(plan.buckets)} bucket(s), frames "
           f"{human_bytes(sum(b.frames_bytes for b in plan.buckets))}, latents {human_bytes(latent_total)}"
           + ("" if geometry else " (unknown: no readable vae/config.json)"))
+    print_estimates(config, family, source, plan.buckets)
     if plan.dropped:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d["dataset"], Path(d["file"]).name, d["reason"], d["detail"]) for d in plan.dropped],
@@ -133,6 +134,43 @@ def check(config_path: str) -> int:
         print("\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
     return 0
+
+
+def print_estimates(config: LoraflowConfig, family: ModelFamily, source: ModelSource | None,
+                    buckets: list) -> None:
+    """Estimated accelerator peak and TFLOP per stage for the largest bucket (loraflow/estimates.py: how each is
+    computed), which common cards it fits, and, where training does not fit the user's card, the switches that
+    would, each with its estimate. No weights are read."""
+    from loraflow import estimates
+
+    print("\nestimates (no model loads; loraflow/estimates.py says how each is computed):")
+    if source is None:
+        print("  estimate needs the model's config files: the components' config.json on disk (download the model, "
+              "which the first stage does, or point `pretrained_model_name_or_path` at a local folder)")
+        return
+    if not buckets:
+        print("  nothing to estimate: no clips")
+        return
+    bucket = estimates.largest_bucket(b.bucket for b in buckets)
+    frames, height, width = bucket
+    configs = estimates.component_configs({c: source.folder(c) for c in config.flavour.components})
+    stages = estimates.estimate(config, family, configs, bucket)
+    print(f"  largest bucket {width}x{height}@{frames}, batch {config.train_batch_size}, "
+          f"{family.max_text_tokens} text tokens; GiB peak on the accelerator, TFLOP of one step (lora: forward + "
+          "backward; latents: one clip; validation: one denoise call)")
+    print(table(estimates.estimate_rows(stages),
+                ("stage", "peak GiB", "TFLOP", *(f"{gb}GB" for gb in estimates.CARDS_GB), "note")))
+    card, named = estimates.card_gb(config)
+    lora = next(e for e in stages if e.stage == "lora")
+    if card is None or not lora.parts:
+        return
+    if lora.fits(card):
+        print(f"  training fits {card:.3g} GB ({named}): {lora.peak_gib:.3g} GiB")
+        return
+    print(f"  training needs {lora.peak_gib:.3g} GiB; {card:.3g} GB ({named}) is short. Switches, each with its "
+          "estimated peak (smaller buckets: `resolution` of the dataset):")
+    for label, changed in estimates.switches(config, family, configs, bucket):
+        print(f"    {label:<40} {changed.peak_gib:.3g} GiB {'fits' if changed.fits(card) else 'does not fit'}")
 
 
 def model_problems(config: LoraflowConfig, family: ModelFamily) -> tuple[list[str], ModelSource | None,

@@ -175,6 +175,10 @@ class LoraflowConfig(GuideFeatures):
     enable_group_offload: bool = setting(
         False, run_key="never", description="keep transformer blocks on the CPU, each moved to the GPU only for its "
         "forward (diffusers group offloading); LoRA stays on the GPU")
+    gpu_memory_gb: float | None = setting(
+        None, run_key="never", gt=0, description="memory of the GPU this config must fit, in GB (counted as GiB): "
+        "`loraflow check` names the switches that would make training fit it; default: the CUDA GPU of the machine "
+        "running check, if any")
     group_offload_type: Literal["block_level", "leaf_level"] = setting("block_level", run_key="never")
     group_offload_blocks_per_group: int = setting(
         1, run_key="never", ge=1, description="block_level: blocks moved together")

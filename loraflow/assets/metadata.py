@@ -18,7 +18,9 @@ from PIL import Image
 IMAGE_TYPES = {".png": "image/png", ".webp": "image/webp"}  # the files md_image embeds
 
 if TYPE_CHECKING:
+    from loraflow.config import LoraflowConfig
     from loraflow.ops.report import StageReport
+    from loraflow.store import Store
 
 
 def counts(report: StageReport) -> dict[str, Any]:
@@ -70,3 +72,20 @@ def loss_words(history: list[dict[str, Any]]) -> str:
         return "no steps"
     first, last = history[0], history[-1]
     return f"{first['loss']:.4g} at step {first['step']} → {last['loss']:.4g} at step {last['step']}"
+
+
+def estimated_peak(config: LoraflowConfig, stage: str, store: Store, device: str,
+                   datasets: list[str] | None = None) -> dict[str, Any]:
+    """The estimate (loraflow/estimates.py) beside a stage's measured `peak_gib`: `est_peak_gib` and its parts in
+    GiB, for the largest bucket of these datasets' clips (None: every dataset) on `device` ("cpu", "cuda:0")."""
+    from loraflow.estimates import GIB, stage_estimate
+    from loraflow.pipelines import get_family
+
+    buckets = {clip["bucket"] for clip in store.read_manifest("clips", parts=datasets)}
+    if not buckets:
+        return {}
+    estimate = stage_estimate(config, get_family(config), stage, buckets, device.split(":")[0])
+    if not estimate.parts:
+        return {"est_peak_gib": estimate.note}
+    return {"est_peak_gib": number(estimate.peak_gib),
+            "est_peak_parts_gib": MetadataValue.json({k: float(f"{v / GIB:.4g}") for k, v in estimate.parts.items()})}

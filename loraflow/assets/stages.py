@@ -81,7 +81,9 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={"dataset": dataset, **md.counts(report), "latents": report.computed + report.reused,
-                  "device": report.device, "peak_gib": report.peak_gib, "quarantined": len(report.quarantined),
+                  "device": report.device, "peak_gib": report.peak_gib,
+                  **md.estimated_peak(config, "latents", store, report.device, [dataset]),
+                  "quarantined": len(report.quarantined),
                   "quarantine": md.md_table(report.quarantined), "oom_fallbacks": md.md_table(report.oom_fallbacks)},
     )
 
@@ -131,7 +133,8 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
     from loraflow.ops.progress_renders import progress_sheet_path
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
-    report = train(context, config, loraflow.config_path, loraflow.store(config))
+    store = loraflow.store(config)
+    report = train(context, config, loraflow.config_path, store)
     sheet = progress_sheet_path(report.run_dir)  # validation_steps: renders during training
     history = [asdict(step) for step in report.history]
     return MaterializeResult(
@@ -140,6 +143,8 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
             **md.counts(report),
             "lora_path": MetadataValue.path(report.lora_path),
             "final_loss": md.number(float("nan") if report.final_loss is None else report.final_loss),
+            "peak_gib": md.number(report.peak_gib),  # CUDA only: 0 on the CPU
+            **md.estimated_peak(config, "lora", store, "cuda" if report.peak_gib else "cpu"),
             "loss": md.loss_words(history),
             "loss_curve": md.md_image(loss_plot(history), "training loss per step"),
             "history": MetadataValue.path(str(Path(report.run_dir) / "history.json")),  # every digit

@@ -217,7 +217,11 @@ def latent_geometry(model: ModelSource | str | Path, family: ModelFamily) -> Lat
     if not path.is_file():
         raise FileNotFoundError(f"no VAE config at {path}: `pretrained_model_name_or_path` must hold a vae/ folder "
                                 "(or `vae_path` name one)")
-    vae = json.loads(path.read_text())
+    return vae_geometry(json.loads(path.read_text()), family)
+
+
+def vae_geometry(vae: dict, family: ModelFamily) -> LatentGeometry:
+    """`latent_geometry` of a VAE config dict."""
     spatial = vae.get("spatial_compression_ratio") or 2 ** (len(vae["block_out_channels"]) - 1)
     return LatentGeometry(channels=int(vae["latent_channels"]), temporal=family.vae_temporal_factor, spatial=int(spatial))
 

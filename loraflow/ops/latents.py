@@ -62,6 +62,16 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
     ]
 
 
+def prepare_vae(vae: torch.nn.Module, config: LoraflowConfig) -> None:
+    """The configured memory features of the VAE (also applied by `loraflow.estimates` to its fake VAE)."""
+    if config.vae_enable_patch_conv:
+        enable_patch_conv(vae)
+    if config.vae_enable_tiling:
+        vae.enable_tiling()
+    if config.vae_enable_slicing:
+        vae.enable_slicing()
+
+
 def encode_latents(
     config: LoraflowConfig, family: ModelFamily, store: Store, shard_clips: int = SHARD_CLIPS,
     datasets: list[str] | None = None, shard: Shard | None = None,
@@ -77,12 +87,7 @@ def encode_latents(
     if todo:
         model = model_source(config)
         vae = load_component(model, "vae", torch.float32, str(device))
-        if config.vae_enable_patch_conv:
-            enable_patch_conv(vae)
-        if config.vae_enable_tiling:
-            vae.enable_tiling()
-        if config.vae_enable_slicing:
-            vae.enable_slicing()
+        prepare_vae(vae, config)
         image = [load_component(model, c, torch.float32, str(device))
                  for c in family.image_condition_components]  # [] or (image encoder, its processor)
         quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling, image,

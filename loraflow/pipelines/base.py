@@ -64,6 +64,10 @@ class ModelFamily(Protocol):
     def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
         """Batch text rows for the transformer (padding, masks)."""
 
+    def example_text_row(self, transformer_config: Mapping[str, Any], n_tokens: int) -> TextRow:
+        """A row of zeros shaped as `encode_text` stores one with `n_tokens` caption tokens, for a transformer of this
+        config: what `loraflow.estimates` feeds a fake training step (no text encoder loads)."""
+
     def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         """Why a clip of this bucket size cannot be trained ("" when it can), known before decoding: Kandinsky 5
         Image i2i's source image at this size gives more vision tokens than its prompt holds; "" elsewhere."""

@@ -196,6 +196,12 @@ class HunyuanVideo15:
         return {"text_embeds": text.to(device), "text_mask": text_mask.to(device),
                 "byt5_embeds": byt5.to(device), "byt5_mask": byt5_mask.to(device)}
 
+    def example_text_row(self, transformer_config: Mapping[str, Any], n_tokens: int) -> TextRow:
+        """A quoted caption's row: the glyph encoder's full GLYPH_TOKENS, all valid."""
+        return {"text_embeds": np.zeros((n_tokens, transformer_config["text_embed_dim"]), np.float32),
+                "byt5_embeds": np.zeros((GLYPH_TOKENS, transformer_config["text_embed_2_dim"]), np.float32),
+                "byt5_mask": np.ones(GLYPH_TOKENS, np.float32)}
+
     def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         return ""  # any bucket size trains
 

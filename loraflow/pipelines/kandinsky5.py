@@ -178,6 +178,10 @@ class Kandinsky5Shared:
             "pooled_embeds": torch.from_numpy(np.stack([r["pooled_embeds"] for r in rows])).to(device),
         }
 
+    def example_text_row(self, transformer_config: Mapping[str, Any], n_tokens: int) -> TextRow:
+        return {"text_embeds": np.zeros((n_tokens, transformer_config["in_text_dim"]), np.float32),
+                "pooled_embeds": np.zeros(transformer_config["in_text_dim2"], np.float32)}
+
     def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         return ""  # any bucket size trains
 

@@ -50,9 +50,13 @@ def test_every_stage_materializes_with_metadata(dag_run) -> None:
     clips = metadata(first, "clips")
     assert clips["computed"] >= 5 and clips["quarantined"] == 0 and clips["dataset"] == "demo-videos"
     assert "data:image/png;base64," in clips["preview"]
-    assert metadata(first, "latents")["computed"] == clips["computed"]
+    latents = metadata(first, "latents")
+    assert latents["computed"] == clips["computed"]
     lora = metadata(first, "lora")
     assert Path(lora["lora_path"]).is_file() and np.isfinite(lora["final_loss"])
+    # the estimate beside the measured peak (tests/test_estimates.py compares them): tiny models, well under 1 GiB
+    for meta, parts in ((latents, {"weights", "activations"}), (lora, {"weights", "lora", "optimizer", "activations"})):
+        assert 0 < meta["est_peak_gib"] < 1 and set(meta["est_peak_parts_gib"]) == parts
     validation = metadata(first, "validation")
     assert Path(validation["video"]).is_file() and "data:image/png;base64," in validation["preview"]
     assert validation["num_frames"] == 9 and (validation["height"], validation["width"]) == (64, 96)

@@ -1,0 +1,530 @@
+"""Peak memory and FLOPs of each stage, before any model loads: what `loraflow check` prints.
+
+Nothing here reads weights. A model is built from its config.json on the meta device (`fake_model`), then every
+tensor it holds is replaced by a FakeTensor of the same shape, dtype and device: ops on fake tensors compute
+shapes only, so the real code (the family's `velocity`, the flow-matching loss, autograd, diffusers' gradient
+checkpointing) runs at released size in seconds and allocates nothing. Each number is then computed so:
+
+- weights, LoRA: the bytes of the fake model's own tensors, in the configured precision (`_keep_in_fp32_modules`
+  stay fp32, as from_pretrained keeps them; fp8-layerwise stores the layers diffusers casts in 1 byte); group
+  offloading keeps only the non-block modules and the groups on the accelerator (one group, two with streams:
+  the next is prefetched).
+- optimizer: AdamW's two moments per LoRA parameter, fp32 (8 bytes per parameter) or bf16 with adamw_bf16 (4).
+- activations: the peak of the bytes alive during one fake forward + backward of `ops.train.step_losses` (LoRA
+  gradients and the batch's device copies included), counted by `StepCounter` from the storages every op
+  returns. With gradient checkpointing diffusers' own checkpointing runs, so the saved block inputs and one
+  block's recompute are what is counted. Attention keeps no N x N matrix (flash kernels: output and
+  log-sum-exp); what kernels allocate inside themselves is added by formula where it is large:
+  `attention_workspace` (the backward's fp32 dQ accumulator, and the CPU kernel's tiles) and `conv3d_columns`
+  (the CPU 3D convolution's column buffer; none on CUDA).
+- TFLOP: torch's flop-counter formulas over the same fake step (matmuls and convolutions; backward = 2x forward;
+  a checkpointed block's forward is counted again when it is recomputed). The CPU flash-attention kernel that SDPA
+  takes on fake CPU tensors has no formula in the counter: `attention_flops` gives it the counter's SDPA one,
+  4 * B * heads * N_q * N_kv * d forward (QK^T and PV, 2 flops per multiply-add) and twice that backward.
+  NABLA checkpoints (flex attention at their sparsity) are not modelled yet: their rows say so.
+
+The fake step runs on the CPU: with bf16 autocast where a CUDA run uses it (`ops.train.uses_autocast`), so the
+activation dtypes are those of a GPU run. What is left out is said where it is: allocator rounding and
+fragmentation (CUDA rounds to 512 bytes), CUDA/cuDNN workspaces and the CUDA context (about 0.5 GiB per process).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from loraflow.config import LoraflowConfig
+    from loraflow.pipelines.base import ModelFamily
+
+GIB = 2**30
+CARDS_GB = (16, 24, 32, 48, 80, 141)  # common accelerator sizes; a card's "GB" is counted as GiB here
+STAGES = ("latents", "text_embeds", "lora", "validation")
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One stage's estimated accelerator peak, by what holds the bytes, and the TFLOP of one step (None: not
+    estimated). `note` says what the number leaves out."""
+
+    stage: str
+    parts: dict[str, int] = field(default_factory=dict)
+    tflop: float | None = None
+    note: str = ""
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    def fits(self, card_gb: float) -> bool:
+        return self.peak_bytes <= card_gb * GIB
+
+
+# 1. fake models and counting ---------------------------------------------------------------------------------
+def model_class(component_config: Mapping[str, Any]) -> type:
+    """The class a component's config.json names (`_class_name` for diffusers, `architectures[0]` for
+    transformers)."""
+    if "_class_name" in component_config:
+        return getattr(importlib.import_module("diffusers"), component_config["_class_name"])
+    return getattr(importlib.import_module("transformers"), component_config["architectures"][0])
+
+
+def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter: Any = None,
+               fp8: bool = False) -> torch.nn.Module:
+    """The component built from its config on the meta device (no memory) as training loads it: in `dtype` with its
+    `_keep_in_fp32_modules` kept fp32 (what from_pretrained does), `fp8`: diffusers' layerwise casting to
+    float8_e4m3fn storage, then `adapter` (a peft LoraConfig) with fp32 LoRA weights."""
+    import torch
+
+    cls = model_class(component_config)
+    config = {k: v for k, v in component_config.items() if not k.startswith("_")}
+    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    with torch.device("meta"):
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
+        for module_name, module in model.named_modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.is_floating_point() and not keep & set(module_name.split(".")):
+                    module._parameters[name] = torch.nn.Parameter(p.to(dtype), requires_grad=False)
+        if fp8:
+            model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        if adapter is not None:
+            model.add_adapter(adapter)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+    return model
+
+
+def fake_model(model: torch.nn.Module, mode: Any, device: str = "cpu") -> torch.nn.Module:
+    """`model` (a `meta_model`) with each parameter, buffer and plain tensor attribute (Kandinsky 5 keeps its time
+    frequencies as one) replaced by a fake tensor of its shape and dtype on `device`, frozen: ops on it run the
+    real code at no memory. (peft cannot add an adapter to a model built under FakeTensorMode, hence the meta step;
+    nor can a module be moved or cast there, so layerwise casting is counted on the meta model only.)"""
+    import torch
+
+    with mode:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                                  requires_grad=False)
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            for name, t in list(vars(module).items()):
+                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                    setattr(module, name, torch.empty(t.shape, dtype=t.dtype, device=device))
+    return model
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of distinct storages (a tied weight counts once)."""
+    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())
+
+
+def _counter_mode() -> type:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+    formulas = {**flop_registry, **{op: shape_wrapper(f) for op, f in attention_flops().items()}}
+    attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    convolution = torch.ops.aten.convolution
+
+    class StepCounter(TorchDispatchMode):
+        """Bytes of the storages alive now and at most, from every storage an op returns (each counted once,
+        uncounted when it is freed), and the FLOPs of every op torch's flop counter has a formula for. Works on
+        real and fake tensors alike: what the allocator would hold, without its rounding. `existing` tensors (the
+        model's) are never counted, not even when an op returns a view of them (a weight's transpose in every
+        linear). (FlopCounterMode itself is not used: its module hooks keep recomputed activations alive under
+        gradient checkpointing, which would be counted.)"""
+
+        def __init__(self, existing: Iterable[Any] = (), device_type: str = "cuda") -> None:
+            super().__init__()
+            self.device_type = device_type
+            # keyed by the C storage: views (and fake tensors' storage objects) share it
+            self.live: dict[int, int] = {t.untyped_storage()._cdata: 0 for t in existing}
+            self.current = self.peak = self.flops = 0
+
+        def track(self, t: Any) -> None:
+            if not hasattr(t, "untyped_storage"):
+                return
+            storage = t.untyped_storage()
+            if storage._cdata in self.live:
+                return
+            self.live[storage._cdata] = n = storage.nbytes()
+            self.current += n
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, storage._cdata)
+
+        def _free(self, key: int) -> None:
+            self.current -= self.live.pop(key)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            kwargs = kwargs or {}
+            if func._overloadpacket is attention_backward:  # its workspace lives while it runs
+                self.peak = max(self.peak, self.current + attention_workspace(args[1], args[2], self.device_type))
+            out = func(*args, **kwargs)
+            if func._overloadpacket in formulas:
+                self.flops += formulas[func._overloadpacket](*args, **kwargs, out_val=out)
+            for t in tree_flatten(out)[0]:
+                self.track(t)
+            if func._overloadpacket is convolution and self.device_type == "cpu":  # beside its output
+                self.peak = max(self.peak, self.current + conv3d_columns(args[1], out))
+            return out
+
+    return StepCounter
+
+
+def attention_flops() -> dict:
+    """Formulas for the CPU flash-attention kernel that SDPA takes on (fake) CPU tensors, which torch's flop counter
+    lacks: its own SDPA formulas, 4 * B * H * N_q * N_kv * d forward (two batched matmuls, 2 flops per
+    multiply-add) and 2x that backward (four matmuls plus the recomputed scores)."""
+    import torch
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001 (shapes)
+        return sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001 (shapes)
+        return sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+
+
+def attention_workspace(query: torch.Tensor, key: torch.Tensor, device_type: str) -> int:
+    """Bytes an attention backward allocates inside itself, which no op returns. Both FlashAttention-2 on CUDA
+    (`dq_accum`) and torch's CPU flash kernel accumulate dQ in an fp32 buffer of the query's shape (B, H, N_q, d):
+    4 * B * H * N_q * d. The CPU kernel adds per thread two fp32 tiles (scores and their gradient) of
+    q_split x kv_split, q_split = 256 / 64 / 32 for N_q >= 768 / >= 192 / less and kv_split = min(512, N_kv) (the
+    split sizes aten's dispatcher passes it). Measured against the CPU allocator (fp32, 1 and 2 threads, N_q from
+    100 to 4096, N_q != N_kv): exact to 128 bytes; bf16 inputs take about 8% more (reduced-precision copies,
+    left out)."""
+    import torch
+
+    batch, heads, n_q, dim = query.shape
+    workspace = 4 * batch * heads * n_q * dim
+    if device_type == "cpu":
+        q_split = 256 if n_q >= 768 else 64 if n_q >= 192 else 32
+        workspace += torch.get_num_threads() * 2 * min(q_split, n_q) * min(512, key.shape[2]) * 4
+    return workspace
+
+
+def conv3d_columns(weight: torch.Tensor, out: torch.Tensor) -> int:
+    """Bytes of the column buffer torch's CPU 3D convolution (slow_conv3d) unfolds its input into, which no op
+    returns: B * (C_in / groups) * kT * kH * kW * output voxels, in the input's dtype (measured: exact against the
+    CPU allocator). 0 for 2D convolutions and on CUDA, where cuDNN keeps its workspace within its own limit (left
+    out)."""
+    if weight.dim() != 5:
+        return 0
+    return out.shape[0] * weight[0].numel() * out[0, 0].numel() * weight.element_size()
+
+
+class NotFakeable(Exception):
+    """The model's forward reads tensor values (HunyuanVideo 1.5 tests `torch.all(image_embeds == 0)`), which fake
+    tensors do not have."""
+
+
+def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module,
+                  device_type: str = "cuda") -> tuple[int, float]:
+    """Run `fn` under the fake `mode`: (peak bytes of the tensors it makes and of the attention backward's
+    workspace on `device_type`, `model`'s own tensors not counted; TFLOP)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    counter = _counter_mode()([*model.parameters(), *model.buffers()], device_type)
+    try:
+        with mode, counter:
+            fn()
+    except DataDependentOutputException as exc:
+        raise NotFakeable(f"not estimated yet: {type(model).__name__}'s forward reads tensor values ({exc.func}), "
+                          "which fake tensors do not have") from None
+    return counter.peak, counter.flops / 1e12
+
+
+# 2. the stages -----------------------------------------------------------------------------------------------
+def _fake_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Real CPU tensors made by the code under test (torch.from_numpy in collate_text) become fake constants.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _dtype(precision: str) -> torch.dtype:
+    import torch
+
+    return torch.float32 if precision in ("no_change", "fp32") else torch.bfloat16
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """The frozen weights and buffers (not the LoRA)."""
+    return tensor_bytes([p for n, p in model.named_parameters() if "lora_" not in n] + list(model.buffers()))
+
+
+def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> int:
+    """Frozen block weights group offloading keeps off the accelerator. block_level: all but the group computing
+    now and, with streams, the next one (prefetched); leaf_level: every block but one leaf at a time, counted as
+    one block. The LoRA stays resident (`ops.train.Trainable`)."""
+    blocks = list(getattr(transformer, family.tread_layout.blocks))
+    per_block = [weights_bytes(b) for b in blocks]
+    group = config.group_offload_blocks_per_group if config.group_offload_type == "block_level" else 1
+    resident = group * (2 if config.group_offload_use_stream else 1)
+    return sum(per_block) - sum(sorted(per_block, reverse=True)[:resident])
+
+
+def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
+                 precision: str) -> tuple[torch.nn.Module, list, int]:
+    """The fake transformer as `ops.train.load_transformer` prepares it (precision, fp32 LoRA), its LoRA parameters,
+    and the bytes of its frozen weights. fp8-layerwise computes as bf16 does: the fake model is bf16, its weights
+    are counted on a meta model with layerwise casting (1 byte each where diffusers casts); int8 weight-only is
+    counted the same way (its per-channel scales are left out)."""
+    from peft import LoraConfig
+
+    adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank,
+                         target_modules=family.lora_targets(config.lora_include_ffn))
+    one_byte = precision in ("fp8-layerwise", "int8-torchao", "int8-quanto")
+    transformer = fake_model(meta_model(transformer_config, _dtype(precision), adapter), mode)
+    weights = weights_bytes(meta_model(transformer_config, _dtype(precision), fp8=True) if one_byte else transformer)
+    lora = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    return transformer, lora, weights
+
+
+def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shape: tuple[int, ...], batch: int,
+                   autocast: bool, train: bool) -> Callable[[], None]:
+    """One transformer call on zeros of the batch's shapes: training's `step_losses` + backward, or a render's
+    no-grad velocity. The batch is made inside, as its device copies are made in a run."""
+    import torch
+
+    from loraflow.ops.train import step_losses
+    from loraflow.ops.train_data import MicroBatch, StepDraws
+
+    device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
+
+    def call() -> None:
+        shape = (batch, *latent_shape)
+        # collate_text's .to(device) copies the rows into fake tensors: the device copies of a GPU run
+        # the model's config: the given one with every default filled in
+        text = family.collate_text([family.example_text_row(transformer.config, family.max_text_tokens)] * batch,
+                                   device)
+        draws = StepDraws(drop_caption=False, noise=torch.zeros(shape), sigma=torch.full((batch,), 0.5), seed=0)
+        micro = MicroBatch(samples=[], x0=torch.zeros(shape), text=text, draws=draws)
+        if train:
+            step_losses(transformer, family, micro, device, autocast)[0].backward()
+            return
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            family.velocity(transformer, micro.x0, draws.sigma, text)
+
+    return call
+
+
+def _not_modelled(stage: str, family: ModelFamily, transformer_config: Mapping[str, Any]) -> StageEstimate | None:
+    if transformer_config.get("attention_type") == "nabla":  # Kandinsky 5's 10 s checkpoints (ops/train.py too)
+        return StageEstimate(stage, note="not estimated: NABLA attention (flex, block-sparse) is not modelled yet")
+    if family.image_condition_name:
+        return StageEstimate(stage, note=f"not estimated for {family.name} {family.flavour.name}: its image "
+                                         f"condition ({family.image_condition_name}) is not modelled yet")
+    return None
+
+
+def training_step(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
+                  latent_shape: tuple[int, int, int, int], device_type: str = "cuda") -> StageEstimate:
+    """One optimizer step of the lora stage at the largest bucket's latent (C, T, h, w), `train_batch_size` samples,
+    `max_text_tokens` caption tokens (the longest a caption can be), on a `device_type` accelerator:
+    weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included)."""
+    import torch
+
+    from loraflow.ops.train import uses_autocast
+
+    if (skipped := _not_modelled("lora", family, transformer_config)) is not None:
+        return skipped
+    mode = _fake_mode()
+    transformer, lora, weights = _transformer(config, family, transformer_config, mode,
+                                              config.base_model_precision)
+    for p in lora:
+        p.requires_grad_(True)
+    if config.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    transformer.train()
+    autocast = uses_autocast(config, torch.device(device_type))
+    step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, train=True)
+    try:
+        activations, tflop = measured_step(step, mode, transformer, device_type)
+    except NotFakeable as exc:
+        return StageEstimate("lora", note=str(exc))
+    if config.enable_group_offload:
+        weights -= offloaded_bytes(transformer, config, family)
+    moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
+    return StageEstimate("lora", {"weights": weights, "lora": tensor_bytes(lora), "optimizer": moments,
+                                  "activations": activations}, tflop)
+
+
+def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[str, Any],
+               frames: int, height: int, width: int, device_type: str = "cuda") -> StageEstimate:
+    """The latents stage encoding one clip of the largest bucket: fp32 VAE weights + the peak of a fake
+    no-grad `family.vae_encode` with the configured patch conv / tiling / slicing (`ops.latents.prepare_vae`)."""
+    import torch
+
+    from loraflow.ops.latents import prepare_vae
+
+    mode = _fake_mode()
+    vae = fake_model(meta_model(vae_config, torch.float32), mode)
+    prepare_vae(vae, config)
+
+    def encode() -> None:
+        with torch.no_grad():
+            family.vae_encode(vae, torch.zeros((1, frames, height, width, 3), dtype=torch.uint8),
+                              config.latent_sampling)
+
+    activations, tflop = measured_step(encode, mode, vae, device_type)
+    note = "" if not family.image_condition_components else \
+        f"{', '.join(family.image_condition_components)} left out"
+    return StageEstimate("latents", {"weights": weights_bytes(vae), "activations": activations}, tflop, note)
+
+
+def text_encoders(config: LoraflowConfig, family: ModelFamily,
+                  component_configs: Mapping[str, Mapping[str, Any]]) -> StageEstimate:
+    """The text_embeds stage: the text encoders' weights (the first in `text_encoder_1_precision`: bf16 2 bytes,
+    int8 counted as bf16, fp32 4), all on the accelerator at once unless offload_during_startup (then the largest
+    alone). Their activations (one prompt, no grad) are left out."""
+    encoders = [c for c in family.text_components if c in component_configs]
+    sizes = []
+    for name in encoders:
+        precision = config.text_encoder_1_precision if name == "text_encoder" else "fp32"
+        sizes.append(weights_bytes(meta_model(component_configs[name], _dtype(precision))))
+    weights = max(sizes, default=0) if config.offload_during_startup else sum(sizes)
+    return StageEstimate("text_embeds", {"weights": weights}, None, "weights only")
+
+
+def validation(config: LoraflowConfig, family: ModelFamily, component_configs: Mapping[str, Mapping[str, Any]],
+               latent_shape: tuple[int, int, int, int], device_type: str = "cuda") -> StageEstimate:
+    """One validation render: the fp32 transformer with its LoRA and the VAE (as `load_renderer` loads them) + the
+    larger of one no-grad denoise call at the validation size and the VAE decode of its latent."""
+    import torch
+
+    if (skipped := _not_modelled("validation", family, component_configs["transformer"])) is not None:
+        return skipped
+    mode = _fake_mode()
+    transformer, lora, weights = _transformer(config, family, component_configs["transformer"], mode, "no_change")
+    denoise = _velocity_call(family, transformer, latent_shape, 1, False, train=False)
+    try:
+        denoise_peak, tflop = measured_step(denoise, mode, transformer, device_type)
+    except NotFakeable as exc:
+        return StageEstimate("validation", note=str(exc))
+    vae = fake_model(meta_model(component_configs["vae"], torch.float32), mode)
+
+    def decode() -> None:
+        with torch.no_grad():
+            vae.decode(torch.zeros((1, *latent_shape)))
+
+    decode_peak, _ = measured_step(decode, mode, vae, device_type)
+    return StageEstimate("validation", {"weights": weights + weights_bytes(vae), "lora": tensor_bytes(lora),
+                                        "activations": max(denoise_peak, decode_peak)}, tflop)
+
+
+# 3. a config's table, and what would make it fit ------------------------------------------------------------
+def component_configs(folders: Mapping[str, Path]) -> dict[str, dict]:
+    """Each model component's config.json (tokenizers and schedulers have none), read from its folder."""
+    files = {name: Path(folder) / "config.json" for name, folder in folders.items()}
+    return {name: json.loads(f.read_text()) for name, f in files.items() if f.is_file()}
+
+
+def largest_bucket(labels: Iterable[str]) -> tuple[int, int, int]:
+    """(frames, height, width) of the largest of these bucket labels (WIDTHxHEIGHT@FRAMES, `ops.buckets`)."""
+    sizes = [tuple(int(n) for n in label.replace("@", "x").split("x")) for label in labels]
+    width, height, frames = max(sizes, key=lambda s: s[0] * s[1] * s[2])
+    return frames, height, width
+
+
+def stage_estimate(config: LoraflowConfig, family: ModelFamily, stage: str, buckets: Iterable[str],
+                   device_type: str) -> StageEstimate:
+    """One stage's estimate for the model on disk and these buckets: what the `latents` and `lora` assets show
+    beside the peak they measured."""
+    from loraflow.pipelines.sources import model_source
+
+    source = model_source(config, download=False)
+    configs = component_configs({c: source.folder(c) for c in config.flavour.components})
+    return next(e for e in estimate(config, family, configs, largest_bucket(buckets), device_type, (stage,)))
+
+
+def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, Mapping[str, Any]],
+             bucket: tuple[int, int, int], device_type: str = "cuda",
+             stages: tuple[str, ...] = STAGES) -> list[StageEstimate]:
+    """`stages` for the config's largest bucket (frames, height, width) and its validation size, from the
+    components' config dicts only (`component_configs`, or a released config: no weights are read)."""
+    from loraflow.ops.buckets import vae_geometry
+
+    frames, height, width = bucket
+    geometry = vae_geometry(dict(configs["vae"]), family)
+    latent = geometry.shape(frames, height, width)
+    val_height, val_width = config.validation_size
+    val_frames = config.validation_num_video_frames or family.flavour.num_frames
+    run = {"latents": lambda: vae_encode(config, family, configs["vae"], frames, height, width, device_type),
+           "text_embeds": lambda: text_encoders(config, family, configs),
+           "lora": lambda: training_step(config, family, configs["transformer"], latent, device_type),
+           "validation": lambda: validation(config, family, configs,
+                                            geometry.shape(val_frames, val_height, val_width), device_type)}
+    return [run[stage]() for stage in stages]
+
+
+# each switch alone, then together: the settings that lower the training peak, by name as the config takes them
+SWITCHES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("gradient_checkpointing: true", {"gradient_checkpointing": True}),
+    ("base_model_precision: fp8-layerwise", {"base_model_precision": "fp8-layerwise"}),
+    ("enable_group_offload: true", {"enable_group_offload": True}),
+    ("optimizer: adamw_bf16", {"optimizer": "adamw_bf16"}),
+    ("train_batch_size: 1", {"train_batch_size": 1}),
+)
+
+
+def switches(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, Mapping[str, Any]],
+             bucket: tuple[int, int, int], device_type: str = "cuda") -> list[tuple[str, StageEstimate]]:
+    """The training estimate with each switch the config does not use yet, then with all of them."""
+    from loraflow.ops.buckets import vae_geometry
+
+    latent = vae_geometry(dict(configs["vae"]), family).shape(*bucket)
+    unused = [(label, change) for label, change in SWITCHES
+              if any(getattr(config, k) != v for k, v in change.items())]
+    if len(unused) > 1:
+        unused.append(("all of the above", {k: v for _, change in unused for k, v in change.items()}))
+    return [(label, training_step(config.model_copy(update=change), family, configs["transformer"], latent,
+                                  device_type)) for label, change in unused]
+
+
+def card_gb(config: LoraflowConfig) -> tuple[float | None, str]:
+    """The accelerator to fit: `gpu_memory_gb`, else the CUDA GPU this machine has, else none."""
+    if config.gpu_memory_gb is not None:
+        return config.gpu_memory_gb, "gpu_memory_gb"
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GIB, props.name
+    return None, ""
+
+
+def estimate_rows(estimates: list[StageEstimate]) -> list[tuple[str, ...]]:
+    """`loraflow check`'s table: stage, peak GiB, TFLOP, then ✓/✗ per card of CARDS_GB."""
+    rows = []
+    for e in estimates:
+        if not e.parts:
+            rows.append((e.stage, "-", "-", *("-" for _ in CARDS_GB), e.note))
+            continue
+        tflop = "-" if e.tflop is None else f"{e.tflop:.4g}"
+        rows.append((e.stage, f"{e.peak_gib:.3g}", tflop, *("✓" if e.fits(gb) else "✗" for gb in CARDS_GB), e.note))
+    return rows
