@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
+from loraflow.pipelines.sources import HubUnreachable
 
 if TYPE_CHECKING:
     from loraflow.ops.buckets import LatentGeometry
@@ -251,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # every problem, each naming its key: no traceback for a bad config
         print(exc, file=sys.stderr)
         return 2
+    except HubUnreachable as exc:  # no network: what to do instead, no traceback from inside huggingface_hub
+        print(f"loraflow {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
