@@ -15,7 +15,7 @@ from loraflow.pipelines.sources import HubUnreachable
 
 if TYPE_CHECKING:
     from loraflow.ops.buckets import LatentGeometry
-    from loraflow.pipelines.base import ModelFamily
+    from loraflow.pipelines import FamilyPlan
     from loraflow.pipelines.sources import ModelSource
 
 DEMO_CONFIG = "configs/demo.yaml"
@@ -108,12 +108,12 @@ def check(config_path: str) -> int:
     """Validate the config (every problem at once), say where each model component is and what a run would
     download, then plan buckets without loading a model."""
     from loraflow.ops.bucket_plan import human_bytes, plan_buckets
-    from loraflow.pipelines import get_family
+    from loraflow.pipelines import plan_family
 
     config = load_config(config_path)
     print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
           f"{len(config.training_datasets)} training dataset(s))")
-    family = get_family(config)
+    family = plan_family(config)
     problems, source, geometry = model_problems(config, family)
     plan = plan_buckets(config, family, geometry, source)
     problems += plan.problems
@@ -136,14 +136,13 @@ def check(config_path: str) -> int:
     return 0
 
 
-def model_problems(config: LoraflowConfig, family: ModelFamily) -> tuple[list[str], ModelSource | None,
+def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str], ModelSource | None,
                                                                           LatentGeometry | None]:
     """Print a table of the model's components (where, cached or not, size, what a run downloads) and return the
     problems, the model when it is on disk, and its VAE geometry (None: unknown until downloaded)."""
     from loraflow.ops.bucket_plan import human_bytes
     from loraflow.ops.buckets import latent_geometry
-    from loraflow.pipelines.base import check_layout
-    from loraflow.pipelines.sources import component_status, model_source
+    from loraflow.pipelines.sources import check_layout, component_status, model_source
 
     try:
         statuses = component_status(config)

@@ -8,11 +8,14 @@ builder live in `SPEC.module`, imported only when a stage needs them. docs/famil
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from loraflow.pipelines.base import ModelFamily
     from loraflow.pipelines.flavours import FamilySpec, Flavour
+    from loraflow.pipelines.sources import ModelSource
 
 
 class FamilyChoice(Protocol):
@@ -77,3 +80,37 @@ def load_family(name: str, flavour: str | None = None) -> ModelFamily:
 def get_family(config: FamilyChoice) -> ModelFamily:
     """The family object for a config, bound to its flavour (the family's default when unset)."""
     return load_family(config.model_family, config.model_flavour)
+
+
+@dataclass(frozen=True)
+class FamilyPlan:
+    """What planning asks of a family (the clips stage, bucket plans, `loraflow check`), answered from its plain
+    `SPEC`: torch and diffusers stay unimported (importing them took 6-7 s, ten times the clips stage's own work).
+    The family object (`get_family`) answers the same questions."""
+
+    spec: FamilySpec
+    flavour: Flavour
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def spatial_multiple(self) -> int:
+        return self.spec.spatial_multiple
+
+    @property
+    def vae_temporal_factor(self) -> int:
+        return self.spec.vae_temporal_factor
+
+    def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
+        """`ModelFamily.size_problem`, from the family module only for the flavours whose spec says it checks."""
+        if self.flavour.name not in self.spec.size_checked:
+            return ""
+        return load_family(self.spec.name, self.flavour.name).size_problem(model, height, width)
+
+
+def plan_family(config: FamilyChoice) -> FamilyPlan:
+    """The planning side of a config's family, bound to its flavour; imports no model code."""
+    spec = family_spec(config.model_family)
+    return FamilyPlan(spec, spec.flavour(config.model_flavour))

@@ -29,6 +29,8 @@ SPEC = FamilySpec(
     flavours=(_flavour("t2v-480p", 5.0), _flavour("t2v-720p", 9.0), _flavour("i2v-480p", 5.0),
               _flavour("i2v-720p", 7.0)),
     default_flavour="t2v-480p",
+    spatial_multiple=16,  # VAE 16x, patch 1
+    vae_temporal_factor=4,
     module="loraflow.pipelines.hunyuanvideo15",
     simpletuner_names=("hunyuanvideo", "hunyuanvideo-1.5"),
 )

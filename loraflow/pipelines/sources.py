@@ -14,13 +14,14 @@ re-encodes anything and a new revision always does.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from loraflow.keys import content_key, directory_fingerprint
 from loraflow.pipelines.flavours import Flavour
@@ -317,3 +318,25 @@ def _files(folder: Path) -> list[Path]:
 
 def _relative_files(root: Path) -> list[str]:
     return [f.relative_to(root).as_posix() for f in _files(root)]
+
+
+def model_index(model: ModelSource | str | Path) -> dict[str, Any]:
+    index = as_source(model).root / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"{model} is not a diffusers checkpoint folder (no model_index.json). Point "
+            "`pretrained_model_name_or_path` at a local folder laid out like the Hugging Face repo, or at the repo's id."
+        )
+    return json.loads(index.read_text())
+
+
+def check_layout(model: ModelSource | str | Path, flavour: Flavour) -> None:
+    """Fail early, naming what is missing, when a checkpoint does not hold what the flavour needs."""
+    source = as_source(model)
+    index = model_index(source)
+    missing = [c for c in flavour.components if not source.folder(c).is_dir() or index.get(c, [None])[0] is None]
+    if missing:
+        raise FileNotFoundError(
+            f"{source} lacks component(s) {', '.join(missing)} that flavour '{flavour.name}' needs "
+            f"(expected sub-folders: {', '.join(flavour.components)})"
+        )

@@ -22,9 +22,9 @@ from loraflow.config import ConfigError, parse_config
 from loraflow.keys import content_key, directory_fingerprint
 from loraflow.ops.bucket_plan import human_bytes
 from loraflow.ops.latents import latent_rows
-from loraflow.pipelines.base import check_layout, component_fingerprint, load_component
+from loraflow.pipelines.base import component_fingerprint, load_component
 from loraflow.pipelines import family_flavour
-from loraflow.pipelines.sources import layout_problem, model_source
+from loraflow.pipelines.sources import check_layout, layout_problem, model_source
 from tests.conftest import REPO, hf_cache_snapshot, write_config
 
 K5 = "kandinsky5-video"
