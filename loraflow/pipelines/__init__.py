@@ -109,6 +109,26 @@ class FamilyPlan:
             return ""
         return load_family(self.spec.name, self.flavour.name).size_problem(model, height, width)
 
+    def validation_size_problem(self, model: ModelSource | None, height: int, width: int) -> str:
+        """Why validation cannot render at (height, width) ("" when it can, or cannot tell yet): a size off the
+        spatial multiple, or one the flavour's pipeline would silently replace by its own (`FamilySpec.render_size`;
+        `model` None: no checkpoint to ask yet)."""
+        multiple, asked = self.spatial_multiple, f"`validation_resolution` {width}x{height}"
+        if height % multiple or width % multiple:
+            near = f"{nearest_multiple(width, multiple)}x{nearest_multiple(height, multiple)}"
+            return f"{asked}: {self.name} needs multiples of {multiple} (VAE x patch); use {near}"
+        rendered = model and self.spec.render_size and self.spec.render_size(self.flavour, model, height, width)
+        if rendered and rendered != (height, width):
+            return (f"{asked}: {self.name} {self.flavour.name} renders at its size bucket {rendered[1]}x{rendered[0]} "
+                    "(WxH) for that aspect; set validation_resolution to it, or leave it out (default: the bucket of "
+                    "the image validation renders from)")
+        return ""
+
+
+def nearest_multiple(value: int, multiple: int) -> int:
+    """The size in multiples of `multiple` nearest `value` (one multiple at least)."""
+    return max(multiple, round(value / multiple) * multiple)
+
 
 def plan_family(config: FamilyChoice) -> FamilyPlan:
     """The planning side of a config's family, bound to its flavour; imports no model code."""
