@@ -108,9 +108,9 @@ def validation_size(config: LoraflowConfig, family: ModelFamily, store: Store | 
     """(height, width): `validation_resolution`, else 768x512; left out where the pipeline sizes the render from
     its image (`FamilySpec.render_size`), the size it renders the image validation starts from at: a default that
     always renders."""
-    spec = plan_family(config).spec
     if config.validation_size is not None:
         return config.validation_size
+    spec = plan_family(config).spec
     if spec.render_size is None:
         return DEFAULT_VALIDATION_SIZE
     if store is None:
