@@ -1,9 +1,9 @@
 """What `loraflow check` would estimate for the lora stage of released-size transformers, without their weights.
 
-The transformers of benchmarks/gpu_train.py (Kandinsky 5 Video Lite's released config, 2.01B; HunyuanVideo 1.5's
+The transformers of benchmarks/gpu/train.py (Kandinsky 5 Video Lite's released config, 2.01B; HunyuanVideo 1.5's
 diffusers default, the released 8.33B) at its sizes (512x768 and 480x848, 61 frames), batch 1, LoRA rank 16 on the
 family's targets, the family's longest caption, through `loraflow.estimates.training_step` for the variants of
-gpu_train.py that change memory; the seeds' folklore beside them. Estimates only, made on the CPU: gpu_train.py
+gpu/train.py that change memory; the seeds' folklore beside them. Estimates only, made on the CPU: gpu/train.py
 measures the same variants on a GPU (a later issue compares the two). HunyuanVideo 1.5's rows hold the note that
 says why it is not estimated yet (its forward reads tensor values, which fake tensors do not have).
 
@@ -32,7 +32,7 @@ VARIANTS = {
 
 
 def main() -> None:
-    from benchmarks.gpu_train import MODELS
+    from benchmarks.gpu.train import MODELS
     from loraflow import estimates
     from loraflow.config import parse_config
     from loraflow.pipelines import get_family

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
+from loraflow.pipelines.sources import HubUnreachable
 
 if TYPE_CHECKING:
     from loraflow.ops.buckets import LatentGeometry
-    from loraflow.pipelines.base import ModelFamily
+    from loraflow.pipelines import FamilyPlan
     from loraflow.pipelines.sources import ModelSource
 
 DEMO_CONFIG = "configs/demo.yaml"
@@ -103,17 +104,19 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
                                       enumerate(zip(r, widths))).rstrip() for r in cells)
 
 
-def check(config_path: str) -> int:
+def check(config_path: str, estimate: bool = True) -> int:
     """Validate the config (every problem at once), say where each model component is and what a run would
     download, then plan buckets without loading a model."""
     from loraflow.ops.bucket_plan import human_bytes, plan_buckets
-    from loraflow.pipelines import get_family
+    from loraflow.pipelines import plan_family
 
     config = load_config(config_path)
     print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
           f"{len(config.training_datasets)} training dataset(s))")
-    family = get_family(config)
+    family = plan_family(config)
     problems, source, geometry = model_problems(config, family)
+    if source is not None and config.validation_size is not None:  # a local folder's was checked at load
+        problems += [p for p in [family.validation_size_problem(source, *config.validation_size)] if p]
     plan = plan_buckets(config, family, geometry, source)
     problems += plan.problems
     rows = [(b.dataset, b.bucket, b.clips, human_bytes(b.frames_bytes), human_bytes(b.latent_bytes))
@@ -124,7 +127,8 @@ def check(config_path: str) -> int:
     print(f"  total: {sum(b.clips for b in plan.buckets)} clip(s) in {len(plan.buckets)} bucket(s), frames "
           f"{human_bytes(sum(b.frames_bytes for b in plan.buckets))}, latents {human_bytes(latent_total)}"
           + ("" if geometry else " (unknown: no readable vae/config.json)"))
-    print_estimates(config, family, source, plan.buckets)
+    if estimate:
+        print_estimates(config, source, plan.buckets)
     if plan.dropped:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d["dataset"], Path(d["file"]).name, d["reason"], d["detail"]) for d in plan.dropped],
@@ -136,12 +140,13 @@ def check(config_path: str) -> int:
     return 0
 
 
-def print_estimates(config: LoraflowConfig, family: ModelFamily, source: ModelSource | None,
-                    buckets: list) -> None:
+def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets: list) -> None:
     """Estimated accelerator peak and TFLOP per stage for the largest bucket (loraflow/estimates.py: how each is
     computed), which common cards it fits, and, where training does not fit the user's card, the switches that
-    would, each with its estimate. No weights are read."""
+    would, each with its estimate. No weights are read; torch and the family module are imported here.
+    `check --no-estimates` leaves this out (the plan alone imports no model library)."""
     from loraflow import estimates
+    from loraflow.pipelines import get_family
 
     print("\nestimates (no model loads; loraflow/estimates.py says how each is computed):")
     if source is None:
@@ -151,6 +156,7 @@ def print_estimates(config: LoraflowConfig, family: ModelFamily, source: ModelSo
     if not buckets:
         print("  nothing to estimate: no clips")
         return
+    family = get_family(config)
     bucket = estimates.largest_bucket(b.bucket for b in buckets)
     frames, height, width = bucket
     configs = estimates.component_configs({c: source.folder(c) for c in config.flavour.components})
@@ -173,14 +179,13 @@ def print_estimates(config: LoraflowConfig, family: ModelFamily, source: ModelSo
         print(f"    {label:<40} {changed.peak_gib:.3g} GiB {'fits' if changed.fits(card) else 'does not fit'}")
 
 
-def model_problems(config: LoraflowConfig, family: ModelFamily) -> tuple[list[str], ModelSource | None,
+def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str], ModelSource | None,
                                                                           LatentGeometry | None]:
     """Print a table of the model's components (where, cached or not, size, what a run downloads) and return the
     problems, the model when it is on disk, and its VAE geometry (None: unknown until downloaded)."""
     from loraflow.ops.bucket_plan import human_bytes
     from loraflow.ops.buckets import latent_geometry
-    from loraflow.pipelines.base import check_layout
-    from loraflow.pipelines.sources import component_status, model_source
+    from loraflow.pipelines.sources import check_layout, component_status, model_source
 
     try:
         statuses = component_status(config)
@@ -265,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("config", nargs="?", default=os.environ.get("LORAFLOW_CONFIG", DEMO_CONFIG))
     checker = sub.add_parser("check", help="validate a config, print every problem and the bucket plan; no model loads")
     checker.add_argument("config")
+    checker.add_argument("--no-estimates", action="store_true",
+                         help="leave out the memory/TFLOP estimates (they import torch and take seconds per stage)")
     cacher = sub.add_parser("cache", help="cache one dataset's clips and latents, the latents by N worker processes")
     cacher.add_argument("config")
     cacher.add_argument("--dataset", required=True, help="a training dataset's id")
@@ -290,10 +297,13 @@ def main(argv: list[str] | None = None) -> int:
             return cache(args.config, args.dataset, args.workers, args.shard)
         if args.command == "import-simpletuner":
             return import_simpletuner(args.config_json, args.backend_json, args.output)
-        return check(args.config)
+        return check(args.config, estimate=not args.no_estimates)
     except ConfigError as exc:  # every problem, each naming its key: no traceback for a bad config
         print(exc, file=sys.stderr)
         return 2
+    except HubUnreachable as exc:  # no network: what to do instead, no traceback from inside huggingface_hub
+        print(f"loraflow {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

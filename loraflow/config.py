@@ -119,7 +119,9 @@ class LoraflowConfig(GuideFeatures):
 
     # validation_*: what validation renders, never part of the run (a new prompt re-renders, never retrains)
     validation_prompt: str | None = setting(None, run_key="never")
-    validation_resolution: str = setting("768x512", run_key="never", description="WIDTHxHEIGHT in pixels")
+    validation_resolution: str | None = setting(
+        None, run_key="never", description="WIDTHxHEIGHT in pixels; default 768x512, and where the pipeline sizes "
+        "the render from its image (HunyuanVideo 1.5 i2v) the size it renders the image validation starts from at")
     validation_num_video_frames: int | None = setting(None, run_key="never", description="4k+1; default: the flavour's")
     validation_guidance: float | None = setting(None, run_key="never", description="default: the flavour's")
     validation_flow_shift: float | None = setting(
@@ -232,7 +234,9 @@ class LoraflowConfig(GuideFeatures):
 
     @field_validator("validation_resolution")
     @classmethod
-    def _resolution(cls, v: str) -> str:
+    def _resolution(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         parts = v.lower().split("x")
         if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise ValueError(f"`validation_resolution` must look like 768x512 (WIDTHxHEIGHT); got {v!r}")
@@ -381,6 +385,23 @@ class LoraflowConfig(GuideFeatures):
         return self
 
     @model_validator(mode="after")
+    def _validation_renders(self) -> LoraflowConfig:
+        """A validation size the family cannot render is refused now, not after training; a local checkpoint's
+        configs say the sizes its pipeline renders at (a repository's: `loraflow check`, once it is cached)."""
+        from loraflow.pipelines import plan_family
+        from loraflow.pipelines.sources import ModelSource, is_hub_id
+
+        if self.validation_size is None:
+            return self
+        spec = self.pretrained_model_name_or_path
+        model = None if is_hub_id(spec) else ModelSource(Path(spec), folders=(("vae", Path(self.vae_path)),)
+                                                         if self.vae_path else ())
+        problem = plan_family(self).validation_size_problem(model, *self.validation_size)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _training_memory(self) -> LoraflowConfig:
         if self.group_offload_use_stream and not self.enable_group_offload:
             raise ValueError("`group_offload_use_stream` needs `enable_group_offload: true`; set both or neither")
@@ -438,8 +459,10 @@ class LoraflowConfig(GuideFeatures):
         return self.eval_dataset_id if self.validation_using_datasets else None
 
     @property
-    def validation_size(self) -> tuple[int, int]:
-        """(height, width) in pixels."""
+    def validation_size(self) -> tuple[int, int] | None:
+        """(height, width) in pixels; None: left out (`exchange.render_settings` picks the default)."""
+        if self.validation_resolution is None:
+            return None
         width, height = (int(p) for p in self.validation_resolution.lower().split("x"))
         return height, width
 

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from loraflow.config import DatasetConfig, LoraflowConfig, VideoSettings
-from loraflow.pipelines import family_specs, known_flavour
+from loraflow.pipelines import family_spec, family_specs, known_flavour, nearest_multiple
 from loraflow.pipelines.flavours import NOT_DIFFUSERS
 
 BACKEND_KEYS = ("data_backend_config", "dataset_backend_config")
@@ -95,7 +95,7 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
         elif key == "pretrained_model_name_or_path" and value in NOT_DIFFUSERS:
             out.config[key] = _diffusers_repo(value, settings, out)
         elif key == "validation_resolution":
-            out.config[key] = _resolution(value, out)
+            out.config[key] = _resolution(value, settings, out)
         elif key == "lr_scheduler" and value in LR_SCHEDULERS:
             out.config[key] = LR_SCHEDULERS[value]
         elif key == "flow_use_uniform_schedule":
@@ -184,13 +184,23 @@ def _diffusers_repo(value: str, settings: dict[str, Any], out: Imported) -> str:
     return repo
 
 
-def _resolution(value: Any, out: Imported) -> str:
-    """SimpleTuner allows `1024` (square) and comma lists; loraflow validates one WIDTHxHEIGHT."""
+def _resolution(value: Any, settings: dict[str, Any], out: Imported) -> str:
+    """SimpleTuner allows `1024` (square) and comma lists; loraflow validates one WIDTHxHEIGHT, in multiples of the
+    family's spatial multiple (the guides' 854x480 would be refused at load: it becomes 848x480, said in a note)."""
     text = str(value).strip()
     first, *rest = [part.strip() for part in text.split(",")]
     if rest:
         out.skip("validation_resolution", ",".join(rest), "loraflow renders one validation resolution: kept the first")
-    return f"{first}x{first}" if first.isdigit() else first
+    size = f"{first}x{first}" if first.isdigit() else first
+    family = simpletuner_families().get(settings.get("model_family", ""))
+    sides = size.lower().split("x")
+    if family is None or len(sides) != 2 or not all(s.isdigit() for s in sides):
+        return size  # the config's validation names the problem
+    multiple = family_spec(family).spatial_multiple
+    snapped = "x".join(str(nearest_multiple(int(s), multiple)) for s in sides)
+    if snapped != size:
+        out.notes.append(f"validation_resolution {size} became {snapped}: {family} renders multiples of {multiple}")
+    return snapped
 
 
 def _is_media(entry: dict[str, Any]) -> bool:

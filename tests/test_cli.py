@@ -168,8 +168,11 @@ def test_hunyuan_seed_config_round_trips_and_reports_unmapped_keys(
     assert config.model_family == "hunyuanvideo-1.5"
     assert config.pretrained_model_name_or_path == "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"
     for key, value in HV_CONFIG.items():
-        if key not in consumed | unmapped | {"pretrained_model_name_or_path"}:
+        if key not in consumed | unmapped | {"pretrained_model_name_or_path", "validation_resolution"}:
             assert getattr(config, key) == value, key
+    # 854 is no multiple of 16: validation would refuse it, so loading does; the importer takes the nearest
+    assert config.validation_resolution == "848x480"
+    assert "validation_resolution 854x480 became 848x480: hunyuanvideo-1.5 renders multiples of 16" in err
     video, text = config.datasets
     dumped = video.model_dump()
     dumped["video"] = {k: dumped["video"][k] for k in HV_BACKEND[0]["video"]}

@@ -133,16 +133,17 @@ def test_vae_encode_peak_tiny(tiny_k5: Path, demo_data: Path, tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def lite_two_blocks(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Kandinsky 5 Video Lite's released transformer config (benchmarks/gpu_train.py) with 2 visual blocks of its
+    """Kandinsky 5 Video Lite's released transformer config (loraflow/pipelines/released/) with 2 visual blocks of its
     32, random weights written by save_pretrained, in a copy of the tiny checkpoint (its VAE and scheduler)."""
     from diffusers import Kandinsky5Transformer3DModel
 
-    from benchmarks.gpu_train import K5_LITE
+    from loraflow.pipelines.released import released_config
 
     root = tmp_path_factory.mktemp("lite") / "k5-lite-2-blocks"
     shutil.copytree(tiny_k5, root)
     shutil.rmtree(root / "transformer")
-    model = Kandinsky5Transformer3DModel(**{**K5_LITE, "num_visual_blocks": 2}).to(torch.bfloat16)
+    lite = released_config("t2v-lite-sft-5s", "transformer")
+    model = Kandinsky5Transformer3DModel.from_config({**lite, "num_visual_blocks": 2}).to(torch.bfloat16)
     model.save_pretrained(root / "transformer")
     return root
 

@@ -2,14 +2,19 @@
 
 Walks every module's imports with `ast`, those inside functions and under `if TYPE_CHECKING:` too (a
 function-level import hides a cycle, it does not break it; a type-only one still ties the two modules together).
-Run alone:
+Also: what planning runs imports no model library (torch, diffusers). Run alone:
 `.venv/bin/python -m pytest -q tests/test_imports.py`.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+from tests.conftest import REPO, demo_dict, write_config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "loraflow"
 
@@ -73,3 +78,35 @@ def test_the_walk_sees_imports_inside_functions_and_type_checking_blocks() -> No
 def test_loraflow_has_no_import_cycle() -> None:
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+# What a Dagster step process and `loraflow check --no-estimates` run, in a fresh interpreter: the code location, `check`, then the
+# clips stage through Dagster. Neither loads a model, so neither may pay torch's and diffusers' import (6-7 s).
+LIGHT_STAGES = """
+import sys
+from dagster import DagsterInstance, materialize
+import loraflow.definitions
+from loraflow.assets.resources import LoraflowResource
+from loraflow.assets.stages import clips
+from loraflow.cli import main
+
+config, dataset = sys.argv[1:]
+assert main(["check", "--no-estimates", config]) == 0  # the estimates import torch by design
+with DagsterInstance.ephemeral() as instance:
+    instance.add_dynamic_partitions("datasets", [dataset])
+    done = materialize([clips], resources={"loraflow": LoraflowResource(config_path=config)}, instance=instance,
+                       partition_key=dataset)
+assert done.success
+print("heavy:", sorted(m for m in ("torch", "diffusers", "transformers") if m in sys.modules))
+"""
+
+
+def test_check_and_the_clips_stage_import_no_model_library(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("DAGSTER_HOME", None)  # no dead-run guard thread: this instance is ephemeral
+    done = subprocess.run([sys.executable, "-c", LIGHT_STAGES, str(config), "demo-videos"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "bucket plan" in done.stdout  # check ran to its table
+    assert done.stdout.strip().splitlines()[-1] == "heavy: []"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from loraflow.config import ConfigError, parse_config
-from loraflow.pipelines import family_flavour
+from loraflow.pipelines import family_flavour, family_spec
 from loraflow.pipelines.flavours import NOT_DIFFUSERS
 from loraflow.simpletuner import BACKEND_KEYS, ONLY_VALUE, import_simpletuner, simpletuner_families
 from tests.conftest import REPO
@@ -73,6 +73,10 @@ def test_every_key_of_a_guide_is_carried_or_skipped_for_a_true_reason(guide: Pat
             assert imported.config[key] == family
         elif key == "pretrained_model_name_or_path" and value in NOT_DIFFUSERS:
             assert imported.config[key] == family_flavour(family, settings.get("model_flavour")).repo
+        elif key == "validation_resolution" and imported.config[key] != value:  # off the family's multiple
+            multiple = family_spec(family).spatial_multiple
+            assert all(int(side) % multiple == 0 for side in imported.config[key].split("x")), key
+            assert f"validation_resolution {value} became {imported.config[key]}" in "\n".join(imported.notes)
         else:
             assert imported.config[key] == value, key
     for index, entry in enumerate(backends):

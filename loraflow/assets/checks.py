@@ -90,11 +90,11 @@ def bad_latents(store: Store, geometry: LatentGeometry,
                          "with s its spatial factor (8 or 16), and is finite.")
 def latents_shape_and_finite(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
     from loraflow.ops.buckets import latent_geometry
-    from loraflow.pipelines import get_family
+    from loraflow.pipelines import plan_family
     from loraflow.pipelines.sources import model_source
 
     config = loraflow.load()
-    geometry = latent_geometry(model_source(config), get_family(config))
+    geometry = latent_geometry(model_source(config), plan_family(config))
     checked, offending = bad_latents(loraflow.store(config), geometry, _datasets(context))
     return _result(not offending, offending, checked, "latents",
                    geometry=MetadataValue.json({"channels": geometry.channels, "temporal": geometry.temporal,

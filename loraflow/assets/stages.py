@@ -38,13 +38,13 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
     from loraflow.ops.bucket_plan import human_bytes
     from loraflow.ops.clips import build_clips
     from loraflow.ops.previews import clip_preview
-    from loraflow.pipelines import get_family
+    from loraflow.pipelines import plan_family
 
     config = loraflow.load()
     store = loraflow.store(config)
     dataset = loraflow.dataset(config, context.partition_key)
     with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):
-        report = build_clips(config, get_family(config), store, datasets=[dataset])
+        report = build_clips(config, plan_family(config), store, datasets=[dataset])
     for row in report.quarantined:
         context.log.warning(f"quarantined {row.file}: {row.reason} ({row.detail})")
     return MaterializeResult(

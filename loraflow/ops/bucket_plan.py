@@ -22,6 +22,7 @@ from loraflow.ops.media import probe
 from loraflow.ops.media_types import MediaError
 
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
+    from loraflow.pipelines import FamilyPlan
     from loraflow.pipelines.base import ModelFamily
     from loraflow.pipelines.sources import ModelSource
 
@@ -33,7 +34,7 @@ class BucketPlan:
     problems: list[str] = field(default_factory=list)  # datasets that cannot be planned at all
 
 
-def plan_buckets(config: LoraflowConfig, family: ModelFamily, geometry: LatentGeometry | None,
+def plan_buckets(config: LoraflowConfig, family: FamilyPlan | ModelFamily, geometry: LatentGeometry | None,
                  model: ModelSource | None = None, progress: bool = True) -> BucketPlan:
     """Probe every source file (metadata and one frame, no full decode) and plan its clips (`model`: the checkpoint
     on disk, for sizes that depend on it; None: as the config names it)."""

@@ -20,6 +20,7 @@ import numpy as np
 from loraflow.pipelines.sources import ModelSource, as_source
 
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
+    from loraflow.pipelines import FamilyPlan
     from loraflow.pipelines.base import ModelFamily
 
 # Sources at most 5% faster than the target fps are taken 1:1, not resampled: 25 -> 24 fps would drop every 25th
@@ -207,7 +208,7 @@ class LatentGeometry:
         return c * t * h * w * LATENT_BYTES
 
 
-def latent_geometry(model: ModelSource | str | Path, family: ModelFamily) -> LatentGeometry:
+def latent_geometry(model: ModelSource | str | Path, family: FamilyPlan | ModelFamily) -> LatentGeometry:
     """Read the VAE's factors from its config.json (no weights): the family gives the temporal factor.
 
     Video VAEs name `spatial_compression_ratio`; image VAEs (AutoencoderKL) downsample once per block after

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -35,9 +35,12 @@ from loraflow.ops.dataset_folder import list_folder, printable, touch
 from loraflow.ops.media import decode_frames, probe
 from loraflow.ops.media_types import IMAGE_EXTENSIONS, MediaError, Probe
 from loraflow.ops.report import ClipsReport, DropReason, DroppedFile
-from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.sources import ModelSource, model_source
 from loraflow.store import Store
+
+if TYPE_CHECKING:  # planning needs the family's plain spec only (`plan_family`); base imports torch
+    from loraflow.pipelines import FamilyPlan
+    from loraflow.pipelines.base import ModelFamily
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
@@ -87,7 +90,7 @@ class ProbeCache:
 
 
 def plan_clips(
-    path: Path, info: Probe, dataset: DatasetConfig, family: ModelFamily, model: ModelSource | str,
+    path: Path, info: Probe, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
     images_allowed: bool = False,
 ) -> list[dict[str, Any]]:
     """The clips a source yields: frame indices, bucket size and crop, before any decoding.
@@ -155,7 +158,7 @@ def _check_source_size(path: Path, info: Probe, dataset: DatasetConfig, bucket: 
                      "lower `minimum_image_size` (0 keeps every size)")
 
 
-def _check_clip_lengths(path: Path, lengths: set[int], family: ModelFamily, images_allowed: bool,
+def _check_clip_lengths(path: Path, lengths: set[int], family: FamilyPlan | ModelFamily, images_allowed: bool,
                         is_image: bool) -> None:
     """What the flavour can train on, by the planned lengths (`frame_extraction: full` ignores `num_frames`)."""
     if family.flavour.num_frames == 1 and lengths - {1}:
@@ -167,8 +170,8 @@ def _check_clip_lengths(path: Path, lengths: set[int], family: ModelFamily, imag
                          "after a clean first frame, so it needs videos")
 
 
-def _clip_rows(path: Path, dataset: DatasetConfig, family: ModelFamily, model: ModelSource | str, probes: ProbeCache,
-               images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
+def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
+               probes: ProbeCache, images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
     """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image."""
     check_name(path)
     identity = touch(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
@@ -289,7 +292,7 @@ def drop_removed_datasets(config: LoraflowConfig, store: Store) -> list[str]:
 
 
 def build_clips(
-    config: LoraflowConfig, family: ModelFamily, store: Store, datasets: list[str] | None = None
+    config: LoraflowConfig, family: FamilyPlan | ModelFamily, store: Store, datasets: list[str] | None = None
 ) -> ClipsReport:
     """Plan the datasets (`datasets` ids; None: every training dataset), decode what the store lacks, and write
     each dataset's manifest part of current clips (one dataset's run never touches another's part)."""
@@ -328,7 +331,7 @@ def build_clips(
     )
 
 
-def _plan_dataset(config: LoraflowConfig, family: ModelFamily, dataset: DatasetConfig,
+def _plan_dataset(config: LoraflowConfig, family: FamilyPlan | ModelFamily, dataset: DatasetConfig,
                   probes: ProbeCache) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """A dataset's clip rows, and a quarantine row for every entry of its folder that yields none."""
     listing = list_folder(dataset)
@@ -364,7 +367,7 @@ def _decode_missing(todo: list[dict[str, Any]], store: Store, shard_clips: int =
     return failed
 
 
-def _geometry(config: LoraflowConfig, family: ModelFamily) -> LatentGeometry | None:
+def _geometry(config: LoraflowConfig, family: FamilyPlan | ModelFamily) -> LatentGeometry | None:
     """The VAE's factors for the latent estimate; None (estimate unknown) when the checkpoint has no vae config."""
     try:
         return latent_geometry(model_source(config), family)

@@ -23,12 +23,14 @@ from PIL import Image
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key
 from loraflow.pipelines.base import ModelFamily, RenderSettings, scheduler_shift
+from loraflow.pipelines import plan_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 # Part of the i2i prompt image key, so of every i2i validation text key: the validation stage's CODE_VERSION when
 # the key moved here. It stays, so that moving the function re-encodes nothing.
 PROMPT_IMAGE_VERSION = "validation-2"
+DEFAULT_VALIDATION_SIZE = (512, 768)  # (height, width): 768x512, what validation rendered before any flavour default
 
 
 # 1. the text set ------------------------------------------------------------------------------------------------
@@ -82,14 +84,14 @@ def evaluates(config: LoraflowConfig) -> bool:
 
 
 # 3. renders: their settings and the image they start from ----------------------------------------------------
-def render_settings(config: LoraflowConfig, family: ModelFamily) -> RenderSettings:
-    """The config's validation_* keys, each falling back to the flavour's default; checked against the family."""
-    height, width = config.validation_size
-    flavour, multiple = family.flavour, family.spatial_multiple
-    if height % multiple or width % multiple:
-        near = lambda v: max(multiple, round(v / multiple) * multiple)  # noqa: E731
-        raise ValueError(f"`validation_resolution` {config.validation_resolution}: {family.name} needs multiples of "
-                         f"{multiple} (VAE x patch); use {near(width)}x{near(height)}")
+def render_settings(config: LoraflowConfig, family: ModelFamily, store: Store | None = None) -> RenderSettings:
+    """The config's validation_* keys, each falling back to the flavour's default; checked against the family.
+    `store`: where the clip validation renders from is, for a size left out (`validation_size`)."""
+    height, width = validation_size(config, family, store)
+    flavour = family.flavour
+    problem = plan_family(config).validation_size_problem(model_source(config), height, width)
+    if problem:
+        raise ValueError(problem)
     frames = config.validation_num_video_frames or flavour.num_frames
     if flavour.num_frames == 1 and frames != 1:
         raise ValueError(f"`validation_num_video_frames` {frames}: {family.name} renders images; remove the key")
@@ -100,6 +102,21 @@ def render_settings(config: LoraflowConfig, family: ModelFamily) -> RenderSettin
         seed=config.validation_seed if config.validation_seed is not None else config.seed,
         flow_shift=render_shift(config, family),
     )
+
+
+def validation_size(config: LoraflowConfig, family: ModelFamily, store: Store | None) -> tuple[int, int]:
+    """(height, width): `validation_resolution`, else 768x512; left out where the pipeline sizes the render from
+    its image (`FamilySpec.render_size`), the size it renders the image validation starts from at: a default that
+    always renders."""
+    if config.validation_size is not None:
+        return config.validation_size
+    spec = plan_family(config).spec
+    if spec.render_size is None:
+        return DEFAULT_VALIDATION_SIZE
+    if store is None:
+        raise ValueError(f"{family.name} {family.flavour.name} sizes validation from its image: give the store")
+    height, width = condition_frame(store, conditioning_clip(config, family, store)).shape[:2]
+    return spec.render_size(family.flavour, model_source(config), height, width) or DEFAULT_VALIDATION_SIZE
 
 
 def render_shift(config: LoraflowConfig, family: ModelFamily) -> float:

@@ -60,7 +60,7 @@ class ProgressRenders:
         self.pipe: Any = None  # loaded at the first render
         if not self.every:
             return
-        self.settings = render_settings(config, family)
+        self.settings = render_settings(config, family, store)
         self.prompts, negative = config.validation_prompts, negative_prompt(config, family)
         clip, seen = prompt_image(config, family, store, self.settings)
         texts = cached_texts(store, [(t, seen) for t in [*self.prompts.values(), negative]])

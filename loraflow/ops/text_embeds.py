@@ -77,7 +77,7 @@ def needed_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> d
         for caption in {*clip["captions"], ""}:
             items[caption, clip["condition"]] = partial(condition_frame, store, clip["key"])
     if config.validation_prompts:
-        settings = render_settings(config, family)
+        settings = render_settings(config, family, store)
         clip_key, image = prompt_image(config, family, store, settings)
         render = partial(conditioning_image, store, clip_key, settings)
         items |= {(p, image): render for p in [*config.validation_prompts.values(), negative_prompt(config, family)]}

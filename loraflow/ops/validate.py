@@ -47,7 +47,7 @@ RESULTS = "results.json"
 def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_path: str) -> ValidationReport:
     """Render every validation prompt (base and LoRA) and measure eval loss; reuse a finished run."""
     # 1. plan: settings, prompts, eval clips, and the run's key
-    settings = render_settings(config, family)
+    settings = render_settings(config, family, store)
     prompts, negative = config.validation_prompts, negative_prompt(config, family)
     items = eval_items(config, family, store) if evaluates(config) else []
     if not prompts and not items:

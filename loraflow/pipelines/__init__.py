@@ -8,11 +8,14 @@ builder live in `SPEC.module`, imported only when a stage needs them. docs/famil
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from loraflow.pipelines.base import ModelFamily
     from loraflow.pipelines.flavours import FamilySpec, Flavour
+    from loraflow.pipelines.sources import ModelSource
 
 
 class FamilyChoice(Protocol):
@@ -77,3 +80,57 @@ def load_family(name: str, flavour: str | None = None) -> ModelFamily:
 def get_family(config: FamilyChoice) -> ModelFamily:
     """The family object for a config, bound to its flavour (the family's default when unset)."""
     return load_family(config.model_family, config.model_flavour)
+
+
+@dataclass(frozen=True)
+class FamilyPlan:
+    """What planning asks of a family (the clips stage, bucket plans, `loraflow check`), answered from its plain
+    `SPEC`: torch and diffusers stay unimported (importing them took 6-7 s, ten times the clips stage's own work).
+    The family object (`get_family`) answers the same questions."""
+
+    spec: FamilySpec
+    flavour: Flavour
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def spatial_multiple(self) -> int:
+        return self.spec.spatial_multiple
+
+    @property
+    def vae_temporal_factor(self) -> int:
+        return self.spec.vae_temporal_factor
+
+    def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
+        """`ModelFamily.size_problem`, from the family module only for the flavours whose spec says it checks."""
+        if self.flavour.name not in self.spec.size_checked:
+            return ""
+        return load_family(self.spec.name, self.flavour.name).size_problem(model, height, width)
+
+    def validation_size_problem(self, model: ModelSource | None, height: int, width: int) -> str:
+        """Why validation cannot render at (height, width) ("" when it can, or cannot tell yet): a size off the
+        spatial multiple, or one the flavour's pipeline would silently replace by its own (`FamilySpec.render_size`;
+        `model` None: no checkpoint to ask yet)."""
+        multiple, asked = self.spatial_multiple, f"`validation_resolution` {width}x{height}"
+        if height % multiple or width % multiple:
+            near = f"{nearest_multiple(width, multiple)}x{nearest_multiple(height, multiple)}"
+            return f"{asked}: {self.name} needs multiples of {multiple} (VAE x patch); use {near}"
+        rendered = model and self.spec.render_size and self.spec.render_size(self.flavour, model, height, width)
+        if rendered and rendered != (height, width):
+            return (f"{asked}: {self.name} {self.flavour.name} renders at its size bucket {rendered[1]}x{rendered[0]} "
+                    "(WxH) for that aspect; set validation_resolution to it, or leave it out (default: the bucket of "
+                    "the image validation renders from)")
+        return ""
+
+
+def nearest_multiple(value: int, multiple: int) -> int:
+    """The size in multiples of `multiple` nearest `value` (one multiple at least)."""
+    return max(multiple, round(value / multiple) * multiple)
+
+
+def plan_family(config: FamilyChoice) -> FamilyPlan:
+    """The planning side of a config's family, bound to its flavour; imports no model code."""
+    spec = family_spec(config.model_family)
+    return FamilyPlan(spec, spec.flavour(config.model_flavour))

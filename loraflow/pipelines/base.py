@@ -26,7 +26,7 @@ from loraflow.kernels.flow_matching import noisy_sample
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
-from loraflow.pipelines.sources import ModelSource, as_source
+from loraflow.pipelines.sources import ModelSource, as_source, model_index
 
 TextRow = dict[str, np.ndarray]
 
@@ -272,28 +272,6 @@ def scheduler_shift(model: ModelSource | str | Path) -> float | None:
     config = as_source(model).folder("scheduler") / "scheduler_config.json"
     shift = json.loads(config.read_text()).get("shift") if config.is_file() else None
     return float(shift) if shift is not None else None
-
-
-def model_index(model: ModelSource | str | Path) -> dict[str, Any]:
-    index = as_source(model).root / "model_index.json"
-    if not index.is_file():
-        raise FileNotFoundError(
-            f"{model} is not a diffusers checkpoint folder (no model_index.json). Point "
-            "`pretrained_model_name_or_path` at a local folder laid out like the Hugging Face repo, or at the repo's id."
-        )
-    return json.loads(index.read_text())
-
-
-def check_layout(model: ModelSource | str | Path, flavour: Flavour) -> None:
-    """Fail early, naming what is missing, when a checkpoint does not hold what the flavour needs."""
-    source = as_source(model)
-    index = model_index(source)
-    missing = [c for c in flavour.components if not source.folder(c).is_dir() or index.get(c, [None])[0] is None]
-    if missing:
-        raise FileNotFoundError(
-            f"{source} lacks component(s) {', '.join(missing)} that flavour '{flavour.name}' needs "
-            f"(expected sub-folders: {', '.join(flavour.components)})"
-        )
 
 
 def load_component(model: ModelSource | str | Path, name: str, dtype: torch.dtype = torch.float32,

@@ -11,6 +11,7 @@ published, the config must name a folder). Each family's spec module says where 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -84,8 +85,16 @@ class FamilySpec:
     description: str  # one line, shown in the config's help for `model_family`
     flavours: tuple[Flavour, ...]
     default_flavour: str
+    spatial_multiple: int  # pixel sizes must be multiples of this (VAE factor x patch size)
+    vae_temporal_factor: int  # frames per latent frame after the first (1: an image VAE)
     module: str
     simpletuner_names: tuple[str, ...] = ()  # SimpleTuner's `model_family` values that import as this family
+    # Flavours whose bucket sizes only the family module can judge (`ModelFamily.size_problem`: Kandinsky 5 Image
+    # i2i asks its tokenizer); for every other flavour any bucket size trains.
+    size_checked: tuple[str, ...] = ()
+    # (flavour, model source, height, width) -> the (height, width) the family's pipeline renders at when asked for
+    # that size, None while unknown (no checkpoint configs yet); unset: every size renders as asked.
+    render_size: Callable[..., tuple[int, int] | None] | None = None
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.flavours]

@@ -117,8 +117,8 @@ def lora_pattern(include_ffn: bool) -> str:
 class HunyuanVideo15:
     flavour: Flavour
     name: str = SPEC.name
-    spatial_multiple: int = 16  # VAE 16x, patch 1
-    vae_temporal_factor: int = 4
+    spatial_multiple: int = SPEC.spatial_multiple
+    vae_temporal_factor: int = SPEC.vae_temporal_factor
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = ""  # the pipeline's default (encoded as " ")
     text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes

@@ -99,8 +99,8 @@ class Kandinsky5Image(Kandinsky5Shared):
     pipeline_class: ClassVar[type] = Kandinsky5T2IPipeline  # what `load_renderer` loads
     flavour: Flavour
     name: str = SPEC.name
-    spatial_multiple: int = 16  # VAE 8x, patch 2x2
-    vae_temporal_factor: int = 1  # a 2D VAE: every frame is its own image
+    spatial_multiple: int = SPEC.spatial_multiple
+    vae_temporal_factor: int = SPEC.vae_temporal_factor
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = NEGATIVE_PROMPT
     text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes

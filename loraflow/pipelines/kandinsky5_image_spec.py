@@ -21,6 +21,9 @@ SPEC = FamilySpec(
     flavours=(_flavour("t2i-lite-sft", "T2I-Lite-sft"), _flavour("t2i-lite-pretrain", "T2I-Lite-pretrain"),
               _flavour("i2i-lite-sft", "I2I-Lite-sft"), _flavour("i2i-lite-pretrain", "I2I-Lite-pretrain")),
     default_flavour="t2i-lite-sft",
+    spatial_multiple=16,  # VAE 8x, patch 2x2
+    vae_temporal_factor=1,  # a 2D VAE: every frame is its own image
     module="loraflow.pipelines.kandinsky5_image",
     simpletuner_names=("kandinsky5-image",),
+    size_checked=("i2i-lite-sft", "i2i-lite-pretrain"),
 )

@@ -67,8 +67,8 @@ class Kandinsky5Video(Kandinsky5Shared):
     prompt_template: ClassVar[str] = PROMPT_TEMPLATE
     flavour: Flavour
     name: str = SPEC.name
-    spatial_multiple: int = 16  # VAE 8x, patch 2x2
-    vae_temporal_factor: int = 4
+    spatial_multiple: int = SPEC.spatial_multiple
+    vae_temporal_factor: int = SPEC.vae_temporal_factor
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = NEGATIVE_PROMPT
     text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes

@@ -34,6 +34,8 @@ SPEC = FamilySpec(
         _flavour("i2v-pro-pretrain-5s", 5, 5.0, None),
     ),
     default_flavour="t2v-lite-sft-5s",
+    spatial_multiple=16,  # VAE 8x, patch 2x2
+    vae_temporal_factor=4,
     module="loraflow.pipelines.kandinsky5_video",
     simpletuner_names=("kandinsky5-video",),
 )

@@ -14,11 +14,14 @@ re-encodes anything and a new revision always does.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from loraflow.keys import content_key, directory_fingerprint
 from loraflow.pipelines.flavours import Flavour
@@ -128,8 +131,9 @@ def component_status(choice: ModelChoice) -> list[ComponentStatus]:
     from huggingface_hub import snapshot_download
 
     _refuse_unusable(spec, revision, wanted, flavour.repo)
-    planned = snapshot_download(spec, revision=revision, allow_patterns=fetched_patterns(wanted),
-                                cache_dir=hub_cache(), dry_run=True)
+    with _hub_answers(spec, revision, wanted):
+        planned = snapshot_download(spec, revision=revision, allow_patterns=fetched_patterns(wanted),
+                                    cache_dir=hub_cache(), dry_run=True)
     rows = []
     for c in wanted:
         files = [f for f in planned if f.filename.startswith(f"{c}/")]
@@ -174,9 +178,41 @@ def _cached_snapshot(repo: str, revision: str | None, components: tuple[str, ...
                                       cache_dir=cache, local_files_only=True))
     except LocalEntryNotFoundError:
         offline = "; HF_HUB_OFFLINE is set: run once online, or" if hub_offline() else ": run the stages, or"
-        raise FileNotFoundError(
-            f"{_named(repo, revision)} is not in the Hugging Face cache ({cache}){offline} `hf download {repo}` "
-            f"with --include for {', '.join(components)} (*.json, *.safetensors and tokenizer files)") from None
+        raise FileNotFoundError(f"{_named(repo, revision)} is not in the Hugging Face cache ({cache}){offline} "
+                                f"{_download_command(repo, components)}") from None
+
+
+def _download_command(repo: str, components: tuple[str, ...]) -> str:
+    return (f"`hf download {repo}` with --include for {', '.join(components)} (*.json, *.safetensors and tokenizer "
+            "files)")
+
+
+class HubUnreachable(ConnectionError):
+    """The Hugging Face Hub did not answer (no network, a proxy, a firewall): one message, printed without a
+    traceback, naming the repository, the cache and the two ways out."""
+
+    def __init__(self, repo: str, revision: str | None, components: tuple[str, ...], cache: str, error: Exception):
+        from huggingface_hub import constants
+
+        super().__init__(
+            f"the Hugging Face Hub ({constants.ENDPOINT}) did not answer for {_named(repo, revision)} "
+            f"({type(error).__name__}: {error}). Either download it where the Hub is reachable, "
+            f"{_download_command(repo, components)}, into the Hugging Face cache ({cache}, or copy that cache here), "
+            "then run with HF_HUB_OFFLINE=1; or set `pretrained_model_name_or_path` to a local diffusers-layout folder")
+
+
+@contextmanager
+def _hub_answers(repo: str, revision: str | None, components: tuple[str, ...]) -> Iterator[None]:
+    """Every call to the Hub goes through here: a connection that fails or times out (HF_HUB_ETAG_TIMEOUT seconds,
+    no retries) becomes HubUnreachable."""
+    import httpx2  # huggingface_hub's HTTP client
+    from huggingface_hub.errors import DryRunError, LocalEntryNotFoundError
+
+    try:
+        yield
+    # DryRunError, LocalEntryNotFoundError: what snapshot_download raises online when its own listing failed
+    except (httpx2.TransportError, DryRunError, LocalEntryNotFoundError) as exc:
+        raise HubUnreachable(repo, revision, components, hub_cache(), exc) from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -187,17 +223,21 @@ def _download(repo: str, revision: str | None, components: tuple[str, ...], flav
     from huggingface_hub import snapshot_download
 
     _refuse_unusable(repo, revision, components, flavour_repo)
-    return Path(snapshot_download(repo, revision=revision, allow_patterns=fetched_patterns(components),
-                                  cache_dir=cache))
+    with _hub_answers(repo, revision, components):
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=fetched_patterns(components),
+                                      cache_dir=cache))
 
 
 def _refuse_unusable(repo: str, revision: str | None, components: tuple[str, ...], flavour_repo: str | None) -> None:
     """From the repository's file list on the Hub: a repository that cannot be used fails before any download."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        files = HfApi().list_repo_files(repo, revision=revision)
+        # one request, bounded, never retried (list_repo_files retries a refused connection for 23 s)
+        with _hub_answers(repo, revision, components):
+            info = HfApi().model_info(repo, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        files = [s.rfilename for s in info.siblings or []]
     except HfHubHTTPError as exc:  # no such repo or revision, gated, private: as diffusers, no such folder either
         raise FileNotFoundError(f"{_named(repo, revision)} is neither a folder here nor a Hugging Face repository "
                                 f"this machine can read ({type(exc).__name__}; gated or private: `hf auth login`)"
@@ -278,3 +318,25 @@ def _files(folder: Path) -> list[Path]:
 
 def _relative_files(root: Path) -> list[str]:
     return [f.relative_to(root).as_posix() for f in _files(root)]
+
+
+def model_index(model: ModelSource | str | Path) -> dict[str, Any]:
+    index = as_source(model).root / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"{model} is not a diffusers checkpoint folder (no model_index.json). Point "
+            "`pretrained_model_name_or_path` at a local folder laid out like the Hugging Face repo, or at the repo's id."
+        )
+    return json.loads(index.read_text())
+
+
+def check_layout(model: ModelSource | str | Path, flavour: Flavour) -> None:
+    """Fail early, naming what is missing, when a checkpoint does not hold what the flavour needs."""
+    source = as_source(model)
+    index = model_index(source)
+    missing = [c for c in flavour.components if not source.folder(c).is_dir() or index.get(c, [None])[0] is None]
+    if missing:
+        raise FileNotFoundError(
+            f"{source} lacks component(s) {', '.join(missing)} that flavour '{flavour.name}' needs "
+            f"(expected sub-folders: {', '.join(flavour.components)})"
+        )

@@ -7,6 +7,7 @@ condition, its transformer called as its denoising loop calls it (HVI:851-909) f
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import av
 import numpy as np
 import pytest
 import torch
+import yaml
 from diffusers import HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Transformer3DModel
 from peft import LoraConfig
 from PIL import Image
@@ -265,3 +267,57 @@ def test_hv_i2v_trains_with_crepa_and_scheduled_sampling(trained, root: Path, tm
     assert report.history[0].loss != plain.history[0].loss  # same weights at step 1: only the rolled-out input differs
     ours, theirs = load_file(report.lora_path), load_file(plain.lora_path)
     assert ours.keys() == theirs.keys() and any(not torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_the_size_bucket_rule_is_the_pipelines(tmp_path: Path) -> None:
+    """`render_size` (no torch) against diffusers' own `calculate_default_height_width`, on the real release's
+    target sizes and the tiny one, over aspects on both sides of square and the exact bucket sizes."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    from loraflow.pipelines.hunyuanvideo15_spec import render_size
+    from loraflow.pipelines.sources import ModelSource
+
+    flavour = family_spec("hunyuanvideo-1.5").flavour(I2V)
+    for target, patch in ((64, 16), (640, 16), (960, 16), (64, 8)):
+        (tmp_path / "transformer").mkdir(exist_ok=True), (tmp_path / "vae").mkdir(exist_ok=True)
+        (tmp_path / "transformer" / "config.json").write_text(f'{{"target_size": {target}}}')
+        (tmp_path / "vae" / "config.json").write_text(f'{{"spatial_compression_ratio": {patch}}}')
+        processor = HunyuanVideo15ImageProcessor(vae_scale_factor=patch)
+        sizes = [(h, w) for h in range(16, 1300, 37) for w in range(16, 1300, 53)] + [(480, 848), (720, 1280),
+                                                                                       (48, 64), (512, 768)]
+        for height, width in sizes:
+            assert render_size(flavour, ModelSource(tmp_path), height, width) == tuple(
+                processor.calculate_default_height_width(height, width, target)), (target, patch, height, width)
+
+
+def test_a_validation_size_the_i2v_pipeline_would_not_render_is_refused_at_load_and_by_check(
+        root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from loraflow.cli import main
+    from loraflow.config import ConfigError
+
+    message = ("`validation_resolution` 768x512: hunyuanvideo-1.5 i2v-480p renders at its size bucket 64x48 (WxH) "
+               "for that aspect; set validation_resolution to it")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make_config(root, tmp_path / "out", validation_resolution="768x512")
+    with pytest.raises(ConfigError, match=re.escape("`validation_resolution` 100x48: hunyuanvideo-1.5 needs "
+                                                    "multiples of 16 (VAE x patch); use 96x48")):
+        make_config(root, tmp_path / "out", validation_resolution="100x48")
+    make_config(root, tmp_path / "ok")
+    written = yaml.safe_load((tmp_path / "ok.yaml").read_text())
+    bad = write_config(tmp_path / "bad.yaml", {**written, "validation_resolution": "768x512"})
+    assert main(["check", str(bad)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_left_out_the_validation_size_is_the_bucket_the_pipeline_renders_the_first_frame_at(
+        root: Path, tmp_path: Path) -> None:
+    """The guides leave validation_resolution out: the default must be a size the i2v pipeline renders at."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    config = make_config(root, tmp_path / "out", validation_resolution=None)
+    family, store = get_family(config), Store(config.cache_dir)
+    first = condition_frame(store, conditioning_clip(config, family, store))
+    settings = render_settings(config, family, store)
+    target = HunyuanVideo15Transformer3DModel.load_config(root / "model" / "transformer")["target_size"]
+    bucket = HunyuanVideo15ImageProcessor().calculate_default_height_width(*first.shape[:2], target)
+    assert (settings.height, settings.width) == tuple(bucket)  # the clips' 64x64: not 768x512's bucket, 64x48

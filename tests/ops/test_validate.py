@@ -274,10 +274,9 @@ def test_prompt_library_file_is_read_relative_to_the_config(tiny_k5: Path, tmp_p
 
 def test_settings_refuse_sizes_the_family_cannot_render(setup) -> None:
     data, _, _ = setup
-    config = parse_config({**data, "validation_resolution": "100x64"})
-    with pytest.raises(ValueError, match="use 96x64"):
-        render_settings(config, get_family(config))
-    family = get_family(config)
+    with pytest.raises(ConfigError, match="use 96x64"):  # at load, not after training
+        parse_config({**data, "validation_resolution": "100x64"})
+    family = get_family(parse_config(data))
     image = dataclasses.replace(family, flavour=dataclasses.replace(family.flavour, num_frames=1))
     with pytest.raises(ValueError, match="renders images"):
         render_settings(parse_config(data), image)

@@ -47,6 +47,8 @@ SPEC = FamilySpec(
     description="Kandinsky 5 Video under another name and prompt, to show a family is one module",
     flavours=(Flavour("t2v-mini", "t2v", 24.0, 17, (64, 64), 3.0, 4.0, TWO_ENCODER_PARTS),),
     default_flavour="t2v-mini",
+    spatial_multiple=16,
+    vae_temporal_factor=4,
     module=__name__,
     simpletuner_names=("kandinsky5-mini",),
 )

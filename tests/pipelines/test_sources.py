@@ -1,12 +1,17 @@
 """Models by Hugging Face id, read offline from a cache laid out as huggingface_hub lays it out; folders from elsewhere.
 
 No network: every repository here is a tiny real checkpoint put into a temporary HF cache (`hf_cache_snapshot`), read
-with HF_HUB_OFFLINE=1.
+with HF_HUB_OFFLINE=1; an unreachable Hub is a loopback port that refuses connections.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,10 +22,10 @@ from loraflow.config import ConfigError, parse_config
 from loraflow.keys import content_key, directory_fingerprint
 from loraflow.ops.bucket_plan import human_bytes
 from loraflow.ops.latents import latent_rows
-from loraflow.pipelines.base import check_layout, component_fingerprint, load_component
+from loraflow.pipelines.base import component_fingerprint, load_component
 from loraflow.pipelines import family_flavour
-from loraflow.pipelines.sources import layout_problem, model_source
-from tests.conftest import hf_cache_snapshot, write_config
+from loraflow.pipelines.sources import check_layout, layout_problem, model_source
+from tests.conftest import REPO, hf_cache_snapshot, write_config
 
 K5 = "kandinsky5-video"
 DEFAULT_REPO = family_flavour(K5, "t2v-lite-sft-5s").repo  # kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers
@@ -207,3 +212,31 @@ def test_a_download_fetches_only_the_flavours_configs_tokenizers_and_safetensors
                  "text_encoder/modeling_qwen.py", "text_encoder_2/tf_model.h5", "image_encoder/model.safetensors"]
     t2v = family_flavour("hunyuanvideo-1.5", "t2v-480p").components
     assert sorted(filter_repo_objects(wanted + elsewhere, allow_patterns=fetched_patterns(t2v))) == sorted(wanted)
+
+
+@pytest.fixture
+def unreachable_hub(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The environment of a machine whose Hub endpoint refuses connections: a loopback port bound, never listening."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{closed.getsockname()[1]}", HF_HUB_CACHE=str(tmp_path / "hf"),
+               PYTHONPATH=str(REPO))
+    yield env
+    closed.close()
+
+
+@pytest.mark.parametrize("command", [["check"], ["cache", "--dataset", "v"]])
+def test_an_unreachable_hub_fails_at_once_with_what_to_do_and_no_traceback(
+        tmp_path: Path, unreachable_hub: dict[str, str], command: list[str]) -> None:
+    config = write_config(tmp_path / "config.yaml", settings(tmp_path))  # the flavour's repository, not cached
+    # the timeout only bounds a hang: huggingface_hub's own retries took 23 s on a refused connection
+    done = subprocess.run([sys.executable, "-m", "loraflow.cli", command[0], str(config), *command[1:]], cwd=REPO,
+                          env=unreachable_hub, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert (f"loraflow {command[0]}: the Hugging Face Hub ({unreachable_hub['HF_ENDPOINT']}) did not answer for "
+            f"{DEFAULT_REPO} (ConnectError") in done.stderr
+    assert f"`hf download {DEFAULT_REPO}` with --include for transformer, vae" in done.stderr
+    assert f"into the Hugging Face cache ({tmp_path / 'hf'}" in done.stderr
+    assert "run with HF_HUB_OFFLINE=1; or set `pretrained_model_name_or_path` to a local diffusers" in done.stderr
