@@ -350,6 +350,8 @@ SOAK_KILLS = 20
 SOAK_SEED = 35  # issue 35: any seed gives other moments; this one is the suite's
 FIELD_KILL_S = (4.0, 25.0)  # the field's kills: this long after the command started
 IN_STEP_KILL_S = (0.0, 5.0)  # the others: this long after the run's latents step started, so with the slot held
+# The last run encodes every clip the killed ones left and runs the checks: 3-4 min with 2 cores under load 13
+LAST_RUN_S = 2 * RUN_S
 # Dagster frees a slot and assigns it to a waiting step in three SQL statements; a step seen waiting with the slot
 # free this long is stranded (the bug: it waits for good)
 STRANDED_S = 2.0
@@ -407,7 +409,7 @@ def test_reruns_after_many_kills_at_random_moments_always_get_the_slot(cached, s
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             kills[mode] += 1
-        last_s = finished(materialize_latents(spawn, "last"), RUN_S)
+        last_s = finished(materialize_latents(spawn, "last"), LAST_RUN_S)
         print(f"soak (seed {SOAK_SEED}): kills {kills}; the in-step runs reached their latents step "
               f"{min(to_step):.1f}-{max(to_step):.1f} s after their command started; the last run took {last_s:.1f} s")
         assert_nothing_missing(instance, cached[1])
