@@ -1,7 +1,7 @@
 # The two commands of the README. Both are idempotent.
 export DAGSTER_HOME := $(CURDIR)/.dagster
 
-.PHONY: setup demo test test-variants dev
+.PHONY: setup demo test soak test-variants dev
 setup:
 	./scripts/setup.sh
 
@@ -10,6 +10,9 @@ demo: setup   ## tiny model + demo data, then materialize every stage; prints th
 
 test: setup   ## the whole test suite
 	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+
+soak: setup   ## the soak tests: many kill -9 of CLI runs at random moments, then a run must finish (minutes)
+	.venv/bin/python -m pytest -q -m soak $(PYTEST_ARGS)
 
 test-variants: setup  ## the suite under each CPU variant (ATen AVX2, one thread, both, MKL's AMD kernels)
 	./scripts/test_variants.sh $(PYTEST_ARGS)

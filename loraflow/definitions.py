@@ -23,5 +23,5 @@ defs = Definitions(
 
 # A killed `dagster asset materialize` run stays STARTED and keeps its `gpu` slot, and nothing in Dagster watches CLI
 # runs. Loading this module is the one piece of our code that runs in such a process before its run claims a slot
-# (and in the code server of `dagster dev`), so the dead-run guard starts here, on a thread: dead_runs.py.
+# (and in the code server of `dagster dev`), so the dead-run guard runs here: once now, then on a thread (dead_runs.py).
 watch_dead_runs()

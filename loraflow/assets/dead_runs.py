@@ -15,10 +15,15 @@ by nothing and is watched by nothing (nor is a run whose code server died with i
   DAGSTER_HOME sees the same pids (one machine, no container with a PID namespace of its own sharing it), as with
   Dagster's default run launcher, which starts every run on the machine of `dagster dev`.
 
-The guard runs on a thread of every main process that loads loraflow.definitions (dagster's CLI, the code server of
-`dagster dev`): at once (as a rule before the CLI's own run asks for its slot; if not, its step asks again within
-seconds), and every WATCH_INTERVAL_S while that process lives, so a run already waiting for the slot of a run that
-dies goes on too.
+The guard runs in every main process that loads loraflow.definitions (dagster's CLI, the code server of
+`dagster dev`): once while it loads them, so before the CLI's own run asks for its slot, then on a thread every
+WATCH_INTERVAL_S while that process lives, so a run already waiting for the slot of a run that dies goes on too.
+
+Freeing a dead run's slot while another process's step asks for one can strand that step: Dagster assigns a waiting
+step a slot only when the step is added while a slot is unassigned, or when an assigned step is removed, and a step
+added just after the dead run's assigned step was removed gets neither (seen after repeated `kill -9`: a free slot, a
+step waiting for good). So every pass also gives the free slots of each pool to its waiting steps, as Dagster would
+have, under a file lock in DAGSTER_HOME so that two processes' guards never both count the same slot free.
 
 And a step worker dies with the run process that started it (`die_with_run`), so it never reports after its run
 failed, nor keeps the GPU.
@@ -26,12 +31,15 @@ failed, nor keeps the GPU.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import multiprocessing
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
@@ -88,20 +96,43 @@ def on_this_host(instance: DagsterInstance) -> bool:
 
 
 def reap_dead_runs(instance: DagsterInstance) -> list[str]:
-    """Fail the in-progress runs whose recorded processes are all gone and free their pool slots; return their ids."""
+    """Fail the in-progress runs whose recorded processes are all gone and free their pool slots, then give free
+    slots to the steps waiting for them; return the dead runs' ids."""
     if not on_this_host(instance):
         return []
     dead = []
-    for run in instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTING, DagsterRunStatus.STARTED])):
-        pids = recorded_pids(instance, run.run_id)
-        if not pids or any(process_alive(pid, at) for pid, at in pids):
-            continue
-        # Slots first: a crash between the two leaves a STARTED run with dead pids, which the next pass finds again.
-        instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
-        instance.report_run_failed(run, f"every process of this run is gone (pids {sorted({p for p, _ in pids})}: "
-                                        "killed, out of memory or a power cut); its pool slots were freed")
-        dead.append(run.run_id)
+    with _guard_lock(instance):
+        for run in instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTING, DagsterRunStatus.STARTED])):
+            pids = recorded_pids(instance, run.run_id)
+            if not pids or any(process_alive(pid, at) for pid, at in pids):
+                continue
+            # Slots first: a crash between the two leaves a STARTED run with dead pids, which the next pass finds.
+            instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
+            instance.report_run_failed(run, f"every process of this run is gone (pids {sorted({p for p, _ in pids})}: "
+                                            "killed, out of memory or a power cut); its pool slots were freed")
+            dead.append(run.run_id)
+        assign_free_slots(instance)
     return dead
+
+
+def assign_free_slots(instance: DagsterInstance) -> None:
+    """Assign each pool's waiting steps to its slots that no step holds or was assigned, in Dagster's order and by
+    its count (`assign_pending_steps`, `has_unassigned_slots`: slots minus assigned steps)."""
+    storage = instance.event_log_storage
+    for pool, info in storage.get_concurrency_infos(sorted(storage.get_concurrency_keys())).items():
+        waiting = sum(step.assigned_timestamp is None for step in info.pending_steps)
+        count = min(waiting, info.slot_count - (len(info.pending_steps) - waiting))
+        if count > 0:
+            storage.assign_pending_steps([pool] * count)  # one step per entry
+            log.warning("pool %s: %d step(s) waited with a slot free; assigned", pool, count)
+
+
+@contextlib.contextmanager
+def _guard_lock(instance: DagsterInstance) -> Iterator[None]:
+    """One guard pass at a time per instance, across processes (flock: a killed holder's lock is released)."""
+    with open(Path(instance.root_directory) / "loraflow-dead-runs.lock", "a") as f:  # released when closed
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def watch_dead_runs(interval_s: float = WATCH_INTERVAL_S) -> bool:
@@ -110,20 +141,26 @@ def watch_dead_runs(interval_s: float = WATCH_INTERVAL_S) -> bool:
     if multiprocessing.parent_process() is not None or not os.environ.get("DAGSTER_HOME") or _watching.is_set():
         return False
     _watching.set()
-    threading.Thread(target=_watch, args=(interval_s,), name="loraflow-dead-runs", daemon=True).start()
+    instance = _guard_pass(None)  # here, not on the thread: done before this process's run asks for a slot
+    threading.Thread(target=_watch, args=(interval_s, instance), name="loraflow-dead-runs", daemon=True).start()
     return True
 
 
-def _watch(interval_s: float) -> None:
-    instance = None
+def _watch(interval_s: float, instance: DagsterInstance | None) -> None:
     while True:
-        try:
-            instance = instance or DagsterInstance.get()
-            for run_id in reap_dead_runs(instance):
-                log.warning("run %s: every process of it is gone; reported failed, its pool slots freed", run_id)
-        except Exception as exc:  # a busy database, say: never the importing process's failure; the next pass retries
-            log.warning("dead-run guard: %s: %s", type(exc).__name__, exc)
         time.sleep(interval_s)
+        instance = _guard_pass(instance)
+
+
+def _guard_pass(instance: DagsterInstance | None) -> DagsterInstance | None:
+    """One reaping pass, logged; the instance it used (None if it could not get one)."""
+    try:
+        instance = instance or DagsterInstance.get()
+        for run_id in reap_dead_runs(instance):
+            log.warning("run %s: every process of it is gone; reported failed, its pool slots freed", run_id)
+    except Exception as exc:  # a busy database, say: never the importing process's failure; the next pass retries
+        log.warning("dead-run guard: %s: %s", type(exc).__name__, exc)
+    return instance
 
 
 def die_with_run(instance: DagsterInstance | None, run_id: str | None) -> bool:
