@@ -34,7 +34,7 @@ from loraflow.ops.validate import negative_prompt, render_settings, validate, wr
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component, set_lora_scale
 from loraflow.store import Store
-from tests.conftest import REPO
+from tests.conftest import REPO, demo_dict, write_config
 
 LIBRARY = {"blue": "a blue square spins slowly", "two words/odd": "a green triangle"}
 CAPTIONS = [f"clip {i}: a {c} ball bounces" for i, c in enumerate(["red", "blue", "green", "white", "black"])]
@@ -57,8 +57,9 @@ def config_dict(model: Path, root: Path, **overrides: Any) -> dict[str, Any]:
 
 def fill_store(config: LoraflowConfig, store: Store) -> None:
     """Clips manifest (5 videos, one clip each), seeded latents, and real text embeddings."""
-    clips = [{"key": f"clip{i}", "dataset": "videos", "source": f"v{i}.mp4", "captions": [caption], "repeats": 1,
-              "bucket": f"{WIDTH}x{HEIGHT}@5"} for i, caption in enumerate(CAPTIONS)]
+    clips = [{"key": f"clip{i}", "dataset": "videos", "source": f"v{i}.mp4", "indices": list(range(5)),
+              "captions": [caption], "repeats": 1, "bucket": f"{WIDTH}x{HEIGHT}@5"}
+             for i, caption in enumerate(CAPTIONS)]
     store.write_manifest("clips", clips)
     generator = torch.Generator().manual_seed(0)
     latents = [{"key": f"latent{i}", "latent": torch.randn(16, 2, HEIGHT // 8, WIDTH // 8, generator=generator).numpy()}
@@ -208,6 +209,36 @@ def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(setup, fir
     assert all(np.isfinite(r["base"]) and np.isfinite(r["lora"]) and r["base"] != r["lora"] for r in runs[0])
     other_noise = eval_losses(pipe.transformer, family, store, items, 8, torch.device("cpu"))
     assert other_noise != runs[0]
+
+
+def test_eval_loss_of_the_same_clips_is_the_same_whatever_their_files_mtimes(setup, tiny_k5: Path, demo_data: Path,
+                                                                          tmp_path: Path) -> None:
+    """Seen failing when eval noise was seeded by the clip key, which holds the file's mtime: two fresh clones of one
+    commit regenerate the demo data with other mtimes, and measured -17% and -25% with identical renders."""
+    import os
+
+    from loraflow.ops.clips import build_clips
+    from loraflow.ops.latents import encode_latents
+
+    _, _, lora = setup
+    runs = []
+    for name, shift_ns in (("here", 0), ("elsewhere", 10**9)):
+        data = shutil.copytree(demo_data, tmp_path / name / "data")
+        for file in data.iterdir():  # the same bytes, written a second later
+            os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + shift_ns))
+        config = load_config(write_config(tmp_path / name / "config.yaml", demo_dict(
+            tiny_k5, data, tmp_path / name, eval_holdout_fraction=0.2)))
+        family, store = get_family(config), Store(config.cache_dir)
+        build_clips(config, family, store)
+        encode_latents(config, family, store)
+        encode_texts(config, family, store)
+        runs.append((config, family, store, eval_items(config, family, store)))
+    (_, family, store_a, items_a), (_, _, store_b, items_b) = runs
+    assert len(items_a) == 1 and items_a[0].clip_key != items_b[0].clip_key  # the mtime is in the clip key
+    pipe = family.load_renderer(str(tiny_k5), str(lora), torch.device("cpu"))
+    losses = [eval_losses(pipe.transformer, family, store, items, 7, torch.device("cpu"))
+              for store, items in ((store_a, items_a), (store_b, items_b))]
+    assert losses[0] == losses[1]  # same latents (same frames, same VAE), same noise: the same numbers, bit for bit
 
 
 def test_validation_report_carries_eval_table_and_plot(first_run) -> None:
