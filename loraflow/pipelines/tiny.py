@@ -406,10 +406,10 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
     `tiny_world(flavour)` where it has one (Kandinsky 5 Video: the demo's pre-trained tiny world), else `tiny`.
 
     Idempotent: if out_dir/model_index.json exists, return immediately, after checking that it holds the pipeline
-    the flavour needs and was built by the same recipe (builder and seed, marked in model_index.json): another recipe, or
-    a folder without the mark, is refused, never silently reused (`world=True` over an old random checkpoint kept the
-    random one). Components are built in a staging directory next to ``out_dir`` and moved in with
-    ``model_index.json`` last, so an interrupted build never leaves a directory that looks complete.
+    the flavour needs and was built by the same recipe (builder and seed, marked in model_index.json): another
+    recipe, or a folder without the mark, is refused, never silently reused (`world=True` over an old random
+    checkpoint kept the random one). Components are built in a staging directory next to ``out_dir`` and moved in
+    with ``model_index.json`` last, so an interrupted build never leaves a directory that looks complete.
     Weights are fp32 and depend only on ``seed`` (the global torch RNG state is left untouched).
     """
     out_dir = Path(out_dir)
