@@ -71,8 +71,11 @@ def fill_store(config: LoraflowConfig, store: Store) -> None:
 
 
 def make_lora(config: LoraflowConfig, out: Path) -> Path:
-    """A rank-4 adapter with random B (a fresh adapter has B = 0 and changes nothing), in diffusers format."""
+    """A rank-4 adapter with random B (a fresh adapter has B = 0 and changes nothing), in diffusers format with its
+    LoraConfig in the header, as training exports it."""
     from peft import LoraConfig, get_peft_model_state_dict
+
+    from loraflow.ops.checkpoints import adapter_config
 
     family = get_family(config)
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
@@ -81,7 +84,7 @@ def make_lora(config: LoraflowConfig, out: Path) -> Path:
     for name, param in transformer.named_parameters():
         if "lora_B" in name:
             param.data = torch.randn(param.shape, generator=generator) * 0.2
-    family.save_lora(get_peft_model_state_dict(transformer), out)
+    family.save_lora(get_peft_model_state_dict(transformer), out, adapter_config(transformer))
     return out / "pytorch_lora_weights.safetensors"
 
 
@@ -192,6 +195,36 @@ def test_lora_at_scale_zero_renders_exactly_the_base_model(setup) -> None:
     assert not np.array_equal(tuned, base) and not np.array_equal(half, tuned)
     with pytest.raises(ValueError, match="without a LoRA"):
         set_lora_scale(plain.transformer, 1.0)
+
+
+def metadata_reordered(path: Path) -> bytes:
+    """The same safetensors file with its header's `__metadata__` entries in the other order: safetensors 0.8 wrote
+    both orders for one LoRA, trained twice in two processes (a Rust HashMap's order, new per process)."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    header = {"__metadata__": dict(reversed(header.pop("__metadata__").items())), **header}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size
+    return raw[:8] + text.ljust(size) + raw[8 + size :]  # safetensors pads its header with spaces
+
+
+def test_a_rerun_on_the_same_lora_content_renders_nothing_whatever_its_header_order(setup, first_run,
+                                                                                  tmp_path: Path) -> None:
+    """Seen failing when the key hashed the file's bytes: two validations of one LoRA, trained again in another
+    process (same run key, same tensors, the header's metadata in the other order), had two data versions."""
+    from safetensors import safe_open
+
+    data, store, lora = setup
+    again = tmp_path / lora.name
+    again.write_bytes(metadata_reordered(lora))
+    assert again.read_bytes() != lora.read_bytes()
+    with safe_open(str(lora), "pt") as a, safe_open(str(again), "pt") as b:
+        assert len(a.metadata()) == 2 and a.metadata() == b.metadata()  # format, lora_adapter_metadata
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    config = parse_config(data)
+    rerun = validate(config, get_family(config), store, str(again))
+    assert (rerun.data_version, rerun.computed) == (first_run.data_version, 0)
 
 
 # -- eval loss -------------------------------------------------------------------------------------------
