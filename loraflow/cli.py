@@ -50,7 +50,11 @@ def run_demo(config_path: str) -> int:
     from loraflow.assets.resources import LoraflowResource
 
     _instance_home()
-    prepare_demo(config_path)
+    try:
+        prepare_demo(config_path)
+    except ValueError as exc:  # the model folder holds another tiny checkpoint: what to delete, no traceback
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     with DagsterInstance.get() as instance:
         # The resource names this config explicitly: the code location's default was fixed when it was imported.
         results = materialize_everything(LoraflowResource(config_path=config_path), instance)

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 def content_key(**fields: Any) -> str:
@@ -40,11 +40,23 @@ def file_identity(path: str | Path, root: str | Path, content_hash: bool = False
     return identity
 
 
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
+def file_sha256(path: str | Path) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
+        return _rest_sha256(f, hashlib.sha256())
+
+
+def safetensors_sha256(path: str | Path) -> str:
+    """sha256 of what a safetensors file holds: its header as canonical JSON, then the tensor bytes. Not of the file's
+    bytes: safetensors writes the header's `__metadata__` map in a Rust HashMap's order, which is new per process, so
+    the same LoRA exported twice differs in bytes (and validation rendered again for nothing)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        return _rest_sha256(f, hashlib.sha256(json.dumps(header, sort_keys=True, separators=(",", ":")).encode()))
+
+
+def _rest_sha256(f: BinaryIO, digest: Any, chunk: int = 1 << 20) -> str:
+    while block := f.read(chunk):
+        digest.update(block)
     return digest.hexdigest()
 
 

@@ -121,6 +121,18 @@ def test_check_prints_the_estimates_and_the_switch_that_fits_the_named_card(
 
 
 # -- partitions ------------------------------------------------------------------------------------
+def test_demo_over_another_tiny_checkpoint_says_what_to_delete(
+        tiny_k5: Path, demo_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo builds the tiny world (`world=True`); a folder holding the random tiny model is refused, not used."""
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / ".dagster"))
+    config = write_config(tmp_path / "demo.yaml", demo_dict(tiny_k5, demo_data, tmp_path, base="configs/demo.yaml"))
+    assert main(["demo", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"demo: {tiny_k5} was built by loraflow.pipelines.kandinsky5_video._tiny_pipeline (seed 0)" in err
+    assert "delete the folder to build it again" in err and "Traceback" not in err
+
+
 def test_partitions_follow_the_configs_training_datasets(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     from dagster import DagsterInstance

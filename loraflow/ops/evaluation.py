@@ -5,8 +5,9 @@ Numbers compare across runs and configs:
 - the sigmas are fixed, 0.1 .. 0.9 (timesteps 100 .. 900), with no shift, whatever the training schedule;
 - i2v flavours: frame 0 given clean and left out of the loss, as in training (`pipelines.base.flow_mse`);
   HunyuanVideo 1.5 i2v: the clip's cached first-frame condition (`image_conditions`), as in training;
-- each clip's noise comes from (validation seed, clip key), shared by every sigma and by base and LoRA,
-  so base and LoRA are compared on exactly the same noisy inputs.
+- each clip's noise comes from (validation seed, what the clip is: its dataset-relative path and frame indices),
+  shared by every sigma and by base and LoRA, so base and LoRA are compared on exactly the same noisy inputs; not
+  from the clip key, which holds the file's mtime: a fresh clone's regenerated demo data drew other noise.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key
-from loraflow.ops.exchange import split_clips, text_lookup
+from loraflow.ops.exchange import clip_source, split_clips, text_lookup
 from loraflow.pipelines.base import ModelFamily, conditioned_noisy, flow_mse, image_conditions, set_lora_scale
 from loraflow.store import Store
 
@@ -32,6 +33,8 @@ class EvalItem:
     clip_key: str
     latent_key: str
     text_key: str  # the clip's first caption
+    source: str  # dataset/relative path (`clip_source`) and
+    indices: tuple[int, ...]  # source frame indices: what the clip is, wherever its file lives (seeds its noise)
 
 
 def eval_items(config: LoraflowConfig, family: ModelFamily, store: Store) -> list[EvalItem]:
@@ -48,18 +51,19 @@ def eval_items(config: LoraflowConfig, family: ModelFamily, store: Store) -> lis
     for clip_key in held:
         if clip_key not in latents:  # quarantined by the latents stage (non-finite latent)
             continue
-        if family.flavour.conditioning_frames and by_key[clip_key]["num_frames"] == 1:
+        clip = by_key[clip_key]
+        if family.flavour.conditioning_frames and clip["num_frames"] == 1:
             continue
-        item = ((by_key[clip_key]["captions"] or [""])[0], by_key[clip_key].get("condition") or "")  # i2i: + source
-        if item not in texts:
-            raise KeyError(f"eval clip {by_key[clip_key]['source']}: caption {item[0]!r} has no cached embedding; "
+        text = ((clip["captions"] or [""])[0], clip.get("condition") or "")  # i2i: + source
+        if text not in texts:
+            raise KeyError(f"eval clip {clip['source']}: caption {text[0]!r} has no cached embedding; "
                            "materialize `text_embeds`")
-        items.append(EvalItem(clip_key, latents[clip_key], texts[item]))
+        items.append(EvalItem(clip_key, latents[clip_key], texts[text], clip_source(clip), tuple(clip["indices"])))
     return items
 
 
-def noise_seed(seed: int, clip_key: str) -> int:
-    return int(content_key(seed=seed, clip=clip_key)[:15], 16)  # < 2**60: a valid torch seed
+def noise_seed(seed: int, item: EvalItem) -> int:
+    return int(content_key(seed=seed, source=item.source, indices=item.indices)[:15], 16)  # < 2**60: a torch seed
 
 
 @torch.no_grad()
@@ -79,7 +83,7 @@ def eval_losses(
     sums = {name: np.zeros(len(EVAL_SIGMAS)) for name in SCALES}
     for item in items:
         x0 = torch.from_numpy(np.array(latents[item.latent_key]["latent"]))[None].to(device)  # (1, C, T, h, w)
-        generator = torch.Generator().manual_seed(noise_seed(seed, item.clip_key))
+        generator = torch.Generator().manual_seed(noise_seed(seed, item))
         noise = torch.randn(x0.shape, generator=generator).to(device)  # on CPU first: same noise on any device
         text = family.collate_text([texts[item.text_key]], device)
         text.update({k: v.to(device) for k, v in image_conditions([latents[item.latent_key]]).items()})

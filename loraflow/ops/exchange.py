@@ -69,13 +69,13 @@ def split_clips(clips: Sequence[Mapping[str, Any]], config: LoraflowConfig) -> t
     """Clip keys (train, eval) from the clips manifest: all of `eval_dataset_id`, and every clip of a held-out
     `eval_holdout_fraction` of the other source videos (whole videos: no frame of an eval video is trained on)."""
     held = {c["key"] for c in clips if c["dataset"] == config.eval_dataset_id}
-    sources = sorted({_source(c) for c in clips if c["key"] not in held})
+    sources = sorted({clip_source(c) for c in clips if c["key"] not in held})
     _, held_sources = split_holdout(sources, config.eval_holdout_fraction, config.seed)
-    held |= {c["key"] for c in clips if _source(c) in set(held_sources)}
+    held |= {c["key"] for c in clips if clip_source(c) in set(held_sources)}
     return [c["key"] for c in clips if c["key"] not in held], [c["key"] for c in clips if c["key"] in held]
 
 
-def _source(clip: Mapping[str, Any]) -> str:
+def clip_source(clip: Mapping[str, Any]) -> str:
     return f"{clip['dataset']}/{clip['source']}"  # dataset-relative path: stable across machines and re-encodes
 
 

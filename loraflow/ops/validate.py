@@ -9,9 +9,10 @@ output_dir/validation/<key>/:
     condition.png                         i2v, i2i: the image every render starts from (first frame, source)
     <nn>-<shortname>/result.json          written last: the prompt is done (a killed run resumes after it)
     eval_loss.png, results.json           results.json is written last: the whole run is done
-The key covers the adapter's bytes, the render settings, the prompts, the eval inputs and (i2v) the clip whose
-first frame conditions every render: the first held-out eval clip (by key), else the first training clip, center-
-cropped and resized to the validation size (`conditioning_image`).
+The key covers the adapter's content (`safetensors_sha256`: not the file's bytes, whose header order varies), the
+render settings, the prompts, the eval inputs and (i2v) the clip whose first frame conditions every render: the first
+held-out eval clip (by key), else the first training clip, center-cropped and resized to the validation size
+(`conditioning_image`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
-from loraflow.keys import content_key, file_sha256
+from loraflow.keys import content_key, safetensors_sha256
 from loraflow.ops.devices import free_models, pick_device
 from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_losses, loss_summary
 from loraflow.ops.exchange import (
@@ -57,7 +58,7 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
     texts = cached_texts(store, [(t, seen) for t in [*prompts.values(), negative]] if prompts else [])
     model = model_source(config)
     out = Path(config.output_dir) / "validation" / content_key(
-        lora=file_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
+        lora=safetensors_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
         family=family.name, flavour=family.flavour.name, fps=family.flavour.fps, settings=asdict(settings),
         prompts=prompts, negative=negative, eval=[asdict(i) for i in items], sigmas=EVAL_SIGMAS, code=CODE_VERSION,
         **({"condition": condition} if condition else {}))  # t2v keys stay as they were

@@ -40,7 +40,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.utils import logging as hf_logging
 
 from loraflow.pipelines import family_spec
-from loraflow.pipelines.tiny_parts import IMAGE_DIM, index_extras
+from loraflow.pipelines.tiny_parts import IMAGE_DIM, RECIPE_KEY, index_extras
 
 # Qwen2.5-VL special tokens that chat templates and the VL processor refer to; ids follow the 256 bytes.
 QWEN_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -405,9 +405,11 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
     `tiny(flavour)` picks (None: the default flavour's; Kandinsky 5 Image i2i has its own). `world`: the module's
     `tiny_world(flavour)` where it has one (Kandinsky 5 Video: the demo's pre-trained tiny world), else `tiny`.
 
-    Idempotent: if out_dir/model_index.json exists, return immediately (after checking that it holds the
-    pipeline the flavour needs). Components are built in a staging directory next to ``out_dir`` and moved
-    in with ``model_index.json`` last, so an interrupted build never leaves a directory that looks complete.
+    Idempotent: if out_dir/model_index.json exists, return immediately, after checking that it holds the pipeline
+    the flavour needs and was built by the same recipe (builder and seed, marked in model_index.json): another
+    recipe, or a folder without the mark, is refused, never silently reused (`world=True` over an old random
+    checkpoint kept the random one). Components are built in a staging directory next to ``out_dir`` and moved in
+    with ``model_index.json`` last, so an interrupted build never leaves a directory that looks complete.
     Weights are fp32 and depend only on ``seed`` (the global torch RNG state is left untouched).
     """
     out_dir = Path(out_dir)
@@ -415,12 +417,14 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
     module = importlib.import_module(spec.module)
     pick = module.tiny_world if world and hasattr(module, "tiny_world") else module.tiny
     pipeline, builder = pick(spec.flavour(flavour))
+    recipe = {"builder": f"{builder.__module__}.{builder.__qualname__}", "seed": seed}
     if (out_dir / "model_index.json").exists():
         built = json.loads((out_dir / "model_index.json").read_text())["_class_name"]
         if built != pipeline.__name__:
             wanted = f"{family} flavour {flavour!r}" if flavour else family
             raise ValueError(f"{out_dir} holds a tiny {built} checkpoint, but {wanted} needs a {pipeline.__name__}: "
                              "build it into another folder")
+        _check_recipe(out_dir, recipe)
         return out_dir
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -432,8 +436,21 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
             pipe.save_pretrained(staging, safe_serialization=True)
             for subfolder, component in extras.items():
                 component.save_pretrained(staging / subfolder)
-            index_extras(staging, extras)
+            index_extras(staging, extras, recipe)
         _publish(staging, out_dir, os.listdir(staging))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def _check_recipe(out_dir: Path, recipe: dict[str, object]) -> None:
+    """Refuse a built folder whose mark names another recipe, or that has none (built before the mark existed, or
+    not by build_tiny): its weights are not what this call would build."""
+    held = json.loads((out_dir / "model_index.json").read_text()).get(RECIPE_KEY)
+    if held == recipe:
+        return
+    what = (f"was built by {held['builder']} (seed {held['seed']})" if held else
+            "has no build_tiny recipe in its model_index.json, so what it holds is unknown (built by an older "
+            "loraflow, or not by build_tiny)")
+    raise ValueError(f"{out_dir} {what}, but this build is {recipe['builder']} (seed {recipe['seed']}): delete the "
+                     "folder to build it again, or build into another folder")

@@ -1,5 +1,6 @@
 """Parts of the tiny checkpoints (`loraflow.pipelines.tiny`) kept apart to hold tiny.py under 500 lines: the SigLIP
-image encoder of HunyuanVideo 1.5 i2v, CREPA's DINOv2 teacher, and listing extra components in model_index.json."""
+image encoder of HunyuanVideo 1.5 i2v, CREPA's DINOv2 teacher, and listing extra components (and the recipe) in
+model_index.json."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from transformers import SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
 
 IMAGE_DIM = 32  # hidden size of the tiny SigLIP vision tower
+RECIPE_KEY = "_loraflow_tiny_recipe"  # model_index.json: what build_tiny built the folder by (builder, seed)
 
 
 def siglip_image_encoder() -> tuple[SiglipVisionModel, SiglipImageProcessorPil]:
@@ -31,14 +33,16 @@ def siglip_image_encoder() -> tuple[SiglipVisionModel, SiglipImageProcessorPil]:
     return SiglipVisionModel(config).eval(), processor
 
 
-def index_extras(folder: Path, extras: Mapping[str, object]) -> None:
+def index_extras(folder: Path, extras: Mapping[str, object], recipe: Mapping[str, object]) -> None:
     """List extra components in folder/model_index.json as a hub checkpoint lists them (library, class), so the
     pipeline that takes them loads the folder alone (HunyuanVideo15ImageToVideoPipeline.from_pretrained(d)); a
-    pipeline that does not take them ignores them with a warning, as it would on the hub checkpoint."""
+    pipeline that does not take them ignores them with a warning, as it would on the hub checkpoint. Mark the recipe
+    `build_tiny` built the folder by under RECIPE_KEY (diffusers' loaders skip keys that start with "_")."""
     index_path = folder / "model_index.json"
     index = json.loads(index_path.read_text())
     for name, component in extras.items():
         index[name] = [type(component).__module__.split(".")[0], type(component).__name__]
+    index[RECIPE_KEY] = dict(recipe)
     index_path.write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
 
 

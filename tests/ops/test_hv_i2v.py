@@ -186,12 +186,13 @@ def test_hv_i2v_eval_loss_uses_the_cached_condition(trained) -> None:
     text_key = text_lookup(store)["", ""]
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
     load_lora_file(transformer, report.lora_path)
-    losses = eval_losses(transformer, family, store, [EvalItem(row["clip_key"], row["key"], text_key)], 3, CPU)
+    item = EvalItem(row["clip_key"], row["key"], text_key, "videos/clip.mp4", (0, 1))  # any clip identity
+    losses = eval_losses(transformer, family, store, [item], 3, CPU)
     plain = load_component(config.pretrained_model_name_or_path, "transformer")
     cached = store.get("latents", [row["key"]])[row["key"]]
     x0, image_latent, image_embeds = (torch.from_numpy(np.array(cached[k]))[None]
                                       for k in ("latent", "image_latent", "image_embeds"))
-    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(noise_seed(3, row["clip_key"])))
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(noise_seed(3, item)))
     j = EVAL_SIGMAS.index(0.5)
     x_t, sigma = 0.5 * x0 + 0.5 * noise, torch.full((1,), 0.5)
     text = store.get("text_embeds", [text_key])[text_key]

@@ -133,11 +133,11 @@ def test_i2v_eval_loss_is_the_masked_loss(trained) -> None:
     text_key = text_lookup(store)["", ""]
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
     load_lora_file(transformer, report.lora_path)
-    (losses,) = [eval_losses(transformer, family, store, [EvalItem(row["clip_key"], row["key"], text_key)], 3,
-                             torch.device("cpu"))]
+    item = EvalItem(row["clip_key"], row["key"], text_key, "demo-videos/clip.mp4", (0, 1))  # any clip identity
+    (losses,) = [eval_losses(transformer, family, store, [item], 3, torch.device("cpu"))]
     plain = load_component(config.pretrained_model_name_or_path, "transformer")
     x0 = torch.from_numpy(np.array(store.get("latents", [row["key"]])[row["key"]]["latent"]))[None]
-    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(noise_seed(3, row["clip_key"])))
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(noise_seed(3, item)))
     text = family.collate_text([store.get("text_embeds", [text_key])[text_key]], torch.device("cpu"))
     j = EVAL_SIGMAS.index(0.5)
     noisy = 0.5 * x0 + 0.5 * noise

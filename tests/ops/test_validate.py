@@ -34,7 +34,7 @@ from loraflow.ops.validate import negative_prompt, render_settings, validate, wr
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component, set_lora_scale
 from loraflow.store import Store
-from tests.conftest import REPO
+from tests.conftest import REPO, demo_dict, write_config
 
 LIBRARY = {"blue": "a blue square spins slowly", "two words/odd": "a green triangle"}
 CAPTIONS = [f"clip {i}: a {c} ball bounces" for i, c in enumerate(["red", "blue", "green", "white", "black"])]
@@ -57,8 +57,9 @@ def config_dict(model: Path, root: Path, **overrides: Any) -> dict[str, Any]:
 
 def fill_store(config: LoraflowConfig, store: Store) -> None:
     """Clips manifest (5 videos, one clip each), seeded latents, and real text embeddings."""
-    clips = [{"key": f"clip{i}", "dataset": "videos", "source": f"v{i}.mp4", "captions": [caption], "repeats": 1,
-              "bucket": f"{WIDTH}x{HEIGHT}@5"} for i, caption in enumerate(CAPTIONS)]
+    clips = [{"key": f"clip{i}", "dataset": "videos", "source": f"v{i}.mp4", "indices": list(range(5)),
+              "captions": [caption], "repeats": 1, "bucket": f"{WIDTH}x{HEIGHT}@5"}
+             for i, caption in enumerate(CAPTIONS)]
     store.write_manifest("clips", clips)
     generator = torch.Generator().manual_seed(0)
     latents = [{"key": f"latent{i}", "latent": torch.randn(16, 2, HEIGHT // 8, WIDTH // 8, generator=generator).numpy()}
@@ -70,8 +71,11 @@ def fill_store(config: LoraflowConfig, store: Store) -> None:
 
 
 def make_lora(config: LoraflowConfig, out: Path) -> Path:
-    """A rank-4 adapter with random B (a fresh adapter has B = 0 and changes nothing), in diffusers format."""
+    """A rank-4 adapter with random B (a fresh adapter has B = 0 and changes nothing), in diffusers format with its
+    LoraConfig in the header, as training exports it."""
     from peft import LoraConfig, get_peft_model_state_dict
+
+    from loraflow.ops.checkpoints import adapter_config
 
     family = get_family(config)
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
@@ -80,7 +84,7 @@ def make_lora(config: LoraflowConfig, out: Path) -> Path:
     for name, param in transformer.named_parameters():
         if "lora_B" in name:
             param.data = torch.randn(param.shape, generator=generator) * 0.2
-    family.save_lora(get_peft_model_state_dict(transformer), out)
+    family.save_lora(get_peft_model_state_dict(transformer), out, adapter_config(transformer))
     return out / "pytorch_lora_weights.safetensors"
 
 
@@ -194,6 +198,36 @@ def test_lora_at_scale_zero_renders_exactly_the_base_model(setup) -> None:
         set_lora_scale(plain.transformer, 1.0)
 
 
+def metadata_reordered(path: Path) -> bytes:
+    """The same safetensors file with its header's `__metadata__` entries in the other order: safetensors 0.8 wrote
+    both orders for one LoRA, trained twice in two processes (a Rust HashMap's order, new per process)."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    header = {"__metadata__": dict(reversed(header.pop("__metadata__").items())), **header}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size
+    return raw[:8] + text.ljust(size) + raw[8 + size :]  # safetensors pads its header with spaces
+
+
+def test_a_rerun_on_the_same_lora_content_renders_nothing_whatever_its_header_order(setup, first_run,
+                                                                                  tmp_path: Path) -> None:
+    """Seen failing when the key hashed the file's bytes: two validations of one LoRA, trained again in another
+    process (same run key, same tensors, the header's metadata in the other order), had two data versions."""
+    from safetensors import safe_open
+
+    data, store, lora = setup
+    again = tmp_path / lora.name
+    again.write_bytes(metadata_reordered(lora))
+    assert again.read_bytes() != lora.read_bytes()
+    with safe_open(str(lora), "pt") as a, safe_open(str(again), "pt") as b:
+        assert len(a.metadata()) == 2 and a.metadata() == b.metadata()  # format, lora_adapter_metadata
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    config = parse_config(data)
+    rerun = validate(config, get_family(config), store, str(again))
+    assert (rerun.data_version, rerun.computed) == (first_run.data_version, 0)
+
+
 # -- eval loss -------------------------------------------------------------------------------------------
 def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(setup, first_run) -> None:
     data, store, lora = setup
@@ -209,6 +243,36 @@ def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(setup, fir
     assert all(np.isfinite(r["base"]) and np.isfinite(r["lora"]) and r["base"] != r["lora"] for r in runs[0])
     other_noise = eval_losses(pipe.transformer, family, store, items, 8, torch.device("cpu"))
     assert other_noise != runs[0]
+
+
+def test_eval_loss_of_the_same_clips_is_the_same_whatever_their_files_mtimes(setup, tiny_k5: Path, demo_data: Path,
+                                                                          tmp_path: Path) -> None:
+    """Seen failing when eval noise was seeded by the clip key, which holds the file's mtime: two fresh clones of one
+    commit regenerate the demo data with other mtimes, and measured -17% and -25% with identical renders."""
+    import os
+
+    from loraflow.ops.clips import build_clips
+    from loraflow.ops.latents import encode_latents
+
+    _, _, lora = setup
+    runs = []
+    for name, shift_ns in (("here", 0), ("elsewhere", 10**9)):
+        data = shutil.copytree(demo_data, tmp_path / name / "data")
+        for file in data.iterdir():  # the same bytes, written a second later
+            os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + shift_ns))
+        config = load_config(write_config(tmp_path / name / "config.yaml", demo_dict(
+            tiny_k5, data, tmp_path / name, eval_holdout_fraction=0.2)))
+        family, store = get_family(config), Store(config.cache_dir)
+        build_clips(config, family, store)
+        encode_latents(config, family, store)
+        encode_texts(config, family, store)
+        runs.append((config, family, store, eval_items(config, family, store)))
+    (_, family, store_a, items_a), (_, _, store_b, items_b) = runs
+    assert len(items_a) == 1 and items_a[0].clip_key != items_b[0].clip_key  # the mtime is in the clip key
+    pipe = family.load_renderer(str(tiny_k5), str(lora), torch.device("cpu"))
+    losses = [eval_losses(pipe.transformer, family, store, items, 7, torch.device("cpu"))
+              for store, items in ((store_a, items_a), (store_b, items_b))]
+    assert losses[0] == losses[1]  # same latents (same frames, same VAE), same noise: the same numbers, bit for bit
 
 
 def test_validation_report_carries_eval_table_and_plot(first_run) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2VLProcessor, SiglipImageProcessorPil, SiglipVisionModel
 
 from loraflow.pipelines.tiny import build_tiny
+from loraflow.pipelines.tiny_parts import RECIPE_KEY
 
 # max_sequence_length=1024: the byte-level tokenizer spends ~630 tokens on the K5 template, so the
 # default 512 (+ the pipeline's hard-coded crop of 128) would truncate the prompt away.
@@ -72,6 +75,24 @@ def test_build_is_idempotent_and_leaves_no_staging(k5_video_dir: Path) -> None:
     assert build_tiny("kandinsky5-video", k5_video_dir) == k5_video_dir
     assert index.stat().st_mtime_ns == before
     assert [p.name for p in k5_video_dir.parent.iterdir()] == [k5_video_dir.name]
+
+
+def test_a_folder_built_by_another_recipe_is_refused_not_reused(k5_video_dir: Path, tmp_path: Path) -> None:
+    """Seen failing when any folder holding the right pipeline class was reused: `world=True` over an old random
+    checkpoint silently kept the random one."""
+    index = (k5_video_dir / "model_index.json").read_text()
+    random = r"loraflow\.pipelines\.kandinsky5_video\._tiny_pipeline"
+    with pytest.raises(ValueError, match=rf"was built by {random} \(seed 0\), but this build is "
+                                         r"loraflow\.pipelines\.kandinsky5_video\._world_pipeline \(seed 0\): delete"):
+        build_tiny("kandinsky5-video", k5_video_dir, world=True)
+    with pytest.raises(ValueError, match=rf"\(seed 0\), but this build is {random} \(seed 1\)"):
+        build_tiny("kandinsky5-video", k5_video_dir, seed=1)
+    assert (k5_video_dir / "model_index.json").read_text() == index  # refused: nothing rebuilt, nothing reused
+    older = shutil.copytree(k5_video_dir, tmp_path / "older")  # a folder built before the mark existed
+    unmarked = {k: v for k, v in json.loads(index).items() if k != RECIPE_KEY}
+    (older / "model_index.json").write_text(json.dumps(unmarked))
+    with pytest.raises(ValueError, match="has no build_tiny recipe in its model_index.json"):
+        build_tiny("kandinsky5-video", older)
 
 
 def test_same_seed_same_weights(tmp_path: Path, k5_video_dir: Path) -> None:
