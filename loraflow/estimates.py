@@ -444,6 +444,30 @@ def component_configs(folders: Mapping[str, Path]) -> dict[str, dict]:
     return {name: json.loads(f.read_text()) for name, f in files.items() if f.is_file()}
 
 
+def released_configs(config: LoraflowConfig) -> dict[str, str] | None:
+    """{component: file in loraflow/pipelines/released/} for a config whose model is its flavour's own released
+    repository (the default source), for estimates before it is downloaded; None for any other model."""
+    from loraflow.pipelines import released
+
+    flavour = config.flavour
+    if config.pretrained_model_name_or_path != flavour.repo or flavour.name not in released.FLAVOURS:
+        return None
+    return {c: released.file_name(flavour.name, c) for c in flavour.components if c in released.FLAVOURS[flavour.name]}
+
+
+def configured_buckets(config: LoraflowConfig, family: ModelFamily) -> list[str]:
+    """The bucket label each training dataset asks for before it has clips: a square source at its `resolution`
+    (bucketed as `ops.clips.plan_clips` buckets one) and its `video.num_frames` (1 for an image dataset)."""
+    from loraflow.ops.buckets import bucket_label, bucket_size
+
+    labels = []
+    for d in config.training_datasets:
+        height, width = bucket_size(d.resolution, d.resolution, d.resolution, family.spatial_multiple,
+                                    d.resolution_type, d.crop_aspect, d.crop_aspect_buckets)
+        labels.append(bucket_label(height, width, 1 if d.dataset_type == "image" else d.video.num_frames))
+    return labels
+
+
 def largest_bucket(labels: Iterable[str]) -> tuple[int, int, int]:
     """(frames, height, width) of the largest of these bucket labels (WIDTHxHEIGHT@FRAMES, `ops.buckets`)."""
     sizes = [tuple(int(n) for n in label.replace("@", "x").split("x")) for label in labels]
