@@ -429,8 +429,9 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
     vae = fake_model(meta_model(component_configs["vae"], torch.float32), mode)
 
     def decode() -> None:
-        with torch.no_grad():
-            vae.decode(torch.zeros((1, *latent_shape)))
+        latent = torch.zeros((1, *latent_shape))
+        with torch.no_grad():  # an image family's VAE (Flux) is 2D: its pipeline decodes (B, C, h, w)
+            vae.decode(latent[:, :, 0] if family.flavour.num_frames == 1 else latent)
 
     decode_peak, _ = measured_step(decode, mode, vae, device_type)
     return StageEstimate("validation", {"weights": weights + weights_bytes(vae), "lora": tensor_bytes(lora),

@@ -157,3 +157,18 @@ def test_training_step_peak_released_dims(lite_two_blocks: Path, demo_data: Path
     estimate = estimates.training_step(config, family, transformer_config, latent, device_type="cpu")
     assert estimate.parts["weights"] > 200 * 2**20
     assert_close(estimate.peak_bytes, measured_training_peak(config, latent))
+
+
+def test_validation_of_an_image_family_decodes_with_its_2d_vae() -> None:
+    """Kandinsky 5 Image renders through the Flux VAE, a 2D one: the estimate decodes the latent as its pipeline
+    does, (B, C, h, w), at the released configs (a small render: the fake step costs seconds)."""
+    from loraflow.config import parse_config
+    from loraflow.pipelines.released import released_config
+
+    config = parse_config({"model_family": "kandinsky5-image", "pretrained_model_name_or_path": "org/model",
+                           "validation_resolution": "64x64",
+                           "datasets": [{"id": "i", "dataset_type": "image", "instance_data_dir": "images"}]})
+    configs = {c: released_config(config.flavour.name, c) for c in ("transformer", "vae")}
+    (stage,) = estimates.estimate(config, get_family(config), configs, (1, 64, 64), stages=("validation",))
+    vae_weights = estimates.weights_bytes(estimates.meta_model(configs["vae"], torch.float32))
+    assert stage.parts["weights"] > vae_weights > 0 and stage.parts["activations"] > 0
