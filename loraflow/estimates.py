@@ -306,7 +306,7 @@ def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config
 
 
 def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shape: tuple[int, ...], batch: int,
-                   autocast: bool, train: bool) -> Callable[[], None]:
+                   autocast: bool, train: bool, text_tokens: int | None = None) -> Callable[[], None]:
     """One transformer call on zeros of the batch's shapes: training's `step_losses` + backward, or a render's
     no-grad velocity. The batch is made inside, as its device copies are made in a run."""
     import torch
@@ -317,11 +317,10 @@ def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_sha
     device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
 
     def call() -> None:
-        shape = (batch, *latent_shape)
+        shape, tokens = (batch, *latent_shape), text_tokens or family.max_text_tokens
         # collate_text's .to(device) copies the rows into fake tensors: the device copies of a GPU run
         # the model's config: the given one with every default filled in
-        text = family.collate_text([family.example_text_row(transformer.config, family.max_text_tokens)] * batch,
-                                   device)
+        text = family.collate_text([family.example_text_row(transformer.config, tokens)] * batch, device)
         draws = StepDraws(drop_caption=False, noise=torch.zeros(shape), sigma=torch.full((batch,), 0.5), seed=0)
         micro = MicroBatch(samples=[], x0=torch.zeros(shape), text=text, draws=draws)
         if train:
@@ -343,9 +342,11 @@ def _not_modelled(stage: str, family: ModelFamily, transformer_config: Mapping[s
 
 
 def training_step(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
-                  latent_shape: tuple[int, int, int, int], device_type: str = "cuda") -> StageEstimate:
+                  latent_shape: tuple[int, int, int, int], device_type: str = "cuda",
+                  text_tokens: int | None = None) -> StageEstimate:
     """One optimizer step of the lora stage at the largest bucket's latent (C, T, h, w), `train_batch_size` samples,
-    `max_text_tokens` caption tokens (the longest a caption can be), on a `device_type` accelerator:
+    `text_tokens` caption tokens (default `max_text_tokens`: the longest a caption can be), on a `device_type`
+    accelerator:
     weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included)."""
     import torch
 
@@ -362,7 +363,8 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
         transformer.enable_gradient_checkpointing()
     transformer.train()
     autocast = uses_autocast(config, torch.device(device_type))
-    step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, train=True)
+    step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, train=True,
+                          text_tokens=text_tokens)
     try:
         activations, tflop = measured_step(step, mode, transformer, device_type)
     except NotFakeable as exc:
