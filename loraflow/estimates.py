@@ -289,20 +289,21 @@ def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family
 
 
 def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
-                 precision: str) -> tuple[torch.nn.Module, list, int]:
+                 precision: str) -> tuple[torch.nn.Module, list, torch.nn.Module]:
     """The fake transformer as `ops.train.load_transformer` prepares it (precision, fp32 LoRA), its LoRA parameters,
-    and the bytes of its frozen weights. fp8-layerwise computes as bf16 does: the fake model is bf16, its weights
-    are counted on a meta model with layerwise casting (1 byte each where diffusers casts); int8 weight-only is
-    counted the same way (its per-channel scales are left out)."""
+    and the model whose tensors are its frozen weights as stored (`weights_bytes`, `offloaded_bytes` count them).
+    fp8-layerwise computes as bf16 does: the fake model is bf16, its weights are stored as a meta model with
+    layerwise casting stores them (1 byte each where diffusers casts); int8 weight-only is counted the same way
+    (its per-channel scales are left out)."""
     from peft import LoraConfig
 
     adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank,
                          target_modules=family.lora_targets(config.lora_include_ffn))
     one_byte = precision in ("fp8-layerwise", "int8-torchao", "int8-quanto")
     transformer = fake_model(meta_model(transformer_config, _dtype(precision), adapter), mode)
-    weights = weights_bytes(meta_model(transformer_config, _dtype(precision), fp8=True) if one_byte else transformer)
+    stored = meta_model(transformer_config, _dtype(precision), fp8=True) if one_byte else transformer
     lora = [p for n, p in transformer.named_parameters() if "lora_" in n]
-    return transformer, lora, weights
+    return transformer, lora, stored
 
 
 def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shape: tuple[int, ...], batch: int,
@@ -355,8 +356,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     if (skipped := _not_modelled("lora", family, transformer_config)) is not None:
         return skipped
     mode = _fake_mode()
-    transformer, lora, weights = _transformer(config, family, transformer_config, mode,
-                                              config.base_model_precision)
+    transformer, lora, stored = _transformer(config, family, transformer_config, mode, config.base_model_precision)
     for p in lora:
         p.requires_grad_(True)
     if config.gradient_checkpointing:
@@ -369,8 +369,9 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
         activations, tflop = measured_step(step, mode, transformer, device_type)
     except NotFakeable as exc:
         return StageEstimate("lora", note=str(exc))
-    if config.enable_group_offload:
-        weights -= offloaded_bytes(transformer, config, family)
+    weights = weights_bytes(stored)
+    if config.enable_group_offload:  # the blocks as stored: 1 byte per weight with fp8/int8, not the bf16 compute
+        weights -= offloaded_bytes(stored, config, family)
     moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
     return StageEstimate("lora", {"weights": weights, "lora": tensor_bytes(lora), "optimizer": moments,
                                   "activations": activations}, tflop)
@@ -422,7 +423,7 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
     if (skipped := _not_modelled("validation", family, component_configs["transformer"])) is not None:
         return skipped
     mode = _fake_mode()
-    transformer, lora, weights = _transformer(config, family, component_configs["transformer"], mode, "no_change")
+    transformer, lora, stored = _transformer(config, family, component_configs["transformer"], mode, "no_change")
     denoise = _velocity_call(family, transformer, latent_shape, 1, False, train=False)
     try:
         denoise_peak, tflop = measured_step(denoise, mode, transformer, device_type)
@@ -436,8 +437,9 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
             vae.decode(latent[:, :, 0] if family.flavour.num_frames == 1 else latent)
 
     decode_peak, _ = measured_step(decode, mode, vae, device_type)
-    return StageEstimate("validation", {"weights": weights + weights_bytes(vae), "lora": tensor_bytes(lora),
-                                        "activations": max(denoise_peak, decode_peak)}, tflop)
+    return StageEstimate("validation", {"weights": weights_bytes(stored) + weights_bytes(vae),
+                                        "lora": tensor_bytes(lora), "activations": max(denoise_peak, decode_peak)},
+                         tflop)
 
 
 # 3. a config's table, and what would make it fit ------------------------------------------------------------
