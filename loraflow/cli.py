@@ -151,19 +151,28 @@ def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets:
     `check --no-estimates` leaves this out (the plan alone imports no model library)."""
     from loraflow import estimates
     from loraflow.pipelines import get_family
+    from loraflow.pipelines.released import FOLDER, released_config
 
     print("\nestimates (no model loads; loraflow/estimates.py says how each is computed):")
-    if source is None:
+    released = estimates.released_configs(config) if source is None else None
+    if source is not None:
+        configs = estimates.component_configs({c: source.folder(c) for c in config.flavour.components})
+    elif released:  # the released model, not downloaded yet: its config files as loraflow holds them
+        configs = {c: released_config(config.flavour.name, c) for c in released}
+        print(f"  from the released config files in {FOLDER.relative_to(Path(estimates.__file__).parents[1])}/ "
+              f"({', '.join(released.values())}), not from the model: it is not on disk")
+    else:
         print("  estimate needs the model's config files: the components' config.json on disk (download the model, "
               "which the first stage does, or point `pretrained_model_name_or_path` at a local folder)")
         return
-    if not buckets:
-        print("  nothing to estimate: no clips")
-        return
     family = get_family(config)
-    bucket = estimates.largest_bucket(b.bucket for b in buckets)
+    labels = [b.bucket for b in buckets]
+    if not labels:
+        labels = estimates.configured_buckets(config, family)
+        print(f"  no clips yet: estimated at the bucket{'s' * (len(labels) > 1)} the datasets ask for "
+              f"({', '.join(labels)}: a square source at `resolution`, `video.num_frames` frames)")
+    bucket = estimates.largest_bucket(labels)
     frames, height, width = bucket
-    configs = estimates.component_configs({c: source.folder(c) for c in config.flavour.components})
     stages = estimates.estimate(config, family, configs, bucket)
     print(f"  largest bucket {width}x{height}@{frames}, batch {config.train_batch_size}, "
           f"{family.max_text_tokens} text tokens; GiB peak on the accelerator, TFLOP of one step (lora: forward + "

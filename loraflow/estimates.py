@@ -289,24 +289,25 @@ def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family
 
 
 def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
-                 precision: str) -> tuple[torch.nn.Module, list, int]:
+                 precision: str) -> tuple[torch.nn.Module, list, torch.nn.Module]:
     """The fake transformer as `ops.train.load_transformer` prepares it (precision, fp32 LoRA), its LoRA parameters,
-    and the bytes of its frozen weights. fp8-layerwise computes as bf16 does: the fake model is bf16, its weights
-    are counted on a meta model with layerwise casting (1 byte each where diffusers casts); int8 weight-only is
-    counted the same way (its per-channel scales are left out)."""
+    and the model whose tensors are its frozen weights as stored (`weights_bytes`, `offloaded_bytes` count them).
+    fp8-layerwise computes as bf16 does: the fake model is bf16, its weights are stored as a meta model with
+    layerwise casting stores them (1 byte each where diffusers casts); int8 weight-only is counted the same way
+    (its per-channel scales are left out)."""
     from peft import LoraConfig
 
     adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank,
                          target_modules=family.lora_targets(config.lora_include_ffn))
     one_byte = precision in ("fp8-layerwise", "int8-torchao", "int8-quanto")
     transformer = fake_model(meta_model(transformer_config, _dtype(precision), adapter), mode)
-    weights = weights_bytes(meta_model(transformer_config, _dtype(precision), fp8=True) if one_byte else transformer)
+    stored = meta_model(transformer_config, _dtype(precision), fp8=True) if one_byte else transformer
     lora = [p for n, p in transformer.named_parameters() if "lora_" in n]
-    return transformer, lora, weights
+    return transformer, lora, stored
 
 
 def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shape: tuple[int, ...], batch: int,
-                   autocast: bool, train: bool) -> Callable[[], None]:
+                   autocast: bool, train: bool, text_tokens: int | None = None) -> Callable[[], None]:
     """One transformer call on zeros of the batch's shapes: training's `step_losses` + backward, or a render's
     no-grad velocity. The batch is made inside, as its device copies are made in a run."""
     import torch
@@ -317,11 +318,10 @@ def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_sha
     device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
 
     def call() -> None:
-        shape = (batch, *latent_shape)
+        shape, tokens = (batch, *latent_shape), text_tokens or family.max_text_tokens
         # collate_text's .to(device) copies the rows into fake tensors: the device copies of a GPU run
         # the model's config: the given one with every default filled in
-        text = family.collate_text([family.example_text_row(transformer.config, family.max_text_tokens)] * batch,
-                                   device)
+        text = family.collate_text([family.example_text_row(transformer.config, tokens)] * batch, device)
         draws = StepDraws(drop_caption=False, noise=torch.zeros(shape), sigma=torch.full((batch,), 0.5), seed=0)
         micro = MicroBatch(samples=[], x0=torch.zeros(shape), text=text, draws=draws)
         if train:
@@ -343,9 +343,11 @@ def _not_modelled(stage: str, family: ModelFamily, transformer_config: Mapping[s
 
 
 def training_step(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
-                  latent_shape: tuple[int, int, int, int], device_type: str = "cuda") -> StageEstimate:
+                  latent_shape: tuple[int, int, int, int], device_type: str = "cuda",
+                  text_tokens: int | None = None) -> StageEstimate:
     """One optimizer step of the lora stage at the largest bucket's latent (C, T, h, w), `train_batch_size` samples,
-    `max_text_tokens` caption tokens (the longest a caption can be), on a `device_type` accelerator:
+    `text_tokens` caption tokens (default `max_text_tokens`: the longest a caption can be), on a `device_type`
+    accelerator:
     weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included)."""
     import torch
 
@@ -354,21 +356,22 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     if (skipped := _not_modelled("lora", family, transformer_config)) is not None:
         return skipped
     mode = _fake_mode()
-    transformer, lora, weights = _transformer(config, family, transformer_config, mode,
-                                              config.base_model_precision)
+    transformer, lora, stored = _transformer(config, family, transformer_config, mode, config.base_model_precision)
     for p in lora:
         p.requires_grad_(True)
     if config.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     transformer.train()
     autocast = uses_autocast(config, torch.device(device_type))
-    step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, train=True)
+    step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, train=True,
+                          text_tokens=text_tokens)
     try:
         activations, tflop = measured_step(step, mode, transformer, device_type)
     except NotFakeable as exc:
         return StageEstimate("lora", note=str(exc))
-    if config.enable_group_offload:
-        weights -= offloaded_bytes(transformer, config, family)
+    weights = weights_bytes(stored)
+    if config.enable_group_offload:  # the blocks as stored: 1 byte per weight with fp8/int8, not the bf16 compute
+        weights -= offloaded_bytes(stored, config, family)
     moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
     return StageEstimate("lora", {"weights": weights, "lora": tensor_bytes(lora), "optimizer": moments,
                                   "activations": activations}, tflop)
@@ -420,7 +423,7 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
     if (skipped := _not_modelled("validation", family, component_configs["transformer"])) is not None:
         return skipped
     mode = _fake_mode()
-    transformer, lora, weights = _transformer(config, family, component_configs["transformer"], mode, "no_change")
+    transformer, lora, stored = _transformer(config, family, component_configs["transformer"], mode, "no_change")
     denoise = _velocity_call(family, transformer, latent_shape, 1, False, train=False)
     try:
         denoise_peak, tflop = measured_step(denoise, mode, transformer, device_type)
@@ -429,12 +432,14 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
     vae = fake_model(meta_model(component_configs["vae"], torch.float32), mode)
 
     def decode() -> None:
-        with torch.no_grad():
-            vae.decode(torch.zeros((1, *latent_shape)))
+        latent = torch.zeros((1, *latent_shape))
+        with torch.no_grad():  # an image family's VAE (Flux) is 2D: its pipeline decodes (B, C, h, w)
+            vae.decode(latent[:, :, 0] if family.flavour.num_frames == 1 else latent)
 
     decode_peak, _ = measured_step(decode, mode, vae, device_type)
-    return StageEstimate("validation", {"weights": weights + weights_bytes(vae), "lora": tensor_bytes(lora),
-                                        "activations": max(denoise_peak, decode_peak)}, tflop)
+    return StageEstimate("validation", {"weights": weights_bytes(stored) + weights_bytes(vae),
+                                        "lora": tensor_bytes(lora), "activations": max(denoise_peak, decode_peak)},
+                         tflop)
 
 
 # 3. a config's table, and what would make it fit ------------------------------------------------------------
@@ -442,6 +447,30 @@ def component_configs(folders: Mapping[str, Path]) -> dict[str, dict]:
     """Each model component's config.json (tokenizers and schedulers have none), read from its folder."""
     files = {name: Path(folder) / "config.json" for name, folder in folders.items()}
     return {name: json.loads(f.read_text()) for name, f in files.items() if f.is_file()}
+
+
+def released_configs(config: LoraflowConfig) -> dict[str, str] | None:
+    """{component: file in loraflow/pipelines/released/} for a config whose model is its flavour's own released
+    repository (the default source), for estimates before it is downloaded; None for any other model."""
+    from loraflow.pipelines import released
+
+    flavour = config.flavour
+    if config.pretrained_model_name_or_path != flavour.repo or flavour.name not in released.FLAVOURS:
+        return None
+    return {c: released.file_name(flavour.name, c) for c in flavour.components if c in released.FLAVOURS[flavour.name]}
+
+
+def configured_buckets(config: LoraflowConfig, family: ModelFamily) -> list[str]:
+    """The bucket label each training dataset asks for before it has clips: a square source at its `resolution`
+    (bucketed as `ops.clips.plan_clips` buckets one) and its `video.num_frames` (1 for an image dataset)."""
+    from loraflow.ops.buckets import bucket_label, bucket_size
+
+    labels = []
+    for d in config.training_datasets:
+        height, width = bucket_size(d.resolution, d.resolution, d.resolution, family.spatial_multiple,
+                                    d.resolution_type, d.crop_aspect, d.crop_aspect_buckets)
+        labels.append(bucket_label(height, width, 1 if d.dataset_type == "image" else d.video.num_frames))
+    return labels
 
 
 def largest_bucket(labels: Iterable[str]) -> tuple[int, int, int]:

@@ -71,10 +71,12 @@ def test_check_names_a_missing_model_and_a_missing_dataset_folder_together(
         "datasets": [{"id": "gone", "instance_data_dir": str(tmp_path / "no-data")}],
     })
     assert main(["check", str(config)]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "2 problem(s)" in err
     assert "no-model is not a diffusers checkpoint folder" in err
     assert "dataset 'gone': instance_data_dir" in err and "no-data is not a folder" in err
+    # a local folder is not the released repository: no released config stands in for its config.json
+    assert "estimate needs the model's config files" in out
 
 
 def test_check_prints_the_bucket_plan_and_dropped_files(
@@ -118,6 +120,33 @@ def test_check_prints_the_estimates_and_the_switch_that_fits_the_named_card(
     assert "0.0018 GB (gpu_memory_gb) is short" in out
     switches = {line.split(":")[0].strip(): line.split()[-1] for line in out.splitlines() if "GiB" in line[40:]}
     assert switches["gradient_checkpointing"] == "fits" and switches["optimizer"] == "fit"  # "does not fit"
+
+
+def test_check_estimates_an_imported_seed_guide_from_the_released_configs_before_download_or_data(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Kandinsky 5 Video guide imported as its reader would (no model downloaded, no clips yet): check
+    estimates every stage from loraflow's released config files, at the bucket the dataset asks for."""
+    from tests.test_seed_guides import GUIDES, combine
+
+    guide = next((g for g in GUIDES if "`model_family`: `kandinsky5-video`" in g.read_text()), None)
+    if guide is None:
+        pytest.skip("no Kandinsky 5 Video seed guide beside the repository")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # empty: the model is not on disk
+    settings, backends = combine(guide, tmp_path, with_i2v=False)
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    (tmp_path / "multidatabackend.json").write_text(json.dumps(backends))
+    config = tmp_path / "config.yaml"
+    assert main(["import-simpletuner", str(tmp_path / "config.json"), str(tmp_path / "multidatabackend.json"),
+                 "-o", str(config)]) == 0
+    assert main(["check", str(config)]) == 2  # the model is not in the cache, the dataset folder is not there
+    out = capsys.readouterr().out.split("estimates (no model loads")[1]
+    assert "k5-video-lite-5s.transformer.json, hunyuanvideo.vae.json" in out
+    assert "no clips yet: estimated at the bucket the datasets ask for (512x512@61" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[5:9]}
+    assert set(rows) == {"latents", "text_embeds", "lora", "validation"}
+    # bf16 Lite (2.01B parameters: 3.7 GiB) + its AdamW-trained LoRA + activations; not a '-' row
+    assert all(float(row[1]) > 3.7 for row in rows.values()), rows
 
 
 # -- partitions ------------------------------------------------------------------------------------

@@ -158,3 +158,34 @@ def test_training_step_peak_released_dims(lite_two_blocks: Path, demo_data: Path
     estimate = estimates.training_step(config, family, transformer_config, latent, device_type="cpu")
     assert estimate.parts["weights"] > 200 * 2**20
     assert_close(estimate.peak_bytes, measured_training_peak(config, latent))
+
+
+def test_validation_of_an_image_family_decodes_with_its_2d_vae() -> None:
+    """Kandinsky 5 Image renders through the Flux VAE, a 2D one: the estimate decodes the latent as its pipeline
+    does, (B, C, h, w), at the released configs (a small render: the fake step costs seconds)."""
+    from loraflow.config import parse_config
+    from loraflow.pipelines.released import released_config
+
+    config = parse_config({"model_family": "kandinsky5-image", "pretrained_model_name_or_path": "org/model",
+                           "validation_resolution": "64x64",
+                           "datasets": [{"id": "i", "dataset_type": "image", "instance_data_dir": "images"}]})
+    configs = {c: released_config(config.flavour.name, c) for c in ("transformer", "vae")}
+    (stage,) = estimates.estimate(config, get_family(config), configs, (1, 64, 64), stages=("validation",))
+    vae_weights = estimates.weights_bytes(estimates.meta_model(configs["vae"], torch.float32))
+    assert stage.parts["weights"] > vae_weights > 0 and stage.parts["activations"] > 0
+
+
+def test_group_offload_of_one_byte_weights_offloads_one_byte_blocks(tiny_k5: Path, demo_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """fp8-layerwise stores each block's matrices in 1 byte: offloading those blocks takes their 1-byte bytes off
+    the accelerator, never the bf16 bytes the fake step computes with (that went below zero for K5 Image's guide:
+    int8 + group offload + checkpointing, -2.06 GiB)."""
+    family = get_family(config_for(tiny_k5, demo_data, tmp_path))
+    latent = latent_geometry(tiny_k5, family).shape(*BUCKET)
+    transformer_config = json.loads((tiny_k5 / "transformer" / "config.json").read_text())
+    resident, offloaded = (estimates.training_step(
+        config_for(tiny_k5, demo_data, tmp_path, base_model_precision="fp8-layerwise", enable_group_offload=o),
+        family, transformer_config, latent, device_type="cpu").parts["weights"] for o in (False, True))
+    stored = estimates.meta_model(transformer_config, torch.bfloat16, fp8=True)
+    blocks = [estimates.weights_bytes(b) for b in getattr(stored, family.tread_layout.blocks)]
+    assert resident - offloaded == sum(blocks) - max(blocks) > 0  # one group of one block stays

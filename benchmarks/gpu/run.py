@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,12 +70,19 @@ REGISTRY: list[Measurement] = [
 SMOKE_CAP_S = 600.0  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
 
 
-def estimate_for(measurement: Measurement) -> dict | None:
-    """The estimate of a measurement (peak GiB, FLOPs per step, ...) from loraflow's memory/FLOP estimates.
+def estimate_for(measurement: Measurement, work: Path, smoke: bool) -> dict | None:
+    """loraflow/estimates.py's numbers for a training measurement (train.py's `estimate`: the same config, latent
+    and caption length on fake tensors, on the CPU); None for the others. Its keys beside the measured ones
+    (`peak_allocated_gib`, `flops_per_step`) are compared by `compared`; a failed estimate records its error and
+    the run goes on."""
+    if measurement.module != "train":
+        return None
+    import train
 
-    None until loraflow/estimates.py is merged; the lead connects it here. Its keys beside the measured ones
-    (`peak_allocated_gib`, `flops_per_step`) are compared by `compared`."""
-    return None
+    try:
+        return train.estimate(work, smoke, **measurement.kwargs)
+    except Exception as exc:  # noqa: BLE001 - an estimate must not cost the GPU measurements after it
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def compared(result: dict[str, Any], estimate: dict[str, Any] | None) -> dict[str, float]:
@@ -166,10 +174,17 @@ def main() -> None:
     budget = args.budget or (900.0 if args.smoke else 480.0)
     deadline = time.monotonic() + budget
     report: dict[str, Any] = {"device": device, "smoke": args.smoke, "budget_s": budget, "results": {}}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(1) as estimates:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
+        if args.smoke:  # the estimates read the tiny configs; the children then find them built
+            from loraflow.pipelines.tiny import build_tiny
+
+            for family in {m.kwargs["family"] for m in REGISTRY if m.name in chosen and m.module == "train"}:
+                build_tiny(family, work / family)
         for measurement in (m for m in REGISTRY if m.name in chosen):
+            # on the CPU while the child measures: no GPU time
+            estimating = estimates.submit(estimate_for, measurement, work, args.smoke)
             left = deadline - time.monotonic()
             cap = float(caps.get(measurement.name, SMOKE_CAP_S if args.smoke else measurement.cap_s))
             if left < 1:
@@ -177,7 +192,7 @@ def main() -> None:
             else:
                 result = run_one(measurement, min(cap, left), work, args.smoke)
             peak = report["results"].get("matmul_peak", {}).get("tflops")
-            estimate = estimate_for(measurement)
+            estimate = estimating.result()
             result.update(mfu=mfu(result, peak), estimate=estimate, measured_over_estimate=compared(result, estimate))
             report["results"][measurement.name] = result
             print(json.dumps({measurement.name: result}), flush=True)

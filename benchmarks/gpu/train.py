@@ -94,21 +94,12 @@ def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: 
                 lora_out: str) -> dict[str, Any]:
     import torch
 
-    from loraflow.config import parse_config
     from loraflow.ops import train as T
     from loraflow.ops.checkpoints import lora_state
     from loraflow.pipelines import get_family
     from safetensors.torch import save_file
 
-    keys = dict(VARIANTS[variant])
-    if smoke:  # tiny models have 2 blocks; the CPU has no streams
-        keys.pop("group_offload_use_stream", None)
-        keys = {**keys, "tread_config": {"routes": [{**TREAD["routes"][0], "start_layer_idx": 0,
-                                                     "end_layer_idx": -1}]}} if "tread_config" in keys else keys
-    config = parse_config({
-        "model_family": family, "model_flavour": MODELS[family]["flavour"], "pretrained_model_name_or_path": model_path,
-        "datasets": [{"id": "bench", "instance_data_dir": "unused"}], "lora_rank": 16,
-        "base_model_precision": "bf16", **keys})
+    config = variant_config(family, model_path, variant, smoke)
     device = torch.device("cpu" if smoke else "cuda")
     family_obj = get_family(config)
     try:
@@ -138,6 +129,54 @@ def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: 
     return {"seconds_per_step": round(timed[len(timed) // 2], 4), "steps_timed": len(timed), **peaks,
             "flops_per_step": flops, "visual_tokens": visual_tokens(batch, family),
             "losses": [round(v, 5) for v in losses]}
+
+
+def variant_config(family: str, model_path: str, variant: str, smoke: bool) -> Any:
+    """The loraflow config a variant trains with."""
+    from loraflow.config import parse_config
+
+    keys = dict(VARIANTS[variant])
+    if smoke:  # tiny models have 2 blocks; the CPU has no streams
+        keys.pop("group_offload_use_stream", None)
+        keys = {**keys, "tread_config": {"routes": [{**TREAD["routes"][0], "start_layer_idx": 0,
+                                                     "end_layer_idx": -1}]}} if "tread_config" in keys else keys
+    return parse_config({
+        "model_family": family, "model_flavour": MODELS[family]["flavour"], "pretrained_model_name_or_path": model_path,
+        "datasets": [{"id": "bench", "instance_data_dir": "unused"}], "lora_rank": 16,
+        "base_model_precision": "bf16", **keys})
+
+
+def estimate(work: Path, smoke: bool, family: str, variant: str) -> dict[str, Any]:
+    """loraflow/estimates.py's training step for the same config, transformer config, latent and caption length
+    as `measure`, on fake tensors (CPU only, no weights read): run.py computes it while the child measures."""
+    import diffusers
+    import torch
+
+    from loraflow import estimates
+    from loraflow.pipelines import get_family
+
+    model = work / family
+    spec = {**MODELS[family], **(SMOKE_SIZE if smoke else {})}
+    if smoke:  # the tiny checkpoint's config; run.py builds it before the child starts
+        transformer_config = json.loads((model / "transformer" / "config.json").read_text())
+    else:  # the config write_checkpoint saves
+        with torch.device("meta"):
+            transformer_config = {**getattr(diffusers, spec["class"])(**spec["config"]).config,
+                                  "_class_name": spec["class"]}
+    config = variant_config(family, str(model), variant, smoke)
+    step = estimates.training_step(config, get_family(config), transformer_config, latent_shape(spec),
+                                   text_tokens=spec["text_tokens"])
+    if not step.parts:
+        return {"peak_allocated_gib": None, "flops_per_step": None, "note": step.note}
+    return {"peak_allocated_gib": round(step.peak_gib, 6), "flops_per_step": int(step.tflop * 1e12),
+            "parts_gib": {k: round(v / 2**30, 6) for k, v in step.parts.items()}}
+
+
+def latent_shape(spec: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(C, T, h, w) of the benchmark's latent: `spec` is MODELS[family], with SMOKE_SIZE over it in smoke mode."""
+    channels, factor = spec["vae"]
+    (height, width), frames = spec["size"], spec["frames"]
+    return channels, (frames - 1) // 4 + 1, height // factor, width // factor
 
 
 def one_step(transformer: Any, family: Any, config: Any, batch: Any, device: Any, autocast: bool, trainable: Any,
@@ -180,10 +219,9 @@ def random_batch(family: str, dims: Any, smoke: bool) -> Any:
     from loraflow.config import parse_config
 
     spec = {**MODELS[family], **(SMOKE_SIZE if smoke else {})}
-    channels, factor = spec["vae"]
-    (height, width), frames, tokens = spec["size"], spec["frames"], spec["text_tokens"]
+    tokens = spec["text_tokens"]
     g = torch.Generator().manual_seed(0)
-    x0 = torch.randn(1, channels, (frames - 1) // 4 + 1, height // factor, width // factor, generator=g)
+    x0 = torch.randn(1, *latent_shape(spec), generator=g)
     rng = np.random.default_rng(0)
     if family == "kandinsky5-video":
         row = {"text_embeds": rng.standard_normal((tokens, dims.in_text_dim), np.float32),

@@ -55,18 +55,23 @@ REPOS = {f.repo: f.name for spec in (K5_VIDEO, K5_IMAGE, HV15) for f in spec.fla
 
 @cache
 def _read(name: str) -> dict[str, Any]:
-    return json.loads((FOLDER / f"{name}.json").read_text())
+    return json.loads((FOLDER / name).read_text())
 
 
-def released_file(flavour_or_repo: str, component: str) -> dict[str, Any]:
-    """The whole JSON (`source` and `config`) of a flavour's (or its diffusers repository's) component."""
+def file_name(flavour_or_repo: str, component: str) -> str:
+    """The name of the file in this folder holding a flavour's (or its diffusers repository's) component."""
     flavour = REPOS.get(flavour_or_repo, flavour_or_repo)
     if flavour not in FLAVOURS:
         raise KeyError(f"no released configs for {flavour_or_repo!r}; known flavours: {', '.join(sorted(FLAVOURS))}")
     parts = {**FLAVOURS[flavour], CREPA_ENCODER: "dinov2-giant"}
     if component not in parts:
         raise KeyError(f"flavour {flavour!r} has no component {component!r}; it has {', '.join(sorted(parts))}")
-    return _read(f"{parts[component]}.{component}")
+    return f"{parts[component]}.{component}.json"
+
+
+def released_file(flavour_or_repo: str, component: str) -> dict[str, Any]:
+    """The whole JSON (`source` and `config`) of a flavour's (or its diffusers repository's) component."""
+    return _read(file_name(flavour_or_repo, component))
 
 
 def released_config(flavour_or_repo: str, component: str) -> dict:
