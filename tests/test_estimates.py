@@ -158,3 +158,26 @@ def test_training_step_peak_released_dims(lite_two_blocks: Path, demo_data: Path
     estimate = estimates.training_step(config, family, transformer_config, latent, device_type="cpu")
     assert estimate.parts["weights"] > 200 * 2**20
     assert_close(estimate.peak_bytes, measured_training_peak(config, latent))
+
+
+@pytest.fixture(scope="module")
+def tiny_hv15(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from loraflow.pipelines.tiny import build_tiny
+
+    return build_tiny("hunyuanvideo-1.5", tmp_path_factory.mktemp("models") / "hunyuanvideo-1.5")
+
+
+HV15_BUCKET = (33, 128, 192)  # 864 video tokens (and 1985 text and image ones): 3x the tiny HV1.5's 17 MB weights
+
+
+def test_training_step_peak_hv15(tiny_hv15: Path, demo_data: Path, tmp_path: Path) -> None:
+    """HunyuanVideo 1.5's forward asks values (all-zero image tokens, which text tokens are valid), which
+    `known_values` answers from the step's own batch: its estimate is a number, and the allocator's."""
+    config = config_for(tiny_hv15, demo_data, tmp_path, model_family="hunyuanvideo-1.5", model_flavour="t2v-480p",
+                        gradient_checkpointing=True)
+    family = get_family(config)
+    latent = latent_geometry(tiny_hv15, family).shape(*HV15_BUCKET)
+    transformer_config = json.loads((tiny_hv15 / "transformer" / "config.json").read_text())
+    estimate = estimates.training_step(config, family, transformer_config, latent, device_type="cpu")
+    assert estimate.parts["activations"] > 2 * estimate.parts["weights"]  # 10% of the peak: 15% of activations
+    assert_close(estimate.peak_bytes, measured_training_peak(config, latent))
