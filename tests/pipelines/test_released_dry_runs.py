@@ -10,9 +10,9 @@ blocks (every other dimension is the released one; tests/pipelines/test_released
 
 HunyuanVideo 1.5's forward asks values (are the image tokens all zero, which text tokens are valid): `known_values`
 answers them from the real batch. Not here, because fake tensors have no values to answer them: NABLA
-(Kandinsky5T2VPipeline's fast_sta_nabla builds its mask from values), fp8-layerwise (Module.to swaps fake parameters, which fails while
-autograd holds the cast weight) and the validation render (the pipelines return numpy).
-"""
+(Kandinsky5T2VPipeline's fast_sta_nabla builds its mask from values), fp8-layerwise (Module.to swaps fake
+parameters, which fails while autograd holds the cast weight) and the validation render (the pipelines return
+numpy)."""
 
 from __future__ import annotations
 

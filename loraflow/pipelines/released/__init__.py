@@ -123,14 +123,13 @@ KNOWN_NUMEL = 2**20  # the largest tensor whose values `known_values` keeps: mas
 def known_values() -> Any:
     """A TorchDispatchMode, entered inside a `fake_mode()` (and inside any other mode, so it sees each op first),
     that answers the value questions a model asks of fake tensors (HunyuanVideo 1.5: `torch.all(image_embeds == 0)`
-    and `text[text_mask]`) from values the caller knows: it keeps beside each fake tensor of at most KNOWN_NUMEL
-    elements the real tensor it would be, when every tensor it is computed from is known (a real input: the batch
-    the caller built; or a factory: zeros, ones; not empty memory nor a random draw) and computes that op for real too. A scalar read
-    (`_local_scalar_dense`, `is_nonzero`) or `nonzero` of a known tensor returns its real answer, and a boolean
-    index that is known becomes its real long indices, so the result has its real shape. Exact, not assumed: the
-    answer is the one a real run of the same batch gets. A question about a tensor the model computed from its
-    weights is not answered (it raises as before), and a write of an unknown value into a known tensor forgets the
-    tensor's storage."""
+    and `text[text_mask]`) from values the caller knows: beside each fake tensor of at most KNOWN_NUMEL elements
+    computed only from known tensors (a real input: the batch the caller built; a factory: zeros, ones; not empty
+    memory nor a random draw) it keeps the real tensor it would be, computing that op for real too. A scalar read
+    (`_local_scalar_dense`, `is_nonzero`) or `nonzero` of a known tensor returns its real answer, and a known boolean
+    index becomes its real long indices, so the result has its real shape. Exact, not assumed: the answer is the one
+    a real run of the same batch gets. A question about a tensor computed from the model's weights is not answered
+    (it raises as before), and a write of an unknown value into a known tensor forgets the tensor's storage."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
