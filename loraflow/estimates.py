@@ -238,8 +238,8 @@ def conv3d_columns(weight: torch.Tensor, out: torch.Tensor) -> int:
 
 
 class NotFakeable(Exception):
-    """The model's forward reads tensor values (HunyuanVideo 1.5 tests `torch.all(image_embeds == 0)`), which fake
-    tensors do not have."""
+    """The model's forward reads tensor values that `known_values` cannot answer (values computed from the model's
+    weights), which fake tensors do not have."""
 
 
 def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module,
@@ -248,9 +248,13 @@ def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module,
     workspace on `device_type`, `model`'s own tensors not counted; TFLOP)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
+    from loraflow.pipelines.released import known_values
+
     counter = _counter_mode()([*model.parameters(), *model.buffers()], device_type)
     try:
-        with mode, counter:
+        # known_values answers from the batch `fn` builds what a forward asks of values (HV1.5: its image and
+        # text masks); innermost, so the counter counts what it returns as any op's output
+        with mode, counter, known_values():
             fn()
     except DataDependentOutputException as exc:
         raise NotFakeable(f"not estimated yet: {type(model).__name__}'s forward reads tensor values ({exc.func}), "

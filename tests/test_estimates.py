@@ -189,3 +189,26 @@ def test_group_offload_of_one_byte_weights_offloads_one_byte_blocks(tiny_k5: Pat
     stored = estimates.meta_model(transformer_config, torch.bfloat16, fp8=True)
     blocks = [estimates.weights_bytes(b) for b in getattr(stored, family.tread_layout.blocks)]
     assert resident - offloaded == sum(blocks) - max(blocks) > 0  # one group of one block stays
+
+
+@pytest.fixture(scope="module")
+def tiny_hv15(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from loraflow.pipelines.tiny import build_tiny
+
+    return build_tiny("hunyuanvideo-1.5", tmp_path_factory.mktemp("models") / "hunyuanvideo-1.5")
+
+
+HV15_BUCKET = (33, 128, 192)  # 864 video tokens (and 1985 text and image ones): 3x the tiny HV1.5's 17 MB weights
+
+
+def test_training_step_peak_hv15(tiny_hv15: Path, demo_data: Path, tmp_path: Path) -> None:
+    """HunyuanVideo 1.5's forward asks values (all-zero image tokens, which text tokens are valid), which
+    `known_values` answers from the step's own batch: its estimate is a number, and the allocator's."""
+    config = config_for(tiny_hv15, demo_data, tmp_path, model_family="hunyuanvideo-1.5", model_flavour="t2v-480p",
+                        gradient_checkpointing=True)
+    family = get_family(config)
+    latent = latent_geometry(tiny_hv15, family).shape(*HV15_BUCKET)
+    transformer_config = json.loads((tiny_hv15 / "transformer" / "config.json").read_text())
+    estimate = estimates.training_step(config, family, transformer_config, latent, device_type="cpu")
+    assert estimate.parts["activations"] > 2 * estimate.parts["weights"]  # 10% of the peak: 15% of activations
+    assert_close(estimate.peak_bytes, measured_training_peak(config, latent))

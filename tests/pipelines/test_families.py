@@ -352,6 +352,18 @@ def test_flavour_defaults(module: Any, flavour: str | None, expected: tuple) -> 
     assert all(side % module.make_family(flavour).spatial_multiple == 0 for side in chosen.size)
 
 
+def test_hv15_vae_mask_keeps_diffusers_rule() -> None:
+    """The HV1.5 VAE's mid-block mask, which `hunyuanvideo15.frame_causal_mask` builds in diffusers' place (through
+    the class: the replacement is installed): token i sees token j iff j's latent frame is not after i's."""
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
+
+    n_frame, n_hw = 3, 4
+    frame = torch.arange(n_frame * n_hw) // n_hw
+    expected = torch.where(frame[None, :] <= frame[:, None], 0.0, float("-inf"))
+    mask = HunyuanVideo15AttnBlock.prepare_causal_attention_mask(n_frame, n_hw, torch.float32, "cpu", batch_size=2)
+    assert mask.shape == (2, 12, 12) and torch.equal(mask[0], expected) and torch.equal(mask[1], expected)
+
+
 # -- render ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Settings:

@@ -51,3 +51,24 @@ def test_parameter_count_matches_reference(stem: str) -> None:
     count = sum(p.numel() for p in model.parameters()) / 1e9
     digits = len(str(PARAMS_B[stem]).split(".")[1])
     assert round(count, digits) == PARAMS_B[stem], f"{stem}: {count:.4f}B parameters"
+
+
+def test_known_values_answers_from_the_callers_tensors() -> None:
+    """Under fake tensors, `known_values` answers what HV1.5's forward asks from the real inputs and factories (a
+    scalar read, a boolean mask's selection, through `.bool()`, `~` and row iteration), and nothing else: a value
+    computed from a fake weight still raises."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])  # the caller's: 3 valid tokens
+    with released.fake_mode(), released.known_values():
+        tokens = torch.empty(1, 4, 8)  # fake, values unknown
+        assert bool(torch.all(torch.zeros(1, 4) == 0)) and not bool(torch.all(mask == 0))
+        for row, row_mask in zip(tokens, mask.bool()):
+            assert row[row_mask].shape == (3, 8) and row[~row_mask].shape == (1, 8)
+            assert row_mask[row_mask].shape == (3,)
+        written = torch.zeros(4)
+        written[:2] = tokens[0, :2, 0]  # an unknown value written: the tensor is no longer known
+        with pytest.raises((DataDependentOutputException, DynamicOutputShapeException)):
+            tokens[0, written > 0]
+        with pytest.raises(DataDependentOutputException):
+            bool(torch.all(tokens == 0))

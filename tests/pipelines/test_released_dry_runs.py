@@ -8,11 +8,11 @@ conv. Text: `prompt_tensors` on the released Qwen2.5-VL and CLIP-L. A shape or c
 here in seconds. Fake tensors cost Python time per op, not FLOPs: the transformers keep DEPTH of their visual
 blocks (every other dimension is the released one; tests/pipelines/test_released.py checks the full depth's size).
 
-Not here, because fake tensors have no values to answer them: HunyuanVideo 1.5's transformer (its forward asks
-whether the image tokens are all zero and gathers tokens by the text masks), NABLA (Kandinsky5T2VPipeline's
-fast_sta_nabla builds its mask from values), fp8-layerwise (Module.to swaps fake parameters, which fails while
-autograd holds the cast weight) and the validation render (the pipelines return numpy).
-"""
+HunyuanVideo 1.5's forward asks values (are the image tokens all zero, which text tokens are valid): `known_values`
+answers them from the real batch. Not here, because fake tensors have no values to answer them: NABLA
+(Kandinsky5T2VPipeline's fast_sta_nabla builds its mask from values), fp8-layerwise (Module.to swaps fake
+parameters, which fails while autograd holds the cast weight) and the validation render (the pipelines return
+numpy)."""
 
 from __future__ import annotations
 
@@ -28,16 +28,18 @@ from loraflow.ops import train as T
 from loraflow.ops.crepa_training import Crepa
 from loraflow.ops.teacher_features import latent_frame_indices, patch_features
 from loraflow.ops.train_data import MicroBatch, step_draws
-from loraflow.pipelines import get_family, kandinsky5
+from loraflow.pipelines import get_family, hunyuanvideo15, kandinsky5
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.kandinsky5 import MAX_TEXT_TOKENS
-from loraflow.pipelines.released import fake_mode, released_config, released_model
+from loraflow.pipelines.released import fake_mode, known_values, released_config, released_model
 
 pytestmark = pytest.mark.released
 
 DEPTH = 3  # visual blocks kept: TREAD routes the middle one, CREPA reads it
 TREAD = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
 TEXT_TOKENS = {"kandinsky5-video": 512, "kandinsky5-image": 512, "hunyuanvideo-1.5": 1000}  # the longest prompt
+# HV1.5's forward drops the text tokens after its last block: the LoRA there gets no gradient (in a real run too)
+DEAD = tuple(f"transformer_blocks.{DEPTH - 1}.{name}." for name in hunyuanvideo15.DEAD_IN_LAST_BLOCK)
 LATENT = {"kandinsky5-video": (16, 8), "kandinsky5-image": (16, 8), "hunyuanvideo-1.5": (32, 16)}  # channels, VAE
 
 
@@ -56,6 +58,10 @@ CASES = [
     Case("kandinsky5-video", "i2v-pro-sft-5s", "crepa", ("i2v-pro-pretrain-5s",)),
     Case("kandinsky5-image", "t2i-lite-sft", "crepa", ("t2i-lite-pretrain",)),
     Case("kandinsky5-image", "i2i-lite-sft", "tread", ("i2i-lite-pretrain",)),
+    Case("hunyuanvideo-1.5", "t2v-480p", "tread"),
+    Case("hunyuanvideo-1.5", "i2v-480p", "crepa"),
+    Case("hunyuanvideo-1.5", "t2v-720p", ""),
+    Case("hunyuanvideo-1.5", "i2v-720p", ""),
 ]
 
 
@@ -114,8 +120,10 @@ def text_batch(family: ModelFamily, shape: tuple[int, ...]) -> dict[str, torch.T
     else:
         text = {"text_embeds": torch.randn(1, tokens, qwen), "text_mask": torch.ones(1, tokens),
                 "byt5_embeds": torch.randn(1, 256, second), "byt5_mask": torch.ones(1, 256)}
-    if family.flavour.edits_image:
+    if family.flavour.edits_image or family.image_condition_name:  # HV1.5 i2v: the first frame's latent, SigLIP
         text["image_latent"] = torch.randn(*shape[:2], 1, *shape[3:])
+    if family.image_condition_name == "first_frame":
+        text["image_embeds"] = torch.randn(1, hunyuanvideo15.IMAGE_TOKENS, encoder_width(name, "image_encoder"))
     return text
 
 
@@ -149,22 +157,25 @@ def test_training_step_at_released_size(case: Case) -> None:
             params += list(crepa.projector.parameters())
         batch = MicroBatch([], x0, text, draws, teacher)
         transformer.train()
-        with T.routing(transformer, family, config, batch.draws.seed):
+        # the values HV1.5's forward asks (are the image tokens all zero, which text tokens are valid) are the batch's
+        with known_values(), T.routing(transformer, family, config, batch.draws.seed):
             loss, term = T.step_losses(transformer, family, batch, torch.device("cpu"), T.uses_autocast(
                 config, torch.device("cpu")), crepa)
             (loss if term is None else loss + term).backward()
         assert loss.shape == () and loss.dtype == torch.float32
         assert (term is not None) == config.crepa_enabled
-        grads = [p.grad for p in params]
-        assert all(g is not None and g.shape == p.shape and g.dtype == torch.float32 for g, p in zip(grads, params))
+        dead = {id(p) for n, p in transformer.named_parameters() if n.startswith(DEAD)}
+        assert all(p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == torch.float32
+                   for p in params if id(p) not in dead)
 
 
 @pytest.mark.parametrize(("flavour", "patch_conv"), [("t2v-lite-sft-5s", False), ("t2v-lite-sft-5s", True),
-                                                     ("t2i-lite-sft", False)])
+                                                     ("t2i-lite-sft", False), ("t2v-480p", False)])
 def test_vae_encode_at_released_size(flavour: str, patch_conv: bool) -> None:
     """A real-size clip (the flavour's validation frames and size) through the released VAE as the latents stage
     encodes it (`family.vae_encode`, with `enable_patch_conv` for `vae_enable_patch_conv`): the latent the training
-    dry run above feeds the transformer. (HunyuanVideo 1.5's VAE runs for minutes on fake tensors: not here.)"""
+    dry run above feeds the transformer. (HunyuanVideo 1.5's mid-block mask, built one token row at a time by
+    diffusers, took minutes on fake tensors: `hunyuanvideo15.frame_causal_mask` builds it one frame at a time.)"""
     case = next(c for c in CASES if c.flavour == flavour)
     family = get_family(dry_config(case))
     clip = torch.zeros(1, family.flavour.num_frames, *family.flavour.size, 3, dtype=torch.uint8)

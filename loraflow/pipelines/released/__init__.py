@@ -12,6 +12,7 @@ through loraflow's own code (tests/pipelines/test_released_dry_runs.py).
 from __future__ import annotations
 
 import json
+import weakref
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -119,3 +120,84 @@ def fake_mode() -> Any:
 
     mode.fake_tensor_converter.from_meta_and_device = fresh
     return mode
+
+
+KNOWN_NUMEL = 2**20  # the largest tensor whose values `known_values` keeps: masks and SigLIP's 729 x 1152 tokens
+
+
+def known_values() -> Any:
+    """A TorchDispatchMode, entered inside a `fake_mode()` (and inside any other mode, so it sees each op first),
+    that answers the value questions a model asks of fake tensors (HunyuanVideo 1.5: `torch.all(image_embeds == 0)`
+    and `text[text_mask]`) from values the caller knows: beside each fake tensor of at most KNOWN_NUMEL elements
+    computed only from known tensors (a real input: the batch the caller built; a factory: zeros, ones; not empty
+    memory nor a random draw) it keeps the real tensor it would be, computing that op for real too. A scalar read
+    (`_local_scalar_dense`, `is_nonzero`) or `nonzero` of a known tensor returns its real answer, and a known boolean
+    index becomes its real long indices, so the result has its real shape. Exact, not assumed: the answer is the one
+    a real run of the same batch gets. A question about a tensor computed from the model's weights is not answered
+    (it raises as before), and a write of an unknown value into a known tensor forgets the tensor's storage."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    aten = torch.ops.aten
+    answers = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default}
+
+    def unknowable(func: Any) -> bool:
+        """Uninitialized memory and random draws: a real run's values differ from any computed here."""
+        return (torch.Tag.nondeterministic_seeded in func.tags
+                or func._overloadpacket.__name__ in ("empty", "empty_like", "empty_strided", "new_empty"))
+
+    class KnownValues(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.values: dict[int, torch.Tensor] = {}  # id(fake tensor) -> its real value
+            self.forgotten: set[int] = set()  # storages written with an unknown value
+
+        def value(self, t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if not isinstance(t, FakeTensor):
+                return t  # the caller's real tensor
+            if t.untyped_storage()._cdata in self.forgotten:
+                return None
+            return self.values.get(id(t))
+
+        def keep(self, fake: Any, real: Any) -> None:
+            if isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor) and isinstance(fake, FakeTensor):
+                self.values[id(fake)] = real
+                weakref.finalize(fake, self.values.pop, id(fake), None)
+
+        def real(self, func: Any, args: tuple, kwargs: dict) -> Any:
+            with _disable_current_modes():
+                return func(*tree_map(self.value, args), **tree_map(self.value, kwargs))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            kwargs = kwargs or {}
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            known = not unknowable(func) and all(self.value(t) is not None for t in tensors)
+            if func in answers and known:
+                real = self.real(func, args, kwargs)
+                if not isinstance(real, torch.Tensor):
+                    return real
+                out = aten.clone.default(real)  # the fake mode below makes it a fake of the real shape
+                self.keep(out, real)
+                return out
+            if func is aten.index.Tensor:  # known boolean masks -> their real long indices (real inputs: allowed)
+                indices = []
+                for i in args[1]:
+                    mask = self.value(i) if i is not None and i.dtype == torch.bool else None
+                    with _disable_current_modes():
+                        indices += list(mask.nonzero(as_tuple=True)) if mask is not None else [i]
+                args = (args[0], indices)
+            out = func(*args, **kwargs)
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            if known and all(t.numel() <= KNOWN_NUMEL for t in outs):
+                for fake, real in zip(tree_flatten(out)[0], tree_flatten(self.real(func, args, kwargs))[0]):
+                    self.keep(fake, real)
+            elif func._schema.is_mutable:
+                written = [a for s, a in zip(func._schema.arguments, args) if s.alias_info and s.alias_info.is_write]
+                self.forgotten |= {t.untyped_storage()._cdata for t in written if isinstance(t, FakeTensor)}
+            return out
+
+    return KnownValues()
