@@ -47,8 +47,7 @@ def test_every_measurement_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None
     # loraflow/estimates.py's training step beside each training measurement (tiny configs, the smoke size)
     trained = {k for k in results if k.startswith("train_") and k != "train_resume"}
     assert all(r["estimate"] is None for k, r in results.items() if k not in trained)
-    assert "fake tensors do not have" in results["train_hv15_checkpointing"]["estimate"]["note"]
-    for name in trained - {"train_hv15_checkpointing"}:
+    for name in trained:  # HunyuanVideo 1.5 too: `known_values` answers what its forward asks of the batch
         estimate = results[name]["estimate"]
         assert estimate["peak_allocated_gib"] > 0 and estimate["flops_per_step"] > 0, name
         # the CPU has no measured peak: only the FLOPs are compared
