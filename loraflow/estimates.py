@@ -1,6 +1,7 @@
 """Peak memory and FLOPs of each stage, before any model loads: what `loraflow check` prints.
 
-Nothing here reads weights. A model is built from its config.json on the meta device (`fake_model`), then every
+Nothing here reads weights. A model is built from its config.json on the meta device (`fake_model`; the fake-tensor
+machinery and its counter are in `loraflow/kernels/fake_tensors.py`), then every
 tensor it holds is replaced by a FakeTensor of the same shape, dtype and device: ops on fake tensors compute
 shapes only, so the real code (the family's `velocity`, the flow-matching loss, autograd, diffusers' gradient
 checkpointing) runs at released size in seconds and allocates nothing. Each number is then computed so:
@@ -30,14 +31,14 @@ fragmentation (CUDA rounds to 512 bytes), CUDA/cuDNN workspaces and the CUDA con
 
 from __future__ import annotations
 
-import importlib
 import json
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from loraflow.kernels.fake_tensors import NotFakeable, fake_model, measured_step, meta_model, tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -72,197 +73,7 @@ class StageEstimate:
         return self.peak_bytes <= card_gb * GIB
 
 
-# 1. fake models and counting ---------------------------------------------------------------------------------
-def model_class(component_config: Mapping[str, Any]) -> type:
-    """The class a component's config.json names (`_class_name` for diffusers, `architectures[0]` for
-    transformers)."""
-    if "_class_name" in component_config:
-        return getattr(importlib.import_module("diffusers"), component_config["_class_name"])
-    return getattr(importlib.import_module("transformers"), component_config["architectures"][0])
-
-
-def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter: Any = None,
-               fp8: bool = False) -> torch.nn.Module:
-    """The component built from its config on the meta device (no memory) as training loads it: in `dtype` with its
-    `_keep_in_fp32_modules` kept fp32 (what from_pretrained does), `fp8`: diffusers' layerwise casting to
-    float8_e4m3fn storage, then `adapter` (a peft LoraConfig) with fp32 LoRA weights."""
-    import torch
-
-    cls = model_class(component_config)
-    config = {k: v for k, v in component_config.items() if not k.startswith("_")}
-    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    with torch.device("meta"):
-        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
-        for module_name, module in model.named_modules():
-            for name, p in list(module._parameters.items()):
-                if p is not None and p.is_floating_point() and not keep & set(module_name.split(".")):
-                    module._parameters[name] = torch.nn.Parameter(p.to(dtype), requires_grad=False)
-        if fp8:
-            model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-        if adapter is not None:
-            model.add_adapter(adapter)
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            p.data = p.data.float()
-    return model
-
-
-def fake_model(model: torch.nn.Module, mode: Any, device: str = "cpu") -> torch.nn.Module:
-    """`model` (a `meta_model`) with each parameter, buffer and plain tensor attribute (Kandinsky 5 keeps its time
-    frequencies as one) replaced by a fake tensor of its shape and dtype on `device`, frozen: ops on it run the
-    real code at no memory. (peft cannot add an adapter to a model built under FakeTensorMode, hence the meta step;
-    nor can a module be moved or cast there, so layerwise casting is counted on the meta model only.)"""
-    import torch
-
-    with mode:
-        for module in model.modules():
-            for name, p in list(module._parameters.items()):
-                if p is not None:
-                    module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                                  requires_grad=False)
-            for name, b in list(module._buffers.items()):
-                if b is not None:
-                    module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
-            for name, t in list(vars(module).items()):
-                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-                    setattr(module, name, torch.empty(t.shape, dtype=t.dtype, device=device))
-    return model
-
-
-def tensor_bytes(tensors: Any) -> int:
-    """Bytes of distinct storages (a tied weight counts once)."""
-    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
-    return sum(seen.values())
-
-
-def _counter_mode() -> type:
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-    from torch.utils.flop_counter import flop_registry, shape_wrapper
-
-    formulas = {**flop_registry, **{op: shape_wrapper(f) for op, f in attention_flops().items()}}
-    attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    convolution = torch.ops.aten.convolution
-
-    class StepCounter(TorchDispatchMode):
-        """Bytes of the storages alive now and at most, from every storage an op returns (each counted once,
-        uncounted when it is freed), and the FLOPs of every op torch's flop counter has a formula for. Works on
-        real and fake tensors alike: what the allocator would hold, without its rounding. `existing` tensors (the
-        model's) are never counted, not even when an op returns a view of them (a weight's transpose in every
-        linear). (FlopCounterMode itself is not used: its module hooks keep recomputed activations alive under
-        gradient checkpointing, which would be counted.)"""
-
-        def __init__(self, existing: Iterable[Any] = (), device_type: str = "cuda") -> None:
-            super().__init__()
-            self.device_type = device_type
-            # keyed by the C storage: views (and fake tensors' storage objects) share it
-            self.live: dict[int, int] = {t.untyped_storage()._cdata: 0 for t in existing}
-            self.current = self.peak = self.flops = 0
-
-        def track(self, t: Any) -> None:
-            if not hasattr(t, "untyped_storage"):
-                return
-            storage = t.untyped_storage()
-            if storage._cdata in self.live:
-                return
-            self.live[storage._cdata] = n = storage.nbytes()
-            self.current += n
-            self.peak = max(self.peak, self.current)
-            weakref.finalize(storage, self._free, storage._cdata)
-
-        def _free(self, key: int) -> None:
-            self.current -= self.live.pop(key)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            kwargs = kwargs or {}
-            if func._overloadpacket is attention_backward:  # its workspace lives while it runs
-                self.peak = max(self.peak, self.current + attention_workspace(args[1], args[2], self.device_type))
-            out = func(*args, **kwargs)
-            if func._overloadpacket in formulas:
-                self.flops += formulas[func._overloadpacket](*args, **kwargs, out_val=out)
-            for t in tree_flatten(out)[0]:
-                self.track(t)
-            if func._overloadpacket is convolution and self.device_type == "cpu":  # beside its output
-                self.peak = max(self.peak, self.current + conv3d_columns(args[1], out))
-            return out
-
-    return StepCounter
-
-
-def attention_flops() -> dict:
-    """Formulas for the CPU flash-attention kernel that SDPA takes on (fake) CPU tensors, which torch's flop counter
-    lacks: its own SDPA formulas, 4 * B * H * N_q * N_kv * d forward (two batched matmuls, 2 flops per
-    multiply-add) and 2x that backward (four matmuls plus the recomputed scores)."""
-    import torch
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
-    aten = torch.ops.aten
-
-    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001 (shapes)
-        return sdpa_flop_count(query, key, value)
-
-    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001 (shapes)
-        return sdpa_backward_flop_count(grad_out, query, key, value)
-
-    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
-
-
-def attention_workspace(query: torch.Tensor, key: torch.Tensor, device_type: str) -> int:
-    """Bytes an attention backward allocates inside itself, which no op returns. Both FlashAttention-2 on CUDA
-    (`dq_accum`) and torch's CPU flash kernel accumulate dQ in an fp32 buffer of the query's shape (B, H, N_q, d):
-    4 * B * H * N_q * d. The CPU kernel adds per thread two fp32 tiles (scores and their gradient) of
-    q_split x kv_split, q_split = 256 / 64 / 32 for N_q >= 768 / >= 192 / less and kv_split = min(512, N_kv) (the
-    split sizes aten's dispatcher passes it). Measured against the CPU allocator (fp32, 1 and 2 threads, N_q from
-    100 to 4096, N_q != N_kv): exact to 128 bytes; bf16 inputs take about 8% more (reduced-precision copies,
-    left out)."""
-    import torch
-
-    batch, heads, n_q, dim = query.shape
-    workspace = 4 * batch * heads * n_q * dim
-    if device_type == "cpu":
-        q_split = 256 if n_q >= 768 else 64 if n_q >= 192 else 32
-        workspace += torch.get_num_threads() * 2 * min(q_split, n_q) * min(512, key.shape[2]) * 4
-    return workspace
-
-
-def conv3d_columns(weight: torch.Tensor, out: torch.Tensor) -> int:
-    """Bytes of the column buffer torch's CPU 3D convolution (slow_conv3d) unfolds its input into, which no op
-    returns: B * (C_in / groups) * kT * kH * kW * output voxels, in the input's dtype (measured: exact against the
-    CPU allocator). 0 for 2D convolutions and on CUDA, where cuDNN keeps its workspace within its own limit (left
-    out)."""
-    if weight.dim() != 5:
-        return 0
-    return out.shape[0] * weight[0].numel() * out[0, 0].numel() * weight.element_size()
-
-
-class NotFakeable(Exception):
-    """The model's forward reads tensor values that `known_values` cannot answer (values computed from the model's
-    weights), which fake tensors do not have."""
-
-
-def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module,
-                  device_type: str = "cuda") -> tuple[int, float]:
-    """Run `fn` under the fake `mode`: (peak bytes of the tensors it makes and of the attention backward's
-    workspace on `device_type`, `model`'s own tensors not counted; TFLOP)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException
-
-    from loraflow.pipelines.released import known_values
-
-    counter = _counter_mode()([*model.parameters(), *model.buffers()], device_type)
-    try:
-        # known_values answers from the batch `fn` builds what a forward asks of values (HV1.5: its image and
-        # text masks); innermost, so the counter counts what it returns as any op's output
-        with mode, counter, known_values():
-            fn()
-    except DataDependentOutputException as exc:
-        raise NotFakeable(f"not estimated yet: {type(model).__name__}'s forward reads tensor values ({exc.func}), "
-                          "which fake tensors do not have") from None
-    return counter.peak, counter.flops / 1e12
-
-
-# 2. the stages -----------------------------------------------------------------------------------------------
+# the stages -----------------------------------------------------------------------------------------------
 def _fake_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -7,7 +7,7 @@ uint8 frames through `family.vae_encode`. Measured peak = the bytes the model (a
 tensors' storages) + the highest running sum of the allocator's allocations and frees during the step: the
 allocator's own account, not Python's. The estimate never sees a weight: it builds the model from config.json on
 fake tensors, and adds by formula what CPU kernels allocate inside themselves (the flash-attention backward's
-dQ accumulator and tiles, 3D convolutions' column buffers: `estimates.attention_workspace`, `conv3d_columns`).
+dQ accumulator and tiles, 3D convolutions' column buffers: `fake_tensors.attention_workspace`, `conv3d_columns`).
 
 Tolerance 10% (the issue's), relative to the measured peak. Sizes are chosen so that activations, not weights,
 make most of the peak (the tiny model's weights are 0.3 MB; the tiny step's activations 2 MB): a wrong
@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from loraflow import estimates
+from loraflow.kernels import fake_tensors
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.ops.buckets import latent_geometry
 from loraflow.ops.latents import prepare_vae
@@ -81,7 +82,7 @@ def measured_training_peak(config: LoraflowConfig, latent_shape: tuple[int, ...]
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     moments = [t for state in optimizer.state.values() for t in state.values() if t.dim() > 0]
-    held = estimates.tensor_bytes([*transformer.parameters(), *transformer.buffers(), *moments])
+    held = fake_tensors.tensor_bytes([*transformer.parameters(), *transformer.buffers(), *moments])
     return held + allocator_peak(step)
 
 
@@ -127,7 +128,7 @@ def test_vae_encode_peak_tiny(tiny_k5: Path, demo_data: Path, tmp_path: Path) ->
         with torch.no_grad():
             family.vae_encode(vae, frames, config.latent_sampling)
 
-    held = estimates.tensor_bytes([*vae.parameters(), *vae.buffers()])
+    held = fake_tensors.tensor_bytes([*vae.parameters(), *vae.buffers()])
     assert_close(estimate.peak_bytes, held + allocator_peak(encode))
 
 
@@ -171,7 +172,7 @@ def test_validation_of_an_image_family_decodes_with_its_2d_vae() -> None:
                            "datasets": [{"id": "i", "dataset_type": "image", "instance_data_dir": "images"}]})
     configs = {c: released_config(config.flavour.name, c) for c in ("transformer", "vae")}
     (stage,) = estimates.estimate(config, get_family(config), configs, (1, 64, 64), stages=("validation",))
-    vae_weights = estimates.weights_bytes(estimates.meta_model(configs["vae"], torch.float32))
+    vae_weights = estimates.weights_bytes(fake_tensors.meta_model(configs["vae"], torch.float32))
     assert stage.parts["weights"] > vae_weights > 0 and stage.parts["activations"] > 0
 
 
@@ -186,7 +187,7 @@ def test_group_offload_of_one_byte_weights_offloads_one_byte_blocks(tiny_k5: Pat
     resident, offloaded = (estimates.training_step(
         config_for(tiny_k5, demo_data, tmp_path, base_model_precision="fp8-layerwise", enable_group_offload=o),
         family, transformer_config, latent, device_type="cpu").parts["weights"] for o in (False, True))
-    stored = estimates.meta_model(transformer_config, torch.bfloat16, fp8=True)
+    stored = fake_tensors.meta_model(transformer_config, torch.bfloat16, fp8=True)
     blocks = [estimates.weights_bytes(b) for b in getattr(stored, family.tread_layout.blocks)]
     assert resident - offloaded == sum(blocks) - max(blocks) > 0  # one group of one block stays
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraflow.kernels import fake_tensors
 from loraflow.pipelines import family_specs, released
 from loraflow.pipelines.hunyuanvideo15_spec import SPEC as HV15
 from loraflow.pipelines.released import CREPA_ENCODER, components, released_file, released_model
@@ -60,7 +61,7 @@ def test_known_values_answers_from_the_callers_tensors() -> None:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])  # the caller's: 3 valid tokens
-    with released.fake_mode(), released.known_values():
+    with fake_tensors.fake_mode(), fake_tensors.known_values():
         tokens = torch.empty(1, 4, 8)  # fake, values unknown
         assert bool(torch.all(torch.zeros(1, 4) == 0)) and not bool(torch.all(mask == 0))
         for row, row_mask in zip(tokens, mask.bool()):

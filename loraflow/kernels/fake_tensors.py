@@ -1,0 +1,313 @@
+"""Fake tensors for real-size work without memory: build a diffusers/transformers model from its config.json on the
+meta device or under a fake mode, run the real code on it, answer the few value questions a forward asks of its
+batch (`known_values`), and count the bytes and FLOPs of what runs (`measured_step`). Knows no model family: the
+released-size dry runs (tests/pipelines/test_released_dry_runs.py) and the memory estimates (`loraflow.estimates`)
+both stand on it."""
+
+from __future__ import annotations
+
+import importlib
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def model_class(component_config: Mapping[str, Any]) -> type:
+    """The class a component's config.json names (`_class_name` for diffusers, `architectures[0]` for
+    transformers)."""
+    if "_class_name" in component_config:
+        return getattr(importlib.import_module("diffusers"), component_config["_class_name"])
+    return getattr(importlib.import_module("transformers"), component_config["architectures"][0])
+
+
+def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter: Any = None,
+               fp8: bool = False) -> torch.nn.Module:
+    """The component built from its config on the meta device (no memory) as training loads it: in `dtype` with its
+    `_keep_in_fp32_modules` kept fp32 (what from_pretrained does), `fp8`: diffusers' layerwise casting to
+    float8_e4m3fn storage, then `adapter` (a peft LoraConfig) with fp32 LoRA weights."""
+    import torch
+
+    cls = model_class(component_config)
+    config = {k: v for k, v in component_config.items() if not k.startswith("_")}
+    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    with torch.device("meta"):
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
+        for module_name, module in model.named_modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.is_floating_point() and not keep & set(module_name.split(".")):
+                    module._parameters[name] = torch.nn.Parameter(p.to(dtype), requires_grad=False)
+        if fp8:
+            model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        if adapter is not None:
+            model.add_adapter(adapter)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+    return model
+
+
+def fake_model(model: torch.nn.Module, mode: Any, device: str = "cpu") -> torch.nn.Module:
+    """`model` (a `meta_model`) with each parameter, buffer and plain tensor attribute (Kandinsky 5 keeps its time
+    frequencies as one) replaced by a fake tensor of its shape and dtype on `device`, frozen: ops on it run the
+    real code at no memory. (peft cannot add an adapter to a model built under FakeTensorMode, hence the meta step;
+    nor can a module be moved or cast there, so layerwise casting is counted on the meta model only.)"""
+    import torch
+
+    with mode:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                                  requires_grad=False)
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            for name, t in list(vars(module).items()):
+                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                    setattr(module, name, torch.empty(t.shape, dtype=t.dtype, device=device))
+    return model
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of distinct storages (a tied weight counts once)."""
+    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())
+
+
+def _counter_mode() -> type:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.flop_counter import flop_registry, shape_wrapper
+
+    formulas = {**flop_registry, **{op: shape_wrapper(f) for op, f in attention_flops().items()}}
+    attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    convolution = torch.ops.aten.convolution
+
+    class StepCounter(TorchDispatchMode):
+        """Bytes of the storages alive now and at most, from every storage an op returns (each counted once,
+        uncounted when it is freed), and the FLOPs of every op torch's flop counter has a formula for. Works on
+        real and fake tensors alike: what the allocator would hold, without its rounding. `existing` tensors (the
+        model's) are never counted, not even when an op returns a view of them (a weight's transpose in every
+        linear). (FlopCounterMode itself is not used: its module hooks keep recomputed activations alive under
+        gradient checkpointing, which would be counted.)"""
+
+        def __init__(self, existing: Iterable[Any] = (), device_type: str = "cuda") -> None:
+            super().__init__()
+            self.device_type = device_type
+            # keyed by the C storage: views (and fake tensors' storage objects) share it
+            self.live: dict[int, int] = {t.untyped_storage()._cdata: 0 for t in existing}
+            self.current = self.peak = self.flops = 0
+
+        def track(self, t: Any) -> None:
+            if not hasattr(t, "untyped_storage"):
+                return
+            storage = t.untyped_storage()
+            if storage._cdata in self.live:
+                return
+            self.live[storage._cdata] = n = storage.nbytes()
+            self.current += n
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, storage._cdata)
+
+        def _free(self, key: int) -> None:
+            self.current -= self.live.pop(key)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            kwargs = kwargs or {}
+            if func._overloadpacket is attention_backward:  # its workspace lives while it runs
+                self.peak = max(self.peak, self.current + attention_workspace(args[1], args[2], self.device_type))
+            out = func(*args, **kwargs)
+            if func._overloadpacket in formulas:
+                self.flops += formulas[func._overloadpacket](*args, **kwargs, out_val=out)
+            for t in tree_flatten(out)[0]:
+                self.track(t)
+            if func._overloadpacket is convolution and self.device_type == "cpu":  # beside its output
+                self.peak = max(self.peak, self.current + conv3d_columns(args[1], out))
+            return out
+
+    return StepCounter
+
+
+def attention_flops() -> dict:
+    """Formulas for the CPU flash-attention kernel that SDPA takes on (fake) CPU tensors, which torch's flop counter
+    lacks: its own SDPA formulas, 4 * B * H * N_q * N_kv * d forward (two batched matmuls, 2 flops per
+    multiply-add) and 2x that backward (four matmuls plus the recomputed scores)."""
+    import torch
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001 (shapes)
+        return sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001 (shapes)
+        return sdpa_backward_flop_count(grad_out, query, key, value)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+
+
+def attention_workspace(query: torch.Tensor, key: torch.Tensor, device_type: str) -> int:
+    """Bytes an attention backward allocates inside itself, which no op returns. Both FlashAttention-2 on CUDA
+    (`dq_accum`) and torch's CPU flash kernel accumulate dQ in an fp32 buffer of the query's shape (B, H, N_q, d):
+    4 * B * H * N_q * d. The CPU kernel adds per thread two fp32 tiles (scores and their gradient) of
+    q_split x kv_split, q_split = 256 / 64 / 32 for N_q >= 768 / >= 192 / less and kv_split = min(512, N_kv) (the
+    split sizes aten's dispatcher passes it). Measured against the CPU allocator (fp32, 1 and 2 threads, N_q from
+    100 to 4096, N_q != N_kv): exact to 128 bytes; bf16 inputs take about 8% more (reduced-precision copies,
+    left out)."""
+    import torch
+
+    batch, heads, n_q, dim = query.shape
+    workspace = 4 * batch * heads * n_q * dim
+    if device_type == "cpu":
+        q_split = 256 if n_q >= 768 else 64 if n_q >= 192 else 32
+        workspace += torch.get_num_threads() * 2 * min(q_split, n_q) * min(512, key.shape[2]) * 4
+    return workspace
+
+
+def conv3d_columns(weight: torch.Tensor, out: torch.Tensor) -> int:
+    """Bytes of the column buffer torch's CPU 3D convolution (slow_conv3d) unfolds its input into, which no op
+    returns: B * (C_in / groups) * kT * kH * kW * output voxels, in the input's dtype (measured: exact against the
+    CPU allocator). 0 for 2D convolutions and on CUDA, where cuDNN keeps its workspace within its own limit (left
+    out)."""
+    if weight.dim() != 5:
+        return 0
+    return out.shape[0] * weight[0].numel() * out[0, 0].numel() * weight.element_size()
+
+
+class NotFakeable(Exception):
+    """The model's forward reads tensor values that `known_values` cannot answer (values computed from the model's
+    weights), which fake tensors do not have."""
+
+
+def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module,
+                  device_type: str = "cuda") -> tuple[int, float]:
+    """Run `fn` under the fake `mode`: (peak bytes of the tensors it makes and of the attention backward's
+    workspace on `device_type`, `model`'s own tensors not counted; TFLOP)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    counter = _counter_mode()([*model.parameters(), *model.buffers()], device_type)
+    try:
+        # known_values answers from the batch `fn` builds what a forward asks of values (HV1.5: its image and
+        # text masks); innermost, so the counter counts what it returns as any op's output
+        with mode, counter, known_values():
+            fn()
+    except DataDependentOutputException as exc:
+        raise NotFakeable(f"not estimated yet: {type(model).__name__}'s forward reads tensor values ({exc.func}), "
+                          "which fake tensors do not have") from None
+    return counter.peak, counter.flops / 1e12
+
+
+def model_from_config(config: dict[str, Any]) -> Any:
+    """The real diffusers/transformers class built from a config.json dict on the current default device or fake
+    mode (callers choose: `torch.device("meta")` or `fake_mode()`), for shapes, not values: transformers' weight
+    init is skipped (its truncated normal asks values of the tensor, which a fake tensor has none of)."""
+    import diffusers
+    import transformers
+    from transformers.initialization import no_init_weights
+
+    if "_class_name" in config:
+        return getattr(diffusers, config["_class_name"]).from_config(config)
+    cls = getattr(transformers, config["architectures"][0])
+    fields = {k: v for k, v in config.items() if k != "architectures"}
+    with no_init_weights():
+        return cls._from_config(cls.config_class(**fields))
+
+
+def fake_mode() -> Any:
+    """A FakeTensorMode for models built from these configs: real inputs (a batch, its draws) are taken as they are
+    (the mode fakes them), and `nn.Module.to` works: torch memoizes each new fake tensor by a weak reference, and
+    Module.to swaps fake parameters, which a weakly referenced tensor refuses; a fresh tensor needs no memo (its meta
+    tensor is new: nothing can look it up), so this mode's converter keeps none for them."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fresh(fake_mode: FakeTensorMode, t: Any, device: Any, pytype: Any = None, dispatch_keys: Any = None) -> Any:
+        return FakeTensor(fake_mode, t, device, pytype=pytype, dispatch_keys=dispatch_keys)
+
+    mode.fake_tensor_converter.from_meta_and_device = fresh
+    return mode
+
+
+KNOWN_NUMEL = 2**20  # the largest tensor whose values `known_values` keeps: masks and SigLIP's 729 x 1152 tokens
+
+
+def known_values() -> Any:
+    """A TorchDispatchMode, entered inside a `fake_mode()` (and inside any other mode, so it sees each op first),
+    that answers the value questions a model asks of fake tensors (HunyuanVideo 1.5: `torch.all(image_embeds == 0)`
+    and `text[text_mask]`) from values the caller knows: beside each fake tensor of at most KNOWN_NUMEL elements
+    computed only from known tensors (a real input: the batch the caller built; a factory: zeros, ones; not empty
+    memory nor a random draw) it keeps the real tensor it would be, computing that op for real too. A scalar read
+    (`_local_scalar_dense`, `is_nonzero`) or `nonzero` of a known tensor returns its real answer, and a known boolean
+    index becomes its real long indices, so the result has its real shape. Exact, not assumed: the answer is the one
+    a real run of the same batch gets. A question about a tensor computed from the model's weights is not answered
+    (it raises as before), and a write of an unknown value into a known tensor forgets the tensor's storage."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    aten = torch.ops.aten
+    answers = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default}
+
+    def unknowable(func: Any) -> bool:
+        """Uninitialized memory and random draws: a real run's values differ from any computed here."""
+        return (torch.Tag.nondeterministic_seeded in func.tags
+                or func._overloadpacket.__name__ in ("empty", "empty_like", "empty_strided", "new_empty"))
+
+    class KnownValues(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.values: dict[int, torch.Tensor] = {}  # id(fake tensor) -> its real value
+            self.forgotten: set[int] = set()  # storages written with an unknown value
+
+        def value(self, t: Any) -> Any:
+            if not isinstance(t, FakeTensor):
+                return t  # not a tensor, or the caller's real tensor
+            if t.untyped_storage()._cdata in self.forgotten:
+                return None
+            return self.values.get(id(t))
+
+        def keep(self, fake: Any, real: Any) -> None:
+            if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
+                self.values[id(fake)] = real
+                weakref.finalize(fake, self.values.pop, id(fake), None)
+
+        def real(self, func: Any, args: tuple, kwargs: dict) -> Any:
+            with _disable_current_modes():
+                return func(*tree_map(self.value, args), **tree_map(self.value, kwargs))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            kwargs = kwargs or {}
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            known = not unknowable(func) and all(self.value(t) is not None for t in tensors)
+            if func in answers and known:
+                real = self.real(func, args, kwargs)
+                if not isinstance(real, torch.Tensor):
+                    return real
+                out = aten.clone.default(real)  # the fake mode below makes it a fake of the real shape
+                self.keep(out, real)
+                return out
+            if func is aten.index.Tensor:  # known boolean masks -> their real long indices (real inputs: allowed)
+                indices = []
+                for i in args[1]:
+                    mask = self.value(i) if i is not None and i.dtype == torch.bool else None
+                    with _disable_current_modes():
+                        indices += list(mask.nonzero(as_tuple=True)) if mask is not None else [i]
+                args = (args[0], indices)
+            out = func(*args, **kwargs)
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            if known and all(t.numel() <= KNOWN_NUMEL for t in outs):
+                for fake, real in zip(tree_flatten(out)[0], tree_flatten(self.real(func, args, kwargs))[0]):
+                    self.keep(fake, real)
+            elif func._schema.is_mutable:
+                written = [a for s, a in zip(func._schema.arguments, args) if s.alias_info and s.alias_info.is_write]
+                self.forgotten |= {t.untyped_storage()._cdata for t in written if isinstance(t, FakeTensor)}
+            return out
+
+    return KnownValues()
