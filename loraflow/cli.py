@@ -120,7 +120,8 @@ def check(config_path: str, estimate: bool = True) -> int:
     family = plan_family(config)
     problems, source, geometry = model_problems(config, family)
     if source is not None and config.validation_size is not None:  # a local folder's was checked at load
-        problems += [p for p in [family.validation_size_problem(source, *config.validation_size)] if p]
+        problem = family.validation_size_problem(source, *config.validation_size)
+        problems += [problem] if problem else []
     plan = plan_buckets(config, family, geometry, source)
     problems += plan.problems
     rows = [(b.dataset, b.bucket, b.clips, human_bytes(b.frames_bytes), human_bytes(b.latent_bytes))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from loraflow.pipelines import nearest_multiple
 from loraflow.pipelines.sources import ModelSource, as_source
 
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
@@ -134,7 +135,7 @@ def bucket_size(
     if resolution_type == "pixel" and crop_aspect == "preserve":
         # The original rule, kept operation for operation so existing clip keys (which hold the size) stay valid.
         scale = resolution / min(height, width)
-        return _snap(height * scale, multiple), _snap(width * scale, multiple)
+        return nearest_multiple(height * scale, multiple), nearest_multiple(width * scale, multiple)
     aspect = target_aspect(width / height, crop_aspect, aspect_buckets)
     if resolution_type == "pixel":
         h, w = (resolution, resolution * aspect) if aspect >= 1 else (resolution / aspect, resolution)
@@ -143,7 +144,7 @@ def bucket_size(
         w = h * aspect
     else:
         raise ValueError(f"resolution_type {resolution_type!r} is not known; allowed: pixel, area")
-    return _snap(h, multiple), _snap(w, multiple)
+    return nearest_multiple(h, multiple), nearest_multiple(w, multiple)
 
 
 def target_aspect(source_aspect: float, crop_aspect: str, aspect_buckets: Sequence[float] = ()) -> float:
@@ -158,10 +159,6 @@ def target_aspect(source_aspect: float, crop_aspect: str, aspect_buckets: Sequen
         # Ties go to the first listed ratio, so the choice never depends on float noise in the order.
         return min(aspect_buckets, key=lambda a: abs(math.log(a / source_aspect)))
     raise ValueError(f"crop_aspect {crop_aspect!r} is not known; allowed: preserve, square, closest")
-
-
-def _snap(value: float, multiple: int) -> int:
-    return max(multiple, round(value / multiple) * multiple)
 
 
 @dataclass(frozen=True)

@@ -419,12 +419,13 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
     pipeline, builder = pick(spec.flavour(flavour))
     recipe = {"builder": f"{builder.__module__}.{builder.__qualname__}", "seed": seed}
     if (out_dir / "model_index.json").exists():
-        built = json.loads((out_dir / "model_index.json").read_text())["_class_name"]
+        index = json.loads((out_dir / "model_index.json").read_text())
+        built = index["_class_name"]
         if built != pipeline.__name__:
             wanted = f"{family} flavour {flavour!r}" if flavour else family
             raise ValueError(f"{out_dir} holds a tiny {built} checkpoint, but {wanted} needs a {pipeline.__name__}: "
                              "build it into another folder")
-        _check_recipe(out_dir, recipe)
+        _check_recipe(out_dir, index.get(RECIPE_KEY), recipe)
         return out_dir
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -443,10 +444,9 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
     return out_dir
 
 
-def _check_recipe(out_dir: Path, recipe: dict[str, object]) -> None:
-    """Refuse a built folder whose mark names another recipe, or that has none (built before the mark existed, or
-    not by build_tiny): its weights are not what this call would build."""
-    held = json.loads((out_dir / "model_index.json").read_text()).get(RECIPE_KEY)
+def _check_recipe(out_dir: Path, held: dict[str, object] | None, recipe: dict[str, object]) -> None:
+    """Refuse a built folder whose mark (`held`) names another recipe, or that has none (built before the mark
+    existed, or not by build_tiny): its weights are not what this call would build."""
     if held == recipe:
         return
     what = (f"was built by {held['builder']} (seed {held['seed']})" if held else
