@@ -9,6 +9,7 @@ bit for bit (same device, same kernels). Records the seconds of each launch and 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,19 +67,28 @@ def train_main(config: Path) -> tuple[dict[str, Any], float]:
     return json.loads(line), time.perf_counter() - began
 
 
-def kill_after_checkpoint(config: Path, out: Path) -> str:
-    """Start train_main, SIGKILL it once a checkpoint folder is published; the checkpoint's name."""
-    process = subprocess.Popen([sys.executable, "-m", "loraflow.train_main", str(config)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        while not (done := sorted(out.glob("runs/*/checkpoints/step-???????"))):
-            if process.poll() is not None:
-                raise RuntimeError(f"train_main ended (exit {process.returncode}) before its first checkpoint")
-            time.sleep(0.05)
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.wait()
-    return done[-1].name
+def kill_after_checkpoint(config: Path, out: Path, tries: int = 5) -> str:
+    """Start train_main, SIGKILL it once a checkpoint folder is published; the checkpoint's name. A tiny model's
+    steps can outrun the 50 ms poll (the run saved a later checkpoint or finished before the kill landed): such a
+    launch is not the kill this measures, so it is started again from an empty output folder."""
+    from loraflow.ops.checkpoints import LORA_FILE
+
+    for _ in range(tries):
+        shutil.rmtree(out, ignore_errors=True)
+        process = subprocess.Popen([sys.executable, "-m", "loraflow.train_main", str(config)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            while not (seen := sorted(out.glob("runs/*/checkpoints/step-???????"))):
+                if process.poll() is not None:
+                    raise RuntimeError(f"train_main ended (exit {process.returncode}) before its first checkpoint")
+                time.sleep(0.05)
+            process.send_signal(signal.SIGKILL)
+        finally:
+            process.wait()
+        left = sorted(out.glob("runs/*/checkpoints/step-???????"))
+        if left == seen[:1] and not list(out.glob(f"runs/*/{LORA_FILE}")):
+            return seen[0].name
+    raise RuntimeError(f"train_main saved past its first checkpoint before the kill in {tries} launches")
 
 
 def same_tensors(a: Path, b: Path) -> bool:
