@@ -107,13 +107,13 @@ def _full_decode_pyav(path: Path) -> None:
 
 
 def _kept(path: Path, indices: list[int]) -> Any:
-    from loraflow.ops.media import decode_frames
+    from loraflow.media.frames import decode_frames
 
     return decode_frames(path, indices, KEEP_SIZE)
 
 
 def _kept_pyav(path: Path, indices: list[int]) -> Any:
-    from loraflow.ops.media_decode import _decode_pyav
+    from loraflow.media.local import _decode_pyav
 
     return _decode_pyav(path, indices, KEEP_SIZE, 0)
 
@@ -145,7 +145,7 @@ def _select_and_resize(everything: list[Any]) -> Any:
 
 def measure_one(name: str, path: Path) -> dict[str, Any]:
     """Run one measurement in this (fresh) process; report seconds and peak RSS."""
-    from loraflow.ops import media
+    from loraflow.media import frames as media
 
     calls = {
         "full_decode_1thread": lambda: _full_decode_pyav(path),

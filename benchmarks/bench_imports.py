@@ -1,7 +1,7 @@
 """CPU benchmark: what each entry point pays in imports before any work, each in a fresh interpreter.
 
 A Dagster step process and the code server import `loraflow.definitions`; `loraflow check` imports `loraflow.cli`
-and then its planning (`ops.bucket_plan`, the family's plain spec through `plan_family`); the stages that load a
+and then its planning (`stages.clips.bucket_plan`, the family's plain spec through `plan_family`); the stages that load a
 model import the family module (`get_family`: torch, diffusers, transformers). Each statement is timed inside
 its own fresh `python -c` (interpreter start not counted), rounds interleaved, median reported, with whether
 torch ended up imported. `--before DIR`: the same statements on another tree (an export of an older commit, say
@@ -28,7 +28,7 @@ ENTRY_POINTS = {
     "Dagster step process / code server (import loraflow.definitions)": "import loraflow.definitions",
     # before plan_family, check and the clips stage called get_family
     "loraflow check, clips stage: planning (bucket_plan + the family they ask)":
-        "import loraflow.cli, loraflow.ops.bucket_plan\nfrom loraflow import pipelines\n"
+        "import loraflow.cli, loraflow.stages.clips.bucket_plan\nfrom loraflow import pipelines\n"
         "getattr(pipelines, 'plan_family', pipelines.get_family)(loraflow.cli.load_config('tests/demo_t2v.yaml'))",
     "a stage that loads a model: get_family (family module)":
         "from loraflow.pipelines import load_family\nload_family('kandinsky5-video')",

@@ -59,11 +59,11 @@ def tiny_stage() -> dict[str, Any]:
     import yaml
 
     from loraflow.config import parse_config
-    from loraflow.ops.clips import build_clips
-    from loraflow.ops.demo_data import make_demo_dataset
-    from loraflow.ops.latents import encode_latents
+    from loraflow.stages.clips.clips import build_clips
+    from loraflow.demo.dataset import make_demo_dataset
+    from loraflow.stages.latents.latents import encode_latents
     from loraflow.pipelines import get_family
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
     from loraflow.store import Store
 
     model = build_tiny("kandinsky5-video", WORK / "model")
@@ -128,7 +128,7 @@ def put_before_raw_cells(root: Path, rows: list[dict[str, Any]]) -> None:
 def store_vs_npy(latents: list) -> dict[str, Any]:
     import numpy as np
 
-    from loraflow.ops.latents import SHARD_CLIPS
+    from loraflow.stages.latents.latents import SHARD_CLIPS
     from loraflow.store import Store
 
     root = WORK / "real"

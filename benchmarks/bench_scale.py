@@ -8,7 +8,7 @@ imports, before the step, so `peak - base` is the step's own). Steps:
 
 - `plan`: `loraflow check` (validate, list the folder, probe every file, bucket table); it has no probe cache;
 - `probe_cold`, `probe_warm`: the clips stage's planning of the dataset (listing, captions, the store's `probes`
-  cache, clip keys: `ops.clips._plan_dataset`), from an empty store and again from the filled one; no decoding,
+  cache, clip keys: `stages.clips.clips._plan_dataset`), from an empty store and again from the filled one; no decoding,
   which is per clip and measured by bench_decode.py;
 - `manifest`: the planned rows written as the dataset's `clips` manifest part (`Store.write_manifest`), then read
   back in a fresh Store (`read_manifest`);
@@ -105,7 +105,7 @@ def step(name: str, config_path: str) -> dict[str, Any]:
         out["exit_code"] = code
         out["clips"] = int(printed.getvalue().split("total: ")[1].split(" clip")[0])
     elif name in ("probe_cold", "probe_warm"):
-        from loraflow.ops.clips import ProbeCache, _plan_dataset
+        from loraflow.stages.clips.clips import ProbeCache, _plan_dataset
 
         (rows, dropped), out["s"] = timed(lambda: _plan_dataset(config, family, dataset, ProbeCache(store)))
         out["clips"], out["dropped"] = len(rows), len(dropped)
@@ -121,7 +121,7 @@ def step(name: str, config_path: str) -> dict[str, Any]:
     elif name == "sensor":
         out.update(sensor_ticks(config_path, dataset.instance_data_dir or ""))
     elif name == "text_embeds":
-        from loraflow.ops.text_embeds import encode_texts
+        from loraflow.stages.text.text_embeds import encode_texts
 
         first, out["first_s"] = timed(lambda: encode_texts(config, family, store))
         again, out["s"] = timed(lambda: encode_texts(config, family, Store(config.cache_dir)))
@@ -196,13 +196,13 @@ def main() -> None:
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
-        import loraflow.cli, loraflow.ops.clips, loraflow.assets.sensors  # noqa: E401, F401  (imports outside base)
+        import loraflow.cli, loraflow.stages.clips.clips, loraflow.assets.sensors  # noqa: E401, F401  (imports outside base)
 
         base = peak_mb()
         out = step(args.step, args.config)
         print(json.dumps({**out, "base_mb": round(base), "peak_mb": round(peak_mb())}))
         return
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     model = build_tiny("kandinsky5-video", ROOT / "benchmarks" / "out" / "scale-model")
     import pyarrow as pa

@@ -88,9 +88,9 @@ def tiny_pipeline() -> dict[str, Any]:
     import torch
 
     from loraflow.config import parse_config
-    from loraflow.ops.text_embeds import encode_texts
+    from loraflow.stages.text.text_embeds import encode_texts
     from loraflow.pipelines import get_family
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
     from loraflow.store import Store
 
     model = build_tiny("kandinsky5-video", WORK / "model")

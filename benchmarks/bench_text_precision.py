@@ -34,7 +34,7 @@ def layer_model(precision: str):
     import torch
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
-    from loraflow.ops.text_embeds import quantize_int8
+    from loraflow.stages.text.text_embeds import quantize_int8
 
     config = Qwen2_5_VLTextConfig(**QWEN7B, num_hidden_layers=1, vocab_size=16, max_position_embeddings=4096,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6,

@@ -36,12 +36,12 @@ RESULTS = ROOT / "benchmarks" / "results" / "train_step_cpu.json"
 def build_caches(root: Path) -> Path:
     """Tiny model + one demo clip, cached by the real ops; returns the config path."""
     from loraflow.config import load_config
-    from loraflow.ops.clips import build_clips
-    from loraflow.ops.demo_data import make_demo_dataset
-    from loraflow.ops.latents import encode_latents
-    from loraflow.ops.text_embeds import encode_texts
+    from loraflow.stages.clips.clips import build_clips
+    from loraflow.demo.dataset import make_demo_dataset
+    from loraflow.stages.latents.latents import encode_latents
+    from loraflow.stages.text.text_embeds import encode_texts
     from loraflow.pipelines import get_family
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
     from loraflow.store import Store
     from tests.conftest import demo_dict, write_config
 
@@ -60,7 +60,7 @@ def build_caches(root: Path) -> Path:
 
 def ours(config_path: Path, steps: int, round_: int) -> list[float]:
     from loraflow.config import load_config, parse_config
-    from loraflow.ops.train import train_lora
+    from loraflow.training.loop import train_lora
     from loraflow.pipelines import get_family
     from loraflow.store import Store
 
@@ -76,8 +76,8 @@ def bare(config_path: Path, steps: int, prep: bool = False) -> list[float]:
     import torch.nn.functional as F
 
     from loraflow.config import load_config
-    from loraflow.ops import train as T
-    from loraflow.ops import train_data as D
+    from loraflow.training import loop as T
+    from loraflow.training import batches as D
     from loraflow.pipelines import get_family
     from loraflow.store import Store
 

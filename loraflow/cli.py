@@ -14,7 +14,7 @@ from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_conf
 from loraflow.pipelines.sources import HubUnreachable
 
 if TYPE_CHECKING:
-    from loraflow.ops.buckets import LatentGeometry
+    from loraflow.stages.clips.buckets import LatentGeometry
     from loraflow.pipelines import FamilyPlan
     from loraflow.pipelines.sources import ModelSource
 
@@ -23,8 +23,8 @@ DEMO_CONFIG = "configs/demo.yaml"
 
 def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
     """Build what the demo config points at: the tiny model and the generated dataset (idempotent)."""
-    from loraflow.ops.demo_data import make_demo_dataset, make_demo_edits
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.dataset import make_demo_dataset, make_demo_edits
+    from loraflow.demo.tiny import build_tiny
 
     config = load_config(config_path)
     build_tiny(config.model_family, config.pretrained_model_name_or_path, flavour=config.model_flavour, world=True)
@@ -111,7 +111,7 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
 def check(config_path: str, estimate: bool = True) -> int:
     """Validate the config (every problem at once), say where each model component is and what a run would
     download, then plan buckets without loading a model."""
-    from loraflow.ops.bucket_plan import human_bytes, plan_buckets
+    from loraflow.stages.clips.bucket_plan import human_bytes, plan_buckets
     from loraflow.pipelines import plan_family
 
     config = load_config(config_path)
@@ -197,8 +197,8 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
                                                                           LatentGeometry | None]:
     """Print a table of the model's components (where, cached or not, size, what a run downloads) and return the
     problems, the model when it is on disk, and its VAE geometry (None: unknown until downloaded)."""
-    from loraflow.ops.bucket_plan import human_bytes
-    from loraflow.ops.buckets import latent_geometry
+    from loraflow.stages.clips.bucket_plan import human_bytes
+    from loraflow.stages.clips.buckets import latent_geometry
     from loraflow.pipelines.sources import check_layout, component_status, model_source
 
     try:
@@ -222,9 +222,9 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
 
 
 def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> int:
-    """Cache one dataset with `workers` local latents workers (ops/fanout.py), or be the worker of one `shard`."""
+    """Cache one dataset with `workers` local latents workers (stages/shard_worker.py), or be the worker of one `shard`."""
     from loraflow.keys import Shard
-    from loraflow.ops import fanout
+    from loraflow.stages import shard_worker as fanout
 
     if workers < 1:
         print(f"cache: --workers {workers}: give 1 or more worker processes", file=sys.stderr)

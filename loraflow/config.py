@@ -190,7 +190,7 @@ class LoraflowConfig(GuideFeatures):
         "no_change", run_key="always", description="frozen transformer weights: no_change = fp32 as loaded; bf16 "
         "(modules diffusers keeps in fp32 stay fp32); fp8-layerwise = stored float8_e4m3fn, computed in bf16 per "
         "layer (diffusers layerwise casting); int8-torchao = int8 weight-only (torchao), computed in bf16; "
-        "int8-quanto runs as int8-torchao (ops/quantize.py). LoRA parameters are always fp32")
+        "int8-quanto runs as int8-torchao (kernels/quantize.py). LoRA parameters are always fp32")
     mixed_precision: Literal["auto", "no", "bf16"] = setting(
         "auto", run_key="always", description="bf16 autocast of the forward: auto = on CUDA, or when "
         "base_model_precision is not no_change; no = fp32 compute (needs base_model_precision no_change)")

@@ -11,7 +11,7 @@ checkpointing) runs at released size in seconds and allocates nothing. Each numb
   offloading keeps only the non-block modules and the groups on the accelerator (one group, two with streams:
   the next is prefetched).
 - optimizer: AdamW's two moments per LoRA parameter, fp32 (8 bytes per parameter) or bf16 with adamw_bf16 (4).
-- activations: the peak of the bytes alive during one fake forward + backward of `ops.train.step_losses` (LoRA
+- activations: the peak of the bytes alive during one fake forward + backward of `training.loop.step_losses` (LoRA
   gradients and the batch's device copies included), counted by `StepCounter` from the storages every op
   returns. With gradient checkpointing diffusers' own checkpointing runs, so the saved block inputs and one
   block's recompute are what is counted. Attention keeps no N x N matrix (flash kernels: output and
@@ -24,7 +24,7 @@ checkpointing) runs at released size in seconds and allocates nothing. Each numb
   4 * B * heads * N_q * N_kv * d forward (QK^T and PV, 2 flops per multiply-add) and twice that backward.
   NABLA checkpoints (flex attention at their sparsity) are not modelled yet: their rows say so.
 
-The fake step runs on the CPU: with bf16 autocast where a CUDA run uses it (`ops.train.uses_autocast`), so the
+The fake step runs on the CPU: with bf16 autocast where a CUDA run uses it (`training.loop.uses_autocast`), so the
 activation dtypes are those of a GPU run. What is left out is said where it is: allocator rounding and
 fragmentation (CUDA rounds to 512 bytes), CUDA/cuDNN workspaces and the CUDA context (about 0.5 GiB per process).
 """
@@ -95,7 +95,7 @@ def weights_bytes(model: torch.nn.Module) -> int:
 def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> int:
     """Frozen block weights group offloading keeps off the accelerator. block_level: all but the group computing
     now and, with streams, the next one (prefetched); leaf_level: every block but one leaf at a time, counted as
-    one block. The LoRA stays resident (`ops.train.Trainable`)."""
+    one block. The LoRA stays resident (`training.loop.Trainable`)."""
     blocks = list(getattr(transformer, family.tread_layout.blocks))
     per_block = [weights_bytes(b) for b in blocks]
     group = config.group_offload_blocks_per_group if config.group_offload_type == "block_level" else 1
@@ -105,7 +105,7 @@ def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family
 
 def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
                  precision: str) -> tuple[torch.nn.Module, list, torch.nn.Module]:
-    """The fake transformer as `ops.train.load_transformer` prepares it (precision, fp32 LoRA), its LoRA parameters,
+    """The fake transformer as `training.loop.load_transformer` prepares it (precision, fp32 LoRA), its LoRA parameters,
     and the model whose tensors are its frozen weights as stored (`weights_bytes`, `offloaded_bytes` count them).
     fp8-layerwise computes as bf16 does: the fake model is bf16, its weights are stored as a meta model with
     layerwise casting stores them (1 byte each where diffusers casts); int8 weight-only is counted the same way
@@ -127,8 +127,8 @@ def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_sha
     no-grad velocity. The batch is made inside, as its device copies are made in a run."""
     import torch
 
-    from loraflow.ops.train import step_losses
-    from loraflow.ops.train_data import MicroBatch, StepDraws
+    from loraflow.training.loop import step_losses
+    from loraflow.training.batches import MicroBatch, StepDraws
 
     device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
 
@@ -149,7 +149,7 @@ def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_sha
 
 
 def _not_modelled(stage: str, family: ModelFamily, transformer_config: Mapping[str, Any]) -> StageEstimate | None:
-    if transformer_config.get("attention_type") == "nabla":  # Kandinsky 5's 10 s checkpoints (ops/train.py too)
+    if transformer_config.get("attention_type") == "nabla":  # Kandinsky 5's 10 s checkpoints (training/loop.py too)
         return StageEstimate(stage, note="not estimated: NABLA attention (flex, block-sparse) is not modelled yet")
     if family.image_condition_name:
         return StageEstimate(stage, note=f"not estimated for {family.name} {family.flavour.name}: its image "
@@ -166,7 +166,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included)."""
     import torch
 
-    from loraflow.ops.train import uses_autocast
+    from loraflow.training.loop import uses_autocast
 
     if (skipped := _not_modelled("lora", family, transformer_config)) is not None:
         return skipped
@@ -195,10 +195,10 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
 def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[str, Any],
                frames: int, height: int, width: int, device_type: str = "cuda") -> StageEstimate:
     """The latents stage encoding one clip of the largest bucket: fp32 VAE weights + the peak of a fake
-    no-grad `family.vae_encode` with the configured patch conv / tiling / slicing (`ops.latents.prepare_vae`)."""
+    no-grad `family.vae_encode` with the configured patch conv / tiling / slicing (`stages.latents.latents.prepare_vae`)."""
     import torch
 
-    from loraflow.ops.latents import prepare_vae
+    from loraflow.stages.latents.latents import prepare_vae
 
     mode = _fake_mode()
     vae = fake_model(meta_model(vae_config, torch.float32), mode)
@@ -277,8 +277,8 @@ def released_configs(config: LoraflowConfig) -> dict[str, str] | None:
 
 def configured_buckets(config: LoraflowConfig, family: ModelFamily) -> list[str]:
     """The bucket label each training dataset asks for before it has clips: a square source at its `resolution`
-    (bucketed as `ops.clips.plan_clips` buckets one) and its `video.num_frames` (1 for an image dataset)."""
-    from loraflow.ops.buckets import bucket_label, bucket_size
+    (bucketed as `stages.clips.clips.plan_clips` buckets one) and its `video.num_frames` (1 for an image dataset)."""
+    from loraflow.stages.clips.buckets import bucket_label, bucket_size
 
     labels = []
     for d in config.training_datasets:
@@ -289,7 +289,7 @@ def configured_buckets(config: LoraflowConfig, family: ModelFamily) -> list[str]
 
 
 def largest_bucket(labels: Iterable[str]) -> tuple[int, int, int]:
-    """(frames, height, width) of the largest of these bucket labels (WIDTHxHEIGHT@FRAMES, `ops.buckets`)."""
+    """(frames, height, width) of the largest of these bucket labels (WIDTHxHEIGHT@FRAMES, `stages.clips.buckets`)."""
     sizes = [tuple(int(n) for n in label.replace("@", "x").split("x")) for label in labels]
     width, height, frames = max(sizes, key=lambda s: s[0] * s[1] * s[2])
     return frames, height, width
@@ -311,8 +311,8 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
              stages: tuple[str, ...] = STAGES) -> list[StageEstimate]:
     """`stages` for the config's largest bucket (frames, height, width) and its validation size, from the
     components' config dicts only (`component_configs`, or a released config: no weights are read)."""
-    from loraflow.ops.buckets import vae_geometry
-    from loraflow.ops.exchange import validation_size
+    from loraflow.stages.clips.buckets import vae_geometry
+    from loraflow.contracts.exchange import validation_size
     from loraflow.pipelines import plan_family
 
     frames, height, width = bucket
@@ -344,7 +344,7 @@ SWITCHES: tuple[tuple[str, dict[str, Any]], ...] = (
 def switches(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, Mapping[str, Any]],
              bucket: tuple[int, int, int], device_type: str = "cuda") -> list[tuple[str, StageEstimate]]:
     """The training estimate with each switch the config does not use yet, then with all of them."""
-    from loraflow.ops.buckets import vae_geometry
+    from loraflow.stages.clips.buckets import vae_geometry
 
     latent = vae_geometry(dict(configs["vae"]), family).shape(*bucket)
     unused = [(label, change) for label, change in SWITCHES

@@ -11,7 +11,7 @@ from loraflow.dataset_config import StrictModel, setting
 
 
 class GuideFeatures(StrictModel):
-    """Scheduled sampling (kernels/scheduled_sampling.py) and CREPA (kernels/crepa.py, ops/crepa_training.py)."""
+    """Scheduled sampling (kernels/scheduled_sampling.py) and CREPA (kernels/crepa.py, training/crepa_training.py)."""
 
     # Scheduled sampling (SimpleTuner's names, kernels/scheduled_sampling.py): off while max_step_offset is 0
     scheduled_sampling_max_step_offset: int = setting(

@@ -1,5 +1,5 @@
 """Content keys: a hash of everything that determines an item, so a key changes exactly when its content would; and
-the shard a key falls in when N workers split a dataset (ops/fanout.py).
+the shard a key falls in when N workers split a dataset (stages/shard_worker.py).
 
 Each stage bumps its CODE_VERSION when its numbers change; the version is part of every key it makes.
 """

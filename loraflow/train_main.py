@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.lifetime import die_with_parent
-from loraflow.ops.report import LoraReport
+from loraflow.contracts.reports import LoraReport
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def summary(report: LoraReport) -> dict[str, Any]:
 
 def report_from_summary(values: dict[str, Any]) -> LoraReport:
     """The report a launched run summarised, the rest read back from its run folder."""
-    from loraflow.ops.train import lora_report  # torch: imported when used, as in train()
+    from loraflow.training.loop import lora_report  # torch: imported when used, as in train()
 
     return lora_report(Path(values["run_dir"]), values["inputs"], computed=int(values["computed"]),
                        resumed_at=int(values["resumed_at_step"]))
@@ -45,7 +45,7 @@ def report_from_summary(values: dict[str, Any]) -> LoraReport:
 
 def train(config_path: str) -> LoraReport:
     from loraflow.config import load_config
-    from loraflow.ops.train import train_lora
+    from loraflow.training.loop import train_lora
     from loraflow.pipelines import get_family
     from loraflow.store import Store
 
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
     from loraflow.config import ConfigError
-    from loraflow.ops.distributed import leave, world_from_env
+    from loraflow.training.distributed import leave, world_from_env
 
     parser = argparse.ArgumentParser(prog="python -m loraflow.train_main", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the YAML/JSON config of the run")

@@ -17,14 +17,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_k5(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     return build_tiny("kandinsky5-video", tmp_path_factory.mktemp("models") / "kandinsky5-video")
 
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loraflow.ops.demo_data import make_demo_dataset
+    from loraflow.demo.dataset import make_demo_dataset
 
     return make_demo_dataset(tmp_path_factory.mktemp("data") / "demo")
 
@@ -32,7 +32,7 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's checkpoint (`loraflow demo` builds it): pre-trained once per machine, then read from its cache."""
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     return build_tiny("kandinsky5-video", tmp_path_factory.mktemp("models") / "tiny-world", world=True)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loraflow.ops.bucket_plan import human_bytes
+from loraflow.stages.clips.bucket_plan import human_bytes
 from loraflow.cli import main
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.simpletuner import import_simpletuner
@@ -158,7 +158,7 @@ def test_demo_over_another_tiny_checkpoint_says_what_to_delete(
     config = write_config(tmp_path / "demo.yaml", demo_dict(tiny_k5, demo_data, tmp_path, base="configs/demo.yaml"))
     assert main(["demo", "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert f"demo: {tiny_k5} was built by loraflow.pipelines.kandinsky5_video._tiny_pipeline (seed 0)" in err
+    assert f"demo: {tiny_k5} was built by loraflow.pipelines.kandinsky5.video._tiny_pipeline (seed 0)" in err
     assert "delete the folder to build it again" in err and "Traceback" not in err
 
 

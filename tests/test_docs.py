@@ -148,9 +148,9 @@ def test_the_quick_starts_paths_and_loaders_are_the_codes(tmp_path: Path) -> Non
     import diffusers
 
     from loraflow.config import LoraflowConfig, parse_config
-    from loraflow.ops.checkpoints import LORA_FILE
-    from loraflow.ops.report import LoraReport
-    from loraflow.ops.train import run_dir
+    from loraflow.training.checkpoints import LORA_FILE
+    from loraflow.contracts.reports import LoraReport
+    from loraflow.training.loop import run_dir
     from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 
     text = quick_start()
@@ -180,7 +180,7 @@ def test_the_quick_starts_diffusers_snippet_loads_a_lora_written_as_training_wri
     from diffusers import Kandinsky5Transformer3DModel
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from loraflow.ops.checkpoints import adapter_config
+    from loraflow.training.checkpoints import adapter_config
     from loraflow.pipelines import load_family
 
     config = snippet()

@@ -1,6 +1,6 @@
 """Estimates are claims: each is compared with the peak the CPU allocator reports for the same work.
 
-The measured side runs the real thing: the transformer loaded by `ops.train.load_transformer` (real
+The measured side runs the real thing: the transformer loaded by `training.loop.load_transformer` (real
 from_pretrained), a first optimizer step (so AdamW's moments exist, as at every later step), then one more
 `step_losses` + backward under torch's profiler with `profile_memory`; the VAE loaded by `load_component` encoding
 uint8 frames through `family.vae_encode`. Measured peak = the bytes the model (and optimizer) hold before (their
@@ -28,10 +28,10 @@ from torch.profiler import ProfilerActivity, profile
 from loraflow import estimates
 from loraflow.kernels import fake_tensors
 from loraflow.config import LoraflowConfig, load_config
-from loraflow.ops.buckets import latent_geometry
-from loraflow.ops.latents import prepare_vae
-from loraflow.ops.train import load_transformer, make_optimizer, step_losses, uses_autocast
-from loraflow.ops.train_data import MicroBatch, StepDraws
+from loraflow.stages.clips.buckets import latent_geometry
+from loraflow.stages.latents.latents import prepare_vae
+from loraflow.training.loop import load_transformer, make_optimizer, step_losses, uses_autocast
+from loraflow.training.batches import MicroBatch, StepDraws
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.sources import model_source
@@ -194,7 +194,7 @@ def test_group_offload_of_one_byte_weights_offloads_one_byte_blocks(tiny_k5: Pat
 
 @pytest.fixture(scope="module")
 def tiny_hv15(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     return build_tiny("hunyuanvideo-1.5", tmp_path_factory.mktemp("models") / "hunyuanvideo-1.5")
 

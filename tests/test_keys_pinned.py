@@ -14,10 +14,10 @@ import pytest
 
 from loraflow.config import load_config
 from loraflow.keys import content_key
-from loraflow.ops import latents as L
-from loraflow.ops import train as T
-from loraflow.ops.text_embeds import text_key
-from loraflow.ops.validate import prompt_image, render_settings
+from loraflow.stages.latents import latents as L
+from loraflow.training import loop as T
+from loraflow.stages.text.text_embeds import text_key
+from loraflow.validation.validate import prompt_image, render_settings
 from loraflow.pipelines import get_family
 
 REPO = Path(__file__).resolve().parents[1]

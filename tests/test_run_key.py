@@ -16,7 +16,7 @@ from loraflow.config import (
 )
 from loraflow.dataset_config import run_key_of
 from loraflow.guide_features import GuideFeatures
-from loraflow.ops import train as T
+from loraflow.training import loop as T
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = {"latents": "l", "text_embeds": "t"}

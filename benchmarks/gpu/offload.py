@@ -22,8 +22,8 @@ def demo_config(root: Path) -> Path:
     """The demo config on a tiny model and demo data built under root (what `make demo` uses)."""
     import yaml
 
-    from loraflow.ops.demo_data import make_demo_dataset
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.dataset import make_demo_dataset
+    from loraflow.demo.tiny import build_tiny
 
     config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     model = build_tiny(config["model_family"], root / "model")
@@ -56,9 +56,9 @@ def stage(name: str, run, cuda: bool) -> dict:
 
 def stages(config_path: Path, offload: bool, cache: Path, cuda: bool) -> list[dict]:
     from loraflow.config import load_config, parse_config
-    from loraflow.ops.clips import build_clips
-    from loraflow.ops.latents import encode_latents
-    from loraflow.ops.text_embeds import encode_texts
+    from loraflow.stages.clips.clips import build_clips
+    from loraflow.stages.latents.latents import encode_latents
+    from loraflow.stages.text.text_embeds import encode_texts
     from loraflow.pipelines import get_family
     from loraflow.store import Store
 

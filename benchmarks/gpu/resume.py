@@ -26,9 +26,9 @@ def measure(work: Path, smoke: bool) -> dict[str, Any]:
     import yaml
 
     from loraflow.config import load_config
-    from loraflow.ops.clips import build_clips
-    from loraflow.ops.latents import encode_latents
-    from loraflow.ops.text_embeds import encode_texts
+    from loraflow.stages.clips.clips import build_clips
+    from loraflow.stages.latents.latents import encode_latents
+    from loraflow.stages.text.text_embeds import encode_texts
     from loraflow.pipelines import get_family
     from loraflow.store import Store
 
@@ -71,7 +71,7 @@ def kill_after_checkpoint(config: Path, out: Path, tries: int = 5) -> str:
     """Start train_main, SIGKILL it once a checkpoint folder is published; the checkpoint's name. A tiny model's
     steps can outrun the 50 ms poll (the run saved a later checkpoint or finished before the kill landed): such a
     launch is not the kill this measures, so it is started again from an empty output folder."""
-    from loraflow.ops.checkpoints import LORA_FILE
+    from loraflow.training.checkpoints import LORA_FILE
 
     for _ in range(tries):
         shutil.rmtree(out, ignore_errors=True)

@@ -166,7 +166,7 @@ def main() -> None:
     unknown = sorted((set(chosen) | set(caps)) - set(names))
     if unknown:
         sys.exit(f"unknown measurement {', '.join(unknown)}: choose among {', '.join(names)}")
-    from loraflow.ops.checkpoints import write_json  # atomic: a run killed mid-write leaves the previous JSON
+    from loraflow.training.checkpoints import write_json  # atomic: a run killed mid-write leaves the previous JSON
 
     device = device_name(args.smoke)
     out = args.out or (Path(tempfile.gettempdir()) / "gpu_cpu-smoke.json" if args.smoke else
@@ -178,7 +178,7 @@ def main() -> None:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         if args.smoke:  # the estimates read the tiny configs; the children then find them built
-            from loraflow.pipelines.tiny import build_tiny
+            from loraflow.demo.tiny import build_tiny
 
             for family in {m.kwargs["family"] for m in REGISTRY if m.name in chosen and m.module == "train"}:
                 build_tiny(family, work / family)

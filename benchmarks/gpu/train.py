@@ -51,7 +51,7 @@ def measure(work: Path, smoke: bool, family: str, variant: str, steps: int = 6, 
 
     model = work / family
     if smoke:
-        from loraflow.pipelines.tiny import build_tiny
+        from loraflow.demo.tiny import build_tiny
 
         build_tiny(family, model)  # idempotent: the first variant builds it
         steps, warmup = 1, 0
@@ -94,8 +94,8 @@ def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: 
                 lora_out: str) -> dict[str, Any]:
     import torch
 
-    from loraflow.ops import train as T
-    from loraflow.ops.checkpoints import lora_state
+    from loraflow.training import loop as T
+    from loraflow.training.checkpoints import lora_state
     from loraflow.pipelines import get_family
     from safetensors.torch import save_file
 
@@ -182,7 +182,7 @@ def latent_shape(spec: dict[str, Any]) -> tuple[int, int, int, int]:
 def one_step(transformer: Any, family: Any, config: Any, batch: Any, device: Any, autocast: bool, trainable: Any,
              optimizer: Any, seed: int = 0) -> Any:
     """What train_lora's loop does for one micro-step of batch 1: routed forward, backward, collect, clip + step."""
-    from loraflow.ops import train as T
+    from loraflow.training import loop as T
 
     with T.routing(transformer, family, config, seed=seed):
         loss = T.flow_loss(transformer, family, batch, device, autocast)
@@ -214,7 +214,7 @@ def random_batch(family: str, dims: Any, smoke: bool) -> Any:
     import numpy as np
     import torch
 
-    from loraflow.ops.train_data import MicroBatch, StepDraws
+    from loraflow.training.batches import MicroBatch, StepDraws
     from loraflow.pipelines import get_family
     from loraflow.config import parse_config
 

@@ -23,7 +23,7 @@ from loraflow.assets import metadata as md
 from loraflow.assets.partitions import DATASETS
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import clips, latents, lora, text_embeds
-from loraflow.ops.bucket_plan import LatentGeometry
+from loraflow.stages.clips.bucket_plan import LatentGeometry
 from loraflow.store import Store
 
 # Partitioned checks are "preview" in Dagster 1.13 (pinned in pyproject.toml); they are what keeps one dataset's
@@ -89,7 +89,7 @@ def bad_latents(store: Store, geometry: LatentGeometry,
              description="Every latent has its clip's shape through the checkpoint's VAE, (C, (F-1)/4+1, H/s, W/s) "
                          "with s its spatial factor (8 or 16), and is finite.")
 def latents_shape_and_finite(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
-    from loraflow.ops.buckets import latent_geometry
+    from loraflow.stages.clips.buckets import latent_geometry
     from loraflow.pipelines import plan_family
     from loraflow.pipelines.sources import model_source
 
@@ -130,7 +130,7 @@ def quarantined_latents(store: Store, datasets: list[str] | None) -> set[str]:
 @asset_check(asset=latents, blocking=True, partitions_def=DATASETS,
              description="Every clip in the clips manifest has a stored latent.")
 def latents_cover_clips(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
-    from loraflow.ops.latents import latent_rows
+    from loraflow.stages.latents.latents import latent_rows
 
     config = loraflow.load()
     store = loraflow.store(config)
@@ -143,7 +143,7 @@ def latents_cover_clips(context: AssetCheckExecutionContext, loraflow: LoraflowR
 def texts_without_embeddings(needed: Iterable[tuple[str, str]], store: Store) -> list[dict[str, Any]]:
     """Needed (text, image) items (captions, "", negative, validation prompt; i2i: with their source image)
     missing from the manifest or the store."""
-    from loraflow.ops.exchange import text_lookup
+    from loraflow.contracts.exchange import text_lookup
 
     listed = text_lookup(store)
     committed = store.keys("text_embeds")
@@ -164,7 +164,7 @@ def texts_without_embeddings(needed: Iterable[tuple[str, str]], store: Store) ->
 @asset_check(asset=text_embeds, blocking=True,
              description="Every caption of every clip (and the empty, negative and validation prompts) is embedded.")
 def text_embeds_cover_captions(loraflow: LoraflowResource) -> AssetCheckResult:
-    from loraflow.ops.text_embeds import needed_texts
+    from loraflow.stages.text.text_embeds import needed_texts
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
@@ -233,7 +233,7 @@ def _tensor_problem(name: str, tensor: Any, tensors: dict[str, Any], rank: int) 
 @asset_check(asset=lora, blocking=True,
              description="The adapter opens as safetensors, has transformer.*lora_A/B keys in pairs, and is finite.")
 def lora_file_loads(loraflow: LoraflowResource) -> AssetCheckResult:
-    from loraflow.ops.train import current_lora_path
+    from loraflow.training.loop import current_lora_path
 
     config = loraflow.load()
     try:

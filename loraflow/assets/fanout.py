@@ -1,6 +1,6 @@
 """`cache_latents_fanout`: one dataset's latents by N steps at once, fanned out by Dagster itself (dynamic outputs).
 
-Each mapped step is one worker of ops/fanout.py: it commits its shard's latents and writes no manifest. Which process,
+Each mapped step is one worker of stages/shard_worker.py: it commits its shard's latents and writes no manifest. Which process,
 container or pod runs a step is the executor's business: Dagster's multiprocess executor (the default) runs the N
 steps as N local processes, `k8s_job_executor` (dagster-k8s) as N Kubernetes Jobs, `docker_executor` (dagster-docker)
 as N containers (docs/multi-gpu.md, "Caching one dataset with N workers"). A `cache_dataset` run of the dataset
@@ -37,7 +37,7 @@ ONE_GPU_POD = {"dagster-k8s/config": {"container_config": {"resources": {"limits
 
 @op(pool="gpu", retry_policy=TRANSIENT, tags=ONE_GPU_POD)
 def latents_shard(context: OpExecutionContext, loraflow: LoraflowResource, work: dict) -> int:
-    from loraflow.ops.fanout import cache_shard
+    from loraflow.stages.shard_worker import cache_shard
 
     config = loraflow.load()
     dataset = loraflow.dataset(config, work["dataset"])

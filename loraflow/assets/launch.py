@@ -17,7 +17,7 @@ from typing import Any
 from dagster import AssetExecutionContext, PipesSubprocessClient
 
 from loraflow.config import LoraflowConfig
-from loraflow.ops.report import LoraReport
+from loraflow.contracts.reports import LoraReport
 
 
 def needs_launch(config: LoraflowConfig) -> bool:
@@ -49,7 +49,7 @@ def free_port() -> int:
 
 def train(context: AssetExecutionContext, config: LoraflowConfig, config_path: str, store: Any) -> LoraReport:
     """The lora stage's report, trained here or by the launched processes."""
-    from loraflow.ops.train import train_lora
+    from loraflow.training.loop import train_lora
     from loraflow.train_main import report_from_summary
     from loraflow.pipelines import get_family
 

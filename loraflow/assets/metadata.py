@@ -19,7 +19,7 @@ IMAGE_TYPES = {".png": "image/png", ".webp": "image/webp"}  # the files md_image
 
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
-    from loraflow.ops.report import StageReport
+    from loraflow.contracts.reports import StageReport
     from loraflow.store import Store
 
 

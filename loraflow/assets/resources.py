@@ -35,7 +35,7 @@ class LoraflowResource(ConfigurableResource):
     def store(self, config: LoraflowConfig) -> Store:
         """The config's store. Manifest parts of datasets no longer in the config are dropped first, so no
         stage (an unpartitioned one run on its own included) reads their rows; their shards stay."""
-        from loraflow.ops.clips import drop_removed_datasets
+        from loraflow.stages.clips.clips import drop_removed_datasets
 
         store = Store(config.cache_dir)
         drop_removed_datasets(config, store)

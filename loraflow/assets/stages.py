@@ -35,9 +35,9 @@ def _log_waiting(context: AssetExecutionContext, dataset: str) -> None:
 @asset(partitions_def=DATASETS, group_name="loraflow",
        description="One dataset: probe videos/images, choose clips, bucket, decode only the kept frames.")
 def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.ops.bucket_plan import human_bytes
-    from loraflow.ops.clips import build_clips
-    from loraflow.ops.previews import clip_preview
+    from loraflow.stages.clips.bucket_plan import human_bytes
+    from loraflow.stages.clips.clips import build_clips
+    from loraflow.validation.previews import clip_preview
     from loraflow.pipelines import plan_family
 
     config = loraflow.load()
@@ -70,7 +70,7 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
 @asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",
        description="One dataset: VAE latents of every clip, cached by content.")
 def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.ops.latents import encode_latents
+    from loraflow.stages.latents.latents import encode_latents
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
@@ -91,7 +91,7 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
 @asset(deps=[clips], pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
        description="Text embeddings of every distinct text of every dataset.")
 def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.ops.text_embeds import encode_texts
+    from loraflow.stages.text.text_embeds import encode_texts
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
@@ -111,7 +111,7 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
        description="CREPA's teacher (DINOv2) patch features of every clip, cached by content; nothing while CREPA is "
                    "off.")
 def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.ops.crepa_training import cache_teacher_features
+    from loraflow.training.crepa_training import cache_teacher_features
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
@@ -129,8 +129,8 @@ def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
        description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.assets.launch import train
-    from loraflow.ops.previews import loss_plot
-    from loraflow.ops.progress_renders import progress_sheet_path
+    from loraflow.validation.previews import loss_plot
+    from loraflow.training.progress_renders import progress_sheet_path
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
     store = loraflow.store(config)
@@ -159,8 +159,8 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
 @asset(deps=[lora, text_embeds], pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
        description="Base vs LoRA renders of every validation prompt, and eval loss on held-out clips.")
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.ops.train import current_lora_path
-    from loraflow.ops.validate import validate
+    from loraflow.training.loop import current_lora_path
+    from loraflow.validation.validate import validate
     from loraflow.pipelines import get_family
 
     config = loraflow.load()

@@ -11,7 +11,7 @@ paper's Eq. 6), our own code. With p = projected tokens and t = teacher features
                  `crepa_normalize_by_frames`; the caller weights it by `crepa_lambda`.
 Where the tokens come from: the output of visual block `crepa_block_index` (a forward hook on the real diffusers
 block, `capture_block`), whose tokens are in (frame, row, column) order, one per latent patch (`token_grid`).
-The teacher's features arrive cached per latent frame (`loraflow.ops.teacher_features`) on its own square patch grid.
+The teacher's features arrive cached per latent frame (`loraflow.stages.teacher.teacher_features`) on its own square patch grid.
 `crepa_spatial_align` resamples them bilinearly onto the transformer's (rows, columns) grid; off, both sides are
 averaged over a frame's patches (one token per frame). SimpleTuner instead resamples both to the smaller token
 count, in 1-D where a grid is not square; the 2-D resampling keeps each patch over the same part of the frame.

@@ -28,9 +28,9 @@ class FamilyChoice(Protocol):
 # model_family -> the module whose `SPEC` declares it. Each of these keeps torch and diffusers out of its imports
 # (its SPEC.module has them), so validating a config and loading the code location import neither.
 FAMILIES: dict[str, str] = {
-    "kandinsky5-video": "loraflow.pipelines.kandinsky5_video_spec",
-    "kandinsky5-image": "loraflow.pipelines.kandinsky5_image_spec",
-    "hunyuanvideo-1.5": "loraflow.pipelines.hunyuanvideo15_spec",
+    "kandinsky5-video": "loraflow.pipelines.kandinsky5.video_spec",
+    "kandinsky5-image": "loraflow.pipelines.kandinsky5.image_spec",
+    "hunyuanvideo-1.5": "loraflow.pipelines.hunyuanvideo15.spec",
 }
 
 

@@ -78,7 +78,7 @@ class FamilySpec:
 
     `module` is where the rest of the family lives, imported only when a stage needs it: `make_family(flavour name
     or None) -> ModelFamily` (the adapter) and `tiny(flavour) -> (pipeline class, build)` (its tiny checkpoint, for
-    `loraflow.pipelines.tiny.build_tiny`). A family without heavy imports at its top may name its own module.
+    `loraflow.demo.tiny.build_tiny`). A family without heavy imports at its top may name its own module.
     """
 
     name: str  # the config's `model_family`

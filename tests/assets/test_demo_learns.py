@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loraflow.ops.demo_data import _COLOURS
-from loraflow.ops.validate import read_media
-from loraflow.pipelines.tiny_world import shape_centroid
+from loraflow.demo.dataset import _COLOURS
+from loraflow.validation.validate import read_media
+from loraflow.demo.tiny_world import shape_centroid
 from tests.conftest import demo_dict, write_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from dagster import DagsterEventType, DagsterInstance, materialize
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import lora
 from loraflow.config import load_config
-from loraflow.ops import train as T
+from loraflow.training import loop as T
 from loraflow.store import Store
 from tests.conftest import REPO
 from tests.ops.test_train import build_caches, make_config

@@ -138,8 +138,8 @@ def test_a_dataset_removed_from_the_config_is_no_longer_read_or_cached(setup, ti
 PARALLEL = """
 import sys
 from loraflow.config import load_config
-from loraflow.ops.clips import build_clips
-from loraflow.ops.latents import encode_latents
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import encode_latents
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 config = load_config(sys.argv[1])

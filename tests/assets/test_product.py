@@ -44,7 +44,7 @@ from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.schedules import DEFAULT_CRON, recache_schedule
 from loraflow.assets.sensors import CHANGED_TAG, dataset_watch
 from loraflow.assets.stages import ALL_ASSETS
-from loraflow.ops.bucket_plan import LatentGeometry
+from loraflow.stages.clips.bucket_plan import LatentGeometry
 from loraflow.config import ConfigError, load_config
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config

@@ -111,7 +111,7 @@ def k5(tiny_k5: Path) -> Kandinsky5Transformer3DModel:
 
 @pytest.fixture(scope="module")
 def hv15(tmp_path_factory: pytest.TempPathFactory) -> HunyuanVideo15Transformer3DModel:
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     path = build_tiny("hunyuanvideo-1.5", tmp_path_factory.mktemp("models") / "hv15")
     return HunyuanVideo15Transformer3DModel.from_pretrained(path / "transformer")

@@ -29,7 +29,7 @@ def k5(tiny_k5: Path) -> Kandinsky5Transformer3DModel:
 
 @pytest.fixture(scope="module")
 def hv15(tmp_path_factory: pytest.TempPathFactory) -> HunyuanVideo15Transformer3DModel:
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     path = build_tiny("hunyuanvideo-1.5", tmp_path_factory.mktemp("models") / "hv15")
     return HunyuanVideo15Transformer3DModel.from_pretrained(path / "transformer").requires_grad_(False)
@@ -161,7 +161,9 @@ def test_routes_resolve_negative_indices_and_refuse_bad_spans() -> None:
 
 
 def test_each_family_declares_the_layout_tested_here() -> None:
-    from loraflow.pipelines import hunyuanvideo15, kandinsky5_image, kandinsky5_video
+    from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
+    from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
+    from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
 
     assert kandinsky5_video.make_family(None).tread_layout == K5
     assert kandinsky5_image.make_family(None).tread_layout == K5

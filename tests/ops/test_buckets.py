@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loraflow.ops import buckets
+from loraflow.stages.clips import buckets
 
 frames_4k1 = st.integers(0, 40).map(lambda k: 4 * k + 1)
 

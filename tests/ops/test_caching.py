@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from loraflow.config import load_config
-from loraflow.ops.clips import build_clips
-from loraflow.ops.latents import encode_latents
-from loraflow.ops.text_embeds import encode_texts
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import encode_latents
+from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
@@ -76,7 +76,7 @@ def test_a_changed_text_encoder_re_encodes_texts_but_not_latents(tiny_k5: Path, 
 KILLABLE = """
 import sys
 from loraflow.config import load_config
-from loraflow.ops.latents import encode_latents
+from loraflow.stages.latents.latents import encode_latents
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 config = load_config(sys.argv[1])

@@ -15,12 +15,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, PngImagePlugin
 
-from loraflow.ops.buckets import latent_geometry
+from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.config import ConfigError, parse_config
-from loraflow.ops import buckets
-from loraflow.ops.clips import build_clips, decode_clip
-from loraflow.ops.exchange import condition_frame
-from loraflow.ops.media import MediaError
+from loraflow.stages.clips import buckets
+from loraflow.stages.clips.clips import build_clips, decode_clip
+from loraflow.contracts.exchange import condition_frame
+from loraflow.media.frames import MediaError
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.media_factory import read_index, write_h264, write_image, write_video
@@ -326,7 +326,7 @@ def test_file_mtime_alone_changes_identity(tiny_k5: Path, tmp_path: Path) -> Non
 
 
 def test_latent_estimate_equals_what_the_latents_stage_writes(tiny_k5: Path, tmp_path: Path) -> None:
-    from loraflow.ops.latents import encode_latents
+    from loraflow.stages.latents.latents import encode_latents
 
     data = tmp_path / "data"
     videos(data, 1, width=96, height=64)

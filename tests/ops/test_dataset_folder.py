@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from loraflow.ops.bucket_plan import plan_buckets
+from loraflow.stages.clips.bucket_plan import plan_buckets
 from loraflow.cli import main
 from loraflow.config import ConfigError
 from loraflow.pipelines import get_family

@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from loraflow.assets.launch import launch_command
-from loraflow.ops import train as T
-from loraflow.ops.distributed import World, join
+from loraflow.training import loop as T
+from loraflow.training.distributed import World, join
 from loraflow.store import Store
 from tests.conftest import REPO
 from tests.ops.test_train import build_caches, make_config, same_lora_file, train
@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from loraflow.config import load_config
-from loraflow.ops import train as T
-from loraflow.ops.checkpoints import lora_state
-from loraflow.ops.distributed import leave, world_from_env
+from loraflow.training import loop as T
+from loraflow.training.checkpoints import lora_state
+from loraflow.training.distributed import leave, world_from_env
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 
@@ -183,7 +183,7 @@ def test_ranks_that_disagree_fail_together(tmp_path: Path) -> None:
     script.write_text(
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from loraflow.ops.distributed import check_same_everywhere, join, leave\n"
+        "from loraflow.training.distributed import check_same_everywhere, join, leave\n"
         "world, device = join(2)\n"
         "check_same_everywhere('a', lambda: 'ab' * 8, world, device)  # equal: passes\n"
         "try:\n"

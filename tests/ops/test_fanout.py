@@ -1,4 +1,4 @@
-"""One dataset cached by 4 worker processes at once (ops/fanout.py): real processes, one of them SIGKILLed."""
+"""One dataset cached by 4 worker processes at once (stages/shard_worker.py): real processes, one of them SIGKILLed."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 
 from loraflow.config import load_config
 from loraflow.keys import Shard
-from loraflow.ops.clips import build_clips
-from loraflow.ops.latents import SHARD_CLIPS, latent_rows
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import SHARD_CLIPS, latent_rows
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config

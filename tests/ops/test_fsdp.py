@@ -23,7 +23,7 @@ import yaml
 from safetensors.torch import load_file
 
 from loraflow.assets.launch import free_port, launch_command
-from loraflow.ops import train as T
+from loraflow.training import loop as T
 from loraflow.store import Store
 from tests.conftest import REPO
 from tests.ops.test_distributed import SETTINGS, run_ranks
@@ -35,7 +35,7 @@ REFERENCE = '''
 import sys
 import torch.distributed as dist
 from loraflow.config import load_config
-from loraflow.ops import train as T
+from loraflow.training import loop as T
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 
@@ -52,8 +52,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from loraflow.config import load_config
-from loraflow.ops import train as T
-from loraflow.ops.distributed import leave, world_from_env
+from loraflow.training import loop as T
+from loraflow.training.distributed import leave, world_from_env
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 

@@ -21,17 +21,17 @@ from peft import LoraConfig
 from PIL import Image
 
 from loraflow.config import LoraflowConfig, load_config
-from loraflow.ops import train as T
-from loraflow.ops import train_data as D
-from loraflow.ops.clips import build_clips
-from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
-from loraflow.ops.latents import encode_latents, latent_rows
-from loraflow.ops.exchange import conditioning_clip, text_lookup
-from loraflow.ops.text_embeds import encode_texts
-from loraflow.ops.validate import conditioning_image, render_settings, validate
+from loraflow.training import loop as T
+from loraflow.training import batches as D
+from loraflow.stages.clips.clips import build_clips
+from loraflow.validation.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
+from loraflow.stages.latents.latents import encode_latents, latent_rows
+from loraflow.contracts.exchange import conditioning_clip, text_lookup
+from loraflow.stages.text.text_embeds import encode_texts
+from loraflow.validation.validate import conditioning_image, render_settings, validate
 from loraflow.pipelines import family_spec, get_family
 from loraflow.pipelines.base import load_component, load_lora_file
-from loraflow.pipelines.hunyuanvideo15 import lora_pattern, make_family
+from loraflow.pipelines.hunyuanvideo15.family import lora_pattern, make_family
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
 
@@ -53,7 +53,7 @@ def make_config(root: Path, output: Path, **overrides) -> LoraflowConfig:
 @pytest.fixture(scope="module")
 def root(demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny HV1.5 checkpoint, two demo clips, and their clips, i2v latents and text embeddings."""
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("hv-i2v")
     build_tiny("hunyuanvideo-1.5", root / "model")
@@ -256,7 +256,7 @@ def test_hv_i2v_trains_with_crepa_and_scheduled_sampling(trained, root: Path, tm
     step 1's input (its first latent frame stays the image's), CREPA's term is logged apart, the LoRA differs."""
     from safetensors.torch import load_file
 
-    from loraflow.pipelines.tiny_parts import tiny_dinov2
+    from loraflow.demo.tiny_parts import tiny_dinov2
 
     _, plain = trained
     guided = make_config(root, tmp_path / "out", crepa_enabled=True, crepa_block_index=1,
@@ -275,7 +275,7 @@ def test_the_size_bucket_rule_is_the_pipelines(tmp_path: Path) -> None:
     target sizes and the tiny one, over aspects on both sides of square and the exact bucket sizes."""
     from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 
-    from loraflow.pipelines.hunyuanvideo15_spec import render_size
+    from loraflow.pipelines.hunyuanvideo15.spec import render_size
     from loraflow.pipelines.sources import ModelSource
 
     flavour = family_spec("hunyuanvideo-1.5").flavour(I2V)

@@ -19,14 +19,14 @@ from dagster import DagsterInstance
 from PIL import Image
 
 from loraflow.config import LoraflowConfig, parse_config
-from loraflow.ops import train as T
-from loraflow.ops import train_data as D
-from loraflow.ops.clips import build_clips
-from loraflow.ops.exchange import condition_frame, text_lookup
-from loraflow.ops.demo_data import make_demo_edits
-from loraflow.ops.latents import encode_latents
-from loraflow.ops.text_embeds import encode_texts, load_encoders
-from loraflow.ops.validate import RESULTS, validate
+from loraflow.training import loop as T
+from loraflow.training import batches as D
+from loraflow.stages.clips.clips import build_clips
+from loraflow.contracts.exchange import condition_frame, text_lookup
+from loraflow.demo.dataset import make_demo_edits
+from loraflow.stages.latents.latents import encode_latents
+from loraflow.stages.text.text_embeds import encode_texts, load_encoders
+from loraflow.validation.validate import RESULTS, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component
 from loraflow.store import Store
@@ -55,7 +55,7 @@ def i2i_config(root: Path, model: Path, data: tuple[Path, Path], **overrides: An
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoraflowConfig, Path]:
     """clips, latents and text_embeds of the edit pairs, plus one target whose source image is missing."""
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     root = tmp_path_factory.mktemp("i2i")
     model = build_tiny("kandinsky5-image", root / "model", flavour=I2I)
@@ -83,7 +83,7 @@ def test_each_target_clip_stores_its_source_image_cut_to_the_target_bucket(cache
 
 
 def test_the_clips_preview_shows_each_source_image_below_its_target(cached) -> None:
-    from loraflow.ops.previews import THUMB, clip_preview
+    from loraflow.validation.previews import THUMB, clip_preview
 
     config, sources = cached
     store = Store(config.cache_dir)
@@ -206,7 +206,7 @@ def test_i2i_eval_loss_without_validation_prompts(cached, tmp_path: Path) -> Non
 
 
 def test_a_source_image_pairs_by_exact_name_and_an_ambiguous_one_is_quarantined(tmp_path: Path) -> None:
-    from loraflow.ops.clips import ProbeCache, _source_image
+    from loraflow.stages.clips.clips import ProbeCache, _source_image
 
     targets, sources = make_demo_edits(tmp_path / "targets", tmp_path / "sources")
     config = i2i_config(tmp_path, tmp_path / "model", (targets, sources))
@@ -298,7 +298,7 @@ def test_k5_image_trains_with_crepa_on_single_frames_and_an_int8_base(cached, tm
     teacher features, no neighbours): it trains, logs the term apart, and the LoRA differs from the plain run's."""
     from safetensors.torch import load_file
 
-    from loraflow.pipelines.tiny_parts import tiny_dinov2
+    from loraflow.demo.tiny_parts import tiny_dinov2
 
     config, _ = cached
     settings = config.model_dump(mode="json", exclude_none=True)

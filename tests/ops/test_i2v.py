@@ -15,14 +15,14 @@ import pytest
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from loraflow.ops import train as T
-from loraflow.ops import train_data as D
-from loraflow.ops.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
-from loraflow.ops.exchange import conditioning_clip, text_lookup
-from loraflow.ops.validate import conditioning_image, render_settings, validate
+from loraflow.training import loop as T
+from loraflow.training import batches as D
+from loraflow.validation.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
+from loraflow.contracts.exchange import conditioning_clip, text_lookup
+from loraflow.validation.validate import conditioning_image, render_settings, validate
 from loraflow.pipelines import family_spec, get_family
 from loraflow.pipelines.base import load_component, load_lora_file
-from loraflow.pipelines.kandinsky5_video import make_family
+from loraflow.pipelines.kandinsky5.video import make_family
 from loraflow.store import Store
 from tests.numerics import assert_float64_close
 from tests.ops.test_train import build_caches, make_config, reference_lora
@@ -68,7 +68,7 @@ def test_first_latent_frame_equals_the_first_frame_alone_only_for_a_static_clip(
 
 
 def test_i2v_latents_hold_the_first_frame_encoded_alone(caches: dict[str, Path], tmp_path: Path) -> None:
-    from loraflow.ops.latents import encode_latents
+    from loraflow.stages.latents.latents import encode_latents
 
     config = make_config(caches, tmp_path / "out", model_flavour=I2V, cache_dir=str(tmp_path / "cache"))
     shutil.copytree(caches["root"] / "cache", tmp_path / "cache")
@@ -207,9 +207,9 @@ def test_validation_using_datasets_renders_from_an_image_of_the_eval_dataset(tin
     """The seeds' i2v setup: videos to train on, an image dataset (`eval_dataset_id`) to render validation from.
     Its images are kept (not quarantined as `single_image`), the first by name is the render's first frame, and
     eval loss leaves them out (an image has no frame after the first to score)."""
-    from loraflow.ops.evaluation import eval_items
-    from loraflow.ops.latents import encode_latents
-    from loraflow.ops.text_embeds import encode_texts
+    from loraflow.validation.evaluation import eval_items
+    from loraflow.stages.latents.latents import encode_latents
+    from loraflow.stages.text.text_embeds import encode_texts
     from tests.media_factory import read_index, write_image
     from tests.ops.test_clips import make_config as clips_config
     from tests.ops.test_clips import run, videos

@@ -21,11 +21,14 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 
 from loraflow.config import ConfigError, load_config
-from loraflow.ops.clips import build_clips
-from loraflow.ops.latents import draw_latents, encode_latents, latent_rows
-from loraflow.pipelines import get_family, hunyuanvideo15, kandinsky5_image, kandinsky5_video
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import draw_latents, encode_latents, latent_rows
+from loraflow.pipelines import get_family
+from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
+from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
+from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
 from loraflow.pipelines.base import load_component
-from loraflow.pipelines.tiny import build_tiny
+from loraflow.demo.tiny import build_tiny
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
 from tests.numerics import U32

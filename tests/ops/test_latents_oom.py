@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import loraflow.ops.latents as L
+import loraflow.stages.latents.latents as L
 from loraflow.assets.checks import clips_without_latents
 from loraflow.config import load_config
-from loraflow.ops.clips import build_clips
+from loraflow.stages.clips.clips import build_clips
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config

@@ -24,10 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds med
 
 import media_factory as mf  # noqa: E402
 
-from loraflow.ops import media, media_decode  # noqa: E402
-from loraflow.ops.media import MediaError, Probe, decode_frames, probe  # noqa: E402
+from loraflow.media import frames as media
 
-LOGGER = "loraflow.ops.media"
+from loraflow.media import local as media_decode  # noqa: E402
+from loraflow.media.frames import MediaError, Probe, decode_frames, probe  # noqa: E402
+
+LOGGER = "loraflow.media.frames"
 
 
 @pytest.fixture(scope="module")
@@ -411,7 +413,7 @@ def test_image_has_only_frame_zero(files: dict[str, Path]) -> None:
 
 
 def test_demo_dataset_is_real_captioned_deterministic_and_idempotent(tmp_path: Path) -> None:
-    from loraflow.ops.demo_data import make_demo_dataset
+    from loraflow.demo.dataset import make_demo_dataset
 
     out = make_demo_dataset(tmp_path / "demo")
     videos, stills = sorted(out.glob("*.mp4")), sorted(out.glob("*.png"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import loraflow.ops.clips as clips
+import loraflow.stages.clips.clips as clips
 from loraflow.keys import file_identity
 from loraflow.store import Store
 

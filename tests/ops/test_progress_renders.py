@@ -18,12 +18,12 @@ import torch
 from PIL import Image
 
 from loraflow.config import ConfigError, parse_config
-from loraflow.ops import progress_renders as PR
-from loraflow.ops import train as T
-from loraflow.ops import validate as V
-from loraflow.ops.distributed import World
-from loraflow.ops.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
-from loraflow.ops.previews import BLOCK_GAP, SHEET_ROW_HEIGHT, TEXT_HEIGHT
+from loraflow.training import progress_renders as PR
+from loraflow.training import loop as T
+from loraflow.validation import validate as V
+from loraflow.training.distributed import World
+from loraflow.training.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
+from loraflow.validation.previews import BLOCK_GAP, SHEET_ROW_HEIGHT, TEXT_HEIGHT
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import demo_dict
@@ -181,7 +181,7 @@ def test_validation_steps_needs_a_prompt(caches: dict[str, Path], tmp_path: Path
 def test_the_renderer_wraps_the_given_transformer_without_moving_it(family_name: str, tmp_path: Path) -> None:
     """In-training renders reuse training's transformer: no second copy is loaded, and it stays where it is."""
     from loraflow.pipelines.base import load_component
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     path = build_tiny(family_name, tmp_path / family_name)
     data = {**demo_dict(path, tmp_path / "data", tmp_path), "model_family": family_name, "model_flavour": None}

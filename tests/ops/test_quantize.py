@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from loraflow.ops.quantize import quantize_base_int8
+from loraflow.kernels.quantize import quantize_base_int8
 from loraflow.pipelines.base import load_component
 from tests.numerics import U32, gamma
 

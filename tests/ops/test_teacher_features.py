@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import Dinov2Model
 
-from loraflow.ops.teacher_features import (
+from loraflow.stages.teacher.teacher_features import (
     STAGE, Teacher, encode_teacher_features, latent_frame_indices,
 )
-from loraflow.pipelines.tiny_parts import tiny_dinov2
+from loraflow.demo.tiny_parts import tiny_dinov2
 from loraflow.store import Store
 
 

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import torch
 
 from loraflow.config import load_config
-from loraflow.ops.clips import build_clips
-from loraflow.ops.text_embeds import encode_texts, load_encoders, needed_texts, truncation_table
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.text.text_embeds import encode_texts, load_encoders, needed_texts, truncation_table
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
@@ -41,7 +41,7 @@ def setup(model: Path, data: Path, root: Path, captions: list[str] | None = None
 KILLABLE = """
 import sys
 from loraflow.config import load_config
-from loraflow.ops.text_embeds import encode_texts
+from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 config = load_config(sys.argv[1])

@@ -26,12 +26,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from loraflow.config import LoraflowConfig, load_config
-from loraflow.ops import train as T
-from loraflow.ops import train_data as D
-from loraflow.ops.clips import build_clips
-from loraflow.ops.latents import encode_latents
-from loraflow.ops.exchange import text_lookup
-from loraflow.ops.text_embeds import encode_texts
+from loraflow.training import loop as T
+from loraflow.training import batches as D
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import encode_latents
+from loraflow.contracts.exchange import text_lookup
+from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
@@ -169,7 +169,7 @@ def test_a_killed_run_resumes_to_the_same_bits(caches: dict[str, Path], tmp_path
     settings = {"max_train_steps": 24, "checkpointing_steps": 2, "checkpoints_total_limit": 1, "lora_dropout": 0.1}
     killed = make_config(caches, tmp_path / "killed", **settings)
     run = T.run_dir(killed, T.upstream_versions(Store(killed.cache_dir)))
-    code = ("import sys; from loraflow.config import load_config; from loraflow.ops.train import train_lora; "
+    code = ("import sys; from loraflow.config import load_config; from loraflow.training.loop import train_lora; "
             "from loraflow.pipelines import get_family; from loraflow.store import Store; "
             "c = load_config(sys.argv[1]); train_lora(c, get_family(c), Store(c.cache_dir))")
     process = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "killed.yaml")], cwd=REPO,

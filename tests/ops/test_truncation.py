@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from loraflow.ops.text_embeds import caption_tokens
+from loraflow.stages.text.text_embeds import caption_tokens
 from loraflow.pipelines import load_family
 from loraflow.pipelines.base import load_component
-from loraflow.pipelines.tiny import build_tiny
+from loraflow.demo.tiny import build_tiny
 
 FITS_ONCE_CLEANED = "&amp; " * 200  # raw: > 512 tokens in the tiny byte-level tokenizer; cleaned: "& " * 200
 

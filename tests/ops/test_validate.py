@@ -23,14 +23,14 @@ import torch
 from PIL import Image
 
 from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
-from loraflow.ops.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips
-from loraflow.ops.exchange import split_holdout
-from loraflow.ops.report import ValidationReport
-from loraflow.ops.text_embeds import encode_texts
-from loraflow.ops.previews import (
+from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips
+from loraflow.contracts.exchange import split_holdout
+from loraflow.contracts.reports import ValidationReport
+from loraflow.stages.text.text_embeds import encode_texts
+from loraflow.validation.previews import (
     BLOCK_GAP, MAX_SHEET_WIDTH, PLOT_DPI, PLOT_INCHES, SHEET_ROW_HEIGHT, TEXT_HEIGHT,
 )
-from loraflow.ops.validate import negative_prompt, render_settings, validate, write_media
+from loraflow.validation.validate import negative_prompt, render_settings, validate, write_media
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component, set_lora_scale
 from loraflow.store import Store
@@ -75,7 +75,7 @@ def make_lora(config: LoraflowConfig, out: Path) -> Path:
     LoraConfig in the header, as training exports it."""
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from loraflow.ops.checkpoints import adapter_config
+    from loraflow.training.checkpoints import adapter_config
 
     family = get_family(config)
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
@@ -166,7 +166,7 @@ def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(setup, 
     alone = {**data, "validation_prompt": None, "user_prompt_library": {"blue": LIBRARY["blue"]},
              "eval_holdout_fraction": 0}
     (tmp_path / "alone.yaml").write_text(json.dumps(alone))  # JSON is YAML
-    code = ("import dataclasses, json, sys; from loraflow.config import load_config; from loraflow.ops.validate import validate; "
+    code = ("import dataclasses, json, sys; from loraflow.config import load_config; from loraflow.validation.validate import validate; "
             "from loraflow.pipelines import get_family; from loraflow.store import Store; "
             "c = load_config(sys.argv[1]); print(json.dumps(dataclasses.asdict(validate(c, get_family(c), "
             "Store(c.cache_dir), sys.argv[2]).prompts[0])))")
@@ -251,8 +251,8 @@ def test_eval_loss_of_the_same_clips_is_the_same_whatever_their_files_mtimes(set
     commit regenerate the demo data with other mtimes, and measured -17% and -25% with identical renders."""
     import os
 
-    from loraflow.ops.clips import build_clips
-    from loraflow.ops.latents import encode_latents
+    from loraflow.stages.clips.clips import build_clips
+    from loraflow.stages.latents.latents import encode_latents
 
     _, _, lora = setup
     runs = []
@@ -354,7 +354,7 @@ def test_one_frame_is_written_as_a_lossless_png(tmp_path: Path) -> None:
 
 
 def test_image_family_renders_base_and_lora_as_pngs(tmp_path: Path) -> None:
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     model = build_tiny("kandinsky5-image", tmp_path / "k5i")
     config = parse_config(config_dict(

@@ -31,7 +31,7 @@ from loraflow.config import ConfigError, parse_config
 from loraflow.pipelines import load_family
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE, ComfyRule, comfyui_name, save_comfyui_lora, to_comfyui
-from loraflow.pipelines.tiny import build_tiny
+from loraflow.demo.tiny import build_tiny
 
 RANK, ALPHA = 4, 8.0  # scale 2: a file whose alpha were ignored would render at half strength
 
@@ -141,7 +141,7 @@ def test_comfyui_lora_reproduces_the_peft_adapter(case, tmp_path: Path) -> None:
     name, family, path = case
     layout_fn, latent_shape, text_builder = CASES[name]
     transformer = adapted(path, family)
-    from loraflow.ops.checkpoints import adapter_config, lora_state
+    from loraflow.training.checkpoints import adapter_config, lora_state
 
     lora_file = save_comfyui_lora(lora_state(transformer), adapter_config(transformer), family.comfyui_names,
                                   tmp_path / COMFYUI_LORA_FILE)

@@ -34,10 +34,12 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from peft import LoraConfig, get_peft_model_state_dict
 
-from loraflow.ops.checkpoints import adapter_config
-from loraflow.pipelines import hunyuanvideo15, kandinsky5_image, kandinsky5_video
+from loraflow.training.checkpoints import adapter_config
+from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
+from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
+from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
 from loraflow.pipelines.base import ModelFamily, load_component
-from loraflow.pipelines.tiny import build_tiny
+from loraflow.demo.tiny import build_tiny
 from tests.numerics import assert_float64_close
 
 PROMPTS = ["a cat walks on the grass", "  Tom &amp; Jerry\n run  ", ""]

@@ -27,17 +27,19 @@ from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5I2IPipeline
 from peft import LoraConfig, get_peft_model_state_dict
 from PIL import Image
 
-from loraflow.ops.checkpoints import adapter_config
-from loraflow.pipelines import hunyuanvideo15, kandinsky5_image, kandinsky5_video
+from loraflow.training.checkpoints import adapter_config
+from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
+from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
+from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
 from loraflow.pipelines.base import load_component
-from loraflow.pipelines.kandinsky5_image import (
+from loraflow.pipelines.kandinsky5.image import (
     I2I_CROP_PAST_PREFIX,
     I2I_MAX_TEXT_TOKENS,
     I2I_PROMPT_TEMPLATE,
     Kandinsky5ImageI2I,
     i2i_template_crop,
 )
-from loraflow.pipelines.tiny import build_tiny, kandinsky5_transformer
+from loraflow.demo.tiny import build_tiny, kandinsky5_transformer
 
 I2I = "i2i-lite-sft"
 PROMPTS = ["make the circle green", "  Tom &amp; Jerry\n run  ", ""]

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from loraflow.ops.validate import RenderSettings
-from loraflow.pipelines import kandinsky5_video
-from loraflow.pipelines.tiny import TEXT_DIM
+from loraflow.validation.validate import RenderSettings
+from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
+from loraflow.demo.tiny import TEXT_DIM
 
 # What diffusers' conversion script writes for the 10 s checkpoints is P 0.9 and windows (11, 3, 3); small windows
 # keep the tiny mask sparse.

@@ -24,15 +24,15 @@ from safetensors.torch import load_file
 
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.keys import content_key
-from loraflow.ops import train as T
-from loraflow.ops.clips import build_clips
-from loraflow.ops.latents import encode_latents
-from loraflow.ops.text_embeds import encode_texts
+from loraflow.training import loop as T
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import encode_latents
+from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import FAMILIES, describe_families, get_family
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
-from loraflow.pipelines.kandinsky5 import MAX_TEXT_TOKENS
-from loraflow.pipelines.kandinsky5_video import Kandinsky5Video
-from loraflow.pipelines.tiny import (
+from loraflow.pipelines.kandinsky5.common import MAX_TEXT_TOKENS
+from loraflow.pipelines.kandinsky5.video import Kandinsky5Video
+from loraflow.demo.tiny import (
     TinyPipeline, build_tiny, hunyuan_video_vae, kandinsky5_scheduler, kandinsky5_text_components,
     kandinsky5_transformer,
 )

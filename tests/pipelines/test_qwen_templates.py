@@ -1,5 +1,5 @@
 """Every prompt-template crop counted with the real Qwen2 / Qwen2.5 tokenizer (Qwen's 151,643 BPE ranks, which the
-`dashscope` wheel ships; built by loraflow.pipelines.qwen_vocab into .loraflow/qwen2-tokenizer/), not the tiny
+`dashscope` wheel ships; built by loraflow.demo.qwen_vocab into .loraflow/qwen2-tokenizer/), not the tiny
 checkpoints' one-token-a-byte tokenizer that every other test uses.
 
 The pipelines hard-code their crops for this tokenizer; loraflow computes them from its templates. Kandinsky 5 i2i
@@ -24,8 +24,14 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import forma
 from PIL import Image
 from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-from loraflow.pipelines import hunyuanvideo15, kandinsky5_image, kandinsky5_video, qwen_vocab
-from loraflow.pipelines.tiny import hunyuan_video15_vae
+from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
+
+from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
+
+from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
+
+from loraflow.demo import qwen_vocab
+from loraflow.demo.tiny import hunyuan_video15_vae
 
 # The original repository's crop_start per type_of_content (kandinsky/models/text_embedders.py, PROMPT_TEMPLATE).
 ORIGINAL_CROPS = {"video": 129, "image": 41, "image_edit": 55}

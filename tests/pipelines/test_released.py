@@ -8,7 +8,7 @@ import torch
 
 from loraflow.kernels import fake_tensors
 from loraflow.pipelines import family_specs, released
-from loraflow.pipelines.hunyuanvideo15_spec import SPEC as HV15
+from loraflow.pipelines.hunyuanvideo15.spec import SPEC as HV15
 from loraflow.pipelines.released import CREPA_ENCODER, components, released_file, released_model
 
 pytestmark = pytest.mark.released

@@ -24,13 +24,15 @@ import torch
 from loraflow.config import LoraflowConfig, parse_config
 from loraflow.kernels.crepa import CrepaProjector, hidden_width
 from loraflow.kernels.patch_conv import enable_patch_conv
-from loraflow.ops import train as T
-from loraflow.ops.crepa_training import Crepa
-from loraflow.ops.teacher_features import latent_frame_indices, patch_features
-from loraflow.ops.train_data import MicroBatch, step_draws
-from loraflow.pipelines import get_family, hunyuanvideo15, kandinsky5
+from loraflow.training import loop as T
+from loraflow.training.crepa_training import Crepa
+from loraflow.stages.teacher.teacher_features import latent_frame_indices, patch_features
+from loraflow.training.batches import MicroBatch, step_draws
+from loraflow.pipelines import get_family
+from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
+from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.base import ModelFamily
-from loraflow.pipelines.kandinsky5 import MAX_TEXT_TOKENS
+from loraflow.pipelines.kandinsky5.common import MAX_TEXT_TOKENS
 from loraflow.kernels.fake_tensors import fake_mode, known_values
 from loraflow.pipelines.released import released_config, released_model
 
@@ -193,7 +195,7 @@ def test_text_encoders_at_released_size(flavour: str) -> None:
     """A prompt longer than the 512 tokens Kandinsky 5 keeps, through the released Qwen2.5-VL and CLIP-L as
     `encode_text` runs them (`prompt_tensors`; the offline byte-level tokenizers: one token per byte): the row is as
     wide as the released transformer takes (in_text_dim, in_text_dim2)."""
-    from loraflow.pipelines.tiny import clip_tokenizer, qwen_tokenizer
+    from loraflow.demo.tiny import clip_tokenizer, qwen_tokenizer
 
     case = next(c for c in CASES if c.flavour == flavour)
     family = get_family(dry_config(case))

@@ -20,8 +20,8 @@ import torch
 from loraflow.cli import main
 from loraflow.config import ConfigError, parse_config
 from loraflow.keys import content_key, directory_fingerprint
-from loraflow.ops.bucket_plan import human_bytes
-from loraflow.ops.latents import latent_rows
+from loraflow.stages.clips.bucket_plan import human_bytes
+from loraflow.stages.latents.latents import latent_rows
 from loraflow.pipelines.base import component_fingerprint, load_component
 from loraflow.pipelines import family_flavour
 from loraflow.pipelines.sources import check_layout, layout_problem, model_source
@@ -178,7 +178,7 @@ def test_the_guides_text_encoder_variable_replaces_hunyuanvideos_text_encoder(
 
 @pytest.fixture(scope="module")
 def tiny_hv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loraflow.pipelines.tiny import build_tiny
+    from loraflow.demo.tiny import build_tiny
 
     return build_tiny("hunyuanvideo-1.5", tmp_path_factory.mktemp("models") / "hv15")
 

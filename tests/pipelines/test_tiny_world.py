@@ -10,10 +10,10 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
-from loraflow.ops.demo_data import world_clips
-from loraflow.pipelines import tiny as parts
-from loraflow.pipelines.kandinsky5_video import make_family
-from loraflow.pipelines.tiny_world import WorldRecipe, decode_frames, mosaic_vae, pretrain, shape_centroid
+from loraflow.demo.dataset import world_clips
+from loraflow.demo import tiny as parts
+from loraflow.pipelines.kandinsky5.video import make_family
+from loraflow.demo.tiny_world import WorldRecipe, decode_frames, mosaic_vae, pretrain, shape_centroid
 
 
 def test_mosaic_vae_is_cell_means_and_loads_back(tmp_path: Path) -> None:
@@ -92,8 +92,9 @@ def _held_out_loss(family, transformer, vae, text) -> float:
 
 KEY_PROGRAM = """
 import torch
-from loraflow.pipelines import tiny as parts, tiny_world
-from loraflow.pipelines.kandinsky5_video import make_family
+from loraflow.demo import tiny as parts
+from loraflow.demo import tiny_world
+from loraflow.pipelines.kandinsky5.video import make_family
 torch.manual_seed(0)
 text = parts.kandinsky5_text_components()
 transformer = parts.kandinsky5_transformer(visual_cond=True, model_dim=128)

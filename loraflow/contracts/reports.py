@@ -1,0 +1,196 @@
+"""What the stage ops return: one frozen report per stage on a shared base, enough for the asset's metadata.
+
+Table rows are small frozen dataclasses whose field names are the columns the asset shows. Paths are str: they
+go into JSON (results, the launched trainer's summary) and Dagster metadata as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: this module stays free of torch and of the stages
+    from loraflow.stages.clips.buckets import BucketRow
+    from loraflow.pipelines.base import RenderSettings
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageReport:
+    data_version: str
+    computed: int  # items (or runs) this call made
+    reused: int  # items found in the store
+    quarantined: tuple[object, ...] = ()  # items left out, with the reason; each stage names its row type
+
+
+# -- clips ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DroppedFile:
+    """A source file that yields no clip: a row of the store's `quarantine` manifest."""
+
+    dataset: str
+    file: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class DropReason:
+    """Files dropped for one reason in one dataset, with one example."""
+
+    dataset: str
+    reason: str
+    files: int
+    example: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClipsReport(StageReport):
+    quarantined: tuple[DroppedFile, ...] = ()
+    buckets: tuple[BucketRow, ...]
+    dropped: tuple[DropReason, ...]
+
+    @property
+    def clips(self) -> int:
+        return sum(r.clips for r in self.buckets)
+
+    @property
+    def est_latent_bytes(self) -> int | None:
+        """What the latents stage will write (an estimate); None when the VAE config is not readable."""
+        sizes = [r.latent_bytes for r in self.buckets]
+        return None if None in sizes else sum(sizes)
+
+
+# -- latents --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BadLatent:
+    """A clip whose latent was not stored: a row of the store's `latents_quarantine` manifest."""
+
+    key: str
+    clip_key: str
+    dataset: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class OomFallback:
+    """A clip encoded again with a memory-saving fallback after running out of memory."""
+
+    clip_key: str
+    fallback: str
+    key: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatentsReport(StageReport):
+    quarantined: tuple[BadLatent, ...] = ()
+    oom_fallbacks: tuple[OomFallback, ...]
+    device: str
+    peak_gib: float
+
+
+# -- text_embeds ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenBin:
+    tokens: str  # the bin's range of stored tokens, "0-16" or ">512"
+    texts: int
+
+
+@dataclass(frozen=True)
+class TruncatedText:
+    text: str  # its first 80 characters
+    tokens_kept: int
+    limit: int
+    files: str  # the source files whose captions use it, or "(validation prompt)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextEmbedsReport(StageReport):
+    tokens_histogram: tuple[TokenBin, ...]
+    truncated: tuple[TruncatedText, ...]
+    distinct_texts: int
+    device: str
+    text_encoder_1_precision: str
+    bytes_on_disk: int
+    seconds: float
+    texts_per_s: float
+
+    @property
+    def truncated_texts(self) -> int:
+        return len(self.truncated)
+
+
+# -- lora -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainStep:
+    """One row of the run's history.json."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    ms: float
+    samples_per_s: float | None = None  # None in histories written before it was logged
+    peak_gib: float | None = None  # CUDA only
+    crepa_loss: float | None = None  # CREPA's weighted term (crepa_enabled), apart from `loss`, the flow loss
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraReport(StageReport):
+    history: tuple[TrainStep, ...]
+    lora_path: str
+    run_dir: str
+    inputs: dict[str, str]  # upstream stage -> the data version trained on
+    resumed_at_step: int
+    samples_per_s: float  # median over the steps
+    peak_gib: float
+    comfyui_lora_path: str | None = None  # lora_format: comfyui
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.history[-1].loss if self.history else None
+
+
+# -- validation -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PromptRenders:
+    """One validation prompt's base and LoRA renders (its result.json)."""
+
+    name: str
+    prompt: str
+    base: str
+    lora: str
+    contact_sheet: str
+    mean_abs_pixel_change: float
+    animation: str | None = None  # preview.webp, base beside LoRA; None for an image family's stills
+
+
+@dataclass(frozen=True)
+class EvalLoss:
+    """Mean held-out loss at one sigma, base and LoRA."""
+
+    sigma: float
+    timestep: int
+    base: float
+    lora: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidationReport(StageReport):
+    settings: RenderSettings
+    fps: float
+    prompts: tuple[PromptRenders, ...]
+    eval_loss: tuple[EvalLoss, ...]
+    eval_clips: int
+    mean_abs_pixel_change: float | None = None  # over the prompts; None without prompts
+    eval_loss_base: float | None = None  # means over the sigmas; None without eval clips
+    eval_loss_lora: float | None = None
+    eval_loss_change: float | None = None  # (lora - base) / base: negative when the LoRA fits held-out clips better
+    eval_plot: str | None = None
+    condition_image: str | None = None  # i2v's first frame, i2i's source image
+
+
+# -- teacher_features (CREPA) ---------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class TeacherFeaturesReport(StageReport):
+    teacher: str  # the teacher checkpoint's folder
+    image_size: int  # the side the teacher sees each frame at

@@ -1,0 +1,360 @@
+"""Probe and decode video/image files: only the frames that are kept, at the size they are kept.
+
+Decoding every frame of a 720p clip to RGB and then keeping 49 costs 480-780 MB and ~2 s on two
+cores; decoding only the 49 kept frames, resized inside the decoder, costs 0.3 s and ~75 MB of
+worker working set (benchmarks/bench_decode.py, benchmarks/results/decode_cpu.json). So:
+
+* `probe` reads container metadata and the packet index, decodes exactly one frame (for rotation,
+  pixel format and to prove the codec works), and counts frames without decoding them.
+* `decode_frames` asks decord for the kept indices at the kept size (resize happens in its filter
+  graph), and falls back to PyAV, which walks the stream once, converts only the wanted frames and
+  stops after the last one.
+
+All decoding runs in a small pool of worker processes: one corrupt file can hang or crash FFmpeg
+or decord, and a process is the only thing that can be killed. A hang becomes
+MediaError("decode_timeout") and a crash MediaError("unreadable"); the calling pipeline goes on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loraflow.media.local import decode_local, probe_local  # light: it imports decord and PyAV when it decodes
+from loraflow.media.types import MediaError, Probe
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------------
+# Public API (runs in the caller's process; the work happens in a worker process)
+# --------------------------------------------------------------------------------------------
+
+
+def probe(path: str | Path, timeout_s: float = 60.0) -> Probe:
+    """Describe a video or image file; raises MediaError if it cannot be used."""
+    path = Path(path)
+    key = _stat_key(path)
+    cached = _probe_cache_get(key)
+    if cached is not None:
+        return cached
+    reply = _run_in_worker(("probe", str(path)), path, timeout_s)
+    result = Probe(**reply["probe"])
+    _probe_cache_put(key, result)
+    return result
+
+
+def decode_frames(
+    path: str | Path,
+    indices: Sequence[int],
+    size: tuple[int, int],
+    timeout_s: float = 60.0,
+) -> np.ndarray:
+    """Decode source frames `indices` of `path`, resized to `size` = (H, W).
+
+    Returns uint8 RGB of shape (len(indices), H, W, 3), frames in the order given (repeats
+    allowed). Aspect is not preserved: the caller picks a size that keeps it and crops after.
+    Raises MediaError for unusable files or when decoding takes longer than `timeout_s`, and
+    ValueError for indices outside [0, num_frames) or a non-positive size.
+    """
+    path = Path(path)
+    height, width = _check_size(size, path)
+    wanted = [int(i) for i in indices]
+    info = probe(path, timeout_s=timeout_s)
+    _check_indices(wanted, info, path)
+    if not wanted:
+        return np.empty((0, height, width, 3), np.uint8)
+    unique = sorted(set(wanted))
+    request = ("decode", str(path), unique, (height, width), dataclasses.asdict(info))
+    reply = _run_in_worker(request, path, timeout_s)
+    frames = reply["frames"]
+    logger.debug("%s: %d frames via %s%s", path, len(unique), reply["backend"], reply["note"])
+    if unique == wanted:
+        return frames
+    # Decode each distinct frame once; repeats and order are restored by a gather.
+    return frames[np.searchsorted(unique, wanted)]
+
+
+def _check_size(size: tuple[int, int], path: Path) -> tuple[int, int]:
+    if len(size) != 2 or any(int(s) != s or s <= 0 for s in size):
+        raise ValueError(f"{path}: size must be (height, width) with positive integers, got {size!r}")
+    return int(size[0]), int(size[1])
+
+
+def _check_indices(wanted: list[int], info: Probe, path: Path) -> None:
+    bad = [i for i in wanted if not 0 <= i < info.num_frames]
+    if bad:
+        raise ValueError(
+            f"{path}: frame indices {bad[:5]} are outside 0..{info.num_frames - 1} "
+            f"(the file has {info.num_frames} frames); choose indices from probe().num_frames"
+        )
+
+
+# Probe results are reused by decode_frames; a changed file (size or mtime) is probed again.
+_PROBE_CACHE: OrderedDict[tuple[str, int, int], Probe] = OrderedDict()
+_PROBE_CACHE_MAX = 4096
+_PROBE_CACHE_LOCK = threading.Lock()
+
+
+def _stat_key(path: Path) -> tuple[str, int, int]:
+    try:
+        st = path.stat()
+    except OSError as err:
+        raise MediaError("unreadable", f"{path}: cannot read the file ({err.strerror}); check the path and permissions") from err
+    if not path.is_file():
+        raise MediaError("unreadable", f"{path}: not a regular file; point the dataset at media files")
+    if st.st_size == 0:
+        raise MediaError("empty_file", f"{path}: the file is empty (0 bytes); re-copy or remove it")
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def _probe_cache_get(key: tuple[str, int, int]) -> Probe | None:
+    with _PROBE_CACHE_LOCK:
+        hit = _PROBE_CACHE.get(key)
+        if hit is not None:
+            _PROBE_CACHE.move_to_end(key)
+        return hit
+
+
+def _probe_cache_put(key: tuple[str, int, int], value: Probe) -> None:
+    with _PROBE_CACHE_LOCK:
+        _PROBE_CACHE[key] = value
+        while len(_PROBE_CACHE) > _PROBE_CACHE_MAX:
+            _PROBE_CACHE.popitem(last=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Worker processes
+# --------------------------------------------------------------------------------------------
+
+# A plain `python -c` child rather than multiprocessing: spawn/forkserver re-import the caller's
+# __main__ (breaking scripts without a __main__ guard), and fork is unsafe in a threaded process.
+_WORKER_BOOT = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[3]); "
+    "from loraflow.media.frames import _serve; _serve(int(sys.argv[1]), int(sys.argv[2]))"
+)
+
+
+class _WorkerGone(Exception):
+    """The worker died while idle (not the file's fault): retry on a fresh one."""
+
+
+class _Worker:
+    """One decoding subprocess, spoken to over two pipes."""
+
+    BOOT_TIMEOUT_S = 120.0
+
+    def __init__(self) -> None:
+        req_r, req_w = os.pipe()
+        res_r, res_w = os.pipe()
+        search_path = [str(Path(__file__).resolve().parents[2]), *sys.path]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_BOOT, str(req_r), str(res_w), json.dumps(search_path)],
+            pass_fds=(req_r, res_w),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # FFmpeg/decord chatter stays on stderr
+        )
+        os.close(req_r)
+        os.close(res_w)
+        self.requests = Connection(req_w, readable=False)
+        self.replies = Connection(res_r, writable=False)
+        self.alive = True
+        self.in_call = False
+        self._wait_until_ready()
+
+    def _wait_until_ready(self) -> None:
+        # A worker that cannot even start (broken install) must not be mistaken for a file that
+        # crashes the decoder: every file would be reported as corrupt.
+        try:
+            ready = self.replies.poll(self.BOOT_TIMEOUT_S) and self.replies.recv() == "ready"
+        except EOFError:
+            ready = False
+        if not ready:
+            code = self.kill()
+            raise RuntimeError(
+                f"the media worker process did not start (exit code {code}); its traceback is on "
+                "stderr above — check that numpy, av and decord import in this environment"
+            )
+
+    def call(self, request: tuple[Any, ...], path: Path, timeout_s: float) -> dict[str, Any]:
+        try:
+            self.requests.send(request)
+        except OSError as err:
+            self.kill()
+            raise _WorkerGone from err
+        self.in_call = True  # until the whole reply is read, this worker may not serve others
+        if not self.replies.poll(timeout_s):
+            self.kill()
+            raise MediaError(
+                "decode_timeout",
+                f"{path}: decoding took longer than {timeout_s:g} s and was stopped; the file is "
+                "probably damaged (re-encode it) or very long (raise timeout_s)",
+            )
+        try:
+            reply = self.replies.recv()
+            if reply["kind"] == "frames":
+                reply = self._receive_frames(reply)
+        except EOFError:
+            code = self.kill()
+            raise MediaError(
+                "unreadable",
+                f"{path}: the decoder crashed on this file (worker exit code {code}); it is corrupt — "
+                "re-encode it (e.g. ffmpeg -i in.mp4 -c:v libx264 out.mp4) or remove it",
+            ) from None
+        self.in_call = False
+        return reply
+
+    def _receive_frames(self, header: dict[str, Any]) -> dict[str, Any]:
+        frames = np.empty(header["shape"], np.uint8)
+        # Straight into the result, no second copy. Connection measures buffers by len(), so it
+        # must see a flat byte view, not the 4-D array.
+        self.replies.recv_bytes_into(frames.reshape(-1))
+        return {"kind": "ok", "frames": frames, **{k: header[k] for k in ("backend", "note")}}
+
+    def kill(self) -> int | None:
+        self.alive = False
+        self.requests.close()
+        self.replies.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
+    def close(self) -> None:
+        """Ask politely (EOF on the request pipe), then insist."""
+        self.alive = False
+        self.requests.close()
+        self.replies.close()
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_IDLE: list[_Worker] = []
+_IDLE_LOCK = threading.Lock()
+_IDLE_MAX = max(2, os.cpu_count() or 2)
+
+
+@contextlib.contextmanager
+def _borrow_worker() -> Iterator[_Worker]:
+    """A worker for this call only; concurrent callers (threads) each get their own."""
+    with _IDLE_LOCK:
+        worker = _IDLE.pop() if _IDLE else None
+    if worker is None or worker.proc.poll() is not None:
+        worker = _Worker()
+    try:
+        yield worker
+    finally:
+        # Interrupted mid-call (Ctrl-C, an error while reading), the worker would later answer
+        # a request nobody is waiting for, and the next caller would read that stale answer.
+        reusable = worker.alive and not worker.in_call
+        with _IDLE_LOCK:
+            keep = reusable and len(_IDLE) < _IDLE_MAX
+            if keep:
+                _IDLE.append(worker)
+        if not keep and worker.alive:
+            worker.kill() if worker.in_call else worker.close()
+
+
+def _run_in_worker(request: tuple[Any, ...], path: Path, timeout_s: float) -> dict[str, Any]:
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    try:
+        reply = _call_once(request, path, timeout_s)
+    except _WorkerGone:
+        reply = _call_once(request, path, timeout_s)  # a worker that died while idle
+    if reply["kind"] == "media_error":
+        raise MediaError(reply["reason"], reply["message"])
+    if reply["kind"] == "bug":
+        raise RuntimeError(f"media worker failed on {path} (a loraflow bug, please report):\n{reply['traceback']}")
+    return reply
+
+
+def _call_once(request: tuple[Any, ...], path: Path, timeout_s: float) -> dict[str, Any]:
+    with _borrow_worker() as worker:
+        return worker.call(request, path, timeout_s)
+
+
+def _close_all_workers() -> None:
+    with _IDLE_LOCK:
+        workers, _IDLE[:] = list(_IDLE), []
+    for worker in workers:
+        worker.close()
+
+
+def _forget_workers_after_fork() -> None:
+    # A forked child shares the parent's pipes; talking on them would steal the parent's replies.
+    global _IDLE_LOCK
+    _IDLE_LOCK = threading.Lock()
+    _IDLE.clear()
+
+
+atexit.register(_close_all_workers)
+os.register_at_fork(after_in_child=_forget_workers_after_fork)
+
+
+def _serve(request_fd: int, reply_fd: int) -> None:
+    """Worker main loop: answer requests until the parent closes the pipe."""
+    # Ctrl-C reaches the whole process group; the parent decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import av
+
+    # PyAV folds the last FFmpeg error line into its exceptions (and so into our messages) only
+    # when logging is on; route the lines nowhere instead of printing one per bad file.
+    libav_log = logging.getLogger("libav")
+    libav_log.addHandler(logging.NullHandler())
+    libav_log.propagate = False
+    av.logging.set_level(av.logging.ERROR)
+    requests = Connection(request_fd, writable=False)
+    replies = Connection(reply_fd, readable=False)
+    replies.send("ready")
+    while True:
+        try:
+            request = requests.recv()
+        except EOFError:
+            return
+        _answer(request, replies)
+        _release_freed_memory()
+
+
+def _answer(request: tuple[Any, ...], replies: Connection) -> None:
+    op, path = request[0], Path(request[1])
+    try:
+        if op == "probe":
+            replies.send({"kind": "ok", "probe": dataclasses.asdict(probe_local(path))})
+            return
+        _, _, indices, size, info = request
+        frames, backend, note = decode_local(path, indices, size, Probe(**info))
+    except MediaError as err:
+        replies.send({"kind": "media_error", "reason": err.reason, "message": str(err)})
+        return
+    except Exception:  # noqa: BLE001 - forwarded to the caller as a RuntimeError with the traceback
+        replies.send({"kind": "bug", "traceback": traceback.format_exc()})
+        return
+    replies.send({"kind": "frames", "shape": frames.shape, "backend": backend, "note": note})
+    replies.send_bytes(np.ascontiguousarray(frames).reshape(-1))  # flat: see _receive_frames
+
+
+def _release_freed_memory() -> None:
+    # glibc keeps freed frame buffers mapped; hand them back so an idle worker stays small.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim

@@ -1,0 +1,67 @@
+"""HunyuanVideo 1.5's plain data: flavours and names. The family itself is `hunyuanvideo15` (torch, diffusers),
+imported only when a stage needs it.
+
+Repository ids: the hunyuanvideo-community collection (also SimpleTuner's table)."""
+
+from __future__ import annotations
+
+import json
+
+from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.sources import ModelSource
+
+_SIGLIP_PARTS = ("image_encoder", "feature_extractor")
+# The guide's environment variables; read as diffusers component folders, not the original release's
+# text_encoder/llm or vision_encoder/siglip tree SimpleTuner points them at.
+_GUIDE_FOLDERS = (("text_encoder", "HUNYUANVIDEO_TEXT_ENCODER_PATH"), ("image_encoder", "HUNYUANVIDEO_VISION_ENCODER_PATH"))
+
+
+def _flavour(name: str, shift: float) -> Flavour:
+    task, resolution = name.split("-")
+    size = {"480p": (480, 848), "720p": (720, 1280)}[resolution]
+    parts = (*TWO_ENCODER_PARTS, "guider") + (_SIGLIP_PARTS if task == "i2v" else ())
+    # conditioning_frames 0 for i2v too: HunyuanVideo15ImageToVideoPipeline steps every latent frame (HVI:931)
+    return Flavour(name, task, 24.0, 121, size, shift, 6.0, parts,
+                   repo=f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{resolution}_{task}",
+                   folder_variables=_GUIDE_FOLDERS)
+
+
+def render_size(flavour: Flavour, model: ModelSource, height: int, width: int) -> tuple[int, int] | None:
+    """(height, width) the flavour's pipeline renders at when validation asks for (height, width); None: unknown
+    until the checkpoint's configs are here. t2v renders as asked. i2v takes no size: it crop-resizes the image to
+    the size bucket of transformer `target_size` (patches of the VAE's spatial factor) closest to the image's aspect
+    on its side of square (HVI:756-759, `HunyuanVideo15ImageProcessor.calculate_default_height_width`, whose
+    `generate_crop_size_list` and `get_closest_ratio` this follows step for step: torch stays unimported)."""
+    transformer, vae = model.folder("transformer") / "config.json", model.folder("vae") / "config.json"
+    if not flavour.image_is_first_frame:
+        return height, width
+    if not (transformer.is_file() and vae.is_file()):
+        return None
+    target = json.loads(transformer.read_text()).get("target_size", 640)  # the pipeline's defaults
+    patch = json.loads(vae.read_text()).get("spatial_compression_ratio", 16)
+    patches, tall, wide, buckets = round((target / patch) ** 2), round((target / patch) ** 2), 1, []
+    while tall > 0:  # (height, width) in patches, every one of at most `patches` patches, aspect up to 4
+        if max(tall, wide) / min(tall, wide) <= 4.0:
+            buckets.append((tall * patch, wide * patch))
+        if (wide + 1) * tall <= patches:
+            wide += 1
+        else:
+            tall -= 1
+    aspect = height / width
+    offsets = [round(h / w, 5) - aspect for h, w in buckets]
+    same_side = [(abs(d), i) for i, d in enumerate(offsets) if (d <= 0 if aspect >= 1 else d >= 0)]
+    return buckets[min(same_side)[1]]
+
+
+SPEC = FamilySpec(
+    name="hunyuanvideo-1.5",
+    description="HunyuanVideo 1.5 at 480p and 720p, text-to-video and image-to-video",
+    flavours=(_flavour("t2v-480p", 5.0), _flavour("t2v-720p", 9.0), _flavour("i2v-480p", 5.0),
+              _flavour("i2v-720p", 7.0)),
+    default_flavour="t2v-480p",
+    spatial_multiple=16,  # VAE 16x, patch 1
+    vae_temporal_factor=4,
+    module="loraflow.pipelines.hunyuanvideo15.family",
+    simpletuner_names=("hunyuanvideo", "hunyuanvideo-1.5"),
+    render_size=render_size,
+)

@@ -1,0 +1,214 @@
+"""Kandinsky 5.0 Video (Lite/Pro, t2v and i2v): prompt template, scaling, transformer call, LoRA targets, render.
+
+Mirrors diffusers' `Kandinsky5T2VPipeline` (pipelines/kandinsky5/pipeline_kandinsky.py) and
+`Kandinsky5I2VPipeline` (pipeline_kandinsky_i2v.py: the same template, crop, text encoders and checkpoint
+layout); the parity tests hold this file to their numbers. i2v differs only in the latents: the image's latent
+replaces frame 0 of x_t, the mask channel marks frame 0, `visual_cond` stays zero, and only frames 1.. are
+stepped; so training gives frame 0 clean and leaves it out of the loss (`flavour.conditioning_frames`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from PIL import Image
+from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5I2VPipeline, Kandinsky5T2VPipeline
+
+from loraflow.keys import content_key
+from loraflow.kernels.tread import TokenLayout
+from loraflow.pipelines.kandinsky5 import common as kandinsky5
+from loraflow.pipelines.base import (
+    RenderSettings, TextRow, load_pipeline, scaled_posterior, set_lora_scale,
+)
+from loraflow.pipelines.comfyui import ComfyRule
+from loraflow.pipelines.flavours import Flavour
+from loraflow.pipelines.sources import ModelSource
+from loraflow.pipelines.kandinsky5.common import CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared
+from loraflow.pipelines.kandinsky5.video_spec import SPEC
+
+if TYPE_CHECKING:
+    from loraflow.demo.tiny import TinyPipeline
+
+# The pipeline's system prompt (its `prompt_template`); we crop the hidden states after its prefix.
+PROMPT_TEMPLATE = "\n".join(
+    [
+        "<|im_start|>system\nYou are a prompt engineer. Describe the video in detail.",
+        "Describe how the camera moves or shakes, describe the zoom and view angle, whether it follows the objects.",
+        "Describe the location of the video, main characters or objects and their action.",
+        "Describe the dynamism of the video and presented actions.",
+        "Name the visual style of the video: whether it is a professional footage, user generated content, some "
+        "kind of animation, video game or scren content.",
+        "Describe the visual effects, postprocessing and transitions if they are presented in the video.",
+        "Pay attention to the order of key actions shown in the scene.<|im_end|>",
+        "<|im_start|>user\n{}<|im_end|>",
+    ]
+)
+NEGATIVE_PROMPT = (
+    "Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, ugly, deformed, "
+    "walking backwards"
+)
+# Kandinsky5I2VPipeline.normalize_first_frame takes its reference statistics from latent frames 4..: with fewer
+# than 5 latent frames (17 video frames) they are empty and the whole video is NaN.
+I2V_MIN_FRAMES = 17
+TEXT_SIGNATURE = content_key(template=PROMPT_TEMPLATE, max_tokens=MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS)
+
+
+def template_crop(tokenizer: Any) -> int:
+    """Tokens in the template before the user text; 128 for the real Qwen2.5 tokenizer."""
+    return kandinsky5.template_crop(tokenizer, PROMPT_TEMPLATE)
+
+
+@dataclass(frozen=True)
+class Kandinsky5Video(Kandinsky5Shared):
+    prompt_template: ClassVar[str] = PROMPT_TEMPLATE
+    flavour: Flavour
+    name: str = SPEC.name
+    spatial_multiple: int = SPEC.spatial_multiple
+    vae_temporal_factor: int = SPEC.vae_temporal_factor
+    text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    default_negative_prompt: str = NEGATIVE_PROMPT
+    text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
+    max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
+    # TREAD: visual blocks are called block(visual_embed (B, N, D), text, time, rope (B, N, 1, d/2, 2, 2), sparse)
+    tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
+    comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # lora_format: comfyui
+    image_condition_components: tuple[str, ...] = ()  # the image condition is latent frame 0 itself
+    image_condition_name: str = ""  # i2v gives its image as latent frame 0 (`conditioning_frames`), nothing beside
+
+    # 1. text: Kandinsky5Shared (encode_text, collate_text) ----------------------------------------
+
+    # 2. latents ----------------------------------------------------------------------------------
+    def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
+        pixels = frames.permute(0, 4, 1, 2, 3).to(vae.dtype) / 127.5 - 1.0  # (B, 3, F, H, W) in [-1, 1]
+        posterior = vae.encode(pixels).latent_dist
+        return scaled_posterior(posterior, sampling, vae.config.scaling_factor)  # the pipeline divides by it, no shift
+
+    # 3. transformer --------------------------------------------------------------------------------
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        noisy: torch.Tensor,
+        sigma: torch.Tensor,
+        text: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        height, width = noisy.shape[-2:]
+        hidden = noisy.permute(0, 2, 3, 4, 1)  # (B, T, h, w, C): channels-last DiT layout
+        given = self.flavour.conditioning_frames  # i2v: frame 0 of `noisy` is the clean image latent
+        if given and not transformer.config.visual_cond:
+            raise ValueError(f"flavour '{self.flavour.name}' conditions on a first frame, but this transformer has "
+                             "visual_cond=False (no mask channel): point at an i2v checkpoint")
+        if transformer.config.visual_cond:  # zero condition latents (t2v and i2v alike), mask = the given frames
+            cond = torch.zeros_like(hidden)
+            mask = torch.zeros(*hidden.shape[:-1], 1, dtype=hidden.dtype, device=hidden.device)
+            mask[:, :given] = 1
+            hidden = torch.cat([hidden, cond, mask], dim=-1)  # (B, T, h, w, 16 + 16 + 1)
+        sparse = kandinsky5.nabla_params(self.pipeline_class, transformer, hidden)
+        return kandinsky5.denoise(transformer, hidden, sigma, text, _rope_scale(height * 8, width * 8), sparse)
+
+    # lora_targets, save_lora: Kandinsky5Shared
+
+    # 4. render ---------------------------------------------------------------------------------------
+    def load_renderer(
+        self, model: ModelSource | str, lora_path: str | None, device: torch.device,
+        transformer: torch.nn.Module | None = None,
+    ) -> Kandinsky5T2VPipeline:
+        """The t2v or i2v pipeline (one checkpoint layout: the class differs only in how it prepares latents)."""
+        pipe = load_pipeline(self.pipeline_class, model, lora_path, device, transformer)
+        if kandinsky5.uses_nabla(pipe.transformer):  # the pipeline builds NABLA's mask itself; it needs flex to run
+            kandinsky5.use_flex_attention(pipe.transformer)
+        return pipe
+
+    @property
+    def pipeline_class(self) -> type:
+        return Kandinsky5I2VPipeline if self.flavour.conditioning_frames else Kandinsky5T2VPipeline
+
+    @torch.no_grad()
+    def render(
+        self, pipe: Kandinsky5T2VPipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
+        lora_scale: float | None = 1.0, image: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size) as the first frame."""
+        inputs = self._image_input(image, settings)
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
+        set_lora_scale(pipe.transformer, lora_scale)
+        video = pipe(
+            **inputs,
+            **self.prompt_embeds(prompt, negative, pipe.device),
+            height=settings.height,
+            width=settings.width,
+            num_frames=settings.num_frames,
+            num_inference_steps=settings.num_inference_steps,
+            guidance_scale=settings.guidance,
+            generator=torch.Generator().manual_seed(settings.seed),
+            output_type="np",
+        ).frames[0]
+        return (np.clip(video, 0, 1) * 255).round().astype(np.uint8)  # (F, H, W, 3)
+
+    def _image_input(self, image: np.ndarray | None, settings: RenderSettings) -> dict[str, Image.Image]:
+        """{"image": PIL} for i2v (checked: size, frame count), {} for t2v (which takes no image)."""
+        if not self.flavour.conditioning_frames:
+            if image is not None:
+                raise ValueError(f"flavour '{self.flavour.name}' is text-to-video: it takes no conditioning image")
+            return {}
+        if image is None:
+            raise ValueError(f"flavour '{self.flavour.name}' renders from a first frame: pass `image`")
+        if image.shape != (settings.height, settings.width, 3) or image.dtype != np.uint8:
+            # The pipeline would resize (stretch) it silently; the caller crops to the render size instead.
+            raise ValueError(f"the conditioning image must be uint8 {(settings.height, settings.width, 3)}; "
+                             f"got {image.dtype} {image.shape}")
+        if settings.num_frames < I2V_MIN_FRAMES:
+            raise ValueError(f"`validation_num_video_frames` {settings.num_frames}: Kandinsky 5 i2v needs at least "
+                             f"{I2V_MIN_FRAMES} frames (5 latent frames; fewer render NaN); use {I2V_MIN_FRAMES}")
+        return {"image": Image.fromarray(image)}
+
+
+def _rope_scale(height: int, width: int) -> tuple[float, float, float]:
+    """The pipeline's resolution-dependent RoPE scale, so training sees what inference sees."""
+    return Kandinsky5T2VPipeline._get_scale_factor(None, height, width)
+
+
+def make_family(flavour: str | None) -> Kandinsky5Video:
+    """t2v and i2v flavours; i2v trains with latent frame 0 clean (the clip's first frame) and renders from an image."""
+    return Kandinsky5Video(flavour=SPEC.flavour(flavour))
+
+
+def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
+    """Every flavour loads one tiny checkpoint (`loraflow.demo.tiny.build_tiny`): the t2v pipeline's."""
+    return Kandinsky5T2VPipeline, _tiny_pipeline
+
+
+def tiny_world(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
+    """The demo's tiny checkpoint (`build_tiny(..., world=True)`): the same layout, with a VAE that shows the demo's
+    shapes and a transformer pre-trained on them (cached after the first build), so renders show what a LoRA did."""
+    return Kandinsky5T2VPipeline, _world_pipeline
+
+
+def _tiny_pipeline() -> TinyPipeline:
+    from loraflow.demo import tiny as parts  # the tiny parts only when a tiny checkpoint is built
+
+    pipe = Kandinsky5T2VPipeline(
+        transformer=parts.kandinsky5_transformer(visual_cond=True),
+        vae=parts.hunyuan_video_vae(),
+        scheduler=parts.kandinsky5_scheduler(shift=10.0),
+        **parts.kandinsky5_text_components(),
+    )
+    return pipe, {}
+
+
+def _world_pipeline() -> TinyPipeline:
+    from loraflow.demo import tiny as parts
+    from loraflow.demo import tiny_world
+
+    text = parts.kandinsky5_text_components()
+    vae = tiny_world.mosaic_vae()
+    # 128 wide: a 2x2 patch of 16 channels is 64 numbers, all noise a velocity must carry; at 32 the pre-training loss
+    # stayed at 0.6, at 64 it reached 0.1 but renders stayed noisy. Pre-trained as i2v: see tiny_world.py.
+    transformer = tiny_world.pretrain(make_family("i2v-lite-5s"),
+                                      parts.kandinsky5_transformer(visual_cond=True, model_dim=128), vae, text)
+    pipe = Kandinsky5T2VPipeline(transformer=transformer, vae=vae, scheduler=parts.kandinsky5_scheduler(shift=10.0),
+                                 **text)
+    return pipe, {}

@@ -1,0 +1,386 @@
+"""The clips stage: probe sources, choose clips, bucket, crop, decode only the kept frames, caption.
+
+Flow for one file: identity -> probe (cached by path+size+mtime) -> frame plan -> clip keys -> decode the
+missing clips at their bucket size -> store frames -> manifest row with captions. A file that cannot be
+used becomes a quarantine row with a reason; every other file proceeds. Every folder entry that is no media file
+(a broken link, a GIF, a stray note: `dataset_folder`) gets a quarantine row too.
+
+Captions: stages/clips/captions.py (each caption_strategy, and its rules).
+
+i2v: the conditioning image is the first frame of the stored clip (`condition_frame`), i.e. source frame
+indices[0] after cropping, so it always matches the clip's first latent frame.
+i2i: each image of a dataset with `conditioning_data` is paired with the file of the same relative path (any image
+extension) in that conditioning dataset; the source image is cropped to the target's bucket like the target and
+stored beside its frames (`condition_frames`). The row's `condition` names it (source file, size, crop): the
+text_embeds stage keys the prompt embedding by it (i2i's prompt embedding sees the source image).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tqdm import tqdm
+
+from loraflow.config import DatasetConfig, LoraflowConfig
+from loraflow.dataset_config import DEFAULT_MAX_UPSCALE
+from loraflow.keys import content_key, data_version, file_identity
+from loraflow.stages.clips import buckets
+from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
+from loraflow.stages.clips.captions import read_captions
+from loraflow.stages.clips.dataset_folder import list_folder, printable, touch
+from loraflow.media.frames import decode_frames, probe
+from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
+from loraflow.contracts.reports import ClipsReport, DropReason, DroppedFile
+from loraflow.pipelines.sources import ModelSource, model_source
+from loraflow.store import Store
+
+if TYPE_CHECKING:  # planning needs the family's plain spec only (`plan_family`); base imports torch
+    from loraflow.pipelines import FamilyPlan
+    from loraflow.pipelines.base import ModelFamily
+
+log = logging.getLogger(__name__)
+CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
+PROBE_VERSION = 3  # bump when a probe would describe the same file differently (2: VFR frame times; 3: streams
+# without a frame index counted from their first keyframe, as decoders show them)
+PROBE_BATCH = 256  # new probes per committed shard
+
+
+class ProbeCache:
+    """The store's `probes` stage for one planning pass: each file identity is probed once, ever.
+
+    New probes are committed PROBE_BATCH at a time, not one shard each: a shard per probe cost an fsync per file and
+    left 100k shards for the next run to index. Cached probes are read in one pass over the stage the first time one
+    is needed, not a shard read per file. A killed pass loses at most PROBE_BATCH probes, which the next one redoes.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.stored = store.keys("probes")
+        self.pending: list[dict[str, Any]] = []
+        self.seen: dict[str, Probe] = {}
+        self._rows: dict[str, dict[str, Any]] | None = None  # every stored probe, read on the first hit
+
+    def probe(self, path: Path, identity: dict[str, Any]) -> Probe:
+        key = content_key(identity=identity, code=CODE_VERSION, probe=PROBE_VERSION)
+        if key not in self.seen:
+            self.seen[key] = self._stored(key) if key in self.stored else self._new(path, key)
+        return self.seen[key]
+
+    def _stored(self, key: str) -> Probe:
+        if self._rows is None:
+            self._rows = self.store.get("probes", self.stored)
+        row = self._rows[key]
+        return Probe(**{k: tuple(v) if k == "frame_times" else v for k, v in row.items() if k != "key"})
+
+    def _new(self, path: Path, key: str) -> Probe:
+        result = probe(path)
+        self.pending.append({"key": key, **asdict(result)})
+        if len(self.pending) >= PROBE_BATCH:
+            self.commit()
+        return result
+
+    def commit(self) -> None:
+        """Store the probes made since the last commit."""
+        self.store.put("probes", self.pending)
+        self.pending = []
+
+
+def plan_clips(
+    path: Path, info: Probe, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
+    images_allowed: bool = False,
+) -> list[dict[str, Any]]:
+    """The clips a source yields: frame indices, bucket size and crop, before any decoding.
+
+    `images_allowed`: the dataset i2v validation renders from (`config.render_dataset_id`) may hold images.
+    """
+    video = dataset.video
+    is_image = info.is_image or dataset.dataset_type == "image"
+    _check_aspect(path, info, dataset)
+    clips = [[0]] if is_image else _video_clips(path, info, dataset, video.frame_rate or family.flavour.fps)
+    height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, family.spatial_multiple,
+                                        dataset.resolution_type, dataset.crop_aspect, dataset.crop_aspect_buckets)
+    problem = family.size_problem(model, height, width)
+    if problem:  # the bucket, whatever the source: the config's problem, said first
+        raise MediaError("source_too_large", f"{path.name}: {problem}: lower `resolution` ({dataset.resolution}) of "
+                         f"dataset '{dataset.id}'")
+    _check_source_size(path, info, dataset, (height, width))
+    planned = []
+    for indices in clips:
+        if video.bucket_strategy == "resolution_frames" and len(indices) > 1:
+            indices = indices[: buckets.frames_for_bucket(len(indices), video.frame_interval)]
+        planned.append({"indices": indices, "height": height, "width": width})
+    _check_clip_lengths(path, {len(p["indices"]) for p in planned}, family, images_allowed, is_image)
+    return planned
+
+
+def _video_clips(path: Path, info: Probe, dataset: DatasetConfig, target_fps: float | None) -> list[list[int]]:
+    """A video's clips as source frame indices; a drop for its length names both rates and both frame counts."""
+    video = dataset.video
+    timeline = buckets.resampled_indices(info.num_frames, info.fps, target_fps, info.frame_times)
+    counts = f"{path.name}: {buckets.resampling_note(info.num_frames, info.fps, target_fps, len(timeline))}; "
+    if video.min_frames and len(timeline) < video.min_frames:
+        raise MediaError("too_short", f"{counts}{len(timeline)} < min_frames {video.min_frames}")
+    if video.max_frames and len(timeline) > video.max_frames and video.frame_extraction != "full":
+        raise MediaError("too_long", f"{counts}{len(timeline)} > max_frames {video.max_frames}")
+    try:
+        return buckets.select_clips(timeline, video.num_frames, video.frame_extraction, video.max_frames,
+                                    video.frame_stride, video.frame_sample)
+    except buckets.TooShort:
+        raise MediaError("too_short", f"{counts}{len(timeline)} < num_frames {video.num_frames}") from None
+
+
+def _check_aspect(path: Path, info: Probe, dataset: DatasetConfig) -> None:
+    """SimpleTuner's limits on the source's width / height as shown, before any crop (see DatasetConfig)."""
+    ratio, low, high = info.width / info.height, dataset.minimum_aspect_ratio, dataset.maximum_aspect_ratio
+    if low is not None and ratio < low:
+        raise MediaError("aspect_too_tall", f"{path.name}: a {info.width}x{info.height} source, aspect ratio (width / "
+                         f"height) {ratio:.3g} < minimum_aspect_ratio {low:g}; crop it, or lower the limit")
+    if high is not None and ratio > high:
+        raise MediaError("aspect_too_wide", f"{path.name}: a {info.width}x{info.height} source, aspect ratio (width / "
+                         f"height) {ratio:.3g} > maximum_aspect_ratio {high:g}; crop it, or raise the limit")
+
+
+def _check_source_size(path: Path, info: Probe, dataset: DatasetConfig, bucket: tuple[int, int]) -> None:
+    """A source far smaller than its bucket would be upscaled into blur and trained on as if it were detail."""
+    edge, floor = buckets.source_edge(info.height, info.width, dataset.resolution_type), dataset.minimum_source_edge()
+    if edge >= floor:
+        return
+    measure = "shorter side" if dataset.resolution_type == "pixel" else "area edge (square root of its area)"
+    limit = (f"minimum_image_size {dataset.minimum_image_size}" if dataset.minimum_image_size is not None else
+             f"minimum_image_size (unset: resolution {dataset.resolution} / {DEFAULT_MAX_UPSCALE} = {floor:g})")
+    raise MediaError("source_too_small", f"{path.name}: a {info.width}x{info.height} source, {measure} {edge:g} px < "
+                     f"{limit}; its {bucket[1]}x{bucket[0]} bucket would upscale it "
+                     f"{buckets.source_edge(*bucket, dataset.resolution_type) / edge:.3g}x: use a larger source, or "
+                     "lower `minimum_image_size` (0 keeps every size)")
+
+
+def _check_clip_lengths(path: Path, lengths: set[int], family: FamilyPlan | ModelFamily, images_allowed: bool,
+                        is_image: bool) -> None:
+    """What the flavour can train on, by the planned lengths (`frame_extraction: full` ignores `num_frames`)."""
+    if family.flavour.num_frames == 1 and lengths - {1}:
+        raise MediaError("too_long", f"{path.name}: clips of {max(lengths)} frames; {family.name} trains on single "
+                         "frames: set `video.num_frames: 1` and a frame_extraction other than full")
+    if family.flavour.conditioning_frames and 1 in lengths and not images_allowed:  # K5 i2v scores frames 1..
+        what = ("single_image", "an image") if is_image else ("too_short", "a 1-frame clip")
+        raise MediaError(what[0], f"{path.name}: {what[1]}; flavour '{family.flavour.name}' trains on the frames "
+                         "after a clean first frame, so it needs videos")
+
+
+def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
+               probes: ProbeCache, images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
+    """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image."""
+    check_name(path)
+    identity = touch(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
+    captions = read_captions(path, dataset)
+    info = probes.probe(path, identity)
+    source = _source_image(path, dataset, sources, probes) if sources else None
+    rows = []
+    for plan in plan_clips(path, info, dataset, family, model, images_allowed):
+        size = (plan["height"], plan["width"])
+        paired = {"condition": source[0]} if source else {}  # t2v/t2i keys stay as they were
+        key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style,
+                          code=CODE_VERSION, **paired)
+        crop = buckets.crop_plan((info.height, info.width), size, dataset.crop_style, seed=key)
+        rows.append({
+            "key": key, "dataset": dataset.id, "source": identity["path"], "path": str(path),
+            "bucket": buckets.bucket_label(*size, len(plan["indices"])), "height": size[0], "width": size[1],
+            "num_frames": len(plan["indices"]), "indices": plan["indices"], "resize": list(crop.resize),
+            "box": list(crop.box), "captions": captions, "repeats": dataset.repeats,
+            **(_condition_columns(source, size, dataset.crop_style, key) if source else {}),
+        })
+    return rows
+
+
+def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
+                  probes: ProbeCache) -> tuple[dict[str, Any], Path, Probe]:
+    """i2i: the source image paired with `path`, its identity and its (cached) probe."""
+    found = check_name(find_source_image(path, dataset, sources))
+    relative = path.relative_to(dataset.instance_data_dir or "")
+    identity = touch(lambda: file_identity(found, sources.instance_data_dir or ""), found)
+    try:
+        info = probes.probe(found, identity)
+    except MediaError as exc:
+        raise MediaError(exc.reason, f"{relative}: its source image {identity['path']}: {exc}") from None
+    return identity, found, info
+
+
+def check_name(path: Path) -> Path:
+    """Paths go into Parquet rows (UTF-8 strings) and to the decoders: a name that is not UTF-8 cannot."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise MediaError("bad_filename", f"{printable(path)}: the file name is not UTF-8 (an old archive's "
+                         "encoding?); rename the file") from None
+    return path
+
+
+def dropped(dataset: str, path: str | Path, exc: MediaError) -> dict[str, str]:
+    """A quarantine row."""
+    return {"dataset": dataset, "file": printable(path), "reason": exc.reason, "detail": str(exc)}
+
+
+def find_source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig) -> Path:
+    """i2i: the file in `sources` with `path`'s relative folder and stem and an image extension."""
+    relative = path.relative_to(dataset.instance_data_dir or "")
+    folder = Path(sources.instance_data_dir or "") / relative.parent
+    found = sorted(p for p in (touch(lambda: list(folder.iterdir()), folder) if folder.is_dir() else ())
+                   if p.stem == relative.stem and p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not found:
+        raise MediaError("missing_source_image", f"{relative}: no source image {relative.with_suffix('.*')} in "
+                         f"dataset '{sources.id}' ({sources.instance_data_dir}); i2i pairs each image with one")
+    if len(found) > 1:
+        raise MediaError("ambiguous_source_image", f"{relative}: {len(found)} source images share its name in "
+                         f"dataset '{sources.id}' ({', '.join(p.name for p in found)}); keep one")
+    return found[0]
+
+
+def _condition_columns(source: tuple[dict[str, Any], Path, Probe], size: tuple[int, int], crop_style: str,
+                       key: str) -> dict[str, Any]:
+    """The source image cut like the target: same bucket size, same crop style and seed (aligned when the two
+    images have the same size, as edit pairs do)."""
+    identity, path, info = source
+    crop = buckets.crop_plan((info.height, info.width), size, crop_style, seed=key)
+    return {"condition": content_key(source=identity, resize=crop.resize, box=crop.box, code=CODE_VERSION),
+            "condition_path": str(path), "condition_resize": list(crop.resize), "condition_box": list(crop.box)}
+
+
+def decode_clip(row: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The stored columns of a clip: uint8 `frames` (F, H, W, 3), decoding only the kept frames, resized in the
+    decoder, then cut to the crop box; i2i: also its source image, `condition_frames` (1, H, W, 3)."""
+    stored = {"frames": _decode_cropped(row["path"], row["indices"], row["resize"], row["box"])}
+    if row.get("condition"):
+        try:
+            stored["condition_frames"] = _decode_cropped(row["condition_path"], [0], row["condition_resize"],
+                                                         row["condition_box"])
+        except MediaError as exc:
+            raise MediaError(exc.reason, f"its source image {row['condition_path']}: {exc}") from None
+    return stored
+
+
+def _decode_cropped(path: str, indices: list[int], resize: list[int], box: list[int]) -> np.ndarray:
+    try:
+        frames = decode_frames(path, indices, tuple(resize))
+    except ValueError as exc:  # planned frames the file no longer has
+        raise MediaError("changed_during_run", f"{path} changed after this run planned it ({exc}); materialize "
+                         "the stage again") from None
+    top, left, height, width = box
+    return np.ascontiguousarray(frames[:, top : top + height, left : left + width])
+
+
+DATASET_STAGES = ("clips", "quarantine", "latents", "latents_quarantine")  # one manifest part per dataset id
+
+
+def select_datasets(config: LoraflowConfig, ids: list[str] | None) -> list[DatasetConfig]:
+    """The training datasets named by `ids` (None: all of them), in config order; an unknown id raises."""
+    known = [d.id for d in config.training_datasets]
+    unknown = sorted(set(ids or ()) - set(known))
+    if unknown:
+        raise ValueError(f"dataset(s) {', '.join(unknown)} not among the config's training datasets "
+                         f"({', '.join(known) or 'none'})")
+    return [d for d in config.training_datasets if ids is None or d.id in ids]
+
+
+def drop_removed_datasets(config: LoraflowConfig, store: Store) -> list[str]:
+    """Drop the manifest parts of datasets no longer in the config, so no stage reads their rows again.
+    Their shards stay until an explicit `store.clean`: a dataset added back costs nothing to re-plan."""
+    ids = [d.id for d in config.training_datasets]
+    return sorted({name for stage in DATASET_STAGES for name in store.drop_parts(stage, ids)})
+
+
+def build_clips(
+    config: LoraflowConfig, family: FamilyPlan | ModelFamily, store: Store, datasets: list[str] | None = None
+) -> ClipsReport:
+    """Plan the datasets (`datasets` ids; None: every training dataset), decode what the store lacks, and write
+    each dataset's manifest part of current clips (one dataset's run never touches another's part)."""
+    selected = select_datasets(config, datasets)
+    for dataset in selected:  # a missing source folder fails like a missing dataset folder, before any work
+        sources = config.source_images(dataset)
+        if sources is not None and not Path(sources.instance_data_dir or "").is_dir():
+            raise FileNotFoundError(f"dataset '{sources.id}' (source images of '{dataset.id}'): instance_data_dir "
+                                    f"{sources.instance_data_dir} is not a folder")
+    drop_removed_datasets(config, store)
+    manifest, quarantine = [], []
+    probes = ProbeCache(store)
+    for dataset in selected:
+        rows, dropped_rows = _plan_dataset(config, family, dataset, probes)
+        manifest, quarantine = manifest + rows, quarantine + dropped_rows
+    have = store.keys("clips")
+    todo = [row for row in manifest if row["key"] not in have]
+    failed = _decode_missing(todo, store)
+    quarantine += failed
+    bad = {q["file"] for q in failed}
+    manifest = [row for row in manifest if row["path"] not in bad]
+    computed = len(todo) - len(failed)
+    for dataset in selected:
+        store.write_manifest("clips", [r for r in manifest if r["dataset"] == dataset.id], part=dataset.id)
+        store.write_manifest("quarantine", [q for q in quarantine if q["dataset"] == dataset.id], part=dataset.id)
+    return ClipsReport(
+        # Captions and repeats are part of what this asset stands for (text_embeds reads them), not of the frames.
+        data_version=data_version(content_key(clip=r["key"], captions=r["captions"], repeats=r["repeats"])
+                                  for r in manifest),
+        computed=computed,
+        reused=len(manifest) - computed,
+        quarantined=tuple(DroppedFile(**q) for q in quarantine),
+        buckets=tuple(tally_buckets([(r["dataset"], r["height"], r["width"], r["num_frames"]) for r in manifest],
+                                    _geometry(config, family))),
+        dropped=tuple(DropReason(**r) for r in dropped_table(quarantine)),
+    )
+
+
+def _plan_dataset(config: LoraflowConfig, family: FamilyPlan | ModelFamily, dataset: DatasetConfig,
+                  probes: ProbeCache) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """A dataset's clip rows, and a quarantine row for every entry of its folder that yields none."""
+    listing = list_folder(dataset)
+    manifest, quarantine = [], [dropped(dataset.id, path, exc) for path, exc in listing.others]
+    model = model_source(config)
+    for path in listing.files:
+        try:
+            manifest += _clip_rows(path, dataset, family, model, probes,
+                                   images_allowed=dataset.id == config.render_dataset_id,
+                                   sources=config.source_images(dataset))
+        except MediaError as exc:
+            quarantine.append(dropped(dataset.id, path, exc))
+    probes.commit()
+    return manifest, quarantine
+
+
+def _decode_missing(todo: list[dict[str, Any]], store: Store, shard_clips: int = 8) -> list[dict[str, str]]:
+    """Decode clips the store lacks, committing a shard per bucket chunk (a killed run keeps its shards)."""
+    failed: list[dict[str, str]] = []
+    todo = sorted(todo, key=lambda r: r["bucket"])
+    progress = tqdm(total=len(todo), desc="clips", unit="clip", disable=not todo)
+    for start in range(0, len(todo), shard_clips):
+        decoded: dict[str, list[dict[str, Any]]] = {}
+        for row in todo[start : start + shard_clips]:
+            try:
+                decoded.setdefault(row["bucket"], []).append({"key": row["key"], **decode_clip(row)})
+            except MediaError as exc:
+                failed.append(dropped(row["dataset"], row["path"], exc))
+            progress.update()
+        for rows in decoded.values():
+            store.put("clips", rows)
+    progress.close()
+    return failed
+
+
+def _geometry(config: LoraflowConfig, family: FamilyPlan | ModelFamily) -> LatentGeometry | None:
+    """The VAE's factors for the latent estimate; None (estimate unknown) when the checkpoint has no vae config."""
+    try:
+        return latent_geometry(model_source(config), family)
+    except FileNotFoundError as exc:
+        log.warning("no latent estimate: %s", exc)
+        return None
+
+
+def dropped_table(quarantine: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """Why files were dropped: one row per (dataset, reason) with a count and one example."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for q in quarantine:
+        row = rows.setdefault((q["dataset"], q["reason"]), {"dataset": q["dataset"], "reason": q["reason"],
+                                                             "files": 0, "example": q["detail"]})
+        row["files"] += 1
+    return sorted(rows.values(), key=lambda r: (r["dataset"], r["reason"]))

@@ -1,0 +1,126 @@
+"""The teacher_features stage: CREPA's frozen image-encoder (DINOv2) patch features of every clip, cached.
+
+SimpleTuner decodes each batch's latents with the VAE and runs the teacher at every training step. The features of a
+clip never change, so here they are a content-addressed stage like `latents`: keyed by the clip, the teacher's
+fingerprint (its folder's config and weight files), the image size and the frames, computed once from the frames the
+clips stage stored (the frames the latents were encoded from), and read by training with no VAE decode and no teacher
+in memory.
+
+One row per clip:
+    key        hash of clip key, teacher fingerprint, image size, frame indices, code version
+    clip_key   the clip's key in the clips stage
+    features   float16 (T, g * g, E): for each latent frame t, the teacher's final-layer-norm patch tokens of stored
+               frame t * temporal factor (`latent_frame_indices`), on a g x g grid (g = image size / patch size).
+               float16 keeps 11 significant bits, plenty for a cosine target, at half the bytes (this is the largest
+               cache: a ViT-g at 518 px is 1369 x 1536 values per frame).
+Frames go to the teacher as SimpleTuner's do: RGB in [0, 1], resized to image_size x image_size (bilinear, with
+antialiasing), normalised with ImageNet's mean and std.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from loraflow.keys import content_key, data_version, directory_fingerprint
+from loraflow.kernels.devices import free_models, pick_device
+from loraflow.contracts.reports import TeacherFeaturesReport
+from loraflow.store import Store
+
+log = logging.getLogger(__name__)
+CODE_VERSION = "teacher-features-1"
+STAGE = "teacher_features"
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+FRAMES_PER_BATCH = 16  # frames through the teacher at once: bounds its activations, not its results
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """Which teacher, at which size: `path` is a local folder written by transformers' save_pretrained (DINOv2)."""
+
+    path: str
+    image_size: int
+
+
+def teacher_fingerprint(teacher: Teacher) -> str:
+    if not (Path(teacher.path) / "config.json").is_file():
+        raise FileNotFoundError(f"crepa_encoder_path {teacher.path}: not a transformers model folder (no "
+                                "config.json); save the encoder there with `save_pretrained` (nothing is downloaded)")
+    return content_key(files=directory_fingerprint(teacher.path))
+
+
+def latent_frame_indices(num_frames: int, temporal_factor: int) -> list[int]:
+    """The stored frame each latent frame's features come from: frame t * factor, the last of the frames the causal
+    video VAE folds into latent frame t (frame 0 alone is latent frame 0)."""
+    if (num_frames - 1) % temporal_factor:
+        raise ValueError(f"a clip of {num_frames} frames is not 1 + {temporal_factor} k frames")
+    return list(range(0, num_frames, temporal_factor))
+
+
+def teacher_rows(clips: list[dict[str, Any]], teacher: Teacher, temporal_factor: int) -> list[dict[str, Any]]:
+    """One row per clip (clips-manifest rows) with the key its features have."""
+    fingerprint = teacher_fingerprint(teacher)
+    rows = []
+    for clip in clips:
+        indices = latent_frame_indices(clip["num_frames"], temporal_factor)
+        key = content_key(clip=clip["key"], teacher=fingerprint, image_size=teacher.image_size, frames=indices,
+                          code=CODE_VERSION)
+        rows.append({"key": key, "clip_key": clip["key"], "dataset": clip["dataset"], "indices": indices})
+    return rows
+
+
+def encode_teacher_features(clips: list[dict[str, Any]], teacher: Teacher, temporal_factor: int, store: Store,
+                            datasets: list[str]) -> TeacherFeaturesReport:
+    """Compute the features the store lacks, one shard per clip; write one manifest part per dataset id."""
+    rows = teacher_rows(clips, teacher, temporal_factor)
+    have = store.keys(STAGE)
+    todo = [r for r in rows if r["key"] not in have]
+    if todo:
+        device = pick_device()
+        model = load_teacher(teacher, device)
+        for row in todo:
+            stored = store.get("clips", [row["clip_key"]])[row["clip_key"]]
+            frames = torch.from_numpy(np.array(stored["frames"])[row["indices"]])  # (T, H, W, 3) uint8, a copy
+            features = patch_features(model, frames.to(device), teacher.image_size)
+            store.put(STAGE, [{"key": row["key"], "clip_key": row["clip_key"],
+                               "features": features.cpu().half().numpy()}])
+        free_models(model)
+    listed = [{"key": r["key"], "clip_key": r["clip_key"], "dataset": r["dataset"]} for r in rows]
+    for dataset in datasets:
+        store.write_manifest(STAGE, [r for r in listed if r["dataset"] == dataset], part=dataset)
+    return TeacherFeaturesReport(data_version=data_version(r["key"] for r in rows), computed=len(todo),
+                                 reused=len(rows) - len(todo), teacher=str(teacher.path), image_size=teacher.image_size)
+
+
+def load_teacher(teacher: Teacher, device: torch.device) -> torch.nn.Module:
+    """The encoder in fp32, frozen, from the local folder only."""
+    from transformers import AutoModel
+
+    teacher_fingerprint(teacher)  # a clear error for a folder that is not a model
+    model = AutoModel.from_pretrained(teacher.path, local_files_only=True, torch_dtype=torch.float32)
+    patch = model.config.patch_size
+    if teacher.image_size % patch:
+        low = teacher.image_size // patch * patch
+        raise ValueError(f"crepa_encoder_image_size {teacher.image_size} is not a multiple of the encoder's patch "
+                         f"size {patch}; use {low or patch} or {low + patch}")
+    return model.to(device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def patch_features(model: torch.nn.Module, frames: torch.Tensor, image_size: int) -> torch.Tensor:
+    """uint8 frames (N, H, W, 3) -> float32 (N, g * g, E), the final layer norm's patch tokens (DINOv2's
+    `x_norm_patchtokens`: transformers' last_hidden_state without the class and register tokens)."""
+    patches = (image_size // model.config.patch_size) ** 2
+    out = []
+    for batch in frames.split(FRAMES_PER_BATCH):
+        pixels = batch.permute(0, 3, 1, 2).float() / 255  # (n, 3, H, W)
+        pixels = torch.nn.functional.interpolate(pixels, size=(image_size, image_size), mode="bilinear",
+                                                 align_corners=False, antialias=True)
+        mean, std = (torch.tensor(v, device=pixels.device).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+        out.append(model(pixel_values=(pixels - mean) / std).last_hidden_state[:, -patches:].float())
+    return torch.cat(out)

@@ -1,0 +1,163 @@
+"""The lora stage's data: samples, the batch of each micro-step, and its random draws.
+
+Every draw of micro-step k comes from (seed, k) alone (`step_seed`), and an epoch's batch order from (seed, epoch),
+so a resumed run reads and draws exactly what the killed one would have (training/loop.py's exact resume).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from loraflow.config import LoraflowConfig
+from loraflow.keys import content_key
+from loraflow.kernels.flow_matching import sample_sigmas
+from loraflow.kernels.scheduled_sampling import draw_offsets, rollout_probability
+from loraflow.training.row_cache import RowCache
+from loraflow.training.crepa_training import load_teacher_batch
+from loraflow.contracts.exchange import split_clips, text_lookup
+from loraflow.stages.latents.latents import draw_latents
+from loraflow.pipelines.base import ModelFamily, TextRow, image_conditions
+from loraflow.store import Store
+
+
+@dataclass(frozen=True)
+class Sample:
+    latent_key: str
+    text_key: str
+    empty_key: str  # the empty prompt's embedding, for caption dropout (i2i: with this sample's source image)
+    group: tuple[str, int]  # (bucket, text tokens): only equal groups share a batch (K5 has no text mask)
+
+
+@dataclass(frozen=True)
+class StepDraws:
+    drop_caption: bool  # the whole batch trains on the empty prompt (one text length per batch)
+    noise: torch.Tensor  # (B, C, T, h, w) float32, drawn on the CPU: the same numbers on any device
+    sigma: torch.Tensor  # (B,) in (0, 1), shifted
+    seed: int  # seeds TREAD's token subset
+    rollout: torch.Tensor | None = None  # (B,) scheduled sampling's offsets in timesteps; None: off
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    samples: list[Sample]
+    x0: torch.Tensor  # (B, C, T, h, w) clean latents, CPU
+    text: dict[str, torch.Tensor]  # family.collate_text output, CPU
+    draws: StepDraws
+    teacher: torch.Tensor | None = None  # (B, T, g * g, E) CREPA's cached teacher features; None: off
+
+
+def training_texts(clips: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
+    """The (text, image) items training reads: each caption (none: the empty prompt, unconditional, as eval loss
+    treats it) and the empty prompt for caption dropout, with the clip's source image for i2i ("" otherwise)."""
+    for clip in clips:
+        image = clip.get("condition") or ""
+        yield from ((caption, image) for caption in [*(clip["captions"] or [""]), ""])
+
+
+def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
+    """One sample per (latent, caption) x repeats; clips held out for eval loss are never trained on."""
+    clips = store.read_manifest("clips")
+    train_keys, _ = split_clips(clips, config)
+    by_key, trained = {c["key"]: c for c in clips}, set(train_keys)
+    texts = text_lookup(store)
+    tokens = {k: r["n_tokens"] for k, r in store.get("text_embeds", texts.values(), columns=["n_tokens"]).items()}
+    samples = []
+    for row in store.read_manifest("latents"):
+        if row["clip_key"] not in trained:
+            continue
+        clip = by_key[row["clip_key"]]
+        *captioned, empty = training_texts([clip])
+        for item in [*captioned, empty]:
+            if item not in texts:
+                raise KeyError(f"caption {item[0]!r} of {clip['source']} has no cached embedding: "
+                               "materialize `text_embeds`")
+        for item in captioned:
+            key = texts[item]
+            samples += [Sample(row["key"], key, texts[empty], (row["bucket"], tokens[key]))] * clip["repeats"]
+    if not samples:
+        raise ValueError("no training samples: every clip is held out for eval or failed to encode; check the "
+                         "`latents` quarantine and `eval_holdout_fraction` / `eval_dataset_id`")
+    return samples
+
+
+def epoch_batches(samples: list[Sample], batch_size: int, seed: int, epoch: int) -> list[list[Sample]]:
+    """Seeded shuffle, then batches drawn within (bucket, text length) groups; the batch order is shuffled too."""
+    rng = random.Random(f"{seed}-{epoch}")
+    order = samples[:]
+    rng.shuffle(order)
+    groups: dict[tuple[str, int], list[Sample]] = {}
+    for sample in order:
+        groups.setdefault(sample.group, []).append(sample)
+    batches = [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+class BatchPlan:
+    """Micro-step k's batch: a pure function of (samples, batch size, seed, k); one epoch's order kept at a time."""
+
+    def __init__(self, samples: list[Sample], batch_size: int, seed: int) -> None:
+        self.samples, self.batch_size, self.seed = samples, batch_size, seed
+        self.per_epoch = len(epoch_batches(samples, batch_size, seed, 0))  # group sizes fix the count
+        self._epoch: tuple[int, list[list[Sample]]] = (-1, [])
+
+    def __call__(self, micro_step: int) -> list[Sample]:
+        epoch, index = divmod(micro_step, self.per_epoch)
+        if self._epoch[0] != epoch:
+            self._epoch = (epoch, epoch_batches(self.samples, self.batch_size, self.seed, epoch))
+        return self._epoch[1][index]
+
+
+def step_seed(seed: int, micro_step: int, purpose: str) -> int:
+    return int(content_key(seed=seed, step=micro_step, purpose=purpose)[:15], 16)  # < 2**60: a valid torch seed
+
+
+def step_draws(config: LoraflowConfig, family: ModelFamily, micro_step: int, shape: tuple[int, ...]) -> StepDraws:
+    """Caption dropout, noise and sigmas of one micro-step, from (seed, micro_step) alone."""
+    generator = torch.Generator().manual_seed(step_seed(config.seed, micro_step, "draws"))
+    drop = torch.rand(1, generator=generator).item() < config.caption_dropout_probability
+    noise = torch.randn(shape, generator=generator)
+    shift = config.flow_schedule_shift if config.flow_schedule_shift is not None else family.flavour.flow_shift
+    sigma = sample_sigmas(shape[0], generator, config.flow_sigma_sampling, shift, config.flow_sigmoid_scale)
+    return StepDraws(drop, noise, sigma, step_seed(config.seed, micro_step, "tread"),
+                     rollout_offsets(config, micro_step, shape[0]))
+
+
+def rollout_offsets(config: LoraflowConfig, micro_step: int, batch: int) -> torch.Tensor | None:
+    """Scheduled sampling's per-sample rollout lengths, from their own generator: the other draws stay as they are
+    with it on or off, and a resumed run draws the same (None when max_step_offset is 0)."""
+    if not config.scheduled_sampling_max_step_offset:
+        return None
+    step = micro_step // (config.gradient_accumulation_steps * config.num_processes)  # the optimizer step
+    probability = rollout_probability(
+        step, config.scheduled_sampling_probability, config.scheduled_sampling_ramp_steps,
+        config.scheduled_sampling_prob_start, config.scheduled_sampling_prob_end,
+        config.scheduled_sampling_start_step, config.scheduled_sampling_ramp_shape)
+    generator = torch.Generator().manual_seed(step_seed(config.seed, micro_step, "rollout"))
+    return draw_offsets(batch, generator, probability, config.scheduled_sampling_max_step_offset,
+                        config.scheduled_sampling_strategy)
+
+
+def load_micro_batch(
+    config: LoraflowConfig, family: ModelFamily, store: Store | RowCache, samples: list[Sample], micro_step: int,
+    teacher: dict[str, str] | None = None,
+) -> MicroBatch:
+    """Everything a micro-step reads, on the CPU (runs on the prefetch thread)."""
+    latents = store.get("latents", {s.latent_key for s in samples})
+    x0 = torch.from_numpy(np.stack([latents[s.latent_key]["latent"] for s in samples]))  # (B, C, T, h, w), a copy
+    if config.latent_sampling == "distribution":  # a fresh posterior sample per micro-step, the same on resume
+        logvar = torch.from_numpy(np.stack([latents[s.latent_key]["latent_logvar"] for s in samples]))
+        x0 = draw_latents(x0, logvar, torch.Generator().manual_seed(step_seed(config.seed, micro_step, "latents")))
+    draws = step_draws(config, family, micro_step, tuple(x0.shape))
+    text_keys = [s.empty_key if draws.drop_caption else s.text_key for s in samples]
+    rows: dict[str, TextRow] = store.get("text_embeds", set(text_keys))
+    text = family.collate_text([rows[k] for k in text_keys], torch.device("cpu"))
+    text.update(image_conditions([latents[s.latent_key] for s in samples]))  # i2v rows' first-frame condition
+    features = load_teacher_batch(store, [teacher[s.latent_key] for s in samples]) if teacher else None
+    return MicroBatch(samples, x0, text, draws, features)

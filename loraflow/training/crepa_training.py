@@ -1,0 +1,121 @@
+"""CREPA inside training: the cached teacher features each sample reads, the projector trained with the LoRA, and
+the weighted term of one micro-step (the maths is kernels/crepa.py, the features stages/teacher/teacher_features.py).
+
+The projector is optimised with the LoRA (same AdamW, same clipping), saved in every checkpoint for exact resume
+and beside the adapter when the run is done (PROJECTOR_FILE); no renderer reads it.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraflow.config import LoraflowConfig
+from loraflow.keys import content_key, data_version
+from loraflow.kernels.crepa import (
+    PROJECTOR_FILE, BlockCapture, CrepaProjector, capture_block, crepa_loss, frame_tokens, hidden_width, token_grid,
+)
+from loraflow.contracts.reports import TeacherFeaturesReport
+from loraflow.stages.teacher.teacher_features import STAGE, Teacher, encode_teacher_features, teacher_rows
+from loraflow.pipelines.base import ModelFamily
+from loraflow.store import Store
+
+
+def teacher_of(config: LoraflowConfig) -> Teacher:
+    return Teacher(str(config.crepa_encoder_path), config.crepa_encoder_image_size)
+
+
+def _trained_clips(store: Store) -> list[dict[str, Any]]:
+    """The clips that have latents (the only ones training reads)."""
+    encoded = {row["clip_key"] for row in store.read_manifest("latents")}
+    return [clip for clip in store.read_manifest("clips") if clip["key"] in encoded]
+
+
+def cache_teacher_features(config: LoraflowConfig, family: ModelFamily, store: Store) -> TeacherFeaturesReport:
+    """The teacher_features stage for every clip training reads (computes only what the store lacks)."""
+    datasets = [d.id for d in config.training_datasets]
+    return encode_teacher_features(_trained_clips(store), teacher_of(config), family.vae_temporal_factor, store,
+                                   datasets)
+
+
+def teacher_keys(config: LoraflowConfig, family: ModelFamily, store: Store) -> dict[str, str]:
+    """latent key -> the key of its clip's teacher features."""
+    rows = teacher_rows(_trained_clips(store), teacher_of(config), family.vae_temporal_factor)
+    by_clip = {row["clip_key"]: row["key"] for row in rows}
+    return {row["key"]: by_clip[row["clip_key"]] for row in store.read_manifest("latents")
+            if row["clip_key"] in by_clip}
+
+
+def teacher_version(config: LoraflowConfig, family: ModelFamily, store: Store) -> str:
+    """The data version of the features a run reads: part of its key (new teacher weights, new run)."""
+    return data_version(teacher_keys(config, family, store).values())
+
+
+def load_teacher_batch(store: Any, keys: list[str]) -> torch.Tensor:
+    """(B, T, g * g, E) float32 features of a batch, in sample order (`store`: a Store or a RowCache)."""
+    rows = store.get(STAGE, set(keys))
+    return torch.stack([torch.from_numpy(rows[k]["features"].astype("float32")) for k in keys])
+
+
+@dataclass
+class Crepa:
+    """The projector and the settings of one run's CREPA term."""
+
+    config: LoraflowConfig
+    family: ModelFamily
+    projector: CrepaProjector
+
+    def capture(self, transformer: torch.nn.Module) -> AbstractContextManager[BlockCapture]:
+        return capture_block(transformer, self.family.tread_layout, self.config.crepa_block_index)
+
+    def term(self, transformer: torch.nn.Module, capture: BlockCapture, teacher: torch.Tensor,
+             latent_shape: tuple[int, int, int]) -> torch.Tensor:
+        """crepa_lambda x the CREPA loss of the captured block against the batch's teacher features."""
+        c = self.config
+        grid = token_grid(transformer.config, latent_shape)
+        projected = self.projector(frame_tokens(capture.hidden, grid))
+        terms = crepa_loss(projected, teacher.to(projected.device), grid, c.crepa_adjacent_distance,
+                           c.crepa_adjacent_tau, c.crepa_cumulative_neighbors, c.crepa_normalize_by_frames,
+                           c.crepa_spatial_align)
+        return c.crepa_lambda * terms.loss
+
+
+def make_crepa(config: LoraflowConfig, family: ModelFamily, transformer: torch.nn.Module, store: Store,
+               checkpoint: Path | None, device: torch.device) -> Crepa | None:
+    """The run's CREPA (None when off): a seeded projector, or the checkpoint's."""
+    if not config.crepa_enabled:
+        return None
+    if transformer.config.get("attention_type") == "nabla":
+        raise ValueError("crepa_enabled: this transformer uses NABLA attention (Kandinsky 5's 10 s checkpoints), "
+                         "whose blocks do not keep the (frame, row, column) token order CREPA aligns; set "
+                         "crepa_enabled: false for this checkpoint")
+    key = next(iter(teacher_keys(config, family, store).values()))
+    width = store.get(STAGE, [key])[key]["features"].shape[-1]
+    generator_seed = int(content_key(seed=config.seed, purpose="crepa_projector")[:15], 16)
+    with torch.random.fork_rng(devices=[]):  # the projector's init leaves the global RNG as it was
+        torch.manual_seed(generator_seed)
+        projector = CrepaProjector(hidden_width(transformer.config), width)
+    if checkpoint is not None:
+        projector.load_state_dict(_load(checkpoint / PROJECTOR_FILE))
+    return Crepa(config, family, projector.to(device))
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def projector_state(crepa: Crepa | None) -> dict[str, dict[str, torch.Tensor]]:
+    """{file name: tensors} a checkpoint holds for CREPA (nothing when off)."""
+    if crepa is None:
+        return {}
+    return {PROJECTOR_FILE: {k: v.detach().cpu().contiguous() for k, v in crepa.projector.state_dict().items()}}
+
+
+def capturing(crepa: Crepa | None, transformer: torch.nn.Module) -> AbstractContextManager[BlockCapture | None]:
+    return nullcontext() if crepa is None else crepa.capture(transformer)
