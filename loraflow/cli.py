@@ -36,26 +36,18 @@ def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
             make_demo_dataset(dataset.instance_data_dir)
 
 
-def _instance_home() -> None:
-    """DAGSTER_HOME as `make` sets it (.dagster), for runs and partitions the UI shows afterwards."""
-    os.environ.setdefault("DAGSTER_HOME", str(Path(".dagster").resolve()))
-    Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
-
-
 def run_demo(config_path: str) -> int:
     """Every stage: a partition and a `cache_dataset` run per dataset, then `train_and_validate`."""
-    from dagster import DagsterInstance
-
+    from loraflow.assets.instance import home_instance
     from loraflow.assets.jobs import materialize_everything
     from loraflow.assets.resources import LoraflowResource
 
-    _instance_home()
     try:
         prepare_demo(config_path)
     except ValueError as exc:  # the model folder holds another tiny checkpoint: what to delete, no traceback
         print(f"demo: {exc}", file=sys.stderr)
         return 2
-    with DagsterInstance.get() as instance:
+    with home_instance() as instance:
         # The resource names this config explicitly: the code location's default was fixed when it was imported.
         results = materialize_everything(LoraflowResource(config_path=config_path), instance)
     if not results[-1].success:
@@ -84,13 +76,11 @@ def demo_summary(results: list) -> list[str]:
 
 def partitions(config_path: str) -> int:
     """Make the instance's `datasets` partitions the config's training datasets (what dataset_watch does)."""
-    from dagster import DagsterInstance
-
+    from loraflow.assets.instance import home_instance
     from loraflow.assets.partitions import sync_partitions
 
     config = load_config(config_path)
-    _instance_home()
-    with DagsterInstance.get() as instance:
+    with home_instance() as instance:
         added, deleted = sync_partitions(instance, config)
         current = instance.get_dynamic_partitions("datasets")
     print(f"datasets partitions in {os.environ['DAGSTER_HOME']}: {', '.join(current) or 'none'} "
