@@ -44,7 +44,7 @@ def learnt(clone: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     import numpy as np
 
-    from loraflow.validation.validate import read_media
+    from loraflow.media.writers import read_media
     from tests.assets.test_demo_learns import rightward_shift
 
     [results_file] = (clone / ".loraflow" / "output" / "validation").glob("*/results.json")

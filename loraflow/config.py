@@ -518,3 +518,13 @@ def load_config(path: str | Path) -> LoraflowConfig:
     if not isinstance(data, dict):
         raise ConfigError(["the top level must be a mapping of keys to values"], str(path))
     return parse_config(data, str(path), path.parent)
+
+
+def select_datasets(config: LoraflowConfig, ids: list[str] | None) -> list[DatasetConfig]:
+    """The training datasets named by `ids` (None: all of them), in config order; an unknown id raises."""
+    known = [d.id for d in config.training_datasets]
+    unknown = sorted(set(ids or ()) - set(known))
+    if unknown:
+        raise ValueError(f"dataset(s) {', '.join(unknown)} not among the config's training datasets "
+                         f"({', '.join(known) or 'none'})")
+    return [d for d in config.training_datasets if ids is None or d.id in ids]

@@ -37,7 +37,7 @@ def _log_waiting(context: AssetExecutionContext, dataset: str) -> None:
 def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.stages.clips.bucket_plan import human_bytes
     from loraflow.stages.clips.clips import build_clips
-    from loraflow.validation.previews import clip_preview
+    from loraflow.media.previews import clip_preview
     from loraflow.pipelines import plan_family
 
     config = loraflow.load()
@@ -111,7 +111,7 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
        description="CREPA's teacher (DINOv2) patch features of every clip, cached by content; nothing while CREPA is "
                    "off.")
 def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.training.crepa_training import cache_teacher_features
+    from loraflow.stages.teacher.teacher_features import cache_teacher_features
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
@@ -129,7 +129,7 @@ def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
        description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.assets.launch import train
-    from loraflow.validation.previews import loss_plot
+    from loraflow.media.previews import loss_plot
     from loraflow.training.progress_renders import progress_sheet_path
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA

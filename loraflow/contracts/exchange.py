@@ -3,12 +3,13 @@
 Stage modules (clips, text_embeds, latents, train, validate, evaluation, progress_renders) import this module;
 it imports no stage module, so no stage needs another to agree with a third. What lives here:
 - the (text, image) items of the text set (`TextItem`; whether prompts see an image is the flavour's
-  `prompt_sees_image`), and the current text keys (`text_lookup`);
+  `prompt_sees_image`), the current text keys (`text_lookup`) and their cached rows (`cached_texts`);
 - the hold-out split: which clips train and which are held out for eval loss (`split_holdout`, `split_clips`,
   `evaluates`);
 - the image a render starts from: its clip (`conditioning_clip`), its pixels (`condition_frame`,
   `conditioning_image`) and the image id i2i prompts are encoded with (`prompt_image`);
-- the render settings and the negative prompt every render uses (`render_settings`, `negative_prompt`).
+- the render settings and the negative prompt every render uses (`render_settings`, `negative_prompt`), and one
+  render checked against them (`render_video`, for validation and the renders during training).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from PIL import Image
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key
-from loraflow.pipelines.base import ModelFamily, RenderSettings, scheduler_shift
+from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, scheduler_shift
 from loraflow.pipelines import plan_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
@@ -41,6 +42,18 @@ ImageLoader = Callable[[], np.ndarray]  # uint8 (H, W, 3), read only when the it
 def text_lookup(store: Store) -> dict[TextItem, str]:
     """(text, image) -> key for the current text set."""
     return {(row["text"], row.get("image") or ""): row["key"] for row in store.read_manifest("text_embeds")}
+
+
+def cached_texts(store: Store, items: list[TextItem]) -> dict[TextItem, TextRow]:
+    """(text, image) -> embedding row; every item must have been encoded by the text_embeds stage."""
+    keys = text_lookup(store)
+    missing = [text for text, image in items if (text, image) not in keys]
+    if missing:
+        raise KeyError(f"{len(missing)} validation text(s) have no cached embedding, e.g. {missing[0]!r}: "
+                       "materialize `text_embeds` again (it encodes every validation prompt and the negative prompt"
+                       ", with the image validation renders from for i2i)")
+    rows = store.get("text_embeds", {keys[i] for i in items})
+    return {i: rows[keys[i]] for i in items}
 
 
 # 2. the hold-out split -------------------------------------------------------------------------------------------
@@ -178,3 +191,16 @@ def condition_frame(store: Store, clip_key: str) -> np.ndarray:
     (cropped) clip."""
     stored = store.get("clips", [clip_key])[clip_key]
     return (stored["condition_frames"] if stored.get("condition_frames") is not None else stored["frames"])[0]
+
+
+def render_video(
+    family: ModelFamily, pipe: Any, text: TextRow, negative: TextRow, settings: RenderSettings,
+    image: np.ndarray | None = None, lora_scale: float | None = 1.0,
+) -> np.ndarray:
+    """One render, uint8 (F, H, W, 3), checked against the settings (validation and the renders during training)."""
+    given = {"image": image} if image is not None else {}  # only i2v families take an image
+    video = family.render(pipe, text, negative, settings, lora_scale=lora_scale, **given)
+    if video.shape != (settings.num_frames, settings.height, settings.width, 3):
+        raise RuntimeError(f"{family.name} rendered {video.shape}; validation asked for "
+                           f"{(settings.num_frames, settings.height, settings.width, 3)}: a bug in the family's render")
+    return video

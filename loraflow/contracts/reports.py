@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch and of the stages
-    from loraflow.stages.clips.buckets import BucketRow
     from loraflow.pipelines.base import RenderSettings
 
 
@@ -41,6 +40,17 @@ class DropReason:
     reason: str
     files: int
     example: str
+
+
+@dataclass
+class BucketRow:
+    """Clips of one bucket in one dataset, and what they cost in the store."""
+
+    dataset: str
+    bucket: str
+    clips: int = 0
+    frames_bytes: int = 0  # uint8 RGB frames the clips stage stores
+    latent_bytes: int | None = 0  # None when the VAE config is not readable
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,13 +15,13 @@ import numpy as np
 import torch
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.latent_rows import draw_latents
 from loraflow.keys import content_key
 from loraflow.kernels.flow_matching import sample_sigmas
 from loraflow.kernels.scheduled_sampling import draw_offsets, rollout_probability
 from loraflow.training.row_cache import RowCache
-from loraflow.training.crepa_training import load_teacher_batch
+from loraflow.contracts.teacher_features import load_teacher_batch
 from loraflow.contracts.exchange import split_clips, text_lookup
-from loraflow.stages.latents.latents import draw_latents
 from loraflow.pipelines.base import ModelFamily, TextRow, image_conditions
 from loraflow.store import Store
 

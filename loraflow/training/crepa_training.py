@@ -1,5 +1,6 @@
 """CREPA inside training: the cached teacher features each sample reads, the projector trained with the LoRA, and
-the weighted term of one micro-step (the maths is kernels/crepa.py, the features stages/teacher/teacher_features.py).
+the weighted term of one micro-step (the maths is kernels/crepa.py; stages/teacher/teacher_features.py computes the
+features, contracts/teacher_features.py finds and reads them).
 
 The projector is optimised with the LoRA (same AdamW, same clipping), saved in every checkpoint for exact resume
 and beside the adapter when the run is done (PROJECTOR_FILE); no renderer reads it.
@@ -10,55 +11,17 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from loraflow.config import LoraflowConfig
-from loraflow.keys import content_key, data_version
+from loraflow.keys import content_key
 from loraflow.kernels.crepa import (
     PROJECTOR_FILE, BlockCapture, CrepaProjector, capture_block, crepa_loss, frame_tokens, hidden_width, token_grid,
 )
-from loraflow.contracts.reports import TeacherFeaturesReport
-from loraflow.stages.teacher.teacher_features import STAGE, Teacher, encode_teacher_features, teacher_rows
+from loraflow.contracts.teacher_features import STAGE, teacher_keys
 from loraflow.pipelines.base import ModelFamily
 from loraflow.store import Store
-
-
-def teacher_of(config: LoraflowConfig) -> Teacher:
-    return Teacher(str(config.crepa_encoder_path), config.crepa_encoder_image_size)
-
-
-def _trained_clips(store: Store) -> list[dict[str, Any]]:
-    """The clips that have latents (the only ones training reads)."""
-    encoded = {row["clip_key"] for row in store.read_manifest("latents")}
-    return [clip for clip in store.read_manifest("clips") if clip["key"] in encoded]
-
-
-def cache_teacher_features(config: LoraflowConfig, family: ModelFamily, store: Store) -> TeacherFeaturesReport:
-    """The teacher_features stage for every clip training reads (computes only what the store lacks)."""
-    datasets = [d.id for d in config.training_datasets]
-    return encode_teacher_features(_trained_clips(store), teacher_of(config), family.vae_temporal_factor, store,
-                                   datasets)
-
-
-def teacher_keys(config: LoraflowConfig, family: ModelFamily, store: Store) -> dict[str, str]:
-    """latent key -> the key of its clip's teacher features."""
-    rows = teacher_rows(_trained_clips(store), teacher_of(config), family.vae_temporal_factor)
-    by_clip = {row["clip_key"]: row["key"] for row in rows}
-    return {row["key"]: by_clip[row["clip_key"]] for row in store.read_manifest("latents")
-            if row["clip_key"] in by_clip}
-
-
-def teacher_version(config: LoraflowConfig, family: ModelFamily, store: Store) -> str:
-    """The data version of the features a run reads: part of its key (new teacher weights, new run)."""
-    return data_version(teacher_keys(config, family, store).values())
-
-
-def load_teacher_batch(store: Any, keys: list[str]) -> torch.Tensor:
-    """(B, T, g * g, E) float32 features of a batch, in sample order (`store`: a Store or a RowCache)."""
-    rows = store.get(STAGE, set(keys))
-    return torch.stack([torch.from_numpy(rows[k]["features"].astype("float32")) for k in keys])
 
 
 @dataclass

@@ -44,10 +44,9 @@ from loraflow.training.checkpoints import (
     LORA_FILE, adapter_config, export_comfyui, export_lora, latest_checkpoint, load_lora, lora_state, optimizer_state,
     resume_optimizer, save_checkpoint, write_json,
 )
-from loraflow.training.crepa_training import (
-    Crepa, cache_teacher_features, capturing, make_crepa, projector_state, teacher_keys,
-    teacher_version,
-)
+from loraflow.contracts.teacher_features import teacher_keys, teacher_version
+from loraflow.stages.teacher.teacher_features import cache_teacher_features
+from loraflow.training.crepa_training import Crepa, capturing, make_crepa, projector_state
 from loraflow.kernels.devices import free_models, peak_memory_gib
 from loraflow.training.distributed import (
     World, average_gradients_, barrier, broadcast_, check_same_everywhere, gathered, join, parallelize, sum_over_ranks,

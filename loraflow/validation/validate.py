@@ -18,13 +18,10 @@ held-out eval clip (by key), else the first training clip, center-cropped and re
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-import av
 import numpy as np
 from PIL import Image
 
@@ -33,9 +30,10 @@ from loraflow.keys import content_key, safetensors_sha256
 from loraflow.kernels.devices import free_models, pick_device
 from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, loss_summary
 from loraflow.contracts.exchange import (
-    TextItem, conditioning_image, evaluates, negative_prompt, prompt_image, render_settings, text_lookup,
+    cached_texts, conditioning_image, evaluates, negative_prompt, prompt_image, render_settings, render_video,
 )
-from loraflow.validation.previews import contact_sheet, eval_loss_plot, save_animation
+from loraflow.media.previews import contact_sheet, eval_loss_plot, save_animation
+from loraflow.media.writers import save_png, slug, write_media
 from loraflow.contracts.reports import EvalLoss, PromptRenders, ValidationReport
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint
 from loraflow.pipelines.sources import model_source
@@ -89,18 +87,6 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
     return _report(out, computed=len(todo) + bool(items))
 
 
-def cached_texts(store: Store, items: list[TextItem]) -> dict[TextItem, TextRow]:
-    """(text, image) -> embedding row; every item must have been encoded by the text_embeds stage."""
-    keys = text_lookup(store)
-    missing = [text for text, image in items if (text, image) not in keys]
-    if missing:
-        raise KeyError(f"{len(missing)} validation text(s) have no cached embedding, e.g. {missing[0]!r}: "
-                       "materialize `text_embeds` again (it encodes every validation prompt and the negative prompt"
-                       ", with the image validation renders from for i2i)")
-    rows = store.get("text_embeds", {keys[i] for i in items})
-    return {i: rows[keys[i]] for i in items}
-
-
 def render_prompt(
     family: ModelFamily, pipe: Any, folder: Path, name: str, prompt: str, text: TextRow, negative: TextRow,
     settings: RenderSettings, image: np.ndarray | None = None,
@@ -124,19 +110,6 @@ def render_prompt(
     })
 
 
-def render_video(
-    family: ModelFamily, pipe: Any, text: TextRow, negative: TextRow, settings: RenderSettings,
-    image: np.ndarray | None = None, lora_scale: float | None = 1.0,
-) -> np.ndarray:
-    """One render, uint8 (F, H, W, 3), checked against the settings (validation and the renders during training)."""
-    given = {"image": image} if image is not None else {}  # only i2v families take an image
-    video = family.render(pipe, text, negative, settings, lora_scale=lora_scale, **given)
-    if video.shape != (settings.num_frames, settings.height, settings.width, 3):
-        raise RuntimeError(f"{family.name} rendered {video.shape}; validation asked for "
-                           f"{(settings.num_frames, settings.height, settings.width, 3)}: a bug in the family's render")
-    return video
-
-
 def _report(out: Path, computed: int) -> ValidationReport:
     results = json.loads((out / RESULTS).read_text())
     prompts, losses = results["prompts"], results["eval_loss"]
@@ -151,51 +124,6 @@ def _report(out: Path, computed: int) -> ValidationReport:
         eval_plot=str(out / "eval_loss.png") if losses else None,
         condition_image=str(condition) if condition.is_file() else None,
     )
-
-
-def slug(name: str) -> str:
-    """A shortname as a folder name (the index prefix keeps two names with one slug apart)."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:60] or "prompt"
-
-
-# -- media: mp4 for videos, PNG for images -------------------------------------------------------------------
-def write_media(frames: np.ndarray, stem: Path, fps: float) -> Path:
-    """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4."""
-    if len(frames) == 1:
-        path = stem.with_suffix(".png")
-        save_png(Image.fromarray(frames[0]), path)
-    else:
-        path = stem.with_suffix(".mp4")
-        write_mp4(frames, path, fps)
-    return path
-
-
-def read_media(path: str | Path) -> np.ndarray:
-    """uint8 (F, H, W, 3) of what write_media wrote (an mp4's frames as decoded, lossy)."""
-    if Path(path).suffix == ".png":
-        return np.asarray(Image.open(path).convert("RGB"))[None]
-    with av.open(str(path)) as container:
-        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-
-
-def write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
-    """uint8 (F, H, W, 3) -> h264 yuv420p mp4 (odd sizes padded by edge copy, as yuv420p requires)."""
-    pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
-    frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
-    tmp = path.with_suffix(".tmp.mp4")
-    with av.open(str(tmp), "w") as container:
-        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))  # 23.976 stays exact
-        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    tmp.rename(path)
-
-
-def save_png(image: Image.Image, path: Path) -> None:
-    tmp = path.with_suffix(".tmp.png")
-    image.save(tmp, format="PNG")
-    tmp.rename(path)
 
 
 def _write_json(path: Path, data: Any) -> None:

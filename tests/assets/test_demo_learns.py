@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from loraflow.demo.dataset import _COLOURS
-from loraflow.validation.validate import read_media
+from loraflow.media.writers import read_media
 from loraflow.demo.tiny_world import shape_centroid
 from tests.conftest import demo_dict, write_config
 

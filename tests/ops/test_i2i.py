@@ -83,7 +83,7 @@ def test_each_target_clip_stores_its_source_image_cut_to_the_target_bucket(cache
 
 
 def test_the_clips_preview_shows_each_source_image_below_its_target(cached) -> None:
-    from loraflow.validation.previews import THUMB, clip_preview
+    from loraflow.media.previews import THUMB, clip_preview
 
     config, sources = cached
     store = Store(config.cache_dir)

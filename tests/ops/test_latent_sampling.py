@@ -22,7 +22,8 @@ from diffusers.image_processor import VaeImageProcessor
 
 from loraflow.config import ConfigError, load_config
 from loraflow.stages.clips.clips import build_clips
-from loraflow.stages.latents.latents import draw_latents, encode_latents, latent_rows
+from loraflow.contracts.latent_rows import draw_latents
+from loraflow.stages.latents.latents import encode_latents, latent_rows
 from loraflow.pipelines import get_family
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5 import image as kandinsky5_image

@@ -1,4 +1,4 @@
-"""Pictures for the UI (loraflow/validation/previews.py) from known frames: where each frame lands on a contact sheet, its
+"""Pictures for the UI (loraflow/media/previews.py) from known frames: where each frame lands on a contact sheet, its
 labels, the animation's frames and timing, the smoothing of the loss plot."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from loraflow.validation.previews import (
+from loraflow.media.previews import (
     GAP, MAX_ANIMATION_FRAMES, MAX_SHEET_WIDTH, PLOT_DPI, PLOT_INCHES, SHEET_ROW_HEIGHT, TEXT_HEIGHT, contact_sheet,
     eval_loss_plot, loss_plot, save_animation, smoothed,
 )

@@ -23,7 +23,7 @@ from loraflow.training import loop as T
 from loraflow.validation import validate as V
 from loraflow.training.distributed import World
 from loraflow.training.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
-from loraflow.validation.previews import BLOCK_GAP, SHEET_ROW_HEIGHT, TEXT_HEIGHT
+from loraflow.media.previews import BLOCK_GAP, SHEET_ROW_HEIGHT, TEXT_HEIGHT
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import demo_dict

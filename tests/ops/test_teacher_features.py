@@ -9,9 +9,8 @@ import pytest
 import torch
 from transformers import Dinov2Model
 
-from loraflow.stages.teacher.teacher_features import (
-    STAGE, Teacher, encode_teacher_features, latent_frame_indices,
-)
+from loraflow.contracts.teacher_features import STAGE, Teacher, latent_frame_indices
+from loraflow.stages.teacher.teacher_features import encode_teacher_features
 from loraflow.demo.tiny_parts import tiny_dinov2
 from loraflow.store import Store
 

@@ -27,10 +27,11 @@ from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses,
 from loraflow.contracts.exchange import split_holdout
 from loraflow.contracts.reports import ValidationReport
 from loraflow.stages.text.text_embeds import encode_texts
-from loraflow.validation.previews import (
+from loraflow.media.previews import (
     BLOCK_GAP, MAX_SHEET_WIDTH, PLOT_DPI, PLOT_INCHES, SHEET_ROW_HEIGHT, TEXT_HEIGHT,
 )
-from loraflow.validation.validate import negative_prompt, render_settings, validate, write_media
+from loraflow.media.writers import write_media
+from loraflow.validation.validate import negative_prompt, render_settings, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component, set_lora_scale
 from loraflow.store import Store

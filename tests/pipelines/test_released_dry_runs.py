@@ -26,7 +26,8 @@ from loraflow.kernels.crepa import CrepaProjector, hidden_width
 from loraflow.kernels.patch_conv import enable_patch_conv
 from loraflow.training import loop as T
 from loraflow.training.crepa_training import Crepa
-from loraflow.stages.teacher.teacher_features import latent_frame_indices, patch_features
+from loraflow.contracts.teacher_features import latent_frame_indices
+from loraflow.stages.teacher.teacher_features import patch_features
 from loraflow.training.batches import MicroBatch, step_draws
 from loraflow.pipelines import get_family
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15

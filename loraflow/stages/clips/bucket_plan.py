@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
-from loraflow.stages.clips.buckets import BucketRow, LatentGeometry, tally_buckets
+from loraflow.contracts.reports import BucketRow
+from loraflow.stages.clips.buckets import LatentGeometry, tally_buckets
 from loraflow.stages.clips.captions import read_captions
 from loraflow.stages.clips.clips import check_name, dropped, find_source_image, plan_clips
 from loraflow.stages.clips.dataset_folder import list_folder

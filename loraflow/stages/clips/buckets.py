@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from loraflow.contracts.reports import BucketRow
 from loraflow.pipelines import nearest_multiple
 from loraflow.pipelines.sources import ModelSource, as_source
 
@@ -222,15 +223,6 @@ def vae_geometry(vae: dict, family: ModelFamily) -> LatentGeometry:
     """`latent_geometry` of a VAE config dict."""
     spatial = vae.get("spatial_compression_ratio") or 2 ** (len(vae["block_out_channels"]) - 1)
     return LatentGeometry(channels=int(vae["latent_channels"]), temporal=family.vae_temporal_factor, spatial=int(spatial))
-
-
-@dataclass
-class BucketRow:
-    dataset: str
-    bucket: str
-    clips: int = 0
-    frames_bytes: int = 0  # uint8 RGB frames the clips stage stores
-    latent_bytes: int | None = 0  # None when the VAE config is not readable
 
 
 def tally_buckets(clips: list[tuple[str, int, int, int]], geometry: LatentGeometry | None) -> list[BucketRow]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from loraflow.config import DatasetConfig, LoraflowConfig
+from loraflow.config import DatasetConfig, LoraflowConfig, select_datasets
 from loraflow.dataset_config import DEFAULT_MAX_UPSCALE
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.stages.clips import buckets
@@ -272,16 +272,6 @@ def _decode_cropped(path: str, indices: list[int], resize: list[int], box: list[
 
 
 DATASET_STAGES = ("clips", "quarantine", "latents", "latents_quarantine")  # one manifest part per dataset id
-
-
-def select_datasets(config: LoraflowConfig, ids: list[str] | None) -> list[DatasetConfig]:
-    """The training datasets named by `ids` (None: all of them), in config order; an unknown id raises."""
-    known = [d.id for d in config.training_datasets]
-    unknown = sorted(set(ids or ()) - set(known))
-    if unknown:
-        raise ValueError(f"dataset(s) {', '.join(unknown)} not among the config's training datasets "
-                         f"({', '.join(known) or 'none'})")
-    return [d for d in config.training_datasets if ids is None or d.id in ids]
 
 
 def drop_removed_datasets(config: LoraflowConfig, store: Store) -> list[str]:

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from loraflow.config import LoraflowConfig
+from loraflow.config import LoraflowConfig, select_datasets
+from loraflow.contracts.latent_rows import latent_columns
 from loraflow.keys import Shard, content_key, data_version
 from loraflow.kernels.patch_conv import enable_patch_conv
-from loraflow.stages.clips.clips import select_datasets
 from loraflow.kernels.devices import free_models, peak_memory_gib, pick_device
 from loraflow.contracts.reports import BadLatent, LatentsReport, OomFallback
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
@@ -191,25 +191,3 @@ def _encode_with_fallback(
         if not configured:
             vae.disable_tiling()
 
-
-def latent_columns(encoded: torch.Tensor, sampling: str) -> dict[str, np.ndarray]:
-    """A stored row's tensors from one clip's `vae_encode` output (C, T, h, w) or (2C, T, h, w).
-
-    `latent` is always what training uses without sampling (the mode, which is the mean): the shape check
-    and a training loop that ignores `latent_logvar` read it alike.
-    """
-    if sampling == "mode":
-        return {"latent": encoded.numpy()}
-    mean, logvar = encoded.chunk(2, dim=0)  # (C, T, h, w) each
-    return {"latent": mean.contiguous().numpy(), "latent_logvar": logvar.contiguous().numpy()}
-
-
-def draw_latents(mean: torch.Tensor, logvar: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One sample of cached posteriors: mean + exp(logvar / 2) * eps, eps ~ N(0, 1) drawn from `generator`.
-
-    mean and logvar are already scaled (`scaled_posterior`), so the sample is too. eps is drawn as diffusers'
-    `latent_dist.sample(generator)` draws it (one randn of mean's shape and dtype), so for the same generator
-    state the result equals that sample times the family's scaling. Pure: the generator carries all state.
-    """
-    eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
-    return mean + torch.exp(0.5 * logvar) * eps

@@ -20,58 +20,25 @@ antialiasing), normalised with ImageNet's mean and std.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from loraflow.keys import content_key, data_version, directory_fingerprint
-from loraflow.kernels.devices import free_models, pick_device
+from loraflow.config import LoraflowConfig
 from loraflow.contracts.reports import TeacherFeaturesReport
+from loraflow.contracts.teacher_features import (
+    STAGE, Teacher, teacher_fingerprint, teacher_of, teacher_rows, trained_clips,
+)
+from loraflow.kernels.devices import free_models, pick_device
+from loraflow.keys import data_version
+from loraflow.pipelines.base import ModelFamily
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
-CODE_VERSION = "teacher-features-1"
-STAGE = "teacher_features"
+
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FRAMES_PER_BATCH = 16  # frames through the teacher at once: bounds its activations, not its results
-
-
-@dataclass(frozen=True)
-class Teacher:
-    """Which teacher, at which size: `path` is a local folder written by transformers' save_pretrained (DINOv2)."""
-
-    path: str
-    image_size: int
-
-
-def teacher_fingerprint(teacher: Teacher) -> str:
-    if not (Path(teacher.path) / "config.json").is_file():
-        raise FileNotFoundError(f"crepa_encoder_path {teacher.path}: not a transformers model folder (no "
-                                "config.json); save the encoder there with `save_pretrained` (nothing is downloaded)")
-    return content_key(files=directory_fingerprint(teacher.path))
-
-
-def latent_frame_indices(num_frames: int, temporal_factor: int) -> list[int]:
-    """The stored frame each latent frame's features come from: frame t * factor, the last of the frames the causal
-    video VAE folds into latent frame t (frame 0 alone is latent frame 0)."""
-    if (num_frames - 1) % temporal_factor:
-        raise ValueError(f"a clip of {num_frames} frames is not 1 + {temporal_factor} k frames")
-    return list(range(0, num_frames, temporal_factor))
-
-
-def teacher_rows(clips: list[dict[str, Any]], teacher: Teacher, temporal_factor: int) -> list[dict[str, Any]]:
-    """One row per clip (clips-manifest rows) with the key its features have."""
-    fingerprint = teacher_fingerprint(teacher)
-    rows = []
-    for clip in clips:
-        indices = latent_frame_indices(clip["num_frames"], temporal_factor)
-        key = content_key(clip=clip["key"], teacher=fingerprint, image_size=teacher.image_size, frames=indices,
-                          code=CODE_VERSION)
-        rows.append({"key": key, "clip_key": clip["key"], "dataset": clip["dataset"], "indices": indices})
-    return rows
 
 
 def encode_teacher_features(clips: list[dict[str, Any]], teacher: Teacher, temporal_factor: int, store: Store,
@@ -124,3 +91,10 @@ def patch_features(model: torch.nn.Module, frames: torch.Tensor, image_size: int
         mean, std = (torch.tensor(v, device=pixels.device).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
         out.append(model(pixel_values=(pixels - mean) / std).last_hidden_state[:, -patches:].float())
     return torch.cat(out)
+
+
+def cache_teacher_features(config: LoraflowConfig, family: ModelFamily, store: Store) -> TeacherFeaturesReport:
+    """The teacher_features stage for every clip training reads (computes only what the store lacks)."""
+    datasets = [d.id for d in config.training_datasets]
+    return encode_teacher_features(trained_clips(store), teacher_of(config), family.vae_temporal_factor, store,
+                                   datasets)

@@ -1,0 +1,55 @@
+"""Rendered frames to files: mp4 for videos, PNG for images (validation and the renders during training)."""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+from PIL import Image
+
+
+def slug(name: str) -> str:
+    """A shortname as a folder name (the index prefix keeps two names with one slug apart)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:60] or "prompt"
+
+
+def write_media(frames: np.ndarray, stem: Path, fps: float) -> Path:
+    """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4."""
+    if len(frames) == 1:
+        path = stem.with_suffix(".png")
+        save_png(Image.fromarray(frames[0]), path)
+    else:
+        path = stem.with_suffix(".mp4")
+        write_mp4(frames, path, fps)
+    return path
+
+
+def read_media(path: str | Path) -> np.ndarray:
+    """uint8 (F, H, W, 3) of what write_media wrote (an mp4's frames as decoded, lossy)."""
+    if Path(path).suffix == ".png":
+        return np.asarray(Image.open(path).convert("RGB"))[None]
+    with av.open(str(path)) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
+    """uint8 (F, H, W, 3) -> h264 yuv420p mp4 (odd sizes padded by edge copy, as yuv420p requires)."""
+    pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
+    frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    tmp = path.with_suffix(".tmp.mp4")
+    with av.open(str(tmp), "w") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))  # 23.976 stays exact
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    tmp.rename(path)
+
+
+def save_png(image: Image.Image, path: Path) -> None:
+    tmp = path.with_suffix(".tmp.png")
+    image.save(tmp, format="PNG")
+    tmp.rename(path)
