@@ -2,7 +2,9 @@
 
 Walks every module's imports with `ast`, those inside functions and under `if TYPE_CHECKING:` too (a
 function-level import hides a cycle, it does not break it; a type-only one still ties the two modules together).
-Also: what planning runs imports no model library (torch, diffusers). Run alone:
+Also: only the Dagster layer (loraflow/assets/, definitions.py) imports dagster; a stage folder (stages/<x>/,
+training/, validation/) imports another only through contracts/ (`stage_crossings` states the rule); what planning
+runs imports no model library (torch, diffusers). Run alone:
 `.venv/bin/python -m pytest -q tests/test_imports.py`.
 """
 
@@ -110,3 +112,64 @@ def test_check_and_the_clips_stage_import_no_model_library(tiny_k5: Path, demo_d
     assert done.returncode == 0, done.stderr[-3000:]
     assert "bucket plan" in done.stdout  # check ran to its table
     assert done.stdout.strip().splitlines()[-1] == "heavy: []"
+
+
+# Two more layering rules, read from the same `ast` walk. A stage folder is one step of the DAG:
+STAGE_FOLDERS = ("loraflow.stages.clips", "loraflow.stages.latents", "loraflow.stages.text", "loraflow.stages.teacher",
+                 "loraflow.training", "loraflow.validation")
+
+
+# The crossings that stand today, each with why; the test fails when one goes too, so this list stays true.
+KNOWN_CROSSINGS = {
+    # train_lora computes the teacher features the store lacks before rank 0 trains, as `python -m
+    # loraflow.train_main` runs without the teacher_features asset; goes when the caller hands the features in.
+    "loraflow.training.loop -> loraflow.stages.teacher.teacher_features",
+}
+
+
+def stage_folder(module: str) -> str | None:
+    return next((f for f in STAGE_FOLDERS if module == f or module.startswith(f + ".")), None)
+
+
+def stage_crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from one stage folder into another. A stage folder may import `loraflow.contracts` (what the stages
+    hand each other: reports, rows, hold-out, render settings, text sets) and the shared lower layers (media, kernels,
+    pipelines, store, keys, config), never another stage folder: a stage is read, tested and changed on its own, and
+    what two stages share is a contract, so it lives in contracts/. `stages/shard_worker.py` and `assets/` stand above
+    the stage folders and may call several."""
+    return sorted(f"{module} -> {imported}" for module, imports in graph.items() for imported in imports
+                  if stage_folder(module) and stage_folder(imported) not in (None, stage_folder(module)))
+
+
+def top_packages(tree: ast.AST) -> set[str]:
+    """The top-level package of every absolute import in a module, inside functions too."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def dagster_importers() -> list[str]:
+    """Modules below loraflow/ that import dagster: only the Dagster layer (assets/, definitions.py) may, so the
+    stages, the CLI's planning and `python -m loraflow.train_main` run without it."""
+    return [name for name, path in sorted((module_name(p), p) for p in PACKAGE.rglob("*.py"))
+            if not (name == "loraflow.definitions" or name.split(".")[:2] == ["loraflow", "assets"])
+            and "dagster" in top_packages(ast.parse(path.read_text()))]
+
+
+def test_the_rules_see_a_planted_import() -> None:
+    graph = {"loraflow.training.loop": {"loraflow.stages.latents.latents", "loraflow.contracts.reports"},
+             "loraflow.stages.shard_worker": {"loraflow.stages.clips.clips"}}
+    assert stage_crossings(graph) == ["loraflow.training.loop -> loraflow.stages.latents.latents"]
+    assert top_packages(ast.parse("def f():\n    from dagster._core import x\n")) == {"dagster"}
+
+
+def test_only_the_dagster_layer_imports_dagster() -> None:
+    assert dagster_importers() == [], "import dagster only in loraflow/assets/ (the Dagster layer)"
+
+
+def test_stage_folders_meet_only_through_contracts() -> None:
+    assert stage_crossings(import_graph()) == sorted(KNOWN_CROSSINGS), "move what two stages share into contracts/"
