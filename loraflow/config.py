@@ -460,7 +460,7 @@ class LoraflowConfig(GuideFeatures):
 
     @property
     def validation_size(self) -> tuple[int, int] | None:
-        """(height, width) in pixels; None: left out (`exchange.render_settings` picks the default)."""
+        """(height, width) in pixels; None: left out (`contracts.renders.render_settings` picks the default)."""
         if self.validation_resolution is None:
             return None
         width, height = (int(p) for p in self.validation_resolution.lower().split("x"))

@@ -312,7 +312,7 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
     """`stages` for the config's largest bucket (frames, height, width) and its validation size, from the
     components' config dicts only (`component_configs`, or a released config: no weights are read)."""
     from loraflow.stages.clips.buckets import vae_geometry
-    from loraflow.contracts.exchange import validation_size
+    from loraflow.contracts.renders import validation_size
     from loraflow.pipelines import plan_family
 
     frames, height, width = bucket

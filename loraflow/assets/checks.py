@@ -143,7 +143,7 @@ def latents_cover_clips(context: AssetCheckExecutionContext, loraflow: LoraflowR
 def texts_without_embeddings(needed: Iterable[tuple[str, str]], store: Store) -> list[dict[str, Any]]:
     """Needed (text, image) items (captions, "", negative, validation prompt; i2i: with their source image)
     missing from the manifest or the store."""
-    from loraflow.contracts.exchange import text_lookup
+    from loraflow.contracts.text_set import text_lookup
 
     listed = text_lookup(store)
     committed = store.keys("text_embeds")

@@ -137,7 +137,7 @@ class ModelFamily(Protocol):
 
 @dataclass(frozen=True)
 class RenderSettings:
-    """How validation renders: built by `loraflow.contracts.exchange.render_settings`, read by each family's renderer."""
+    """How validation renders: built by `loraflow.contracts.renders.render_settings`, read by each family's renderer."""
 
     height: int
     width: int

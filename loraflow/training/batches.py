@@ -21,7 +21,8 @@ from loraflow.kernels.flow_matching import sample_sigmas
 from loraflow.kernels.scheduled_sampling import draw_offsets, rollout_probability
 from loraflow.training.row_cache import RowCache
 from loraflow.contracts.teacher_features import load_teacher_batch
-from loraflow.contracts.exchange import split_clips, text_lookup
+from loraflow.contracts.holdout import split_clips
+from loraflow.contracts.text_set import text_lookup
 from loraflow.pipelines.base import ModelFamily, TextRow, image_conditions
 from loraflow.store import Store
 

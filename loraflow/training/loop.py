@@ -52,7 +52,7 @@ from loraflow.training.distributed import (
     World, average_gradients_, barrier, broadcast_, check_same_everywhere, gathered, join, parallelize, sum_over_ranks,
     tensors_fingerprint,
 )
-from loraflow.contracts.exchange import text_lookup
+from loraflow.contracts.text_set import text_lookup
 from loraflow.training.progress_renders import ProgressRenders
 from loraflow.kernels.quantize import INT8_PRECISIONS, quantize_base_int8
 from loraflow.contracts.reports import LoraReport, TrainStep

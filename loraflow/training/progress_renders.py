@@ -33,9 +33,8 @@ from loraflow.config import LoraflowConfig
 from loraflow.training.checkpoints import write_json
 from loraflow.kernels.devices import peak_memory_gib
 from loraflow.training.distributed import World, barrier
-from loraflow.contracts.exchange import (
-    cached_texts, conditioning_image, negative_prompt, prompt_image, render_settings, render_video,
-)
+from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_settings, render_video
+from loraflow.contracts.text_set import cached_texts
 from loraflow.media.previews import contact_sheet
 from loraflow.media.writers import read_media, save_png, slug, write_media
 from loraflow.pipelines.base import ModelFamily

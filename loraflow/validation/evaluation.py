@@ -20,7 +20,8 @@ import torch
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key
-from loraflow.contracts.exchange import clip_source, split_clips, text_lookup
+from loraflow.contracts.holdout import clip_source, split_clips
+from loraflow.contracts.text_set import text_lookup
 from loraflow.pipelines.base import ModelFamily, conditioned_noisy, flow_mse, image_conditions, set_lora_scale
 from loraflow.store import Store
 

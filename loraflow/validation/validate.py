@@ -29,9 +29,9 @@ from loraflow.config import LoraflowConfig
 from loraflow.keys import content_key, safetensors_sha256
 from loraflow.kernels.devices import free_models, pick_device
 from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, loss_summary
-from loraflow.contracts.exchange import (
-    cached_texts, conditioning_image, evaluates, negative_prompt, prompt_image, render_settings, render_video,
-)
+from loraflow.contracts.holdout import evaluates
+from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_settings, render_video
+from loraflow.contracts.text_set import cached_texts
 from loraflow.media.previews import contact_sheet, eval_loss_plot, save_animation
 from loraflow.media.writers import save_png, slug, write_media
 from loraflow.contracts.reports import EvalLoss, PromptRenders, ValidationReport

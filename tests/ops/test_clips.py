@@ -19,7 +19,7 @@ from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.config import ConfigError, parse_config
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.clips import build_clips, decode_clip
-from loraflow.contracts.exchange import condition_frame
+from loraflow.contracts.renders import condition_frame
 from loraflow.media.frames import MediaError
 from loraflow.pipelines import get_family
 from loraflow.store import Store

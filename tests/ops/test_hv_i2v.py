@@ -26,7 +26,8 @@ from loraflow.training import batches as D
 from loraflow.stages.clips.clips import build_clips
 from loraflow.validation.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
 from loraflow.stages.latents.latents import encode_latents, latent_rows
-from loraflow.contracts.exchange import conditioning_clip, text_lookup
+from loraflow.contracts.renders import conditioning_clip
+from loraflow.contracts.text_set import text_lookup
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.validation.validate import conditioning_image, render_settings, validate
 from loraflow.pipelines import family_spec, get_family

@@ -22,7 +22,8 @@ from loraflow.config import LoraflowConfig, parse_config
 from loraflow.training import loop as T
 from loraflow.training import batches as D
 from loraflow.stages.clips.clips import build_clips
-from loraflow.contracts.exchange import condition_frame, text_lookup
+from loraflow.contracts.renders import condition_frame
+from loraflow.contracts.text_set import text_lookup
 from loraflow.demo.dataset import make_demo_edits
 from loraflow.stages.latents.latents import encode_latents
 from loraflow.stages.text.text_embeds import encode_texts, load_encoders

@@ -18,7 +18,8 @@ from diffusers.utils.torch_utils import randn_tensor
 from loraflow.training import loop as T
 from loraflow.training import batches as D
 from loraflow.validation.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
-from loraflow.contracts.exchange import conditioning_clip, text_lookup
+from loraflow.contracts.renders import conditioning_clip
+from loraflow.contracts.text_set import text_lookup
 from loraflow.validation.validate import conditioning_image, render_settings, validate
 from loraflow.pipelines import family_spec, get_family
 from loraflow.pipelines.base import load_component, load_lora_file

@@ -30,7 +30,7 @@ from loraflow.training import loop as T
 from loraflow.training import batches as D
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
-from loraflow.contracts.exchange import text_lookup
+from loraflow.contracts.text_set import text_lookup
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import get_family
 from loraflow.store import Store

@@ -24,7 +24,7 @@ from PIL import Image
 
 from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
 from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips
-from loraflow.contracts.exchange import split_holdout
+from loraflow.contracts.holdout import split_holdout
 from loraflow.contracts.reports import ValidationReport
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.media.previews import (

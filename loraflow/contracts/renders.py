@@ -1,30 +1,20 @@
-"""What the stages exchange: each contract between two stages, defined once, here.
-
-Stage modules (clips, text_embeds, latents, train, validate, evaluation, progress_renders) import this module;
-it imports no stage module, so no stage needs another to agree with a third. What lives here:
-- the (text, image) items of the text set (`TextItem`; whether prompts see an image is the flavour's
-  `prompt_sees_image`), the current text keys (`text_lookup`) and their cached rows (`cached_texts`);
-- the hold-out split: which clips train and which are held out for eval loss (`split_holdout`, `split_clips`,
-  `evaluates`);
-- the image a render starts from: its clip (`conditioning_clip`), its pixels (`condition_frame`,
-  `conditioning_image`) and the image id i2i prompts are encoded with (`prompt_image`);
-- the render settings and the negative prompt every render uses (`render_settings`, `negative_prompt`), and one
-  render checked against them (`render_video`, for validation and the renders during training).
+"""What every render uses (validation and the renders during training): its settings, the negative prompt, the image
+it starts from (its clip: `conditioning_clip`; its pixels: `condition_frame`, `conditioning_image`), the image id i2i
+prompts are encoded with (`prompt_image`), and one render checked against the settings (`render_video`).
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.holdout import split_clips
 from loraflow.keys import content_key
-from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, scheduler_shift
 from loraflow.pipelines import plan_family
+from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, scheduler_shift
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
@@ -34,69 +24,6 @@ PROMPT_IMAGE_VERSION = "validation-2"
 DEFAULT_VALIDATION_SIZE = (512, 768)  # (height, width): 768x512, what validation rendered before any flavour default
 
 
-# 1. the text set ------------------------------------------------------------------------------------------------
-TextItem = tuple[str, str]  # (text, image id): the image is "" where prompts see no image (all but i2i)
-ImageLoader = Callable[[], np.ndarray]  # uint8 (H, W, 3), read only when the item must be encoded
-
-
-def text_lookup(store: Store) -> dict[TextItem, str]:
-    """(text, image) -> key for the current text set."""
-    return {(row["text"], row.get("image") or ""): row["key"] for row in store.read_manifest("text_embeds")}
-
-
-def cached_texts(store: Store, items: list[TextItem]) -> dict[TextItem, TextRow]:
-    """(text, image) -> embedding row; every item must have been encoded by the text_embeds stage."""
-    keys = text_lookup(store)
-    missing = [text for text, image in items if (text, image) not in keys]
-    if missing:
-        raise KeyError(f"{len(missing)} validation text(s) have no cached embedding, e.g. {missing[0]!r}: "
-                       "materialize `text_embeds` again (it encodes every validation prompt and the negative prompt"
-                       ", with the image validation renders from for i2i)")
-    rows = store.get("text_embeds", {keys[i] for i in items})
-    return {i: rows[keys[i]] for i in items}
-
-
-# 2. the hold-out split -------------------------------------------------------------------------------------------
-def split_holdout(keys: Sequence[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Split keys into (train, eval), each in input order; round(fraction * n) keys (at least 1) are held out.
-
-    Keys are ranked by sha256(seed, key), so the split ignores the order of `keys`, and adding a key moves
-    at most one other key from one side to the other.
-    """
-    if not 0 <= fraction < 1:
-        raise ValueError(f"`eval_holdout_fraction` must be in [0, 1); got {fraction}")
-    if len(set(keys)) != len(keys):
-        raise ValueError("split_holdout needs distinct keys")
-    if fraction == 0 or not keys:
-        return list(keys), []
-    count = max(1, round(fraction * len(keys)))
-    if count >= len(keys):
-        raise ValueError(f"`eval_holdout_fraction` {fraction} of {len(keys)} source(s) leaves nothing to train on; "
-                         "add videos or lower the fraction")
-    ranked = sorted(keys, key=lambda k: hashlib.sha256(f"{seed}:{k}".encode()).hexdigest())
-    held = set(ranked[:count])
-    return [k for k in keys if k not in held], [k for k in keys if k in held]
-
-
-def split_clips(clips: Sequence[Mapping[str, Any]], config: LoraflowConfig) -> tuple[list[str], list[str]]:
-    """Clip keys (train, eval) from the clips manifest: all of `eval_dataset_id`, and every clip of a held-out
-    `eval_holdout_fraction` of the other source videos (whole videos: no frame of an eval video is trained on)."""
-    held = {c["key"] for c in clips if c["dataset"] == config.eval_dataset_id}
-    sources = sorted({clip_source(c) for c in clips if c["key"] not in held})
-    _, held_sources = split_holdout(sources, config.eval_holdout_fraction, config.seed)
-    held |= {c["key"] for c in clips if clip_source(c) in set(held_sources)}
-    return [c["key"] for c in clips if c["key"] not in held], [c["key"] for c in clips if c["key"] in held]
-
-
-def clip_source(clip: Mapping[str, Any]) -> str:
-    return f"{clip['dataset']}/{clip['source']}"  # dataset-relative path: stable across machines and re-encodes
-
-
-def evaluates(config: LoraflowConfig) -> bool:
-    return config.eval_holdout_fraction > 0 or config.eval_dataset_id is not None
-
-
-# 3. renders: their settings and the image they start from ----------------------------------------------------
 def render_settings(config: LoraflowConfig, family: ModelFamily, store: Store | None = None) -> RenderSettings:
     """The config's validation_* keys, each falling back to the flavour's default; checked against the family.
     `store`: where the clip validation renders from is, for a size left out (`validation_size`)."""
