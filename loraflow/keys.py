@@ -1,5 +1,5 @@
 """Content keys: a hash of everything that determines an item, so a key changes exactly when its content would; and
-the shard a key falls in when N workers split a dataset (stages/shard_worker.py).
+the shard a key falls in when N workers split a dataset (stages/shard_worker.py); the fingerprint of tensors' bytes.
 
 Each stage bumps its CODE_VERSION when its numbers change; the version is part of every key it makes.
 """
@@ -12,7 +12,10 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+if TYPE_CHECKING:  # annotations only: keys stay free of torch at import
+    import torch
 
 
 def content_key(**fields: Any) -> str:
@@ -109,3 +112,13 @@ class Shard:
 
     def __str__(self) -> str:
         return f"{self.index}/{self.count}"
+
+
+def tensors_fingerprint(tensors: list[torch.Tensor]) -> str:
+    """sha256 of the tensors' bytes, in order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -134,7 +134,7 @@ def pretrain(family: ModelFamily, transformer: torch.nn.Module, vae: Autoencoder
 def _key(family: ModelFamily, transformer: torch.nn.Module, components: dict[str, Any], recipe: WorldRecipe) -> str:
     """The inputs that decide the trained weights: how it is trained (family, flavour, recipe), architecture, initial
     weights, text encoders."""
-    from loraflow.training.distributed import tensors_fingerprint
+    from loraflow.keys import tensors_fingerprint
 
     def weights(module: torch.nn.Module) -> str:
         return tensors_fingerprint([tensor for _, tensor in sorted(module.state_dict().items())])

@@ -12,7 +12,6 @@ With `fsdp: true` (FSDP2) each rank holds 1/N of every parameter, frozen base an
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -166,10 +165,3 @@ def check_same_everywhere(what: str, fingerprint: Callable[[], str], world: Worl
         raise RuntimeError(f"the ranks disagree on {what}: the caches or the config changed while the processes "
                            "started; launch again")
 
-
-def tensors_fingerprint(tensors: list[torch.Tensor]) -> str:
-    """sha256 of the tensors' bytes, in order."""
-    digest = hashlib.sha256()
-    for t in tensors:
-        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()

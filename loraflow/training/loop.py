@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from loraflow.config import LoraflowConfig
 from loraflow.dataset_config import run_key_settings
-from loraflow.keys import content_key, data_version
+from loraflow.keys import content_key, data_version, tensors_fingerprint
 from loraflow.kernels.adamw_bf16 import AdamWBF16
 from loraflow.kernels.flow_matching import lr_at
 from loraflow.kernels.scheduled_sampling import roll_out
@@ -50,7 +50,6 @@ from loraflow.training.crepa_training import Crepa, capturing, make_crepa, proje
 from loraflow.kernels.devices import free_models, peak_memory_gib
 from loraflow.training.distributed import (
     World, average_gradients_, barrier, broadcast_, check_same_everywhere, gathered, join, parallelize, sum_over_ranks,
-    tensors_fingerprint,
 )
 from loraflow.contracts.text_set import text_lookup
 from loraflow.training.progress_renders import ProgressRenders
