@@ -180,6 +180,10 @@ class LoraflowConfig(GuideFeatures):
     gradient_checkpointing_cpu_offload: bool = setting(
         False, run_key="never", description="with gradient_checkpointing: keep the inputs each checkpointed block "
         "saves for its recompute on the CPU (musubi-tuner's name; the same numbers, less GPU memory, more transfers)")
+    dynamo_use_regional_compilation: bool = setting(
+        False, run_key="when_set", description="torch.compile each of the transformer's repeated blocks (diffusers' "
+        "compile_repeated_blocks; SimpleTuner's name): faster steps after a compile of minutes; the numbers differ "
+        "from eager by float rounding (fused kernels sum in another order), so it is part of the run key")
     enable_group_offload: bool = setting(
         False, run_key="never", description="keep transformer blocks on the CPU, each moved to the GPU only for its "
         "forward (diffusers group offloading); LoRA stays on the GPU")

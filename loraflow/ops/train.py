@@ -150,6 +150,8 @@ def prepare_transformer(transformer: torch.nn.Module, config: LoraflowConfig,
         resolve_routes(config.tread_config.routes, len(getattr(transformer, family.tread_layout.blocks)))
     params = add_lora(transformer, config, family)
     enable_checkpointing(transformer, config)
+    if config.dynamo_use_regional_compilation:
+        transformer.compile_repeated_blocks()  # one compile per block class, reused by its copies
     return transformer, params
 
 
