@@ -113,10 +113,14 @@ class FamilyPlan:
         """Why validation cannot render at (height, width) ("" when it can, or cannot tell yet): a size off the
         spatial multiple, or one the flavour's pipeline would silently replace by its own (`FamilySpec.render_size`;
         `model` None: no checkpoint to ask yet)."""
-        multiple, asked = self.spatial_multiple, f"`validation_resolution` {width}x{height}"
+        from loraflow.ops.nabla_sizes import bucket_multiple
+
+        multiple = bucket_multiple(self, model) if model else self.spatial_multiple  # no model: cannot tell NABLA
+        asked = f"`validation_resolution` {width}x{height}"
         if height % multiple or width % multiple:
             near = f"{nearest_multiple(width, multiple)}x{nearest_multiple(height, multiple)}"
-            return f"{asked}: {self.name} needs multiples of {multiple} (VAE x patch); use {near}"
+            why = "VAE x patch" + ("" if multiple == self.spatial_multiple else " x NABLA's 8-patch blocks")
+            return f"{asked}: {self.name} needs multiples of {multiple} ({why}); use {near}"
         rendered = model and self.spec.render_size and self.spec.render_size(self.flavour, model, height, width)
         if rendered and rendered != (height, width):
             return (f"{asked}: {self.name} {self.flavour.name} renders at its size bucket {rendered[1]}x{rendered[0]} "

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from loraflow.cli import check
-from loraflow.config import load_config
+from loraflow.config import ConfigError, load_config
 from loraflow.ops.bucket_plan import plan_buckets
 from loraflow.pipelines import get_family, plan_family
 from tests.conftest import demo_dict, write_config
@@ -35,7 +36,7 @@ def nabla_model(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
 
 def sizes(model: Path, demo_data: Path, root: Path) -> tuple[Path, set[tuple[int, int]]]:
     """The config file and the planned (height, width) of every bucket of the demo videos at resolution 128."""
-    data = demo_dict(model, demo_data, root)
+    data = demo_dict(model, demo_data, root, validation_resolution="256x128")
     data["datasets"][0].update(resolution=128, minimum_image_size=0)
     path = write_config(root / f"{model.name}.yaml", data)
     config = load_config(path)
@@ -66,5 +67,9 @@ def test_nabla_buckets_are_the_sizes_nabla_runs_at(nabla_model: Path, tiny_k5: P
     with pytest.raises(RuntimeError, match="shape"):  # NABLA's 8x8-patch block reshape
         velocity(*off[0])
 
+    with pytest.raises(ConfigError, match=r"`validation_resolution` 96x64: kandinsky5-video needs multiples of 128 "
+                                          r"\(VAE x patch x NABLA's 8-patch blocks\); use 128x128"):
+        load_config(write_config(tmp_path / "val.yaml", {**yaml.safe_load(config_path.read_text()),
+                                                         "validation_resolution": "96x64"}))
     assert check(str(config_path), estimate=False) == 0
     assert "bucket sides are multiples of 128 px, 16 (VAE x patch) x 8" in capsys.readouterr().out
