@@ -102,6 +102,7 @@ def check(config_path: str, estimate: bool = True) -> int:
     """Validate the config (every problem at once), say where each model component is and what a run would
     download, then plan buckets without loading a model."""
     from loraflow.stages.clips.bucket_plan import human_bytes, plan_buckets
+    from loraflow.pipelines import nabla_note
     from loraflow.pipelines import plan_family
 
     config = load_config(config_path)
@@ -117,6 +118,8 @@ def check(config_path: str, estimate: bool = True) -> int:
     rows = [(b.dataset, b.bucket, b.clips, human_bytes(b.frames_bytes), human_bytes(b.latent_bytes))
             for b in plan.buckets]
     print("\nbucket plan (WIDTHxHEIGHT@FRAMES; bytes of stored uint8 frames and float32 latents):")
+    if note := nabla_note(family, source or config.pretrained_model_name_or_path):
+        print(f"  {note}")
     print(table(rows, ("dataset", "bucket", "clips", "frames", "latents")) if rows else "  no clips")
     latent_total = None if geometry is None else sum(b.latent_bytes or 0 for b in plan.buckets)
     print(f"  total: {sum(b.clips for b in plan.buckets)} clip(s) in {len(plan.buckets)} bucket(s), frames "

@@ -174,6 +174,16 @@ class LoraflowConfig(GuideFeatures):
     # the numbers: changing them resumes the same training run.
     gradient_checkpointing: bool = setting(
         False, run_key="never", description="recompute block activations in backward (less memory)")
+    gradient_checkpointing_interval: int = setting(
+        1, run_key="never", ge=1, description="with gradient_checkpointing: checkpoint every N-th block of each block "
+        "list (0, N, 2N, ...), the others keep their activations (faster, more memory; SimpleTuner's name)")
+    gradient_checkpointing_cpu_offload: bool = setting(
+        False, run_key="never", description="with gradient_checkpointing: keep the inputs each checkpointed block "
+        "saves for its recompute on the CPU (musubi-tuner's name; the same numbers, less GPU memory, more transfers)")
+    dynamo_use_regional_compilation: bool = setting(
+        False, run_key="when_set", description="torch.compile each of the transformer's repeated blocks (diffusers' "
+        "compile_repeated_blocks; SimpleTuner's name): faster steps after a compile of minutes; the numbers differ "
+        "from eager by float rounding (fused kernels sum in another order), so it is part of the run key")
     enable_group_offload: bool = setting(
         False, run_key="never", description="keep transformer blocks on the CPU, each moved to the GPU only for its "
         "forward (diffusers group offloading); LoRA stays on the GPU")
@@ -344,6 +354,15 @@ class LoraflowConfig(GuideFeatures):
             if paired is not None and _nested(paired.instance_data_dir, d.instance_data_dir):
                 raise ValueError(f"dataset '{d.id}': its source images ({paired.instance_data_dir}) and its images "
                                  f"({d.instance_data_dir}) must be separate folders, neither inside the other")
+        return self
+
+    @model_validator(mode="after")
+    def _checkpointing_switches(self) -> LoraflowConfig:
+        used = [k for k, off in (("gradient_checkpointing_interval", 1), ("gradient_checkpointing_cpu_offload", False))
+                if getattr(self, k) != off]
+        if used and not self.gradient_checkpointing:
+            raise ValueError(f"`{used[0]}` changes how gradient checkpointing runs, which is off: set "
+                             "gradient_checkpointing: true, or remove it")
         return self
 
     @model_validator(mode="after")

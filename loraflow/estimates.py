@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loraflow.kernels.checkpointing import enable_checkpointing
 from loraflow.kernels.fake_tensors import NotFakeable, fake_model, measured_step, meta_model, tensor_bytes
 
 if TYPE_CHECKING:
@@ -174,8 +175,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     transformer, lora, stored = _transformer(config, family, transformer_config, mode, config.base_model_precision)
     for p in lora:
         p.requires_grad_(True)
-    if config.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+    enable_checkpointing(transformer, config)
     transformer.train()
     autocast = uses_autocast(config, torch.device(device_type))
     step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, train=True,

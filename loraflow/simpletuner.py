@@ -55,6 +55,9 @@ OPTIMIZERS = typing.get_args(LoraflowConfig.model_fields["optimizer"].annotation
 REPORT_TO = typing.get_args(LoraflowConfig.model_fields["report_to"].annotation)
 # SimpleTuner's rollout samplers -> loraflow's (Euler only: kernels/scheduled_sampling.py)
 ROLLOUT_SAMPLERS = {"euler": "euler", "unipc": "euler"}
+# musubi-tuner's block swap (SimpleTuner's name, musubi's own): the last N blocks live on the CPU, each moved to the GPU
+# for its forward and backward; loraflow's one mechanism for it is diffusers' group offloading
+BLOCK_SWAP = ("musubi_blocks_to_swap", "blocks_to_swap")
 
 
 @dataclass
@@ -130,6 +133,8 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
         elif key == "text_encoder_1_precision" and value not in TEXT_PRECISION_NAMES:
             out.skip(key, value, "the first text encoder runs in fp32, bf16 or int8-torchao (int8 weight-only); "
                                  "other quantisations are not supported")
+        elif key in BLOCK_SWAP:
+            _block_swap(key, value, out)
         elif key in ("resolution", "resolution_type"):
             continue  # dataset defaults, applied below
         elif key in shared:
@@ -140,6 +145,17 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
     if "resolution" in settings and not any("resolution" not in b for b in backends if _is_media(b)):
         out.skip("resolution", settings["resolution"], "every dataset sets its own resolution")
     return out
+
+
+def _block_swap(key: str, value: Any, out: Imported) -> None:
+    """musubi-tuner's block swap as loraflow's group offload (`BLOCK_SWAP`); 0 is off."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        out.skip(key, value, "the number of transformer blocks to swap, 0 or more")
+    elif value:
+        out.config.update(enable_group_offload=True, group_offload_type="block_level", group_offload_blocks_per_group=1)
+        out.notes.append(f"{key} {value} became enable_group_offload (block_level, one block per group): every "
+                         f"block waits on the CPU, not only the last {value}, so the GPU holds less and each step "
+                         "moves more; group_offload_use_stream: true overlaps the moves on CUDA")
 
 
 def _backends_from(settings: dict[str, Any], base_dir: Path | None, out: Imported) -> list[dict[str, Any]]:

@@ -336,3 +336,22 @@ def test_the_guides_training_features_import_under_their_names() -> None:
     assert (config.crepa_block_index, config.optimizer, config.report_to) == (8, "adamw_bf16", "wandb")
     other = import_simpletuner({"model_family": "kandinsky5-video", "optimizer": "prodigy"}, [])
     assert other.unmapped[0][:2] == ("optimizer", "prodigy") and "adamw_bf16" in other.unmapped[0][2]
+
+
+def test_the_peers_memory_switches_import_onto_loraflows() -> None:
+    """SimpleTuner's interval and regional compile keep their names, musubi-tuner's activation offload too; block
+    swap (SimpleTuner's musubi_blocks_to_swap, musubi's blocks_to_swap) becomes group offload, 0 stays off."""
+    guide = {"model_family": "kandinsky5-video", "gradient_checkpointing": True, "gradient_checkpointing_interval": 2,
+             "gradient_checkpointing_cpu_offload": True, "dynamo_use_regional_compilation": True,
+             "musubi_blocks_to_swap": 8}
+    imported = import_simpletuner(guide, K5_IMAGE_BACKEND)
+    assert imported.unmapped == []
+    config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m",
+                                            "output_dir": "o"})
+    assert (config.gradient_checkpointing_interval, config.gradient_checkpointing_cpu_offload,
+            config.dynamo_use_regional_compilation) == (2, True, True)
+    assert (config.enable_group_offload, config.group_offload_type, config.group_offload_blocks_per_group) == (
+        True, "block_level", 1)
+    assert any("musubi_blocks_to_swap 8 became enable_group_offload" in note for note in imported.notes)
+    assert "enable_group_offload" not in import_simpletuner({"blocks_to_swap": 0}, []).config
+    assert import_simpletuner({"blocks_to_swap": -1}, []).unmapped[0][:2] == ("blocks_to_swap", -1)

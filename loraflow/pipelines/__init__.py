@@ -8,7 +8,9 @@ builder live in `SPEC.module`, imported only when a stage needs them. docs/famil
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -113,10 +115,12 @@ class FamilyPlan:
         """Why validation cannot render at (height, width) ("" when it can, or cannot tell yet): a size off the
         spatial multiple, or one the flavour's pipeline would silently replace by its own (`FamilySpec.render_size`;
         `model` None: no checkpoint to ask yet)."""
-        multiple, asked = self.spatial_multiple, f"`validation_resolution` {width}x{height}"
+        multiple = bucket_multiple(self, model) if model else self.spatial_multiple  # no model: cannot tell NABLA
+        asked = f"`validation_resolution` {width}x{height}"
         if height % multiple or width % multiple:
             near = f"{nearest_multiple(width, multiple)}x{nearest_multiple(height, multiple)}"
-            return f"{asked}: {self.name} needs multiples of {multiple} (VAE x patch); use {near}"
+            why = "VAE x patch" + ("" if multiple == self.spatial_multiple else " x NABLA's 8-patch blocks")
+            return f"{asked}: {self.name} needs multiples of {multiple} ({why}); use {near}"
         rendered = model and self.spec.render_size and self.spec.render_size(self.flavour, model, height, width)
         if rendered and rendered != (height, width):
             return (f"{asked}: {self.name} {self.flavour.name} renders at its size bucket {rendered[1]}x{rendered[0]} "
@@ -134,3 +138,43 @@ def plan_family(config: FamilyChoice) -> FamilyPlan:
     """The planning side of a config's family, bound to its flavour; imports no model code."""
     spec = family_spec(config.model_family)
     return FamilyPlan(spec, spec.flavour(config.model_flavour))
+
+
+# Bucket sizes a NABLA checkpoint can train.
+#
+# diffusers' Kandinsky 5 transformer groups the visual tokens of each latent frame into blocks of 8 x 8 patches
+# (`fractal_flatten`, pixel_size 8), the 64-token blocks of NABLA's flex-attention BlockMask, and the pipeline's STA
+# mask counts H // 8 x W // 8 blocks of the patch grid (`get_sparse_params`): a patch grid that 8 does not divide fails
+# in a reshape, in training as in rendering. musubi-tuner resizes cached latents to fit (`--nabla_resize`); loraflow
+# sizes the buckets before anything is cached, so the frames are cropped once, at the size trained: both sides a
+# multiple of the family's (VAE x patch) times 8. No torch: planning reads only config.json.
+NABLA_BLOCK = 8  # patches per block side (diffusers' fractal_flatten)
+
+
+@cache
+def uses_nabla(model: ModelSource | str | Path, flavour: str) -> bool:
+    """Whether the checkpoint's transformer attends with NABLA: its config.json on disk, else (not downloaded yet)
+    the flavour's released config, which the download will bring."""
+    from loraflow.pipelines.sources import as_source
+
+    path = as_source(model).folder("transformer") / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text()).get("attention_type") == "nabla"
+    from loraflow.pipelines.released import FLAVOURS, released_config
+
+    return flavour in FLAVOURS and released_config(flavour, "transformer").get("attention_type") == "nabla"
+
+
+def bucket_multiple(family: FamilyPlan | ModelFamily, model: ModelSource | str | Path) -> int:
+    """The pixel multiple of bucket sides: the family's, times NABLA's block side for a NABLA checkpoint."""
+    return family.spatial_multiple * (NABLA_BLOCK if uses_nabla(model, family.flavour.name) else 1)
+
+
+def nabla_note(family: FamilyPlan | ModelFamily, model: ModelSource | str | Path) -> str:
+    """`loraflow check`'s line on why the buckets are sized as they are ("" for a checkpoint without NABLA)."""
+    multiple = bucket_multiple(family, model)
+    if multiple == family.spatial_multiple:
+        return ""
+    return (f"NABLA attention (this checkpoint's transformer): bucket sides are multiples of {multiple} px, "
+            f"{family.spatial_multiple} (VAE x patch) x {NABLA_BLOCK} (NABLA's {NABLA_BLOCK}x{NABLA_BLOCK}-patch "
+            f"blocks); a `resolution` off it is rounded to the nearest")

@@ -36,6 +36,7 @@ from loraflow.config import LoraflowConfig
 from loraflow.dataset_config import run_key_settings
 from loraflow.keys import content_key, data_version, tensors_fingerprint
 from loraflow.kernels.adamw_bf16 import AdamWBF16
+from loraflow.kernels.checkpointing import enable_checkpointing
 from loraflow.kernels.flow_matching import lr_at
 from loraflow.kernels.scheduled_sampling import roll_out
 from loraflow.kernels.tread import resolve_routes, tread_routing
@@ -146,8 +147,9 @@ def prepare_transformer(transformer: torch.nn.Module, config: LoraflowConfig,
                              "tread_config for this checkpoint")
         resolve_routes(config.tread_config.routes, len(getattr(transformer, family.tread_layout.blocks)))
     params = add_lora(transformer, config, family)
-    if config.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
+    enable_checkpointing(transformer, config)
+    if config.dynamo_use_regional_compilation:
+        transformer.compile_repeated_blocks()  # one compile per block class, reused by its copies
     return transformer, params
 
 

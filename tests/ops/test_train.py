@@ -280,11 +280,14 @@ def loss_and_grads(config: LoraflowConfig, batch: D.MicroBatch) -> tuple[float, 
     {"gradient_checkpointing": True},
     {"enable_group_offload": True, "group_offload_type": "block_level"},
     {"enable_group_offload": True, "group_offload_type": "leaf_level", "gradient_checkpointing": True},
-], ids=["checkpointing", "block-offload", "leaf-offload+checkpointing"])
+    {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2, "gradient_checkpointing_cpu_offload": True},
+], ids=["checkpointing", "block-offload", "leaf-offload+checkpointing", "interval+activation-offload"])
 def test_memory_features_change_no_number(caches: dict[str, Path], tmp_path: Path, memory: dict) -> None:
     """Bit for bit, by construction: checkpointing recomputes each block's forward with the same ops on the same
     shapes, and backward still visits the blocks in reverse order, so every gradient adds the same terms in the same
-    order; group offloading on the CPU moves weights from the CPU to the CPU."""
+    order; group offloading on the CPU moves weights from the CPU to the CPU; interval checkpointing runs the blocks
+    it does not checkpoint as without checkpointing, and activation offload's CPU copies are exact (kernels/
+    checkpointing.py; tests/kernels/test_checkpointing.py shows what each does)."""
     plain = make_config(caches, tmp_path / "plain")
     batch = fixed_batch(plain)
     loss, grads = loss_and_grads(plain, batch)

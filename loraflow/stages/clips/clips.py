@@ -35,6 +35,7 @@ from loraflow.stages.clips.dataset_folder import list_folder, printable, touch
 from loraflow.media.frames import decode_frames, probe
 from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
 from loraflow.contracts.reports import ClipsReport, DropReason, DroppedFile
+from loraflow.pipelines import bucket_multiple
 from loraflow.pipelines.sources import ModelSource, model_source
 from loraflow.store import Store
 
@@ -101,7 +102,7 @@ def plan_clips(
     is_image = info.is_image or dataset.dataset_type == "image"
     _check_aspect(path, info, dataset)
     clips = [[0]] if is_image else _video_clips(path, info, dataset, video.frame_rate or family.flavour.fps)
-    height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, family.spatial_multiple,
+    height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, bucket_multiple(family, model),
                                         dataset.resolution_type, dataset.crop_aspect, dataset.crop_aspect_buckets)
     problem = family.size_problem(model, height, width)
     if problem:  # the bucket, whatever the source: the config's problem, said first

@@ -1,0 +1,58 @@
+"""Gradient checkpointing as the peers' memory switches shape it, through diffusers' own hook: the function a model's
+block loop calls for each block (`enable_gradient_checkpointing(gradient_checkpointing_func)`).
+
+- `gradient_checkpointing_interval` N (SimpleTuner's name): the blocks at positions 0, N, 2N, ... of each block list
+  are checkpointed, the others keep their activations (faster backward, more memory).
+- `gradient_checkpointing_cpu_offload` (musubi-tuner's name): the inputs a checkpointed block keeps for its
+  recompute (the only activations checkpointing keeps) are held on the CPU and brought back for the recompute.
+
+Both change no number: a block computes the same ops on the same values either way, and a CPU copy is exact.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from loraflow.config import LoraflowConfig
+
+
+def enable_checkpointing(transformer: torch.nn.Module, config: LoraflowConfig) -> None:
+    """Turn on the configured checkpointing in a diffusers transformer (ops/train.py, and the estimates' fake step)."""
+    if not config.gradient_checkpointing:
+        return
+    interval, offload = config.gradient_checkpointing_interval, config.gradient_checkpointing_cpu_offload
+    if interval == 1 and not offload:
+        transformer.enable_gradient_checkpointing()  # plain checkpointing: diffusers' own function
+        return
+    import torch
+
+    positions = {id(block): i for blocks in transformer.modules() if isinstance(blocks, torch.nn.ModuleList)
+                 for i, block in enumerate(blocks)}
+
+    def run_block(block: torch.nn.Module, *args: Any) -> Any:
+        if positions.get(id(block), 0) % interval:
+            return block(*args)
+        return checkpoint(block, args, offload)
+
+    transformer.enable_gradient_checkpointing(run_block)
+
+
+def checkpoint(block: torch.nn.Module, args: tuple, offload: bool) -> Any:
+    """`block(*args)` under torch's non-reentrant checkpoint (as diffusers calls it); with `offload`, its tensor
+    arguments are handed to the checkpoint as CPU copies, which is all it keeps, and moved back inside the recompute.
+    The copy's autograd node keeps no tensor, so the accelerator copy is freed once the block loop moves on."""
+    import torch
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    if not offload:
+        return torch_checkpoint(block, *args, use_reentrant=False)
+    devices = [a.device if torch.is_tensor(a) else None for a in args]
+    held = [a if d is None else a.to("cpu") for a, d in zip(args, devices)]
+
+    def on_device(*kept: Any) -> Any:
+        return block(*(k if d is None else k.to(d) for k, d in zip(kept, devices)))
+
+    return torch_checkpoint(on_device, *held, use_reentrant=False)

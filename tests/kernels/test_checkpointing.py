@@ -1,0 +1,79 @@
+"""What the checkpointing switches do (kernels/checkpointing.py); that they change no number is
+tests/ops/test_train.py::test_memory_features_change_no_number.
+
+Interval: the tiny Kandinsky 5 Video transformer (real from_pretrained, prepared by `ops.train.load_transformer`)
+counts each block's forward calls over one forward + backward: a checkpointed block runs twice (the recompute).
+Activation offload cannot be seen on the CPU (its copies go from the CPU to the CPU): only its numbers are tested.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraflow import estimates
+from loraflow.config import ConfigError, LoraflowConfig, load_config
+from loraflow.stages.clips.buckets import latent_geometry
+from loraflow.training.loop import load_transformer
+from loraflow.pipelines import get_family
+from tests.conftest import demo_dict, write_config
+
+CPU = torch.device("cpu")
+
+
+def config_for(tiny_k5: Path, demo_data: Path, root: Path, **overrides: object) -> LoraflowConfig:
+    return load_config(write_config(root / "config.yaml", demo_dict(tiny_k5, demo_data, root, **overrides)))
+
+
+def forward_calls(config: LoraflowConfig) -> list[int]:
+    """Forward calls of each visual block over one training forward + backward (pre-hooks: the recompute stops
+    early, once it has what backward needs, so a forward hook would miss it)."""
+    family = get_family(config)
+    transformer, _ = load_transformer(config, family, CPU)
+    transformer.train()
+    blocks = transformer.visual_transformer_blocks
+    calls = [0] * len(blocks)
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    transformer_config = json.loads((Path(config.pretrained_model_name_or_path) / "transformer" /
+                                     "config.json").read_text())
+    text = family.collate_text([family.example_text_row(transformer_config, 5)], CPU)
+    noisy = torch.randn(1, 16, 2, 16, 16, generator=torch.Generator().manual_seed(0))
+    family.velocity(transformer, noisy, torch.tensor([0.5]), text).square().mean().backward()
+    return calls
+
+
+def test_interval_recomputes_every_nth_block_only(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    plain = forward_calls(config_for(tiny_k5, demo_data, tmp_path, gradient_checkpointing=True))
+    assert len(plain) >= 2 and plain == [2] * len(plain)  # every block recomputed
+    every_second = forward_calls(config_for(tiny_k5, demo_data, tmp_path, gradient_checkpointing=True,
+                                            gradient_checkpointing_interval=2))
+    assert every_second == [2 if i % 2 == 0 else 1 for i in range(len(plain))]
+
+
+def test_the_estimate_counts_the_interval(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    """`loraflow check`'s fake step of the tiny config with 4 visual blocks (fake tensors need no weights; with the
+    tiny model's 2, every-2nd-block checkpointing peaks exactly as plain checkpointing does, at one block's
+    activations): every-2nd-block keeps blocks 1 and 3's activations, so it holds more than plain checkpointing,
+    and recomputes fewer forwards."""
+    family = get_family(config_for(tiny_k5, demo_data, tmp_path))
+    latent = latent_geometry(tiny_k5, family).shape(17, 64, 96)
+    transformer_config = {**json.loads((tiny_k5 / "transformer" / "config.json").read_text()), "num_visual_blocks": 4}
+
+    def step(**switches: object) -> estimates.StageEstimate:
+        config = config_for(tiny_k5, demo_data, tmp_path, **switches)
+        return estimates.training_step(config, family, transformer_config, latent, device_type="cuda")
+
+    plain = step(gradient_checkpointing=True)
+    interval = step(gradient_checkpointing=True, gradient_checkpointing_interval=2)
+    assert interval.parts["activations"] > 1.2 * plain.parts["activations"]
+    assert interval.tflop < plain.tflop  # the recomputed forwards are counted
+
+
+def test_switches_need_checkpointing_on(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="`gradient_checkpointing_cpu_offload` changes how gradient checkpointing "
+                                          "runs, which is off: set gradient_checkpointing: true"):
+        config_for(tiny_k5, demo_data, tmp_path, gradient_checkpointing_cpu_offload=True)
