@@ -127,7 +127,9 @@ class LoraflowConfig(GuideFeatures):
     validation_flow_shift: float | None = setting(
         None, run_key="never", gt=0, description="the sigma shift of validation renders; default: the checkpoint's "
         "scheduler config (scheduler/scheduler_config.json `shift`), else the flavour's")
-    validation_num_inference_steps: int = setting(30, run_key="never", ge=1)
+    validation_num_inference_steps: int | None = setting(
+        None, run_key="never", ge=1, description="default: the flavour's (its release's for the distilled flavours, "
+        "else 30)")
     user_prompt_library: dict[str, str] | None = setting(
         None, run_key="never", description="more validation prompts {shortname: prompt}: inline, or a JSON file "
         "(relative to the config)")
