@@ -336,3 +336,27 @@ def test_the_guides_training_features_import_under_their_names() -> None:
     assert (config.crepa_block_index, config.optimizer, config.report_to) == (8, "adamw_bf16", "wandb")
     other = import_simpletuner({"model_family": "kandinsky5-video", "optimizer": "prodigy"}, [])
     assert other.unmapped[0][:2] == ("optimizer", "prodigy") and "adamw_bf16" in other.unmapped[0][2]
+
+
+# The peers' names for issue 33's releases -> loraflow's flavour: musubi-tuner's `--task` (kandinsky5/configs.py)
+# and SimpleTuner's hunyuanvideo flavours (helpers/models/hunyuanvideo/model.py), which are loraflow's own.
+PEER_NAMES = [
+    ("kandinsky5-video", "k5-lite-t2v-5s-distil-sd", "t2v-lite-distilled16steps-5s"),
+    ("kandinsky5-video", "k5-lite-t2v-10s-distil-sd", "t2v-lite-distilled16steps-10s"),
+    ("kandinsky5-video", "k5-lite-t2v-5s-nocfg-sd", "t2v-lite-nocfg-5s"),
+    ("kandinsky5-video", "k5-lite-t2v-10s-nocfg-sd", "t2v-lite-nocfg-10s"),
+    ("kandinsky5-video", "k5-lite-t2v-5s-sd", "t2v-lite-sft-5s"),
+    ("kandinsky5-video", "k5-lite-i2v-5s-sd", "i2v-lite-5s"),
+    ("hunyuanvideo", "t2v-480p-distilled", "t2v-480p-distilled"),
+    ("hunyuanvideo", "i2v-480p-distilled", "i2v-480p-distilled"),
+    ("hunyuanvideo", "i2v-720p-distilled", "i2v-720p-distilled"),
+]
+
+
+@pytest.mark.parametrize("family, peer, flavour", PEER_NAMES, ids=[p[1] for p in PEER_NAMES])
+def test_the_peers_flavour_names_import_as_loraflows(family: str, peer: str, flavour: str) -> None:
+    imported = import_simpletuner({"model_family": family, "model_flavour": peer}, HV_BACKEND)
+    assert imported.config["model_flavour"] == flavour
+    assert (peer != flavour) == any("musubi-tuner" in note for note in imported.notes)
+    config = LoraflowConfig.model_validate({**imported.config, "output_dir": "o"})  # the flavour's repository
+    assert config.flavour.name == flavour and config.pretrained_model_name_or_path == config.flavour.repo
