@@ -101,6 +101,10 @@ class LoraflowConfig(GuideFeatures):
     lora_format: Literal["diffusers", "comfyui"] = setting(
         "diffusers", run_key="never", description="diffusers: the diffusers/peft file only (what validation loads); "
         "comfyui: also a ComfyUI file (diffusion_model.* names, lora_up/lora_down, alpha) beside it")
+    # Tencent-Hunyuan/HunyuanVideo-1.5 train.py's `i2v_prob` (its default 0.3); unset keeps runs from before it
+    i2v_prob: float | None = setting(
+        None, run_key="when_set", ge=0, le=1, description="HunyuanVideo 1.5 i2v flavours: train each micro-batch "
+        "as i2v with this probability, else as t2v (no image; the i2v cache serves both); unset: always i2v")
     caption_dropout_probability: float = setting(
         0.0, run_key="always", ge=0, le=1, description="train on the empty prompt this often")
     flow_sigma_sampling: Literal["sigmoid", "logit_normal", "uniform"] = setting("sigmoid", run_key="always")
@@ -319,6 +323,14 @@ class LoraflowConfig(GuideFeatures):
                                  "first frame; single images have none: use `dataset_type: video` with "
                                  "`video.num_frames` of 5 or more (or make it `eval_dataset_id` with "
                                  "`validation_using_datasets: true`: images to render validation from)")
+        return self
+
+    @model_validator(mode="after")
+    def _mixed_tasks(self) -> LoraflowConfig:
+        flavour = family_flavour(self.model_family, self.model_flavour)
+        if self.i2v_prob is not None and not flavour.image_in_condition_only:
+            raise ValueError(f"`i2v_prob`: flavour '{flavour.name}' cannot train batches as t2v (only the "
+                             "HunyuanVideo 1.5 i2v flavours, whose image is a condition input): remove it")
         return self
 
     @model_validator(mode="after")

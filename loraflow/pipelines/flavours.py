@@ -70,6 +70,12 @@ class Flavour:
         return self.task == "i2v"
 
     @property
+    def image_in_condition_only(self) -> bool:
+        """i2v given its image only through condition inputs that a t2v call leaves zero (HunyuanVideo 1.5: no
+        clean latent frame), so one run can train batches of both tasks (`i2v_prob`)."""
+        return self.image_is_first_frame and not self.conditioning_frames
+
+    @property
     def edits_image(self) -> bool:
         """i2i: each training image is an edit of a source image from another dataset (`conditioning_data`)."""
         return self.task == "i2i"

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, compute_dtype, load_pipeline, lora_file_header, scaled_posterior, set_lora_scale,
+    AS_T2V, RenderSettings, TextRow, compute_dtype, load_pipeline, lora_file_header, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
@@ -277,11 +277,11 @@ class HunyuanVideo15:
     def _condition(
         self, transformer: torch.nn.Module, noisy: torch.Tensor, text: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cond, mask, image_embeds) for the flavour's task."""
+        """(cond, mask, image_embeds) for the flavour's task; t2v's for a batch an i2v run trains as t2v (`AS_T2V`)."""
         batch, _, frames, height, width = noisy.shape
         cond = torch.zeros_like(noisy)
         mask = torch.zeros(batch, 1, frames, height, width, dtype=noisy.dtype, device=noisy.device)
-        if not self.flavour.image_is_first_frame:
+        if not self.flavour.image_is_first_frame or AS_T2V in text:
             image_embeds = torch.zeros(batch, IMAGE_TOKENS, transformer.config.image_embed_dim, device=noisy.device)
             return cond, mask, image_embeds
         if "image_latent" not in text or "image_embeds" not in text:
