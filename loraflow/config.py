@@ -18,7 +18,9 @@ from pydantic import ValidationError, ValidationInfo, field_validator, model_val
 from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
 from loraflow.config_errors import describe
 from loraflow.guide_features import GuideFeatures
-from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
+from loraflow.pipelines import (
+    describe_families, family_flavour, family_names, family_spec, flavour_names, known_flavour,
+)
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
@@ -267,7 +269,9 @@ class LoraflowConfig(GuideFeatures):
         if v is None or family not in family_names():
             return v
         if v not in flavour_names(family):
-            raise ValueError(_unknown("model_flavour", v, flavour_names(family)))
+            peer = family_spec(family).peer_flavour(v)
+            raise ValueError(f"`model_flavour` {v!r} is musubi-tuner's name for {peer!r}: write that" if peer
+                             else _unknown("model_flavour", v, flavour_names(family)))
         return v
 
     @field_validator("datasets")

@@ -360,3 +360,6 @@ def test_the_peers_flavour_names_import_as_loraflows(family: str, peer: str, fla
     assert (peer != flavour) == any("musubi-tuner" in note for note in imported.notes)
     config = LoraflowConfig.model_validate({**imported.config, "output_dir": "o"})  # the flavour's repository
     assert config.flavour.name == flavour and config.pretrained_model_name_or_path == config.flavour.repo
+    if peer != flavour:  # written straight into a loraflow config, the peer's name is refused with loraflow's
+        with pytest.raises(ValueError, match=f"musubi-tuner's name for '{flavour}'"):
+            LoraflowConfig.model_validate({**imported.config, "model_flavour": peer, "output_dir": "o"})
