@@ -18,7 +18,9 @@ from pydantic import ValidationError, ValidationInfo, field_validator, model_val
 from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
 from loraflow.config_errors import describe
 from loraflow.guide_features import GuideFeatures
-from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
+from loraflow.pipelines import (
+    describe_families, family_flavour, family_names, family_spec, flavour_names, known_flavour,
+)
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
@@ -101,6 +103,10 @@ class LoraflowConfig(GuideFeatures):
     lora_format: Literal["diffusers", "comfyui"] = setting(
         "diffusers", run_key="never", description="diffusers: the diffusers/peft file only (what validation loads); "
         "comfyui: also a ComfyUI file (diffusion_model.* names, lora_up/lora_down, alpha) beside it")
+    # Tencent-Hunyuan/HunyuanVideo-1.5 train.py's `i2v_prob` (its default 0.3); unset keeps runs from before it
+    i2v_prob: float | None = setting(
+        None, run_key="when_set", ge=0, le=1, description="HunyuanVideo 1.5 i2v flavours: train each micro-batch "
+        "as i2v with this probability, else as t2v (no image; the i2v cache serves both); unset: always i2v")
     caption_dropout_probability: float = setting(
         0.0, run_key="always", ge=0, le=1, description="train on the empty prompt this often")
     flow_sigma_sampling: Literal["sigmoid", "logit_normal", "uniform"] = setting("sigmoid", run_key="always")
@@ -127,7 +133,9 @@ class LoraflowConfig(GuideFeatures):
     validation_flow_shift: float | None = setting(
         None, run_key="never", gt=0, description="the sigma shift of validation renders; default: the checkpoint's "
         "scheduler config (scheduler/scheduler_config.json `shift`), else the flavour's")
-    validation_num_inference_steps: int = setting(30, run_key="never", ge=1)
+    validation_num_inference_steps: int | None = setting(
+        None, run_key="never", ge=1, description="default: the flavour's (its release's for the distilled flavours, "
+        "else 30)")
     user_prompt_library: dict[str, str] | None = setting(
         None, run_key="never", description="more validation prompts {shortname: prompt}: inline, or a JSON file "
         "(relative to the config)")
@@ -271,7 +279,9 @@ class LoraflowConfig(GuideFeatures):
         if v is None or family not in family_names():
             return v
         if v not in flavour_names(family):
-            raise ValueError(_unknown("model_flavour", v, flavour_names(family)))
+            peer = family_spec(family).peer_flavour(v)
+            raise ValueError(f"`model_flavour` {v!r} is musubi-tuner's name for {peer!r}: write that" if peer
+                             else _unknown("model_flavour", v, flavour_names(family)))
         return v
 
     @field_validator("datasets")
@@ -327,6 +337,14 @@ class LoraflowConfig(GuideFeatures):
                                  "first frame; single images have none: use `dataset_type: video` with "
                                  "`video.num_frames` of 5 or more (or make it `eval_dataset_id` with "
                                  "`validation_using_datasets: true`: images to render validation from)")
+        return self
+
+    @model_validator(mode="after")
+    def _mixed_tasks(self) -> LoraflowConfig:
+        flavour = family_flavour(self.model_family, self.model_flavour)
+        if self.i2v_prob is not None and not flavour.image_in_condition_only:
+            raise ValueError(f"`i2v_prob`: flavour '{flavour.name}' cannot train batches as t2v (only the "
+                             "HunyuanVideo 1.5 i2v flavours, whose image is a condition input): remove it")
         return self
 
     @model_validator(mode="after")

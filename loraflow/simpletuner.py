@@ -1,8 +1,9 @@
 """Import a SimpleTuner configuration (config.json + multidatabackend.json) as a loraflow config.
 
 Keys loraflow shares with SimpleTuner (the seed guides' vocabulary) are copied; a few are translated
-(`hunyuanvideo` -> `hunyuanvideo-1.5`, `--flag` spellings, `crop` + `crop_style`/`crop_aspect`, a bare validation
-resolution, `area` megapixels, a guide's repository that is not in the diffusers layout); everything else is
+(`hunyuanvideo` -> `hunyuanvideo-1.5`, musubi-tuner's task names as `model_flavour`, `--flag` spellings, `crop` +
+`crop_style`/`crop_aspect`, a bare validation resolution, `area` megapixels, a guide's repository that is not in the
+diffusers layout); everything else is
 reported, key by key, with the reason, and written as comments at the top of the output so nothing disappears
 silently. The result is validated like any config.
 """
@@ -95,6 +96,9 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
     for key, value in settings.items():
         if key == "model_family":
             out.config[key] = _family(value, out)
+        elif key == "model_flavour" and (flavour := _peer_flavour(value, settings)):
+            out.config[key] = flavour
+            out.notes.append(f"model_flavour {value!r} (musubi-tuner's task name) became {flavour!r}")
         elif key == "pretrained_model_name_or_path" and value in NOT_DIFFUSERS:
             out.config[key] = _diffusers_repo(value, settings, out)
         elif key == "validation_resolution":
@@ -186,6 +190,12 @@ def _family(value: str, out: Imported) -> str:
         out.notes.append(f"model_family {value!r} is not one loraflow imports (known: {', '.join(families)})")
         return value
     return families[value]
+
+
+def _peer_flavour(value: Any, settings: dict[str, Any]) -> str | None:
+    """loraflow's name for a flavour another trainer names `value` (`Flavour.peer_names`), else None."""
+    family = simpletuner_families().get(settings.get("model_family", ""))
+    return family_spec(family).peer_flavour(str(value)) if family else None
 
 
 def _diffusers_repo(value: str, settings: dict[str, Any], out: Imported) -> str:

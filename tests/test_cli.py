@@ -355,3 +355,30 @@ def test_the_peers_memory_switches_import_onto_loraflows() -> None:
     assert any("musubi_blocks_to_swap 8 became enable_group_offload" in note for note in imported.notes)
     assert "enable_group_offload" not in import_simpletuner({"blocks_to_swap": 0}, []).config
     assert import_simpletuner({"blocks_to_swap": -1}, []).unmapped[0][:2] == ("blocks_to_swap", -1)
+
+
+# The peers' names for issue 33's releases -> loraflow's flavour: musubi-tuner's `--task` (kandinsky5/configs.py)
+# and SimpleTuner's hunyuanvideo flavours (helpers/models/hunyuanvideo/model.py), which are loraflow's own.
+PEER_NAMES = [
+    ("kandinsky5-video", "k5-lite-t2v-5s-distil-sd", "t2v-lite-distilled16steps-5s"),
+    ("kandinsky5-video", "k5-lite-t2v-10s-distil-sd", "t2v-lite-distilled16steps-10s"),
+    ("kandinsky5-video", "k5-lite-t2v-5s-nocfg-sd", "t2v-lite-nocfg-5s"),
+    ("kandinsky5-video", "k5-lite-t2v-10s-nocfg-sd", "t2v-lite-nocfg-10s"),
+    ("kandinsky5-video", "k5-lite-t2v-5s-sd", "t2v-lite-sft-5s"),
+    ("kandinsky5-video", "k5-lite-i2v-5s-sd", "i2v-lite-5s"),
+    ("hunyuanvideo", "t2v-480p-distilled", "t2v-480p-distilled"),
+    ("hunyuanvideo", "i2v-480p-distilled", "i2v-480p-distilled"),
+    ("hunyuanvideo", "i2v-720p-distilled", "i2v-720p-distilled"),
+]
+
+
+@pytest.mark.parametrize("family, peer, flavour", PEER_NAMES, ids=[p[1] for p in PEER_NAMES])
+def test_the_peers_flavour_names_import_as_loraflows(family: str, peer: str, flavour: str) -> None:
+    imported = import_simpletuner({"model_family": family, "model_flavour": peer}, HV_BACKEND)
+    assert imported.config["model_flavour"] == flavour
+    assert (peer != flavour) == any("musubi-tuner" in note for note in imported.notes)
+    config = LoraflowConfig.model_validate({**imported.config, "output_dir": "o"})  # the flavour's repository
+    assert config.flavour.name == flavour and config.pretrained_model_name_or_path == config.flavour.repo
+    if peer != flavour:  # written straight into a loraflow config, the peer's name is refused with loraflow's
+        with pytest.raises(ValueError, match=f"musubi-tuner's name for '{flavour}'"):
+            LoraflowConfig.model_validate({**imported.config, "model_flavour": peer, "output_dir": "o"})

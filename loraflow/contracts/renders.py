@@ -37,7 +37,7 @@ def render_settings(config: LoraflowConfig, family: ModelFamily, store: Store | 
         raise ValueError(f"`validation_num_video_frames` {frames}: {family.name} renders images; remove the key")
     return RenderSettings(
         height=height, width=width, num_frames=frames,
-        num_inference_steps=config.validation_num_inference_steps,
+        num_inference_steps=config.validation_num_inference_steps or flavour.steps,
         guidance=config.validation_guidance if config.validation_guidance is not None else flavour.guidance,
         seed=config.validation_seed if config.validation_seed is not None else config.seed,
         flow_shift=render_shift(config, family),

@@ -312,7 +312,7 @@ def kandinsky5_transformer(visual_cond: bool, model_dim: int = 32) -> Kandinsky5
     return model.eval()
 
 
-def hunyuan_video15_transformer() -> HunyuanVideo15Transformer3DModel:
+def hunyuan_video15_transformer(use_meanflow: bool = False) -> HunyuanVideo15Transformer3DModel:
     """HV1.5 DiT: 2 heads x 16 (rope axes 4+6+6), input 32 latent + 32 cond + 1 mask channels.
 
     ``target_size`` (pixels) drives the pipelines' default/i2v resolution buckets; 64 keeps them tiny.
@@ -333,6 +333,7 @@ def hunyuan_video15_transformer() -> HunyuanVideo15Transformer3DModel:
         image_embed_dim=IMAGE_DIM,
         rope_axes_dim=(4, 6, 6),
         target_size=64,
+        use_meanflow=use_meanflow,  # step-distilled: a second timestep embedder (for the interval's end)
     )
     # Unlike K5 nothing here is zero-initialised (AdaLayerNormZero/AdaNorm linears use the default
     # init), so there is nothing to re-randomise; only LayerNorm biases start at zero.

@@ -154,6 +154,9 @@ LATENT_SAMPLINGS = ("mode", "distribution")
 # latent for the cond channels and its SigLIP tokens; Kandinsky 5 Image i2i: the source image's latent); training and
 # eval loss hand them to `velocity` in its `text` mapping.
 IMAGE_CONDITION_COLUMNS = ("image_latent", "image_embeds")
+# The key a micro-batch of an i2v run holds instead of those columns when it trains as t2v (`i2v_prob`): `velocity`
+# then makes the family's t2v call.
+AS_T2V = "as_t2v"
 
 
 def image_conditions(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:

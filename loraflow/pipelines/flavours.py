@@ -7,6 +7,9 @@ sub-folders a local checkpoint must hold for this flavour; conditioning_frames a
 is given clean (Kandinsky 5 i2v: the first), which training and eval loss leave out of the loss; repo is the
 flavour's diffusers-format Hugging Face repository, the default `pretrained_model_name_or_path` (None: none is
 published, the config must name a folder). Each family's spec module says where its repository ids come from.
+guidance and steps are how validation and eval render unless the config says otherwise: a distilled checkpoint's
+own step count, and guidance 1.0 (no classifier-free guidance: the pipelines skip the negative pass at 1.0) where
+guidance was distilled into it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ class Flavour:
     # Component folders the family's guide names by environment variable: (component, variable). loraflow reads each
     # as a diffusers component folder (config.json + safetensors, as the diffusers repository's text_encoder/).
     folder_variables: tuple[tuple[str, str], ...] = ()
+    # Validation's sampling steps (`validation_num_inference_steps` left out): the release's for the distilled
+    # flavours; 30, the config's old default, for the flavours that predate this field (their validation keys stay).
+    steps: int = 30
+    # Other trainers' names for this flavour (musubi-tuner's `--task`), which the importer translates.
+    peer_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.task not in get_args(Task):
@@ -60,6 +68,12 @@ class Flavour:
     def image_is_first_frame(self) -> bool:
         """i2v: the image is the first frame of the video (training: each clip's own first frame)."""
         return self.task == "i2v"
+
+    @property
+    def image_in_condition_only(self) -> bool:
+        """i2v given its image only through condition inputs that a t2v call leaves zero (HunyuanVideo 1.5: no
+        clean latent frame), so one run can train batches of both tasks (`i2v_prob`)."""
+        return self.image_is_first_frame and not self.conditioning_frames
 
     @property
     def edits_image(self) -> bool:
@@ -104,6 +118,10 @@ class FamilySpec:
 
     def flavour_names(self) -> list[str]:
         return sorted(f.name for f in self.flavours)
+
+    def peer_flavour(self, name: str) -> str | None:
+        """The flavour another trainer calls `name` (`Flavour.peer_names`), None when none does."""
+        return next((f.name for f in self.flavours if name in f.peer_names), None)
 
     def flavour(self, name: str | None) -> Flavour:
         """The flavour called `name` (None: the family's default)."""

@@ -23,7 +23,7 @@ from loraflow.training.row_cache import RowCache
 from loraflow.contracts.teacher_features import load_teacher_batch
 from loraflow.contracts.holdout import split_clips
 from loraflow.contracts.text_set import text_lookup
-from loraflow.pipelines.base import ModelFamily, TextRow, image_conditions
+from loraflow.pipelines.base import AS_T2V, IMAGE_CONDITION_COLUMNS, ModelFamily, TextRow, image_conditions
 from loraflow.store import Store
 
 
@@ -145,6 +145,16 @@ def rollout_offsets(config: LoraflowConfig, micro_step: int, batch: int) -> torc
                         config.scheduled_sampling_strategy)
 
 
+def trains_as_i2v(config: LoraflowConfig, micro_step: int) -> bool:
+    """`i2v_prob`: whether this micro-batch trains as i2v (always when unset), drawn per micro-batch because the
+    HunyuanVideo 1.5 DiT drops the image stream only when a whole batch has none (HVT:701); from its own generator,
+    so the other draws stay as they are and a resumed run draws the same."""
+    if config.i2v_prob is None:
+        return True
+    generator = torch.Generator().manual_seed(step_seed(config.seed, micro_step, "i2v"))
+    return torch.rand(1, generator=generator).item() < config.i2v_prob
+
+
 def load_micro_batch(
     config: LoraflowConfig, family: ModelFamily, store: Store | RowCache, samples: list[Sample], micro_step: int,
     teacher: dict[str, str] | None = None,
@@ -160,5 +170,7 @@ def load_micro_batch(
     rows: dict[str, TextRow] = store.get("text_embeds", set(text_keys))
     text = family.collate_text([rows[k] for k in text_keys], torch.device("cpu"))
     text.update(image_conditions([latents[s.latent_key] for s in samples]))  # i2v rows' first-frame condition
+    if not trains_as_i2v(config, micro_step):
+        text = {k: v for k, v in text.items() if k not in IMAGE_CONDITION_COLUMNS} | {AS_T2V: torch.ones(1, dtype=bool)}
     features = load_teacher_batch(store, [teacher[s.latent_key] for s in samples]) if teacher else None
     return MicroBatch(samples, x0, text, draws, features)

@@ -323,3 +323,40 @@ def test_left_out_the_validation_size_is_the_bucket_the_pipeline_renders_the_fir
     target = HunyuanVideo15Transformer3DModel.load_config(root / "model" / "transformer")["target_size"]
     bucket = HunyuanVideo15ImageProcessor().calculate_default_height_width(*first.shape[:2], target)
     assert (settings.height, settings.width) == tuple(bucket)  # the clips' 64x64: not 768x512's bucket, 64x48
+
+
+def test_i2v_prob_trains_seeded_micro_batches_as_t2v(trained, root: Path, tmp_path: Path) -> None:
+    """`i2v_prob` (Tencent's train.py): each micro-batch trains as i2v with that probability, else as t2v, drawn
+    from (seed, micro-step) alone (a resumed run draws the same); a t2v batch holds no image columns and gets the
+    t2v flavour's transformer call from the same i2v cache; 1.0 is the run without the key, bit for bit."""
+    from safetensors.torch import load_file
+
+    from loraflow.pipelines.base import AS_T2V, IMAGE_CONDITION_COLUMNS
+
+    _, plain = trained
+    mixed = make_config(root, tmp_path / "mixed", i2v_prob=0.3)  # Tencent's default; steps 0, 1: t2v, i2v
+    draws = [D.trains_as_i2v(mixed, step) for step in range(16)]
+    assert set(draws[:2]) == {True, False} and draws == [D.trains_as_i2v(mixed, step) for step in range(16)]
+    assert draws != [D.trains_as_i2v(mixed.model_copy(update={"seed": 7}), step) for step in range(16)]
+    store, family = Store(mixed.cache_dir), get_family(mixed)
+    plan = D.BatchPlan(D.build_samples(mixed, store), mixed.train_batch_size, mixed.seed)
+    batches = {task: D.load_micro_batch(mixed, family, store, plan(step), step)
+               for task, step in (("i2v", draws.index(True)), ("t2v", draws.index(False)))}
+    assert set(IMAGE_CONDITION_COLUMNS) <= set(batches["i2v"].text) and AS_T2V not in batches["i2v"].text
+    assert AS_T2V in batches["t2v"].text and not set(IMAGE_CONDITION_COLUMNS) & set(batches["t2v"].text)
+    transformer = load_component(mixed.pretrained_model_name_or_path, "transformer")
+    batch = batches["t2v"]
+    plain_text = {k: v for k, v in batch.text.items() if k != AS_T2V}
+    with torch.no_grad():
+        got = family.velocity(transformer, batch.draws.noise, batch.draws.sigma, batch.text)
+        t2v = make_family("t2v-480p").velocity(transformer, batch.draws.noise, batch.draws.sigma, plain_text)
+    assert torch.equal(got, t2v)
+
+    always = make_config(root, tmp_path / "always", i2v_prob=1.0)
+    ours, theirs = (load_file(T.train_lora(c, family, store).lora_path) for c in (always, mixed))
+    reference = load_file(plain.lora_path)
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
+    assert any(not torch.equal(theirs[k], reference[k]) for k in reference)
+    with pytest.raises(ValueError, match="i2v_prob"):  # K5 i2v's image is a clean latent frame, not a condition
+        load_config(write_config(tmp_path / "k5.yaml", {**yaml.safe_load((REPO / "configs" / "demo.yaml").read_text()),
+                                                          "i2v_prob": 0.3}))

@@ -19,6 +19,7 @@ PARAMS_B = {
     "k5-video-pro-5s.transformer": 19.3, "k5-video-pro-10s.transformer": 19.3,
     "k5-image-t2i.transformer": 6.02, "k5-image-i2i.transformer": 6.02,
     **{f"hv15-{r}-{t}.transformer": 8.33 for r in ("480p", "720p") for t in ("t2v", "i2v")},
+    "hv15-480p-i2v-step-distilled.transformer": 8.33,  # + the mean-flow timestep embedder (2 linears, 4.72M)
     "hunyuanvideo.vae": 0.25, "flux.vae": 0.08, "hv15.vae": 1.26,
     "qwen2.5-vl-7b.text_encoder": 8.29, "qwen2.5-vl-7b-text.text_encoder": 7.07, "clip-l.text_encoder_2": 0.12,
     "glyph-byt5.text_encoder_2": 0.22, "siglip-so400m.image_encoder": 0.43, "dinov2-giant.crepa_encoder": 1.1,

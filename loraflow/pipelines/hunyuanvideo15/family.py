@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, compute_dtype, load_pipeline, lora_file_header, scaled_posterior, set_lora_scale,
+    AS_T2V, RenderSettings, TextRow, compute_dtype, load_pipeline, lora_file_header, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
@@ -255,10 +255,16 @@ class HunyuanVideo15:
         frame 0 and `text["image_embeds"]` (B, 729, D), as cached by the latents stage."""
         cond, mask, image_embeds = self._condition(transformer, noisy, text)
         dtype = compute_dtype(transformer)
+        timestep = (sigma * 1000).to(dtype)
+        # Mean flow (step-distilled): the model predicts the average velocity from t down to timestep_r (the
+        # pipeline's next step, HVI:855-862); over the empty interval r = t that is the instantaneous velocity,
+        # the flow-matching target trained here.
+        interval = {"timestep_r": timestep} if transformer.config.use_meanflow else {}
         out = transformer(
             hidden_states=torch.cat([noisy, cond, mask], dim=1).to(dtype),  # (B, 32+32+1, T, h, w)
             image_embeds=image_embeds.to(dtype),
-            timestep=(sigma * 1000).to(dtype),
+            timestep=timestep,
+            **interval,
             encoder_hidden_states=text["text_embeds"].to(dtype),
             encoder_attention_mask=text["text_mask"].to(dtype),
             encoder_hidden_states_2=text["byt5_embeds"].to(dtype),
@@ -271,11 +277,11 @@ class HunyuanVideo15:
     def _condition(
         self, transformer: torch.nn.Module, noisy: torch.Tensor, text: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cond, mask, image_embeds) for the flavour's task."""
+        """(cond, mask, image_embeds) for the flavour's task; t2v's for a batch an i2v run trains as t2v (`AS_T2V`)."""
         batch, _, frames, height, width = noisy.shape
         cond = torch.zeros_like(noisy)
         mask = torch.zeros(batch, 1, frames, height, width, dtype=noisy.dtype, device=noisy.device)
-        if not self.flavour.image_is_first_frame:
+        if not self.flavour.image_is_first_frame or AS_T2V in text:
             image_embeds = torch.zeros(batch, IMAGE_TOKENS, transformer.config.image_embed_dim, device=noisy.device)
             return cond, mask, image_embeds
         if "image_latent" not in text or "image_embeds" not in text:
@@ -394,12 +400,22 @@ def make_family(flavour: str | None) -> HunyuanVideo15:
 
 
 def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
-    """Every flavour loads one tiny checkpoint (`loraflow.demo.tiny.build_tiny`): the t2v pipeline's, with
-    SigLIP as extra components so the i2v pipeline loads the same folder."""
-    return HunyuanVideo15Pipeline, _tiny_pipeline
+    """Every flavour but step-distilled loads one tiny checkpoint (`loraflow.demo.tiny.build_tiny`): the t2v
+    pipeline's, with SigLIP as extra components so the i2v pipeline loads the same folder. Step-distilled's
+    transformer config differs (mean flow: released/hv15-480p-i2v-step-distilled), so it has its own."""
+    step_distilled = flavour.name.endswith("step-distilled")
+    return HunyuanVideo15Pipeline, _tiny_meanflow_pipeline if step_distilled else _tiny_pipeline
 
 
 def _tiny_pipeline() -> TinyPipeline:
+    return _tiny(use_meanflow=False, shift=5.0)
+
+
+def _tiny_meanflow_pipeline() -> TinyPipeline:
+    return _tiny(use_meanflow=True, shift=7.0)  # the step-distilled release's scheduler shift
+
+
+def _tiny(use_meanflow: bool, shift: float) -> TinyPipeline:
     from transformers import ByT5Tokenizer
 
     from loraflow.demo import tiny as parts  # the tiny parts only when a tiny checkpoint is built
@@ -410,9 +426,9 @@ def _tiny_pipeline() -> TinyPipeline:
     pipe = HunyuanVideo15Pipeline(
         text_encoder=parts.qwen_vl_text_encoder(tokenizer),
         tokenizer=tokenizer,
-        transformer=parts.hunyuan_video15_transformer(),
+        transformer=parts.hunyuan_video15_transformer(use_meanflow),
         vae=parts.hunyuan_video15_vae(),
-        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0),
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift),
         text_encoder_2=parts.byt5_encoder(tokenizer_2),
         tokenizer_2=tokenizer_2,
         guider=ClassifierFreeGuidance(guidance_scale=6.0),

@@ -1,7 +1,11 @@
 """HunyuanVideo 1.5's plain data: flavours and names. The family itself is `hunyuanvideo15` (torch, diffusers),
 imported only when a stage needs it.
 
-Repository ids: the hunyuanvideo-community collection (also SimpleTuner's table)."""
+Repository ids: the hunyuanvideo-community collection (also SimpleTuner's table). The distilled flavours' shift,
+guidance 1.0 and (step-distilled) mean-flow transformer are diffusers' conversion script's
+(scripts/convert_hunyuan_video1_5_to_diffusers.py: SCHEDULER_CONFIGS, GUIDANCE_CONFIGS, TRANSFORMER_CONFIGS); their
+steps the Tencent-Hunyuan/HunyuanVideo-1.5 README's inference table (50; 8 or 12 for step-distilled, 12 its code's
+default). docs/families.md lists every release, and why the super-resolution ones are no flavour."""
 
 from __future__ import annotations
 
@@ -16,14 +20,16 @@ _SIGLIP_PARTS = ("image_encoder", "feature_extractor")
 _GUIDE_FOLDERS = (("text_encoder", "HUNYUANVIDEO_TEXT_ENCODER_PATH"), ("image_encoder", "HUNYUANVIDEO_VISION_ENCODER_PATH"))
 
 
-def _flavour(name: str, shift: float) -> Flavour:
-    task, resolution = name.split("-")
+def _flavour(name: str, shift: float, steps: int = 30) -> Flavour:
+    """`name` is task-resolution[-distillation], SimpleTuner's names; its repository the same words with `_`."""
+    task, resolution, *distilled = name.split("-", 2)
     size = {"480p": (480, 848), "720p": (720, 1280)}[resolution]
     parts = (*TWO_ENCODER_PARTS, "guider") + (_SIGLIP_PARTS if task == "i2v" else ())
+    folder = "_".join([resolution, task, *distilled]).replace("-", "_")
     # conditioning_frames 0 for i2v too: HunyuanVideo15ImageToVideoPipeline steps every latent frame (HVI:931)
-    return Flavour(name, task, 24.0, 121, size, shift, 6.0, parts,
-                   repo=f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{resolution}_{task}",
-                   folder_variables=_GUIDE_FOLDERS)
+    return Flavour(name, task, 24.0, 121, size, shift, 1.0 if distilled else 6.0, parts,
+                   repo=f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{folder}",
+                   folder_variables=_GUIDE_FOLDERS, steps=steps)
 
 
 def render_size(flavour: Flavour, model: ModelSource, height: int, width: int) -> tuple[int, int] | None:
@@ -55,9 +61,12 @@ def render_size(flavour: Flavour, model: ModelSource, height: int, width: int) -
 
 SPEC = FamilySpec(
     name="hunyuanvideo-1.5",
-    description="HunyuanVideo 1.5 at 480p and 720p, text-to-video and image-to-video",
+    description="HunyuanVideo 1.5 at 480p and 720p, text-to-video and image-to-video, and its distilled releases",
     flavours=(_flavour("t2v-480p", 5.0), _flavour("t2v-720p", 9.0), _flavour("i2v-480p", 5.0),
-              _flavour("i2v-720p", 7.0)),
+              _flavour("i2v-720p", 7.0), _flavour("t2v-480p-distilled", 5.0, 50),
+              _flavour("i2v-480p-distilled", 5.0, 50), _flavour("i2v-480p-step-distilled", 7.0, 12),
+              # Tencent's 720p_i2v_distilled_sparse, trained for its sparse attention; diffusers runs it dense
+              _flavour("i2v-720p-distilled", 7.0, 50)),
     default_flavour="t2v-480p",
     spatial_multiple=16,  # VAE 16x, patch 1
     vae_temporal_factor=4,

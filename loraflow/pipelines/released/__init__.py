@@ -38,8 +38,10 @@ def _k5_image(flavour: str) -> dict[str, str]:
 
 
 def _hv15(flavour: str) -> dict[str, str]:
-    task, resolution = flavour.split("-")
-    files = {"transformer": f"hv15-{resolution}-{task}", "vae": "hv15", "text_encoder": "qwen2.5-vl-7b-text",
+    # the CFG-distilled transformers have their base's config; step-distilled adds mean flow (its own file)
+    task, resolution = flavour.split("-")[:2]
+    meanflow = "-step-distilled" if flavour.endswith("step-distilled") else ""
+    files = {"transformer": f"hv15-{resolution}-{task}{meanflow}", "vae": "hv15", "text_encoder": "qwen2.5-vl-7b-text",
              "text_encoder_2": "glyph-byt5"}
     return files | ({"image_encoder": "siglip-so400m"} if task == "i2v" else {})
 
