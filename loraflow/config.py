@@ -199,6 +199,22 @@ class LoraflowConfig(GuideFeatures):
     optimizer: Literal["adamw", "adamw_bf16"] = setting(
         "adamw", run_key="when_set", description="adamw: torch AdamW, fp32 moments; adamw_bf16: the same update with "
         "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory")
+    # Adapter start and EMA (SimpleTuner's names; ops/adapters.py, ops/ema.py). Off by default, keys unchanged.
+    init_lora: str | None = setting(
+        None, run_key="never", description="start training from this LoRA file (diffusers/peft or ComfyUI key "
+        "names, the same rank and targets); its content hash, not its path, is part of the run's inputs")
+    use_ema: bool = setting(
+        False, run_key="when_set", description="also keep an EMA of the adapter, written beside the LoRA as "
+        "pytorch_lora_weights_ema.safetensors (and in every checkpoint); the LoRA itself is unchanged")
+    ema_decay: float = setting(0.995, run_key="when_set", ge=0, le=1, description="ema <- decay * ema + (1 - decay) "
+                               "* weights at each update")
+    ema_update_interval: int = setting(1, run_key="when_set", ge=1, description="update the EMA every N optimizer "
+                                       "steps")
+    ema_device: Literal["cpu", "accelerator"] = setting(
+        "cpu", run_key="never", description="where the EMA lives between updates (the same numbers either way)")
+    ema_validation: Literal["none", "ema_only", "comparison"] = setting(
+        "comparison", run_key="never", description="with use_ema, what validation renders: none (the LoRA), "
+        "ema_only (the EMA adapter instead) or comparison (both)")
     report_to: Literal["tensorboard", "wandb", "none"] = setting(
         "tensorboard", run_key="never", description="where per-step numbers go besides history.json: tensorboard "
         "(<run>/tensorboard), wandb (W&B's own environment variables, e.g. WANDB_MODE=offline) or none")
@@ -220,6 +236,14 @@ class LoraflowConfig(GuideFeatures):
         if v is not None and v not in aliases and not re.fullmatch(r"[\w*/,?#-]+(\s+[\w*/,?#-]+){4}", v.strip()):
             raise ValueError(f"`recache_cron` must be a 5-field cron expression such as '0 3 * * *' "
                              f"or one of {', '.join(aliases)}; got {v!r}")
+        return v
+
+    @field_validator("init_lora")
+    @classmethod
+    def _init_lora(cls, v: str | None) -> str | None:
+        if v is not None and not (v.endswith(".safetensors") and Path(v).is_file()):
+            raise ValueError(f"`init_lora` {v!r} is not a .safetensors file: give the path of the LoRA file to start "
+                             "from (diffusers/peft or ComfyUI key names), or remove init_lora")
         return v
 
     @field_validator("validation_num_video_frames")
@@ -418,7 +442,7 @@ class LoraflowConfig(GuideFeatures):
             raise ValueError(f"`fsdp: true` shards the model over the training processes but num_processes is "
                              f"{self.num_processes}: set num_processes: N (one per GPU, N > 1) or fsdp: false")
         # Each of these runs the sharded transformer (or its LoRA) on rank 0 alone or beside FSDP's own hooks
-        for key in ("enable_group_offload", "crepa_enabled", "validation_steps"):
+        for key in ("enable_group_offload", "crepa_enabled", "validation_steps", "use_ema"):
             if getattr(self, key):
                 raise ValueError(f"`{key}` is not supported with `fsdp: true` (untested together): remove `{key}` "
                                  "or set fsdp: false")

@@ -1,0 +1,119 @@
+"""Issue 32's adapter options on the tiny Kandinsky 5 Video through `train_lora`: EMA (ops/ema.py) and init_lora
+(ops/adapters.py). The caches are test_train's (the same two-clip dataset); runs differ only in their output folders.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from loraflow.ops import train as T
+from loraflow.ops.adapters import start_adapter
+from loraflow.ops.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, post_hoc_ema
+from loraflow.pipelines import get_family
+from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
+from loraflow.store import Store
+from tests.ops.test_train import CPU, caches, make_config, same_lora_file, train  # noqa: F401 (caches: fixture)
+
+DECAY, INTERVAL, STEPS = 0.75, 2, 6
+EMA = {"use_ema": True, "ema_decay": DECAY, "ema_update_interval": INTERVAL}
+EVERY_STEP = {"max_train_steps": STEPS, "checkpointing_steps": 1, "checkpoints_total_limit": None}
+
+
+def peft_names(path: Path) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
+
+
+def closed_form(start: dict[str, torch.Tensor], updates: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """decay^n w_0 + sum_i (1 - decay) decay^(n - i) w_(t_i), in float64."""
+    n = len(updates)
+    return {k: DECAY ** n * w.double() + sum((1 - DECAY) * DECAY ** (n - i) * u[k].double()
+                                            for i, u in enumerate(updates, 1)) for k, w in start.items()}
+
+
+def assert_close_to(ema: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], updates: int) -> None:
+    """fp32 lerp: each update rounds once (half an ulp of values below the largest weight) and scales the earlier
+    error by decay < 1, so after n updates the error is below n ulps of the largest weight."""
+    assert sorted(ema) == sorted(reference)
+    for key, value in ema.items():
+        bound = updates * torch.finfo(torch.float32).eps * reference[key].abs().max().item()
+        assert (value.double() - reference[key]).abs().max().item() <= bound, key
+
+
+@pytest.fixture(scope="module")
+def ema_run(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
+    config = make_config(caches, tmp_path_factory.mktemp("ema") / "out", lora_format="comfyui", **EMA, **EVERY_STEP)
+    return config, train(config)
+
+
+def test_ema_equals_its_closed_form_leaves_the_lora_alone_and_resumes_exactly(
+        ema_run, caches: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    config, report = ema_run
+    run = Path(report.run_dir)
+    family = get_family(config)
+    transformer, _ = T.load_transformer(config, family, CPU)  # step 0's adapter: the seeded peft init
+    start = {k: v.clone() for k, v in get_peft_model_state_dict(transformer).items()}
+    steps = {s: load_file(run / "checkpoints" / f"step-{s:07d}" / "lora.safetensors") for s in range(1, STEPS)}
+    steps[STEPS] = peft_names(run / T.LORA_FILE)
+    ema = peft_names(run / EMA_LORA_FILE)
+    assert_close_to(ema, closed_form(start, [steps[s] for s in range(INTERVAL, STEPS + 1, INTERVAL)]), 3)
+    assert_close_to(load_file(run / "checkpoints" / "step-0000004" / EMA_CHECKPOINT_FILE),
+                    closed_form(start, [steps[2], steps[4]]), 2)
+    assert any(not torch.equal(ema[k], steps[STEPS][k]) for k in ema)  # an average, not a copy
+    plain = train(make_config(caches, tmp_path / "plain", **EVERY_STEP))  # EMA off: the same LoRA, no EMA file
+    assert plain.run_dir != report.run_dir and not (Path(plain.run_dir) / EMA_LORA_FILE).exists()
+    assert same_lora_file(Path(plain.lora_path), run / T.LORA_FILE)
+    # resume: the run as it stood after step 3 (its later files removed) finishes with the same EMA
+    resumed_out = tmp_path / "resumed"
+    shutil.copytree(Path(config.output_dir), resumed_out)
+    copy = resumed_out / "runs" / run.name
+    for path in [*copy.glob("*.safetensors"), copy / "history.json",
+                 *(copy / "checkpoints" / f"step-{s:07d}" for s in (4, 5))]:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    again = train(make_config(caches, resumed_out, **EMA, **EVERY_STEP))
+    assert again.resumed_at_step == 3
+    assert same_lora_file(copy / EMA_LORA_FILE, run / EMA_LORA_FILE)
+    # musubi-tuner's post-hoc EMA over the saved LoRAs (step 0's adapter first): the same closed form
+    save_file(start, tmp_path / "step0.safetensors")
+    files = [tmp_path / "step0.safetensors"] + [run / "checkpoints" / f"step-{s:07d}" / "lora.safetensors"
+                                                for s in (2, 4)]
+    averaged = load_file(post_hoc_ema(files, DECAY, tmp_path / "posthoc.safetensors"))
+    assert_close_to(averaged, closed_form(start, [steps[2], steps[4]]), 2)
+
+
+def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
+        ema_run, caches: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    _, report = ema_run
+    run = Path(report.run_dir)
+    trained = peft_names(run / T.LORA_FILE)
+    for source in (run / T.LORA_FILE, run / COMFYUI_LORA_FILE):  # diffusers and ComfyUI key names
+        config = make_config(caches, tmp_path / "init", init_lora=str(source))
+        family = get_family(config)
+        transformer, _ = T.load_transformer(config, family, CPU)
+        start_adapter(transformer, None, config.init_lora, family)  # what train_lora runs before step 1
+        loaded = get_peft_model_state_dict(transformer)
+        assert sorted(loaded) == sorted(trained)
+        assert all(torch.equal(loaded[k], trained[k]) for k in trained), source.name
+    store = Store(config.cache_dir)
+    key = T.run_dir(config, T.upstream_versions(store, config))
+    copied = tmp_path / "copy.safetensors"
+    shutil.copy(run / T.LORA_FILE, copied)
+    assert T.run_dir(make_config(caches, tmp_path / "init", init_lora=str(copied)),
+                     T.upstream_versions(store, config)) == key  # the path is not the key: the content is
+    save_file({k: v + (k.endswith("lora_B.weight")) for k, v in load_file(copied).items()}, copied)
+    changed = make_config(caches, tmp_path / "init", init_lora=str(copied))
+    assert T.run_dir(changed, T.upstream_versions(store, changed)) != key
+    plain = make_config(caches, tmp_path / "init")
+    assert T.run_dir(plain, T.upstream_versions(store, plain)) != key
+    first = train(make_config(caches, tmp_path / "from_file", init_lora=str(run / T.LORA_FILE), max_train_steps=1))
+    scratch = train(make_config(caches, tmp_path / "scratch", max_train_steps=1))
+    assert first.history[0].loss != scratch.history[0].loss  # train_lora's step 1 ran from the file
+    wrong_rank = make_config(caches, tmp_path / "init", init_lora=str(run / T.LORA_FILE), lora_rank=2)
+    transformer, _ = T.load_transformer(wrong_rank, family, CPU)
+    with pytest.raises(ValueError, match=r"init_lora.*shape .*set lora_rank"):
+        start_adapter(transformer, None, wrong_rank.init_lora, family)
