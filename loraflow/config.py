@@ -16,6 +16,7 @@ from pydantic import ValidationError, ValidationInfo, field_validator, model_val
 
 # Dataset entries (one per dataset folder) are the config's other part; importable from here as well.
 from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
+from loraflow.adapter_kinds import LycorisConfig, read_lycoris_config
 from loraflow.config_errors import describe
 from loraflow.guide_features import GuideFeatures
 from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
@@ -199,7 +200,16 @@ class LoraflowConfig(GuideFeatures):
     optimizer: Literal["adamw", "adamw_bf16"] = setting(
         "adamw", run_key="when_set", description="adamw: torch AdamW, fp32 moments; adamw_bf16: the same update with "
         "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory")
-    # Adapter start and EMA (SimpleTuner's names; ops/adapters.py, ops/ema.py). Off by default, keys unchanged.
+    # Adapter kind, start and EMA (SimpleTuner's names; ops/adapters.py, ops/ema.py). Off by default, keys unchanged.
+    lora_type: Literal["standard", "lycoris"] = setting(
+        "standard", run_key="when_set", description="standard: peft LoRA; lycoris: LoKr or LoHa (peft's), as "
+        "`lycoris_config` says")
+    lycoris_config: LycorisConfig | None = setting(
+        None, run_key="when_set", description="lora_type lycoris: SimpleTuner's LyCORIS JSON (a file, relative to "
+        "the config, or inline): algo lokr|loha, linear_dim, linear_alpha, factor, decompose_both, rank_dropout, "
+        "module_dropout")
+    use_dora: bool = setting(
+        False, run_key="when_set", description="DoRA (peft `use_dora`): a learned magnitude per output row")
     init_lora: str | None = setting(
         None, run_key="never", description="start training from this LoRA file (diffusers/peft or ComfyUI key "
         "names, the same rank and targets); its content hash, not its path, is part of the run's inputs")
@@ -237,6 +247,25 @@ class LoraflowConfig(GuideFeatures):
             raise ValueError(f"`recache_cron` must be a 5-field cron expression such as '0 3 * * *' "
                              f"or one of {', '.join(aliases)}; got {v!r}")
         return v
+
+    @field_validator("lycoris_config", mode="before")
+    @classmethod
+    def _lycoris_file(cls, v: Any) -> Any:
+        return read_lycoris_config(v)
+
+    @model_validator(mode="after")
+    def _adapter_kind(self) -> LoraflowConfig:
+        if (self.lora_type == "lycoris") != (self.lycoris_config is not None):
+            raise ValueError("`lora_type: lycoris` and `lycoris_config` go together: set both (LoKr/LoHa) or neither "
+                             "(a standard LoRA)")
+        if self.use_dora and self.lora_type == "lycoris":
+            raise ValueError("`use_dora` is peft's DoRA for a standard LoRA; peft's LoKr/LoHa have no weight "
+                             "decomposition: remove use_dora or set lora_type standard")
+        if self.use_dora and self.lora_format == "comfyui":
+            raise ValueError("`use_dora` with `lora_format: comfyui`: ComfyUI's weight_decompose normalises DoRA's "
+                             "magnitude differently from peft (comfy/weight_adapter/base.py), so the file would not "
+                             "render what was trained; use lora_format diffusers (or use_dora: false)")
+        return self
 
     @field_validator("init_lora")
     @classmethod
@@ -524,6 +553,9 @@ def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | 
         if not path.is_file():
             raise ConfigError([f"dataset_backend_config: file {path} does not exist"], source)
         data["datasets"] = json.loads(path.read_text())
+    lycoris = data.get("lycoris_config")  # relative to the config file, like the datasets file
+    if isinstance(lycoris, str) and base_dir is not None and not Path(lycoris).is_absolute():
+        data["lycoris_config"] = str(base_dir / lycoris)
     library = data.get("user_prompt_library")
     if isinstance(library, str) and base_dir is not None and not Path(library).is_absolute():
         data["user_prompt_library"] = str(base_dir / library)  # relative to the config file, like the datasets file

@@ -1,4 +1,13 @@
-"""Where the adapter starts: a checkpoint (resume), else `init_lora` (an existing LoRA file), else peft's init.
+"""The adapter: its kind (peft LoRA, DoRA, LyCORIS LoKr/LoHa) and where it starts.
+
+Kinds (`lora_type`, `lycoris_config`, `use_dora`), all peft's own: the standard LoRA is built exactly as before
+they existed. LoKr keeps LyCORIS's scale: LyCORIS trains a module whose two Kronecker factors are both whole at
+scale 1 whatever `linear_alpha` says (lycoris/modules/lokr.py: "use scale = 1", alpha = lora_dim), and ComfyUI
+applies such a module at scale 1 (comfy/weight_adapter/lokr.py: alpha / dim only where a factor is decomposed).
+peft scales every module by alpha / r, so those modules get alpha = r through peft's `alpha_pattern`, which
+travels in the file's header.
+
+Start: a checkpoint (resume), else `init_lora` (an existing LoRA file), else peft's init.
 
 `init_lora` reads the files users have: diffusers/peft key names (`transformer.<module>.lora_A.weight`, with or
 without the prefix; what loraflow writes) or ComfyUI's (`diffusion_model.<module>.lora_down.weight` / `lora_up` /
@@ -13,11 +22,52 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import PREFIX, comfyui_name, peft_scale
+
+if TYPE_CHECKING:
+    from loraflow.adapter_kinds import LycorisConfig
+    from loraflow.config import LoraflowConfig
+
+
+ADAPTER_PARAMETERS = ("lora_", "lokr_", "hada_")  # peft's LoRA (and DoRA's magnitude), LoKr, LoHa
+
+
+def add_adapter(transformer: torch.nn.Module, config: LoraflowConfig, targets: list[str] | str) -> None:
+    """The configured adapter on `transformer`, its init drawn from `config.seed` (same seed, same adapter)."""
+    from peft import LoraConfig
+
+    torch.manual_seed(config.seed)
+    if config.lycoris_config is None:
+        transformer.add_adapter(LoraConfig(
+            r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank, lora_dropout=config.lora_dropout,
+            target_modules=targets, init_lora_weights=True, use_dora=config.use_dora,
+        ))
+        return
+    peft_config = lycoris_peft_config(config.lycoris_config, targets)
+    if config.lycoris_config.algo == "lokr":  # whole-factor modules at scale 1, as LyCORIS (module docstring)
+        transformer.add_adapter(peft_config)
+        whole = [name for name, module in transformer.named_modules()
+                 if "default" in getattr(module, "lokr_w1", {}) and "default" in getattr(module, "lokr_w2", {})]
+        transformer.delete_adapters("default")
+        peft_config.alpha_pattern = {f"^{re.escape(name)}": peft_config.r for name in whole}
+        torch.manual_seed(config.seed)
+    transformer.add_adapter(peft_config)
+
+
+def lycoris_peft_config(lycoris: LycorisConfig, targets: list[str] | str) -> Any:
+    """peft's LoKrConfig / LoHaConfig for SimpleTuner's lycoris_config (the fields adapter_kinds.py accepts)."""
+    from peft import LoHaConfig, LoKrConfig
+
+    common = {"r": lycoris.linear_dim, "alpha": lycoris.linear_alpha, "rank_dropout": lycoris.rank_dropout,
+              "module_dropout": lycoris.module_dropout, "target_modules": targets, "init_weights": True}
+    if lycoris.algo == "loha":
+        return LoHaConfig(**common)
+    return LoKrConfig(**common, decompose_both=lycoris.decompose_both, decompose_factor=lycoris.factor)
 
 
 def init_lora_version(path: str) -> str:

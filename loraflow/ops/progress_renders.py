@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
+from loraflow.ops.adapters import ADAPTER_PARAMETERS
 from loraflow.ops.checkpoints import write_json
 from loraflow.ops.devices import peak_memory_gib
 from loraflow.ops.distributed import World, barrier
@@ -153,4 +154,4 @@ def _reset_peak(device: torch.device) -> None:
 
 def _device_of(transformer: torch.nn.Module) -> torch.device:
     """Where the LoRA parameters live (the compute device, also under group offloading)."""
-    return next(p.device for n, p in transformer.named_parameters() if "lora_" in n)
+    return next(p.device for n, p in transformer.named_parameters() if any(k in n for k in ADAPTER_PARAMETERS))

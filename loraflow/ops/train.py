@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft import LoraConfig, get_peft_model_state_dict
+from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from loraflow.config import LoraflowConfig
@@ -39,7 +39,7 @@ from loraflow.kernels.adamw_bf16 import AdamWBF16
 from loraflow.kernels.flow_matching import lr_at
 from loraflow.kernels.scheduled_sampling import roll_out
 from loraflow.kernels.tread import resolve_routes, tread_routing
-from loraflow.ops.adapters import init_lora_version, start_adapter
+from loraflow.ops.adapters import ADAPTER_PARAMETERS, add_adapter, init_lora_version, start_adapter
 from loraflow.ops.batches import RowCache, prefetched
 from loraflow.ops.checkpoints import (
     LORA_FILE, adapter_config, export_comfyui, export_lora, latest_checkpoint, lora_state, optimizer_state,
@@ -108,12 +108,8 @@ def current_lora_path(config: LoraflowConfig, store: Store) -> str:
 
 # 2. model: precision, LoRA, memory features -------------------------------------------------------------------
 def add_lora(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> list[torch.nn.Parameter]:
-    torch.manual_seed(config.seed)  # lora_A's init: same seed, same adapter
-    transformer.add_adapter(LoraConfig(
-        r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank, lora_dropout=config.lora_dropout,
-        target_modules=family.lora_targets(config.lora_include_ffn), init_lora_weights=True,
-    ))
-    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    add_adapter(transformer, config, family.lora_targets(config.lora_include_ffn))  # LoRA, DoRA, LoKr or LoHa
+    params = [p for n, p in transformer.named_parameters() if any(k in n for k in ADAPTER_PARAMETERS)]
     for p in params:
         p.data = p.data.float()  # fp32 LoRA params even when the base model is bf16 or fp8
         p.requires_grad_(True)

@@ -117,3 +117,59 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
     transformer, _ = T.load_transformer(wrong_rank, family, CPU)
     with pytest.raises(ValueError, match=r"init_lora.*shape .*set lora_rank"):
         start_adapter(transformer, None, wrong_rank.init_lora, family)
+
+
+def comfyui_delta(comfy: dict[str, torch.Tensor], module: str) -> torch.Tensor:
+    """ComfyUI's weight change for one module, float64, as its readers compute it at strength 1:
+    comfy/weight_adapter/lokr.py `LoKrAdapter.calculate_weight` (kron(w1, w2) * alpha / dim, dim the rank of a
+    decomposed factor, 1 without one) and comfy/weight_adapter/loha.py `LoHaAdapter.calculate_weight`
+    ((w1_a @ w1_b) * (w2_a @ w2_b) * alpha / w1_b.shape[0])."""
+    t = {k.removeprefix(f"diffusion_model.{module}."): v.double() for k, v in comfy.items()
+         if k.startswith(f"diffusion_model.{module}.")}
+    if "hada_w1_a" in t:
+        return (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"]) * t["alpha"] / t["hada_w1_b"].shape[0]
+    dim = None
+    w1 = t.get("lokr_w1")
+    if w1 is None:
+        w1, dim = t["lokr_w1_a"] @ t["lokr_w1_b"], t["lokr_w1_b"].shape[0]
+    w2 = t.get("lokr_w2")
+    if w2 is None:
+        w2, dim = t["lokr_w2_a"] @ t["lokr_w2_b"], t["lokr_w2_b"].shape[0]
+    return torch.kron(w1, w2) * (t["alpha"] / dim if "alpha" in t and dim is not None else 1.0)
+
+
+KINDS = {  # name: (config, the key names' prefix, peft's scale of every module)
+    "lokr_whole": ({"algo": "lokr", "linear_dim": 10000, "linear_alpha": 1, "factor": 4}, "lokr_", 1.0),
+    "lokr_decomposed": ({"algo": "lokr", "linear_dim": 2, "linear_alpha": 1, "factor": 4}, "lokr_", 0.5),
+    "loha": ({"algo": "loha", "linear_dim": 2, "linear_alpha": 4}, "hada_", 2.0),
+}
+
+
+def test_lycoris_adapters_train_and_load_in_peft_and_as_comfyuis_readers_compute(
+        caches: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    """LoKr (both factors whole: LyCORIS's scale 1 whatever linear_alpha; w2 decomposed: alpha / r) and LoHa, 2
+    steps each: the file loads back through peft (validation's `load_lora_file`) tensor for tensor, and every
+    module's ComfyUI weight change equals the one peft applies."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    from loraflow.pipelines.base import LORA_ADAPTER, load_lora_file
+
+    for name, (lycoris, prefix, scale) in KINDS.items():
+        report = train(make_config(caches, tmp_path / name, lora_format="comfyui", lora_type="lycoris",
+                                   lycoris_config=lycoris))
+        trained = peft_names(Path(report.lora_path))
+        assert all(k.rsplit(".", 1)[-1].startswith(prefix) for k in trained)
+        transformer = Kandinsky5Transformer3DModel.from_pretrained(caches["model"] / "transformer")
+        load_lora_file(transformer, report.lora_path)
+        loaded = get_peft_model_state_dict(transformer, adapter_name=LORA_ADAPTER)
+        assert sorted(loaded) == sorted(trained) and all(torch.equal(loaded[k], trained[k]) for k in trained)
+        comfy = load_file(report.comfyui_lora_path)
+        layers = {n: m for n, m in transformer.named_modules() if hasattr(m, "get_delta_weight")}
+        assert len(layers) == 20 and len({k.rsplit(".", 1)[0] for k in comfy}) == 20
+        assert {m.scaling[LORA_ADAPTER] for m in layers.values()} == {scale}, name
+        for module, layer in layers.items():
+            peft_delta = layer.get_delta_weight(LORA_ADAPTER).double()
+            assert peft_delta.abs().max() > 0, module  # trained: not the zero init
+            # float32 products summed over a rank (or a Kronecker entry): a few ulps of the largest entry
+            bound = 8 * torch.finfo(torch.float32).eps * peft_delta.abs().max().item()
+            assert (comfyui_delta(comfy, module) - peft_delta).abs().max().item() <= bound, (name, module)
