@@ -13,7 +13,7 @@ ComfyUI (comfyanonymous/ComfyUI, read at the revisions in the index):
   optional `.alpha`; `calculate_weight`: W += (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / w1_b.shape[0].
 peft's names are the same (its LyCORIS layers follow LyCORIS), and its scale is alpha / r for every module
 (peft/tuners/lokr/layer.py `make_kron`, loha `make_weight`): the file carries alpha = peft's alpha where ComfyUI
-divides by the rank, and a module kept whole at a peft scale other than 1 has the scale folded into w2.
+divides by the rank; a module kept whole is at scale 1 in both (ops/adapters.py trains it so).
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ def lycoris_to_comfyui(state_dict: Mapping[str, torch.Tensor], adapter_config: M
                              "product of parts is not one of the fused weight; use lora_format diffusers")
         scale, alpha = _peft_scale(adapter_config, module)
         decomposed = "lokr_w2_a" in parts or "lokr_w1_a" in parts or "hada_w1_a" in parts
-        if not decomposed and scale != 1.0:
-            parts["lokr_w2"] = parts["lokr_w2"] * scale  # ComfyUI applies a whole-factor module at scale 1
+        if not decomposed and scale != 1.0:  # loraflow trains these at scale 1 (ops/adapters.py), as LyCORIS
+            raise ValueError(f"LoKr module {module!r} keeps both factors whole at peft scale {scale}; ComfyUI "
+                             "applies such a module at scale 1: train it with loraflow's lora_type lycoris")
         for part, tensor in parts.items():
             tensors[f"{PREFIX}{name}.{part}"] = tensor.contiguous()
         if decomposed:

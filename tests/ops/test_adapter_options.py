@@ -99,6 +99,12 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
         loaded = get_peft_model_state_dict(transformer)
         assert sorted(loaded) == sorted(trained)
         assert all(torch.equal(loaded[k], trained[k]) for k in trained), source.name
+    # ComfyUI's scale (alpha / rank = 1 here) moves into lora_B where this config's peft scale differs (8 / 4 = 2)
+    doubled = make_config(caches, tmp_path / "init", init_lora=str(run / COMFYUI_LORA_FILE), lora_alpha=8)
+    transformer, _ = T.load_transformer(doubled, family, CPU)
+    start_adapter(transformer, None, doubled.init_lora, family)
+    loaded = get_peft_model_state_dict(transformer)
+    assert all(torch.equal(loaded[k] * (2 if "lora_B" in k else 1), trained[k]) for k in trained)
     store = Store(config.cache_dir)
     key = T.run_dir(config, T.upstream_versions(store, config))
     copied = tmp_path / "copy.safetensors"
