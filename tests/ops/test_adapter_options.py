@@ -179,3 +179,35 @@ def test_lycoris_adapters_train_and_load_in_peft_and_as_comfyuis_readers_compute
             # float32 products summed over a rank (or a Kronecker entry): a few ulps of the largest entry
             bound = 8 * torch.finfo(torch.float32).eps * peft_delta.abs().max().item()
             assert (comfyui_delta(comfy, module) - peft_delta).abs().max().item() <= bound, (name, module)
+
+
+def test_dora_trains_a_magnitude_loads_back_through_diffusers_and_resumes_exactly(
+        caches: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    """use_dora: peft's magnitude vectors are trained and saved; validation's loader (diffusers' load_lora_adapter,
+    the header's use_dora) reads the file back tensor for tensor; a run resumed from its step-1 checkpoint ends
+    with the same bits as the uninterrupted one."""
+    from diffusers import Kandinsky5Transformer3DModel
+
+    from loraflow.pipelines.base import LORA_ADAPTER, load_lora_file
+
+    settings = {"use_dora": True, "max_train_steps": 2, "checkpointing_steps": 1}
+    config = make_config(caches, tmp_path / "dora", **settings)
+    report = train(config)
+    trained = peft_names(Path(report.lora_path))
+    magnitudes = [k for k in trained if k.endswith("lora_magnitude_vector")]
+    assert len(magnitudes) == 20
+    transformer, _ = T.load_transformer(config, get_family(config), CPU)
+    start = get_peft_model_state_dict(transformer)  # the init: magnitudes = the base rows' norms
+    assert all(not torch.equal(trained[k], start[k]) for k in magnitudes)
+    transformer = Kandinsky5Transformer3DModel.from_pretrained(caches["model"] / "transformer")
+    load_lora_file(transformer, report.lora_path)
+    loaded = get_peft_model_state_dict(transformer, adapter_name=LORA_ADAPTER)
+    assert sorted(loaded) == sorted(trained) and all(torch.equal(loaded[k], trained[k]) for k in trained)
+    run = Path(report.run_dir)
+    resumed_out = tmp_path / "resumed"
+    shutil.copytree(Path(config.output_dir), resumed_out)
+    copy = resumed_out / "runs" / run.name
+    for path in (copy / T.LORA_FILE, copy / "history.json"):
+        path.unlink()
+    again = train(make_config(caches, resumed_out, **settings))
+    assert again.resumed_at_step == 1 and same_lora_file(copy / T.LORA_FILE, run / T.LORA_FILE)
