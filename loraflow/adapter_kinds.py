@@ -68,6 +68,16 @@ class LycorisConfig(StrictModel):
         return data
 
 
+def adapter_summary(config: Any) -> dict[str, Any]:
+    """What trained the adapter, for the `lora` asset's metadata: kind, size, start, EMA (`config`: LoraflowConfig)."""
+    lycoris = config.lycoris_config
+    kind = {"lokr": "LoKr", "loha": "LoHa"}[lycoris.algo] if lycoris else "DoRA" if config.use_dora else "LoRA"
+    size = ({"linear_dim": lycoris.linear_dim, "linear_alpha": lycoris.linear_alpha, "factor": lycoris.factor}
+            if lycoris else {"rank": config.lora_rank, "alpha": config.lora_alpha or config.lora_rank})
+    ema = {"decay": config.ema_decay, "update_interval": config.ema_update_interval} if config.use_ema else None
+    return {"kind": kind, **size, "init_lora": config.init_lora, "ema": ema}
+
+
 def read_lycoris_config(value: Any) -> Any:
     """A path to SimpleTuner's lycoris_config JSON file, or the mapping itself."""
     if not isinstance(value, (str, Path)):

@@ -89,6 +89,15 @@ def export_ema(out: Path, state: dict[str, torch.Tensor], adapter_config: dict, 
     return final
 
 
+def validation_adapters(config: LoraflowConfig, lora_path: str) -> dict[str, str]:
+    """What validation renders, by name (SimpleTuner's `ema_validation`): the LoRA, the EMA adapter beside it, or
+    both (comparison: the LoRA first); without use_ema the LoRA alone."""
+    ema = str(Path(lora_path).with_name(EMA_LORA_FILE))
+    if not config.use_ema or config.ema_validation == "none":
+        return {"lora": lora_path}
+    return {"ema": ema} if config.ema_validation == "ema_only" else {"lora": lora_path, "ema": ema}
+
+
 def post_hoc_ema(paths: Sequence[str | Path], decay: float, out: str | Path) -> Path:
     """musubi-tuner's post-hoc EMA: the EMA over LoRA files given in step order (the first starts it), written to
     `out` (tmp + rename) with the first file's header. Every file must hold the same tensor names and shapes."""

@@ -12,9 +12,10 @@ import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
+from loraflow.adapter_kinds import adapter_summary
 from loraflow.ops import train as T
 from loraflow.ops.adapters import start_adapter
-from loraflow.ops.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, post_hoc_ema
+from loraflow.ops.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, post_hoc_ema, validation_adapters
 from loraflow.pipelines import get_family
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.store import Store
@@ -47,14 +48,26 @@ def assert_close_to(ema: dict[str, torch.Tensor], reference: dict[str, torch.Ten
 
 @pytest.fixture(scope="module")
 def ema_run(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
-    config = make_config(caches, tmp_path_factory.mktemp("ema") / "out", lora_format="comfyui", **EMA, **EVERY_STEP)
-    return config, train(config)
+    """Through the Dagster `lora` asset: (config, run folder, the materialization's metadata)."""
+    from dagster import DagsterInstance, materialize
+
+    from loraflow.assets.resources import LoraflowResource
+    from loraflow.assets.stages import lora
+
+    output = tmp_path_factory.mktemp("ema") / "out"
+    config = make_config(caches, output, lora_format="comfyui", **EMA, **EVERY_STEP)
+    result = materialize([lora], instance=DagsterInstance.ephemeral(),
+                         resources={"loraflow": LoraflowResource(config_path=f"{output}.yaml")})
+    (event,) = result.get_asset_materialization_events()
+    metadata = {k: v.value for k, v in event.materialization.metadata.items()}
+    return config, Path(metadata["lora_path"]).parent, metadata
 
 
 def test_ema_equals_its_closed_form_leaves_the_lora_alone_and_resumes_exactly(
         ema_run, caches: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
-    config, report = ema_run
-    run = Path(report.run_dir)
+    config, run, metadata = ema_run
+    assert metadata["adapter"] == {"kind": "LoRA", "rank": 4, "alpha": 4, "init_lora": None,
+                                   "ema": {"decay": DECAY, "update_interval": INTERVAL}}
     family = get_family(config)
     transformer, _ = T.load_transformer(config, family, CPU)  # step 0's adapter: the seeded peft init
     start = {k: v.clone() for k, v in get_peft_model_state_dict(transformer).items()}
@@ -66,7 +79,7 @@ def test_ema_equals_its_closed_form_leaves_the_lora_alone_and_resumes_exactly(
                     closed_form(start, [steps[2], steps[4]]), 2)
     assert any(not torch.equal(ema[k], steps[STEPS][k]) for k in ema)  # an average, not a copy
     plain = train(make_config(caches, tmp_path / "plain", **EVERY_STEP))  # EMA off: the same LoRA, no EMA file
-    assert plain.run_dir != report.run_dir and not (Path(plain.run_dir) / EMA_LORA_FILE).exists()
+    assert plain.run_dir != str(run) and not (Path(plain.run_dir) / EMA_LORA_FILE).exists()
     assert same_lora_file(Path(plain.lora_path), run / T.LORA_FILE)
     # resume: the run as it stood after step 3 (its later files removed) finishes with the same EMA
     resumed_out = tmp_path / "resumed"
@@ -88,8 +101,7 @@ def test_ema_equals_its_closed_form_leaves_the_lora_alone_and_resumes_exactly(
 
 def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
         ema_run, caches: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
-    _, report = ema_run
-    run = Path(report.run_dir)
+    _, run, _ = ema_run
     trained = peft_names(run / T.LORA_FILE)
     for source in (run / T.LORA_FILE, run / COMFYUI_LORA_FILE):  # diffusers and ComfyUI key names
         config = make_config(caches, tmp_path / "init", init_lora=str(source))
@@ -161,8 +173,10 @@ def test_lycoris_adapters_train_and_load_in_peft_and_as_comfyuis_readers_compute
     from loraflow.pipelines.base import LORA_ADAPTER, load_lora_file
 
     for name, (lycoris, prefix, scale) in KINDS.items():
-        report = train(make_config(caches, tmp_path / name, lora_format="comfyui", lora_type="lycoris",
-                                   lycoris_config=lycoris))
+        config = make_config(caches, tmp_path / name, lora_format="comfyui", lora_type="lycoris",
+                             lycoris_config=lycoris)
+        assert adapter_summary(config)["kind"] == {"lokr_": "LoKr", "hada_": "LoHa"}[prefix]  # the asset's metadata
+        report = train(config)
         trained = peft_names(Path(report.lora_path))
         assert all(k.rsplit(".", 1)[-1].startswith(prefix) for k in trained)
         transformer = Kandinsky5Transformer3DModel.from_pretrained(caches["model"] / "transformer")
@@ -211,3 +225,14 @@ def test_dora_trains_a_magnitude_loads_back_through_diffusers_and_resumes_exactl
         path.unlink()
     again = train(make_config(caches, resumed_out, **settings))
     assert again.resumed_at_step == 1 and same_lora_file(copy / T.LORA_FILE, run / T.LORA_FILE)
+
+
+def test_ema_validation_picks_the_adapters_validation_renders(ema_run, caches: dict[str, Path],
+                                                             tmp_path: Path) -> None:  # noqa: F811
+    config, run, _ = ema_run
+    lora, ema = str(run / T.LORA_FILE), str(run / EMA_LORA_FILE)
+    assert validation_adapters(config, lora) == {"lora": lora, "ema": ema}  # comparison, SimpleTuner's default
+    only = make_config(caches, tmp_path / "o", **EMA, ema_validation="ema_only")
+    none = make_config(caches, tmp_path / "n", **EMA, ema_validation="none")
+    off = make_config(caches, tmp_path / "f", ema_validation="ema_only")  # without use_ema there is no EMA
+    assert [validation_adapters(c, lora) for c in (only, none, off)] == [{"ema": ema}, {"lora": lora}, {"lora": lora}]
