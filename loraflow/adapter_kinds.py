@@ -1,4 +1,5 @@
-"""SimpleTuner's `lycoris_config` (the LyCORIS JSON it hands `create_lycoris`), as far as peft's LoKr and LoHa express it.
+"""SimpleTuner's `lycoris_config` (the LyCORIS JSON it hands `create_lycoris`), as far as peft's LoKr and LoHa
+express it.
 
 Read from SimpleTuner's documentation (LYCORIS.md, the Kandinsky 5 quickstarts) and LyCORIS's modules: `algo`
 lokr or loha, `linear_dim` (peft `r`), `linear_alpha` (peft `alpha`), `factor` (LoKr's Kronecker factor, peft

@@ -3,7 +3,8 @@
 diffusers/peft: the family's `save_lora` writes the peft state dict (`<module>.lokr_w1`, `.lokr_w2` or
 `.lokr_w2_a`/`.lokr_w2_b`, ...; `.hada_w1_a` ... for LoHa) with the peft config in its header; diffusers'
 `load_lora_adapter` builds a LoraConfig only, so `load_lycoris_file` adds the header's own peft config
-(`add_adapter`, which injects it with peft) and loads the tensors with `set_peft_model_state_dict`, as peft reads its files.
+(`add_adapter`, which injects it with peft) and loads the tensors with `set_peft_model_state_dict`, as peft reads
+its files.
 
 ComfyUI (comfyanonymous/ComfyUI, read at the revisions in the index):
 - comfy/weight_adapter/lokr.py `LoKrAdapter.load`: `<key>.lokr_w1` | `.lokr_w1_a` + `.lokr_w1_b`, `.lokr_w2` |

@@ -146,7 +146,8 @@ def comfyui_delta(comfy: dict[str, torch.Tensor], module: str) -> torch.Tensor:
     t = {k.removeprefix(f"diffusion_model.{module}."): v.double() for k, v in comfy.items()
          if k.startswith(f"diffusion_model.{module}.")}
     if "hada_w1_a" in t:
-        return (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"]) * t["alpha"] / t["hada_w1_b"].shape[0]
+        hadamard = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"])
+        return hadamard * t["alpha"] / t["hada_w1_b"].shape[0]
     dim = None
     w1 = t.get("lokr_w1")
     if w1 is None:
