@@ -16,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from loraflow.adapter_kinds import adapter_summary
 from loraflow.ops import train as T
 from loraflow.ops.adapters import start_adapter
-from loraflow.ops.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, post_hoc_ema, validation_adapters
+from loraflow.cli import main
+from loraflow.ops.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, validation_adapters
 from loraflow.pipelines import get_family
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.store import Store
@@ -96,7 +97,9 @@ def test_ema_equals_its_closed_form_leaves_the_lora_alone_and_resumes_exactly(
     save_file(start, tmp_path / "step0.safetensors")
     files = [tmp_path / "step0.safetensors"] + [run / "checkpoints" / f"step-{s:07d}" / "lora.safetensors"
                                                 for s in (1, 3)]
-    averaged = load_file(post_hoc_ema(files, DECAY, tmp_path / "posthoc.safetensors"))
+    out = tmp_path / "posthoc.safetensors"
+    assert main(["post-hoc-ema", *map(str, files), "--decay", str(DECAY), "-o", str(out)]) == 0
+    averaged = load_file(out)
     assert_close_to(averaged, closed_form(start, [steps[1], steps[3]]), 2)
 
 
