@@ -471,7 +471,7 @@ class LoraflowConfig(GuideFeatures):
             raise ValueError(f"`fsdp: true` shards the model over the training processes but num_processes is "
                              f"{self.num_processes}: set num_processes: N (one per GPU, N > 1) or fsdp: false")
         # Each of these runs the sharded transformer (or its LoRA) on rank 0 alone or beside FSDP's own hooks
-        for key in ("enable_group_offload", "crepa_enabled", "validation_steps", "use_ema"):
+        for key in ("enable_group_offload", "crepa_enabled", "validation_steps", "use_ema", "lycoris_config"):
             if getattr(self, key):
                 raise ValueError(f"`{key}` is not supported with `fsdp: true` (untested together): remove `{key}` "
                                  "or set fsdp: false")
