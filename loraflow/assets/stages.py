@@ -128,8 +128,8 @@ def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
 @asset(deps=[latents, text_embeds, teacher_features], pool="gpu", group_name="loraflow",
        description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.assets.launch import train
     from loraflow.adapter_kinds import adapter_summary
+    from loraflow.assets.launch import train
     from loraflow.ops.previews import loss_plot
     from loraflow.ops.progress_renders import progress_sheet_path
 

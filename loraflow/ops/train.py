@@ -8,6 +8,7 @@ lives in output_dir/runs/<key>, keyed by the input caches' data versions and eve
     history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA), crepa_loss (CREPA);
                                 the event files per `report_to` (ops/tracking.py)
     crepa_projector.safetensors CREPA's projector (also in each checkpoint; ops/crepa_training.py)
+    pytorch_lora_weights_ema.safetensors   use_ema: the adapter's EMA (also in each checkpoint; ops/ema.py)
     pytorch_lora_weights.safetensors   the adapter, diffusers format, written last: the run is done
 Gradient checkpointing and group offloading are exact (not in the key: turning them on after an OOM resumes the
 run); TREAD is not. base_model_precision stores frozen weights in bf16, fp8 (layerwise casting) or int8 (torchao,
@@ -50,11 +51,11 @@ from loraflow.ops.crepa_training import (
     teacher_version,
 )
 from loraflow.ops.devices import free_models, peak_memory_gib
-from loraflow.ops.ema import EMA_CHECKPOINT_FILE, AdapterEma, export_ema, make_ema
 from loraflow.ops.distributed import (
     World, average_gradients_, barrier, broadcast_, check_same_everywhere, gathered, join, parallelize, sum_over_ranks,
     tensors_fingerprint,
 )
+from loraflow.ops.ema import EMA_CHECKPOINT_FILE, AdapterEma, export_ema, make_ema
 from loraflow.ops.exchange import text_lookup
 from loraflow.ops.progress_renders import ProgressRenders
 from loraflow.ops.quantize import INT8_PRECISIONS, quantize_base_int8
