@@ -261,6 +261,25 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
     return 0
 
 
+def post_hoc_ema(files: list[str], decay: float, out: str) -> int:
+    """musubi-tuner's post-hoc EMA over saved LoRA files (training/ema.py), written to `out`."""
+    from loraflow.training.ema import post_hoc_ema as average
+
+    missing = [f for f in files if not Path(f).is_file()]
+    problem = f"no such file: {', '.join(missing)}" if missing else None
+    if not 0 <= decay <= 1:
+        problem = f"--decay {decay} is not in [0, 1]"
+    if problem:
+        print(f"post-hoc-ema: {problem}", file=sys.stderr)
+        return 2
+    try:
+        print(f"wrote {average(files, decay, out)}", file=sys.stderr)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
@@ -288,6 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     importer.add_argument("config_json")
     importer.add_argument("backend_json", nargs="?", help="default: the file its data_backend_config names")
     importer.add_argument("-o", "--output", help="YAML file to write (default: standard output)")
+    averager = sub.add_parser("post-hoc-ema", help="the EMA of saved LoRA files (checkpoints' lora.safetensors), "
+                              "given in step order (musubi-tuner's post-hoc EMA)")
+    averager.add_argument("files", nargs="+")
+    averager.add_argument("--decay", type=float, required=True, help="ema <- decay * ema + (1 - decay) * file")
+    averager.add_argument("-o", "--output", required=True, help="the averaged .safetensors to write")
     return parser
 
 
@@ -304,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             return cache(args.config, args.dataset, args.workers, args.shard)
         if args.command == "import-simpletuner":
             return import_simpletuner(args.config_json, args.backend_json, args.output)
+        if args.command == "post-hoc-ema":
+            return post_hoc_ema(args.files, args.decay, args.output)
         return check(args.config, estimate=not args.no_estimates)
     except ConfigError as exc:  # every problem, each naming its key: no traceback for a bad config
         print(exc, file=sys.stderr)

@@ -16,6 +16,7 @@ from pydantic import ValidationError, ValidationInfo, field_validator, model_val
 
 # Dataset entries (one per dataset folder) are the config's other part; importable from here as well.
 from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
+from loraflow.adapter_kinds import LycorisConfig, read_lycoris_config
 from loraflow.config_errors import describe
 from loraflow.guide_features import GuideFeatures
 from loraflow.pipelines import (
@@ -217,6 +218,31 @@ class LoraflowConfig(GuideFeatures):
     optimizer: Literal["adamw", "adamw_bf16"] = setting(
         "adamw", run_key="when_set", description="adamw: torch AdamW, fp32 moments; adamw_bf16: the same update with "
         "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory")
+    # Adapter kind, start and EMA (SimpleTuner's names; training/adapters.py, training/ema.py). Off by default, keys unchanged.
+    lora_type: Literal["standard", "lycoris"] = setting(
+        "standard", run_key="when_set", description="standard: peft LoRA; lycoris: LoKr or LoHa (peft's), as "
+        "`lycoris_config` says")
+    lycoris_config: LycorisConfig | None = setting(
+        None, run_key="when_set", description="lora_type lycoris: SimpleTuner's LyCORIS JSON (a file, relative to "
+        "the config, or inline): algo lokr|loha, linear_dim, linear_alpha, factor, decompose_both, rank_dropout, "
+        "module_dropout")
+    use_dora: bool = setting(
+        False, run_key="when_set", description="DoRA (peft `use_dora`): a learned magnitude per output row")
+    init_lora: str | None = setting(
+        None, run_key="never", description="start training from this LoRA file (diffusers/peft or ComfyUI key "
+        "names, the same rank and targets); its content hash, not its path, is part of the run's inputs")
+    use_ema: bool = setting(
+        False, run_key="when_set", description="also keep an EMA of the adapter, written beside the LoRA as "
+        "pytorch_lora_weights_ema.safetensors (and in every checkpoint); the LoRA itself is unchanged")
+    ema_decay: float = setting(0.995, run_key="when_set", ge=0, le=1, description="ema <- decay * ema + (1 - decay) "
+                               "* weights at each update")
+    ema_update_interval: int = setting(1, run_key="when_set", ge=1, description="update the EMA every N optimizer "
+                                       "steps")
+    ema_device: Literal["cpu", "accelerator"] = setting(
+        "cpu", run_key="never", description="where the EMA lives between updates (the same numbers either way)")
+    ema_validation: Literal["none", "ema_only", "comparison"] = setting(
+        "comparison", run_key="never", description="with use_ema, what validation renders: none (the LoRA), "
+        "ema_only (the EMA adapter instead) or comparison (both)")
     report_to: Literal["tensorboard", "wandb", "none"] = setting(
         "tensorboard", run_key="never", description="where per-step numbers go besides history.json: tensorboard "
         "(<run>/tensorboard), wandb (W&B's own environment variables, e.g. WANDB_MODE=offline) or none")
@@ -238,6 +264,33 @@ class LoraflowConfig(GuideFeatures):
         if v is not None and v not in aliases and not re.fullmatch(r"[\w*/,?#-]+(\s+[\w*/,?#-]+){4}", v.strip()):
             raise ValueError(f"`recache_cron` must be a 5-field cron expression such as '0 3 * * *' "
                              f"or one of {', '.join(aliases)}; got {v!r}")
+        return v
+
+    @field_validator("lycoris_config", mode="before")
+    @classmethod
+    def _lycoris_file(cls, v: Any) -> Any:
+        return read_lycoris_config(v)
+
+    @model_validator(mode="after")
+    def _adapter_kind(self) -> LoraflowConfig:
+        if (self.lora_type == "lycoris") != (self.lycoris_config is not None):
+            raise ValueError("`lora_type: lycoris` and `lycoris_config` go together: set both (LoKr/LoHa) or neither "
+                             "(a standard LoRA)")
+        if self.use_dora and self.lora_type == "lycoris":
+            raise ValueError("`use_dora` is peft's DoRA for a standard LoRA; peft's LoKr/LoHa have no weight "
+                             "decomposition: remove use_dora or set lora_type standard")
+        if self.use_dora and self.lora_format == "comfyui":
+            raise ValueError("`use_dora` with `lora_format: comfyui`: ComfyUI's weight_decompose normalises DoRA's "
+                             "magnitude differently from peft (comfy/weight_adapter/base.py), so the file would not "
+                             "render what was trained; use lora_format diffusers (or use_dora: false)")
+        return self
+
+    @field_validator("init_lora")
+    @classmethod
+    def _init_lora(cls, v: str | None) -> str | None:
+        if v is not None and not (v.endswith(".safetensors") and Path(v).is_file()):
+            raise ValueError(f"`init_lora` {v!r} is not a .safetensors file: give the path of the LoRA file to start "
+                             "from (diffusers/peft or ComfyUI key names), or remove init_lora")
         return v
 
     @field_validator("validation_num_video_frames")
@@ -455,7 +508,7 @@ class LoraflowConfig(GuideFeatures):
             raise ValueError(f"`fsdp: true` shards the model over the training processes but num_processes is "
                              f"{self.num_processes}: set num_processes: N (one per GPU, N > 1) or fsdp: false")
         # Each of these runs the sharded transformer (or its LoRA) on rank 0 alone or beside FSDP's own hooks
-        for key in ("enable_group_offload", "crepa_enabled", "validation_steps"):
+        for key in ("enable_group_offload", "crepa_enabled", "validation_steps", "use_ema", "lycoris_config"):
             if getattr(self, key):
                 raise ValueError(f"`{key}` is not supported with `fsdp: true` (untested together): remove `{key}` "
                                  "or set fsdp: false")
@@ -537,6 +590,9 @@ def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | 
         if not path.is_file():
             raise ConfigError([f"dataset_backend_config: file {path} does not exist"], source)
         data["datasets"] = json.loads(path.read_text())
+    lycoris = data.get("lycoris_config")  # relative to the config file, like the datasets file
+    if isinstance(lycoris, str) and base_dir is not None and not Path(lycoris).is_absolute():
+        data["lycoris_config"] = str(base_dir / lycoris)
     library = data.get("user_prompt_library")
     if isinstance(library, str) and base_dir is not None and not Path(library).is_absolute():
         data["user_prompt_library"] = str(base_dir / library)  # relative to the config file, like the datasets file

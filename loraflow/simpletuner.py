@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from loraflow.adapter_kinds import REFUSED as LYCORIS_REFUSED
 from loraflow.config import DatasetConfig, LoraflowConfig, VideoSettings
 from loraflow.pipelines import family_spec, family_specs, known_flavour, nearest_multiple
 from loraflow.pipelines.flavours import NOT_DIFFUSERS
@@ -27,7 +28,7 @@ BACKEND_KEYS = ("data_backend_config", "dataset_backend_config")
 CROP_ASPECTS = typing.get_args(DatasetConfig.model_fields["crop_aspect"].annotation)
 LR_SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "cosine": "cosine"}
 BASE_PRECISIONS = typing.get_args(LoraflowConfig.model_fields["base_model_precision"].annotation)
-ONLY_VALUE = {"model_type": "lora", "lora_type": "standard"}
+ONLY_VALUE = {"model_type": "lora"}
 WHY = {  # reasons for keys people ask about; any other unknown key is "no loraflow equivalent"
     "optimizer": "loraflow has adamw and adamw_bf16 (bf16 moments, stochastic rounding)",
     "cache_dir_vae": "latents are keyed by content under the config's cache_dir",
@@ -37,6 +38,8 @@ WHY = {  # reasons for keys people ask about; any other unknown key is "no loraf
     "report_to": "loraflow reports to tensorboard, wandb or none",
     "push_to_hub": "loraflow never uploads",
     "hub_model_id": "loraflow never uploads",
+    "ema_cpu_only": "the EMA is updated where ema_device keeps it",
+    "ema_foreach_disable": "torch's EMA update (get_ema_multi_avg_fn) is one foreach lerp",
 }
 # Keys whose reason depends on the value: (key, value) -> why; any other value of the key: (key, None) -> why.
 WHY_VALUE = {
@@ -139,6 +142,8 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
                                  "other quantisations are not supported")
         elif key in BLOCK_SWAP:
             _block_swap(key, value, out)
+        elif key == "lycoris_config":
+            out.config[key] = _lycoris(value, base_dir, out)
         elif key in ("resolution", "resolution_type"):
             continue  # dataset defaults, applied below
         elif key in shared:
@@ -168,15 +173,41 @@ def _backends_from(settings: dict[str, Any], base_dir: Path | None, out: Importe
     for key in BACKEND_KEYS:
         if key in settings:
             path = Path(str(settings[key]))
-            here = base_dir or Path()
-            candidates = [path] if path.is_absolute() else [here.parent / path, here / path, path]
-            for candidate in candidates:
+            for candidate in _candidates(path, base_dir):
                 if candidate.is_file():
                     out.notes.append(f"datasets read from {candidate}")
                     return read_json(candidate)
             raise FileNotFoundError(f"{key} names {path}, which does not exist: pass the dataset file as the "
                                     "second argument")
     raise ValueError("no dataset list: pass multidatabackend.json as the second argument")
+
+
+def _candidates(path: Path, base_dir: Path | None) -> list[Path]:
+    """Where SimpleTuner's relative paths may point: its root (usually config/'s parent), config.json's folder, cwd."""
+    here = base_dir or Path()
+    return [path] if path.is_absolute() else [here.parent / path, here / path, path]
+
+
+def _lycoris(value: Any, base_dir: Path | None, out: Imported) -> dict[str, Any]:
+    """The LyCORIS JSON inlined (its relative path resolved as the dataset list's); fields peft cannot take are
+    reported, each with its reason, and an `apply_preset` naming FeedForward becomes lora_include_ffn."""
+    if isinstance(value, dict):
+        lycoris = dict(value)
+    else:
+        path = Path(str(value))
+        found = [c for c in _candidates(path, base_dir) if c.is_file()]
+        if not found:
+            raise FileNotFoundError(f"lycoris_config names {path}, which does not exist; run the import from "
+                                    "SimpleTuner's folder, or give the file's absolute path in config.json")
+        lycoris = read_json(found[0])
+        out.notes.append(f"lycoris_config read from {found[0]} and written inline")
+    preset = lycoris.get("apply_preset")
+    if isinstance(preset, dict) and "FeedForward" in (preset.get("target_module") or []):
+        out.config["lora_include_ffn"] = True
+        out.notes.append("lycoris_config apply_preset targets FeedForward: lora_include_ffn: true")
+    for key in [k for k in lycoris if k in LYCORIS_REFUSED]:
+        out.skip(f"lycoris_config.{key}", lycoris.pop(key), LYCORIS_REFUSED[key])
+    return lycoris
 
 
 def simpletuner_families() -> dict[str, str]:

@@ -14,6 +14,7 @@ import pytest
 from loraflow.config import (
     DatasetConfig, LoraflowConfig, StrictModel, TreadConfig, TreadRoute, VideoSettings, load_config, setting,
 )
+from loraflow.adapter_kinds import LycorisConfig
 from loraflow.dataset_config import run_key_of
 from loraflow.guide_features import GuideFeatures
 from loraflow.training import loop as T
@@ -24,10 +25,13 @@ Path_ = tuple[str | int, ...]  # field names, and indices into tuples of models
 
 
 def demo() -> LoraflowConfig:
-    """The demo config with TREAD on, so that every config model (TreadRoute too) has an instance to vary."""
+    """The demo config with TREAD and a LyCORIS config on, so that every config model (TreadRoute too) has an
+    instance to vary."""
     config = load_config(REPO / "configs" / "demo.yaml")
     route = TreadRoute(selection_ratio=0.5, start_layer_idx=0, end_layer_idx=-1)
-    return config.model_copy(update={"tread_config": TreadConfig(routes=(route,))})
+    lycoris = LycorisConfig(algo="lokr", linear_dim=4)
+    return config.model_copy(update={"tread_config": TreadConfig(routes=(route,)), "lora_type": "lycoris",
+                                     "lycoris_config": lycoris})
 
 
 def fields(model: StrictModel) -> Iterator[tuple[Path_, str, type[StrictModel], str]]:
@@ -77,7 +81,7 @@ def key(config: LoraflowConfig) -> str:
 
 def test_the_walk_reaches_every_config_model() -> None:
     reached = {(owner, name) for _, _, owner, name in fields(demo())}
-    models = {LoraflowConfig, DatasetConfig, VideoSettings, TreadConfig, TreadRoute}
+    models = {LoraflowConfig, DatasetConfig, VideoSettings, TreadConfig, TreadRoute, LycorisConfig}
     assert reached == {(m, name) for m in models for name in m.model_fields}
     loaded = {m for m in _subclasses(StrictModel) if m.__module__.startswith("loraflow.")}
     # a new config model is reached by the walk, or this names it; GuideFeatures is LoraflowConfig's base, whose

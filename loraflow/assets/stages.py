@@ -128,6 +128,7 @@ def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
 @asset(deps=[latents, text_embeds, teacher_features], pool="gpu", group_name="loraflow",
        description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
+    from loraflow.adapter_kinds import adapter_summary
     from loraflow.assets.launch import train
     from loraflow.media.previews import loss_plot
     from loraflow.training.progress_renders import progress_sheet_path
@@ -149,6 +150,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
             "loss_curve": md.md_image(loss_plot(history), "training loss per step"),
             "history": MetadataValue.path(str(Path(report.run_dir) / "history.json")),  # every digit
             "inputs": MetadataValue.json(report.inputs),
+            "adapter": MetadataValue.json(adapter_summary(config)),  # kind, size, init_lora, EMA
             **({"renders_during_training": md.md_image(sheet, "first validation prompt, per step")} if sheet else {}),
         },
     )
@@ -161,12 +163,19 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.training.loop import current_lora_path
     from loraflow.validation.validate import validate
+    from loraflow.training.ema import validation_adapters
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
     store = loraflow.store(config)
-    report = validate(config, get_family(config), store, current_lora_path(config, store))
-    metadata = {**md.counts(report), "prompts": len(report.prompts)}
+    adapters = validation_adapters(config, current_lora_path(config, store))  # ema_validation
+    reports = {name: validate(config, get_family(config), store, path) for name, path in adapters.items()}
+    report = next(iter(reports.values()))
+    metadata = {**md.counts(report), "prompts": len(report.prompts), "adapter": MetadataValue.path(
+        next(iter(adapters.values())))}
+    if len(reports) > 1 and reports["ema"].prompts:  # comparison: the EMA adapter's renders beside the LoRA's
+        metadata |= {"ema_mean_abs_pixel_change": md.number(reports["ema"].mean_abs_pixel_change),
+                     "ema_preview": md.md_image(reports["ema"].prompts[0].contact_sheet, "base frames over EMA frames")}
     if report.prompts:
         sheets = [f"**{p.name}**: {p.prompt}\n\n"
                   + (md.md_image(p.animation, "base and LoRA, playing").value + "\n\n" if p.animation else "")

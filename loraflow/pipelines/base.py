@@ -251,9 +251,15 @@ def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path) -> None:
     """
     from safetensors import safe_open
 
+    from loraflow.pipelines.lycoris import is_lycoris, load_lycoris_file
+
     path = Path(lora_path)
     with safe_open(str(path), "pt") as f:
-        prefix = "transformer" if all(k.startswith("transformer.") for k in f.keys()) else None
+        keys = list(f.keys())
+    if is_lycoris(keys):  # LoKr/LoHa: diffusers builds LoRA configs only
+        load_lycoris_file(transformer, path, LORA_ADAPTER)
+        return
+    prefix = "transformer" if all(k.startswith("transformer.") for k in keys) else None
     transformer.load_lora_adapter(str(path.parent), weight_name=path.name, prefix=prefix, adapter_name=LORA_ADAPTER)
 
 

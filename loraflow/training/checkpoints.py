@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from loraflow.training.distributed import gathered, shard_like
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE, save_comfyui_lora
+from loraflow.pipelines.lycoris import is_lycoris, save_comfyui_lycoris
 
 log = logging.getLogger(__name__)
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -134,6 +135,8 @@ def export_comfyui(out: Path, family: ModelFamily) -> Path:
         state = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
         header = json.loads((f.metadata() or {}).get("lora_adapter_metadata") or "{}")
     config = {k.removeprefix("transformer."): v for k, v in header.items()}
+    if is_lycoris(list(state)):
+        return save_comfyui_lycoris(state, config, family.comfyui_names, out / COMFYUI_LORA_FILE)
     return save_comfyui_lora(state, config or None, family.comfyui_names, out / COMFYUI_LORA_FILE)
 
 

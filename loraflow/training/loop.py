@@ -8,6 +8,7 @@ lives in output_dir/runs/<key>, keyed by the input caches' data versions and eve
     history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA), crepa_loss (CREPA);
                                 the event files per `report_to` (training/tracking.py)
     crepa_projector.safetensors CREPA's projector (also in each checkpoint; training/crepa_training.py)
+    pytorch_lora_weights_ema.safetensors   use_ema: the adapter's EMA (also in each checkpoint; training/ema.py)
     pytorch_lora_weights.safetensors   the adapter, diffusers format, written last: the run is done
 Gradient checkpointing and group offloading are exact (not in the key: turning them on after an OOM resumes the
 run); TREAD is not. base_model_precision stores frozen weights in bf16, fp8 (layerwise casting) or int8 (torchao,
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft import LoraConfig
+from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from loraflow.config import LoraflowConfig
@@ -41,8 +42,9 @@ from loraflow.kernels.flow_matching import lr_at
 from loraflow.kernels.scheduled_sampling import roll_out
 from loraflow.kernels.tread import resolve_routes, tread_routing
 from loraflow.training.row_cache import RowCache, prefetched
+from loraflow.training.adapters import ADAPTER_PARAMETERS, add_adapter, init_lora_version, start_adapter
 from loraflow.training.checkpoints import (
-    LORA_FILE, adapter_config, export_comfyui, export_lora, latest_checkpoint, load_lora, lora_state, optimizer_state,
+    LORA_FILE, adapter_config, export_comfyui, export_lora, latest_checkpoint, lora_state, optimizer_state,
     resume_optimizer, save_checkpoint, write_json,
 )
 from loraflow.contracts.teacher_features import teacher_keys, teacher_version
@@ -58,6 +60,7 @@ from loraflow.kernels.quantize import INT8_PRECISIONS, quantize_base_int8
 from loraflow.contracts.reports import LoraReport, TrainStep
 from loraflow.training.tracking import open_sink
 from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load_micro_batch, step_seed, training_texts
+from loraflow.training.ema import EMA_CHECKPOINT_FILE, AdapterEma, export_ema, make_ema
 from loraflow.pipelines.base import (
     ModelFamily, conditioned_noisy, flow_mse, load_component,
 )
@@ -85,6 +88,8 @@ def upstream_versions(store: Store, config: LoraflowConfig | None = None) -> dic
         from loraflow.pipelines import get_family
 
         versions["teacher_features"] = teacher_version(config, get_family(config), store)
+    if config is not None and config.init_lora is not None:  # the tensors training starts from
+        versions["init_lora"] = init_lora_version(config.init_lora)
     return versions
 
 
@@ -103,12 +108,8 @@ def current_lora_path(config: LoraflowConfig, store: Store) -> str:
 
 # 2. model: precision, LoRA, memory features -------------------------------------------------------------------
 def add_lora(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> list[torch.nn.Parameter]:
-    torch.manual_seed(config.seed)  # lora_A's init: same seed, same adapter
-    transformer.add_adapter(LoraConfig(
-        r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank, lora_dropout=config.lora_dropout,
-        target_modules=family.lora_targets(config.lora_include_ffn), init_lora_weights=True,
-    ))
-    params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    add_adapter(transformer, config, family.lora_targets(config.lora_include_ffn))  # LoRA, DoRA, LoKr or LoHa
+    params = [p for n, p in transformer.named_parameters() if any(k in n for k in ADAPTER_PARAMETERS)]
     for p in params:
         p.data = p.data.float()  # fp32 LoRA params even when the base model is bf16 or fp8
         p.requires_grad_(True)
@@ -309,8 +310,8 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     # 2. model: precision, LoRA (resumed), memory features, optimizer (resumed)
     transformer, params = load_transformer(config, family, device)
     checkpoint = latest_checkpoint(out)
-    if checkpoint is not None:
-        load_lora(checkpoint, transformer)
+    start_adapter(transformer, checkpoint, config.init_lora, family)
+    ema = make_ema(config, transformer, checkpoint, device)  # use_ema; from the weights just loaded
     enable_offload(transformer, config, device)
     crepa = make_crepa(config, family, transformer, store, checkpoint, device)
     params = params + ([] if crepa is None else list(crepa.projector.parameters()))  # trained with the LoRA
@@ -324,7 +325,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     start, history = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
     # 3. steps
     history = run_steps(config, family, store, plan, transformer, trainable, optimizer, start, history, out,
-                        world, crepa)
+                        world, crepa, ema)
     check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, [gathered(p) for p in params]),
                           world, device)
     # 4. rank 0 writes the history, then the adapter: the adapter's presence marks the run done
@@ -333,9 +334,11 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
         write_json(out / "history.json", history)
         for name, tensors in projector_state(crepa).items():  # beside the adapter, before it marks the run done
             save_file(tensors, out / name)
+        if ema is not None:
+            export_ema(out, ema.state(), adapter_config(transformer), family)
         export_lora(out, lora, adapter_config(transformer), family, config.lora_format)
     barrier(world)  # every rank returns once the run is done
-    del transformer, trainable, optimizer, params, crepa  # the last references: free_models can free the weights
+    del transformer, trainable, optimizer, params, crepa, ema  # the last references: free_models can free the weights
     free_models()
     return lora_report(out, upstream, computed=config.max_train_steps - start, resumed_at=start)
 
@@ -349,7 +352,7 @@ def make_optimizer(config: LoraflowConfig, params: list[torch.nn.Parameter]) -> 
 def run_steps(
     config: LoraflowConfig, family: ModelFamily, store: Store, plan: BatchPlan,
     transformer: torch.nn.Module, trainable: Trainable, optimizer: torch.optim.Optimizer, start: int,
-    history: list[dict], out: Path, world: World = World(), crepa: Crepa | None = None,
+    history: list[dict], out: Path, world: World = World(), crepa: Crepa | None = None, ema: AdapterEma | None = None,
 ) -> list[dict]:
     """Optimizer steps start..max_train_steps: set lr, micro-steps, average over ranks, clip + step, log, checkpoint.
 
@@ -392,6 +395,8 @@ def run_steps(
                 seen += len(batch.samples)
             average_gradients_(trainable.gradients(), world)
             grad_norm = trainable.step(optimizer, config.max_grad_norm)  # the same on every rank
+            if ema is not None:
+                ema.after_step(step + 1, get_peft_model_state_dict(transformer))
             loss_sum, crepa_sum, seen = sum_over_ranks([losses[0] / world.size, losses[1] / world.size, seen],
                                                        world, device)
             if world.main:
@@ -399,7 +404,7 @@ def run_steps(
                 history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
                                          time.perf_counter() - began, seen, device, sink, extra))
             if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
-                save_step(out, step + 1, transformer, optimizer, history, config, world, crepa)
+                save_step(out, step + 1, transformer, optimizer, history, config, world, crepa, ema)
             renders.after_step(step + 1)
     finally:
         batches.close()
@@ -409,11 +414,13 @@ def run_steps(
 
 
 def save_step(out: Path, step: int, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              history: list[dict], config: LoraflowConfig, world: World, crepa: Crepa | None) -> None:
+              history: list[dict], config: LoraflowConfig, world: World, crepa: Crepa | None,
+              ema: AdapterEma | None = None) -> None:
     """Every rank takes the state (under FSDP: gathers the shards), rank 0 writes it."""
     lora, moments = lora_state(transformer), optimizer_state(optimizer)
     if world.main:
-        save_checkpoint(out, step, lora, moments, history, config.checkpoints_total_limit, projector_state(crepa))
+        extra = projector_state(crepa) | ({} if ema is None else {EMA_CHECKPOINT_FILE: ema.state()})
+        save_checkpoint(out, step, lora, moments, history, config.checkpoints_total_limit, extra)
     barrier(world)  # no rank runs ahead of the newest checkpoint
 
 

@@ -37,6 +37,7 @@ from loraflow.contracts.renders import conditioning_image, negative_prompt, prom
 from loraflow.contracts.text_set import cached_texts
 from loraflow.media.previews import contact_sheet
 from loraflow.media.writers import read_media, save_png, slug, write_media
+from loraflow.training.adapters import ADAPTER_PARAMETERS
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
@@ -154,4 +155,4 @@ def _reset_peak(device: torch.device) -> None:
 
 def _device_of(transformer: torch.nn.Module) -> torch.device:
     """Where the LoRA parameters live (the compute device, also under group offloading)."""
-    return next(p.device for n, p in transformer.named_parameters() if "lora_" in n)
+    return next(p.device for n, p in transformer.named_parameters() if any(k in n for k in ADAPTER_PARAMETERS))

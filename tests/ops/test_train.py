@@ -40,7 +40,7 @@ SHORT_CAPTION = "a dot"
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: tests/ops/test_adapter_options.py trains on the same caches
 def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("train"))
 

@@ -1,0 +1,141 @@
+"""The adapter: its kind (peft LoRA, DoRA, LyCORIS LoKr/LoHa) and where it starts.
+
+Kinds (`lora_type`, `lycoris_config`, `use_dora`), all peft's own: the standard LoRA is built exactly as before
+they existed. LoKr keeps LyCORIS's scale: LyCORIS trains a module whose two Kronecker factors are both whole at
+scale 1 whatever `linear_alpha` says (lycoris/modules/lokr.py: "use scale = 1", alpha = lora_dim), and ComfyUI
+applies such a module at scale 1 (comfy/weight_adapter/lokr.py: alpha / dim only where a factor is decomposed).
+peft scales every module by alpha / r, so those modules get alpha = r through peft's `alpha_pattern`, which
+travels in the file's header.
+
+Start: a checkpoint (resume), else `init_lora` (an existing LoRA file), else peft's init.
+
+`init_lora` reads the files users have: diffusers/peft key names (`transformer.<module>.lora_A.weight`, with or
+without the prefix; what loraflow writes) or ComfyUI's (`diffusion_model.<module>.lora_down.weight` / `lora_up` /
+`alpha`, what `lora_format: comfyui` writes, pipelines/comfyui.py). The file must hold exactly the adapter being
+trained (same modules, same rank): anything else is refused, naming the keys, never loaded in part. A ComfyUI
+module fused from several diffusers linears (HunyuanVideo 1.5's q/k/v) is split back into its parts' blocks, and
+ComfyUI's scale (alpha / rank, 1 without alpha) is moved into lora_B where it differs from peft's, so the adapter
+applies the same update. The file's content hash is one of the run's inputs (`init_lora_version`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from loraflow.pipelines.base import ModelFamily
+from loraflow.pipelines.comfyui import PREFIX, comfyui_name, peft_scale
+
+if TYPE_CHECKING:
+    from loraflow.adapter_kinds import LycorisConfig
+    from loraflow.config import LoraflowConfig
+
+
+ADAPTER_PARAMETERS = ("lora_", "lokr_", "hada_")  # peft's LoRA (and DoRA's magnitude), LoKr, LoHa
+
+
+def add_adapter(transformer: torch.nn.Module, config: LoraflowConfig, targets: list[str] | str) -> None:
+    """The configured adapter on `transformer`, its init drawn from `config.seed` (same seed, same adapter)."""
+    from peft import LoraConfig
+
+    torch.manual_seed(config.seed)
+    if config.lycoris_config is None:
+        transformer.add_adapter(LoraConfig(
+            r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank, lora_dropout=config.lora_dropout,
+            target_modules=targets, init_lora_weights=True, use_dora=config.use_dora,
+        ))
+        return
+    peft_config = lycoris_peft_config(config.lycoris_config, targets)
+    if config.lycoris_config.algo == "lokr":  # whole-factor modules at scale 1, as LyCORIS (module docstring)
+        transformer.add_adapter(peft_config)
+        whole = [name for name, module in transformer.named_modules()
+                 if "default" in getattr(module, "lokr_w1", {}) and "default" in getattr(module, "lokr_w2", {})]
+        transformer.delete_adapters("default")
+        peft_config.alpha_pattern = {f"^{re.escape(name)}": peft_config.r for name in whole}
+        torch.manual_seed(config.seed)
+    transformer.add_adapter(peft_config)
+
+
+def lycoris_peft_config(lycoris: LycorisConfig, targets: list[str] | str) -> Any:
+    """peft's LoKrConfig / LoHaConfig for SimpleTuner's lycoris_config (the fields adapter_kinds.py accepts)."""
+    from peft import LoHaConfig, LoKrConfig
+
+    common = {"r": lycoris.linear_dim, "alpha": lycoris.linear_alpha, "rank_dropout": lycoris.rank_dropout,
+              "module_dropout": lycoris.module_dropout, "target_modules": targets, "init_weights": True}
+    if lycoris.algo == "loha":
+        return LoHaConfig(**common)
+    return LoKrConfig(**common, decompose_both=lycoris.decompose_both, decompose_factor=lycoris.factor)
+
+
+def init_lora_version(path: str) -> str:
+    """The content hash of the tensors `init_lora` starts from (not its path: a copy keeps the run)."""
+    from loraflow.keys import safetensors_sha256
+
+    return safetensors_sha256(path)
+
+
+def start_adapter(transformer: torch.nn.Module, checkpoint: Path | None, init_lora: str | None,
+                  family: ModelFamily) -> None:
+    """The adapter's weights at the first step to run: the checkpoint's, else the init_lora file's, else as added."""
+    from loraflow.training.checkpoints import load_lora
+
+    if checkpoint is not None:
+        load_lora(checkpoint, transformer)
+    elif init_lora is not None:
+        load_init_lora(init_lora, transformer, family)
+
+
+def load_init_lora(path: str, transformer: torch.nn.Module, family: ModelFamily) -> None:
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from loraflow.training.checkpoints import adapter_config
+
+    wanted = get_peft_model_state_dict(transformer)
+    found = load_file(path)
+    if any(k.startswith(PREFIX) for k in found):
+        state = _from_comfyui(found, wanted, adapter_config(transformer), family, path)
+    else:
+        state = {k.removeprefix("transformer."): v for k, v in found.items()}
+    missing, extra = sorted(set(wanted) - set(state)), sorted(set(state) - set(wanted))
+    if missing or extra:
+        raise ValueError(f"`init_lora` {path} does not hold the adapter this config trains ({len(missing)} of its "
+                         f"tensors missing, e.g. {missing[:2]}; {len(extra)} others, e.g. {extra[:2]}): set "
+                         "lora_rank, lora_include_ffn and the adapter kind as the file was trained, or remove "
+                         "init_lora")
+    for key, tensor in state.items():
+        if tensor.shape != wanted[key].shape:
+            raise ValueError(f"`init_lora` {path}: {key} has shape {tuple(tensor.shape)}, this config's adapter "
+                             f"{tuple(wanted[key].shape)}: set lora_rank to the file's rank")
+    set_peft_model_state_dict(transformer, {k: v.to(wanted[k].dtype) for k, v in state.items()})
+
+
+def _from_comfyui(found: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor], config: dict,
+                  family: ModelFamily, path: str) -> dict[str, torch.Tensor]:
+    """peft tensors for `wanted`'s modules from a ComfyUI file (the inverse of comfyui.to_comfyui)."""
+    state, used = {}, set()
+    for key in wanted:
+        match = re.fullmatch(r"(.+)\.lora_A\.weight", key)
+        if match is None:
+            continue  # lora_B: taken with its lora_A
+        module = match[1]
+        name, part, parts = comfyui_name(family.comfyui_names, module)
+        down_key, up_key, alpha_key = (f"{PREFIX}{name}.{s}" for s in ("lora_down.weight", "lora_up.weight", "alpha"))
+        if down_key not in found or up_key not in found:
+            continue  # reported as missing
+        down, up = found[down_key].float(), found[up_key].float()
+        rank, out = wanted[key].shape[0], wanted[f"{module}.lora_B.weight"].shape[0]
+        a = down[part * rank:(part + 1) * rank]
+        b = up[part * out:(part + 1) * out, part * rank:(part + 1) * rank] if parts > 1 else up
+        file_scale = float(found[alpha_key]) / down.shape[0] if alpha_key in found else 1.0
+        ratio = file_scale / peft_scale(config, rank)
+        state[key], state[f"{module}.lora_B.weight"] = a, b if ratio == 1.0 else b * ratio
+        used |= {down_key, up_key, alpha_key}
+    unused = sorted(set(found) - used)
+    if unused:
+        raise ValueError(f"`init_lora` {path}: {len(unused)} ComfyUI tensors have no module in this config's adapter "
+                         f"(e.g. {unused[:2]}): set lora_include_ffn as the file was trained, or remove init_lora")
+    return state
