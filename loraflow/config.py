@@ -18,6 +18,7 @@ from pydantic import ValidationError, ValidationInfo, field_validator, model_val
 from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
 from loraflow.config_errors import describe
 from loraflow.guide_features import GuideFeatures
+from loraflow.training_options import TrainingOptions
 from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
@@ -56,7 +57,7 @@ class TreadConfig(StrictModel):
         return v
 
 
-class LoraflowConfig(GuideFeatures):
+class LoraflowConfig(GuideFeatures, TrainingOptions):
     """A whole run: model, data, training and validation. Units are in each field's description."""
 
     model_family: str = setting(run_key="always", description=describe_families())
@@ -196,9 +197,11 @@ class LoraflowConfig(GuideFeatures):
         "base_model_precision is not no_change; no = fp32 compute (needs base_model_precision no_change)")
     tread_config: TreadConfig | None = setting(
         None, run_key="always", description="TREAD token routing; unset: every token, every block")
-    optimizer: Literal["adamw", "adamw_bf16"] = setting(
+    optimizer: Literal["adamw", "adamw_bf16", "muon", "prodigy", "adamw_schedulefree"] = setting(
         "adamw", run_key="when_set", description="adamw: torch AdamW, fp32 moments; adamw_bf16: the same update with "
-        "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory")
+        "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory; muon: torch's Muon "
+        "(the 2-D LoRA matrices); prodigy: prodigyopt (learning_rate 1.0: it finds the step size); "
+        "adamw_schedulefree: schedulefree's AdamW (lr_scheduler ignored past warmup; ops/optimizers.py)")
     report_to: Literal["tensorboard", "wandb", "none"] = setting(
         "tensorboard", run_key="never", description="where per-step numbers go besides history.json: tensorboard "
         "(<run>/tensorboard), wandb (W&B's own environment variables, e.g. WANDB_MODE=offline) or none")

@@ -56,7 +56,7 @@ def test_the_guides_training_features_name_their_allowed_values() -> None:
     data.update(optimizer="lion", report_to="comet_ml", base_model_precision="int4-quanto",
                 scheduled_sampling_strategy="late", scheduled_sampling_sampler="unipc")
     found = problems(data)
-    assert "optimizer: Input should be 'adamw' or 'adamw_bf16' (got 'lion')" in found
+    assert "optimizer: Input should be 'adamw', 'adamw_bf16', 'muon', 'prodigy' or 'adamw_schedulefree' (got 'lion')" in found
     assert "report_to: Input should be 'tensorboard', 'wandb' or 'none' (got 'comet_ml')" in found
     assert any(p.startswith("base_model_precision:") and "'int8-torchao' or 'int8-quanto'" in p for p in found)
     assert any(p.startswith("scheduled_sampling_strategy:") and "'biased_late'" in p for p in found)

@@ -99,13 +99,16 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.T
     """AdamW's full state as safetensors tensors and JSON scalars (under FSDP every rank calls it, as lora_state)."""
     state = optimizer.state_dict()
     tensors = {f"{pid}.{name}": gathered(value).detach().cpu().contiguous() for pid, entry in state["state"].items()
-               for name, value in entry.items()}
-    return tensors, {"param_groups": state["param_groups"]}
+               for name, value in entry.items() if isinstance(value, torch.Tensor)}
+    # plain numbers in a parameter's state (Prodigy's step count) go to the JSON
+    numbers = {f"{pid}.{name}": value for pid, entry in state["state"].items() for name, value in entry.items()
+               if not isinstance(value, torch.Tensor)}
+    return tensors, {"param_groups": state["param_groups"]} | ({"state": numbers} if numbers else {})
 
 
 def _unflatten_optimizer(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in tensors.items():
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in (tensors | scalars.get("state", {})).items():
         index, field = name.split(".", 1)
         state.setdefault(int(index), {})[field] = value
     return {"state": state, "param_groups": scalars["param_groups"]}
