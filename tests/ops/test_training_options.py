@@ -1,0 +1,129 @@
+"""Issue 32's loss types, optimizers and flow schedules through `train_lora` on the tiny Kandinsky 5 Video: each
+option on changes the LoRA (off, the run key and so the LoRA are today's: tests/test_keys_pinned.py,
+test_two_steps_equal_a_hand_written_reference); the optimizers resume bit for bit; Muon's update is orthogonal
+within its Newton-Schulz iteration's bound."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraflow.kernels.flow_matching import auto_shift
+from loraflow.ops import train as T
+from loraflow.ops import train_data as D
+from loraflow.ops.optimizers import make_optimizer, set_lr
+from loraflow.pipelines import get_family
+from tests.numerics import U32
+from tests.ops.test_train import CPU, build_caches, make_config, same_lora_file, train
+
+SHAPE = (4, 16, 3, 8, 12)  # (B, C, T, h, w): 3 x 4 x 6 = 72 tokens
+
+@pytest.fixture(scope="module")
+def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("options"))
+
+
+@pytest.fixture(scope="module")
+def plain(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    return train(make_config(caches, tmp_path_factory.mktemp("plain") / "out"))
+
+
+def test_the_huber_loss_changes_the_lora(plain, caches: dict[str, Path], tmp_path: Path) -> None:
+    report = train(make_config(caches, tmp_path / "out", loss_type="huber", huber_c=0.05))
+    assert report.data_version != plain.data_version  # a run of its own
+    assert not same_lora_file(Path(report.lora_path), Path(plain.lora_path))
+    assert report.history[0].loss < plain.history[0].loss  # the same residuals, below l2 (kernels/test_losses.py)
+
+
+@pytest.mark.parametrize("option", [
+    {"optimizer": "muon", "loraplus_lr_ratio": 4.0},
+    {"optimizer": "prodigy", "learning_rate": 1.0},
+    {"optimizer": "adamw_schedulefree", "loraplus_lr_ratio": 4.0},
+], ids=["muon+loraplus", "prodigy", "schedulefree+loraplus"])
+def test_optimizers_change_the_lora_and_resume_bit_for_bit(plain, caches: dict[str, Path], tmp_path: Path,
+                                                           option: dict) -> None:
+    """2 steps with a checkpoint at step 1; the adapter deleted, the run resumes from step 1 and ends with the
+    same bits as before (Prodigy's d and step count, schedule-free's z and weight sums come back; schedule-free's
+    checkpoints hold its training point y, its export the average x)."""
+    config = make_config(caches, tmp_path / "out", checkpointing_steps=1, **option)
+    first = train(config)
+    run = Path(first.run_dir)
+    assert not same_lora_file(run / T.LORA_FILE, Path(plain.lora_path))
+    whole = tmp_path / "whole.safetensors"
+    (run / T.LORA_FILE).rename(whole)
+    resumed = train(config)
+    assert resumed.resumed_at_step == 1 and resumed.computed == 1
+    assert same_lora_file(run / T.LORA_FILE, whole)
+    assert [r.loss for r in resumed.history] == [r.loss for r in first.history]
+
+
+def test_flow_schedule_options_reach_the_training_draws(caches: dict[str, Path], tmp_path: Path) -> None:
+    """Micro-step 0's sigmas (`step_draws`: what training uses) with each schedule option, against the plain
+    draws of the same generator: the range maps them onto [0.2, 0.8] (two float32 roundings), the auto shift is
+    the shift of the batch's token count (frames x h/2 x w/2), the beta schedule draws others."""
+    def sigmas(**option) -> torch.Tensor:
+        config = make_config(caches, tmp_path / "out", **option)
+        return D.step_draws(config, get_family(config), 0, SHAPE).sigma
+
+    plain = sigmas()
+    ranged = sigmas(min_timestep=200, max_timestep=800)
+    assert torch.allclose(ranged, plain * 0.6 + 0.2, rtol=2 * U32, atol=0) and not torch.equal(ranged, plain)
+    tokens = SHAPE[2] * (SHAPE[3] // 2) * (SHAPE[4] // 2)
+    assert torch.equal(sigmas(flow_schedule_auto_shift=True), sigmas(flow_schedule_shift=auto_shift(tokens)))
+    assert not torch.equal(sigmas(flow_schedule_auto_shift=True), plain)
+    beta = sigmas(flow_use_beta_schedule=True, flow_beta_schedule_alpha=1.0)
+    assert not torch.equal(beta, plain) and ((0 < beta) & (beta < 1)).all()
+
+
+def newton_schulz_singular_values(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int) -> torch.Tensor:
+    """X -> aX + (bXX^T + c(XX^T)^2)X maps each singular value s to p(s) = as + bs^3 + cs^5: the iteration's
+    exact output singular values, in float64, from the input's normalised ones."""
+    a, b, c = coefficients
+    for _ in range(steps):
+        x = a * x + b * x**3 + c * x**5
+    return x
+
+
+def test_muon_update_is_orthogonal_within_its_iteration_bound(caches: dict[str, Path], tmp_path: Path) -> None:
+    """One Muon step from zero weights on gradients with singular values 1..100: the update's singular values are
+    p^5(s_i / |G|_F) (torch's quintic, 5 steps), not the gradient's spread. torch runs the iteration in bf16
+    (u = 2^-8): 5 steps of 3 roundings each (X, XX^T, the polynomial), each moving a singular value by at most
+    u |p'| <= 3.5 u of the ~1.2 largest, bound the difference by 15 x 3.5 x 1.2 x 2^-8 < 0.25; a plain
+    (unorthogonalised) step would differ by up to 100x."""
+    config = make_config(caches, tmp_path / "out", optimizer="muon")
+    g = torch.Generator().manual_seed(0)
+    spread = torch.tensor([100.0, 30.0, 3.0, 1.0], dtype=torch.float64)
+    params, gradients = [], []
+    for shape in ((4, 48), (48, 4)):  # a lora_A and a lora_B matrix
+        u, _ = torch.linalg.qr(torch.randn(shape[0], 4, generator=g, dtype=torch.float64))
+        v, _ = torch.linalg.qr(torch.randn(shape[1], 4, generator=g, dtype=torch.float64))
+        gradients.append(u @ torch.diag(spread) @ v.T)
+        params.append(torch.nn.Parameter(torch.zeros(shape)))
+    optimizer = make_optimizer(config, params)
+    set_lr(optimizer, 1e-3)
+    for p, grad in zip(params, gradients):
+        p.grad = grad.float()
+    optimizer.step()
+    ns = optimizer.param_groups[0]
+    for p, grad in zip(params, gradients):
+        adjusted = 1e-3 * 0.2 * max(p.shape) ** 0.5  # match_rms_adamw
+        update = torch.linalg.svdvals(-p.detach().double() / adjusted)
+        nesterov = grad * (1 + ns["momentum"])  # first step: buffer = g, g + mu * buffer
+        expected = newton_schulz_singular_values(torch.linalg.svdvals(nesterov) / nesterov.norm(),
+                                                 ns["ns_coefficients"], ns["ns_steps"]).sort(descending=True).values
+        assert (update - expected).abs().max() < 0.25, (update, expected)
+        assert update.max() / update.min() < 2  # orthogonal-ish: the gradient's 100:1 is gone
+
+
+def test_loraplus_puts_the_b_matrices_in_a_group_at_ratio_times_lr(caches: dict[str, Path], tmp_path: Path) -> None:
+    config = make_config(caches, tmp_path / "out", loraplus_lr_ratio=16.0)
+    transformer, params = T.load_transformer(config, get_family(config), CPU)
+    optimizer = make_optimizer(config, params, transformer)
+    b = {id(p) for n, p in transformer.named_parameters() if "lora_B" in n}
+    rest, plus = optimizer.param_groups
+    assert {id(p) for p in plus["params"]} == b and b.isdisjoint(id(p) for p in rest["params"])
+    set_lr(optimizer, 1e-3)
+    assert (rest["lr"], plus["lr"]) == (1e-3, 1.6e-2)
