@@ -201,7 +201,8 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
         "adamw", run_key="when_set", description="adamw: torch AdamW, fp32 moments; adamw_bf16: the same update with "
         "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory; muon: torch's Muon "
         "(the 2-D LoRA matrices); prodigy: prodigyopt (learning_rate 1.0: it finds the step size); "
-        "adamw_schedulefree: schedulefree's AdamW (lr_scheduler ignored past warmup; ops/optimizers.py)")
+        "adamw_schedulefree: schedulefree's AdamW, which needs no decay: keep lr_scheduler constant "
+        "(ops/optimizers.py)")
     report_to: Literal["tensorboard", "wandb", "none"] = setting(
         "tensorboard", run_key="never", description="where per-step numbers go besides history.json: tensorboard "
         "(<run>/tensorboard), wandb (W&B's own environment variables, e.g. WANDB_MODE=offline) or none")

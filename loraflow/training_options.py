@@ -59,3 +59,13 @@ class TrainingOptions(StrictModel):
             raise ValueError("optimizer muon orthogonalises whole LoRA matrices: not with crepa_enabled (the "
                              "projector trains too) or fsdp (sharded matrices); untested together: choose adamw")
         return self
+
+
+def trained_with(config: TrainingOptions) -> dict[str, str]:
+    """What trained the adapter, in words, for the `lora` asset's metadata (a LoraflowConfig)."""
+    optimizer = getattr(config, "optimizer", "adamw")
+    if config.loraplus_lr_ratio is not None:
+        optimizer += f" + LoRA+ (lora_B at {config.loraplus_lr_ratio:g} x the learning rate)"
+    loss = config.loss_type if config.loss_type == "l2" else \
+        f"{config.loss_type} (huber_c {config.huber_c:g}, {config.huber_schedule} schedule)"
+    return {"optimizer": optimizer, "loss_type": loss}

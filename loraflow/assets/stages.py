@@ -131,6 +131,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
     from loraflow.assets.launch import train
     from loraflow.ops.previews import loss_plot
     from loraflow.ops.progress_renders import progress_sheet_path
+    from loraflow.training_options import trained_with
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
     store = loraflow.store(config)
@@ -149,6 +150,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
             "loss_curve": md.md_image(loss_plot(history), "training loss per step"),
             "history": MetadataValue.path(str(Path(report.run_dir) / "history.json")),  # every digit
             "inputs": MetadataValue.json(report.inputs),
+            **trained_with(config),  # which optimizer and loss trained it
             **({"renders_during_training": md.md_image(sheet, "first validation prompt, per step")} if sheet else {}),
         },
     )

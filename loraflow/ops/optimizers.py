@@ -31,7 +31,8 @@ def make_optimizer(config: LoraflowConfig, params: list[torch.nn.Parameter],
     """The configured optimizer over `params`, in train mode; LoRA+ finds the lora_B matrices in `transformer`."""
     groups: list = params
     if config.loraplus_lr_ratio is not None:
-        b = {id(p) for name, p in (transformer.named_parameters() if transformer is not None else ()) if "lora_B" in name}
+        named = transformer.named_parameters() if transformer is not None else ()
+        b = {id(p) for name, p in named if "lora_B" in name}
         groups = [{"params": [p for p in params if id(p) not in b]},
                   {"params": [p for p in params if id(p) in b], "lr_ratio": config.loraplus_lr_ratio}]
     lr = config.learning_rate
@@ -83,14 +84,3 @@ def averaged_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         for group in optimizer.param_groups:
             group["train_mode"] = True
 
-
-def optimizer_summary(config: LoraflowConfig) -> str:
-    """What trained the adapter, in words, for the `lora` asset's metadata."""
-    plus = f" + LoRA+ (lora_B lr x{config.loraplus_lr_ratio:g})" if config.loraplus_lr_ratio is not None else ""
-    return config.optimizer + plus
-
-
-def loss_summary(config: LoraflowConfig) -> str:
-    if config.loss_type == "l2":
-        return "l2"
-    return f"{config.loss_type} (huber_c {config.huber_c:g}, {config.huber_schedule} schedule)"
