@@ -133,16 +133,17 @@ def test_loraplus_puts_the_b_matrices_in_a_group_at_ratio_times_lr(demo_config: 
 
 def test_schedulefree_renders_and_exports_the_average_and_trains_on_unchanged(demo_config: LoraflowConfig) -> None:
     """Around a render during training (`averaged_weights`) the parameters are schedule-free's average
-    x = y + (1 - 1/beta1)(z - y); afterwards y again, bit for bit, so the next step is the one without a render.
+    x = y + (1 - 1/beta1)(z - y); afterwards y again, bit for bit (schedule-free's own train() after eval() rounds
+    a few hundred of these 4096 values elsewhere), so the next step is the one without a render.
     After the last step `exported` leaves x in them for good (what train_lora writes)."""
     config = demo_config.model_copy(update={"optimizer": "adamw_schedulefree"})
 
     def stepped(render: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        param = torch.nn.Parameter(torch.zeros(3, 5))
+        param = torch.nn.Parameter(torch.zeros(64, 64))  # enough values that eval() then train() rounds some
         optimizer = make_optimizer(config, [param])
         shown = None
         for k in range(3):
-            param.grad = torch.linspace(-1, 1, 15).view(3, 5) * (k + 1)
+            param.grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(k))
             optimizer.step()
             if render and k == 1:
                 y, z = param.detach().clone(), optimizer.state[param]["z"].clone()
