@@ -1,14 +1,11 @@
-"""Issue 32's loss types, optimizers and flow schedules through `train_lora` on the tiny Kandinsky 5 Video: each
-option on changes the LoRA (off, the run key and so the LoRA are today's: tests/test_keys_pinned.py,
-test_two_steps_equal_a_hand_written_reference); the optimizers resume bit for bit; Muon's update is orthogonal
-within its Newton-Schulz iteration's bound."""
+"""Issue 32's optimizers and flow schedules (ops/optimizers.py, the schedules in step_draws): Muon's update is
+orthogonal within its Newton-Schulz iteration's bound, LoRA+'s groups, schedule-free's average around renders and
+at export, each schedule option in training's draws. Through `train_lora` (sharing test_train.py's caches and
+baseline run): tests/ops/test_train.py's issue 32 section."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 
-import pytest
 import torch
 
 from loraflow.config import LoraflowConfig
@@ -18,47 +15,9 @@ from loraflow.ops import train_data as D
 from loraflow.ops.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.pipelines import get_family
 from tests.numerics import U32
-from tests.ops.test_train import CPU, build_caches, make_config, same_lora_file, train
+from tests.ops.test_train import CPU
 
 SHAPE = (4, 16, 3, 8, 12)  # (B, C, T, h, w): 3 x 4 x 6 = 72 tokens
-
-@pytest.fixture(scope="module")
-def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("options"))
-
-
-@pytest.fixture(scope="module")
-def plain(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    return train(make_config(caches, tmp_path_factory.mktemp("plain") / "out"))
-
-
-def test_the_huber_loss_changes_the_lora(plain, caches: dict[str, Path], tmp_path: Path) -> None:
-    report = train(make_config(caches, tmp_path / "out", loss_type="huber", huber_c=0.05))
-    assert report.data_version != plain.data_version  # a run of its own
-    assert not same_lora_file(Path(report.lora_path), Path(plain.lora_path))
-    assert report.history[0].loss < plain.history[0].loss  # the same residuals, below l2 (kernels/test_losses.py)
-
-
-@pytest.mark.parametrize("option", [
-    {"optimizer": "muon", "loraplus_lr_ratio": 4.0},
-    {"optimizer": "prodigy", "learning_rate": 1.0},
-    {"optimizer": "adamw_schedulefree", "loraplus_lr_ratio": 4.0},
-], ids=["muon+loraplus", "prodigy", "schedulefree+loraplus"])
-def test_optimizers_change_the_lora_and_resume_bit_for_bit(plain, caches: dict[str, Path], tmp_path: Path,
-                                                           option: dict) -> None:
-    """2 steps with a checkpoint at step 1; the adapter deleted, the run resumes from step 1 and ends with the
-    same bits as before (Prodigy's d and step count, schedule-free's z and weight sums come back; schedule-free's
-    checkpoints hold its training point y, its export the average x)."""
-    config = make_config(caches, tmp_path / "out", checkpointing_steps=1, **option)
-    first = train(config)
-    run = Path(first.run_dir)
-    assert not same_lora_file(run / T.LORA_FILE, Path(plain.lora_path))
-    whole = tmp_path / "whole.safetensors"
-    (run / T.LORA_FILE).rename(whole)
-    resumed = train(config)
-    assert resumed.resumed_at_step == 1 and resumed.computed == 1
-    assert same_lora_file(run / T.LORA_FILE, whole)
-    assert [r.loss for r in resumed.history] == [r.loss for r in first.history]
 
 
 def test_flow_schedule_options_reach_the_training_draws(demo_config: LoraflowConfig) -> None:
