@@ -1,8 +1,9 @@
 """Training checkpoints: safetensors + JSON in a folder written as `<name>.tmp` and renamed when complete.
 
     <run>/checkpoints/step-NNNNNNN/lora.safetensors       the peft state dict of the adapter (fp32)
-                                  /optimizer.safetensors  AdamW's tensors, keyed "<param index>.<name>"
-                                  /state.json             step, AdamW's param_groups, the history so far
+                                  /optimizer.safetensors  the optimizer's tensors, keyed "<param index>.<name>"
+                                  /state.json             step, its param_groups (and plain numbers of its
+                                                          state, e.g. Prodigy's step count), the history so far
 A killed save leaves only the .tmp folder, which nothing reads and the next save replaces. No pickle anywhere.
 """
 

@@ -54,8 +54,7 @@ from loraflow.ops.distributed import (
     tensors_fingerprint,
 )
 from loraflow.ops.exchange import text_lookup
-# WEIGHT_DECAY: the benchmarks build their AdamW with T.WEIGHT_DECAY
-from loraflow.ops.optimizers import WEIGHT_DECAY, averaged_weights, exported, make_optimizer, set_lr  # noqa: F401
+from loraflow.ops.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.ops.progress_renders import ProgressRenders
 from loraflow.ops.quantize import INT8_PRECISIONS, quantize_base_int8
 from loraflow.ops.report import LoraReport, TrainStep
