@@ -78,6 +78,7 @@ def bare(config_path: Path, steps: int, prep: bool = False) -> list[float]:
     from loraflow.config import load_config
     from loraflow.training import loop as T
     from loraflow.training import batches as D
+    from loraflow.training.optimizers import WEIGHT_DECAY
     from loraflow.pipelines import get_family
     from loraflow.store import Store
 
@@ -86,7 +87,7 @@ def bare(config_path: Path, steps: int, prep: bool = False) -> list[float]:
     plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     batch = D.load_micro_batch(config, family, store, plan(0), 0)
     transformer, params = T.load_transformer(config, family, cpu)
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=T.WEIGHT_DECAY)
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY)
     x0, noise, sigma = batch.x0, batch.draws.noise, batch.draws.sigma
 
     def inputs() -> tuple[dict, torch.Tensor]:

@@ -22,6 +22,8 @@ from loraflow.guide_features import GuideFeatures
 from loraflow.pipelines import (
     describe_families, family_flavour, family_names, family_spec, flavour_names, known_flavour,
 )
+from loraflow.training_options import TrainingOptions
+from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
@@ -59,7 +61,7 @@ class TreadConfig(StrictModel):
         return v
 
 
-class LoraflowConfig(GuideFeatures):
+class LoraflowConfig(GuideFeatures, TrainingOptions):
     """A whole run: model, data, training and validation. Units are in each field's description."""
 
     model_family: str = setting(run_key="always", description=describe_families())
@@ -215,9 +217,12 @@ class LoraflowConfig(GuideFeatures):
         "base_model_precision is not no_change; no = fp32 compute (needs base_model_precision no_change)")
     tread_config: TreadConfig | None = setting(
         None, run_key="always", description="TREAD token routing; unset: every token, every block")
-    optimizer: Literal["adamw", "adamw_bf16"] = setting(
+    optimizer: Literal["adamw", "adamw_bf16", "muon", "prodigy", "adamw_schedulefree"] = setting(
         "adamw", run_key="when_set", description="adamw: torch AdamW, fp32 moments; adamw_bf16: the same update with "
-        "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory")
+        "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory; muon: torch's Muon "
+        "(the 2-D LoRA matrices); prodigy: prodigyopt (learning_rate 1.0: it finds the step size); "
+        "adamw_schedulefree: schedulefree's AdamW, which needs no decay: keep lr_scheduler constant "
+        "(training/optimizers.py)")
     # Adapter kind, start and EMA (SimpleTuner's names; training/adapters.py, training/ema.py). Off by default, keys unchanged.
     lora_type: Literal["standard", "lycoris"] = setting(
         "standard", run_key="when_set", description="standard: peft LoRA; lycoris: LoKr or LoHa (peft's), as "

@@ -30,7 +30,8 @@ LR_SCHEDULERS = {"constant": "constant", "constant_with_warmup": "constant", "co
 BASE_PRECISIONS = typing.get_args(LoraflowConfig.model_fields["base_model_precision"].annotation)
 ONLY_VALUE = {"model_type": "lora"}
 WHY = {  # reasons for keys people ask about; any other unknown key is "no loraflow equivalent"
-    "optimizer": "loraflow has adamw and adamw_bf16 (bf16 moments, stochastic rounding)",
+    "optimizer": "loraflow has adamw, adamw_bf16 (bf16 moments, stochastic rounding), muon (torch.optim.Muon), "
+                 "prodigy (prodigyopt) and adamw_schedulefree (schedulefree's AdamWScheduleFree, its defaults)",
     "cache_dir_vae": "latents are keyed by content under the config's cache_dir",
     "frame_rate": "set `video.frame_rate` per dataset",
     "framerate": "set `video.frame_rate` per dataset",
@@ -51,6 +52,13 @@ WHY_VALUE = {
                                           "weights, which loraflow (fp8-layerwise) keeps in bf16 already",
     ("base_model_default_dtype", None): "loraflow keeps a quantised base model's other weights in bf16 "
                                         "(fp8-layerwise); for an fp32 base set base_model_precision no_change",
+    ("optimizer", "sdnq-muon"): "loraflow's muon is torch.optim.Muon on the fp32 LoRA matrices, no quantised state: "
+                                "set optimizer: muon",
+    ("optimizer", "adamw_schedulefree+aggressive"): "loraflow runs schedulefree's AdamWScheduleFree with its own "
+                                                    "defaults: set optimizer: adamw_schedulefree",
+    ("optimizer", "adamw_schedulefree+no_kahan"): "loraflow runs schedulefree's AdamWScheduleFree on fp32 LoRA "
+                                                  "weights, where Kahan summation has nothing to do: set optimizer: "
+                                                  "adamw_schedulefree",
 }
 # The first text encoder's quantised precisions map to the one loraflow has (torchao int8 weight-only).
 TEXT_PRECISIONS = {"int8-quanto": "int8-torchao"}
@@ -123,6 +131,13 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
                              "weights; optimum-quanto is not a dependency)")
         elif key == "optimizer" and value not in OPTIMIZERS:
             out.skip(key, value)
+        elif key in ("flow_schedule_auto_shift", "flow_schedule_shift") and _static_and_auto_shift(settings):
+            # SimpleTuner: a static shift > 0 wins over the auto shift; 0 means "none" beside it
+            if (key == "flow_schedule_shift") == (float(settings["flow_schedule_shift"] or 0) > 0):
+                out.config[key] = value
+            else:
+                out.skip(key, value, "SimpleTuner applies flow_schedule_shift when it is above 0, else the auto "
+                                     "shift: loraflow takes the one it applies (they are exclusive here)")
         elif key == "report_to" and value not in REPORT_TO:
             out.skip(key, value)
         elif key == "scheduled_sampling_sampler" and value in ROLLOUT_SAMPLERS:
@@ -165,6 +180,10 @@ def _block_swap(key: str, value: Any, out: Imported) -> None:
         out.notes.append(f"{key} {value} became enable_group_offload (block_level, one block per group): every "
                          f"block waits on the CPU, not only the last {value}, so the GPU holds less and each step "
                          "moves more; group_offload_use_stream: true overlaps the moves on CUDA")
+
+
+def _static_and_auto_shift(settings: dict[str, Any]) -> bool:
+    return _truthy(settings.get("flow_schedule_auto_shift")) and settings.get("flow_schedule_shift") is not None
 
 
 def _backends_from(settings: dict[str, Any], base_dir: Path | None, out: Imported) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from loraflow.stages.clips.bucket_plan import human_bytes
 from loraflow.cli import main
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.simpletuner import import_simpletuner
+from loraflow.training_options import trained_with
 from tests.conftest import demo_dict, write_config
 
 # The seed guides' HunyuanVideo 1.5 config.json and its multidatabackend.json, verbatim.
@@ -334,8 +335,8 @@ def test_the_guides_training_features_import_under_their_names() -> None:
     config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m",
                                             "output_dir": "o", "crepa_encoder_path": "teacher"})
     assert (config.crepa_block_index, config.optimizer, config.report_to) == (8, "adamw_bf16", "wandb")
-    other = import_simpletuner({"model_family": "kandinsky5-video", "optimizer": "prodigy"}, [])
-    assert other.unmapped[0][:2] == ("optimizer", "prodigy") and "adamw_bf16" in other.unmapped[0][2]
+    other = import_simpletuner({"model_family": "kandinsky5-video", "optimizer": "optimi-lion"}, [])
+    assert other.unmapped[0][:2] == ("optimizer", "optimi-lion") and "adamw_bf16" in other.unmapped[0][2]
 
 
 def test_the_peers_memory_switches_import_onto_loraflows() -> None:
@@ -382,3 +383,31 @@ def test_the_peers_flavour_names_import_as_loraflows(family: str, peer: str, fla
     if peer != flavour:  # written straight into a loraflow config, the peer's name is refused with loraflow's
         with pytest.raises(ValueError, match=f"musubi-tuner's name for '{flavour}'"):
             LoraflowConfig.model_validate({**imported.config, "model_flavour": peer, "output_dir": "o"})
+
+
+
+
+def test_loss_optimizer_and_flow_schedule_options_import_under_their_names() -> None:
+    """Issue 32 B: SimpleTuner's loss, optimizer and flow-schedule keys carried as they are (musubi-tuner's
+    loraplus_lr_ratio and min/max_timestep too); a static shift beside the auto shift keeps the one SimpleTuner
+    applies; optimizer variants loraflow lacks are named with what to set instead."""
+    guide = {"model_family": "kandinsky5-video", "loss_type": "huber", "huber_c": 0.05, "huber_schedule": "exponential",
+             "optimizer": "adamw_schedulefree", "flow_use_beta_schedule": True, "flow_beta_schedule_alpha": 1.5,
+             "flow_beta_schedule_beta": 3.0, "loraplus_lr_ratio": 16, "min_timestep": 100, "max_timestep": 900}
+    imported = import_simpletuner(guide, K5_IMAGE_BACKEND)
+    assert imported.unmapped == [] and {k: imported.config[k] for k in guide} == guide
+    config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m"})
+    assert (config.loss_type, config.huber_schedule, config.flow_beta_schedule_beta) == ("huber", "exponential", 3.0)
+    assert trained_with(config) == {"optimizer": "adamw_schedulefree + LoRA+ (lora_B at 16 x the learning rate)",
+                                    "loss_type": "huber (huber_c 0.05, exponential schedule)"}  # the lora asset's
+    for optimizer in ("prodigy", "muon"):
+        assert import_simpletuner({"optimizer": optimizer}, []).config["optimizer"] == optimizer
+    auto = import_simpletuner({"flow_schedule_auto_shift": True, "flow_schedule_shift": 0}, [])
+    assert auto.config == {"flow_schedule_auto_shift": True, "datasets": []}
+    assert auto.unmapped[0][0] == "flow_schedule_shift" and "auto shift" in auto.unmapped[0][2]
+    static = import_simpletuner({"flow_schedule_auto_shift": True, "flow_schedule_shift": 3.0}, [])
+    assert static.config == {"flow_schedule_shift": 3.0, "datasets": []}
+    assert static.unmapped[0][0] == "flow_schedule_auto_shift"
+    for variant in ("sdnq-muon", "adamw_schedulefree+no_kahan", "adamw_schedulefree+aggressive"):
+        (key, value, why), = import_simpletuner({"optimizer": variant}, []).unmapped
+        assert (key, value) == ("optimizer", variant) and "set optimizer: " in why

@@ -56,7 +56,8 @@ def test_the_guides_training_features_name_their_allowed_values() -> None:
     data.update(optimizer="lion", report_to="comet_ml", base_model_precision="int4-quanto",
                 scheduled_sampling_strategy="late", scheduled_sampling_sampler="unipc")
     found = problems(data)
-    assert "optimizer: Input should be 'adamw' or 'adamw_bf16' (got 'lion')" in found
+    assert ("optimizer: Input should be 'adamw', 'adamw_bf16', 'muon', 'prodigy' or 'adamw_schedulefree' "
+            "(got 'lion')") in found
     assert "report_to: Input should be 'tensorboard', 'wandb' or 'none' (got 'comet_ml')" in found
     assert any(p.startswith("base_model_precision:") and "'int8-torchao' or 'int8-quanto'" in p for p in found)
     assert any(p.startswith("scheduled_sampling_strategy:") and "'biased_late'" in p for p in found)
@@ -192,3 +193,17 @@ def test_outputs_inside_a_dataset_folder_are_refused(key: str, tmp_path: Path) -
     assert f"`{key}`" in problem and "inside dataset" in problem
     data[key] = "s3://bucket/videos" if key == "cache_dir" else str(tmp_path / "out")
     parse_config(data)
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"flow_use_beta_schedule": True, "flow_sigma_sampling": "uniform"}, "`flow_use_beta_schedule` replaces"),
+    ({"flow_schedule_auto_shift": True, "flow_schedule_shift": 3.0}, "`flow_schedule_auto_shift` computes the shift"),
+    ({"min_timestep": 800, "max_timestep": 200}, "`min_timestep` 800 must be below `max_timestep` 200"),
+    ({"optimizer": "prodigy", "loraplus_lr_ratio": 16}, "`loraplus_lr_ratio` with optimizer prodigy"),
+    ({"optimizer": "muon", "crepa_enabled": True, "crepa_encoder_path": "t"}, "optimizer muon orthogonalises"),
+], ids=["beta+uniform", "auto+static-shift", "timestep-range", "loraplus+prodigy", "muon+crepa"])
+def test_the_peers_options_that_exclude_each_other_are_named(settings: dict, named: str) -> None:
+    data = demo()
+    data.update(settings)
+    (problem,) = problems(data)
+    assert named in problem

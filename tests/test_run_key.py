@@ -18,6 +18,7 @@ from loraflow.adapter_kinds import LycorisConfig
 from loraflow.dataset_config import run_key_of
 from loraflow.guide_features import GuideFeatures
 from loraflow.training import loop as T
+from loraflow.training_options import TrainingOptions
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = {"latents": "l", "text_embeds": "t"}
@@ -84,9 +85,9 @@ def test_the_walk_reaches_every_config_model() -> None:
     models = {LoraflowConfig, DatasetConfig, VideoSettings, TreadConfig, TreadRoute, LycorisConfig}
     assert reached == {(m, name) for m in models for name in m.model_fields}
     loaded = {m for m in _subclasses(StrictModel) if m.__module__.startswith("loraflow.")}
-    # a new config model is reached by the walk, or this names it; GuideFeatures is LoraflowConfig's base, whose
-    # fields the walk reaches as LoraflowConfig's (the first assertion)
-    assert loaded == models | {GuideFeatures}
+    # a new config model is reached by the walk, or this names it; GuideFeatures and TrainingOptions are
+    # LoraflowConfig's bases, whose fields the walk reaches as LoraflowConfig's (the first assertion)
+    assert loaded == models | {GuideFeatures, TrainingOptions}
 
 
 def _subclasses(cls: type) -> set[type]:

@@ -96,6 +96,7 @@ def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: 
 
     from loraflow.training import loop as T
     from loraflow.training.checkpoints import lora_state
+    from loraflow.training.optimizers import WEIGHT_DECAY
     from loraflow.pipelines import get_family
     from safetensors.torch import save_file
 
@@ -106,7 +107,7 @@ def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: 
         transformer, params = T.load_transformer(config, family_obj, device)
         T.enable_offload(transformer, config, device)
         trainable = T.Trainable(transformer, params, device)
-        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=T.WEIGHT_DECAY)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=WEIGHT_DECAY)
         batch = random_batch(family, transformer.config, smoke)
         autocast = T.uses_autocast(config, device)
         times, losses = [], []

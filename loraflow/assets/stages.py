@@ -132,6 +132,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
     from loraflow.assets.launch import train
     from loraflow.media.previews import loss_plot
     from loraflow.training.progress_renders import progress_sheet_path
+    from loraflow.training_options import trained_with
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
     store = loraflow.store(config)
@@ -151,6 +152,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
             "history": MetadataValue.path(str(Path(report.run_dir) / "history.json")),  # every digit
             "inputs": MetadataValue.json(report.inputs),
             "adapter": MetadataValue.json(adapter_summary(config)),  # kind, size, init_lora, EMA
+            **trained_with(config),  # which optimizer and loss trained it
             **({"renders_during_training": md.md_image(sheet, "first validation prompt, per step")} if sheet else {}),
         },
     )

@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from loraflow.kernels.flow_matching import noisy_sample
+from loraflow.kernels.losses import LossType, regression_loss
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
@@ -179,11 +179,13 @@ def conditioned_noisy(family: ModelFamily, x0: torch.Tensor, noise: torch.Tensor
     return x_t
 
 
-def flow_mse(family: ModelFamily, prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def flow_mse(family: ModelFamily, prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor,
+             loss: LossType = LossType(), sigma: torch.Tensor | None = None) -> torch.Tensor:
     """Flow-matching MSE against noise - x0 (fp32), over the generated latent frames only: the conditioning
-    frames are inputs (inference never steps them), so their prediction is trained on nothing."""
+    frames are inputs (inference never steps them), so their prediction is trained on nothing. Training may ask
+    for another `loss_type` (kernels/losses.py; the Huber kinds need each sample's `sigma`); eval loss stays MSE."""
     given = family.flavour.conditioning_frames
-    return F.mse_loss(prediction[:, :, given:].float(), (noise - x0)[:, :, given:].float())
+    return regression_loss(prediction[:, :, given:].float(), (noise - x0)[:, :, given:].float(), loss, sigma)
 
 
 def scaled_posterior(posterior: Any, sampling: str, scale: float, shift: float = 0.0) -> torch.Tensor:

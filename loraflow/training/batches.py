@@ -17,7 +17,7 @@ import torch
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.latent_rows import draw_latents
 from loraflow.keys import content_key
-from loraflow.kernels.flow_matching import sample_sigmas
+from loraflow.kernels.flow_matching import auto_shift, sample_sigmas
 from loraflow.kernels.scheduled_sampling import draw_offsets, rollout_probability
 from loraflow.training.row_cache import RowCache
 from loraflow.contracts.teacher_features import load_teacher_batch
@@ -125,7 +125,11 @@ def step_draws(config: LoraflowConfig, family: ModelFamily, micro_step: int, sha
     drop = torch.rand(1, generator=generator).item() < config.caption_dropout_probability
     noise = torch.randn(shape, generator=generator)
     shift = config.flow_schedule_shift if config.flow_schedule_shift is not None else family.flavour.flow_shift
-    sigma = sample_sigmas(shape[0], generator, config.flow_sigma_sampling, shift, config.flow_sigmoid_scale)
+    if config.flow_schedule_auto_shift:  # the token count as SimpleTuner counts it: frames x h/2 x w/2
+        shift = auto_shift(shape[2] * (shape[3] // 2) * (shape[4] // 2))
+    beta = (config.flow_beta_schedule_alpha, config.flow_beta_schedule_beta) if config.flow_use_beta_schedule else None
+    sigma = sample_sigmas(shape[0], generator, config.flow_sigma_sampling, shift, config.flow_sigmoid_scale, beta=beta,
+                          timesteps=(config.min_timestep, config.max_timestep))
     return StepDraws(drop, noise, sigma, step_seed(config.seed, micro_step, "tread"),
                      rollout_offsets(config, micro_step, shape[0]))
 

@@ -1,8 +1,9 @@
 """Training checkpoints: safetensors + JSON in a folder written as `<name>.tmp` and renamed when complete.
 
     <run>/checkpoints/step-NNNNNNN/lora.safetensors       the peft state dict of the adapter (fp32)
-                                  /optimizer.safetensors  AdamW's tensors, keyed "<param index>.<name>"
-                                  /state.json             step, AdamW's param_groups, the history so far
+                                  /optimizer.safetensors  the optimizer's tensors, keyed "<param index>.<name>"
+                                  /state.json             step, its param_groups (and plain numbers of its
+                                                          state, e.g. Prodigy's step count), the history so far
 A killed save leaves only the .tmp folder, which nothing reads and the next save replaces. No pickle anywhere.
 """
 
@@ -100,13 +101,16 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.T
     """AdamW's full state as safetensors tensors and JSON scalars (under FSDP every rank calls it, as lora_state)."""
     state = optimizer.state_dict()
     tensors = {f"{pid}.{name}": gathered(value).detach().cpu().contiguous() for pid, entry in state["state"].items()
-               for name, value in entry.items()}
-    return tensors, {"param_groups": state["param_groups"]}
+               for name, value in entry.items() if isinstance(value, torch.Tensor)}
+    # plain numbers in a parameter's state (Prodigy's step count) go to the JSON
+    numbers = {f"{pid}.{name}": value for pid, entry in state["state"].items() for name, value in entry.items()
+               if not isinstance(value, torch.Tensor)}
+    return tensors, {"param_groups": state["param_groups"]} | ({"state": numbers} if numbers else {})
 
 
 def _unflatten_optimizer(tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in tensors.items():
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in (tensors | scalars.get("state", {})).items():
         index, field = name.split(".", 1)
         state.setdefault(int(index), {})[field] = value
     return {"state": state, "param_groups": scalars["param_groups"]}

@@ -39,6 +39,7 @@ from loraflow.keys import content_key, data_version, tensors_fingerprint
 from loraflow.kernels.adamw_bf16 import AdamWBF16
 from loraflow.kernels.checkpointing import enable_checkpointing
 from loraflow.kernels.flow_matching import lr_at
+from loraflow.kernels.losses import LossType
 from loraflow.kernels.scheduled_sampling import roll_out
 from loraflow.kernels.tread import resolve_routes, tread_routing
 from loraflow.training.row_cache import RowCache, prefetched
@@ -61,6 +62,7 @@ from loraflow.contracts.reports import LoraReport, TrainStep
 from loraflow.training.tracking import open_sink
 from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load_micro_batch, step_seed, training_texts
 from loraflow.training.ema import EMA_CHECKPOINT_FILE, AdapterEma, export_ema, make_ema
+from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.pipelines.base import (
     ModelFamily, conditioned_noisy, flow_mse, load_component,
 )
@@ -70,7 +72,6 @@ from loraflow.store import Store
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "train-2"
-WEIGHT_DECAY = 1e-2
 
 
 # 1. the run: its inputs and where it lives ----------------------------------------------------------------
@@ -243,12 +244,12 @@ def flow_loss(
 
 def step_losses(
     transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
-    crepa: Crepa | None = None,
+    crepa: Crepa | None = None, loss: LossType = LossType(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32); i2v: frame 0
     of x_t is x0's (the image) and the loss covers the generated frames only (`conditioned_noisy`, `flow_mse`).
     Scheduled sampling replaces x_t by the model's own rollout (the target stays); with CREPA, also its weighted
-    term (else None)."""
+    term (else None). `loss`: the config's loss_type (kernels/losses.py)."""
     x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
     text = {k: v.to(device) for k, v in batch.text.items()}
     x_t = conditioned_noisy(family, x0, noise, sigma)
@@ -258,7 +259,7 @@ def step_losses(
                                                                   enabled=autocast):
         prediction = family.velocity(transformer, x_t, sigma, text)
     term = None if crepa is None else crepa.term(transformer, capture, batch.teacher, tuple(x0.shape[2:]))
-    return flow_mse(family, prediction, x0, noise), term
+    return flow_mse(family, prediction, x0, noise, loss, sigma), term
 
 
 def rolled_out(transformer: torch.nn.Module, family: ModelFamily, x_t: torch.Tensor, x0: torch.Tensor,
@@ -321,7 +322,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     if config.fsdp:  # after the broadcast: each rank keeps its slice of equal weights
         params = parallelize(transformer, world, device)
         trainable = Trainable(transformer, params, device)
-    optimizer = make_optimizer(config, params)
+    optimizer = make_optimizer(config, params, transformer)
     start, history = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
     # 3. steps
     history = run_steps(config, family, store, plan, transformer, trainable, optimizer, start, history, out,
@@ -329,6 +330,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, [gathered(p) for p in params]),
                           world, device)
     # 4. rank 0 writes the history, then the adapter: the adapter's presence marks the run done
+    exported(optimizer)  # schedule-free: its averaged weights
     lora = lora_state(transformer)  # on every rank: under FSDP it gathers the shards
     if world.main:
         write_json(out / "history.json", history)
@@ -343,12 +345,6 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     return lora_report(out, upstream, computed=config.max_train_steps - start, resumed_at=start)
 
 
-def make_optimizer(config: LoraflowConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    if config.optimizer == "adamw_bf16":
-        return AdamWBF16(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY, seed=config.seed)
-    return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY)
-
-
 def run_steps(
     config: LoraflowConfig, family: ModelFamily, store: Store, plan: BatchPlan,
     transformer: torch.nn.Module, trainable: Trainable, optimizer: torch.optim.Optimizer, start: int,
@@ -360,6 +356,7 @@ def run_steps(
     """
     device, accum = trainable.device, config.gradient_accumulation_steps
     autocast = uses_autocast(config, device)
+    loss_type = LossType(config.loss_type, config.huber_c, config.huber_schedule)
     rows = RowCache(store)
     teacher = teacher_keys(config, family, store) if crepa is not None else None
     batches = prefetched(lambda j: load_micro_batch(config, family, rows, plan(world.micro_step(j)),
@@ -374,15 +371,14 @@ def run_steps(
         for step in range(start, config.max_train_steps):
             began = time.perf_counter()
             lr = lr_at(step, config.learning_rate, config.lr_warmup_steps, config.max_train_steps, config.lr_scheduler)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr)
             losses, seen = [0.0, 0.0], 0  # flow loss, CREPA term (weighted)
             for micro in range(step * accum, (step + 1) * accum):
                 batch = next(batches)
                 if config.lora_dropout:  # peft's dropout draws from the global RNG
                     torch.manual_seed(step_seed(config.seed, world.micro_step(micro), "lora_dropout"))
                 with routing(transformer, family, config, batch.draws.seed):
-                    loss, term = step_losses(transformer, family, batch, device, autocast, crepa)
+                    loss, term = step_losses(transformer, family, batch, device, autocast, crepa, loss_type)
                     total = loss if term is None else loss + term
                     if not torch.isfinite(total):
                         raise FloatingPointError(f"step {step + 1}: loss is {total.item()}; no update was made. "
@@ -405,7 +401,9 @@ def run_steps(
                                          time.perf_counter() - began, seen, device, sink, extra))
             if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
                 save_step(out, step + 1, transformer, optimizer, history, config, world, crepa, ema)
-            renders.after_step(step + 1)
+            due = renders.every and (step + 1) % renders.every == 0
+            with averaged_weights(optimizer) if due else nullcontext():  # schedule-free renders x
+                renders.after_step(step + 1)
     finally:
         batches.close()
         if sink is not None:

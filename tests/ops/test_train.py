@@ -344,3 +344,31 @@ def test_a_config_field_added_later_keeps_the_run_keys_of_before() -> None:
     # `conditioning_data` (i2i, stop 12) left every other run where it was
     config = load_config(REPO / "tests" / "demo_t2v.yaml")
     assert T.run_dir(config, {"latents": "l", "text_embeds": "t"}).name == "6d960b4921c5061b9fa65689cc87413d"
+
+
+# issue 32 B: the loss type and the peers' optimizers through train_lora (tests/ops/test_training_options.py: the
+# rest); off, the run key and so the LoRA are today's (tests/test_keys_pinned.py, the hand-written reference above)
+@pytest.mark.parametrize("option", [
+    {"optimizer": "muon", "loraplus_lr_ratio": 4.0},
+    {"optimizer": "prodigy", "learning_rate": 1.0},
+    {"optimizer": "adamw_schedulefree", "loraplus_lr_ratio": 4.0, "loss_type": "huber", "huber_c": 0.05},
+], ids=["muon+loraplus", "prodigy", "schedulefree+loraplus+huber"])
+def test_optimizers_change_the_lora_and_resume_bit_for_bit(baseline, caches: dict[str, Path], tmp_path: Path,
+                                                           option: dict) -> None:
+    """2 steps with a checkpoint at step 1; the adapter deleted, the run resumes from step 1 and ends with the
+    same bits as before (Prodigy's d and step count, schedule-free's z and weight sums come back; schedule-free's
+    checkpoints hold its training point y, its export the average x). The Huber loss rides along (one run fewer):
+    step 1's loss, before any update, is the baseline's residuals under it, below their l2."""
+    plain = baseline[1]
+    config = make_config(caches, tmp_path / "out", checkpointing_steps=1, **option)
+    first = train(config)
+    run = Path(first.run_dir)
+    assert not same_lora_file(run / T.LORA_FILE, Path(plain.lora_path)) and first.data_version != plain.data_version
+    huber = option.get("loss_type") == "huber"  # else the optimizer alone: step 1's loss is the baseline's
+    assert first.history[0].loss < plain.history[0].loss if huber else first.history[0].loss == plain.history[0].loss
+    whole = tmp_path / "whole.safetensors"
+    (run / T.LORA_FILE).rename(whole)
+    resumed = train(config)
+    assert resumed.resumed_at_step == 1 and resumed.computed == 1
+    assert same_lora_file(run / T.LORA_FILE, whole)
+    assert [r.loss for r in resumed.history] == [r.loss for r in first.history]
