@@ -234,7 +234,9 @@ def fake_mode() -> Any:
     return mode
 
 
-KNOWN_NUMEL = 2**20  # the largest tensor whose values `known_values` keeps: masks and SigLIP's 729 x 1152 tokens
+# the largest tensor whose values `known_values` keeps: masks, SigLIP's 729 x 1152 tokens, the image an i2v render's
+# pipeline preprocesses (720p: 1280 x 720 x 3)
+KNOWN_NUMEL = 2**22
 
 
 def known_values() -> Any:
@@ -261,6 +263,8 @@ def known_values() -> Any:
                 or func._overloadpacket.__name__ in ("empty", "empty_like", "empty_strided", "new_empty"))
 
     class KnownValues(TorchDispatchMode):
+        supports_higher_order_operators = True  # flex attention (NABLA) is one: see __torch_dispatch__
+
         def __init__(self) -> None:
             super().__init__()
             self.values: dict[int, torch.Tensor] = {}  # id(fake tensor) -> its real value
@@ -278,12 +282,21 @@ def known_values() -> Any:
                 self.values[id(fake)] = real
                 weakref.finalize(fake, self.values.pop, id(fake), None)
 
+        def forget(self, storage: Any) -> None:
+            # until the storage is freed: a later storage at the same address is another tensor's (a render's
+            # scheduler timesteps were taken for its latents' and went unanswered, depending on the allocator)
+            if storage._cdata not in self.forgotten:
+                self.forgotten.add(storage._cdata)
+                weakref.finalize(storage, self.forgotten.discard, storage._cdata)
+
         def real(self, func: Any, args: tuple, kwargs: dict) -> Any:
             with _disable_current_modes():
                 return func(*tree_map(self.value, args), **tree_map(self.value, kwargs))
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             kwargs = kwargs or {}
+            if isinstance(func, torch._ops.HigherOrderOperator):  # run by the modes below; its outputs unknown
+                return func(*args, **kwargs)
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             known = not unknowable(func) and all(self.value(t) is not None for t in tensors)
             if func in answers and known:
@@ -307,7 +320,23 @@ def known_values() -> Any:
                     self.keep(fake, real)
             elif func._schema.is_mutable:
                 written = [a for s, a in zip(func._schema.arguments, args) if s.alias_info and s.alias_info.is_write]
-                self.forgotten |= {t.untyped_storage()._cdata for t in written if isinstance(t, FakeTensor)}
+                for t in written:
+                    if isinstance(t, FakeTensor):
+                        self.forget(t.untyped_storage())
             return out
 
     return KnownValues()
+
+
+def fresh_saves() -> Any:
+    """A context in which autograd saves, for each tensor a backward needs, a fresh fake tensor of its shape,
+    strides and dtype instead of the tensor itself. Fake tensors have no values, so the backward computes the same
+    shapes; but no saved view then references a parameter, so `Module.to` can swap the fake parameters (it must:
+    a fake parameter's data cannot be set in place), which diffusers' layerwise casting does after each layer's
+    forward. (torch.utils.checkpoint's recompute saves with its own hooks, inside this one: not covered.)"""
+    import torch
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+
+    return torch.autograd.graph.saved_tensors_hooks(fresh, lambda t: t)
