@@ -222,20 +222,18 @@ def test_training_step_peak_hv15(tiny_hv15: Path, demo_data: Path, tmp_path: Pat
 TREAD = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": -1}]}
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_training_step_peak_tread(tiny_k5: Path, demo_data: Path, tmp_path: Path, checkpointing: bool) -> None:
+def test_training_step_peak_tread(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
     """TREAD routes half the tokens past the tiny model's blocks: its estimate is the routed step's (smaller than the
-    plain one's, activations and FLOPs), and the allocator's."""
-    config = config_for(tiny_k5, demo_data, tmp_path, gradient_checkpointing=checkpointing, tread_config=TREAD)
+    plain one's, activations and FLOPs), and the allocator's. (With checkpointing too, -3.7% when measured, not kept
+    for the suite's time; there the routing's gathers cost the tiny model more than its few saved inputs shrink.)"""
+    config = config_for(tiny_k5, demo_data, tmp_path, tread_config=TREAD)
     family = get_family(config)
     latent = latent_geometry(tiny_k5, family).shape(*BUCKET)
     transformer_config = json.loads((tiny_k5 / "transformer" / "config.json").read_text())
     routed = estimates.training_step(config, family, transformer_config, latent, device_type="cpu")
     plain = estimates.training_step(config.model_copy(update={"tread_config": None}), family, transformer_config,
                                     latent, device_type="cpu")
-    assert routed.tflop < 0.9 * plain.tflop
-    if not checkpointing:  # with it, the few saved block inputs shrink less than the routing's gathers cost here
-        assert routed.parts["activations"] < 0.9 * plain.parts["activations"]
+    assert routed.tflop < 0.9 * plain.tflop and routed.parts["activations"] < 0.9 * plain.parts["activations"]
     assert_close(routed.peak_bytes, measured_training_peak(config, latent))
 
 

@@ -234,15 +234,13 @@ def fake_mode() -> Any:
     return mode
 
 
-# the largest tensor whose values `known_values` keeps: masks, SigLIP's 729 x 1152 tokens, the image an i2v render's
-# pipeline preprocesses (720p: 1280 x 720 x 3)
-KNOWN_NUMEL = 2**22
+KNOWN_NUMEL = 2**20  # the largest tensor whose values `known_values` keeps: masks and SigLIP's 729 x 1152 tokens
 
 
-def known_values() -> Any:
+def known_values(limit: int = KNOWN_NUMEL) -> Any:
     """A TorchDispatchMode, entered inside a `fake_mode()` (and inside any other mode, so it sees each op first),
     that answers the value questions a model asks of fake tensors (HunyuanVideo 1.5: `torch.all(image_embeds == 0)`
-    and `text[text_mask]`) from values the caller knows: beside each fake tensor of at most KNOWN_NUMEL elements
+    and `text[text_mask]`) from values the caller knows: beside each fake tensor of at most `limit` elements
     computed only from known tensors (a real input: the batch the caller built; a factory: zeros, ones; not empty
     memory nor a random draw) it keeps the real tensor it would be, computing that op for real too. A scalar read
     (`_local_scalar_dense`, `is_nonzero`) or `nonzero` of a known tensor returns its real answer, and a known boolean
@@ -315,7 +313,7 @@ def known_values() -> Any:
                 args = (args[0], indices)
             out = func(*args, **kwargs)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            if known and all(t.numel() <= KNOWN_NUMEL for t in outs):
+            if known and all(t.numel() <= limit for t in outs):
                 for fake, real in zip(tree_flatten(out)[0], tree_flatten(self.real(func, args, kwargs))[0]):
                     self.keep(fake, real)
             elif func._schema.is_mutable:

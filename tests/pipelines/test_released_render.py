@@ -11,8 +11,9 @@ fp8-layerwise training, and a validation render, on the released configs built o
 - fp8-layerwise: `prepare_transformer` enables diffusers' layerwise casting; each layer's hooks cast its weights to
   bf16 before its forward and back to fp8 after it with `Module.to`, which on fake parameters must swap them, and
   a swap is refused while anything else references the parameter (autograd saves the weight's transposed view for
-  backward). `fresh_saves` has autograd save a fresh fake of each tensor instead: nothing values are lost. Without
-  gradient checkpointing: its recompute keeps the views itself (torch.utils.checkpoint's own saved-tensor hooks).
+  backward). `fresh_saves` has autograd save a fresh fake of each tensor instead (fake tensors have no values to
+  lose). Without gradient checkpointing: its recompute keeps the views itself (torch.utils.checkpoint's own
+  saved-tensor hooks), so fp8 + checkpointing is not run here.
 - Validation: `family.render` on the family's real diffusers pipeline class, built from the fake transformer and
   VAE with a real scheduler, one denoising step with classifier-free guidance, then the VAE decode at the
   flavour's validation size, up to the pipeline's numpy conversion, which fake tensors cannot make: the video it
@@ -103,8 +104,9 @@ def test_fp8_layerwise_training_step_at_released_size() -> None:
     assert loss.shape == () and loss.dtype == torch.float32
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
     # after the step every cast layer is stored in fp8 again (its hooks put it back), the LoRA in fp32
-    block = transformer.visual_transformer_blocks[0].self_attention.to_query
-    assert block.base_layer.weight.dtype == torch.float8_e4m3fn and block.lora_A["default"].weight.dtype == torch.float32
+    query = transformer.visual_transformer_blocks[0].self_attention.to_query
+    assert query.base_layer.weight.dtype == torch.float8_e4m3fn
+    assert query.lora_A["default"].weight.dtype == torch.float32
 
 
 # a validation render per family; Kandinsky 5 Video's i2v (its pipeline also encodes the conditioning image at the
@@ -140,7 +142,8 @@ def test_validation_render_at_released_size(case: Case) -> None:
     pipe = fake_pipeline(family, case.flavour)
     row = family.example_text_row(pipe.transformer.config, 512)
     image = {"image": np.zeros((height, width, 3), np.uint8)} if family.flavour.conditioning_frames else {}
-    with fake_mode(), recorded_calls(pipe.transformer) as calls, known_values():
+    # the pipeline asks values of the conditioning image it preprocesses (is it in [0, 1]): known up to its size
+    with fake_mode(), recorded_calls(pipe.transformer) as calls, known_values(limit=height * width * 3):
         with pytest.raises(RuntimeError, match=r"\.numpy\(\) is not supported for tensor subclasses") as error:
             family.render(pipe, row, row, settings, lora_scale=None, **image)
     # the pipeline's numpy conversion (diffusers' pt_to_numpy) was handed the decoded (F, 3, H, W) video
