@@ -23,6 +23,13 @@ checkpointing) runs at released size in seconds and allocates nothing. Each numb
   takes on fake CPU tensors has no formula in the counter: `attention_flops` gives it the counter's SDPA one,
   4 * B * heads * N_q * N_kv * d forward (QK^T and PV, 2 flops per multiply-add) and twice that backward.
   NABLA checkpoints (flex attention at their sparsity) are not modelled yet: their rows say so.
+- TREAD: the fake step is routed as `train_lora` routes it (`training.loop.routing`), so the tokens a route takes out
+  skip its blocks in the fake step itself: the activations those blocks keep and their FLOPs (attention included)
+  shrink with the selection ratio, and the routing's gathers and scatters are counted.
+- i2v and i2i: the fake batch carries what the latents stage caches (`example_image_condition`: the conditioning
+  latent, HunyuanVideo 1.5's SigLIP tokens), and the family's `velocity` builds the condition channels (latent,
+  mask) and the image stream from it, so they are counted as any other tensor. The latents stage's image encoder
+  (SigLIP) is left out of its row.
 
 The fake step runs on the CPU: with bf16 autocast where a CUDA run uses it (`training.loop.uses_autocast`), so the
 activation dtypes are those of a GPU run. What is left out is said where it is: allocator rounding and
@@ -123,13 +130,18 @@ def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config
 
 
 def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shape: tuple[int, ...], batch: int,
-                   autocast: bool, train: bool, text_tokens: int | None = None) -> Callable[[], None]:
-    """One transformer call on zeros of the batch's shapes: training's `step_losses` + backward, or a render's
-    no-grad velocity. The batch is made inside, as its device copies are made in a run."""
+                   autocast: bool, training: LoraflowConfig | None,
+                   text_tokens: int | None = None) -> Callable[[], None]:
+    """One transformer call on zeros of the batch's shapes: with a `training` config, `step_losses` + backward routed
+    by its TREAD as `train_lora` routes it (the routed tokens skip those blocks, in the activations and the FLOPs
+    counted); without, a render's no-grad velocity. The batch is made inside, as its device copies are made in a
+    run; i2v and i2i rows carry their image condition (`example_image_condition`: the conditioning latent, and
+    HunyuanVideo 1.5's SigLIP tokens, which open its image stream)."""
     import torch
 
-    from loraflow.training.loop import step_losses
+    from loraflow.training.loop import routing, step_losses
     from loraflow.training.batches import MicroBatch, StepDraws
+    from loraflow.pipelines.base import image_conditions
 
     device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
 
@@ -138,10 +150,12 @@ def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_sha
         # collate_text's .to(device) copies the rows into fake tensors: the device copies of a GPU run
         # the model's config: the given one with every default filled in
         text = family.collate_text([family.example_text_row(transformer.config, tokens)] * batch, device)
+        text.update(image_conditions([family.example_image_condition(transformer.config, latent_shape)] * batch))
         draws = StepDraws(drop_caption=False, noise=torch.zeros(shape), sigma=torch.full((batch,), 0.5), seed=0)
         micro = MicroBatch(samples=[], x0=torch.zeros(shape), text=text, draws=draws)
-        if train:
-            step_losses(transformer, family, micro, device, autocast)[0].backward()
+        if training is not None:
+            with routing(transformer, family, training, draws.seed):
+                step_losses(transformer, family, micro, device, autocast)[0].backward()
             return
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             family.velocity(transformer, micro.x0, draws.sigma, text)
@@ -152,9 +166,6 @@ def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_sha
 def _not_modelled(stage: str, family: ModelFamily, transformer_config: Mapping[str, Any]) -> StageEstimate | None:
     if transformer_config.get("attention_type") == "nabla":  # Kandinsky 5's 10 s checkpoints (training/loop.py too)
         return StageEstimate(stage, note="not estimated: NABLA attention (flex, block-sparse) is not modelled yet")
-    if family.image_condition_name:
-        return StageEstimate(stage, note=f"not estimated for {family.name} {family.flavour.name}: its image "
-                                         f"condition ({family.image_condition_name}) is not modelled yet")
     return None
 
 
@@ -178,7 +189,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     enable_checkpointing(transformer, config)
     transformer.train()
     autocast = uses_autocast(config, torch.device(device_type))
-    step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, train=True,
+    step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, config,
                           text_tokens=text_tokens)
     try:
         activations, tflop = measured_step(step, mode, transformer, device_type)
@@ -239,7 +250,7 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
         return skipped
     mode = _fake_mode()
     transformer, lora, stored = _transformer(config, family, component_configs["transformer"], mode, "no_change")
-    denoise = _velocity_call(family, transformer, latent_shape, 1, False, train=False)
+    denoise = _velocity_call(family, transformer, latent_shape, 1, False, None)
     try:
         denoise_peak, tflop = measured_step(denoise, mode, transformer, device_type)
     except NotFakeable as exc:

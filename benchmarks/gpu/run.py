@@ -18,9 +18,10 @@ Measurements (priority order; the modules beside this file):
   train_resume       train_main for a few steps, killed after its checkpoint and resumed: the same LoRA bits
                      (resume.py; on the tiny demo model and data, the stages write the caches)
   vae_hv15_720p      HunyuanVideo 1.5 VAE encode 720p x 121: stock vs exact patch conv (vae.py)
+  vae_flux_1024      the Flux VAE (Kandinsky 5 Image) encoding one 1024x1024 image (vae.py)
   offload_startup    latents then text_embeds stages, offload_during_startup off/on (offload.py; tiny demo)
-Not measured yet (issue 30): a 61-frame 512x768 validation render, the Flux VAE at 1024x1024, the latents stage
-over 6 clips of 768x768x81, the real-size text encoders through text_embeds (bf16, int8).
+Not measured yet (issue 30): a 61-frame 512x768 validation render, the latents stage over 6 clips of 768x768x81,
+the real-size text encoders through text_embeds (bf16, int8).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ REGISTRY: list[Measurement] = [
     Measurement("train_resume", "resume", cap_s=180),
     Measurement("vae_hv15_720p", "vae", {"vae": "hv15", "size": (720, 1280), "frames": 121,
                                          "modes": ("stock", "patch")}, cap_s=180),
+    Measurement("vae_flux_1024", "vae", {"vae": "flux", "size": (1024, 1024), "frames": 1, "modes": ("stock",)},
+                cap_s=60),
     Measurement("offload_startup", "offload", cap_s=120),
 ]
 SMOKE_CAP_S = 600.0  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes

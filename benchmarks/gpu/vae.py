@@ -1,7 +1,8 @@
-"""Peak memory and seconds of a real-size Hunyuan VAE encode: stock vs exact patch conv vs tiling.
+"""Peak memory and seconds of a real-size VAE encode (HunyuanVideo, HunyuanVideo 1.5: stock vs exact patch conv vs
+tiling; Flux, Kandinsky 5 Image's 2D VAE: stock, one image).
 
-Real-size = the diffusers default config of each class (the released architecture) with random weights, bf16, on
-CUDA. Peak = torch.cuda.max_memory_allocated during the encode minus what was allocated before it (weights,
+Real-size = the diffusers default config of each class (the released architecture; Flux: its released config in
+loraflow/pipelines/released/flux.vae.json) with random weights, bf16, on CUDA. Peak = torch.cuda.max_memory_allocated during the encode minus what was allocated before it (weights,
 input). A mode that runs out of memory is recorded as "oom". Exact modes run first: the others record their
 max abs difference from the first exact latent.
 
@@ -30,16 +31,28 @@ from loraflow.kernels.patch_conv import disable_patch_conv, enable_patch_conv
 TINY = {
     "hv": dict(block_out_channels=(8, 16, 32, 32), norm_num_groups=4, latent_channels=4, layers_per_block=1),
     "hv15": dict(block_out_channels=(8, 16, 32, 64, 64), latent_channels=4, layers_per_block=1),
+    "flux": dict(block_out_channels=(8, 16), norm_num_groups=4, latent_channels=4, layers_per_block=1,
+                 down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2),
 }
 
 
-def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool) -> torch.nn.Module:
-    from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo15
+def flux_config(smoke: bool) -> dict[str, Any]:
+    from loraflow.pipelines.released import released_config
 
-    cls = {"hv": AutoencoderKLHunyuanVideo, "hv15": AutoencoderKLHunyuanVideo15}[name]
+    config = released_config("t2i-lite-sft", "vae")
+    return config | TINY["flux"] if smoke else config
+
+
+def build(name: str, device: torch.device, dtype: torch.dtype, smoke: bool) -> torch.nn.Module:
+    from diffusers import AutoencoderKL, AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo15
+
     torch.manual_seed(0)
     with torch.device(device):
-        vae = cls(**(TINY[name] if smoke else {}))
+        if name == "flux":
+            vae = AutoencoderKL.from_config(flux_config(smoke))
+        else:
+            cls = {"hv": AutoencoderKLHunyuanVideo, "hv15": AutoencoderKLHunyuanVideo15}[name]
+            vae = cls(**(TINY[name] if smoke else {}))
     vae.decoder = None  # encode only; frees ~half the weights
     return vae.to(dtype=dtype).eval()
 
@@ -89,10 +102,12 @@ def measure(work: Path, smoke: bool, vae: str, size: tuple[int, int], frames: in
     weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     torch.manual_seed(1)
     x = (torch.rand(1, 3, frames, *size, device=device) * 2 - 1).to(dtype)  # (B, C, T, H, W)
+    if vae == "flux":  # a 2D VAE: one image (B, C, H, W)
+        x, frames = x[:, :, 0], 1
     rows, exact = [], None  # exact: the latent of the first exact whole-clip encode that succeeded
 
     def is_exact(mode: str) -> bool:  # whole-clip, untiled encodes
-        return mode in ("stock_full", "patch") or (mode == "stock" and vae == "hv15")
+        return mode in ("stock_full", "patch") or (mode == "stock" and vae in ("hv15", "flux"))
 
     for mode in sorted(modes, key=lambda m: not is_exact(m)):
         configure(model, vae, mode, budget, tile)

@@ -237,10 +237,10 @@ def fake_mode() -> Any:
 KNOWN_NUMEL = 2**20  # the largest tensor whose values `known_values` keeps: masks and SigLIP's 729 x 1152 tokens
 
 
-def known_values() -> Any:
+def known_values(limit: int = KNOWN_NUMEL) -> Any:
     """A TorchDispatchMode, entered inside a `fake_mode()` (and inside any other mode, so it sees each op first),
     that answers the value questions a model asks of fake tensors (HunyuanVideo 1.5: `torch.all(image_embeds == 0)`
-    and `text[text_mask]`) from values the caller knows: beside each fake tensor of at most KNOWN_NUMEL elements
+    and `text[text_mask]`) from values the caller knows: beside each fake tensor of at most `limit` elements
     computed only from known tensors (a real input: the batch the caller built; a factory: zeros, ones; not empty
     memory nor a random draw) it keeps the real tensor it would be, computing that op for real too. A scalar read
     (`_local_scalar_dense`, `is_nonzero`) or `nonzero` of a known tensor returns its real answer, and a known boolean
@@ -261,6 +261,8 @@ def known_values() -> Any:
                 or func._overloadpacket.__name__ in ("empty", "empty_like", "empty_strided", "new_empty"))
 
     class KnownValues(TorchDispatchMode):
+        supports_higher_order_operators = True  # flex attention (NABLA) is one: see __torch_dispatch__
+
         def __init__(self) -> None:
             super().__init__()
             self.values: dict[int, torch.Tensor] = {}  # id(fake tensor) -> its real value
@@ -278,12 +280,21 @@ def known_values() -> Any:
                 self.values[id(fake)] = real
                 weakref.finalize(fake, self.values.pop, id(fake), None)
 
+        def forget(self, storage: Any) -> None:
+            # until the storage is freed: a later storage at the same address is another tensor's (a render's
+            # scheduler timesteps were taken for its latents' and went unanswered, depending on the allocator)
+            if storage._cdata not in self.forgotten:
+                self.forgotten.add(storage._cdata)
+                weakref.finalize(storage, self.forgotten.discard, storage._cdata)
+
         def real(self, func: Any, args: tuple, kwargs: dict) -> Any:
             with _disable_current_modes():
                 return func(*tree_map(self.value, args), **tree_map(self.value, kwargs))
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             kwargs = kwargs or {}
+            if isinstance(func, torch._ops.HigherOrderOperator):  # run by the modes below; its outputs unknown
+                return func(*args, **kwargs)
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             known = not unknowable(func) and all(self.value(t) is not None for t in tensors)
             if func in answers and known:
@@ -302,12 +313,28 @@ def known_values() -> Any:
                 args = (args[0], indices)
             out = func(*args, **kwargs)
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            if known and all(t.numel() <= KNOWN_NUMEL for t in outs):
+            if known and all(t.numel() <= limit for t in outs):
                 for fake, real in zip(tree_flatten(out)[0], tree_flatten(self.real(func, args, kwargs))[0]):
                     self.keep(fake, real)
             elif func._schema.is_mutable:
                 written = [a for s, a in zip(func._schema.arguments, args) if s.alias_info and s.alias_info.is_write]
-                self.forgotten |= {t.untyped_storage()._cdata for t in written if isinstance(t, FakeTensor)}
+                for t in written:
+                    if isinstance(t, FakeTensor):
+                        self.forget(t.untyped_storage())
             return out
 
     return KnownValues()
+
+
+def fresh_saves() -> Any:
+    """A context in which autograd saves, for each tensor a backward needs, a fresh fake tensor of its shape,
+    strides and dtype instead of the tensor itself. Fake tensors have no values, so the backward computes the same
+    shapes; but no saved view then references a parameter, so `Module.to` can swap the fake parameters (it must:
+    a fake parameter's data cannot be set in place), which diffusers' layerwise casting does after each layer's
+    forward. (torch.utils.checkpoint's recompute saves with its own hooks, inside this one: not covered.)"""
+    import torch
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+
+    return torch.autograd.graph.saved_tensors_hooks(fresh, lambda t: t)

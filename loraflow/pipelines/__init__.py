@@ -152,7 +152,7 @@ NABLA_BLOCK = 8  # patches per block side (diffusers' fractal_flatten)
 
 
 @cache
-def uses_nabla(model: ModelSource | str | Path, flavour: str) -> bool:
+def checkpoint_uses_nabla(model: ModelSource | str | Path, flavour: str) -> bool:
     """Whether the checkpoint's transformer attends with NABLA: its config.json on disk, else (not downloaded yet)
     the flavour's released config, which the download will bring."""
     from loraflow.pipelines.sources import as_source
@@ -167,7 +167,7 @@ def uses_nabla(model: ModelSource | str | Path, flavour: str) -> bool:
 
 def bucket_multiple(family: FamilyPlan | ModelFamily, model: ModelSource | str | Path) -> int:
     """The pixel multiple of bucket sides: the family's, times NABLA's block side for a NABLA checkpoint."""
-    return family.spatial_multiple * (NABLA_BLOCK if uses_nabla(model, family.flavour.name) else 1)
+    return family.spatial_multiple * (NABLA_BLOCK if checkpoint_uses_nabla(model, family.flavour.name) else 1)
 
 
 def nabla_note(family: FamilyPlan | ModelFamily, model: ModelSource | str | Path) -> str:

@@ -68,6 +68,12 @@ class ModelFamily(Protocol):
         """A row of zeros shaped as `encode_text` stores one with `n_tokens` caption tokens, for a transformer of this
         config: what `loraflow.estimates` feeds a fake training step (no text encoder loads)."""
 
+    def example_image_condition(self, transformer_config: Mapping[str, Any],
+                                latent_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        """What `image_condition` caches beside a latent of `latent_shape` (C, T, h, w), filled with ones ({} where
+        the flavour caches nothing), for a transformer of this config: what `loraflow.estimates` adds to its fake
+        batch. Ones, not zeros: HunyuanVideo 1.5 drops an all-zero image stream, which a real i2v run never does."""
+
     def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         """Why a clip of this bucket size cannot be trained ("" when it can), known before decoding: Kandinsky 5
         Image i2i's source image at this size gives more vision tokens than its prompt holds; "" elsewhere."""

@@ -9,10 +9,8 @@ here in seconds. Fake tensors cost Python time per op, not FLOPs: the transforme
 blocks (every other dimension is the released one; tests/pipelines/test_released.py checks the full depth's size).
 
 HunyuanVideo 1.5's forward asks values (are the image tokens all zero, which text tokens are valid): `known_values`
-answers them from the real batch. Not here, because fake tensors have no values to answer them: NABLA
-(Kandinsky5T2VPipeline's fast_sta_nabla builds its mask from values), fp8-layerwise (Module.to swaps fake
-parameters, which fails while autograd holds the cast weight) and the validation render (the pipelines return
-numpy)."""
+answers them from the real batch. NABLA, fp8-layerwise and the validation render have their own dry runs
+(tests/pipelines/test_released_render.py)."""
 
 from __future__ import annotations
 

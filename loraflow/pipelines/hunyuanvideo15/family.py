@@ -203,6 +203,14 @@ class HunyuanVideo15:
                 "byt5_embeds": np.zeros((GLYPH_TOKENS, transformer_config["text_embed_2_dim"]), np.float32),
                 "byt5_mask": np.ones(GLYPH_TOKENS, np.float32)}
 
+    def example_image_condition(self, transformer_config: Mapping[str, Any],
+                                latent_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        if not self.flavour.image_is_first_frame:
+            return {}
+        channels, _, height, width = latent_shape
+        return {"image_latent": np.ones((channels, 1, height, width), np.float32),
+                "image_embeds": np.ones((IMAGE_TOKENS, transformer_config["image_embed_dim"]), np.float32)}
+
     def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         return ""  # any bucket size trains
 

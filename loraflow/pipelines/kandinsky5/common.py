@@ -182,6 +182,10 @@ class Kandinsky5Shared:
         return {"text_embeds": np.zeros((n_tokens, transformer_config["in_text_dim"]), np.float32),
                 "pooled_embeds": np.zeros(transformer_config["in_text_dim2"], np.float32)}
 
+    def example_image_condition(self, transformer_config: Mapping[str, Any],
+                                latent_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        return {}  # video i2v's image is latent frame 0 itself; Kandinsky 5 Image i2i overrides this
+
     def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         return ""  # any bucket size trains
 

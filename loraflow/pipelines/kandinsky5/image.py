@@ -244,6 +244,10 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
         latent = self.vae_encode(vae, source[None, None].to(next(vae.parameters()).device), "mode")[0]
         return {"image_latent": latent.float().cpu().numpy()}
 
+    def example_image_condition(self, transformer_config: Mapping[str, Any],
+                                latent_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        return {"image_latent": np.ones(latent_shape, np.float32)}  # the source is shaped as its target (T = 1)
+
     # 3. transformer --------------------------------------------------------------------------------
     def velocity(
         self,

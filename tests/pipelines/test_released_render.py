@@ -1,0 +1,153 @@
+"""Real-size dry runs beyond tests/pipelines/test_released_dry_runs.py (whose helpers they use): NABLA attention,
+fp8-layerwise training, and a validation render, on the released configs built on fake tensors.
+
+- NABLA (Kandinsky 5's 10 s checkpoints): `family.velocity` as eval loss calls it (no grad), so `nabla_params`
+  runs the pipeline's own `get_sparse_params` (the STA mask from the latent's size), then diffusers' `nablaT_v2`
+  builds the flex-attention BlockMask from the block-averaged q·k map, and flex attention runs on it. Exercised: every
+  shape at released token counts (the mask's (S/64)² blocks against the query and key lengths flex checks). Not
+  exercised: the mask's values (fake q·k has none, so its sparsity is unknown), the fused GPU kernel, and the
+  backward (loraflow refuses NABLA training off CUDA: flex has no CPU backward, and a fake CUDA backward needs a
+  CUDA context).
+- fp8-layerwise: `prepare_transformer` enables diffusers' layerwise casting; each layer's hooks cast its weights to
+  bf16 before its forward and back to fp8 after it with `Module.to`, which on fake parameters must swap them, and
+  a swap is refused while anything else references the parameter (autograd saves the weight's transposed view for
+  backward). `fresh_saves` has autograd save a fresh fake of each tensor instead (fake tensors have no values to
+  lose). Without gradient checkpointing: its recompute keeps the views itself (torch.utils.checkpoint's own
+  saved-tensor hooks), so fp8 + checkpointing is not run here.
+- Validation: `family.render` on the family's real diffusers pipeline class, built from the fake transformer and
+  VAE with a real scheduler, one denoising step with classifier-free guidance, then the VAE decode at the
+  flavour's validation size, up to the pipeline's numpy conversion, which fake tensors cannot make: the video it
+  was handed is read from that frame of the error's traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from loraflow.kernels.fake_tensors import fake_mode, fresh_saves, known_values
+from loraflow.training import loop as T
+from loraflow.training.batches import MicroBatch, step_draws
+from loraflow.pipelines import get_family
+from loraflow.pipelines.kandinsky5 import common as kandinsky5
+from loraflow.pipelines.base import RenderSettings
+from loraflow.pipelines.released import released_config, released_model
+from tests.pipelines.test_released_dry_runs import (
+    Case, as_loaded, depth, dry_config, latent_shape, text_batch,
+)
+
+pytestmark = pytest.mark.released
+
+
+@pytest.fixture
+def eager_flex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flex_attention compiles its operator with dynamo, which refuses to trace under a Python dispatch mode
+    (`known_values`); eager, the same operator runs its fake-tensor rule (shapes). torch's own switch for it."""
+    from torch.nn.attention import flex_attention
+
+    monkeypatch.setattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+
+
+@contextmanager
+def recorded_calls(transformer: torch.nn.Module) -> Iterator[list[dict[str, Any]]]:
+    """The keyword arguments of every transformer call (a forward pre-hook)."""
+    calls: list[dict[str, Any]] = []
+    hook = transformer.register_forward_pre_hook(lambda _m, _a, kwargs: calls.append(kwargs), with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        hook.remove()
+
+
+def test_nabla_velocity_at_released_size(eager_flex: None) -> None:
+    """Kandinsky 5 Video Lite 10 s (the Pro 10 s checkpoints take the same attention_* values)."""
+    flavour = "t2v-lite-sft-10s"
+    config = dry_config(Case("kandinsky5-video", flavour, ""))
+    family = get_family(config)
+    released = released_config(flavour, "transformer")
+    assert released["attention_type"] == "nabla"
+    shape = latent_shape(family)  # 241 frames at 512x768: (1, 16, 61, 64, 96), 93,696 visual tokens
+    text = text_batch(family, shape)
+    with fake_mode():
+        transformer = as_loaded(released_model(flavour, "transformer", **depth(released)), torch.bfloat16)
+        with recorded_calls(transformer) as seen, torch.no_grad(), known_values():
+            velocity = family.velocity(transformer, torch.randn(shape), torch.full((1,), 0.5), text)
+    assert tuple(velocity.shape) == shape
+    (call,) = seen
+    blocks = shape[2] * (shape[3] // 2) * (shape[4] // 2) // 64  # NABLA's 64-token blocks of 2x2 patches
+    assert tuple(call["sparse_params"]["sta_mask"].shape) == (1, 1, blocks, blocks)
+    assert kandinsky5.uses_nabla(transformer) and transformer.__dict__.get("_loraflow_flex")
+
+
+def test_fp8_layerwise_training_step_at_released_size() -> None:
+    """Kandinsky 5 Video Lite's training step with its frozen weights stored in fp8, as `train_lora` prepares it."""
+    case = Case("kandinsky5-video", "t2v-lite-sft-5s", "tread")
+    config = dry_config(case).model_copy(update={"base_model_precision": "fp8-layerwise",
+                                                 "gradient_checkpointing": False})
+    family = get_family(config)
+    released = released_config(case.flavour, "transformer")
+    shape = latent_shape(family)
+    text, draws = text_batch(family, shape), step_draws(config, family, 0, shape)
+    x0 = torch.randn(shape)
+    with fake_mode():
+        model = as_loaded(released_model(case.flavour, "transformer", **depth(released)), T.base_dtype(config))
+        transformer, params = T.prepare_transformer(model, config, family)
+        transformer.train()
+        with fresh_saves(), known_values(), T.routing(transformer, family, config, draws.seed):
+            loss, _ = T.step_losses(transformer, family, MicroBatch([], x0, text, draws), torch.device("cpu"),
+                                    T.uses_autocast(config, torch.device("cpu")))
+            loss.backward()
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
+    # after the step every cast layer is stored in fp8 again (its hooks put it back), the LoRA in fp32
+    query = transformer.visual_transformer_blocks[0].self_attention.to_query
+    assert query.base_layer.weight.dtype == torch.float8_e4m3fn
+    assert query.lora_A["default"].weight.dtype == torch.float32
+
+
+# a validation render per family; Kandinsky 5 Video's i2v (its pipeline also encodes the conditioning image at the
+# render size; t2v's pipeline differs only in leaving that out)
+RENDERS = [Case("kandinsky5-video", "i2v-lite-5s", ""),
+           Case("kandinsky5-image", "t2i-lite-sft", ""), Case("hunyuanvideo-1.5", "t2v-480p", "")]
+
+
+def fake_pipeline(family: Any, flavour: str) -> Any:
+    """The family's diffusers render pipeline from the released transformer (fp32, as `load_renderer` loads it) and
+    VAE on fake tensors, a real scheduler and, for HunyuanVideo 1.5, its real guider; no text encoders (renders read
+    cached embeddings: `load_pipeline` leaves them out too)."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+
+    released = released_config(flavour, "transformer")
+    hv15 = family.name == "hunyuanvideo-1.5"
+    real = {"scheduler": FlowMatchEulerDiscreteScheduler(),  # real: set_timesteps computes in numpy
+            **({"guider": ClassifierFreeGuidance()} if hv15 else {})}
+    with fake_mode():
+        transformer = as_loaded(released_model(flavour, "transformer", **depth(released)), torch.float32)
+        vae = as_loaded(released_model(flavour, "vae"), torch.float32)
+    pipeline = HunyuanVideo15Pipeline if hv15 else family.pipeline_class
+    return pipeline(transformer=transformer, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                    tokenizer_2=None, **real)
+
+
+@pytest.mark.parametrize("case", RENDERS, ids=lambda c: c.flavour)
+def test_validation_render_at_released_size(case: Case) -> None:
+    family = get_family(dry_config(case))
+    height, width = family.flavour.size
+    settings = RenderSettings(height=height, width=width, num_frames=family.flavour.num_frames,
+                              num_inference_steps=1, guidance=5.0, seed=0, flow_shift=5.0)
+    pipe = fake_pipeline(family, case.flavour)
+    row = family.example_text_row(pipe.transformer.config, 512)
+    image = {"image": np.zeros((height, width, 3), np.uint8)} if family.flavour.conditioning_frames else {}
+    # the pipeline asks values of the conditioning image it preprocesses (is it in [0, 1]): known up to its size
+    with fake_mode(), recorded_calls(pipe.transformer) as calls, known_values(limit=height * width * 3):
+        with pytest.raises(RuntimeError, match=r"\.numpy\(\) is not supported for tensor subclasses") as error:
+            family.render(pipe, row, row, settings, lora_scale=None, **image)
+    # the pipeline's numpy conversion (diffusers' pt_to_numpy) was handed the decoded (F, 3, H, W) video
+    decoded = error.traceback[-1].frame.f_locals["images"]
+    assert tuple(decoded.shape) == (family.flavour.num_frames, 3, height, width)
+    assert len(calls) == 2  # one step: with the prompt and with the negative
