@@ -139,6 +139,10 @@ class LoraflowConfig(GuideFeatures):
         None, run_key="never", ge=0, description="also render the validation prompts with the LoRA so far every N "
         "optimizer steps during training, into the run folder (validation/step-NNNNNNN/); 0 or unset: off. Not part "
         "of the run: training computes the same LoRA with or without it")
+    validation_on_startup: bool = setting(
+        False, run_key="never", description="also render the validation prompts before the first training step (the "
+        "base model: the new LoRA starts as a no-op), into the run folder as validation/step-0000000/; not part of "
+        "the run")
     eval_holdout_fraction: float = setting(
         0.0, run_key="always", ge=0, lt=1, description="fraction of source videos held out of training to measure "
         "eval loss on")
@@ -280,6 +284,9 @@ class LoraflowConfig(GuideFeatures):
             raise ValueError(f"`validation_steps` {self.validation_steps} renders the validation prompts during "
                              "training, but there are none: set `validation_prompt` or `user_prompt_library`, or "
                              "set validation_steps: 0 (off)")
+        if self.validation_on_startup and not self.validation_prompts:
+            raise ValueError("`validation_on_startup` renders the validation prompts before the first step, but there "
+                             "are none: set `validation_prompt` or `user_prompt_library`, or remove it")
         if self.eval_dataset_id is not None:
             ids = [d.id for d in self.training_datasets]
             if self.eval_dataset_id not in ids:
@@ -418,7 +425,7 @@ class LoraflowConfig(GuideFeatures):
             raise ValueError(f"`fsdp: true` shards the model over the training processes but num_processes is "
                              f"{self.num_processes}: set num_processes: N (one per GPU, N > 1) or fsdp: false")
         # Each of these runs the sharded transformer (or its LoRA) on rank 0 alone or beside FSDP's own hooks
-        for key in ("enable_group_offload", "crepa_enabled", "validation_steps"):
+        for key in ("enable_group_offload", "crepa_enabled", "validation_steps", "validation_on_startup"):
             if getattr(self, key):
                 raise ValueError(f"`{key}` is not supported with `fsdp: true` (untested together): remove `{key}` "
                                  "or set fsdp: false")

@@ -364,6 +364,7 @@ def run_steps(
                          range(start * accum, config.max_train_steps * accum))
     sink = open_sink(config.report_to, out, start, run_key_settings(config)) if world.main else None
     renders = ProgressRenders(config, family, store, out, transformer, world)  # validation_steps; off by default
+    renders.at_startup(start)  # validation_on_startup; resets the peak memory itself
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     transformer.train()
