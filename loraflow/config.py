@@ -18,6 +18,7 @@ from pydantic import ValidationError, ValidationInfo, field_validator, model_val
 from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
 from loraflow.config_errors import describe
 from loraflow.guide_features import GuideFeatures
+from loraflow.ops.validation_adapters import ValidationAdapter, check_adapters, read_adapter_config
 from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
@@ -143,6 +144,17 @@ class LoraflowConfig(GuideFeatures):
         False, run_key="never", description="also render the validation prompts before the first training step (the "
         "base model: the new LoRA starts as a no-op), into the run folder as validation/step-0000000/; not part of "
         "the run")
+    # another adapter (or several, each named) rendered beside the trained one by the validation stage, for A/B
+    validation_adapter_path: str | None = setting(
+        None, run_key="never", description="a local LoRA .safetensors (diffusers/peft format) or a folder holding "
+        "pytorch_lora_weights.safetensors; its content hash is part of validation's key")
+    validation_adapter_name: str | None = setting(
+        None, run_key="never", description="the name its renders carry; default: the file's stem")
+    validation_adapter_strength: float = setting(
+        1.0, run_key="never", gt=0, description="its scale in the renders")
+    validation_adapter_config: tuple[ValidationAdapter, ...] | None = setting(
+        None, run_key="never", description="several adapters, each rendered on its own: a list of {label, path, "
+        "strength}, SimpleTuner's {runs: [...]}, or a JSON file of either (relative to the config)")
     eval_holdout_fraction: float = setting(
         0.0, run_key="always", ge=0, lt=1, description="fraction of source videos held out of training to measure "
         "eval loss on")
@@ -236,6 +248,11 @@ class LoraflowConfig(GuideFeatures):
     def _prompt_library(cls, v: Any) -> Any:
         return read_prompt_library(v) if isinstance(v, (str, Path)) else v
 
+    @field_validator("validation_adapter_config", mode="before")
+    @classmethod
+    def _adapter_config(cls, v: Any) -> Any:
+        return None if v is None else read_adapter_config(v)
+
     @field_validator("validation_resolution")
     @classmethod
     def _resolution(cls, v: str | None) -> str | None:
@@ -287,6 +304,10 @@ class LoraflowConfig(GuideFeatures):
         if self.validation_on_startup and not self.validation_prompts:
             raise ValueError("`validation_on_startup` renders the validation prompts before the first step, but there "
                              "are none: set `validation_prompt` or `user_prompt_library`, or remove it")
+        if self.validation_adapter_path and self.validation_adapter_config:
+            raise ValueError("give either `validation_adapter_path` (one adapter) or `validation_adapter_config` "
+                             "(several), not both")
+        check_adapters(self.validation_adapters)
         if self.eval_dataset_id is not None:
             ids = [d.id for d in self.training_datasets]
             if self.eval_dataset_id not in ids:
@@ -453,6 +474,14 @@ class LoraflowConfig(GuideFeatures):
         return {**prompts, **(self.user_prompt_library or {})}
 
     @property
+    def validation_adapters(self) -> tuple[ValidationAdapter, ...]:
+        """The adapters validation renders beside the trained one: the single one's keys, or the list."""
+        if self.validation_adapter_path is None:
+            return self.validation_adapter_config or ()
+        return (ValidationAdapter(path=self.validation_adapter_path, label=self.validation_adapter_name,
+                                  strength=self.validation_adapter_strength),)
+
+    @property
     def training_datasets(self) -> tuple[DatasetConfig, ...]:
         return tuple(d for d in self.datasets if d.dataset_type in ("video", "image") and not d.disabled)
 
@@ -507,9 +536,10 @@ def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | 
         if not path.is_file():
             raise ConfigError([f"dataset_backend_config: file {path} does not exist"], source)
         data["datasets"] = json.loads(path.read_text())
-    library = data.get("user_prompt_library")
-    if isinstance(library, str) and base_dir is not None and not Path(library).is_absolute():
-        data["user_prompt_library"] = str(base_dir / library)  # relative to the config file, like the datasets file
+    for key in ("user_prompt_library", "validation_adapter_config"):  # JSON files relative to the config file
+        named = data.get(key)
+        if isinstance(named, str) and base_dir is not None and not Path(named).is_absolute():
+            data[key] = str(base_dir / named)
     try:
         return LoraflowConfig.model_validate(data)
     except ValidationError as exc:

@@ -53,6 +53,11 @@ TEXT_PRECISIONS = {"int8-quanto": "int8-torchao"}
 TEXT_PRECISION_NAMES = typing.get_args(LoraflowConfig.model_fields["text_encoder_1_precision"].annotation)
 OPTIMIZERS = typing.get_args(LoraflowConfig.model_fields["optimizer"].annotation)
 REPORT_TO = typing.get_args(LoraflowConfig.model_fields["report_to"].annotation)
+# validation_adapter_mode: loraflow's validation always renders the base, the trained LoRA and each other adapter
+ADAPTER_KEYS = ("validation_adapter_path", "validation_adapter_name", "validation_adapter_strength",
+                "validation_adapter_config")
+ADAPTER_MODE_WHY = ("loraflow's validation renders the base, the trained LoRA and each validation adapter side by "
+                    "side (SimpleTuner's comparison); adapter_only is not offered")
 # SimpleTuner's rollout samplers -> loraflow's (Euler only: kernels/scheduled_sampling.py)
 ROLLOUT_SAMPLERS = {"euler": "euler", "unipc": "euler"}
 
@@ -130,6 +135,10 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
         elif key == "text_encoder_1_precision" and value not in TEXT_PRECISION_NAMES:
             out.skip(key, value, "the first text encoder runs in fp32, bf16 or int8-torchao (int8 weight-only); "
                                  "other quantisations are not supported")
+        elif key == "validation_adapter_mode":
+            out.skip(key, value, ADAPTER_MODE_WHY if value != "none" else "none: the adapter keys were dropped")
+        elif key in ADAPTER_KEYS and settings.get("validation_adapter_mode") == "none":
+            out.skip(key, value, "validation_adapter_mode none: not rendered")
         elif key in ("resolution", "resolution_type"):
             continue  # dataset defaults, applied below
         elif key in shared:

@@ -17,6 +17,7 @@ from loraflow.config import (
 from loraflow.dataset_config import run_key_of
 from loraflow.guide_features import GuideFeatures
 from loraflow.ops import train as T
+from loraflow.ops.validation_adapters import ValidationAdapter
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = {"latents": "l", "text_embeds": "t"}
@@ -24,10 +25,12 @@ Path_ = tuple[str | int, ...]  # field names, and indices into tuples of models
 
 
 def demo() -> LoraflowConfig:
-    """The demo config with TREAD on, so that every config model (TreadRoute too) has an instance to vary."""
+    """The demo config with TREAD and a validation adapter on, so that every config model (TreadRoute too) has an
+    instance to vary."""
     config = load_config(REPO / "configs" / "demo.yaml")
     route = TreadRoute(selection_ratio=0.5, start_layer_idx=0, end_layer_idx=-1)
-    return config.model_copy(update={"tread_config": TreadConfig(routes=(route,))})
+    return config.model_copy(update={"tread_config": TreadConfig(routes=(route,)),
+                                     "validation_adapter_config": (ValidationAdapter(path="other.safetensors"),)})
 
 
 def fields(model: StrictModel) -> Iterator[tuple[Path_, str, type[StrictModel], str]]:
@@ -77,7 +80,7 @@ def key(config: LoraflowConfig) -> str:
 
 def test_the_walk_reaches_every_config_model() -> None:
     reached = {(owner, name) for _, _, owner, name in fields(demo())}
-    models = {LoraflowConfig, DatasetConfig, VideoSettings, TreadConfig, TreadRoute}
+    models = {LoraflowConfig, DatasetConfig, VideoSettings, TreadConfig, TreadRoute, ValidationAdapter}
     assert reached == {(m, name) for m in models for name in m.model_fields}
     loaded = {m for m in _subclasses(StrictModel) if m.__module__.startswith("loraflow.")}
     # a new config model is reached by the walk, or this names it; GuideFeatures is LoraflowConfig's base, whose
@@ -104,7 +107,7 @@ def test_a_new_when_set_field_at_its_default_keeps_every_run_key() -> None:
     class Later(LoraflowConfig):
         new_feature: float = setting(0.0, run_key="when_set", description="a training feature added after runs")
 
-    config = demo()
+    config = demo().model_copy(update={"validation_adapter_config": None})  # validated: its file does not exist
     later = Later.model_validate(config.model_dump())
     assert key(later) == key(config)
     assert key(later.model_copy(update={"new_feature": 0.5})) != key(config)

@@ -240,8 +240,8 @@ def load_pipeline(pipeline: type, model: ModelSource | str | Path, lora_path: st
     return pipe
 
 
-def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path) -> None:
-    """Load an adapter file (keys with or without the diffusers `transformer.` prefix) as LORA_ADAPTER.
+def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path, adapter_name: str = LORA_ADAPTER) -> None:
+    """Load an adapter file (keys with or without the diffusers `transformer.` prefix) as `adapter_name`.
 
     By path, not as a state dict: diffusers then reads the LoraConfig (lora_alpha) that `save_lora_weights`
     stores in the file's header when given `transformer_lora_adapter_metadata`; without it alpha = rank.
@@ -251,7 +251,7 @@ def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path) -> None:
     path = Path(lora_path)
     with safe_open(str(path), "pt") as f:
         prefix = "transformer" if all(k.startswith("transformer.") for k in f.keys()) else None
-    transformer.load_lora_adapter(str(path.parent), weight_name=path.name, prefix=prefix, adapter_name=LORA_ADAPTER)
+    transformer.load_lora_adapter(str(path.parent), weight_name=path.name, prefix=prefix, adapter_name=adapter_name)
 
 
 def set_lora_scale(transformer: torch.nn.Module, scale: float | None) -> None:
