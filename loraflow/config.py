@@ -18,6 +18,7 @@ from pydantic import ValidationError, ValidationInfo, field_validator, model_val
 from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
 from loraflow.config_errors import describe
 from loraflow.guide_features import GuideFeatures
+from loraflow.ops.masks import is_mask_dataset
 from loraflow.ops.validation_adapters import ValidationAdapter, check_adapters, read_adapter_config
 from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
@@ -104,6 +105,9 @@ class LoraflowConfig(GuideFeatures):
         "comfyui: also a ComfyUI file (diffusion_model.* names, lora_up/lora_down, alpha) beside it")
     caption_dropout_probability: float = setting(
         0.0, run_key="always", ge=0, le=1, description="train on the empty prompt this often")
+    masked_loss_probability: float = setting(
+        1.0, run_key="when_set", ge=0, le=1, description="with a `conditioning_type: mask` dataset: the chance a "
+        "micro-step weights its loss by the masks (drawn per micro-step from the seed)")
     flow_sigma_sampling: Literal["sigmoid", "logit_normal", "uniform"] = setting("sigmoid", run_key="always")
     flow_sigmoid_scale: float = setting(1.0, run_key="always", gt=0)
     checkpointing_steps: int = setting(
@@ -357,9 +361,15 @@ class LoraflowConfig(GuideFeatures):
                 raise ValueError(f"dataset '{d.id}': `conditioning_data` goes on the image dataset whose images "
                                  f"are edits of the source images, not on a {d.dataset_type} dataset")
         for d in self.training_datasets:
-            if not flavour.edits_image and d.conditioning_data is not None:
+            masks = is_mask_dataset(self.source_images(d))  # loss masks pair with any flavour's files
+            if flavour.edits_image and masks:
+                raise ValueError(f"dataset '{d.id}': `conditioning_data` {d.conditioning_data!r} holds loss masks; "
+                                 f"flavour '{flavour.name}' needs it for the source images (masked loss with i2i is "
+                                 "not supported): name the source images' dataset")
+            if not flavour.edits_image and d.conditioning_data is not None and not masks:
                 raise ValueError(f"dataset '{d.id}': `conditioning_data` pairs images with source images for i2i; "
-                                 f"flavour '{flavour.name}' takes none: remove it, or choose an i2i flavour")
+                                 f"flavour '{flavour.name}' takes none: remove it, choose an i2i flavour, or give "
+                                 "the conditioning dataset `conditioning_type: mask` (loss masks)")
             if flavour.edits_image and d.conditioning_data is None:
                 raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' edits a source image into each "
                                  "target image: set `conditioning_data` to the id of a `dataset_type: conditioning` "

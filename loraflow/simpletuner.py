@@ -145,7 +145,9 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
             out.config[key] = value
         else:
             out.skip(key, value)
-    out.config["datasets"] = [d for i, b in enumerate(backends) if (d := _dataset(i, b, settings, out)) is not None]
+    masks = {b.get("id") for b in backends if b.get("conditioning_type") == "mask"}  # loss masks (ops/masks.py)
+    out.config["datasets"] = [d for i, b in enumerate(backends)
+                              if (d := _dataset(i, b, settings, out, masks)) is not None]
     if "resolution" in settings and not any("resolution" not in b for b in backends if _is_media(b)):
         out.skip("resolution", settings["resolution"], "every dataset sets its own resolution")
     return out
@@ -220,7 +222,8 @@ def _truthy(value: Any) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
-def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: Imported) -> dict[str, Any] | None:
+def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: Imported,
+             masks: set[str]) -> dict[str, Any] | None:
     where = f"datasets[{index}]"
     if not _is_media(entry) and entry.get("dataset_type") not in ("text_embeds", "conditioning"):
         out.skip(f"{where} (id {entry.get('id')})", entry.get("dataset_type"), "dataset_type not supported: dropped")
@@ -230,7 +233,10 @@ def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: I
     dataset: dict[str, Any] = {}
     for key, value in entry.items():
         if key == "conditioning_data":
-            _conditioning_data(where, value, settings, dataset, out)
+            _conditioning_data(where, value, settings, dataset, out, masks)
+        elif key == "conditioning_type" and value != "mask":
+            out.skip(f"{where}.{key}", value, "loraflow's conditioning datasets hold i2i source images (unset) or "
+                                              "loss masks (mask)")
         elif key in known:
             dataset[key] = value
         elif key == "video":
@@ -248,11 +254,15 @@ def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: I
 
 
 def _conditioning_data(where: str, value: Any, settings: dict[str, Any], dataset: dict[str, Any],
-                       out: Imported) -> None:
-    """Kept for i2i (its source images); SimpleTuner also pairs ControlNet and i2v datasets, which loraflow does not."""
+                       out: Imported, masks: set[str]) -> None:
+    """Kept for i2i (its source images) and for a loss-mask dataset (any flavour); SimpleTuner also pairs ControlNet
+    and i2v datasets, which loraflow does not."""
     ids = value if isinstance(value, list) else [value]
-    if "i2i" not in str(settings.get("model_flavour", "")):
-        out.skip(f"{where}.conditioning_data", value, "loraflow pairs source images for i2i flavours only")
+    if len(ids) == 1 and ids[0] in masks and "i2i" not in str(settings.get("model_flavour", "")):
+        dataset["conditioning_data"] = ids[0]
+    elif "i2i" not in str(settings.get("model_flavour", "")):
+        out.skip(f"{where}.conditioning_data", value, "loraflow pairs source images for i2i flavours only, and "
+                                                      "one loss-mask dataset (conditioning_type mask) with any")
     elif len(ids) != 1:
         out.skip(f"{where}.conditioning_data", value, "loraflow pairs each image with one source-image dataset")
     else:

@@ -129,6 +129,7 @@ def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
        description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.assets.launch import train
+    from loraflow.ops.masks import masked_loss_metadata
     from loraflow.ops.previews import loss_plot
     from loraflow.ops.progress_renders import progress_sheet_path
 
@@ -146,6 +147,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
             "peak_gib": md.number(report.peak_gib),  # CUDA only: 0 on the CPU
             **md.estimated_peak(config, "lora", store, "cuda" if report.peak_gib else "cpu"),
             "loss": md.loss_words(history),
+            **masked_loss_metadata(config),  # with a mask dataset: which datasets, how often
             "loss_curve": md.md_image(loss_plot(history), "training loss per step"),
             "history": MetadataValue.path(str(Path(report.run_dir) / "history.json")),  # every digit
             "inputs": MetadataValue.json(report.inputs),

@@ -54,13 +54,14 @@ from loraflow.ops.distributed import (
     tensors_fingerprint,
 )
 from loraflow.ops.exchange import text_lookup
+from loraflow.ops.masks import masked_mse
 from loraflow.ops.progress_renders import ProgressRenders
 from loraflow.ops.quantize import INT8_PRECISIONS, quantize_base_int8
 from loraflow.ops.report import LoraReport, TrainStep
 from loraflow.ops.tracking import open_sink
 from loraflow.ops.train_data import BatchPlan, MicroBatch, build_samples, load_micro_batch, step_seed, training_texts
 from loraflow.pipelines.base import (
-    ModelFamily, conditioned_noisy, flow_mse, load_component,
+    ModelFamily, conditioned_noisy, load_component,
 )
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.pipelines.sources import model_source
@@ -245,7 +246,8 @@ def step_losses(
     crepa: Crepa | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32); i2v: frame 0
-    of x_t is x0's (the image) and the loss covers the generated frames only (`conditioned_noisy`, `flow_mse`).
+    of x_t is x0's (the image) and the loss covers the generated frames only (`conditioned_noisy`, `flow_mse`),
+    each element weighted by the batch's loss masks when it has them (`masked_mse`).
     Scheduled sampling replaces x_t by the model's own rollout (the target stays); with CREPA, also its weighted
     term (else None)."""
     x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
@@ -257,7 +259,7 @@ def step_losses(
                                                                   enabled=autocast):
         prediction = family.velocity(transformer, x_t, sigma, text)
     term = None if crepa is None else crepa.term(transformer, capture, batch.teacher, tuple(x0.shape[2:]))
-    return flow_mse(family, prediction, x0, noise), term
+    return masked_mse(family, prediction, x0, noise, batch.mask), term
 
 
 def rolled_out(transformer: torch.nn.Module, family: ModelFamily, x_t: torch.Tensor, x0: torch.Tensor,

@@ -22,6 +22,7 @@ from loraflow.ops.batches import RowCache
 from loraflow.ops.crepa_training import load_teacher_batch
 from loraflow.ops.exchange import split_clips, text_lookup
 from loraflow.ops.latents import draw_latents
+from loraflow.ops.masks import batch_mask
 from loraflow.pipelines.base import ModelFamily, TextRow, image_conditions
 from loraflow.store import Store
 
@@ -50,6 +51,7 @@ class MicroBatch:
     text: dict[str, torch.Tensor]  # family.collate_text output, CPU
     draws: StepDraws
     teacher: torch.Tensor | None = None  # (B, T, g * g, E) CREPA's cached teacher features; None: off
+    mask: torch.Tensor | None = None  # (B, 1, 1, h, w) loss masks (ops/masks.py); None: unmasked
 
 
 def training_texts(clips: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
@@ -160,4 +162,5 @@ def load_micro_batch(
     text = family.collate_text([rows[k] for k in text_keys], torch.device("cpu"))
     text.update(image_conditions([latents[s.latent_key] for s in samples]))  # i2v rows' first-frame condition
     features = load_teacher_batch(store, [teacher[s.latent_key] for s in samples]) if teacher else None
-    return MicroBatch(samples, x0, text, draws, features)
+    mask = batch_mask([latents[s.latent_key] for s in samples], config, micro_step)
+    return MicroBatch(samples, x0, text, draws, features, mask)
