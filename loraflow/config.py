@@ -311,7 +311,8 @@ class LoraflowConfig(GuideFeatures):
         if self.validation_adapter_path and self.validation_adapter_config:
             raise ValueError("give either `validation_adapter_path` (one adapter) or `validation_adapter_config` "
                              "(several), not both")
-        check_adapters(self.validation_adapters)
+        check_adapters("validation_adapter_path" if self.validation_adapter_path else "validation_adapter_config",
+                       self.validation_adapters)
         if self.eval_dataset_id is not None:
             ids = [d.id for d in self.training_datasets]
             if self.eval_dataset_id not in ids:

@@ -6,15 +6,15 @@ output_dir/validation/<key>/:
     <nn>-<shortname>/base.mp4, lora.mp4   h264 yuv420p at the flavour's fps (base.png, lora.png for images)
     <nn>-<shortname>/adapter-<i>-<name>.mp4   each other adapter's render (`validation_adapter_path` or
                                           `validation_adapter_config`, ops/validation_adapters.py)
-    <nn>-<shortname>/contact_sheet.png    base frames over LoRA frames, labelled, under the prompt
+    <nn>-<shortname>/contact_sheet.png    base frames over LoRA frames (then each other adapter's), labelled
     <nn>-<shortname>/preview.webp         videos: base and LoRA side by side, animated
     condition.png                         i2v, i2i: the image every render starts from (first frame, source)
     <nn>-<shortname>/result.json          written last: the prompt is done (a killed run resumes after it)
     eval_loss.png, results.json           results.json is written last: the whole run is done
 The key covers the adapter's content (`safetensors_sha256`: not the file's bytes, whose header order varies), the
-render settings, the prompts, the other adapters' content (when given), the eval inputs and (i2v) the clip whose first frame conditions every render: the first
-held-out eval clip (by key), else the first training clip, center-cropped and resized to the validation size
-(`conditioning_image`).
+render settings, the prompts, the eval inputs, the other adapters' content and strength (when given) and (i2v) the
+clip whose first frame conditions every render: the first held-out eval clip (by key), else the first training clip,
+center-cropped and resized to the validation size (`conditioning_image`).
 """
 
 from __future__ import annotations

@@ -71,11 +71,12 @@ def adapter_file(key: str, path: str) -> Path:
     return file
 
 
-def check_adapters(adapters: tuple[ValidationAdapter, ...]) -> None:
-    """Files exist and names are distinct and free (base, LoRA: the stage's own renders), checked at load."""
+def check_adapters(key: str, adapters: tuple[ValidationAdapter, ...]) -> None:
+    """Files exist and names are distinct and free (base, LoRA: the stage's own renders), checked at load; `key`
+    is the config key that gave them."""
     names = [a.name.lower() for a in adapters]
     for adapter in adapters:
-        adapter_file("validation_adapter_config" if len(adapters) > 1 else "validation_adapter_path", adapter.path)
+        adapter_file(key, adapter.path)
         if adapter.name.lower() in RESERVED_NAMES:
             raise ValueError(f"validation adapter name {adapter.name!r} is taken by validation's own renders "
                              f"({', '.join(RESERVED_NAMES)}): give it another `label`")
@@ -91,7 +92,7 @@ def adapter_keys(adapters: tuple[ValidationAdapter, ...]) -> dict[str, Any]:
     if not adapters:
         return {}
     return {"adapters": [{"name": a.name, "strength": a.strength,
-                          "sha256": safetensors_sha256(adapter_file("path", a.path))} for a in adapters]}
+                          "sha256": safetensors_sha256(adapter_file("adapter", a.path))} for a in adapters]}
 
 
 def peft_name(index: int) -> str:
@@ -103,7 +104,7 @@ def load_adapters(transformer: Any, adapters: tuple[ValidationAdapter, ...]) -> 
     from loraflow.pipelines.base import load_lora_file
 
     for i, adapter in enumerate(adapters):
-        load_lora_file(transformer, adapter_file("path", adapter.path), adapter_name=peft_name(i))
+        load_lora_file(transformer, adapter_file("adapter", adapter.path), adapter_name=peft_name(i))
 
 
 def activate(transformer: Any, index: int, adapter: ValidationAdapter) -> None:
