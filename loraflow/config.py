@@ -15,10 +15,11 @@ import yaml
 from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 
 # Dataset entries (one per dataset folder) are the config's other part; importable from here as well.
-from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
+from loraflow.dataset_config import (
+    DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, is_mask_dataset, setting,
+)
 from loraflow.config_errors import describe
 from loraflow.guide_features import GuideFeatures
-from loraflow.ops.masks import is_mask_dataset
 from loraflow.ops.validation_adapters import ValidationAdapter, check_adapters, read_adapter_config
 from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour

@@ -81,6 +81,11 @@ def _as_json(value: Any) -> Any:
     return to_jsonable_python(value)
 
 
+def is_mask_dataset(dataset: DatasetConfig | None) -> bool:
+    """A conditioning dataset of loss masks (`conditioning_type: mask`, ops/masks.py), not of i2i source images."""
+    return dataset is not None and dataset.conditioning_type == "mask"
+
+
 class VideoSettings(StrictModel):
     """How frames are chosen from one video (the `video:` block of a dataset)."""
 

@@ -28,14 +28,13 @@ import numpy as np
 from tqdm import tqdm
 
 from loraflow.config import DatasetConfig, LoraflowConfig
-from loraflow.dataset_config import DEFAULT_MAX_UPSCALE
+from loraflow.dataset_config import DEFAULT_MAX_UPSCALE, is_mask_dataset
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.ops import buckets
 from loraflow.ops.buckets import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.ops.captions import read_captions
 from loraflow.ops.dataset_folder import list_folder, printable, touch
 from loraflow.ops.media import decode_frames, probe
-from loraflow.ops.masks import is_mask_dataset
 from loraflow.ops.media_types import IMAGE_EXTENSIONS, MediaError, Probe
 from loraflow.ops.report import ClipsReport, DropReason, DroppedFile
 from loraflow.pipelines.sources import ModelSource, model_source

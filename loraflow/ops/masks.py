@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from loraflow.dataset_config import is_mask_dataset
+
 if TYPE_CHECKING:
     import torch
 
@@ -31,10 +33,6 @@ if TYPE_CHECKING:
 
 MASK_CODE = "mask-1"  # bump when `latent_mask` would give other numbers for the same mask
 MASK_COLUMN = "loss_mask"
-
-
-def is_mask_dataset(dataset: Any) -> bool:
-    return dataset is not None and dataset.conditioning_type == "mask"
 
 
 def latent_mask(mask_frames: np.ndarray, latent_shape: tuple[int, ...]) -> np.ndarray:
@@ -53,19 +51,15 @@ def latent_key_part(clip: dict[str, Any]) -> dict[str, str]:
     return {"mask": MASK_CODE} if clip.get("mask") else {}
 
 
-def batch_mask(rows: list[dict[str, Any]], config: LoraflowConfig, micro_step: int) -> torch.Tensor | None:
+def batch_mask(rows: list[dict[str, Any]], probability: float, seed: int) -> torch.Tensor | None:
     """(B, 1, 1, h, w) float32 masks of a micro-step's latent rows (ones for a row without one), or None: no row
-    has a mask, or this micro-step's draw skips them (`masked_loss_probability`)."""
+    has a mask, or this micro-step's draw (from its own `seed`) skips them (`masked_loss_probability`)."""
     import torch
-
-    from loraflow.ops.train_data import step_seed
 
     if not any(r.get(MASK_COLUMN) is not None for r in rows):
         return None
-    if config.masked_loss_probability < 1:
-        generator = torch.Generator().manual_seed(step_seed(config.seed, micro_step, "masked_loss"))
-        if torch.rand(1, generator=generator).item() >= config.masked_loss_probability:
-            return None
+    if probability < 1 and torch.rand(1, generator=torch.Generator().manual_seed(seed)).item() >= probability:
+        return None
     h, w = np.asarray(rows[0]["latent"]).shape[-2:]
     ones = np.ones((1, 1, h, w), dtype=np.float32)
     return torch.from_numpy(np.stack([np.asarray(r[MASK_COLUMN]) if r.get(MASK_COLUMN) is not None else ones

@@ -162,5 +162,6 @@ def load_micro_batch(
     text = family.collate_text([rows[k] for k in text_keys], torch.device("cpu"))
     text.update(image_conditions([latents[s.latent_key] for s in samples]))  # i2v rows' first-frame condition
     features = load_teacher_batch(store, [teacher[s.latent_key] for s in samples]) if teacher else None
-    mask = batch_mask([latents[s.latent_key] for s in samples], config, micro_step)
+    mask = batch_mask([latents[s.latent_key] for s in samples], config.masked_loss_probability,
+                      step_seed(config.seed, micro_step, "masked_loss"))
     return MicroBatch(samples, x0, text, draws, features, mask)
