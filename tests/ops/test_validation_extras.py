@@ -36,6 +36,12 @@ def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFact
     return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("extras"))
 
 
+@pytest.fixture(scope="module")
+def plain(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> T.LoraReport:
+    """A one-step LoRA without any of these options."""
+    return train(make_config(caches, tmp_path_factory.mktemp("plain") / "out", max_train_steps=1, **RENDERS))
+
+
 def capture(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[np.ndarray]]:
     """The frames each module hands to write_media, in order (frames: mp4 bytes vary with libx264's threads)."""
     written: dict[str, list[np.ndarray]] = {"progress": [], "validation": []}
@@ -48,15 +54,14 @@ def capture(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[np.ndarray]]:
 
 
 def test_validation_on_startup_renders_the_base_at_step_0_and_trains_the_same_lora(
-        caches: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     written = capture(monkeypatch)
     config = make_config(caches, tmp_path / "startup", validation_on_startup=True, max_train_steps=1, **RENDERS)
-    plain = make_config(caches, tmp_path / "plain", max_train_steps=1, **RENDERS)
     report = train(config)
-    assert report.run_dir.endswith(T.run_dir(plain, report.inputs).name)  # not part of the run
+    assert Path(report.run_dir).name == Path(plain.run_dir).name  # not part of the run
     run = Path(report.run_dir)
     assert sorted(p.name for p in (run / "validation").glob("step-*")) == ["step-0000000"]
-    assert same_lora_file(run / T.LORA_FILE, Path(train(plain).lora_path))
+    assert same_lora_file(run / T.LORA_FILE, Path(plain.lora_path))
     V.validate(config, get_family(config), Store(config.cache_dir), report.lora_path)
     (startup,), (base, lora) = written["progress"], written["validation"]
     # the new LoRA's B is zero: step 0 adds exactly 0 to every layer, what validation's scale-0 render adds
@@ -67,14 +72,13 @@ def test_validation_on_startup_renders_the_base_at_step_0_and_trains_the_same_lo
 
 
 def test_validation_renders_other_adapters_beside_the_trained_one(
-        caches: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The trained file given again as another adapter renders the LoRA's frames (its own peft name, same numbers);
     at strength 0.5 it renders something else; the adapters' content and strength key the validation run."""
     written = capture(monkeypatch)
-    plain = make_config(caches, tmp_path / "plain", max_train_steps=1, **RENDERS)
-    lora = Path(train(plain).lora_path)
+    lora = Path(plain.lora_path)
     adapters = [{"label": "again", "path": str(lora)}, {"label": "half", "path": str(lora.parent), "strength": 0.5}]
-    config = make_config(caches, tmp_path / "plain", max_train_steps=1, validation_adapter_config=adapters, **RENDERS)
+    config = make_config(caches, tmp_path / "out", max_train_steps=1, validation_adapter_config=adapters, **RENDERS)
     report = V.validate(config, get_family(config), Store(config.cache_dir), str(lora))
     base, tuned, again, half = written["validation"]
     assert np.array_equal(again, tuned)  # the adapter alone at its strength: nothing else active
@@ -83,7 +87,7 @@ def test_validation_renders_other_adapters_beside_the_trained_one(
     assert sorted(prompt.adapters) == ["again", "half"] and Path(prompt.adapters["half"]).is_file()
     # validation's key: nothing without adapters (the key it had), each adapter's content hash and strength with
     keys = adapter_keys(config.validation_adapters)["adapters"]
-    assert adapter_keys(plain.validation_adapters) == {} and keys[0]["sha256"] == safetensors_sha256(lora)
+    assert adapter_keys(()) == {} and keys[0]["sha256"] == safetensors_sha256(lora)
     assert [(k["name"], k["strength"]) for k in keys] == [("again", 1.0), ("half", 0.5)]
 
 
