@@ -15,16 +15,18 @@ import yaml
 from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 
 # Dataset entries (one per dataset folder) are the config's other part; importable from here as well.
-from loraflow.dataset_config import DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, setting
 from loraflow.adapter_kinds import LycorisConfig, read_lycoris_config
 from loraflow.config_errors import describe
+from loraflow.dataset_config import (
+    DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, is_mask_dataset, setting,
+)
 from loraflow.guide_features import GuideFeatures
 from loraflow.pipelines import (
     describe_families, family_flavour, family_names, family_spec, flavour_names, known_flavour,
 )
-from loraflow.training_options import TrainingOptions
-from loraflow.pipelines import describe_families, family_flavour, family_names, flavour_names, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
+from loraflow.training_options import TrainingOptions
+from loraflow.validation_adapters import ValidationAdapter, check_adapters, read_adapter_config
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
 
@@ -112,6 +114,9 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
         "as i2v with this probability, else as t2v (no image; the i2v cache serves both); unset: always i2v")
     caption_dropout_probability: float = setting(
         0.0, run_key="always", ge=0, le=1, description="train on the empty prompt this often")
+    masked_loss_probability: float = setting(
+        1.0, run_key="when_set", ge=0, le=1, description="with a `conditioning_type: mask` dataset: the chance a "
+        "micro-step weights its loss by the masks (drawn per micro-step from the seed)")
     flow_sigma_sampling: Literal["sigmoid", "logit_normal", "uniform"] = setting("sigmoid", run_key="always")
     flow_sigmoid_scale: float = setting(1.0, run_key="always", gt=0)
     checkpointing_steps: int = setting(
@@ -150,6 +155,21 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
         None, run_key="never", ge=0, description="also render the validation prompts with the LoRA so far every N "
         "optimizer steps during training, into the run folder (validation/step-NNNNNNN/); 0 or unset: off. Not part "
         "of the run: training computes the same LoRA with or without it")
+    validation_on_startup: bool = setting(
+        False, run_key="never", description="also render the validation prompts before the first training step (the "
+        "base model: the new LoRA starts as a no-op), into the run folder as validation/step-0000000/; not part of "
+        "the run")
+    # another adapter (or several, each named) rendered beside the trained one by the validation stage, for A/B
+    validation_adapter_path: str | None = setting(
+        None, run_key="never", description="a local LoRA .safetensors (diffusers/peft format) or a folder holding "
+        "pytorch_lora_weights.safetensors; its content hash is part of validation's key")
+    validation_adapter_name: str | None = setting(
+        None, run_key="never", description="the name its renders carry; default: the file's stem")
+    validation_adapter_strength: float = setting(
+        1.0, run_key="never", gt=0, description="its scale in the renders")
+    validation_adapter_config: tuple[ValidationAdapter, ...] | None = setting(
+        None, run_key="never", description="several adapters, each rendered on its own: a list of {label, path, "
+        "strength}, SimpleTuner's {runs: [...]}, or a JSON file of either (relative to the config)")
     eval_holdout_fraction: float = setting(
         0.0, run_key="always", ge=0, lt=1, description="fraction of source videos held out of training to measure "
         "eval loss on")
@@ -308,6 +328,11 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
     def _prompt_library(cls, v: Any) -> Any:
         return read_prompt_library(v) if isinstance(v, (str, Path)) else v
 
+    @field_validator("validation_adapter_config", mode="before")
+    @classmethod
+    def _adapter_config(cls, v: Any) -> Any:
+        return None if v is None else read_adapter_config(v)
+
     @field_validator("validation_resolution")
     @classmethod
     def _resolution(cls, v: str | None) -> str | None:
@@ -358,6 +383,14 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
             raise ValueError(f"`validation_steps` {self.validation_steps} renders the validation prompts during "
                              "training, but there are none: set `validation_prompt` or `user_prompt_library`, or "
                              "set validation_steps: 0 (off)")
+        if self.validation_on_startup and not self.validation_prompts:
+            raise ValueError("`validation_on_startup` renders the validation prompts before the first step, but there "
+                             "are none: set `validation_prompt` or `user_prompt_library`, or remove it")
+        if self.validation_adapter_path and self.validation_adapter_config:
+            raise ValueError("give either `validation_adapter_path` (one adapter) or `validation_adapter_config` "
+                             "(several), not both")
+        check_adapters("validation_adapter_path" if self.validation_adapter_path else "validation_adapter_config",
+                       self.validation_adapters)
         if self.eval_dataset_id is not None:
             ids = [d.id for d in self.training_datasets]
             if self.eval_dataset_id not in ids:
@@ -415,9 +448,15 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
                 raise ValueError(f"dataset '{d.id}': `conditioning_data` goes on the image dataset whose images "
                                  f"are edits of the source images, not on a {d.dataset_type} dataset")
         for d in self.training_datasets:
-            if not flavour.edits_image and d.conditioning_data is not None:
+            masks = is_mask_dataset(self.source_images(d))  # loss masks pair with any flavour's files
+            if flavour.edits_image and masks:
+                raise ValueError(f"dataset '{d.id}': `conditioning_data` {d.conditioning_data!r} holds loss masks; "
+                                 f"flavour '{flavour.name}' needs it for the source images (masked loss with i2i is "
+                                 "not supported): name the source images' dataset")
+            if not flavour.edits_image and d.conditioning_data is not None and not masks:
                 raise ValueError(f"dataset '{d.id}': `conditioning_data` pairs images with source images for i2i; "
-                                 f"flavour '{flavour.name}' takes none: remove it, or choose an i2i flavour")
+                                 f"flavour '{flavour.name}' takes none: remove it, choose an i2i flavour, or give "
+                                 "the conditioning dataset `conditioning_type: mask` (loss masks)")
             if flavour.edits_image and d.conditioning_data is None:
                 raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' edits a source image into each "
                                  "target image: set `conditioning_data` to the id of a `dataset_type: conditioning` "
@@ -513,7 +552,8 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
             raise ValueError(f"`fsdp: true` shards the model over the training processes but num_processes is "
                              f"{self.num_processes}: set num_processes: N (one per GPU, N > 1) or fsdp: false")
         # Each of these runs the sharded transformer (or its LoRA) on rank 0 alone or beside FSDP's own hooks
-        for key in ("enable_group_offload", "crepa_enabled", "validation_steps", "use_ema", "lycoris_config"):
+        for key in ("enable_group_offload", "crepa_enabled", "validation_steps", "use_ema", "lycoris_config",
+                    "validation_on_startup"):
             if getattr(self, key):
                 raise ValueError(f"`{key}` is not supported with `fsdp: true` (untested together): remove `{key}` "
                                  "or set fsdp: false")
@@ -539,6 +579,14 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
         """Every prompt validation renders, by shortname: `validation_prompt` first, then the library."""
         prompts = {DEFAULT_PROMPT_NAME: self.validation_prompt} if self.validation_prompt else {}
         return {**prompts, **(self.user_prompt_library or {})}
+
+    @property
+    def validation_adapters(self) -> tuple[ValidationAdapter, ...]:
+        """The adapters validation renders beside the trained one: the single one's keys, or the list."""
+        if self.validation_adapter_path is None:
+            return self.validation_adapter_config or ()
+        return (ValidationAdapter(path=self.validation_adapter_path, label=self.validation_adapter_name,
+                                  strength=self.validation_adapter_strength),)
 
     @property
     def training_datasets(self) -> tuple[DatasetConfig, ...]:
@@ -598,9 +646,10 @@ def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | 
     lycoris = data.get("lycoris_config")  # relative to the config file, like the datasets file
     if isinstance(lycoris, str) and base_dir is not None and not Path(lycoris).is_absolute():
         data["lycoris_config"] = str(base_dir / lycoris)
-    library = data.get("user_prompt_library")
-    if isinstance(library, str) and base_dir is not None and not Path(library).is_absolute():
-        data["user_prompt_library"] = str(base_dir / library)  # relative to the config file, like the datasets file
+    for key in ("user_prompt_library", "validation_adapter_config"):  # JSON files relative to the config file
+        named = data.get(key)
+        if isinstance(named, str) and base_dir is not None and not Path(named).is_absolute():
+            data[key] = str(base_dir / named)
     try:
         return LoraflowConfig.model_validate(data)
     except ValidationError as exc:

@@ -81,6 +81,11 @@ def _as_json(value: Any) -> Any:
     return to_jsonable_python(value)
 
 
+def is_mask_dataset(dataset: DatasetConfig | None) -> bool:
+    """A conditioning dataset of loss masks (`conditioning_type: mask`, contracts/masks.py), not of i2i source images."""
+    return dataset is not None and dataset.conditioning_type == "mask"
+
+
 class VideoSettings(StrictModel):
     """How frames are chosen from one video (the `video:` block of a dataset)."""
 
@@ -122,7 +127,11 @@ class DatasetConfig(StrictModel):
     # runs their keys
     conditioning_data: str | None = setting(
         None, run_key="when_set", description="i2i: id of the `dataset_type: conditioning` dataset holding each "
-        "image's source image, paired by path relative to the folder (any image extension)")
+        "image's source image, paired by path relative to the folder (any image extension); any flavour: of the "
+        "`conditioning_type: mask` dataset holding each file's loss mask, paired the same way")
+    conditioning_type: Literal["mask"] | None = setting(
+        None, run_key="when_set", description="conditioning datasets: mask = loss masks (images: white trains, black "
+        "is ignored), paired by `conditioning_data` with any flavour's files (contracts/masks.py); unset: i2i source images")
     instance_data_dir: str | None = setting(None, run_key="always")
     caption_strategy: Literal["textfile", "filename", "instanceprompt", "metadata"] = setting(
         "textfile", run_key="always")
@@ -173,6 +182,9 @@ class DatasetConfig(StrictModel):
 
     @model_validator(mode="after")
     def _needs(self) -> DatasetConfig:
+        if self.conditioning_type is not None and self.dataset_type != "conditioning":
+            raise ValueError(f"dataset '{self.id}': `conditioning_type` goes on a `dataset_type: conditioning` "
+                             f"dataset, not on a {self.dataset_type} dataset")
         if self.dataset_type != "text_embeds" and not self.instance_data_dir:
             raise ValueError(f"dataset '{self.id}' needs `instance_data_dir` (a folder of videos/images)")
         if self.caption_strategy == "instanceprompt" and not self.instance_prompt:

@@ -65,6 +65,11 @@ TEXT_PRECISIONS = {"int8-quanto": "int8-torchao"}
 TEXT_PRECISION_NAMES = typing.get_args(LoraflowConfig.model_fields["text_encoder_1_precision"].annotation)
 OPTIMIZERS = typing.get_args(LoraflowConfig.model_fields["optimizer"].annotation)
 REPORT_TO = typing.get_args(LoraflowConfig.model_fields["report_to"].annotation)
+# validation_adapter_mode: loraflow's validation always renders the base, the trained LoRA and each other adapter
+ADAPTER_KEYS = ("validation_adapter_path", "validation_adapter_name", "validation_adapter_strength",
+                "validation_adapter_config")
+ADAPTER_MODE_WHY = ("loraflow's validation renders the base, the trained LoRA and each validation adapter side by "
+                    "side (SimpleTuner's comparison); adapter_only is not offered")
 # SimpleTuner's rollout samplers -> loraflow's (Euler only: kernels/scheduled_sampling.py)
 ROLLOUT_SAMPLERS = {"euler": "euler", "unipc": "euler"}
 # musubi-tuner's block swap (SimpleTuner's name, musubi's own): the last N blocks live on the CPU, each moved to the GPU
@@ -159,13 +164,19 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
             _block_swap(key, value, out)
         elif key == "lycoris_config":
             out.config[key] = _lycoris(value, base_dir, out)
+        elif key == "validation_adapter_mode":
+            out.skip(key, value, ADAPTER_MODE_WHY if value != "none" else "none: the adapter keys were dropped")
+        elif key in ADAPTER_KEYS and settings.get("validation_adapter_mode") == "none":
+            out.skip(key, value, "validation_adapter_mode none: not rendered")
         elif key in ("resolution", "resolution_type"):
             continue  # dataset defaults, applied below
         elif key in shared:
             out.config[key] = value
         else:
             out.skip(key, value)
-    out.config["datasets"] = [d for i, b in enumerate(backends) if (d := _dataset(i, b, settings, out)) is not None]
+    masks = {b.get("id") for b in backends if b.get("conditioning_type") == "mask"}  # loss masks (contracts/masks.py)
+    out.config["datasets"] = [d for i, b in enumerate(backends)
+                              if (d := _dataset(i, b, settings, out, masks)) is not None]
     if "resolution" in settings and not any("resolution" not in b for b in backends if _is_media(b)):
         out.skip("resolution", settings["resolution"], "every dataset sets its own resolution")
     return out
@@ -287,7 +298,8 @@ def _truthy(value: Any) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
-def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: Imported) -> dict[str, Any] | None:
+def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: Imported,
+             masks: set[str]) -> dict[str, Any] | None:
     where = f"datasets[{index}]"
     if not _is_media(entry) and entry.get("dataset_type") not in ("text_embeds", "conditioning"):
         out.skip(f"{where} (id {entry.get('id')})", entry.get("dataset_type"), "dataset_type not supported: dropped")
@@ -297,7 +309,10 @@ def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: I
     dataset: dict[str, Any] = {}
     for key, value in entry.items():
         if key == "conditioning_data":
-            _conditioning_data(where, value, settings, dataset, out)
+            _conditioning_data(where, value, settings, dataset, out, masks)
+        elif key == "conditioning_type" and value != "mask":
+            out.skip(f"{where}.{key}", value, "loraflow's conditioning datasets hold i2i source images (unset) or "
+                                              "loss masks (mask)")
         elif key in known:
             dataset[key] = value
         elif key == "video":
@@ -315,11 +330,15 @@ def _dataset(index: int, entry: dict[str, Any], settings: dict[str, Any], out: I
 
 
 def _conditioning_data(where: str, value: Any, settings: dict[str, Any], dataset: dict[str, Any],
-                       out: Imported) -> None:
-    """Kept for i2i (its source images); SimpleTuner also pairs ControlNet and i2v datasets, which loraflow does not."""
+                       out: Imported, masks: set[str]) -> None:
+    """Kept for i2i (its source images) and for a loss-mask dataset (any flavour); SimpleTuner also pairs ControlNet
+    and i2v datasets, which loraflow does not."""
     ids = value if isinstance(value, list) else [value]
-    if "i2i" not in str(settings.get("model_flavour", "")):
-        out.skip(f"{where}.conditioning_data", value, "loraflow pairs source images for i2i flavours only")
+    if len(ids) == 1 and ids[0] in masks and "i2i" not in str(settings.get("model_flavour", "")):
+        dataset["conditioning_data"] = ids[0]
+    elif "i2i" not in str(settings.get("model_flavour", "")):
+        out.skip(f"{where}.conditioning_data", value, "loraflow pairs source images for i2i flavours only, and "
+                                                      "one loss-mask dataset (conditioning_type mask) with any")
     elif len(ids) != 1:
         out.skip(f"{where}.conditioning_data", value, "loraflow pairs each image with one source-image dataset")
     else:

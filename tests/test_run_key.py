@@ -19,6 +19,7 @@ from loraflow.dataset_config import run_key_of
 from loraflow.guide_features import GuideFeatures
 from loraflow.training import loop as T
 from loraflow.training_options import TrainingOptions
+from loraflow.validation_adapters import ValidationAdapter
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = {"latents": "l", "text_embeds": "t"}
@@ -26,13 +27,14 @@ Path_ = tuple[str | int, ...]  # field names, and indices into tuples of models
 
 
 def demo() -> LoraflowConfig:
-    """The demo config with TREAD and a LyCORIS config on, so that every config model (TreadRoute too) has an
-    instance to vary."""
+    """The demo config with TREAD, a LyCORIS config and a validation adapter on, so that every config model
+    (TreadRoute too) has an instance to vary."""
     config = load_config(REPO / "configs" / "demo.yaml")
     route = TreadRoute(selection_ratio=0.5, start_layer_idx=0, end_layer_idx=-1)
     lycoris = LycorisConfig(algo="lokr", linear_dim=4)
     return config.model_copy(update={"tread_config": TreadConfig(routes=(route,)), "lora_type": "lycoris",
-                                     "lycoris_config": lycoris})
+                                     "lycoris_config": lycoris,
+                                     "validation_adapter_config": (ValidationAdapter(path="other.safetensors"),)})
 
 
 def fields(model: StrictModel) -> Iterator[tuple[Path_, str, type[StrictModel], str]]:
@@ -82,7 +84,7 @@ def key(config: LoraflowConfig) -> str:
 
 def test_the_walk_reaches_every_config_model() -> None:
     reached = {(owner, name) for _, _, owner, name in fields(demo())}
-    models = {LoraflowConfig, DatasetConfig, VideoSettings, TreadConfig, TreadRoute, LycorisConfig}
+    models = {LoraflowConfig, DatasetConfig, VideoSettings, TreadConfig, TreadRoute, LycorisConfig, ValidationAdapter}
     assert reached == {(m, name) for m in models for name in m.model_fields}
     loaded = {m for m in _subclasses(StrictModel) if m.__module__.startswith("loraflow.")}
     # a new config model is reached by the walk, or this names it; GuideFeatures and TrainingOptions are
@@ -109,7 +111,7 @@ def test_a_new_when_set_field_at_its_default_keeps_every_run_key() -> None:
     class Later(LoraflowConfig):
         new_feature: float = setting(0.0, run_key="when_set", description="a training feature added after runs")
 
-    config = demo()
+    config = demo().model_copy(update={"validation_adapter_config": None})  # validated: its file does not exist
     later = Later.model_validate(config.model_dump())
     assert key(later) == key(config)
     assert key(later.model_copy(update={"new_feature": 0.5})) != key(config)

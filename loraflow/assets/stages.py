@@ -133,6 +133,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
     from loraflow.media.previews import loss_plot
     from loraflow.training.progress_renders import progress_sheet_path
     from loraflow.training_options import trained_with
+    from loraflow.contracts.masks import masked_loss_metadata
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
     store = loraflow.store(config)
@@ -148,6 +149,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
             "peak_gib": md.number(report.peak_gib),  # CUDA only: 0 on the CPU
             **md.estimated_peak(config, "lora", store, "cuda" if report.peak_gib else "cpu"),
             "loss": md.loss_words(history),
+            **masked_loss_metadata(config),  # with a mask dataset: which datasets, how often
             "loss_curve": md.md_image(loss_plot(history), "training loss per step"),
             "history": MetadataValue.path(str(Path(report.run_dir) / "history.json")),  # every digit
             "inputs": MetadataValue.json(report.inputs),

@@ -172,6 +172,7 @@ class PromptRenders:
     contact_sheet: str
     mean_abs_pixel_change: float
     animation: str | None = None  # preview.webp, base beside LoRA; None for an image family's stills
+    adapters: dict[str, str] | None = None  # other adapters' renders by name (`validation_adapter_*`)
 
 
 @dataclass(frozen=True)

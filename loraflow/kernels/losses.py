@@ -43,16 +43,25 @@ def scheduled_huber_c(sigma: torch.Tensor, huber_c: float, schedule: str) -> tor
 
 
 def regression_loss(prediction: torch.Tensor, target: torch.Tensor, loss: LossType = LossType(),
-                    sigma: torch.Tensor | None = None) -> torch.Tensor:
-    """The mean loss of `prediction` against `target` (B, ...), both fp32; `sigma` (B,) for a scheduled c."""
+                    sigma: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean loss of `prediction` against `target` (B, ...), both fp32; `sigma` (B,) for a scheduled c.
+    `weights` (broadcast over the elements: masked loss's masks) weigh each element, the mean then normalised by
+    the weights' mean, so all-ones weights give the unweighted loss."""
     if loss.kind == "l2":
-        return F.mse_loss(prediction, target)
-    if loss.kind not in LOSS_TYPES:
-        raise ValueError(f"loss_type {loss.kind!r} is not known; allowed: {', '.join(LOSS_TYPES)}")
-    if sigma is None:
-        raise ValueError(f"loss_type {loss.kind}: the scheduled huber_c needs each sample's sigma")
-    c = scheduled_huber_c(sigma, loss.huber_c, loss.huber_schedule).to(prediction)
-    c = c.view(-1, *([1] * (prediction.dim() - 1)))  # (B,) over (B, C, T, H, W)
-    squared = (prediction - target) ** 2
-    curve = squared / (torch.sqrt(squared + c ** 2) + c)  # = sqrt(r^2 + c^2) - c, without its cancellation at small r
-    return (2 * (c if loss.kind == "huber" else 1) * curve).mean()
+        if weights is None:
+            return F.mse_loss(prediction, target)
+        elementwise = F.mse_loss(prediction, target, reduction="none")
+    else:
+        if loss.kind not in LOSS_TYPES:
+            raise ValueError(f"loss_type {loss.kind!r} is not known; allowed: {', '.join(LOSS_TYPES)}")
+        if sigma is None:
+            raise ValueError(f"loss_type {loss.kind}: the scheduled huber_c needs each sample's sigma")
+        c = scheduled_huber_c(sigma, loss.huber_c, loss.huber_schedule).to(prediction)
+        c = c.view(-1, *([1] * (prediction.dim() - 1)))  # (B,) over (B, C, T, H, W)
+        squared = (prediction - target) ** 2
+        curve = squared / (torch.sqrt(squared + c ** 2) + c)  # = sqrt(r^2 + c^2) - c, without its cancellation at small r
+        elementwise = 2 * (c if loss.kind == "huber" else 1) * curve
+        if weights is None:
+            return elementwise.mean()
+    weights = weights.to(elementwise.device).expand_as(elementwise)
+    return (elementwise * weights).mean() / weights.mean()

@@ -186,12 +186,14 @@ def conditioned_noisy(family: ModelFamily, x0: torch.Tensor, noise: torch.Tensor
 
 
 def flow_mse(family: ModelFamily, prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor,
-             loss: LossType = LossType(), sigma: torch.Tensor | None = None) -> torch.Tensor:
+             loss: LossType = LossType(), sigma: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
     """Flow-matching MSE against noise - x0 (fp32), over the generated latent frames only: the conditioning
     frames are inputs (inference never steps them), so their prediction is trained on nothing. Training may ask
-    for another `loss_type` (kernels/losses.py; the Huber kinds need each sample's `sigma`); eval loss stays MSE."""
+    for another `loss_type` (kernels/losses.py; the Huber kinds need each sample's `sigma`) and weigh each element
+    by its loss `mask` (B, 1, 1, h, w: masked loss, contracts/masks.py); eval loss stays MSE, unmasked."""
     given = family.flavour.conditioning_frames
-    return regression_loss(prediction[:, :, given:].float(), (noise - x0)[:, :, given:].float(), loss, sigma)
+    return regression_loss(prediction[:, :, given:].float(), (noise - x0)[:, :, given:].float(), loss, sigma, mask)
 
 
 def scaled_posterior(posterior: Any, sampling: str, scale: float, shift: float = 0.0) -> torch.Tensor:
@@ -251,8 +253,8 @@ def load_pipeline(pipeline: type, model: ModelSource | str | Path, lora_path: st
     return pipe
 
 
-def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path) -> None:
-    """Load an adapter file (keys with or without the diffusers `transformer.` prefix) as LORA_ADAPTER.
+def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path, adapter_name: str = LORA_ADAPTER) -> None:
+    """Load an adapter file (keys with or without the diffusers `transformer.` prefix) as `adapter_name`.
 
     By path, not as a state dict: diffusers then reads the LoraConfig (lora_alpha) that `save_lora_weights`
     stores in the file's header when given `transformer_lora_adapter_metadata`; without it alpha = rank.
@@ -265,10 +267,10 @@ def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path) -> None:
     with safe_open(str(path), "pt") as f:
         keys = list(f.keys())
     if is_lycoris(keys):  # LoKr/LoHa: diffusers builds LoRA configs only
-        load_lycoris_file(transformer, path, LORA_ADAPTER)
+        load_lycoris_file(transformer, path, adapter_name)
         return
     prefix = "transformer" if all(k.startswith("transformer.") for k in keys) else None
-    transformer.load_lora_adapter(str(path.parent), weight_name=path.name, prefix=prefix, adapter_name=LORA_ADAPTER)
+    transformer.load_lora_adapter(str(path.parent), weight_name=path.name, prefix=prefix, adapter_name=adapter_name)
 
 
 def set_lora_scale(transformer: torch.nn.Module, scale: float | None) -> None:

@@ -24,6 +24,7 @@ from loraflow.contracts.teacher_features import load_teacher_batch
 from loraflow.contracts.holdout import split_clips
 from loraflow.contracts.text_set import text_lookup
 from loraflow.pipelines.base import AS_T2V, IMAGE_CONDITION_COLUMNS, ModelFamily, TextRow, image_conditions
+from loraflow.contracts.masks import batch_mask
 from loraflow.store import Store
 
 
@@ -51,6 +52,7 @@ class MicroBatch:
     text: dict[str, torch.Tensor]  # family.collate_text output, CPU
     draws: StepDraws
     teacher: torch.Tensor | None = None  # (B, T, g * g, E) CREPA's cached teacher features; None: off
+    mask: torch.Tensor | None = None  # (B, 1, 1, h, w) loss masks (contracts/masks.py); None: unmasked
 
 
 def training_texts(clips: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
@@ -177,4 +179,6 @@ def load_micro_batch(
     if not trains_as_i2v(config, micro_step):
         text = {k: v for k, v in text.items() if k not in IMAGE_CONDITION_COLUMNS} | {AS_T2V: torch.ones(1, dtype=bool)}
     features = load_teacher_batch(store, [teacher[s.latent_key] for s in samples]) if teacher else None
-    return MicroBatch(samples, x0, text, draws, features)
+    mask = batch_mask([latents[s.latent_key] for s in samples], config.masked_loss_probability,
+                      step_seed(config.seed, micro_step, "masked_loss"))
+    return MicroBatch(samples, x0, text, draws, features, mask)

@@ -36,7 +36,6 @@ from safetensors.torch import save_file
 from loraflow.config import LoraflowConfig
 from loraflow.dataset_config import run_key_settings
 from loraflow.keys import content_key, data_version, tensors_fingerprint
-from loraflow.kernels.adamw_bf16 import AdamWBF16
 from loraflow.kernels.checkpointing import enable_checkpointing
 from loraflow.kernels.flow_matching import lr_at
 from loraflow.kernels.losses import LossType
@@ -247,7 +246,8 @@ def step_losses(
     crepa: Crepa | None = None, loss: LossType = LossType(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32); i2v: frame 0
-    of x_t is x0's (the image) and the loss covers the generated frames only (`conditioned_noisy`, `flow_mse`).
+    of x_t is x0's (the image) and the loss covers the generated frames only (`conditioned_noisy`, `flow_mse`),
+    each element weighted by the batch's loss masks when it has them (`flow_mse`'s `mask`).
     Scheduled sampling replaces x_t by the model's own rollout (the target stays); with CREPA, also its weighted
     term (else None). `loss`: the config's loss_type (kernels/losses.py)."""
     x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
@@ -259,7 +259,7 @@ def step_losses(
                                                                   enabled=autocast):
         prediction = family.velocity(transformer, x_t, sigma, text)
     term = None if crepa is None else crepa.term(transformer, capture, batch.teacher, tuple(x0.shape[2:]))
-    return flow_mse(family, prediction, x0, noise, loss, sigma), term
+    return flow_mse(family, prediction, x0, noise, loss, sigma, batch.mask), term
 
 
 def rolled_out(transformer: torch.nn.Module, family: ModelFamily, x_t: torch.Tensor, x0: torch.Tensor,
@@ -364,6 +364,7 @@ def run_steps(
                          range(start * accum, config.max_train_steps * accum))
     sink = open_sink(config.report_to, out, start, run_key_settings(config)) if world.main else None
     renders = ProgressRenders(config, family, store, out, transformer, world)  # validation_steps; off by default
+    renders.at_startup(start)  # validation_on_startup; resets the peak memory itself
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     transformer.train()

@@ -1,5 +1,6 @@
 """Renders during training: every `validation_steps` optimizer steps, each validation prompt with the LoRA as
-trained so far, so a user sees the adapter evolve before the run ends.
+trained so far, so a user sees the adapter evolve before the run ends; with `validation_on_startup`, also before the
+first step (step 0: the base model, since a new LoRA is a no-op), so a user sees the base before spending hours.
 
 Into the run folder (rank 0 only):
     validation/step-NNNNNNN/<nn>-<shortname>.mp4   h264 at the flavour's fps (.png for image families)
@@ -51,16 +52,17 @@ AS_TRAINED = None  # `lora_scale` for the renders: the training adapter as it is
 
 
 class ProgressRenders:
-    """Built before the first step (every rank: a missing embedding fails before any training); `after_step`
-    renders on rank 0 when the step is a multiple of validation_steps, and every rank waits for it."""
+    """Built before the first step (every rank: a missing embedding fails before any training); `at_startup`
+    renders step 0 (validation_on_startup), `after_step` a multiple of validation_steps, on rank 0 while every rank
+    waits for it."""
 
     def __init__(self, config: LoraflowConfig, family: ModelFamily, store: Store, out: Path,
                  transformer: torch.nn.Module, world: World) -> None:
-        self.every = config.validation_steps or 0
+        self.every, self.on_startup = config.validation_steps or 0, config.validation_on_startup
         self.config, self.family, self.transformer, self.world = config, family, transformer, world
         self.folder = out / "validation"
         self.pipe: Any = None  # loaded at the first render
-        if not self.every:
+        if not self.every and not self.on_startup:
             return
         self.settings = render_settings(config, family, store)
         self.prompts, negative = config.validation_prompts, negative_prompt(config, family)
@@ -69,9 +71,16 @@ class ProgressRenders:
         self.texts, self.negative = {n: texts[p, seen] for n, p in self.prompts.items()}, texts[negative, seen]
         self.image = conditioning_image(store, clip, self.settings) if clip else None
 
+    def at_startup(self, start: int) -> None:
+        """Step 0 before a fresh run's first step; never on resume (the LoRA there is no longer the base)."""
+        if self.on_startup and start == 0:
+            self.render_once(0)
+
     def after_step(self, step: int) -> None:
-        if not self.every or step % self.every:
-            return
+        if self.every and step % self.every == 0:
+            self.render_once(step)
+
+    def render_once(self, step: int) -> None:
         if self.world.main and not (step_folder(self.folder, step) / RESULT).is_file():
             self.render(step)
         barrier(self.world)  # the other ranks wait here rather than in the next all-reduce

@@ -4,15 +4,17 @@ The pipeline loads once per run (`family.load_renderer`); each prompt renders at
 model, exactly) and 1 with the same seed, from cached embeddings only. Outputs under
 output_dir/validation/<key>/:
     <nn>-<shortname>/base.mp4, lora.mp4   h264 yuv420p at the flavour's fps (base.png, lora.png for images)
-    <nn>-<shortname>/contact_sheet.png    base frames over LoRA frames, labelled, under the prompt
+    <nn>-<shortname>/adapter-<i>-<name>.mp4   each other adapter's render (`validation_adapter_path` or
+                                          `validation_adapter_config`, validation_adapters.py)
+    <nn>-<shortname>/contact_sheet.png    base frames over LoRA frames (then each other adapter's), labelled
     <nn>-<shortname>/preview.webp         videos: base and LoRA side by side, animated
     condition.png                         i2v, i2i: the image every render starts from (first frame, source)
     <nn>-<shortname>/result.json          written last: the prompt is done (a killed run resumes after it)
     eval_loss.png, results.json           results.json is written last: the whole run is done
 The key covers the adapter's content (`safetensors_sha256`: not the file's bytes, whose header order varies), the
-render settings, the prompts, the eval inputs and (i2v) the clip whose first frame conditions every render: the first
-held-out eval clip (by key), else the first training clip, center-cropped and resized to the validation size
-(`conditioning_image`).
+render settings, the prompts, the eval inputs, the other adapters' content and strength (when given) and (i2v) the
+clip whose first frame conditions every render: the first held-out eval clip (by key), else the first training clip,
+center-cropped and resized to the validation size (`conditioning_image`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from loraflow.contracts.text_set import cached_texts
 from loraflow.media.previews import contact_sheet, eval_loss_plot, save_animation
 from loraflow.media.writers import save_png, slug, write_media
 from loraflow.contracts.reports import EvalLoss, PromptRenders, ValidationReport
+from loraflow.validation_adapters import ValidationAdapter, activate, adapter_keys, load_adapters
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
@@ -54,12 +57,12 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
                          "or `eval_holdout_fraction` / `eval_dataset_id` (eval loss)")
     condition, seen = prompt_image(config, family, store, settings) if prompts else (None, "")
     texts = cached_texts(store, [(t, seen) for t in [*prompts.values(), negative]] if prompts else [])
-    model = model_source(config)
+    model, adapters = model_source(config), config.validation_adapters
     out = Path(config.output_dir) / "validation" / content_key(
         lora=safetensors_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
         family=family.name, flavour=family.flavour.name, fps=family.flavour.fps, settings=asdict(settings),
         prompts=prompts, negative=negative, eval=[asdict(i) for i in items], sigmas=EVAL_SIGMAS, code=CODE_VERSION,
-        **({"condition": condition} if condition else {}))  # t2v keys stay as they were
+        **({"condition": condition} if condition else {}), **adapter_keys(adapters))  # t2v keys stay as they were
     if (out / RESULTS).is_file():
         return _report(out, computed=0)
     # 2. render what a killed run left undone, then eval loss, with one pipeline load
@@ -71,10 +74,11 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
         save_png(Image.fromarray(image), out / "condition.png")
     device = pick_device()
     pipe = family.load_renderer(model, lora_path, device)
+    load_adapters(pipe.transformer, adapters)
     pipe.transformer.eval()  # peft adds the adapter's layers in train mode: lora_dropout would drop at random
     for name in todo:
         render_prompt(family, pipe, folders[name], name, prompts[name], texts[prompts[name], seen],
-                      texts[negative, seen], settings, image)
+                      texts[negative, seen], settings, image, adapters)
     losses = eval_losses(pipe.transformer, family, store, items, settings.seed, device)
     del pipe  # drop the last reference first, so free_models' collection frees the weights
     free_models()
@@ -89,16 +93,22 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
 
 def render_prompt(
     family: ModelFamily, pipe: Any, folder: Path, name: str, prompt: str, text: TextRow, negative: TextRow,
-    settings: RenderSettings, image: np.ndarray | None = None,
+    settings: RenderSettings, image: np.ndarray | None = None, adapters: tuple[ValidationAdapter, ...] = (),
 ) -> None:
-    """Base (LoRA scale 0) and LoRA renders of one prompt, same seed (and i2v: same first frame); media, contact
-    sheet, animation, then result.json."""
+    """Base (LoRA scale 0), LoRA and each other adapter's renders of one prompt, same seed (and i2v: same first
+    frame); media, contact sheet, animation, then result.json."""
     folder.mkdir(parents=True, exist_ok=True)
     base = render_video(family, pipe, text, negative, settings, image, lora_scale=0.0)
     tuned = render_video(family, pipe, text, negative, settings, image, lora_scale=1.0)
     fps = family.flavour.fps
     paths = {"base": write_media(base, folder / "base", fps), "lora": write_media(tuned, folder / "lora", fps)}
     videos = {"base": base, "LoRA": tuned}
+    others = {}
+    for i, adapter in enumerate(adapters):
+        activate(pipe.transformer, i, adapter)
+        videos[adapter.name] = render_video(family, pipe, text, negative, settings, image, lora_scale=None)
+        others[adapter.name] = str(write_media(videos[adapter.name], folder / f"adapter-{i}-{slug(adapter.name)}",
+                                               fps))
     save_png(contact_sheet(videos, title=f"{name}: {prompt}"), folder / "contact_sheet.png")
     animation = folder / "preview.webp" if len(base) > 1 else None  # an image family's render does not move
     if animation:
@@ -107,6 +117,7 @@ def render_prompt(
         "name": name, "prompt": prompt, **{k: str(p) for k, p in paths.items()},
         "contact_sheet": str(folder / "contact_sheet.png"), "animation": str(animation) if animation else None,
         "mean_abs_pixel_change": float(np.abs(base.astype(np.int16) - tuned).mean()),
+        **({"adapters": others} if others else {}),
     })
 
 

@@ -13,6 +13,8 @@ i2i: each image of a dataset with `conditioning_data` is paired with the file of
 extension) in that conditioning dataset; the source image is cropped to the target's bucket like the target and
 stored beside its frames (`condition_frames`). The row's `condition` names it (source file, size, crop): the
 text_embeds stage keys the prompt embedding by it (i2i's prompt embedding sees the source image).
+Masked loss pairs each file with its mask image the same way, into `mask*` columns and `mask_frames`
+(contracts/masks.py): a mask is no source image, and no prompt embedding sees it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from loraflow.config import DatasetConfig, LoraflowConfig, select_datasets
-from loraflow.dataset_config import DEFAULT_MAX_UPSCALE
+from loraflow.dataset_config import DEFAULT_MAX_UPSCALE, is_mask_dataset
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
@@ -173,16 +175,17 @@ def _check_clip_lengths(path: Path, lengths: set[int], family: FamilyPlan | Mode
 
 def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
                probes: ProbeCache, images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
-    """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image."""
+    """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image or its loss mask."""
     check_name(path)
     identity = touch(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
     captions = read_captions(path, dataset)
     info = probes.probe(path, identity)
     source = _source_image(path, dataset, sources, probes) if sources else None
+    column = "mask" if is_mask_dataset(sources) else "condition"
     rows = []
     for plan in plan_clips(path, info, dataset, family, model, images_allowed):
         size = (plan["height"], plan["width"])
-        paired = {"condition": source[0]} if source else {}  # t2v/t2i keys stay as they were
+        paired = {column: source[0]} if source else {}  # t2v/t2i keys stay as they were
         key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style,
                           code=CODE_VERSION, **paired)
         crop = buckets.crop_plan((info.height, info.width), size, dataset.crop_style, seed=key)
@@ -191,7 +194,7 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFam
             "bucket": buckets.bucket_label(*size, len(plan["indices"])), "height": size[0], "width": size[1],
             "num_frames": len(plan["indices"]), "indices": plan["indices"], "resize": list(crop.resize),
             "box": list(crop.box), "captions": captions, "repeats": dataset.repeats,
-            **(_condition_columns(source, size, dataset.crop_style, key) if source else {}),
+            **(_condition_columns(source, size, dataset.crop_style, key, column) if source else {}),
         })
     return rows
 
@@ -205,7 +208,7 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
     try:
         info = probes.probe(found, identity)
     except MediaError as exc:
-        raise MediaError(exc.reason, f"{relative}: its source image {identity['path']}: {exc}") from None
+        raise MediaError(exc.reason, f"{relative}: its {_paired_word(sources)} {identity['path']}: {exc}") from None
     return identity, found, info
 
 
@@ -225,40 +228,52 @@ def dropped(dataset: str, path: str | Path, exc: MediaError) -> dict[str, str]:
 
 
 def find_source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig) -> Path:
-    """i2i: the file in `sources` with `path`'s relative folder and stem and an image extension."""
+    """i2i (or masked loss): the file in `sources` with `path`'s relative folder and stem and an image extension."""
     relative = path.relative_to(dataset.instance_data_dir or "")
     folder = Path(sources.instance_data_dir or "") / relative.parent
     found = sorted(p for p in (touch(lambda: list(folder.iterdir()), folder) if folder.is_dir() else ())
                    if p.stem == relative.stem and p.suffix.lower() in IMAGE_EXTENSIONS)
+    word = _paired_word(sources)
+    reason = word.replace(" ", "_")
     if not found:
-        raise MediaError("missing_source_image", f"{relative}: no source image {relative.with_suffix('.*')} in "
-                         f"dataset '{sources.id}' ({sources.instance_data_dir}); i2i pairs each image with one")
+        raise MediaError(f"missing_{reason}", f"{relative}: no {word} {relative.with_suffix('.*')} in dataset "
+                         f"'{sources.id}' ({sources.instance_data_dir}); {_pairing(sources)} pairs each file with one")
     if len(found) > 1:
-        raise MediaError("ambiguous_source_image", f"{relative}: {len(found)} source images share its name in "
+        raise MediaError(f"ambiguous_{reason}", f"{relative}: {len(found)} {word}s share its name in "
                          f"dataset '{sources.id}' ({', '.join(p.name for p in found)}); keep one")
     return found[0]
 
 
+def _paired_word(sources: DatasetConfig) -> str:
+    return "mask" if is_mask_dataset(sources) else "source image"
+
+
+def _pairing(sources: DatasetConfig) -> str:
+    return "masked loss" if is_mask_dataset(sources) else "i2i"
+
+
 def _condition_columns(source: tuple[dict[str, Any], Path, Probe], size: tuple[int, int], crop_style: str,
-                       key: str) -> dict[str, Any]:
-    """The source image cut like the target: same bucket size, same crop style and seed (aligned when the two
-    images have the same size, as edit pairs do)."""
+                       key: str, column: str = "condition") -> dict[str, Any]:
+    """The source image (or mask: `column` "mask") cut like the target: same bucket size, same crop style and seed
+    (aligned when the two images have the same size, as edit pairs and masks do)."""
     identity, path, info = source
     crop = buckets.crop_plan((info.height, info.width), size, crop_style, seed=key)
-    return {"condition": content_key(source=identity, resize=crop.resize, box=crop.box, code=CODE_VERSION),
-            "condition_path": str(path), "condition_resize": list(crop.resize), "condition_box": list(crop.box)}
+    return {column: content_key(source=identity, resize=crop.resize, box=crop.box, code=CODE_VERSION),
+            f"{column}_path": str(path), f"{column}_resize": list(crop.resize), f"{column}_box": list(crop.box)}
 
 
 def decode_clip(row: dict[str, Any]) -> dict[str, np.ndarray]:
     """The stored columns of a clip: uint8 `frames` (F, H, W, 3), decoding only the kept frames, resized in the
-    decoder, then cut to the crop box; i2i: also its source image, `condition_frames` (1, H, W, 3)."""
+    decoder, then cut to the crop box; i2i: also its source image, `condition_frames` (1, H, W, 3); masked loss:
+    its mask, `mask_frames` (1, H, W, 3)."""
     stored = {"frames": _decode_cropped(row["path"], row["indices"], row["resize"], row["box"])}
-    if row.get("condition"):
-        try:
-            stored["condition_frames"] = _decode_cropped(row["condition_path"], [0], row["condition_resize"],
-                                                         row["condition_box"])
-        except MediaError as exc:
-            raise MediaError(exc.reason, f"its source image {row['condition_path']}: {exc}") from None
+    for column, word in (("condition", "source image"), ("mask", "mask")):
+        if row.get(column):
+            try:
+                stored[f"{column}_frames"] = _decode_cropped(row[f"{column}_path"], [0], row[f"{column}_resize"],
+                                                             row[f"{column}_box"])
+            except MediaError as exc:
+                raise MediaError(exc.reason, f"its {word} {row[f'{column}_path']}: {exc}") from None
     return stored
 
 

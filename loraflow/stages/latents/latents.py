@@ -2,7 +2,8 @@
 
 The VAE is the only model loaded here, with (HunyuanVideo 1.5 i2v) the family's image encoder beside it, which caches
 each clip's first-frame condition in the latent row (`image_latent`, `image_embeds`); Kandinsky 5 i2i caches its
-source image's latent there (`image_latent`); text encoders live in another
+source image's latent there (`image_latent`); a clip with a loss mask caches it on the latent grid (`loss_mask`,
+contracts/masks.py); text encoders live in another
 stage and load only after this one freed its models, so with `offload_during_startup` they never share the
 accelerator with the VAE.
 """
@@ -23,6 +24,7 @@ from loraflow.keys import Shard, content_key, data_version
 from loraflow.kernels.patch_conv import enable_patch_conv
 from loraflow.kernels.devices import free_models, peak_memory_gib, pick_device
 from loraflow.contracts.reports import BadLatent, LatentsReport, OomFallback
+from loraflow.contracts.masks import MASK_COLUMN, latent_key_part, latent_mask
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
@@ -53,7 +55,7 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
     clips = store.read_manifest("clips", parts=datasets)
     key = lambda clip, tiling: content_key(  # noqa: E731
         clip=clip["key"], vae=vae_id, dtype="float32", sampling=config.latent_sampling, tiling=tiling,
-        code=CODE_VERSION, **image)
+        code=CODE_VERSION, **image, **latent_key_part(clip))
     return [
         {"key": key(clip, config.vae_enable_tiling), "tiled_key": key(clip, True), "clip_key": clip["key"],
          "bucket": clip["bucket"], "dataset": clip["dataset"]}
@@ -131,6 +133,8 @@ def _encode(
                 latent, fallback = _encode_with_fallback(vae, family, pixels, sampling)
                 latent = _with_image_latent(latent, vae, family, pixels, sampling)
                 condition = family.image_condition(vae, image, stored) or {}
+                if stored.get("mask_frames") is not None:
+                    condition[MASK_COLUMN] = latent_mask(np.asarray(stored["mask_frames"]), tuple(latent.shape))
                 key = row["tiled_key"] if fallback == "tiling" else row["key"]  # tiled: other numbers, other key
                 if fallback:
                     log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
@@ -138,6 +142,9 @@ def _encode(
                 if not torch.isfinite(latent).all() or not all(np.isfinite(c).all() for c in condition.values()):
                     quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "dataset": row["dataset"],
                                         "reason": "non_finite_latent"})
+                elif MASK_COLUMN in condition and not condition[MASK_COLUMN].any():  # nothing to train on
+                    quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "dataset": row["dataset"],
+                                        "reason": "empty_mask"})
                 elif key not in have:
                     done.append({"key": key, **latent_columns(latent.cpu(), sampling), **condition})
                 progress.update()

@@ -39,7 +39,6 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 

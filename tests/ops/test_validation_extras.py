@@ -1,0 +1,131 @@
+"""SimpleTuner's validation extras on the tiny real Kandinsky 5 Video, from the caches of test_train:
+`validation_on_startup` (a render before the first step) and `validation_adapter_path` / `validation_adapter_config`
+(the validation stage renders other adapters beside the trained one).
+
+What is claimed: the startup render is the base model's (the validation stage's base frames) and changes no bit of
+training; another adapter renders what that adapter renders (the trained file given as "another" adapter reproduces
+the LoRA frames), its content is part of the validation key, and off leaves the key as it was.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loraflow.training import progress_renders as PR
+from loraflow.training import loop as T
+from loraflow.validation import validate as V
+from loraflow.config import ConfigError, LoraflowConfig, parse_config
+from loraflow.keys import safetensors_sha256
+from loraflow.training.progress_renders import step_folder
+from loraflow.validation_adapters import adapter_keys
+from loraflow.pipelines import get_family
+from loraflow.simpletuner import import_simpletuner
+from loraflow.store import Store
+from tests.conftest import demo_dict
+from tests.ops.test_train import build_caches, make_config, same_lora_file, train
+
+RENDERS = {"validation_resolution": "64x48", "validation_num_video_frames": 5, "validation_num_inference_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("extras"))
+
+
+@pytest.fixture(scope="module")
+def plain(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> T.LoraReport:
+    """A one-step LoRA without any of these options."""
+    return train(make_config(caches, tmp_path_factory.mktemp("plain") / "out", max_train_steps=1, **RENDERS))
+
+
+def capture(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[np.ndarray]]:
+    """The frames each module hands to write_media, in order (frames: mp4 bytes vary with libx264's threads)."""
+    written: dict[str, list[np.ndarray]] = {"progress": [], "validation": []}
+    for module, key in ((PR, "progress"), (V, "validation")):
+        keep = module.write_media
+        monkeypatch.setattr(module, "write_media",
+                            lambda frames, stem, fps, keep=keep, key=key: written[key].append(frames)
+                            or keep(frames, stem, fps))
+    return written
+
+
+def test_validation_on_startup_renders_the_base_at_step_0_and_trains_the_same_lora(
+        caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    written = capture(monkeypatch)
+    config = make_config(caches, tmp_path / "startup", validation_on_startup=True, max_train_steps=1, **RENDERS)
+    report = train(config)
+    assert Path(report.run_dir).name == Path(plain.run_dir).name  # not part of the run
+    run = Path(report.run_dir)
+    assert sorted(p.name for p in (run / "validation").glob("step-*")) == ["step-0000000"]
+    assert same_lora_file(run / T.LORA_FILE, Path(plain.lora_path))
+    V.validate(config, get_family(config), Store(config.cache_dir), report.lora_path)
+    (startup,), (base, lora) = written["progress"], written["validation"]
+    # the new LoRA's B is zero: step 0 adds exactly 0 to every layer, what validation's scale-0 render adds
+    assert np.array_equal(startup, base)
+    assert not np.array_equal(startup, lora)  # one step moved the LoRA: the comparison means something
+    assert (step_folder(run / "validation", 0) / PR.RESULT).is_file()
+    assert PR.progress_sheet_path(run) is not None  # the lora asset's metadata shows it (step 0 on top)
+
+
+def test_validation_renders_other_adapters_beside_the_trained_one(
+        caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trained file given again as another adapter renders the LoRA's frames (its own peft name, same numbers);
+    at strength 0.5 it renders something else; the adapters' content and strength key the validation run."""
+    written = capture(monkeypatch)
+    lora = Path(plain.lora_path)
+    adapters = [{"label": "again", "path": str(lora)}, {"label": "half", "path": str(lora.parent), "strength": 0.5}]
+    config = make_config(caches, tmp_path / "out", max_train_steps=1, validation_adapter_config=adapters, **RENDERS)
+    report = V.validate(config, get_family(config), Store(config.cache_dir), str(lora))
+    base, tuned, again, half = written["validation"]
+    assert np.array_equal(again, tuned)  # the adapter alone at its strength: nothing else active
+    assert not np.array_equal(half, tuned) and not np.array_equal(half, base)
+    (prompt,) = report.prompts
+    assert sorted(prompt.adapters) == ["again", "half"] and Path(prompt.adapters["half"]).is_file()
+    # validation's key: nothing without adapters (the key it had), each adapter's content hash and strength with
+    keys = adapter_keys(config.validation_adapters)["adapters"]
+    assert adapter_keys(()) == {} and keys[0]["sha256"] == safetensors_sha256(lora)
+    assert [(k["name"], k["strength"]) for k in keys] == [("again", 1.0), ("half", 0.5)]
+
+
+def test_bad_validation_adapters_are_named_at_load(tmp_path: Path) -> None:
+    lora = tmp_path / "other.safetensors"
+    lora.write_bytes(b"")  # existence is what load checks; the content is read by validation
+    data = demo_dict(tmp_path / "model", tmp_path / "data", tmp_path)
+    cases = {"either `validation_adapter_path`": {"validation_adapter_path": str(lora),
+                                                  "validation_adapter_config": [{"path": str(lora)}]},
+             "Hugging Face ids are not downloaded": {"validation_adapter_path": "org/turbo:adapter.safetensors"},
+             "taken by validation's own renders": {"validation_adapter_config": [{"path": str(lora), "label": "LoRA"}]},
+             "two validation adapters are named 'other'": {"validation_adapter_config": {"runs": [
+                 {"path": str(lora)}, {"path": str(lora), "strength": 0.5}]}},
+             "one adapter per entry": {"validation_adapter_config": [{"adapters": [str(lora), str(lora)]}]},
+             "`validation_on_startup` renders": {"validation_on_startup": True, "validation_prompt": None}}
+    for message, keys in cases.items():
+        with pytest.raises(ConfigError, match=message):
+            parse_config({**data, **keys})
+    (tmp_path / "adapters.json").write_text(json.dumps({"runs": [{"label": "a", "path": str(lora)}]}))
+    config = parse_config({**data, "validation_adapter_config": "adapters.json"}, base_dir=tmp_path)
+    assert [(a.name, a.strength) for a in config.validation_adapters] == [("a", 1.0)]
+
+
+def test_the_validation_options_import_under_simpletuners_names(tmp_path: Path) -> None:
+    lora = tmp_path / "turbo.safetensors"
+    lora.write_bytes(b"")
+    single = {"model_family": "kandinsky5-video", "validation_prompt": "a cat", "validation_on_startup": True,
+              "validation_adapter_path": str(lora), "validation_adapter_name": "turbo",
+              "validation_adapter_strength": 0.8, "validation_adapter_mode": "comparison"}
+    imported = import_simpletuner(single, [])
+    assert [(k, v) for k, v, _ in imported.unmapped] == [("validation_adapter_mode", "comparison")]
+    config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m",
+                                            "datasets": demo_dict(tmp_path, tmp_path, tmp_path)["datasets"]})
+    assert config.validation_on_startup and [(a.name, a.path, a.strength) for a in config.validation_adapters] == [
+        ("turbo", str(lora), 0.8)]
+    runs = {"runs": [{"label": "turbo", "path": str(lora), "strength": 0.5}]}
+    listed = import_simpletuner({"model_family": "kandinsky5-video", "validation_adapter_config": runs}, [])
+    assert listed.config["validation_adapter_config"] == runs and not listed.unmapped
+    off = import_simpletuner({**single, "validation_adapter_mode": "none"}, [])
+    assert not any(k.startswith("validation_adapter") for k in off.config)
+    assert sorted(k for k, _, _ in off.unmapped) == sorted(k for k in single if k.startswith("validation_adapter"))
