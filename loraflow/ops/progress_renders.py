@@ -65,7 +65,7 @@ class ProgressRenders:
         clip, seen = prompt_image(config, family, store, self.settings)
         texts = cached_texts(store, [(t, seen) for t in [*self.prompts.values(), negative]])
         self.texts, self.negative = {n: texts[p, seen] for n, p in self.prompts.items()}, texts[negative, seen]
-        self.image = conditioning_image(store, clip, self.settings) if clip else None
+        self.image = conditioning_image(store, clip, self.settings, family.flavour.last_frame_given) if clip else None
 
     def after_step(self, step: int) -> None:
         if not self.every or step % self.every:

@@ -176,6 +176,8 @@ def conditioned_noisy(family: ModelFamily, x0: torch.Tensor, noise: torch.Tensor
     given = family.flavour.conditioning_frames
     if given:
         x_t = torch.cat([x0[:, :, :given], x_t[:, :, given:]], dim=2)
+    if family.flavour.last_frame_given:  # i2v_mode first_last: the last frame is given as the first is
+        x_t = torch.cat([x_t[:, :, :-1], x0[:, :, -1:]], dim=2)
     return x_t
 
 
@@ -183,7 +185,8 @@ def flow_mse(family: ModelFamily, prediction: torch.Tensor, x0: torch.Tensor, no
     """Flow-matching MSE against noise - x0 (fp32), over the generated latent frames only: the conditioning
     frames are inputs (inference never steps them), so their prediction is trained on nothing."""
     given = family.flavour.conditioning_frames
-    return F.mse_loss(prediction[:, :, given:].float(), (noise - x0)[:, :, given:].float())
+    end = prediction.shape[2] - 1 if family.flavour.last_frame_given else None  # first_last: the last one too
+    return F.mse_loss(prediction[:, :, given:end].float(), (noise - x0)[:, :, given:end].float())
 
 
 def scaled_posterior(posterior: Any, sampling: str, scale: float, shift: float = 0.0) -> torch.Tensor:
