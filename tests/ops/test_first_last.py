@@ -138,3 +138,12 @@ def test_first_last_is_refused_where_it_means_nothing(tmp_path: Path) -> None:
         config["datasets"][0]["video"].update(num_frames=frames, min_frames=frames)
         with pytest.raises((ValueError, ValidationError), match=says):
             load_config(write_config(tmp_path / "config.yaml", config))
+
+
+def test_the_importer_takes_musubi_tuners_option_name() -> None:
+    from loraflow.simpletuner import import_simpletuner
+
+    imported = import_simpletuner({"--i2v_mode": "first_last", "model_family": "kandinsky5-video",
+                                   "model_flavour": "k5-lite-i2v-5s-sd"}, [])
+    assert (imported.config["i2v_mode"], imported.config["model_flavour"]) == ("first_last", I2V)
+    assert not imported.unmapped
