@@ -33,7 +33,7 @@ def first_last_inputs(pipe: Any, first: Image.Image, last: np.ndarray, settings:
     pixels = pipe.video_processor.preprocess(Image.fromarray(last), height=settings.height, width=settings.width)
     with torch.no_grad():
         encoded = pipe.vae.encode(pixels.to(pipe.device, torch.float32).unsqueeze(2)).latent_dist
-    clean = (encoded.sample(generator=generator) * pipe.vae.config.scaling_factor).permute(0, 2, 3, 4, 1)  # (1, 1, h, w, C)
+    clean = (encoded.sample(generator=generator) * pipe.vae.config.scaling_factor).permute(0, 2, 3, 4, 1)  # 1,1,h,w,C
     latents[:, -1:, :, :, :channels] = clean
     latents[:, -1, :, :, -1] = 1  # the mask channel (visual_cond checkpoints; velocity refuses others)
 

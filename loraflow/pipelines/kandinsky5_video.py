@@ -139,8 +139,8 @@ class Kandinsky5Video(Kandinsky5Shared):
         inputs = self._image_input(image, settings)
         generator = torch.Generator().manual_seed(settings.seed)
         if self.flavour.last_frame_given != (last_image is not None):
-            raise ValueError(f"flavour '{self.flavour.name}' with i2v_mode "
-                             f"{'first_last needs' if self.flavour.last_frame_given else 'first takes no'} `last_image`")
+            needs = "first_last needs" if self.flavour.last_frame_given else "first takes no"
+            raise ValueError(f"flavour '{self.flavour.name}' with i2v_mode {needs} `last_image`")
         if last_image is not None:
             inputs.update(first_last_inputs(pipe, inputs["image"], last_image, settings, generator))
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
