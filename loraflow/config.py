@@ -29,6 +29,7 @@ from loraflow.training_options import TrainingOptions
 from loraflow.validation_adapters import ValidationAdapter, check_adapters, read_adapter_config
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
+FIRST_LAST_MIN_FRAMES = 9  # 3 latent frames: `i2v_mode: first_last` gives 2 clean, so one carries the loss
 
 
 class ConfigError(ValueError):
@@ -112,6 +113,11 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
     i2v_prob: float | None = setting(
         None, run_key="when_set", ge=0, le=1, description="HunyuanVideo 1.5 i2v flavours: train each micro-batch "
         "as i2v with this probability, else as t2v (no image; the i2v cache serves both); unset: always i2v")
+    # musubi-tuner's `--i2v_mode`; first keeps every key and result of runs from before it
+    i2v_mode: Literal["first", "first_last"] = setting(
+        "first", run_key="when_set", description="Kandinsky 5 i2v flavours: first_last also gives the clip's last "
+        "frame clean (training: the last latent frame is input, not loss; validation renders to the clip's last "
+        "frame); first: the first frame only")
     caption_dropout_probability: float = setting(
         0.0, run_key="always", ge=0, le=1, description="train on the empty prompt this often")
     masked_loss_probability: float = setting(
@@ -433,6 +439,15 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
     @model_validator(mode="after")
     def _mixed_tasks(self) -> LoraflowConfig:
         flavour = family_flavour(self.model_family, self.model_flavour)
+        if self.i2v_mode == "first_last" and not flavour.conditioning_frames:
+            raise ValueError(f"`i2v_mode: first_last`: flavour '{flavour.name}' takes no clean first frame to pair a "
+                             "last frame with (only the Kandinsky 5 video i2v flavours): remove it or pick one")
+        if self.i2v_mode == "first_last":
+            for d in self.training_datasets:
+                if d.dataset_type == "video" and d.video.num_frames < FIRST_LAST_MIN_FRAMES:
+                    raise ValueError(f"dataset '{d.id}': `i2v_mode: first_last` gives the first and the last latent "
+                                     f"frame clean; {d.video.num_frames} frames leave none to train: set "
+                                     f"`video.num_frames` to {FIRST_LAST_MIN_FRAMES} or more")
         if self.i2v_prob is not None and not flavour.image_in_condition_only:
             raise ValueError(f"`i2v_prob`: flavour '{flavour.name}' cannot train batches as t2v (only the "
                              "HunyuanVideo 1.5 i2v flavours, whose image is a condition input): remove it")

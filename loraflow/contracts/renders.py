@@ -102,10 +102,18 @@ def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store)
     return min(held) if held else min(train)
 
 
-def conditioning_image(store: Store, clip_key: str, settings: RenderSettings) -> np.ndarray:
+def conditioning_image(store: Store, clip_key: str, settings: RenderSettings, last: bool = False) -> np.ndarray:
     """The clip's first frame (i2i: its source image), center-cropped to the render's aspect and resized to its
-    size: uint8 (H, W, 3)."""
-    frame = Image.fromarray(np.asarray(condition_frame(store, clip_key)))
+    size: uint8 (H, W, 3); with `last` (i2v_mode first_last) its first and its last frame so, (2, H, W, 3)."""
+    if last:
+        return np.stack([conditioning_image(store, clip_key, settings), _fitted(
+            store.get("clips", [clip_key])[clip_key]["frames"][-1], settings)])
+    return _fitted(condition_frame(store, clip_key), settings)
+
+
+def _fitted(image: np.ndarray, settings: RenderSettings) -> np.ndarray:
+    """uint8 (H, W, 3) center-cropped to the render's aspect and resized to its size."""
+    frame = Image.fromarray(np.asarray(image))
     scale = max(settings.width / frame.width, settings.height / frame.height)
     size = (max(settings.width, round(frame.width * scale)), max(settings.height, round(frame.height * scale)))
     left, top = (size[0] - settings.width) // 2, (size[1] - settings.height) // 2
@@ -126,6 +134,8 @@ def render_video(
 ) -> np.ndarray:
     """One render, uint8 (F, H, W, 3), checked against the settings (validation and the renders during training)."""
     given = {"image": image} if image is not None else {}  # only i2v families take an image
+    if image is not None and image.ndim == 4:  # i2v_mode first_last: (first, last) from `conditioning_image`
+        given = {"image": image[0], "last_image": image[1]}
     video = family.render(pipe, text, negative, settings, lora_scale=lora_scale, **given)
     if video.shape != (settings.num_frames, settings.height, settings.width, 3):
         raise RuntimeError(f"{family.name} rendered {video.shape}; validation asked for "

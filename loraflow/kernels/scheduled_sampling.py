@@ -65,10 +65,11 @@ def draw_offsets(batch: int, generator: torch.Generator, probability: float, max
 
 @torch.no_grad()
 def roll_out(predict: Predict, x_t: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
-             offsets: torch.Tensor, fixed_frames: int = 0) -> torch.Tensor:
+             offsets: torch.Tensor, fixed_frames: int = 0, fixed_last: bool = False) -> torch.Tensor:
     """The training input at `sigma` (B,): `x_t` itself for samples with offset 0, else the model's own Euler
     roll-out from min(1, sigma + offset / 1000) on the same noise. Latents are (B, C, T, h, w); the first
-    `fixed_frames` latent frames (i2v's clean image) stay x0's throughout, as in `x_t`.
+    `fixed_frames` latent frames (i2v's clean image), and the last one with `fixed_last` (i2v_mode first_last), stay
+    x0's throughout, as in `x_t`.
 
     With no offset above 0 the model is not called and `x_t` comes back as it is. The batch is stepped together
     (one `predict` per timestep of the longest rollout); a sample whose rollout is over keeps its value."""
@@ -76,18 +77,19 @@ def roll_out(predict: Predict, x_t: torch.Tensor, x0: torch.Tensor, noise: torch
         return x_t
     k = offsets.to(sigma)
     source = torch.clamp(sigma + k / NUM_TRAIN_TIMESTEPS, max=1.0)  # (B,)
-    x, current = _fixed(noisy_sample(x0, noise, source), x0, fixed_frames), source
+    x, current = _fixed(noisy_sample(x0, noise, source), x0, fixed_frames, fixed_last), source
     for j in range(1, int(offsets.max()) + 1):
         # from the source, not accumulated: step `offset` lands on sigma exactly, whatever float rounding did
         following = torch.where(j >= k, sigma, torch.maximum(source - j / NUM_TRAIN_TIMESTEPS, sigma))
         dt = (following - current).view(-1, *([1] * (x.dim() - 1)))  # <= 0; 0 once a sample reached sigma
         moving = dt != 0
-        x = torch.where(moving, _fixed(x + dt * predict(x, current), x0, fixed_frames), x)
+        x = torch.where(moving, _fixed(x + dt * predict(x, current), x0, fixed_frames, fixed_last), x)
         current = following
     rolled = (offsets > 0).view(-1, *([1] * (x.dim() - 1)))
     return torch.where(rolled, x.to(x_t.dtype), x_t)
 
 
-def _fixed(x: torch.Tensor, x0: torch.Tensor, frames: int) -> torch.Tensor:
-    """x with its first `frames` latent frames (dim 2) replaced by x0's."""
-    return torch.cat([x0[:, :, :frames], x[:, :, frames:]], dim=2) if frames else x
+def _fixed(x: torch.Tensor, x0: torch.Tensor, frames: int, last: bool = False) -> torch.Tensor:
+    """x with its first `frames` latent frames (dim 2), and its last one with `last`, replaced by x0's."""
+    x = torch.cat([x0[:, :, :frames], x[:, :, frames:]], dim=2) if frames else x
+    return torch.cat([x[:, :, :-1], x0[:, :, -1:]], dim=2) if last else x

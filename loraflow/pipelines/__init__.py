@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -81,7 +81,10 @@ def load_family(name: str, flavour: str | None = None) -> ModelFamily:
 
 def get_family(config: FamilyChoice) -> ModelFamily:
     """The family object for a config, bound to its flavour (the family's default when unset)."""
-    return load_family(config.model_family, config.model_flavour)
+    family = load_family(config.model_family, config.model_flavour)
+    if getattr(config, "i2v_mode", "first") == "first_last":  # validated by the config: a clean-frame i2v flavour
+        family = replace(family, flavour=replace(family.flavour, last_frame_given=True))
+    return family
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,8 @@ def conditioned_noisy(family: ModelFamily, x0: torch.Tensor, noise: torch.Tensor
     given = family.flavour.conditioning_frames
     if given:
         x_t = torch.cat([x0[:, :, :given], x_t[:, :, given:]], dim=2)
+    if family.flavour.last_frame_given:  # i2v_mode first_last: the last frame is given as the first is
+        x_t = torch.cat([x_t[:, :, :-1], x0[:, :, -1:]], dim=2)
     return x_t
 
 
@@ -193,7 +195,9 @@ def flow_mse(family: ModelFamily, prediction: torch.Tensor, x0: torch.Tensor, no
     for another `loss_type` (kernels/losses.py; the Huber kinds need each sample's `sigma`) and weigh each element
     by its loss `mask` (B, 1, 1, h, w: masked loss, contracts/masks.py); eval loss stays MSE, unmasked."""
     given = family.flavour.conditioning_frames
-    return regression_loss(prediction[:, :, given:].float(), (noise - x0)[:, :, given:].float(), loss, sigma, mask)
+    end = prediction.shape[2] - 1 if family.flavour.last_frame_given else None  # first_last: the last one too
+    return regression_loss(prediction[:, :, given:end].float(), (noise - x0)[:, :, given:end].float(), loss, sigma,
+                           mask)
 
 
 def scaled_posterior(posterior: Any, sampling: str, scale: float, shift: float = 0.0) -> torch.Tensor:

@@ -53,6 +53,10 @@ class Flavour:
     steps: int = 30
     # Other trainers' names for this flavour (musubi-tuner's `--task`), which the importer translates.
     peer_names: tuple[str, ...] = ()
+    # The last latent frame is given clean too (config `i2v_mode: first_last`, musubi-tuner's name): set on the
+    # flavour by `get_family` from the config, never by a spec row (last: rows pass fields by position); only where
+    # conditioning_frames > 0.
+    last_frame_given: bool = False
 
     def __post_init__(self) -> None:
         if self.task not in get_args(Task):

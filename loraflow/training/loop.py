@@ -273,7 +273,8 @@ def rolled_out(transformer: torch.nn.Module, family: ModelFamily, x_t: torch.Ten
 
     transformer.eval()
     try:
-        return roll_out(predict, x_t, x0, noise, sigma, offsets.to(x_t.device), family.flavour.conditioning_frames)
+        return roll_out(predict, x_t, x0, noise, sigma, offsets.to(x_t.device), family.flavour.conditioning_frames,
+                        family.flavour.last_frame_given)
     finally:
         transformer.train()
 

@@ -69,7 +69,7 @@ class ProgressRenders:
         clip, seen = prompt_image(config, family, store, self.settings)
         texts = cached_texts(store, [(t, seen) for t in [*self.prompts.values(), negative]])
         self.texts, self.negative = {n: texts[p, seen] for n, p in self.prompts.items()}, texts[negative, seen]
-        self.image = conditioning_image(store, clip, self.settings) if clip else None
+        self.image = conditioning_image(store, clip, self.settings, family.flavour.last_frame_given) if clip else None
 
     def at_startup(self, start: int) -> None:
         """Step 0 before a fresh run's first step; never on resume (the LoRA there is no longer the base)."""

@@ -62,16 +62,18 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
         lora=safetensors_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
         family=family.name, flavour=family.flavour.name, fps=family.flavour.fps, settings=asdict(settings),
         prompts=prompts, negative=negative, eval=[asdict(i) for i in items], sigmas=EVAL_SIGMAS, code=CODE_VERSION,
-        **({"condition": condition} if condition else {}), **adapter_keys(adapters))  # t2v keys stay as they were
+        **({"condition": condition} if condition else {}), **adapter_keys(adapters),  # t2v keys stay as they were
+        **({"last_frame": True} if family.flavour.last_frame_given else {}))  # so do i2v_mode first keys
     if (out / RESULTS).is_file():
         return _report(out, computed=0)
     # 2. render what a killed run left undone, then eval loss, with one pipeline load
     folders = {name: out / f"{i:02d}-{slug(name)}" for i, name in enumerate(prompts)}
     todo = [name for name in prompts if not (folders[name] / "result.json").is_file()]
     out.mkdir(parents=True, exist_ok=True)
-    image = conditioning_image(store, condition, settings) if condition else None
-    if image is not None:
-        save_png(Image.fromarray(image), out / "condition.png")
+    image = conditioning_image(store, condition, settings, family.flavour.last_frame_given) if condition else None
+    if image is not None:  # first_last: the first and the last frame side by side
+        save_png(Image.fromarray(np.concatenate(list(image), axis=1) if image.ndim == 4 else image),
+                 out / "condition.png")
     device = pick_device()
     pipe = family.load_renderer(model, lora_path, device)
     load_adapters(pipe.transformer, adapters)

@@ -25,6 +25,7 @@ from loraflow.pipelines.base import (
     RenderSettings, TextRow, load_pipeline, scaled_posterior, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
+from loraflow.pipelines.kandinsky5.first_last import first_last_inputs
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.sources import ModelSource
 from loraflow.pipelines.kandinsky5.common import CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared
@@ -105,6 +106,8 @@ class Kandinsky5Video(Kandinsky5Shared):
             cond = torch.zeros_like(hidden)
             mask = torch.zeros(*hidden.shape[:-1], 1, dtype=hidden.dtype, device=hidden.device)
             mask[:, :given] = 1
+            if self.flavour.last_frame_given:  # i2v_mode first_last: the clean last frame is marked as the first
+                mask[:, -1] = 1
             hidden = torch.cat([hidden, cond, mask], dim=-1)  # (B, T, h, w, 16 + 16 + 1)
         sparse = kandinsky5.nabla_params(self.pipeline_class, transformer, hidden)
         return kandinsky5.denoise(transformer, hidden, sigma, text, _rope_scale(height * 8, width * 8), sparse)
@@ -129,10 +132,17 @@ class Kandinsky5Video(Kandinsky5Shared):
     @torch.no_grad()
     def render(
         self, pipe: Kandinsky5T2VPipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
-        lora_scale: float | None = 1.0, image: np.ndarray | None = None,
+        lora_scale: float | None = 1.0, image: np.ndarray | None = None, last_image: np.ndarray | None = None,
     ) -> np.ndarray:
-        """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size) as the first frame."""
+        """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size) as the first frame, and with
+        `i2v_mode: first_last` to `last_image` (same layout) as the last (`first_last_inputs`)."""
         inputs = self._image_input(image, settings)
+        generator = torch.Generator().manual_seed(settings.seed)
+        if self.flavour.last_frame_given != (last_image is not None):
+            needs = "first_last needs" if self.flavour.last_frame_given else "first takes no"
+            raise ValueError(f"flavour '{self.flavour.name}' with i2v_mode {needs} `last_image`")
+        if last_image is not None:
+            inputs.update(first_last_inputs(pipe, inputs["image"], last_image, settings, generator))
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
         set_lora_scale(pipe.transformer, lora_scale)
         video = pipe(
@@ -143,7 +153,7 @@ class Kandinsky5Video(Kandinsky5Shared):
             num_frames=settings.num_frames,
             num_inference_steps=settings.num_inference_steps,
             guidance_scale=settings.guidance,
-            generator=torch.Generator().manual_seed(settings.seed),
+            generator=generator,
             output_type="np",
         ).frames[0]
         return (np.clip(video, 0, 1) * 255).round().astype(np.uint8)  # (F, H, W, 3)

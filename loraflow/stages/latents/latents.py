@@ -46,6 +46,8 @@ def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None
     family = get_family(config)
     given = family.flavour.conditioning_frames
     image = {"image_frames": given} if given else {}  # t2v keys stay what they were
+    if family.flavour.last_frame_given:  # its own key: a first-frame-only cache is encoded again, never reused
+        image["last_frame"] = True
     parts = family.image_condition_components
     if parts:  # the models that compute the image condition name it (HV1.5 i2v: SigLIP)
         image["image_condition"] = {c: component_fingerprint(model, c) for c in parts}
@@ -160,12 +162,17 @@ def _with_image_latent(
 
     Encoding the whole clip gives a different frame 0 (the video VAE's GroupNorms see every frame), and training
     only ever uses frame 0 as the clean conditioning frame (it is outside the loss), so this makes training's
-    condition exactly inference's (the mode; the pipeline draws a sample around it)."""
+    condition exactly inference's (the mode; the pipeline draws a sample around it). With `i2v_mode: first_last` the
+    last latent frame is the clip's last frame encoded alone, likewise."""
     given = family.flavour.conditioning_frames
     if not given:
         return latent
     image, _ = _encode_with_fallback(vae, family, pixels[:, :1], sampling)
-    return torch.cat([image[:, :given], latent[:, given:]], dim=1)  # (C, T, h, w): frames are dim 1
+    latent = torch.cat([image[:, :given], latent[:, given:]], dim=1)  # (C, T, h, w): frames are dim 1
+    if family.flavour.last_frame_given:  # i2v_mode first_last: the last frame alone, as validation encodes it
+        last, _ = _encode_with_fallback(vae, family, pixels[:, -1:], sampling)
+        latent = torch.cat([latent[:, :-1], last], dim=1)
+    return latent
 
 
 def listed(row: dict[str, Any], tiled: bool) -> dict[str, Any]:
