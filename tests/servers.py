@@ -82,7 +82,7 @@ def postgres() -> Iterator[str]:
         _wait(lambda: _accepts(port), server, "postgres", log)
         subprocess.run([*as_user, str(bin_dir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres",
                         "dagster"], check=True, capture_output=True, timeout=START_TIMEOUT_S)
-        yield f"postgresql://postgres@127.0.0.1:{port}/dagster"
+        yield f"postgresql+psycopg2://postgres@127.0.0.1:{port}/dagster"  # SQLAlchemy 2.1 defaults to psycopg 3
     finally:
         _stop(server)
         shutil.rmtree(folder, ignore_errors=True)
