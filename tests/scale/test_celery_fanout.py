@@ -35,6 +35,7 @@ from loraflow.ops.clips import build_clips
 from loraflow.ops.latents import SHARD_CLIPS, latent_rows
 from loraflow.pipelines import get_family
 from loraflow.store import Store
+from tests.assets.test_dead_runs import gpu_claims, status, wait_until
 from tests.conftest import REPO, demo_dict, write_config
 from tests.dagster_dev import dagster_dev, kill_group
 from tests.ops.test_fanout import many_clips
@@ -186,6 +187,18 @@ def test_three_celery_workers_cache_every_clip_once_though_one_is_killed_mid_ste
         code, output = finish(process)
         assert code == 0, output[-4000:]
         shown = graphql(ui, UI_QUERY)
+
+        # 5. a dead run never blocks the next: a CLI run's process SIGKILLed while its steps hold gpu slots stays
+        # STARTED; the daemon of `dagster dev` (run_monitoring in deploy/dagster.yaml) fails it past its
+        # `dagster/max_runtime` and frees its slots
+        dead = deployment.execute("cache_latents_fanout", "--tags", json.dumps({"dagster/max_runtime": "10"}))
+        wait_until("the run's steps holding gpu slots", lambda: gpu_claims(deployment.instance), STEP_TIMEOUT_S)
+        dead.kill()
+        dead.wait()
+        dead_id = deployment.last_run("cache_latents_fanout").run_id
+        assert status(deployment.instance, dead_id) == DagsterRunStatus.STARTED  # nobody has failed it yet
+        wait_until("the dead run failed", lambda: status(deployment.instance, dead_id) == DagsterRunStatus.FAILURE, 60)
+        wait_until("its gpu slots freed", lambda: not gpu_claims(deployment.instance), 60)
     (latents,) = [e.asset_materialization for e in deployment.instance.all_logs(
         deployment.last_run("cache_dataset").run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
         if e.asset_materialization.asset_key.path[-1] == "latents"]
