@@ -191,13 +191,14 @@ def test_three_celery_workers_cache_every_clip_once_though_one_is_killed_mid_ste
         # 5. a dead run never blocks the next: a CLI run's process SIGKILLed while its steps hold gpu slots stays
         # STARTED; the daemon of `dagster dev` (run_monitoring in deploy/dagster.yaml) fails it past its
         # `dagster/max_runtime` and frees its slots
-        dead = deployment.execute("cache_latents_fanout", "--tags", json.dumps({"dagster/max_runtime": "10"}))
+        Store(url).fs.rm(f"{url}/latents", recursive=True)  # work for the steps: the kill lands while they run
+        dead = deployment.execute("cache_latents_fanout", "--tags", json.dumps({"dagster/max_runtime": "20"}))
         wait_until("the run's steps holding gpu slots", lambda: gpu_claims(deployment.instance), STEP_TIMEOUT_S)
         dead.kill()
         dead.wait()
         dead_id = deployment.last_run("cache_latents_fanout").run_id
         assert status(deployment.instance, dead_id) == DagsterRunStatus.STARTED  # nobody has failed it yet
-        wait_until("the dead run failed", lambda: status(deployment.instance, dead_id) == DagsterRunStatus.FAILURE, 60)
+        wait_until("the dead run failed", lambda: status(deployment.instance, dead_id) == DagsterRunStatus.FAILURE, 90)
         wait_until("its gpu slots freed", lambda: not gpu_claims(deployment.instance), 60)
     (latents,) = [e.asset_materialization for e in deployment.instance.all_logs(
         deployment.last_run("cache_dataset").run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
