@@ -192,11 +192,12 @@ def test_three_celery_workers_cache_every_clip_once_though_one_is_killed_mid_ste
         # STARTED; the daemon of `dagster dev` (run_monitoring in deploy/dagster.yaml) fails it past its
         # `dagster/max_runtime` and frees its slots
         Store(url).fs.rm(f"{url}/latents", recursive=True)  # work for the steps: the kill lands while they run
+        before = {r.run_id for r in deployment.instance.get_runs()}
         dead = deployment.execute("cache_latents_fanout", "--tags", json.dumps({"dagster/max_runtime": "20"}))
-        wait_until("the run's steps holding gpu slots", lambda: gpu_claims(deployment.instance), STEP_TIMEOUT_S)
+        dead_id = wait_until("the new run's steps holding gpu slots", lambda: next(
+            (c.run_id for c in gpu_claims(deployment.instance) if c.run_id not in before), None), STEP_TIMEOUT_S)
         dead.kill()
         dead.wait()
-        dead_id = deployment.last_run("cache_latents_fanout").run_id
         assert status(deployment.instance, dead_id) == DagsterRunStatus.STARTED  # nobody has failed it yet
         wait_until("the dead run failed", lambda: status(deployment.instance, dead_id) == DagsterRunStatus.FAILURE, 90)
         wait_until("its gpu slots freed", lambda: not gpu_claims(deployment.instance), 60)
