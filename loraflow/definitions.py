@@ -4,6 +4,7 @@ from dagster import Definitions
 
 from loraflow.assets.checks import ALL_CHECKS
 from loraflow.assets.dead_runs import watch_dead_runs
+from loraflow.assets.deployment import deployment_defs
 from loraflow.assets.fanout import cache_latents_fanout
 from loraflow.assets.jobs import JOBS
 from loraflow.assets.resources import LoraflowResource
@@ -12,13 +13,15 @@ from loraflow.assets.sensors import dataset_watch
 from loraflow.assets.stages import ALL_ASSETS
 
 resource = LoraflowResource()
+deployment = deployment_defs()  # Celery workers and shared step outputs, where the environment names them
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
     jobs=[*JOBS, cache_latents_fanout],
     schedules=[recache_schedule(resource.config_path)],
     sensors=[dataset_watch],
-    resources={"loraflow": resource},
+    resources={"loraflow": resource, **deployment.get("resources", {})},
+    executor=deployment.get("executor"),
 )
 
 # A killed `dagster asset materialize` run stays STARTED and keeps its `gpu` slot, and nothing in Dagster watches CLI

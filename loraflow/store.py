@@ -130,7 +130,8 @@ class Store:
     """put/get/keys over Parquet shards under one fsspec root."""
 
     def __init__(self, root: str) -> None:
-        self.fs, self.root = fsspec.core.url_to_fs(root)
+        # no listing cache (s3fs keeps one per client): other processes and hosts commit shards to the same folders
+        self.fs, self.root = fsspec.core.url_to_fs(root, use_listings_cache=False)
         self.url = root
         self.parts: frozenset[str] | None = None  # see only_parts
         self._index: dict[str, list[list[str]]] = {}  # shard path -> its keys, per row group

@@ -16,7 +16,7 @@ if ! .venv/bin/python -c "import torch, torchvision" 2>/dev/null; then
 fi
 stamp=.venv/.loraflow-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  pip_install -e ".[test]"
+  pip_install -e ".[test,scale]"
   touch "$stamp"
 fi
 # The real Qwen2 tokenizer for the template-crop tests (tests/pipelines/test_qwen_templates.py), built from Qwen's

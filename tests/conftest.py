@@ -78,3 +78,36 @@ def hf_cache_snapshot(cache: Path, repo: str, checkpoint: Path, commit: str, bra
     (storage / "refs").mkdir(exist_ok=True)
     (storage / "refs" / branch).write_text(commit)
     return snapshot
+
+
+# Real servers for the tests of a deployment past one machine (tests/servers.py), started once per session on demand.
+@pytest.fixture(scope="session")
+def s3_env() -> Any:
+    """moto's S3 server on loopback; boto3/s3fs in this process and its children reach it through AWS_* variables."""
+    from tests.servers import s3
+
+    with s3() as env:
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        yield env
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Any:
+    from tests.servers import postgres
+
+    with postgres() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Any:
+    from tests.servers import redis
+
+    with redis() as url:
+        yield url

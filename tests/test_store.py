@@ -1,3 +1,4 @@
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -8,8 +9,12 @@ from loraflow.keys import content_key, data_version
 from loraflow.store import Store
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "memory", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path) -> Store:
+    if request.param == "s3":  # moto's S3 server on loopback, through s3fs (tests/servers.py)
+        from tests.servers import make_bucket
+
+        return Store(make_bucket(request.getfixturevalue("s3_env"), f"store-{uuid.uuid4().hex[:12]}") + "/cache")
     return Store(str(tmp_path / "cache") if request.param == "local" else f"memory://{tmp_path.name}")
 
 

@@ -26,11 +26,11 @@ from tests.conftest import REPO, demo_dict, write_config
 WORKERS, COPIES = 4, 12  # 12 copies of the 7 demo files: 84 clips, about 21 per worker, so 3 store shards each
 
 
-def many_clips(demo: Path, folder: Path) -> Path:
-    """COPIES renamed copies of the demo dataset, with one fixed mtime: the clip keys, and so each worker's share,
+def many_clips(demo: Path, folder: Path, copies: int = COPIES) -> Path:
+    """`copies` renamed copies of the demo dataset, with one fixed mtime: the clip keys, and so each worker's share,
     are the same in every run of the test."""
     folder.mkdir()
-    for copy in range(COPIES):
+    for copy in range(copies):
         for source in demo.iterdir():
             if not source.name.startswith("."):
                 target = folder / f"{source.stem}_{copy:02d}{source.suffix}"
