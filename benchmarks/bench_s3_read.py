@@ -40,7 +40,7 @@ def main() -> None:
     import pyarrow as pa
     import s3fs
 
-    from loraflow.ops.latents import SHARD_CLIPS
+    from loraflow.stages.latents.latents import SHARD_CLIPS
     from loraflow.store import Store
     from tests.servers import make_bucket, s3
 

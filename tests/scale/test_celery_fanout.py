@@ -31,8 +31,8 @@ from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFil
 from loraflow.assets.partitions import sync_partitions
 from loraflow.config import load_config
 from loraflow.keys import Shard
-from loraflow.ops.clips import build_clips
-from loraflow.ops.latents import SHARD_CLIPS, latent_rows
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import SHARD_CLIPS, latent_rows
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.assets.test_dead_runs import gpu_claims, status, wait_until
