@@ -44,7 +44,7 @@ def test_validation_renders_with_the_releases_sampling_unless_the_config_says(fa
                                                                                 tmp_path: Path) -> None:
     """No checkpoint here (its scheduler config would win for the shift): the flavour's own defaults."""
     config = demo_dict(tmp_path / "absent", tmp_path / "data", tmp_path, model_family=family, model_flavour=flavour,
-                       validation_resolution="64x48")
+                       validation_resolution="256x128" if flavour.endswith("10s") else "64x48")  # 10 s: NABLA's 128s
     del config["validation_num_inference_steps"], config["validation_guidance"]
     loaded = load_config(write_config(tmp_path / "config.yaml", config))
     settings = render_settings(loaded, load_family(family, flavour))
