@@ -247,7 +247,9 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
         return 2
     text = simpletuner.to_yaml(imported, [s for s in (config_json, backend_json) if s])
     if out_path:
-        _write_atomic(Path(out_path), text)
+        from loraflow.store import write_atomic
+
+        write_atomic(Path(out_path), lambda tmp: tmp.write_text(text))
         print(f"wrote {out_path}", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -259,12 +261,6 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
         print(f"note: {note}", file=sys.stderr)
     parse_config(imported.config, out_path or "imported config", Path(out_path or ".").parent)
     return 0
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,8 +25,6 @@ machine trains them once.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +35,7 @@ import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
 from loraflow.keys import content_key
+from loraflow.store import write_atomic
 
 if TYPE_CHECKING:
     from loraflow.pipelines.base import ModelFamily
@@ -210,18 +209,11 @@ def _encoded_world(family: ModelFamily, vae: AutoencoderKLHunyuanVideo, componen
 
 
 def _save_atomic(module: torch.nn.Module, path: Path) -> None:
-    """Written beside its final name and moved into place: an interrupted build leaves no file that looks done."""
+    """Written atomically: an interrupted build leaves no file that looks done."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=".transformer.", dir=path.parent)
-    os.close(handle)
-    try:
-        save_file({k: v.contiguous() for k, v in module.state_dict().items()}, partial)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in module.state_dict().items()}, tmp))
 
 
 def decode_frames(vae: AutoencoderKLHunyuanVideo, frames: np.ndarray) -> np.ndarray:

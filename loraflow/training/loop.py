@@ -43,8 +43,9 @@ from loraflow.kernels.tread import resolve_routes, tread_routing
 from loraflow.training.row_cache import RowCache, prefetched
 from loraflow.training.checkpoints import (
     LORA_FILE, adapter_config, export_comfyui, export_lora, latest_checkpoint, load_lora, lora_state, optimizer_state,
-    resume_optimizer, save_checkpoint, write_json,
+    resume_optimizer, save_checkpoint,
 )
+from loraflow.store import write_json
 from loraflow.contracts.teacher_features import teacher_keys, teacher_version
 from loraflow.stages.teacher.teacher_features import cache_teacher_features
 from loraflow.training.crepa_training import Crepa, capturing, make_crepa, projector_state
