@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from loraflow.config import LoraflowConfig
-from loraflow.keys import content_key
+from loraflow.keys import hash_seed
 from loraflow.contracts.holdout import clip_source, split_clips
 from loraflow.contracts.text_set import text_lookup
 from loraflow.pipelines.base import ModelFamily, conditioned_noisy, flow_mse, image_conditions, set_lora_scale
@@ -64,7 +64,7 @@ def eval_items(config: LoraflowConfig, family: ModelFamily, store: Store) -> lis
 
 
 def noise_seed(seed: int, item: EvalItem) -> int:
-    return int(content_key(seed=seed, source=item.source, indices=item.indices)[:15], 16)  # < 2**60: a torch seed
+    return hash_seed(seed=seed, source=item.source, indices=item.indices)
 
 
 @torch.no_grad()
