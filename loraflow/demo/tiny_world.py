@@ -151,8 +151,7 @@ def _train(family: ModelFamily, transformer: torch.nn.Module, vae: AutoencoderKL
     mask, so a batch's captions must be equally long)."""
     from tqdm import tqdm
 
-    from loraflow.kernels.flow_matching import sample_sigmas, shift_sigmas
-    from loraflow.pipelines.base import conditioned_noisy, flow_mse
+    from loraflow.kernels.flow_matching import flow_mse, noisy_sample, sample_sigmas, shift_sigmas
 
     pool, groups = _encoded_world(family, vae, components, recipe)
     generator = torch.Generator().manual_seed(recipe.seed)
@@ -171,8 +170,9 @@ def _train(family: ModelFamily, transformer: torch.nn.Module, vae: AutoencoderKL
         shifts = torch.tensor(recipe.sigma_shifts)[torch.randint(len(recipe.sigma_shifts), (len(x0),),
                                                                  generator=generator)]
         sigma = shift_sigmas(sample_sigmas(len(x0), generator, "sigmoid"), shifts)
-        noisy = conditioned_noisy(family, x0, noise, sigma)
-        loss = flow_mse(family, family.velocity(transformer, noisy, sigma, text), x0, noise)
+        given = family.flavour.conditioning_frames
+        noisy = noisy_sample(x0, noise, sigma, given)
+        loss = flow_mse(family.velocity(transformer, noisy, sigma, text), x0, noise, given)
         loss.backward()
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if step % 50 == 0:

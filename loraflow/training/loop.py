@@ -37,7 +37,7 @@ from loraflow.dataset_config import run_key_settings
 from loraflow.keys import content_key, data_version, tensors_fingerprint
 from loraflow.kernels.adamw_bf16 import AdamWBF16
 from loraflow.kernels.checkpointing import enable_checkpointing
-from loraflow.kernels.flow_matching import lr_at
+from loraflow.kernels.flow_matching import flow_mse, lr_at, noisy_sample
 from loraflow.kernels.scheduled_sampling import roll_out
 from loraflow.kernels.tread import resolve_routes, tread_routing
 from loraflow.training.row_cache import RowCache, prefetched
@@ -60,7 +60,7 @@ from loraflow.contracts.reports import LoraReport, TrainStep
 from loraflow.training.tracking import open_sink
 from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load_micro_batch, step_seed, training_texts
 from loraflow.pipelines.base import (
-    ModelFamily, conditioned_noisy, flow_mse, load_component,
+    ModelFamily, load_component,
 )
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.pipelines.sources import model_source
@@ -246,19 +246,20 @@ def step_losses(
     crepa: Crepa | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32); i2v: frame 0
-    of x_t is x0's (the image) and the loss covers the generated frames only (`conditioned_noisy`, `flow_mse`).
+    of x_t is x0's (the image) and the loss covers the generated frames only (`noisy_sample`, `flow_mse`).
     Scheduled sampling replaces x_t by the model's own rollout (the target stays); with CREPA, also its weighted
     term (else None)."""
     x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
     text = {k: v.to(device) for k, v in batch.text.items()}
-    x_t = conditioned_noisy(family, x0, noise, sigma)
+    given = family.flavour.conditioning_frames
+    x_t = noisy_sample(x0, noise, sigma, given)
     if batch.draws.rollout is not None:
         x_t = rolled_out(transformer, family, x_t, x0, noise, sigma, batch.draws.rollout, text, autocast)
     with capturing(crepa, transformer) as capture, torch.autocast(device.type, dtype=torch.bfloat16,
                                                                   enabled=autocast):
         prediction = family.velocity(transformer, x_t, sigma, text)
     term = None if crepa is None else crepa.term(transformer, capture, batch.teacher, tuple(x0.shape[2:]))
-    return flow_mse(family, prediction, x0, noise), term
+    return flow_mse(prediction, x0, noise, given), term
 
 
 def rolled_out(transformer: torch.nn.Module, family: ModelFamily, x_t: torch.Tensor, x0: torch.Tensor,
