@@ -164,8 +164,8 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
-    store = loraflow.store(config)
-    report = validate(config, get_family(config), store, current_lora_path(config, store))
+    store, family = loraflow.store(config), get_family(config)
+    report = validate(config, family, store, current_lora_path(config, family, store))
     metadata = {**md.counts(report), "prompts": len(report.prompts)}
     if report.prompts:
         sheets = [f"**{p.name}**: {p.prompt}\n\n"

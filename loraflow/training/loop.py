@@ -72,20 +72,20 @@ WEIGHT_DECAY = 1e-2
 
 
 # 1. the run: its inputs and where it lives ----------------------------------------------------------------
-def upstream_versions(store: Store, config: LoraflowConfig | None = None) -> dict[str, str]:
+def upstream_versions(store: Store, config: LoraflowConfig | None = None,
+                      family: ModelFamily | None = None) -> dict[str, str]:
     """The data versions training reads: the lineage of an adapter.
 
     Only the texts training reads (captions and the empty prompt): a new validation prompt re-renders, never retrains.
-    With CREPA on (`config`), the teacher features too (other teacher weights in the same folder: a new run).
+    With CREPA on (`config`, and its `family` as the caller resolved it), the teacher features too (other teacher
+    weights in the same folder: a new run).
     """
     read = set(training_texts(store.read_manifest("clips")))
     text_keys = [key for item, key in text_lookup(store).items() if item in read]
     versions = {"latents": data_version(r["key"] for r in store.read_manifest("latents")),
                 "text_embeds": data_version(text_keys)}
     if config is not None and config.crepa_enabled:
-        from loraflow.pipelines import get_family
-
-        versions["teacher_features"] = teacher_version(config, get_family(config), store)
+        versions["teacher_features"] = teacher_version(config, family, store)
     return versions
 
 
@@ -95,8 +95,8 @@ def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
     return Path(config.output_dir) / "runs" / key
 
 
-def current_lora_path(config: LoraflowConfig, store: Store) -> str:
-    path = run_dir(config, upstream_versions(store, config)) / LORA_FILE
+def current_lora_path(config: LoraflowConfig, family: ModelFamily, store: Store) -> str:
+    path = run_dir(config, upstream_versions(store, config, family)) / LORA_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no LoRA trained for the current caches and config ({path}): materialize `lora` first")
     return str(path)
@@ -295,7 +295,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     if config.crepa_enabled and world.main:  # the teacher_features stage: computes what the store lacks
         cache_teacher_features(config, family, store)
     barrier(world)
-    upstream = upstream_versions(store, config)
+    upstream = upstream_versions(store, config, family)
     out = run_dir(config, upstream)
     finished = (out / LORA_FILE).is_file()
     check_same_everywhere("the run folder", lambda: content_key(run=out.name, finished=finished), world, device)
