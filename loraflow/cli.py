@@ -247,7 +247,9 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
         return 2
     text = simpletuner.to_yaml(imported, [s for s in (config_json, backend_json) if s])
     if out_path:
-        _write_atomic(Path(out_path), text)
+        from loraflow.store import write_atomic
+
+        write_atomic(Path(out_path), lambda tmp: tmp.write_text(text))
         print(f"wrote {out_path}", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -278,12 +280,6 @@ def post_hoc_ema(files: list[str], decay: float, out: str) -> int:
         print(exc, file=sys.stderr)
         return 2
     return 0
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def build_parser() -> argparse.ArgumentParser:

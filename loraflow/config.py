@@ -429,7 +429,7 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
                                  "other than full")
             single = d.dataset_type == "image" or d.video.num_frames == 1
             if flavour.conditioning_frames and single and d.id != self.render_dataset_id:
-                # the loss covers the frames after the clean first frame (`flow_mse`): one frame would be NaN
+                # the loss covers the frames after the clean first frame (`kernels.flow_matching.flow_mse`): one frame would be NaN
                 raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' trains on the frames after a clean "
                                  "first frame; single images have none: use `dataset_type: video` with "
                                  "`video.num_frames` of 5 or more (or make it `eval_dataset_id` with "

@@ -24,6 +24,12 @@ def content_key(**fields: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+def hash_seed(**fields: Any) -> int:
+    """The one seed derived from a hash: a torch/random seed that is a pure function of `fields` (15 hex digits of
+    their content key: < 2**60, a valid torch seed)."""
+    return int(content_key(**fields)[:15], 16)
+
+
 def data_version(keys: Iterable[str]) -> str:
     """A stage's data version: hash of its sorted item keys, so lineage follows content, not time."""
     return content_key(keys=sorted(keys))

@@ -369,6 +369,27 @@ def _digest(url: str) -> str:
     return hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
+def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
+    """The one atomic write of a local file: `write(tmp)` fills a hidden name beside `path` (same suffix, so writers
+    that pick the format by extension still do), its bytes reach the disk, then a rename publishes it. A kill or a
+    power cut leaves the old file or none under `path`, never a half one."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{path.name}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            _fsync_local(f)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json(path: Path, data: Any) -> None:
+    """`data` as indented JSON, atomically."""
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1)))
+
+
 def _fsync_local(f: Any) -> None:
     """A local file's bytes on disk before the rename publishes it (a power cut must not leave an empty shard
     under a committed name); object stores commit whole objects, so there is nothing to do there."""

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from loraflow.config import load_config
-from loraflow.keys import content_key
+from loraflow.keys import content_key, hash_seed
 from loraflow.stages.latents import latents as L
 from loraflow.training import loop as T
 from loraflow.stages.text.text_embeds import text_key
@@ -94,6 +94,18 @@ def keys_of(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str, 
 
 def test_the_content_key_itself_is_pinned() -> None:
     assert content_key(b=[1, "x"], a={"z": None}) == "633867a794e272c3cc83a5e09a0c0989"
+
+
+def test_the_hash_seeds_are_pinned() -> None:
+    """Training's draws, the eval noise and CREPA's projector come from one derivation (keys.hash_seed); its values
+    are those of the three copies it replaced (computed with `int(content_key(...)[:15], 16)`), so runs resume
+    and eval losses compare across the change."""
+    from loraflow.training.batches import step_seed
+    from loraflow.validation.evaluation import EvalItem, noise_seed
+
+    assert step_seed(7, 3, "draws") == 428335594093367529
+    assert noise_seed(7, EvalItem("clip", "latent", "text", "a/b.mp4", (0, 2, 4))) == 159497710700697628
+    assert hash_seed(seed=7, purpose="crepa_projector") == 917467584767469212
 
 
 def test_every_example_config_is_pinned() -> None:

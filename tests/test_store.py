@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 
 from loraflow.keys import content_key, data_version
-from loraflow.store import Store
+from loraflow.store import Store, write_atomic
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
@@ -220,3 +220,18 @@ def test_one_key_gets_list_the_shards_once_and_again_only_for_a_new_key(store: S
     assert store.get("stage", ["k3", "new"]).keys() == {"k3", "new"}
     with pytest.raises(KeyError):
         store.get("stage", ["k4"])  # its shard is gone, and so is its place in the index
+
+
+def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path: Path) -> None:
+    """The one atomic write (JSON, mp4, png, safetensors, the CLI's imported config): a writer dying half way leaves
+    the old bytes under the name and no temporary file beside it."""
+    path = write_atomic(tmp_path / "result.json", lambda tmp: tmp.write_text("old"))
+
+    def dies(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, dies)
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]

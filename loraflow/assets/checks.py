@@ -233,11 +233,12 @@ def _tensor_problem(name: str, tensor: Any, tensors: dict[str, Any], rank: int) 
 @asset_check(asset=lora, blocking=True,
              description="The adapter opens as safetensors, has transformer.*lora_A/B keys in pairs, and is finite.")
 def lora_file_loads(loraflow: LoraflowResource) -> AssetCheckResult:
+    from loraflow.pipelines import get_family
     from loraflow.training.loop import current_lora_path
 
     config = loraflow.load()
     try:
-        path = current_lora_path(config, loraflow.store(config))
+        path = current_lora_path(config, get_family(config), loraflow.store(config))
     except FileNotFoundError as exc:
         return _result(False, [{"tensor": "(file)", "problem": str(exc)}], 0, "tensors")
     checked, offending = lora_problems(path, config.lora_rank)

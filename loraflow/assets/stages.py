@@ -171,9 +171,9 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
-    store = loraflow.store(config)
-    adapters = validation_adapters(config, current_lora_path(config, store))  # ema_validation
-    reports = {name: validate(config, get_family(config), store, path) for name, path in adapters.items()}
+    store, family = loraflow.store(config), get_family(config)
+    adapters = validation_adapters(config, current_lora_path(config, family, store))  # ema_validation
+    reports = {name: validate(config, family, store, path) for name, path in adapters.items()}
     report = next(iter(reports.values()))
     metadata = {**md.counts(report), "prompts": len(report.prompts), "adapter": MetadataValue.path(
         next(iter(adapters.values())))}

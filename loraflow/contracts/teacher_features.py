@@ -82,7 +82,7 @@ def teacher_version(config: LoraflowConfig, family: ModelFamily, store: Store) -
 
 def load_teacher_batch(store: Any, keys: list[str]) -> torch.Tensor:
     """(B, T, g * g, E) float32 features of a batch, in sample order (`store`: a Store or a RowCache)."""
-    import torch
+    import torch  # here, not at the top: contracts stay free of torch at import
 
     rows = store.get(STAGE, set(keys))
     return torch.stack([torch.from_numpy(rows[k]["features"].astype("float32")) for k in keys])

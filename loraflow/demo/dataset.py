@@ -9,13 +9,15 @@ path (probe, decode_frames) runs on real files.
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import av
 import numpy as np
+
+from PIL import Image
+
+from loraflow.media.writers import save_png, write_mp4
+from loraflow.store import write_atomic
 
 FPS = 24
 _MANIFEST = ".demo_manifest.json"  # written last: its presence means the set is complete
@@ -90,7 +92,7 @@ def make_demo_dataset(out_dir: str | Path, seed: int = 0) -> Path:
     for item in (*_CLIPS, *_STILLS):
         _write_item(out, item, *(item.colours if seed == 0 else _pick_colours(rng)))
     manifest = {"version": _VERSION, "seed": seed, "files": expected}
-    _write_atomic(out / _MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2), encoding="utf-8"))
+    write_atomic(out / _MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2), encoding="utf-8"))
     return out
 
 
@@ -115,9 +117,9 @@ def make_demo_edits(targets_dir: str | Path, sources_dir: str | Path) -> tuple[P
         for folder, colour in ((sources, before), (targets, after)):
             frame = _draw(item, 0.0, _COLOURS[colour], _COLOURS[background])
             if not (folder / f"{stem}.png").is_file():
-                _write_atomic(folder / f"{stem}.png", lambda p, f=frame: _save_png(p, f))
+                save_png(Image.fromarray(frame), folder / f"{stem}.png")
         if not (targets / f"{stem}.txt").is_file():
-            _write_atomic(targets / f"{stem}.txt", lambda p: p.write_text(f"make the {shape} {after}\n", encoding="utf-8"))
+            write_atomic(targets / f"{stem}.txt", lambda p: p.write_text(f"make the {shape} {after}\n", encoding="utf-8"))
     return targets, sources
 
 
@@ -151,11 +153,11 @@ def _world_path(rng: np.random.Generator, motion: str, travel: float = 0.5) -> t
 def _write_item(out: Path, item: _Clip, shape_colour: str, background: str) -> None:
     frames = [_draw(item, t, _COLOURS[shape_colour], _COLOURS[background]) for t in _times(item.frames)]
     if item.frames == 1:
-        _write_atomic(out / f"{item.stem}.png", lambda p: _save_png(p, frames[0]))
+        save_png(Image.fromarray(frames[0]), out / f"{item.stem}.png")
     else:
-        _write_atomic(out / f"{item.stem}.mp4", lambda p: _encode_mp4(p, frames))
+        write_mp4(np.stack(frames), out / f"{item.stem}.mp4", FPS, reproducible=True)
     caption = _caption(item, shape_colour, background)
-    _write_atomic(out / f"{item.stem}.txt", lambda p: p.write_text(caption + "\n", encoding="utf-8"))
+    write_atomic(out / f"{item.stem}.txt", lambda p: p.write_text(caption + "\n", encoding="utf-8"))
 
 
 def _expected_files() -> list[str]:
@@ -210,30 +212,3 @@ def _draw(item: _Clip, t: float, colour: tuple[int, int, int], background: tuple
     frame[:] = background
     frame[mask] = colour
     return frame
-
-
-def _encode_mp4(path: Path, frames: list[np.ndarray]) -> None:
-    height, width = frames[0].shape[:2]
-    with av.open(str(path), "w", format="mp4") as out:
-        # Same seed, same bytes: one thread, and "superfast", whose settings skip x264's mb-tree
-        # lookahead; with veryfast, 96-px-wide clips came out different about 1 run in 30.
-        options = {"crf": "18", "preset": "superfast", "x264-params": "log-level=error:threads=1"}
-        stream = out.add_stream("libx264", rate=FPS, options=options)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.codec_context.thread_count = 1
-        for frame in frames:
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        out.mux(stream.encode(None))
-
-
-def _save_png(path: Path, frame: np.ndarray) -> None:
-    from PIL import Image
-
-    Image.fromarray(frame).save(path, format="PNG")
-
-
-def _write_atomic(final: Path, write: Callable[[Path], object]) -> None:
-    """Write through a temporary name so an interrupted run never leaves a half file in place."""
-    partial = final.with_name(f".{final.name}.partial")
-    write(partial)
-    os.replace(partial, final)

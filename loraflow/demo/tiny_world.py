@@ -25,8 +25,6 @@ machine trains them once.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +35,7 @@ import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
 from loraflow.keys import content_key
+from loraflow.store import write_atomic
 
 if TYPE_CHECKING:
     from loraflow.pipelines.base import ModelFamily
@@ -152,8 +151,7 @@ def _train(family: ModelFamily, transformer: torch.nn.Module, vae: AutoencoderKL
     mask, so a batch's captions must be equally long)."""
     from tqdm import tqdm
 
-    from loraflow.kernels.flow_matching import sample_sigmas, shift_sigmas
-    from loraflow.pipelines.base import conditioned_noisy, flow_mse
+    from loraflow.kernels.flow_matching import flow_mse, noisy_sample, sample_sigmas, shift_sigmas
 
     pool, groups = _encoded_world(family, vae, components, recipe)
     generator = torch.Generator().manual_seed(recipe.seed)
@@ -172,8 +170,9 @@ def _train(family: ModelFamily, transformer: torch.nn.Module, vae: AutoencoderKL
         shifts = torch.tensor(recipe.sigma_shifts)[torch.randint(len(recipe.sigma_shifts), (len(x0),),
                                                                  generator=generator)]
         sigma = shift_sigmas(sample_sigmas(len(x0), generator, "sigmoid"), shifts)
-        noisy = conditioned_noisy(family, x0, noise, sigma)
-        loss = flow_mse(family, family.velocity(transformer, noisy, sigma, text), x0, noise)
+        given = family.flavour.conditioning_frames
+        noisy = noisy_sample(x0, noise, sigma, given)
+        loss = flow_mse(family.velocity(transformer, noisy, sigma, text), x0, noise, given)
         loss.backward()
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if step % 50 == 0:
@@ -210,18 +209,11 @@ def _encoded_world(family: ModelFamily, vae: AutoencoderKLHunyuanVideo, componen
 
 
 def _save_atomic(module: torch.nn.Module, path: Path) -> None:
-    """Written beside its final name and moved into place: an interrupted build leaves no file that looks done."""
+    """Written atomically: an interrupted build leaves no file that looks done."""
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=".transformer.", dir=path.parent)
-    os.close(handle)
-    try:
-        save_file({k: v.contiguous() for k, v in module.state_dict().items()}, partial)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    write_atomic(path, lambda tmp: save_file({k: v.contiguous() for k, v in module.state_dict().items()}, tmp))
 
 
 def decode_frames(vae: AutoencoderKLHunyuanVideo, frames: np.ndarray) -> np.ndarray:

@@ -1,7 +1,9 @@
-"""Flow-matching pieces as pure functions: sigma sampling, the shift, the noisy sample, the lr schedule.
+"""Flow-matching pieces as pure functions: sigma sampling, the shift, the noisy sample, the loss, the lr schedule.
+The one place of the noising and the loss: training, evaluation, scheduled sampling and the tiny world use these.
 
 Convention (diffusers' FlowMatchEulerDiscreteScheduler, Kandinsky 5, HunyuanVideo 1.5):
     x_t = (1 - sigma) * x0 + sigma * noise,  target velocity = noise - x0,  timestep = sigma * 1000.
+An i2v flavour's first `given` latent frames (`flavour.conditioning_frames`) are inputs: clean in x_t, out of the loss.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import math
 
 import numpy as np
 import torch
+
+from loraflow.kernels.losses import LossType, regression_loss
 
 SIGMA_SAMPLING = ("sigmoid", "logit_normal", "uniform")
 
@@ -54,9 +58,37 @@ def sample_sigmas(
     return sigmas * (high - low) + low
 
 
-def noisy_sample(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    s = sigma.view(-1, *([1] * (x0.dim() - 1)))  # broadcast (B,) over (B, C, T, H, W)
-    return (1 - s) * x0 + s * noise
+def noisy_sample(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor, given: int = 0,
+                 last: bool = False) -> torch.Tensor:
+    """x_t = (1 - sigma) x0 + sigma noise (B, C, T, h, w), its first `given` latent frames (and its last, `last`)
+    clean.
+
+    i2v (Kandinsky5I2VPipeline): the image latent replaces frame 0 of x_t at every step; here that is x0[:, :, :1],
+    which for i2v flavours the latents stage encodes from the first frame alone, as the pipeline encodes its image
+    (the clip's own latent frame 0 differs: the video VAE's GroupNorms take statistics over every frame).
+    i2v_mode first_last gives the last latent frame the same way (`last`).
+    """
+    s = sigma.view(-1, *([1] * (x0.dim() - 1)))  # broadcast (B,) over (B, C, T, h, w)
+    return clean_frames((1 - s) * x0 + s * noise, x0, given, last)
+
+
+def clean_frames(x: torch.Tensor, x0: torch.Tensor, given: int, last: bool = False) -> torch.Tensor:
+    """x with its first `given` latent frames (dim 2), and its last one with `last`, replaced by x0's."""
+    x = torch.cat([x0[:, :, :given], x[:, :, given:]], dim=2) if given else x
+    return torch.cat([x[:, :, :-1], x0[:, :, -1:]], dim=2) if last else x
+
+
+def flow_mse(prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, given: int = 0, last: bool = False,
+             loss: LossType = LossType(), sigma: torch.Tensor | None = None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Flow-matching loss against noise - x0 (fp32), over the generated latent frames only: the `given` conditioning
+    frames (and the last one, `last`) are inputs (inference never steps them), so their prediction is trained on
+    nothing. Training may ask for another `loss_type` (kernels/losses.py; the Huber kinds need each sample's `sigma`)
+    and weigh each element by its loss `mask` (B, 1, 1, h, w: masked loss, contracts/masks.py); eval loss stays MSE,
+    unmasked."""
+    end = prediction.shape[2] - 1 if last else None
+    return regression_loss(prediction[:, :, given:end].float(), (noise - x0)[:, :, given:end].float(), loss, sigma,
+                           mask)
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, schedule: str = "constant") -> float:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from loraflow.kernels.flow_matching import noisy_sample
+from loraflow.kernels.flow_matching import clean_frames, noisy_sample
 
 STRATEGIES = ("uniform", "biased_early", "biased_late")
 RAMP_SHAPES = ("linear", "cosine")
@@ -77,19 +77,13 @@ def roll_out(predict: Predict, x_t: torch.Tensor, x0: torch.Tensor, noise: torch
         return x_t
     k = offsets.to(sigma)
     source = torch.clamp(sigma + k / NUM_TRAIN_TIMESTEPS, max=1.0)  # (B,)
-    x, current = _fixed(noisy_sample(x0, noise, source), x0, fixed_frames, fixed_last), source
+    x, current = noisy_sample(x0, noise, source, fixed_frames, fixed_last), source
     for j in range(1, int(offsets.max()) + 1):
         # from the source, not accumulated: step `offset` lands on sigma exactly, whatever float rounding did
         following = torch.where(j >= k, sigma, torch.maximum(source - j / NUM_TRAIN_TIMESTEPS, sigma))
         dt = (following - current).view(-1, *([1] * (x.dim() - 1)))  # <= 0; 0 once a sample reached sigma
         moving = dt != 0
-        x = torch.where(moving, _fixed(x + dt * predict(x, current), x0, fixed_frames, fixed_last), x)
+        x = torch.where(moving, clean_frames(x + dt * predict(x, current), x0, fixed_frames, fixed_last), x)
         current = following
     rolled = (offsets > 0).view(-1, *([1] * (x.dim() - 1)))
     return torch.where(rolled, x.to(x_t.dtype), x_t)
-
-
-def _fixed(x: torch.Tensor, x0: torch.Tensor, frames: int, last: bool = False) -> torch.Tensor:
-    """x with its first `frames` latent frames (dim 2), and its last one with `last`, replaced by x0's."""
-    x = torch.cat([x0[:, :, :frames], x[:, :, frames:]], dim=2) if frames else x
-    return torch.cat([x[:, :, :-1], x0[:, :, -1:]], dim=2) if last else x

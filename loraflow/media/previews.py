@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from loraflow.store import Store
+from loraflow.store import Store, write_atomic
 
 THUMB = 96
 SHEET_ROW_HEIGHT = 128  # px per row of frames: small enough to embed in the asset's metadata
@@ -86,10 +86,8 @@ def save_animation(videos: Mapping[str, np.ndarray], fps: float, path: Path) -> 
     picks = np.linspace(0, count - 1, min(count, MAX_ANIMATION_FRAMES)).round().astype(int)
     frame_ms = round(1000 * count / fps / len(picks))
     frames = [_side_by_side({label: video[i] for label, video in videos.items()}) for i in picks]
-    tmp = path.with_suffix(".tmp.webp")
-    frames[0].save(tmp, format="WEBP", save_all=True, append_images=frames[1:], duration=frame_ms, loop=0,
-                   quality=80)
-    tmp.rename(path)
+    write_atomic(path, lambda tmp: frames[0].save(tmp, format="WEBP", save_all=True, append_images=frames[1:],
+                                                  duration=frame_ms, loop=0, quality=80))
 
 
 def _side_by_side(frames: Mapping[str, np.ndarray]) -> Image.Image:

@@ -21,8 +21,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from loraflow.kernels.flow_matching import noisy_sample
-from loraflow.kernels.losses import LossType, regression_loss
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
@@ -99,7 +97,7 @@ class ModelFamily(Protocol):
     ) -> torch.Tensor:
         """The transformer's flow-matching prediction for noisy latents (B, C, T, h, w) at sigma (B,).
 
-        The first `flavour.conditioning_frames` latent frames of `noisy` are clean (`conditioned_noisy`): an i2v
+        The first `flavour.conditioning_frames` latent frames of `noisy` are clean (`noisy_sample`): an i2v
         family marks them as given in the transformer's input. `text` also holds the latent rows'
         `image_conditions` where the family caches any (`image_condition`): `image_latent` (B, C, 1, h, w)
         float32, and for HunyuanVideo 1.5 i2v `image_embeds`.
@@ -169,35 +167,6 @@ def image_conditions(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tenso
     """The rows' image-condition columns stacked (B, ...) float32 on the CPU; {} for rows without them (t2v)."""
     return {c: torch.from_numpy(np.stack([np.asarray(r[c], np.float32) for r in rows]))
             for c in IMAGE_CONDITION_COLUMNS if rows and c in rows[0]}
-
-
-def conditioned_noisy(family: ModelFamily, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-    """x_t = (1 - sigma) x0 + sigma noise (B, C, T, h, w), with the flavour's conditioning frames clean.
-
-    i2v (Kandinsky5I2VPipeline): the image latent replaces frame 0 of x_t at every step; here that is x0[:, :, :1],
-    which for i2v flavours the latents stage encodes from the first frame alone, as the pipeline encodes its image
-    (the clip's own latent frame 0 differs: the video VAE's GroupNorms take statistics over every frame).
-    """
-    x_t = noisy_sample(x0, noise, sigma)
-    given = family.flavour.conditioning_frames
-    if given:
-        x_t = torch.cat([x0[:, :, :given], x_t[:, :, given:]], dim=2)
-    if family.flavour.last_frame_given:  # i2v_mode first_last: the last frame is given as the first is
-        x_t = torch.cat([x_t[:, :, :-1], x0[:, :, -1:]], dim=2)
-    return x_t
-
-
-def flow_mse(family: ModelFamily, prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor,
-             loss: LossType = LossType(), sigma: torch.Tensor | None = None,
-             mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Flow-matching MSE against noise - x0 (fp32), over the generated latent frames only: the conditioning
-    frames are inputs (inference never steps them), so their prediction is trained on nothing. Training may ask
-    for another `loss_type` (kernels/losses.py; the Huber kinds need each sample's `sigma`) and weigh each element
-    by its loss `mask` (B, 1, 1, h, w: masked loss, contracts/masks.py); eval loss stays MSE, unmasked."""
-    given = family.flavour.conditioning_frames
-    end = prediction.shape[2] - 1 if family.flavour.last_frame_given else None  # first_last: the last one too
-    return regression_loss(prediction[:, :, given:end].float(), (noise - x0)[:, :, given:end].float(), loss, sigma,
-                           mask)
 
 
 def scaled_posterior(posterior: Any, sampling: str, scale: float, shift: float = 0.0) -> torch.Tensor:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 from safetensors.torch import save_file
+
+from loraflow.store import write_atomic
 
 COMFYUI_LORA_FILE = "pytorch_lora_weights_comfyui.safetensors"
 PREFIX = "diffusion_model."
@@ -138,7 +139,5 @@ def save_comfyui_lora(
     metadata = {"format": "pt", "loraflow_source_format": "peft"}
     if adapter_config:
         metadata["lora_adapter_config"] = json.dumps(dict(adapter_config), sort_keys=True, default=str)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(to_comfyui(state_dict, adapter_config, rules), tmp, metadata=metadata)
-    os.replace(tmp, path)
-    return path
+    tensors = to_comfyui(state_dict, adapter_config, rules)
+    return write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))

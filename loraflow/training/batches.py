@@ -16,7 +16,7 @@ import torch
 
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.latent_rows import draw_latents
-from loraflow.keys import content_key
+from loraflow.keys import hash_seed
 from loraflow.kernels.flow_matching import auto_shift, sample_sigmas
 from loraflow.kernels.scheduled_sampling import draw_offsets, rollout_probability
 from loraflow.training.row_cache import RowCache
@@ -118,7 +118,7 @@ class BatchPlan:
 
 
 def step_seed(seed: int, micro_step: int, purpose: str) -> int:
-    return int(content_key(seed=seed, step=micro_step, purpose=purpose)[:15], 16)  # < 2**60: a valid torch seed
+    return hash_seed(seed=seed, step=micro_step, purpose=purpose)
 
 
 def step_draws(config: LoraflowConfig, family: ModelFamily, micro_step: int, shape: tuple[int, ...]) -> StepDraws:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from loraflow.config import LoraflowConfig
-from loraflow.keys import content_key
+from loraflow.keys import hash_seed
 from loraflow.kernels.crepa import (
     PROJECTOR_FILE, BlockCapture, CrepaProjector, capture_block, crepa_loss, frame_tokens, hidden_width, token_grid,
 )
@@ -58,7 +58,7 @@ def make_crepa(config: LoraflowConfig, family: ModelFamily, transformer: torch.n
                          "crepa_enabled: false for this checkpoint")
     key = next(iter(teacher_keys(config, family, store).values()))
     width = store.get(STAGE, [key])[key]["features"].shape[-1]
-    generator_seed = int(content_key(seed=config.seed, purpose="crepa_projector")[:15], 16)
+    generator_seed = hash_seed(seed=config.seed, purpose="crepa_projector")
     with torch.random.fork_rng(devices=[]):  # the projector's init leaves the global RNG as it was
         torch.manual_seed(generator_seed)
         projector = CrepaProjector(hidden_width(transformer.config), width)

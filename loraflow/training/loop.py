@@ -37,7 +37,7 @@ from loraflow.config import LoraflowConfig
 from loraflow.dataset_config import run_key_settings
 from loraflow.keys import content_key, data_version, tensors_fingerprint
 from loraflow.kernels.checkpointing import enable_checkpointing
-from loraflow.kernels.flow_matching import lr_at
+from loraflow.kernels.flow_matching import flow_mse, lr_at, noisy_sample
 from loraflow.kernels.losses import LossType
 from loraflow.kernels.scheduled_sampling import roll_out
 from loraflow.kernels.tread import resolve_routes, tread_routing
@@ -45,8 +45,9 @@ from loraflow.training.row_cache import RowCache, prefetched
 from loraflow.training.adapters import ADAPTER_PARAMETERS, add_adapter, init_lora_version, start_adapter
 from loraflow.training.checkpoints import (
     LORA_FILE, adapter_config, export_comfyui, export_lora, latest_checkpoint, lora_state, optimizer_state,
-    resume_optimizer, save_checkpoint, write_json,
+    resume_optimizer, save_checkpoint,
 )
+from loraflow.store import write_json
 from loraflow.contracts.teacher_features import teacher_keys, teacher_version
 from loraflow.stages.teacher.teacher_features import cache_teacher_features
 from loraflow.training.crepa_training import Crepa, capturing, make_crepa, projector_state
@@ -63,7 +64,7 @@ from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load
 from loraflow.training.ema import EMA_CHECKPOINT_FILE, AdapterEma, export_ema, make_ema
 from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.pipelines.base import (
-    ModelFamily, conditioned_noisy, flow_mse, load_component,
+    ModelFamily, load_component,
 )
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.pipelines.sources import model_source
@@ -74,20 +75,20 @@ CODE_VERSION = "train-2"
 
 
 # 1. the run: its inputs and where it lives ----------------------------------------------------------------
-def upstream_versions(store: Store, config: LoraflowConfig | None = None) -> dict[str, str]:
+def upstream_versions(store: Store, config: LoraflowConfig | None = None,
+                      family: ModelFamily | None = None) -> dict[str, str]:
     """The data versions training reads: the lineage of an adapter.
 
     Only the texts training reads (captions and the empty prompt): a new validation prompt re-renders, never retrains.
-    With CREPA on (`config`), the teacher features too (other teacher weights in the same folder: a new run).
+    With CREPA on (`config`, and its `family` as the caller resolved it), the teacher features too (other teacher
+    weights in the same folder: a new run).
     """
     read = set(training_texts(store.read_manifest("clips")))
     text_keys = [key for item, key in text_lookup(store).items() if item in read]
     versions = {"latents": data_version(r["key"] for r in store.read_manifest("latents")),
                 "text_embeds": data_version(text_keys)}
     if config is not None and config.crepa_enabled:
-        from loraflow.pipelines import get_family
-
-        versions["teacher_features"] = teacher_version(config, get_family(config), store)
+        versions["teacher_features"] = teacher_version(config, family, store)
     if config is not None and config.init_lora is not None:  # the tensors training starts from
         versions["init_lora"] = init_lora_version(config.init_lora)
     return versions
@@ -99,8 +100,8 @@ def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
     return Path(config.output_dir) / "runs" / key
 
 
-def current_lora_path(config: LoraflowConfig, store: Store) -> str:
-    path = run_dir(config, upstream_versions(store, config)) / LORA_FILE
+def current_lora_path(config: LoraflowConfig, family: ModelFamily, store: Store) -> str:
+    path = run_dir(config, upstream_versions(store, config, family)) / LORA_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no LoRA trained for the current caches and config ({path}): materialize `lora` first")
     return str(path)
@@ -246,20 +247,21 @@ def step_losses(
     crepa: Crepa | None = None, loss: LossType = LossType(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32); i2v: frame 0
-    of x_t is x0's (the image) and the loss covers the generated frames only (`conditioned_noisy`, `flow_mse`),
+    of x_t is x0's (the image) and the loss covers the generated frames only (`noisy_sample`, `flow_mse`),
     each element weighted by the batch's loss masks when it has them (`flow_mse`'s `mask`).
     Scheduled sampling replaces x_t by the model's own rollout (the target stays); with CREPA, also its weighted
     term (else None). `loss`: the config's loss_type (kernels/losses.py)."""
     x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
     text = {k: v.to(device) for k, v in batch.text.items()}
-    x_t = conditioned_noisy(family, x0, noise, sigma)
+    given, last = family.flavour.conditioning_frames, family.flavour.last_frame_given
+    x_t = noisy_sample(x0, noise, sigma, given, last)
     if batch.draws.rollout is not None:
         x_t = rolled_out(transformer, family, x_t, x0, noise, sigma, batch.draws.rollout, text, autocast)
     with capturing(crepa, transformer) as capture, torch.autocast(device.type, dtype=torch.bfloat16,
                                                                   enabled=autocast):
         prediction = family.velocity(transformer, x_t, sigma, text)
     term = None if crepa is None else crepa.term(transformer, capture, batch.teacher, tuple(x0.shape[2:]))
-    return flow_mse(family, prediction, x0, noise, loss, sigma, batch.mask), term
+    return flow_mse(prediction, x0, noise, given, last, loss, sigma, batch.mask), term
 
 
 def rolled_out(transformer: torch.nn.Module, family: ModelFamily, x_t: torch.Tensor, x0: torch.Tensor,
@@ -296,7 +298,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     if config.crepa_enabled and world.main:  # the teacher_features stage: computes what the store lacks
         cache_teacher_features(config, family, store)
     barrier(world)
-    upstream = upstream_versions(store, config)
+    upstream = upstream_versions(store, config, family)
     out = run_dir(config, upstream)
     finished = (out / LORA_FILE).is_file()
     check_same_everywhere("the run folder", lambda: content_key(run=out.name, finished=finished), world, device)

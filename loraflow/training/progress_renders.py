@@ -31,7 +31,7 @@ import torch
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
-from loraflow.training.checkpoints import write_json
+from loraflow.store import write_json
 from loraflow.kernels.devices import peak_memory_gib
 from loraflow.training.distributed import World, barrier
 from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_settings, render_video

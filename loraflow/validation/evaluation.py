@@ -3,7 +3,7 @@
 Numbers compare across runs and configs:
 - the held-out set depends only on (seed, dataset, source path): `split_holdout` ranks by a hash;
 - the sigmas are fixed, 0.1 .. 0.9 (timesteps 100 .. 900), with no shift, whatever the training schedule;
-- i2v flavours: frame 0 given clean and left out of the loss, as in training (`pipelines.base.flow_mse`);
+- i2v flavours: frame 0 given clean and left out of the loss, as in training (`kernels.flow_matching.flow_mse`);
   HunyuanVideo 1.5 i2v: the clip's cached first-frame condition (`image_conditions`), as in training;
 - each clip's noise comes from (validation seed, what the clip is: its dataset-relative path and frame indices),
   shared by every sigma and by base and LoRA, so base and LoRA are compared on exactly the same noisy inputs; not
@@ -19,10 +19,11 @@ import numpy as np
 import torch
 
 from loraflow.config import LoraflowConfig
-from loraflow.keys import content_key
+from loraflow.keys import hash_seed
 from loraflow.contracts.holdout import clip_source, split_clips
 from loraflow.contracts.text_set import text_lookup
-from loraflow.pipelines.base import ModelFamily, conditioned_noisy, flow_mse, image_conditions, set_lora_scale
+from loraflow.kernels.flow_matching import flow_mse, noisy_sample
+from loraflow.pipelines.base import ModelFamily, image_conditions, set_lora_scale
 from loraflow.store import Store
 
 EVAL_SIGMAS: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(1, 10))
@@ -64,7 +65,7 @@ def eval_items(config: LoraflowConfig, family: ModelFamily, store: Store) -> lis
 
 
 def noise_seed(seed: int, item: EvalItem) -> int:
-    return int(content_key(seed=seed, source=item.source, indices=item.indices)[:15], 16)  # < 2**60: a torch seed
+    return hash_seed(seed=seed, source=item.source, indices=item.indices)
 
 
 @torch.no_grad()
@@ -82,6 +83,7 @@ def eval_losses(
     latents = store.get("latents", [i.latent_key for i in items])
     texts = store.get("text_embeds", {i.text_key for i in items})
     sums = {name: np.zeros(len(EVAL_SIGMAS)) for name in SCALES}
+    given, last = family.flavour.conditioning_frames, family.flavour.last_frame_given
     for item in items:
         x0 = torch.from_numpy(np.array(latents[item.latent_key]["latent"]))[None].to(device)  # (1, C, T, h, w)
         generator = torch.Generator().manual_seed(noise_seed(seed, item))
@@ -92,8 +94,9 @@ def eval_losses(
             set_lora_scale(transformer, scale)
             for j, value in enumerate(EVAL_SIGMAS):
                 sigma = torch.full((1,), value, device=device)
-                prediction = family.velocity(transformer, conditioned_noisy(family, x0, noise, sigma), sigma, text)
-                sums[name][j] += flow_mse(family, prediction, x0, noise).item()  # i2v: generated frames only
+                prediction = family.velocity(transformer, noisy_sample(x0, noise, sigma, given, last), sigma,
+                                             text)
+                sums[name][j] += flow_mse(prediction, x0, noise, given, last).item()  # i2v: generated frames only
     set_lora_scale(transformer, 1.0)
     return [{"sigma": s, "timestep": round(s * 1000), **{n: float(sums[n][j] / len(items)) for n in SCALES}}
             for j, s in enumerate(EVAL_SIGMAS)]

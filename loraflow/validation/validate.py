@@ -34,6 +34,7 @@ from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses,
 from loraflow.contracts.holdout import evaluates
 from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_settings, render_video
 from loraflow.contracts.text_set import cached_texts
+from loraflow.store import write_json
 from loraflow.media.previews import contact_sheet, eval_loss_plot, save_animation
 from loraflow.media.writers import save_png, slug, write_media
 from loraflow.contracts.reports import EvalLoss, PromptRenders, ValidationReport
@@ -88,7 +89,7 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
     if losses:
         save_png(eval_loss_plot(losses), out / "eval_loss.png")
     rows = [json.loads((folders[name] / "result.json").read_text()) for name in prompts]
-    _write_json(out / RESULTS, {"settings": asdict(settings), "fps": family.flavour.fps, "prompts": rows,
+    write_json(out / RESULTS, {"settings": asdict(settings), "fps": family.flavour.fps, "prompts": rows,
                                 "eval_loss": losses, "eval_clips": len(items)})
     return _report(out, computed=len(todo) + bool(items))
 
@@ -115,7 +116,7 @@ def render_prompt(
     animation = folder / "preview.webp" if len(base) > 1 else None  # an image family's render does not move
     if animation:
         save_animation(videos, fps, animation)
-    _write_json(folder / "result.json", {
+    write_json(folder / "result.json", {
         "name": name, "prompt": prompt, **{k: str(p) for k, p in paths.items()},
         "contact_sheet": str(folder / "contact_sheet.png"), "animation": str(animation) if animation else None,
         "mean_abs_pixel_change": float(np.abs(base.astype(np.int16) - tuned).mean()),
@@ -137,9 +138,3 @@ def _report(out: Path, computed: int) -> ValidationReport:
         eval_plot=str(out / "eval_loss.png") if losses else None,
         condition_image=str(condition) if condition.is_file() else None,
     )
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.rename(path)

@@ -18,7 +18,8 @@ from loraflow.assets.resources import LoraflowResource
 from loraflow.config import load_config
 from loraflow.contracts.renders import conditioning_clip, conditioning_image, render_settings
 from loraflow.pipelines import get_family
-from loraflow.pipelines.base import conditioned_noisy, flow_mse, load_component
+from loraflow.kernels.flow_matching import flow_mse, noisy_sample
+from loraflow.pipelines.base import load_component
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
 
@@ -64,12 +65,13 @@ def test_first_last_gives_both_end_frames_clean_and_trains_the_others(run) -> No
     family = get_family(run)
     generator = torch.Generator().manual_seed(0)
     x0, noise = torch.randn(2, 2, 16, 4, 4, 2, generator=generator)
-    x_t = conditioned_noisy(family, x0, noise, torch.tensor([0.5, 0.9]))
+    given, last = family.flavour.conditioning_frames, family.flavour.last_frame_given
+    x_t = noisy_sample(x0, noise, torch.tensor([0.5, 0.9]), given, last)
     assert torch.equal(x_t[:, :, [0, -1]], x0[:, :, [0, -1]])
     assert not torch.equal(x_t[:, :, 1:-1], x0[:, :, 1:-1])
     prediction = torch.randn(x0.shape, generator=generator)
     expected = ((prediction - (noise - x0))[:, :, 1:-1] ** 2).mean()
-    assert torch.equal(flow_mse(family, prediction, x0, noise), expected)
+    assert torch.equal(flow_mse(prediction, x0, noise, given, last), expected)
     # the transformer's mask channel marks both: run it and read its input
     transformer = load_component(run.pretrained_model_name_or_path, "transformer")
     masks: list[torch.Tensor] = []

@@ -4,7 +4,7 @@ diffusers' `Kandinsky5I2VPipeline` takes a first frame only. It does take prepar
 the latent, the zero visual condition, the mask) and a step callback, and it steps every latent frame after the
 first. So the renderer prepares the latents as the pipeline would (`prepare_latents` with the render's generator: the
 same noise and first frame), puts the last frame's latent in the last frame with mask 1 there too, as training gives
-it (`conditioned_noisy`, `velocity`), and writes that latent back after each step, which undoes exactly what the step
+it (`noisy_sample`, `velocity`), and writes that latent back after each step, which undoes exactly what the step
 did to it: every call of the transformer sees the last frame clean and marked.
 """
 

@@ -11,6 +11,7 @@ accelerator with the VAE.
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from itertools import groupby
 from typing import Any
 
@@ -85,8 +86,8 @@ def encode_latents(
     rows = [r for r in latent_rows(config, store, datasets) if shard is None or shard.owns(r["clip_key"])]
     have = store.keys("latents")
     todo = sorted((r for r in rows if r["key"] not in have), key=lambda r: r["bucket"])
-    quarantined: list[dict[str, str]] = []
-    fallbacks: list[dict[str, str]] = []
+    quarantined: list[BadLatent] = []
+    fallbacks: list[OomFallback] = []
     device = pick_device()
     if todo:
         model = model_source(config)
@@ -97,20 +98,20 @@ def encode_latents(
         quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling, image,
                                          have)
         free_models(vae, *image)
-    bad = {q["key"] for q in quarantined}
-    tiled = {f["key"] for f in fallbacks if f["fallback"] == "tiling"}
+    bad = {q.key for q in quarantined}
+    tiled = {f.key for f in fallbacks if f.fallback == "tiling"}
     rows = [listed(r, r["key"] in tiled) for r in rows if r["key"] not in bad]
     for dataset in select_datasets(config, datasets) if shard is None else []:  # one part per dataset
         store.write_manifest("latents", [r for r in rows if r["dataset"] == dataset.id], part=dataset.id)
         # this run's failures (a failed clip is retried by every run): the coverage check leaves them out
-        store.write_manifest("latents_quarantine", [q for q in quarantined if q["dataset"] == dataset.id],
+        store.write_manifest("latents_quarantine", [asdict(q) for q in quarantined if q.dataset == dataset.id],
                              part=dataset.id)
     return LatentsReport(
         data_version=data_version(r["key"] for r in rows),
         computed=len(todo) - len(bad),
         reused=len(rows) - (len(todo) - len(bad)),
-        quarantined=tuple(BadLatent(**q) for q in quarantined),
-        oom_fallbacks=tuple(OomFallback(**f) for f in fallbacks),
+        quarantined=tuple(quarantined),
+        oom_fallbacks=tuple(fallbacks),
         device=str(device),
         peak_gib=round(peak_memory_gib(device), 3),
     )
@@ -120,10 +121,10 @@ def encode_latents(
 def _encode(
     todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device, shard_clips: int,
     sampling: str, image: list[Any], have: set[str],
-) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+) -> tuple[list[BadLatent], list[OomFallback]]:
     """Encode clip by clip; commit a shard every `shard_clips` so a killed run loses at most one shard's work."""
-    quarantined: list[dict[str, str]] = []
-    fallbacks: list[dict[str, str]] = []
+    quarantined: list[BadLatent] = []
+    fallbacks: list[OomFallback] = []
     progress = tqdm(total=len(todo), desc="latents", unit="clip")
     for _, group in groupby(todo, key=lambda r: r["bucket"]):
         group = list(group)
@@ -140,13 +141,13 @@ def _encode(
                 key = row["tiled_key"] if fallback == "tiling" else row["key"]  # tiled: other numbers, other key
                 if fallback:
                     log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
-                    fallbacks.append({"clip_key": row["clip_key"], "fallback": fallback, "key": row["key"]})
+                    fallbacks.append(OomFallback(clip_key=row["clip_key"], fallback=fallback, key=row["key"]))
                 if not torch.isfinite(latent).all() or not all(np.isfinite(c).all() for c in condition.values()):
-                    quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "dataset": row["dataset"],
-                                        "reason": "non_finite_latent"})
+                    quarantined.append(BadLatent(key=row["key"], clip_key=row["clip_key"], dataset=row["dataset"],
+                                                 reason="non_finite_latent"))
                 elif MASK_COLUMN in condition and not condition[MASK_COLUMN].any():  # nothing to train on
-                    quarantined.append({"key": row["key"], "clip_key": row["clip_key"], "dataset": row["dataset"],
-                                        "reason": "empty_mask"})
+                    quarantined.append(BadLatent(key=row["key"], clip_key=row["clip_key"], dataset=row["dataset"],
+                                                 reason="empty_mask"))
                 elif key not in have:
                     done.append({"key": key, **latent_columns(latent.cpu(), sampling), **condition})
                 progress.update()
