@@ -81,9 +81,9 @@ def test_a_folder_built_by_another_recipe_is_refused_not_reused(k5_video_dir: Pa
     """Seen failing when any folder holding the right pipeline class was reused: `world=True` over an old random
     checkpoint silently kept the random one."""
     index = (k5_video_dir / "model_index.json").read_text()
-    random = r"loraflow\.pipelines\.kandinsky5_video\._tiny_pipeline"
+    random = r"loraflow\.pipelines\.kandinsky5\.video\._tiny_pipeline"
     with pytest.raises(ValueError, match=rf"was built by {random} \(seed 0\), but this build is "
-                                         r"loraflow\.pipelines\.kandinsky5_video\._world_pipeline \(seed 0\): delete"):
+                                         r"loraflow\.pipelines\.kandinsky5\.video\._world_pipeline \(seed 0\): delete"):
         build_tiny("kandinsky5-video", k5_video_dir, world=True)
     with pytest.raises(ValueError, match=rf"\(seed 0\), but this build is {random} \(seed 1\)"):
         build_tiny("kandinsky5-video", k5_video_dir, seed=1)
