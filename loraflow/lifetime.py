@@ -23,6 +23,12 @@ def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> 
         return False
     import ctypes
 
+    # An ignored or blocked signal is inherited across exec (from whatever started the parent), and would then never
+    # end this process: take the default action and unblock it first.
+    if signal.getsignal(signum) == signal.SIG_IGN:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum) != 0:
         return False
     if parent is not None and os.getppid() != parent:

@@ -63,12 +63,16 @@ def test_one_process_is_started_directly_so_stopping_the_run_stops_the_trainer(t
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
-def test_a_trainer_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigterm", ["default", "ignored"])
+def test_a_trainer_dies_with_the_process_that_started_it(tmp_path: Path, sigterm: str) -> None:
+    """`ignored`: a parent that ignores SIGTERM hands that on across exec; the trainer must still die (seen failing
+    before die_with_parent restored the default action: the child slept on, state S)."""
     child_pid = tmp_path / "child.pid"
     (tmp_path / "child.py").write_text("import os, sys, time\nfrom loraflow.lifetime import die_with_parent\n"
                                        "die_with_parent()\nopen(sys.argv[1], 'w').write(str(os.getpid()))\n"
                                        "time.sleep(60)\n")
-    (tmp_path / "parent.py").write_text("import subprocess, sys, time\n"
+    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if sigterm == "ignored" else ""
+    (tmp_path / "parent.py").write_text("import signal, subprocess, sys, time\n" + ignore +
                                         "subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])\n"
                                         "time.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "child.py"),
