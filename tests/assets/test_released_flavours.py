@@ -25,10 +25,11 @@ from tests.conftest import demo_dict, write_config
 
 HV = "hunyuanvideo-1.5"
 # (family, flavour, validation_resolution, more keys): one run per distinct tiny checkpoint (the other new flavours
-# differ from these only in their sampling defaults, checked without rendering below); the i2v one mixes in t2v
-# batches (`i2v_prob` 0.3 trains micro-step 0 as t2v, 1 as i2v: tests/ops/test_hv_i2v.py)
-RUNS = [("kandinsky5-video", "t2v-lite-distilled16steps-5s", "96x64", {}), (HV, "t2v-480p-distilled", "64x48", {}),
-        (HV, "i2v-480p-step-distilled", "64x48", {"i2v_prob": 0.3})]
+# differ from these only in their sampling defaults, checked without rendering below; the Kandinsky 5 distilled and
+# no-CFG transformers have the Lite config, whose DAG tests/assets/test_dag.py runs, and validation reads the
+# defaults through the same render_settings as these runs); the i2v one mixes in t2v batches (`i2v_prob` 0.3 trains
+# micro-step 0 as t2v, 1 as i2v: tests/ops/test_hv_i2v.py)
+RUNS = [(HV, "t2v-480p-distilled", "64x48", {}), (HV, "i2v-480p-step-distilled", "64x48", {"i2v_prob": 0.3})]
 NEW = {"kandinsky5-video": ("t2v-lite-nocfg-5s", "t2v-lite-nocfg-10s", "t2v-lite-distilled16steps-5s",
                             "t2v-lite-distilled16steps-10s"),
        HV: ("t2v-480p-distilled", "i2v-480p-distilled", "i2v-480p-step-distilled", "i2v-720p-distilled")}
@@ -64,19 +65,17 @@ def data(demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return data
 
 
-def tiny_model(family: str, flavour: str, tiny_k5: Path, root: Path) -> Path:
-    if family != HV:
-        return tiny_k5  # the distilled Lite transformers have the Lite sft config
+def tiny_model(family: str, flavour: str, root: Path) -> Path:
     from loraflow.demo.tiny import build_tiny
 
     return build_tiny(family, root / "models" / flavour, flavour=flavour)
 
 
 @pytest.mark.parametrize("family, flavour, size, more", RUNS, ids=[r[1] for r in RUNS])
-def test_a_released_flavour_runs_the_whole_dag(family: str, flavour: str, size: str, more: dict, tiny_k5: Path,
-                                               data: Path, tmp_path: Path) -> None:
+def test_a_released_flavour_runs_the_whole_dag(family: str, flavour: str, size: str, more: dict, data: Path,
+                                               tmp_path: Path) -> None:
     """Two render steps (the releases' 12-50 cost minutes on the tiny models); guidance left to the flavour: 1.0."""
-    config = demo_dict(tiny_model(family, flavour, tiny_k5, tmp_path), data, tmp_path, model_family=family,
+    config = demo_dict(tiny_model(family, flavour, tmp_path), data, tmp_path, model_family=family,
                        model_flavour=flavour, max_train_steps=2, checkpointing_steps=100, validation_resolution=size,
                        validation_num_inference_steps=2, **more)
     del config["validation_guidance"]
