@@ -14,12 +14,12 @@ import pytest
 from loraflow.config import (
     DatasetConfig, LoraflowConfig, StrictModel, TreadConfig, TreadRoute, VideoSettings, load_config, setting,
 )
-from loraflow.adapter_kinds import LycorisConfig
-from loraflow.dataset_config import run_key_of
-from loraflow.guide_features import GuideFeatures
+from loraflow.config.adapter_kinds import LycorisConfig
+from loraflow.config.dataset import run_key_of
+from loraflow.config.guide_features import GuideFeatures
 from loraflow.training import loop as T
-from loraflow.training_options import TrainingOptions
-from loraflow.validation_adapters import ValidationAdapter
+from loraflow.config.training_options import TrainingOptions
+from loraflow.config.validation_adapters import ValidationAdapter
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = {"latents": "l", "text_embeds": "t"}

@@ -128,11 +128,11 @@ def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
 @asset(deps=[latents, text_embeds, teacher_features], pool="gpu", group_name="loraflow",
        description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.adapter_kinds import adapter_summary
-    from loraflow.assets.launch import train
+    from loraflow.config.adapter_kinds import adapter_summary
+    from loraflow.assets.runs.launch import train
     from loraflow.media.previews import loss_plot
     from loraflow.training.progress_renders import progress_sheet_path
-    from loraflow.training_options import trained_with
+    from loraflow.config.training_options import trained_with
     from loraflow.contracts.masks import masked_loss_metadata
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA

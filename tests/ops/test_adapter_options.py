@@ -13,7 +13,7 @@ import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from loraflow.adapter_kinds import adapter_summary
+from loraflow.config.adapter_kinds import adapter_summary
 from loraflow.training import loop as T
 from loraflow.training.adapters import start_adapter
 from loraflow.cli import main

@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from loraflow.dataset_config import DatasetConfig
+from loraflow.config.dataset import DatasetConfig
 from loraflow.stages.clips.dataset_folder import touch
 from loraflow.media.types import MediaError
 

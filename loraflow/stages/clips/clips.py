@@ -28,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from loraflow.config import DatasetConfig, LoraflowConfig, select_datasets
-from loraflow.dataset_config import DEFAULT_MAX_UPSCALE, is_mask_dataset
+from loraflow.config.dataset import DEFAULT_MAX_UPSCALE, is_mask_dataset
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from loraflow.dataset_config import DatasetConfig
+from loraflow.config.dataset import DatasetConfig
 from loraflow.media.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 
 T = TypeVar("T")

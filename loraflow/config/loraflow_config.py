@@ -1,6 +1,6 @@
 """The one config model: the seed guides' names, validated once at load, every problem named at once.
 
-A config is YAML or JSON. Dataset entries (`loraflow/dataset_config.py`) have the shape of SimpleTuner's
+A config is YAML or JSON. Dataset entries (`config/dataset.py`) have the shape of SimpleTuner's
 `multidatabackend.json`; they go inline under `datasets:` or in a separate file named by `dataset_backend_config`.
 """
 
@@ -14,19 +14,18 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
 
-# Dataset entries (one per dataset folder) are the config's other part; importable from here as well.
-from loraflow.adapter_kinds import LycorisConfig, read_lycoris_config
-from loraflow.config_errors import describe
-from loraflow.dataset_config import (
+from loraflow.config.adapter_kinds import LycorisConfig, read_lycoris_config
+from loraflow.config.dataset import (
     DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, is_mask_dataset, setting,
 )
-from loraflow.guide_features import GuideFeatures
+from loraflow.config.errors import describe
+from loraflow.config.guide_features import GuideFeatures
+from loraflow.config.training_options import TrainingOptions
+from loraflow.config.validation_adapters import ValidationAdapter, check_adapters, read_adapter_config
 from loraflow.pipelines import (
     describe_families, family_flavour, family_names, family_spec, flavour_names, known_flavour,
 )
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
-from loraflow.training_options import TrainingOptions
-from loraflow.validation_adapters import ValidationAdapter, check_adapters, read_adapter_config
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
 FIRST_LAST_MIN_FRAMES = 9  # 3 latent frames: `i2v_mode: first_last` gives 2 clean, so one carries the loss
