@@ -1,30 +1,25 @@
 """The one config model: the seed guides' names, validated once at load, every problem named at once.
 
-A config is YAML or JSON. Dataset entries (`config/dataset.py`) have the shape of SimpleTuner's
+A config is YAML or JSON. Its keys are declared in `fields.py` (`ConfigFields`); `LoraflowConfig` adds the checks
+across keys (flavour and task fit, the peers' exclusive options, validation sizes, adapters, folders) and what the
+stages read from a config. Dataset entries (`config/dataset.py`) have the shape of SimpleTuner's
 `multidatabackend.json`; they go inline under `datasets:` or in a separate file named by `dataset_backend_config`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import ValidationError, model_validator
 
-from loraflow.config.adapter_kinds import LycorisConfig, read_lycoris_config
-from loraflow.config.dataset import (
-    DatasetConfig, StrictModel, VideoSettings, check_4k_plus_1, is_mask_dataset, setting,
-)
+from loraflow.config.dataset import DatasetConfig, is_mask_dataset
 from loraflow.config.errors import describe
-from loraflow.config.guide_features import GuideFeatures
-from loraflow.config.training_options import TrainingOptions
-from loraflow.config.validation_adapters import ValidationAdapter, check_adapters, read_adapter_config
-from loraflow.pipelines import (
-    describe_families, family_flavour, family_names, family_spec, flavour_names, known_flavour,
-)
+from loraflow.config.fields import ConfigFields
+from loraflow.config.validation_adapters import ValidationAdapter, check_adapters
+from loraflow.pipelines import family_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
@@ -39,267 +34,8 @@ class ConfigError(ValueError):
         super().__init__(f"{source} has {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-class TreadRoute(StrictModel):
-    """One TREAD route: a random `selection_ratio` of the visual tokens skips blocks start..end (inclusive)."""
-
-    selection_ratio: float = setting(
-        run_key="always", ge=0, lt=1, description="fraction of visual tokens that skip the span, [0, 1)")
-    start_layer_idx: int = setting(
-        run_key="always", description="first block of the span; negative counts from the end (-1: last)")
-    end_layer_idx: int = setting(
-        run_key="always", description="last block of the span (inclusive); negative counts from the end")
-
-
-class TreadConfig(StrictModel):
-    """TREAD token routing during training (the seeds' `tread_config`); validation never routes."""
-
-    routes: tuple[TreadRoute, ...] = setting(run_key="always", description="disjoint block spans, each with its ratio")
-
-    @field_validator("routes")
-    @classmethod
-    def _some(cls, v: tuple[TreadRoute, ...]) -> tuple[TreadRoute, ...]:
-        if not v:
-            raise ValueError("give at least one route, or remove `tread_config`")
-        return v
-
-
-class LoraflowConfig(GuideFeatures, TrainingOptions):
-    """A whole run: model, data, training and validation. Units are in each field's description."""
-
-    model_family: str = setting(run_key="always", description=describe_families())
-    model_flavour: str | None = setting(
-        None, run_key="always", description="one of the family's flavours; default: the family's")
-    pretrained_model_name_or_path: str = setting(
-        run_key="always",
-        description="a local diffusers-layout folder, or a Hugging Face repo id (org/name) resolved into the Hugging "
-        "Face cache (downloaded when online; under HF_HUB_OFFLINE=1 read from the cache); default: the flavour's "
-        "diffusers-format repository")
-    # Model sources added after runs existed: `when_set` leaves every run that does not set them its key.
-    revision: str | None = setting(
-        None, run_key="when_set", description="branch, tag or commit of the Hugging Face repo; default: main")
-    vae_path: str | None = setting(
-        None, run_key="when_set", description="a VAE folder (config.json + safetensors, laid out as a checkpoint's "
-        "vae/) used instead of the checkpoint's")
-    text_encoder_path: str | None = setting(
-        None, run_key="when_set", description="a folder of the first text encoder, laid out as a checkpoint's "
-        "text_encoder/, used instead of the checkpoint's (the tokenizer stays the checkpoint's); hunyuanvideo-1.5: "
-        "default $HUNYUANVIDEO_TEXT_ENCODER_PATH")
-    vision_encoder_path: str | None = setting(
-        None, run_key="when_set", description="flavours with a vision encoder (HunyuanVideo 1.5 i2v): a folder laid "
-        "out as a checkpoint's image_encoder/; hunyuanvideo-1.5: default $HUNYUANVIDEO_VISION_ENCODER_PATH")
-    output_dir: str = setting("output", run_key="never")
-    cache_dir: str = setting(
-        "cache", run_key="never", description="store root: a local path or an fsspec URL (s3://...)")
-    dataset_backend_config: str | None = setting(None, run_key="never", description="JSON file with the dataset list")
-    datasets: tuple[DatasetConfig, ...] = setting((), run_key="always")
-
-    lora_rank: int = setting(16, run_key="always", gt=0)
-    lora_alpha: float | None = setting(None, run_key="always", description="default: lora_rank (scale 1.0)")
-    learning_rate: float = setting(1e-4, run_key="always", gt=0)
-    train_batch_size: int = setting(1, run_key="always", ge=1)
-    max_train_steps: int = setting(100, run_key="always", ge=1)
-    gradient_accumulation_steps: int = setting(1, run_key="always", ge=1)
-    lr_scheduler: Literal["constant", "cosine"] = setting("constant", run_key="always")
-    lr_warmup_steps: int = setting(0, run_key="always", ge=0)
-    max_grad_norm: float = setting(1.0, run_key="always", gt=0)
-    lora_dropout: float = setting(0.0, run_key="always", ge=0, lt=1)
-    lora_include_ffn: bool = setting(False, run_key="always", description="also adapt the feed-forward layers")
-    # an export format, not part of the run: a finished run converts its file (`export_comfyui`)
-    lora_format: Literal["diffusers", "comfyui"] = setting(
-        "diffusers", run_key="never", description="diffusers: the diffusers/peft file only (what validation loads); "
-        "comfyui: also a ComfyUI file (diffusion_model.* names, lora_up/lora_down, alpha) beside it")
-    # Tencent-Hunyuan/HunyuanVideo-1.5 train.py's `i2v_prob` (its default 0.3); unset keeps runs from before it
-    i2v_prob: float | None = setting(
-        None, run_key="when_set", ge=0, le=1, description="HunyuanVideo 1.5 i2v flavours: train each micro-batch "
-        "as i2v with this probability, else as t2v (no image; the i2v cache serves both); unset: always i2v")
-    # musubi-tuner's `--i2v_mode`; first keeps every key and result of runs from before it
-    i2v_mode: Literal["first", "first_last"] = setting(
-        "first", run_key="when_set", description="Kandinsky 5 i2v flavours: first_last also gives the clip's last "
-        "frame clean (training: the last latent frame is input, not loss; validation renders to the clip's last "
-        "frame); first: the first frame only")
-    caption_dropout_probability: float = setting(
-        0.0, run_key="always", ge=0, le=1, description="train on the empty prompt this often")
-    masked_loss_probability: float = setting(
-        1.0, run_key="when_set", ge=0, le=1, description="with a `conditioning_type: mask` dataset: the chance a "
-        "micro-step weights its loss by the masks (drawn per micro-step from the seed)")
-    flow_sigma_sampling: Literal["sigmoid", "logit_normal", "uniform"] = setting("sigmoid", run_key="always")
-    flow_sigmoid_scale: float = setting(1.0, run_key="always", gt=0)
-    checkpointing_steps: int = setting(
-        50, run_key="never", ge=1, description="save a resumable checkpoint every N optimizer steps")
-    checkpoints_total_limit: int | None = setting(2, run_key="never", ge=1, description="keep the newest N checkpoints")
-    seed: int = setting(42, run_key="always")
-    # N processes see N times the samples per step; one keeps the keys of runs from before it existed
-    num_processes: int = setting(
-        1, run_key="when_set", ge=1, description="data-parallel training processes (one per GPU), each taking "
-        "train_batch_size samples per micro-step; > 1, or any CUDA run, trains under `accelerate launch`")
-    fsdp: bool = setting(
-        False, run_key="when_set", description="FSDP2: shard the frozen transformer, the LoRA and AdamW's state over "
-        "the num_processes ranks (`fully_shard` per block, then the root); needs num_processes > 1")
-
-    # validation_*: what validation renders, never part of the run (a new prompt re-renders, never retrains)
-    validation_prompt: str | None = setting(None, run_key="never")
-    validation_resolution: str | None = setting(
-        None, run_key="never", description="WIDTHxHEIGHT in pixels; default 768x512, and where the pipeline sizes "
-        "the render from its image (HunyuanVideo 1.5 i2v) the size it renders the image validation starts from at")
-    validation_num_video_frames: int | None = setting(None, run_key="never", description="4k+1; default: the flavour's")
-    validation_guidance: float | None = setting(None, run_key="never", description="default: the flavour's")
-    validation_flow_shift: float | None = setting(
-        None, run_key="never", gt=0, description="the sigma shift of validation renders; default: the checkpoint's "
-        "scheduler config (scheduler/scheduler_config.json `shift`), else the flavour's")
-    validation_num_inference_steps: int | None = setting(
-        None, run_key="never", ge=1, description="default: the flavour's (its release's for the distilled flavours, "
-        "else 30)")
-    user_prompt_library: dict[str, str] | None = setting(
-        None, run_key="never", description="more validation prompts {shortname: prompt}: inline, or a JSON file "
-        "(relative to the config)")
-    validation_seed: int | None = setting(
-        None, run_key="never", description="noise seed of every validation render; default: seed")
-    validation_negative_prompt: str | None = setting(
-        None, run_key="never", description="default: the family's negative prompt")
-    validation_steps: int | None = setting(
-        None, run_key="never", ge=0, description="also render the validation prompts with the LoRA so far every N "
-        "optimizer steps during training, into the run folder (validation/step-NNNNNNN/); 0 or unset: off. Not part "
-        "of the run: training computes the same LoRA with or without it")
-    validation_on_startup: bool = setting(
-        False, run_key="never", description="also render the validation prompts before the first training step (the "
-        "base model: the new LoRA starts as a no-op), into the run folder as validation/step-0000000/; not part of "
-        "the run")
-    # another adapter (or several, each named) rendered beside the trained one by the validation stage, for A/B
-    validation_adapter_path: str | None = setting(
-        None, run_key="never", description="a local LoRA .safetensors (diffusers/peft format) or a folder holding "
-        "pytorch_lora_weights.safetensors; its content hash is part of validation's key")
-    validation_adapter_name: str | None = setting(
-        None, run_key="never", description="the name its renders carry; default: the file's stem")
-    validation_adapter_strength: float = setting(
-        1.0, run_key="never", gt=0, description="its scale in the renders")
-    validation_adapter_config: tuple[ValidationAdapter, ...] | None = setting(
-        None, run_key="never", description="several adapters, each rendered on its own: a list of {label, path, "
-        "strength}, SimpleTuner's {runs: [...]}, or a JSON file of either (relative to the config)")
-    eval_holdout_fraction: float = setting(
-        0.0, run_key="always", ge=0, lt=1, description="fraction of source videos held out of training to measure "
-        "eval loss on")
-    eval_dataset_id: str | None = setting(
-        None, run_key="always", description="a dataset whose clips are only evaluated, never trained on")
-    validation_using_datasets: bool = setting(
-        False, run_key="never", description="i2v: render validation from the first file (by name) of "
-        "`eval_dataset_id`, its first frame; that dataset may then hold images (the seeds' way to validate i2v from "
-        "an image dataset)")
-
-    offload_during_startup: bool = setting(
-        False, run_key="never", description="never keep the VAE and text encoders on the GPU together")
-    # no_change is listed so errors name it; `_no_change` stores it as fp32
-    text_encoder_1_precision: Literal["fp32", "bf16", "int8-torchao", "no_change"] = setting(
-        "fp32", run_key="always", description="weights and compute of the first text encoder: bf16 halves its memory "
-        "on a GPU (allowed on CPU, but slow there); int8-torchao stores its linear weights in int8 (torchao "
-        "weight-only) and computes in bf16; no_change (the seeds' default) is fp32; part of every text key")
-    vae_enable_patch_conv: bool = setting(
-        False, run_key="never", description="exact slab-wise VAE convs: same numbers, lower peak")
-    vae_enable_tiling: bool = setting(
-        False, run_key="always", description="spatial tiles with seam blending: approximate, lowest peak")
-    vae_enable_slicing: bool = setting(False, run_key="always", description="encode a batch one sample at a time")
-    latent_sampling: Literal["mode", "distribution"] = setting(
-        "mode", run_key="always", description="mode: cache the VAE posterior's mode (deterministic); distribution: "
-        "cache its mean and log-variance so training draws a fresh sample each epoch; part of every latent key")
-    flow_schedule_shift: float | None = setting(
-        None, run_key="always", description="sigma shift for training; default: the flavour's")
-    recache_cron: str | None = setting(
-        None, run_key="never", description="cron (5 fields, UTC) for the `recache` schedule (a cache_dataset run per "
-        "dataset); unset: schedule off")
-
-    # Training memory and speed (seed names). None of the group_offload_* / gradient_checkpointing keys changes
-    # the numbers: changing them resumes the same training run.
-    gradient_checkpointing: bool = setting(
-        False, run_key="never", description="recompute block activations in backward (less memory)")
-    gradient_checkpointing_interval: int = setting(
-        1, run_key="never", ge=1, description="with gradient_checkpointing: checkpoint every N-th block of each block "
-        "list (0, N, 2N, ...), the others keep their activations (faster, more memory; SimpleTuner's name)")
-    gradient_checkpointing_cpu_offload: bool = setting(
-        False, run_key="never", description="with gradient_checkpointing: keep the inputs each checkpointed block "
-        "saves for its recompute on the CPU (musubi-tuner's name; the same numbers, less GPU memory, more transfers)")
-    dynamo_use_regional_compilation: bool = setting(
-        False, run_key="when_set", description="torch.compile each of the transformer's repeated blocks (diffusers' "
-        "compile_repeated_blocks; SimpleTuner's name): faster steps after a compile of minutes; the numbers differ "
-        "from eager by float rounding (fused kernels sum in another order), so it is part of the run key")
-    enable_group_offload: bool = setting(
-        False, run_key="never", description="keep transformer blocks on the CPU, each moved to the GPU only for its "
-        "forward (diffusers group offloading); LoRA stays on the GPU")
-    gpu_memory_gb: float | None = setting(
-        None, run_key="never", gt=0, description="memory of the GPU this config must fit, in GB (counted as GiB): "
-        "`loraflow check` names the switches that would make training fit it; default: the CUDA GPU of the machine "
-        "running check, if any")
-    group_offload_type: Literal["block_level", "leaf_level"] = setting("block_level", run_key="never")
-    group_offload_blocks_per_group: int = setting(
-        1, run_key="never", ge=1, description="block_level: blocks moved together")
-    group_offload_use_stream: bool = setting(
-        False, run_key="never", description="overlap transfers with compute (CUDA only)")
-    base_model_precision: Literal["no_change", "bf16", "fp8-layerwise", "int8-torchao", "int8-quanto"] = setting(
-        "no_change", run_key="always", description="frozen transformer weights: no_change = fp32 as loaded; bf16 "
-        "(modules diffusers keeps in fp32 stay fp32); fp8-layerwise = stored float8_e4m3fn, computed in bf16 per "
-        "layer (diffusers layerwise casting); int8-torchao = int8 weight-only (torchao), computed in bf16; "
-        "int8-quanto runs as int8-torchao (kernels/quantize.py). LoRA parameters are always fp32")
-    mixed_precision: Literal["auto", "no", "bf16"] = setting(
-        "auto", run_key="always", description="bf16 autocast of the forward: auto = on CUDA, or when "
-        "base_model_precision is not no_change; no = fp32 compute (needs base_model_precision no_change)")
-    tread_config: TreadConfig | None = setting(
-        None, run_key="always", description="TREAD token routing; unset: every token, every block")
-    optimizer: Literal["adamw", "adamw_bf16", "muon", "prodigy", "adamw_schedulefree"] = setting(
-        "adamw", run_key="when_set", description="adamw: torch AdamW, fp32 moments; adamw_bf16: the same update with "
-        "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory; muon: torch's Muon "
-        "(the 2-D LoRA matrices); prodigy: prodigyopt (learning_rate 1.0: it finds the step size); "
-        "adamw_schedulefree: schedulefree's AdamW, which needs no decay: keep lr_scheduler constant "
-        "(training/optimizers.py)")
-    # Adapter kind, start and EMA (SimpleTuner's names; training/adapters.py, training/ema.py). Off by default, keys unchanged.
-    lora_type: Literal["standard", "lycoris"] = setting(
-        "standard", run_key="when_set", description="standard: peft LoRA; lycoris: LoKr or LoHa (peft's), as "
-        "`lycoris_config` says")
-    lycoris_config: LycorisConfig | None = setting(
-        None, run_key="when_set", description="lora_type lycoris: SimpleTuner's LyCORIS JSON (a file, relative to "
-        "the config, or inline): algo lokr|loha, linear_dim, linear_alpha, factor, decompose_both, rank_dropout, "
-        "module_dropout")
-    use_dora: bool = setting(
-        False, run_key="when_set", description="DoRA (peft `use_dora`): a learned magnitude per output row")
-    init_lora: str | None = setting(
-        None, run_key="never", description="start training from this LoRA file (diffusers/peft or ComfyUI key "
-        "names, the same rank and targets); its content hash, not its path, is part of the run's inputs")
-    use_ema: bool = setting(
-        False, run_key="when_set", description="also keep an EMA of the adapter, written beside the LoRA as "
-        "pytorch_lora_weights_ema.safetensors (and in every checkpoint); the LoRA itself is unchanged")
-    ema_decay: float = setting(0.995, run_key="when_set", ge=0, le=1, description="ema <- decay * ema + (1 - decay) "
-                               "* weights at each update")
-    ema_update_interval: int = setting(1, run_key="when_set", ge=1, description="update the EMA every N optimizer "
-                                       "steps")
-    ema_device: Literal["cpu", "accelerator"] = setting(
-        "cpu", run_key="never", description="where the EMA lives between updates (the same numbers either way)")
-    ema_validation: Literal["none", "ema_only", "comparison"] = setting(
-        "comparison", run_key="never", description="with use_ema, what validation renders: none (the LoRA), "
-        "ema_only (the EMA adapter instead) or comparison (both)")
-    report_to: Literal["tensorboard", "wandb", "none"] = setting(
-        "tensorboard", run_key="never", description="where per-step numbers go besides history.json: tensorboard "
-        "(<run>/tensorboard), wandb (W&B's own environment variables, e.g. WANDB_MODE=offline) or none")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _default_model(cls, data: Any) -> Any:
-        """Left out, the model is the flavour's diffusers-format repository, as SimpleTuner picks it."""
-        if not isinstance(data, dict) or data.get("pretrained_model_name_or_path") is not None:
-            return data
-        flavour = known_flavour(data.get("model_family"), data.get("model_flavour"))
-        return {**data, "pretrained_model_name_or_path": flavour.repo} if flavour and flavour.repo else data
-
-    @field_validator("recache_cron")
-    @classmethod
-    def _cron(cls, v: str | None) -> str | None:
-        # Shape only (5 fields of cron characters or an @alias); Dagster parses it when it builds the schedule.
-        aliases = ("@hourly", "@daily", "@weekly", "@monthly")
-        if v is not None and v not in aliases and not re.fullmatch(r"[\w*/,?#-]+(\s+[\w*/,?#-]+){4}", v.strip()):
-            raise ValueError(f"`recache_cron` must be a 5-field cron expression such as '0 3 * * *' "
-                             f"or one of {', '.join(aliases)}; got {v!r}")
-        return v
-
-    @field_validator("lycoris_config", mode="before")
-    @classmethod
-    def _lycoris_file(cls, v: Any) -> Any:
-        return read_lycoris_config(v)
+class LoraflowConfig(ConfigFields):
+    """A whole run: model, data, training and validation; the keys are `ConfigFields`', the checks across them here."""
 
     @model_validator(mode="after")
     def _adapter_kind(self) -> LoraflowConfig:
@@ -314,70 +50,6 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
                              "magnitude differently from peft (comfy/weight_adapter/base.py), so the file would not "
                              "render what was trained; use lora_format diffusers (or use_dora: false)")
         return self
-
-    @field_validator("init_lora")
-    @classmethod
-    def _init_lora(cls, v: str | None) -> str | None:
-        if v is not None and not (v.endswith(".safetensors") and Path(v).is_file()):
-            raise ValueError(f"`init_lora` {v!r} is not a .safetensors file: give the path of the LoRA file to start "
-                             "from (diffusers/peft or ComfyUI key names), or remove init_lora")
-        return v
-
-    @field_validator("validation_num_video_frames")
-    @classmethod
-    def _validation_frames(cls, v: int | None) -> int | None:
-        return check_4k_plus_1("validation_num_video_frames", v)
-
-    @field_validator("user_prompt_library", mode="before")
-    @classmethod
-    def _prompt_library(cls, v: Any) -> Any:
-        return read_prompt_library(v) if isinstance(v, (str, Path)) else v
-
-    @field_validator("validation_adapter_config", mode="before")
-    @classmethod
-    def _adapter_config(cls, v: Any) -> Any:
-        return None if v is None else read_adapter_config(v)
-
-    @field_validator("validation_resolution")
-    @classmethod
-    def _resolution(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        parts = v.lower().split("x")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise ValueError(f"`validation_resolution` must look like 768x512 (WIDTHxHEIGHT); got {v!r}")
-        return v
-
-    @field_validator("text_encoder_1_precision", mode="before")
-    @classmethod
-    def _no_change(cls, v: Any) -> Any:
-        return "fp32" if v == "no_change" else v  # the seeds' name for "not quantised"
-
-    @field_validator("model_family")
-    @classmethod
-    def _family(cls, v: str) -> str:
-        if v not in family_names():
-            raise ValueError(_unknown("model_family", v, family_names()))
-        return v
-
-    @field_validator("model_flavour")
-    @classmethod
-    def _flavour(cls, v: str | None, info: ValidationInfo) -> str | None:
-        family = info.data.get("model_family")
-        if v is None or family not in family_names():
-            return v
-        if v not in flavour_names(family):
-            peer = family_spec(family).peer_flavour(v)
-            raise ValueError(f"`model_flavour` {v!r} is musubi-tuner's name for {peer!r}: write that" if peer
-                             else _unknown("model_flavour", v, flavour_names(family)))
-        return v
-
-    @field_validator("datasets")
-    @classmethod
-    def _datasets(cls, v: tuple[DatasetConfig, ...]) -> tuple[DatasetConfig, ...]:
-        if not any(d.dataset_type in ("video", "image") and not d.disabled for d in v):
-            raise ValueError("no enabled video/image dataset: add one under `datasets`")
-        return v
 
     @model_validator(mode="after")
     def _validation_and_eval(self) -> LoraflowConfig:
@@ -624,28 +296,10 @@ class LoraflowConfig(GuideFeatures, TrainingOptions):
         return height, width
 
 
-def read_prompt_library(path: str | Path) -> dict[str, str]:
-    """SimpleTuner's user_prompt_library: a JSON object {shortname: prompt}."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"`user_prompt_library` file {path} does not exist; give a JSON file or an inline mapping")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"`user_prompt_library` file {path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
-        raise ValueError(f"`user_prompt_library` file {path} must hold one JSON object of shortname -> prompt strings")
-    return data
-
-
 def _nested(a: str | None, b: str | None) -> bool:
     """One folder is the other or inside it (a dataset folder is read recursively)."""
     first, second = Path(a or "").resolve(), Path(b or "").resolve()
     return first == second or first in second.parents or second in first.parents
-
-
-def _unknown(key: str, value: str, allowed: list[str]) -> str:
-    return f"`{key}` {value!r} is not known; allowed: {', '.join(allowed)}"
 
 
 def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | None = None) -> LoraflowConfig:
