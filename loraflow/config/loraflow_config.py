@@ -35,8 +35,9 @@ class ConfigError(ValueError):
 
 
 class LoraflowConfig(ConfigFields):
-    """A whole run: model, data, training and validation; the keys are `ConfigFields`', the checks across them here."""
+    """A whole run: model, data, training and validation. Units are in each field's description."""
 
+    # The keys are ConfigFields' (fields.py); here, the checks across keys and what the stages read from a config.
     @model_validator(mode="after")
     def _adapter_kind(self) -> LoraflowConfig:
         if (self.lora_type == "lycoris") != (self.lycoris_config is not None):
