@@ -38,7 +38,7 @@ def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
 
 def run_demo(config_path: str) -> int:
     """Every stage: a partition and a `cache_dataset` run per dataset, then `train_and_validate`."""
-    from loraflow.assets.instance import home_instance
+    from loraflow.assets.runs.instance import home_instance
     from loraflow.assets.jobs import materialize_everything
     from loraflow.assets.resources import LoraflowResource
 
@@ -76,7 +76,7 @@ def demo_summary(results: list) -> list[str]:
 
 def partitions(config_path: str) -> int:
     """Make the instance's `datasets` partitions the config's training datasets (what dataset_watch does)."""
-    from loraflow.assets.instance import home_instance
+    from loraflow.assets.runs.instance import home_instance
     from loraflow.assets.partitions import sync_partitions
 
     config = load_config(config_path)

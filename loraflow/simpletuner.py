@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from loraflow.adapter_kinds import REFUSED as LYCORIS_REFUSED
+from loraflow.config.adapter_kinds import REFUSED as LYCORIS_REFUSED
 from loraflow.config import DatasetConfig, LoraflowConfig, VideoSettings
 from loraflow.pipelines import family_spec, family_specs, known_flavour, nearest_multiple
 from loraflow.pipelines.flavours import NOT_DIFFUSERS

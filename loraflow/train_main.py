@@ -37,13 +37,13 @@ def summary(report: LoraReport) -> dict[str, Any]:
 
 def report_from_summary(values: dict[str, Any]) -> LoraReport:
     """The report a launched run summarised, the rest read back from its run folder."""
-    from loraflow.training.loop import lora_report  # torch: imported when used, as in train()
+    from loraflow.training.loop import lora_report  # torch: imported when used, as in train_config_file()
 
     return lora_report(Path(values["run_dir"]), values["inputs"], computed=int(values["computed"]),
                        resumed_at=int(values["resumed_at_step"]))
 
 
-def train(config_path: str) -> LoraReport:
+def train_config_file(config_path: str) -> LoraReport:
     from loraflow.config import load_config
     from loraflow.training.loop import train_lora
     from loraflow.pipelines import get_family
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 (to_dagster,) = pipes.log.handlers
                 logging.getLogger("loraflow").addHandler(to_dagster)  # loraflow's log lines go to Dagster too
                 try:
-                    report = train(args.config)
+                    report = train_config_file(args.config)
                 finally:
                     logging.getLogger("loraflow").removeHandler(to_dagster)
                 # A mapping would read as Pipes' {raw_value, type} schema: mappings are marked json
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             for k, v in summary(report).items()}
                 pipes.report_asset_materialization(metadata=metadata, data_version=report.data_version)
         else:
-            report = train(args.config)
+            report = train_config_file(args.config)
             if world.main:
                 print(json.dumps({"data_version": report.data_version, **summary(report)}))
     except ConfigError as exc:

@@ -13,7 +13,7 @@ from loraflow.stages.clips.bucket_plan import human_bytes
 from loraflow.cli import main
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.simpletuner import import_simpletuner
-from loraflow.training_options import trained_with
+from loraflow.config.training_options import trained_with
 from tests.conftest import demo_dict, write_config
 
 # The seed guides' HunyuanVideo 1.5 config.json and its multidatabackend.json, verbatim.

@@ -82,6 +82,26 @@ def test_loraflow_has_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def with_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`graph` plus what Python runs first: importing `a.b.c` runs package `a.b`'s __init__ (loraflow.config's
+    imports the whole config model), unless the importer is inside `a.b` already."""
+    def inits(importer: str, module: str) -> set[str]:
+        parts = module.split(".")
+        return {p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if not importer.startswith(p + ".")}
+    return {name: (imports | {p for m in imports for p in inits(name, m) if p in graph}) - {name}
+            for name, imports in graph.items()}
+
+
+def test_no_import_cycle_runs_through_a_package_init() -> None:
+    planted = {"loraflow.config": {"loraflow.config.fields"}, "loraflow.config.fields": {"loraflow.pipelines"},
+               "loraflow.config.dataset": set(), "loraflow.pipelines": {"loraflow.config.dataset"}}
+    assert find_cycle(planted) is None  # the plain walk misses it
+    assert find_cycle(with_package_inits(planted)) == ["loraflow.config", "loraflow.config.fields",
+                                                       "loraflow.pipelines", "loraflow.config"]
+    cycle = find_cycle(with_package_inits(import_graph()))
+    assert cycle is None, "import cycle through a package __init__: " + " -> ".join(cycle or [])
+
+
 # What a Dagster step process and `loraflow check --no-estimates` run, in a fresh interpreter: the code location, `check`, then the
 # clips stage through Dagster. Neither loads a model, so neither may pay torch's and diffusers' import (6-7 s).
 LIGHT_STAGES = """

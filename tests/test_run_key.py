@@ -14,12 +14,13 @@ import pytest
 from loraflow.config import (
     DatasetConfig, LoraflowConfig, StrictModel, TreadConfig, TreadRoute, VideoSettings, load_config, setting,
 )
-from loraflow.adapter_kinds import LycorisConfig
-from loraflow.dataset_config import run_key_of
-from loraflow.guide_features import GuideFeatures
+from loraflow.config.adapter_kinds import LycorisConfig
+from loraflow.config.dataset import run_key_of
+from loraflow.config.fields import ConfigFields
+from loraflow.config.guide_features import GuideFeatures
+from loraflow.config.training_options import TrainingOptions
+from loraflow.config.validation_adapters import ValidationAdapter
 from loraflow.training import loop as T
-from loraflow.training_options import TrainingOptions
-from loraflow.validation_adapters import ValidationAdapter
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = {"latents": "l", "text_embeds": "t"}
@@ -87,9 +88,9 @@ def test_the_walk_reaches_every_config_model() -> None:
     models = {LoraflowConfig, DatasetConfig, VideoSettings, TreadConfig, TreadRoute, LycorisConfig, ValidationAdapter}
     assert reached == {(m, name) for m in models for name in m.model_fields}
     loaded = {m for m in _subclasses(StrictModel) if m.__module__.startswith("loraflow.")}
-    # a new config model is reached by the walk, or this names it; GuideFeatures and TrainingOptions are
-    # LoraflowConfig's bases, whose fields the walk reaches as LoraflowConfig's (the first assertion)
-    assert loaded == models | {GuideFeatures, TrainingOptions}
+    # a new config model is reached by the walk, or this names it; ConfigFields, GuideFeatures and TrainingOptions
+    # are LoraflowConfig's bases, whose fields the walk reaches as LoraflowConfig's (the first assertion)
+    assert loaded == models | {ConfigFields, GuideFeatures, TrainingOptions}
 
 
 def _subclasses(cls: type) -> set[type]:

@@ -20,7 +20,7 @@ class LoraflowResource(ConfigurableResource):
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """Every step sets up this resource before its work: a step worker dies with its run's process from here on
         (dead_runs.die_with_run), so a killed run leaves no step at work."""
-        from loraflow.assets.dead_runs import die_with_run
+        from loraflow.assets.runs.dead_runs import die_with_run
 
         die_with_run(context.instance, context.run.run_id if context.run else None)
 

@@ -128,16 +128,16 @@ def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
 @asset(deps=[latents, text_embeds, teacher_features], pool="gpu", group_name="loraflow",
        description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.adapter_kinds import adapter_summary
-    from loraflow.assets.launch import train
+    from loraflow.config.adapter_kinds import adapter_summary
+    from loraflow.assets.runs.launch import run_training
     from loraflow.media.previews import loss_plot
     from loraflow.training.progress_renders import progress_sheet_path
-    from loraflow.training_options import trained_with
+    from loraflow.config.training_options import trained_with
     from loraflow.contracts.masks import masked_loss_metadata
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
     store = loraflow.store(config)
-    report = train(context, config, loraflow.config_path, store)
+    report = run_training(context, config, loraflow.config_path, store)
     sheet = progress_sheet_path(report.run_dir)  # validation_steps: renders during training
     history = [asdict(step) for step in report.history]
     return MaterializeResult(
@@ -167,12 +167,12 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.training.loop import current_lora_path
     from loraflow.validation.validate import validate
-    from loraflow.training.ema import validation_adapters
+    from loraflow.training.ema import trained_adapters
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
     store, family = loraflow.store(config), get_family(config)
-    adapters = validation_adapters(config, current_lora_path(config, family, store))  # ema_validation
+    adapters = trained_adapters(config, current_lora_path(config, family, store))  # ema_validation
     reports = {name: validate(config, family, store, path) for name, path in adapters.items()}
     report = next(iter(reports.values()))
     metadata = {**md.counts(report), "prompts": len(report.prompts), "adapter": MetadataValue.path(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loraflow.dataset_config import is_mask_dataset
+from loraflow.config.dataset import is_mask_dataset
 
 if TYPE_CHECKING:
     import torch

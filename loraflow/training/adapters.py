@@ -30,7 +30,7 @@ from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import PREFIX, comfyui_name, peft_scale
 
 if TYPE_CHECKING:
-    from loraflow.adapter_kinds import LycorisConfig
+    from loraflow.config.adapter_kinds import LycorisConfig
     from loraflow.config import LoraflowConfig
 
 
@@ -60,7 +60,7 @@ def add_adapter(transformer: torch.nn.Module, config: LoraflowConfig, targets: l
 
 
 def lycoris_peft_config(lycoris: LycorisConfig, targets: list[str] | str) -> Any:
-    """peft's LoKrConfig / LoHaConfig for SimpleTuner's lycoris_config (the fields adapter_kinds.py accepts)."""
+    """peft's LoKrConfig / LoHaConfig for SimpleTuner's lycoris_config (the fields config/adapter_kinds.py accepts)."""
     from peft import LoHaConfig, LoKrConfig
 
     common = {"r": lycoris.linear_dim, "alpha": lycoris.linear_alpha, "rank_dropout": lycoris.rank_dropout,

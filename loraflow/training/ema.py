@@ -89,7 +89,7 @@ def export_ema(out: Path, state: dict[str, torch.Tensor], adapter_config: dict, 
     return final
 
 
-def validation_adapters(config: LoraflowConfig, lora_path: str) -> dict[str, str]:
+def trained_adapters(config: LoraflowConfig, lora_path: str) -> dict[str, str]:
     """What validation renders, by name (SimpleTuner's `ema_validation`): the LoRA, the EMA adapter beside it, or
     both (comparison: the LoRA first); without use_ema the LoRA alone."""
     ema = str(Path(lora_path).with_name(EMA_LORA_FILE))

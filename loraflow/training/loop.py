@@ -34,7 +34,7 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from loraflow.config import LoraflowConfig
-from loraflow.dataset_config import run_key_settings
+from loraflow.config.dataset import run_key_settings
 from loraflow.keys import content_key, data_version, tensors_fingerprint
 from loraflow.kernels.checkpointing import enable_checkpointing
 from loraflow.kernels.flow_matching import flow_mse, lr_at, noisy_sample

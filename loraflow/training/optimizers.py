@@ -2,7 +2,7 @@
 
     adamw               torch.optim.AdamW                    adamw_bf16  kernels/adamw_bf16.py
     muon                torch.optim.Muon (torch >= 2.9) over the 2-D LoRA matrices (every LoRA parameter is one;
-                        config.py refuses it beside CREPA's projector, whose biases would need AdamW), with
+                        the config refuses it beside CREPA's projector, whose biases would need AdamW), with
                         `match_rms_adamw` scaling so AdamW's learning rate and weight decay carry over
     prodigy             prodigyopt.Prodigy: learning_rate multiplies the step size it estimates (use 1.0)
     adamw_schedulefree  schedulefree.AdamWScheduleFree: trains at the interpolated point y; the averaged weights

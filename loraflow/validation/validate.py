@@ -5,7 +5,7 @@ model, exactly) and 1 with the same seed, from cached embeddings only. Outputs u
 output_dir/validation/<key>/:
     <nn>-<shortname>/base.mp4, lora.mp4   h264 yuv420p at the flavour's fps (base.png, lora.png for images)
     <nn>-<shortname>/adapter-<i>-<name>.mp4   each other adapter's render (`validation_adapter_path` or
-                                          `validation_adapter_config`, validation_adapters.py)
+                                          `validation_adapter_config`, config/validation_adapters.py)
     <nn>-<shortname>/contact_sheet.png    base frames over LoRA frames (then each other adapter's), labelled
     <nn>-<shortname>/preview.webp         videos: base and LoRA side by side, animated
     condition.png                         i2v, i2i: the image every render starts from (first frame, source)
@@ -38,7 +38,7 @@ from loraflow.store import write_json
 from loraflow.media.previews import contact_sheet, eval_loss_plot, save_animation
 from loraflow.media.writers import save_png, slug, write_media
 from loraflow.contracts.reports import EvalLoss, PromptRenders, ValidationReport
-from loraflow.validation_adapters import ValidationAdapter, activate, adapter_keys, load_adapters
+from loraflow.config.validation_adapters import ValidationAdapter, activate, adapter_keys, load_adapters
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store

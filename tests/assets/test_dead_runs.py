@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, materialize
 
-from loraflow.assets.dead_runs import WATCH_INTERVAL_S, reap_dead_runs
+from loraflow.assets.runs.dead_runs import WATCH_INTERVAL_S, reap_dead_runs
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import clips
 from loraflow.store import Store

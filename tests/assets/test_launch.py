@@ -56,7 +56,7 @@ def test_only_rank_0_logs_to_dagster(launched) -> None:
 
 
 def test_one_process_is_started_directly_so_stopping_the_run_stops_the_trainer(tmp_path: Path) -> None:
-    from loraflow.assets.launch import launch_command
+    from loraflow.assets.runs.launch import launch_command
 
     command = launch_command(str(tmp_path / "c.yaml"), 1)
     assert command == [sys.executable, "-m", "loraflow.train_main", str(tmp_path / "c.yaml")]  # no accelerate

@@ -13,11 +13,11 @@ import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from loraflow.adapter_kinds import adapter_summary
+from loraflow.config.adapter_kinds import adapter_summary
 from loraflow.training import loop as T
 from loraflow.training.adapters import start_adapter
 from loraflow.cli import main
-from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, validation_adapters
+from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, trained_adapters
 from loraflow.pipelines import get_family
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.store import Store
@@ -236,8 +236,8 @@ def test_ema_validation_picks_the_adapters_validation_renders(ema_run, caches: d
                                                              tmp_path: Path) -> None:  # noqa: F811
     config, run, _ = ema_run
     lora, ema = str(run / T.LORA_FILE), str(run / EMA_LORA_FILE)
-    assert validation_adapters(config, lora) == {"lora": lora, "ema": ema}  # comparison, SimpleTuner's default
+    assert trained_adapters(config, lora) == {"lora": lora, "ema": ema}  # comparison, SimpleTuner's default
     only = make_config(caches, tmp_path / "o", **EMA, ema_validation="ema_only")
     none = make_config(caches, tmp_path / "n", **EMA, ema_validation="none")
     off = make_config(caches, tmp_path / "f", ema_validation="ema_only")  # without use_ema there is no EMA
-    assert [validation_adapters(c, lora) for c in (only, none, off)] == [{"ema": ema}, {"lora": lora}, {"lora": lora}]
+    assert [trained_adapters(c, lora) for c in (only, none, off)] == [{"ema": ema}, {"lora": lora}, {"lora": lora}]

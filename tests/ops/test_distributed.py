@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loraflow.assets.launch import launch_command
+from loraflow.assets.runs.launch import launch_command
 from loraflow.training import loop as T
 from loraflow.training.distributed import World, join
 from loraflow.store import Store

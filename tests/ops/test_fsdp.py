@@ -22,7 +22,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from loraflow.assets.launch import free_port, launch_command
+from loraflow.assets.runs.launch import free_port, launch_command
 from loraflow.training import loop as T
 from loraflow.store import Store
 from tests.conftest import REPO

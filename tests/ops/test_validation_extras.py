@@ -21,7 +21,7 @@ from loraflow.validation import validate as V
 from loraflow.config import ConfigError, LoraflowConfig, parse_config
 from loraflow.keys import safetensors_sha256
 from loraflow.training.progress_renders import step_folder
-from loraflow.validation_adapters import adapter_keys
+from loraflow.config.validation_adapters import adapter_keys
 from loraflow.pipelines import get_family
 from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store

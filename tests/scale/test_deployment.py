@@ -1,11 +1,11 @@
-"""loraflow/assets/deployment.py: off unless the environment names a broker or a step-output URL; a broker alone is
+"""loraflow/assets/runs/deployment.py: off unless the environment names a broker or a step-output URL; a broker alone is
 refused, naming what to set (no server needed: tests/scale/test_celery_fanout.py runs the real thing)."""
 
 from __future__ import annotations
 
 import pytest
 
-from loraflow.assets.deployment import JsonStepIO, deployment_defs
+from loraflow.assets.runs.deployment import JsonStepIO, deployment_defs
 
 
 def test_one_machine_gets_nothing_and_a_broker_without_step_io_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,8 +23,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from loraflow.dataset_config import DatasetConfig
-from loraflow.stages.clips.dataset_folder import touch
+from loraflow.config.dataset import DatasetConfig
+from loraflow.stages.clips.dataset_folder import read_or_quarantine
 from loraflow.media.types import MediaError
 
 
@@ -71,7 +71,7 @@ def _metadata_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     meta = meta if meta.is_absolute() else root / meta
     if not meta.is_file():
         raise MediaError("missing_caption", f"dataset '{dataset.id}': metadata_file {meta} does not exist")
-    stat = touch(meta.stat, meta)
+    stat = read_or_quarantine(meta.stat, meta)
     table, error = _load_metadata(str(meta), stat.st_size, stat.st_mtime_ns)
     if error:
         raise MediaError(*error)
@@ -132,4 +132,4 @@ def _metadata_rows(meta: Path) -> list[dict[str, Any]]:
 
 
 def _read(path: Path) -> bytes:
-    return touch(path.read_bytes, path)
+    return read_or_quarantine(path.read_bytes, path)

@@ -28,12 +28,12 @@ import numpy as np
 from tqdm import tqdm
 
 from loraflow.config import DatasetConfig, LoraflowConfig, select_datasets
-from loraflow.dataset_config import DEFAULT_MAX_UPSCALE, is_mask_dataset
+from loraflow.config.dataset import DEFAULT_MAX_UPSCALE, is_mask_dataset
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.stages.clips.captions import read_captions
-from loraflow.stages.clips.dataset_folder import list_folder, printable, touch
+from loraflow.stages.clips.dataset_folder import list_folder, printable, read_or_quarantine
 from loraflow.media.frames import decode_frames, probe
 from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
 from loraflow.contracts.reports import ClipsReport, DropReason, DroppedFile
@@ -177,7 +177,7 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFam
                probes: ProbeCache, images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
     """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image or its loss mask."""
     check_name(path)
-    identity = touch(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
+    identity = read_or_quarantine(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
     captions = read_captions(path, dataset)
     info = probes.probe(path, identity)
     source = _source_image(path, dataset, sources, probes) if sources else None
@@ -204,7 +204,7 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
     """i2i: the source image paired with `path`, its identity and its (cached) probe."""
     found = check_name(find_source_image(path, dataset, sources))
     relative = path.relative_to(dataset.instance_data_dir or "")
-    identity = touch(lambda: file_identity(found, sources.instance_data_dir or ""), found)
+    identity = read_or_quarantine(lambda: file_identity(found, sources.instance_data_dir or ""), found)
     try:
         info = probes.probe(found, identity)
     except MediaError as exc:
@@ -231,7 +231,7 @@ def find_source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig
     """i2i (or masked loss): the file in `sources` with `path`'s relative folder and stem and an image extension."""
     relative = path.relative_to(dataset.instance_data_dir or "")
     folder = Path(sources.instance_data_dir or "") / relative.parent
-    found = sorted(p for p in (touch(lambda: list(folder.iterdir()), folder) if folder.is_dir() else ())
+    found = sorted(p for p in (read_or_quarantine(lambda: list(folder.iterdir()), folder) if folder.is_dir() else ())
                    if p.stem == relative.stem and p.suffix.lower() in IMAGE_EXTENSIONS)
     word = _paired_word(sources)
     reason = word.replace(" ", "_")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from loraflow.dataset_config import DatasetConfig
+from loraflow.config.dataset import DatasetConfig
 from loraflow.media.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 
 T = TypeVar("T")
@@ -139,7 +139,7 @@ def printable(path: str | Path) -> str:
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
-def touch(read: Callable[[], T], path: Path) -> T:
+def read_or_quarantine(read: Callable[[], T], path: Path) -> T:
     """`read()` of a source file; an OSError (the file deleted or moved since it was listed, no permission) is
     that file's problem, quarantined as `unreadable`, not the stage's. Store errors are never caught here."""
     try:

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loraflow.dataset_config import StrictModel, setting
+from loraflow.config.dataset import StrictModel, setting
 
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # SimpleTuner's default file in a folder, and loraflow's
 RESERVED_NAMES = ("base", "lora")  # the validation stage's own renders

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-from loraflow.dataset_config import StrictModel, setting
+from loraflow.config.dataset import StrictModel, setting
 
 # LyCORIS fields peft cannot express, and why (what to do instead).
 REFUSED = {

@@ -1,5 +1,5 @@
 """The seed guides' training features, under SimpleTuner's names: part of the one config model (`LoraflowConfig`
-inherits these fields), kept here so config.py stays readable. Each is off by default and `when_set`: a run that
+inherits these fields), kept here so loraflow_config.py stays readable. Each is off by default and `when_set`: a run that
 does not use it keeps the key it had before the feature existed.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from loraflow.dataset_config import StrictModel, setting
+from loraflow.config.dataset import StrictModel, setting
 
 
 class GuideFeatures(StrictModel):

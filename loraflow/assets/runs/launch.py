@@ -47,7 +47,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(context: AssetExecutionContext, config: LoraflowConfig, config_path: str, store: Any) -> LoraReport:
+def run_training(context: AssetExecutionContext, config: LoraflowConfig, config_path: str, store: Any) -> LoraReport:
     """The lora stage's report, trained here or by the launched processes."""
     from loraflow.training.loop import train_lora
     from loraflow.train_main import report_from_summary

@@ -1,0 +1,346 @@
+"""The one config model: the seed guides' names, validated once at load, every problem named at once.
+
+A config is YAML or JSON. Its keys are declared in `fields.py` (`ConfigFields`); `LoraflowConfig` adds the checks
+across keys (flavour and task fit, the peers' exclusive options, validation sizes, adapters, folders) and what the
+stages read from a config. Dataset entries (`config/dataset.py`) have the shape of SimpleTuner's
+`multidatabackend.json`; they go inline under `datasets:` or in a separate file named by `dataset_backend_config`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError, model_validator
+
+from loraflow.config.dataset import DatasetConfig, is_mask_dataset
+from loraflow.config.errors import describe
+from loraflow.config.fields import ConfigFields
+from loraflow.config.validation_adapters import ValidationAdapter, check_adapters
+from loraflow.pipelines import family_flavour
+from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
+
+DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
+FIRST_LAST_MIN_FRAMES = 9  # 3 latent frames: `i2v_mode: first_last` gives 2 clean, so one carries the loss
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. `problems` lists every issue, each naming the key path."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        super().__init__(f"{source} has {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class LoraflowConfig(ConfigFields):
+    """A whole run: model, data, training and validation. Units are in each field's description."""
+
+    # The keys are ConfigFields' (fields.py); here, the checks across keys and what the stages read from a config.
+    @model_validator(mode="after")
+    def _adapter_kind(self) -> LoraflowConfig:
+        if (self.lora_type == "lycoris") != (self.lycoris_config is not None):
+            raise ValueError("`lora_type: lycoris` and `lycoris_config` go together: set both (LoKr/LoHa) or neither "
+                             "(a standard LoRA)")
+        if self.use_dora and self.lora_type == "lycoris":
+            raise ValueError("`use_dora` is peft's DoRA for a standard LoRA; peft's LoKr/LoHa have no weight "
+                             "decomposition: remove use_dora or set lora_type standard")
+        if self.use_dora and self.lora_format == "comfyui":
+            raise ValueError("`use_dora` with `lora_format: comfyui`: ComfyUI's weight_decompose normalises DoRA's "
+                             "magnitude differently from peft (comfy/weight_adapter/base.py), so the file would not "
+                             "render what was trained; use lora_format diffusers (or use_dora: false)")
+        return self
+
+    @model_validator(mode="after")
+    def _validation_and_eval(self) -> LoraflowConfig:
+        if self.user_prompt_library and DEFAULT_PROMPT_NAME in self.user_prompt_library and self.validation_prompt:
+            raise ValueError(f"`user_prompt_library` may not use the shortname '{DEFAULT_PROMPT_NAME}': "
+                             "it names `validation_prompt`; rename the library entry")
+        if self.validation_steps and not self.validation_prompts:
+            raise ValueError(f"`validation_steps` {self.validation_steps} renders the validation prompts during "
+                             "training, but there are none: set `validation_prompt` or `user_prompt_library`, or "
+                             "set validation_steps: 0 (off)")
+        if self.validation_on_startup and not self.validation_prompts:
+            raise ValueError("`validation_on_startup` renders the validation prompts before the first step, but there "
+                             "are none: set `validation_prompt` or `user_prompt_library`, or remove it")
+        if self.validation_adapter_path and self.validation_adapter_config:
+            raise ValueError("give either `validation_adapter_path` (one adapter) or `validation_adapter_config` "
+                             "(several), not both")
+        check_adapters("validation_adapter_path" if self.validation_adapter_path else "validation_adapter_config",
+                       self.validation_adapters)
+        if self.eval_dataset_id is not None:
+            ids = [d.id for d in self.training_datasets]
+            if self.eval_dataset_id not in ids:
+                raise ValueError(f"`eval_dataset_id` {self.eval_dataset_id!r} is not an enabled video/image dataset; "
+                                 f"allowed: {', '.join(ids)}")
+            if len(ids) == 1:
+                raise ValueError(f"`eval_dataset_id` {self.eval_dataset_id!r} is the only dataset: nothing would be "
+                                 "left to train on; add a training dataset or use `eval_holdout_fraction`")
+        return self
+
+    @model_validator(mode="after")
+    def _datasets_fit_flavour(self) -> LoraflowConfig:
+        """Clip lengths the flavour can train on, checked before any file is read."""
+        flavour = family_flavour(self.model_family, self.model_flavour)
+        if self.validation_using_datasets and not flavour.takes_image:
+            raise ValueError(f"`validation_using_datasets` gives i2v/i2i renders their image; flavour "
+                             f"'{flavour.name}' takes no image: remove it, or choose an i2v or i2i flavour")
+        if self.validation_using_datasets and self.eval_dataset_id is None:
+            raise ValueError("`validation_using_datasets` renders i2v/i2i validation from the images of the "
+                             "`eval_dataset_id` dataset: set `eval_dataset_id`")
+        if self.validation_using_datasets and not self.validation_prompts:
+            raise ValueError("`validation_using_datasets` only changes what validation renders from, and there is "
+                             "nothing to render: set `validation_prompt` or `user_prompt_library`")
+        for d in self.training_datasets:
+            multi_frame = d.video.num_frames != 1 or d.video.frame_extraction == "full"
+            if flavour.num_frames == 1 and d.dataset_type == "video" and multi_frame:
+                raise ValueError(f"dataset '{d.id}': {self.model_family} trains on single images, but its video "
+                                 f"clips have {d.video.num_frames} frames (frame_extraction "
+                                 f"{d.video.frame_extraction}); set `video.num_frames` to 1 and a frame_extraction "
+                                 "other than full")
+            single = d.dataset_type == "image" or d.video.num_frames == 1
+            if flavour.conditioning_frames and single and d.id != self.render_dataset_id:
+                # the loss covers the frames after the clean first frame (`kernels.flow_matching.flow_mse`): one frame would be NaN
+                raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' trains on the frames after a clean "
+                                 "first frame; single images have none: use `dataset_type: video` with "
+                                 "`video.num_frames` of 5 or more (or make it `eval_dataset_id` with "
+                                 "`validation_using_datasets: true`: images to render validation from)")
+        return self
+
+    @model_validator(mode="after")
+    def _mixed_tasks(self) -> LoraflowConfig:
+        flavour = family_flavour(self.model_family, self.model_flavour)
+        if self.i2v_mode == "first_last" and not flavour.conditioning_frames:
+            raise ValueError(f"`i2v_mode: first_last`: flavour '{flavour.name}' takes no clean first frame to pair a "
+                             "last frame with (only the Kandinsky 5 video i2v flavours): remove it or pick one")
+        if self.i2v_mode == "first_last":
+            for d in self.training_datasets:
+                if d.dataset_type == "video" and d.video.num_frames < FIRST_LAST_MIN_FRAMES:
+                    raise ValueError(f"dataset '{d.id}': `i2v_mode: first_last` gives the first and the last latent "
+                                     f"frame clean; {d.video.num_frames} frames leave none to train: set "
+                                     f"`video.num_frames` to {FIRST_LAST_MIN_FRAMES} or more")
+        if self.i2v_prob is not None and not flavour.image_in_condition_only:
+            raise ValueError(f"`i2v_prob`: flavour '{flavour.name}' cannot train batches as t2v (only the "
+                             "HunyuanVideo 1.5 i2v flavours, whose image is a condition input): remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _source_images(self) -> LoraflowConfig:
+        """i2i datasets name their source images' dataset (`conditioning_data`); no other flavour takes one."""
+        flavour = family_flavour(self.model_family, self.model_flavour)
+        sources = [d.id for d in self.datasets if d.dataset_type == "conditioning" and not d.disabled]
+        for d in self.datasets:
+            if d.dataset_type in ("conditioning", "text_embeds") and d.conditioning_data is not None:
+                raise ValueError(f"dataset '{d.id}': `conditioning_data` goes on the image dataset whose images "
+                                 f"are edits of the source images, not on a {d.dataset_type} dataset")
+        for d in self.training_datasets:
+            masks = is_mask_dataset(self.source_images(d))  # loss masks pair with any flavour's files
+            if flavour.edits_image and masks:
+                raise ValueError(f"dataset '{d.id}': `conditioning_data` {d.conditioning_data!r} holds loss masks; "
+                                 f"flavour '{flavour.name}' needs it for the source images (masked loss with i2i is "
+                                 "not supported): name the source images' dataset")
+            if not flavour.edits_image and d.conditioning_data is not None and not masks:
+                raise ValueError(f"dataset '{d.id}': `conditioning_data` pairs images with source images for i2i; "
+                                 f"flavour '{flavour.name}' takes none: remove it, choose an i2i flavour, or give "
+                                 "the conditioning dataset `conditioning_type: mask` (loss masks)")
+            if flavour.edits_image and d.conditioning_data is None:
+                raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' edits a source image into each "
+                                 "target image: set `conditioning_data` to the id of a `dataset_type: conditioning` "
+                                 f"dataset holding them (same relative paths); conditioning datasets: "
+                                 f"{', '.join(sources) or 'none'}")
+            if d.conditioning_data is not None and d.conditioning_data not in sources:
+                raise ValueError(f"dataset '{d.id}': `conditioning_data` {d.conditioning_data!r} is not an enabled "
+                                 f"dataset with `dataset_type: conditioning`; allowed: {', '.join(sources) or 'none'}")
+            paired = self.source_images(d)
+            if paired is not None and _nested(paired.instance_data_dir, d.instance_data_dir):
+                raise ValueError(f"dataset '{d.id}': its source images ({paired.instance_data_dir}) and its images "
+                                 f"({d.instance_data_dir}) must be separate folders, neither inside the other")
+        return self
+
+    @model_validator(mode="after")
+    def _checkpointing_switches(self) -> LoraflowConfig:
+        used = [k for k, off in (("gradient_checkpointing_interval", 1), ("gradient_checkpointing_cpu_offload", False))
+                if getattr(self, k) != off]
+        if used and not self.gradient_checkpointing:
+            raise ValueError(f"`{used[0]}` changes how gradient checkpointing runs, which is off: set "
+                             "gradient_checkpointing: true, or remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _outputs_outside_datasets(self) -> LoraflowConfig:
+        """Dataset folders are read recursively and watched by the sensor: a cache or output folder inside one would
+        feed rendered videos back as training data and make every run look like a dataset change."""
+        written = {"output_dir": self.output_dir}
+        if "://" not in self.cache_dir:  # an object store is no dataset folder
+            written["cache_dir"] = self.cache_dir
+        for d in self.datasets:
+            if d.disabled or not d.instance_data_dir:
+                continue
+            for key, folder in written.items():
+                inside = Path(folder).resolve()
+                data = Path(d.instance_data_dir).resolve()
+                if inside == data or data in inside.parents:
+                    raise ValueError(f"`{key}` {folder} is inside dataset '{d.id}' ({d.instance_data_dir}), which is "
+                                     "read recursively: put it outside every dataset folder")
+        return self
+
+    @model_validator(mode="after")
+    def _model_location(self) -> LoraflowConfig:
+        """A repository loraflow cannot read is refused before any work; component folders are checked now."""
+        from loraflow.pipelines.sources import FOLDER_KEYS, folder_problem, is_hub_id, unused_problem
+
+        flavour, spec = self.flavour, self.pretrained_model_name_or_path
+        if spec in NOT_DIFFUSERS:
+            instead = f"use {flavour.repo!r}, the flavour's diffusers-format repository (or leave the key out)" \
+                if flavour.repo else "point it at a local diffusers-layout folder"
+            raise ValueError(f"`pretrained_model_name_or_path` {spec!r} is {NOT_DIFFUSERS[spec]}: {instead}")
+        if self.revision is not None and not is_hub_id(spec):
+            raise ValueError(f"`revision` {self.revision!r} picks a version of a Hugging Face repository, but "
+                             f"`pretrained_model_name_or_path` {spec!r} is a local folder: remove `revision`")
+        for key, component in FOLDER_KEYS.items():
+            folder = getattr(self, key)
+            problem = folder and (folder_problem(key, folder) or unused_problem(key, component, flavour))
+            if problem:
+                raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _validation_renders(self) -> LoraflowConfig:
+        """A validation size the family cannot render is refused now, not after training; a local checkpoint's
+        configs say the sizes its pipeline renders at (a repository's: `loraflow check`, once it is cached)."""
+        from loraflow.pipelines import plan_family
+        from loraflow.pipelines.sources import ModelSource, is_hub_id
+
+        if self.validation_size is None:
+            return self
+        spec = self.pretrained_model_name_or_path
+        model = None if is_hub_id(spec) else ModelSource(Path(spec), folders=(("vae", Path(self.vae_path)),)
+                                                         if self.vae_path else ())
+        problem = plan_family(self).validation_size_problem(model, *self.validation_size)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _training_memory(self) -> LoraflowConfig:
+        if self.group_offload_use_stream and not self.enable_group_offload:
+            raise ValueError("`group_offload_use_stream` needs `enable_group_offload: true`; set both or neither")
+        if self.mixed_precision == "no" and self.base_model_precision != "no_change":
+            raise ValueError(f"`base_model_precision` {self.base_model_precision} computes in bf16: set "
+                             "`mixed_precision` to auto or bf16 (or base_model_precision to no_change)")
+        return self
+
+    @model_validator(mode="after")
+    def _sharding(self) -> LoraflowConfig:
+        if not self.fsdp:
+            return self
+        if self.num_processes < 2:
+            raise ValueError(f"`fsdp: true` shards the model over the training processes but num_processes is "
+                             f"{self.num_processes}: set num_processes: N (one per GPU, N > 1) or fsdp: false")
+        # Each of these runs the sharded transformer (or its LoRA) on rank 0 alone or beside FSDP's own hooks
+        for key in ("enable_group_offload", "crepa_enabled", "validation_steps", "use_ema", "lycoris_config",
+                    "validation_on_startup"):
+            if getattr(self, key):
+                raise ValueError(f"`{key}` is not supported with `fsdp: true` (untested together): remove `{key}` "
+                                 "or set fsdp: false")
+        return self
+
+    @model_validator(mode="after")
+    def _crepa(self) -> LoraflowConfig:
+        if self.crepa_enabled and self.crepa_encoder_path is None:
+            raise ValueError("`crepa_enabled` needs the teacher's weights: set `crepa_encoder_path` to a local folder "
+                             "holding a transformers DINOv2 (save_pretrained)")
+        if self.crepa_enabled and self.tread_config is not None:
+            raise ValueError("`crepa_enabled` reads every token of block `crepa_block_index`; TREAD routes a subset "
+                             "of them: remove `tread_config` or set crepa_enabled: false")
+        return self
+
+    @property
+    def flavour(self) -> Flavour:
+        """The flavour the two model keys pick (the family's default when `model_flavour` is unset)."""
+        return family_flavour(self.model_family, self.model_flavour)
+
+    @property
+    def validation_prompts(self) -> dict[str, str]:
+        """Every prompt validation renders, by shortname: `validation_prompt` first, then the library."""
+        prompts = {DEFAULT_PROMPT_NAME: self.validation_prompt} if self.validation_prompt else {}
+        return {**prompts, **(self.user_prompt_library or {})}
+
+    @property
+    def validation_adapters(self) -> tuple[ValidationAdapter, ...]:
+        """The adapters validation renders beside the trained one: the single one's keys, or the list."""
+        if self.validation_adapter_path is None:
+            return self.validation_adapter_config or ()
+        return (ValidationAdapter(path=self.validation_adapter_path, label=self.validation_adapter_name,
+                                  strength=self.validation_adapter_strength),)
+
+    @property
+    def training_datasets(self) -> tuple[DatasetConfig, ...]:
+        return tuple(d for d in self.datasets if d.dataset_type in ("video", "image") and not d.disabled)
+
+    def source_images(self, dataset: DatasetConfig) -> DatasetConfig | None:
+        """The conditioning dataset i2i pairs `dataset`'s images with (its `conditioning_data`), if any."""
+        return next((d for d in self.datasets if d.id == dataset.conditioning_data), None)
+
+    @property
+    def render_dataset_id(self) -> str | None:
+        """The dataset i2v/i2i validation renders from (`validation_using_datasets`); for i2v it may hold images."""
+        return self.eval_dataset_id if self.validation_using_datasets else None
+
+    @property
+    def validation_size(self) -> tuple[int, int] | None:
+        """(height, width) in pixels; None: left out (`contracts.renders.render_settings` picks the default)."""
+        if self.validation_resolution is None:
+            return None
+        width, height = (int(p) for p in self.validation_resolution.lower().split("x"))
+        return height, width
+
+
+def _nested(a: str | None, b: str | None) -> bool:
+    """One folder is the other or inside it (a dataset folder is read recursively)."""
+    first, second = Path(a or "").resolve(), Path(b or "").resolve()
+    return first == second or first in second.parents or second in first.parents
+
+
+def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | None = None) -> LoraflowConfig:
+    """Validate a config dict; raise ConfigError listing every problem with its key path."""
+    data = dict(data)
+    backend = data.get("dataset_backend_config")
+    if backend and "datasets" not in data:
+        path = Path(backend) if base_dir is None or Path(backend).is_absolute() else base_dir / backend
+        if not path.is_file():
+            raise ConfigError([f"dataset_backend_config: file {path} does not exist"], source)
+        data["datasets"] = json.loads(path.read_text())
+    lycoris = data.get("lycoris_config")  # relative to the config file, like the datasets file
+    if isinstance(lycoris, str) and base_dir is not None and not Path(lycoris).is_absolute():
+        data["lycoris_config"] = str(base_dir / lycoris)
+    for key in ("user_prompt_library", "validation_adapter_config"):  # JSON files relative to the config file
+        named = data.get(key)
+        if isinstance(named, str) and base_dir is not None and not Path(named).is_absolute():
+            data[key] = str(base_dir / named)
+    try:
+        return LoraflowConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError([describe(e, LoraflowConfig) for e in exc.errors()], source) from None
+
+
+def load_config(path: str | Path) -> LoraflowConfig:
+    """Read a YAML or JSON config file (JSON is YAML) and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"config file {path} does not exist"], str(path))
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(["the top level must be a mapping of keys to values"], str(path))
+    return parse_config(data, str(path), path.parent)
+
+
+def select_datasets(config: LoraflowConfig, ids: list[str] | None) -> list[DatasetConfig]:
+    """The training datasets named by `ids` (None: all of them), in config order; an unknown id raises."""
+    known = [d.id for d in config.training_datasets]
+    unknown = sorted(set(ids or ()) - set(known))
+    if unknown:
+        raise ValueError(f"dataset(s) {', '.join(unknown)} not among the config's training datasets "
+                         f"({', '.join(known) or 'none'})")
+    return [d for d in config.training_datasets if ids is None or d.id in ids]
