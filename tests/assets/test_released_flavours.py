@@ -26,7 +26,7 @@ from tests.conftest import demo_dict, write_config
 HV = "hunyuanvideo-1.5"
 # (family, flavour, validation_resolution, more keys): one run per distinct tiny checkpoint (the other new flavours
 # differ from these only in their sampling defaults, checked without rendering below); the i2v one mixes in t2v
-# batches (`i2v_prob` 0.3 trains micro-step 0 as t2v, 1 as i2v: tests/ops/test_hv_i2v.py)
+# batches (`i2v_prob` 0.3 trains micro-step 0 as t2v, 1 as i2v: tests/pipelines/test_hv_i2v.py)
 RUNS = [("kandinsky5-video", "t2v-lite-distilled16steps-5s", "96x64", {}), (HV, "t2v-480p-distilled", "64x48", {}),
         (HV, "i2v-480p-step-distilled", "64x48", {"i2v_prob": 0.3})]
 NEW = {"kandinsky5-video": ("t2v-lite-nocfg-5s", "t2v-lite-nocfg-10s", "t2v-lite-distilled16steps-5s",

@@ -3,7 +3,7 @@ image condition, render.
 
 Mirrors diffusers' `HunyuanVideo15Pipeline` (pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5.py) and
 `HunyuanVideo15ImageToVideoPipeline` (..._image2video.py, `HVI`); the parity tests in tests/pipelines/test_families.py
-and tests/ops/test_hv_i2v.py hold this file to their numbers. i2v differs from t2v only in the transformer's
+and tests/pipelines/test_hv_i2v.py hold this file to their numbers. i2v differs from t2v only in the transformer's
 conditioning: the `cond` channels carry the image's latent (`latent_dist.mode()` * scaling, HVI:375-388) in frame 0
 and zeros elsewhere, the mask is 1 on frame 0 (HVI:594-632), and `image_embeds` are SigLIP's `last_hidden_state` of
 the image (HVI:391-402). x_t itself is not touched: every latent frame, frame 0 included, is noised and stepped

@@ -26,7 +26,7 @@ from loraflow.pipelines import get_family
 from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store
 from tests.conftest import demo_dict
-from tests.ops.test_train import build_caches, make_config, same_lora_file, train
+from tests.training.test_train import build_caches, make_config, same_lora_file, train
 
 RENDERS = {"validation_resolution": "64x48", "validation_num_video_frames": 5, "validation_num_inference_steps": 2}
 

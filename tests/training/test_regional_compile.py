@@ -23,7 +23,7 @@ import torch
 from loraflow.config import LoraflowConfig
 from loraflow.training import loop as T
 from loraflow.pipelines import get_family
-from tests.ops.test_train import caches, fixed_batch, loss_and_grads, make_config  # noqa: F401 (caches: fixture)
+from tests.training.test_train import caches, fixed_batch, loss_and_grads, make_config  # noqa: F401 (caches: fixture)
 
 BOUND = 1e-3  # of max |gradient|: see the module docstring
 

@@ -21,7 +21,7 @@ from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, validation
 from loraflow.pipelines import get_family
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.store import Store
-from tests.ops.test_train import CPU, caches, make_config, same_lora_file, train  # noqa: F401 (caches: fixture)
+from tests.training.test_train import CPU, caches, make_config, same_lora_file, train  # noqa: F401 (caches: fixture)
 
 DECAY, INTERVAL, STEPS = 0.75, 2, 4
 EMA = {"use_ema": True, "ema_decay": DECAY, "ema_update_interval": INTERVAL}
