@@ -37,6 +37,15 @@ def tiny_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny("kandinsky5-video", tmp_path_factory.mktemp("models") / "tiny-world", world=True)
 
 
+@pytest.fixture(scope="session")
+def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """test_train's two-clip dataset with its clips, latents and text_embeds cached: built once, read by the training
+    and validation tests (each trains into its own output folder)."""
+    from tests.training.test_train import build_caches
+
+    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("train"))
+
+
 def demo_dict(model: Path, data: Path, root: Path, base: str = "tests/demo_t2v.yaml",
               **overrides: Any) -> dict[str, Any]:
     """The suite's t2v config (or `base`: "configs/demo.yaml" is the README's demo) with absolute paths under

@@ -40,11 +40,6 @@ SHORT_CAPTION = "a dot"
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="session")  # session: tests/training/test_adapter_options.py trains on the same caches
-def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("train"))
-
-
 def build_caches(tiny_k5: Path, demo_data: Path, root: Path) -> dict[str, Path]:
     """clips, latents and text_embeds of the two-clip dataset under root/cache (tests/training/test_distributed.py too)."""
     data = root / "data"
