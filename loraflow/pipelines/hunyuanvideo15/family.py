@@ -407,12 +407,15 @@ def make_family(flavour: str | None) -> HunyuanVideo15:
     return HunyuanVideo15(flavour=SPEC.flavour(flavour))
 
 
-def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
+def tiny(flavour: Flavour) -> tuple[type, str, Callable[[], TinyPipeline]]:
     """Every flavour but step-distilled loads one tiny checkpoint (`loraflow.demo.tiny.build_tiny`): the t2v
     pipeline's, with SigLIP as extra components so the i2v pipeline loads the same folder. Step-distilled's
     transformer config differs (mean flow: released/hv15-480p-i2v-step-distilled), so it has its own."""
-    step_distilled = flavour.name.endswith("step-distilled")
-    return HunyuanVideo15Pipeline, _tiny_meanflow_pipeline if step_distilled else _tiny_pipeline
+    from loraflow.demo.tiny import recipe_name
+
+    if flavour.name.endswith("step-distilled"):
+        return HunyuanVideo15Pipeline, recipe_name(SPEC.name, "meanflow", 1), _tiny_meanflow_pipeline
+    return HunyuanVideo15Pipeline, recipe_name(SPEC.name, "t2v", 1), _tiny_pipeline
 
 
 def _tiny_pipeline() -> TinyPipeline:
