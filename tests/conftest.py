@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -35,6 +36,31 @@ def tiny_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from loraflow.demo.tiny import build_tiny
 
     return build_tiny("kandinsky5-video", tmp_path_factory.mktemp("models") / "tiny-world", world=True)
+
+
+# What diffusers' conversion script writes for the 10 s checkpoints is P 0.9 and windows (11, 3, 3); small windows
+# keep the tiny mask sparse.
+NABLA = {"attention_type": "nabla", "attention_P": 0.9, "attention_wT": 1, "attention_wH": 1, "attention_wW": 1,
+         "attention_add_sta": True, "attention_method": "topcdf"}
+
+
+@pytest.fixture(scope="session")
+def nabla_k5(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Kandinsky 5 Video with NABLA attention in its transformer config, as the 10 s checkpoints have it."""
+    path = tmp_path_factory.mktemp("nabla") / "k5-nabla"
+    shutil.copytree(tiny_k5, path)
+    config_file = path / "transformer" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **NABLA}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """test_train's two-clip dataset with its clips, latents and text_embeds cached: built once, read by the training
+    and validation tests (each trains into its own output folder)."""
+    from tests.training.test_train import build_caches
+
+    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("train"))
 
 
 def demo_dict(model: Path, data: Path, root: Path, base: str = "tests/demo_t2v.yaml",

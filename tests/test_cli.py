@@ -159,7 +159,7 @@ def test_demo_over_another_tiny_checkpoint_says_what_to_delete(
     config = write_config(tmp_path / "demo.yaml", demo_dict(tiny_k5, demo_data, tmp_path, base="configs/demo.yaml"))
     assert main(["demo", "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert f"demo: {tiny_k5} was built by loraflow.pipelines.kandinsky5.video._tiny_pipeline (seed 0)" in err
+    assert f"demo: {tiny_k5} was built by kandinsky5-video t2v v1 (seed 0)" in err
     assert "delete the folder to build it again" in err and "Traceback" not in err
 
 

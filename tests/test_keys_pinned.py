@@ -29,7 +29,7 @@ CLIP = {"key": "clip-0", "bucket": "b", "dataset": None}  # the dataset is fille
 PINNED: dict[str, tuple[str, str, str, str, str]] = {
     # re-pinned on purpose (issue 21): the demo became the tiny world's i2v run; its text and latent keys are those
     # of kandinsky5_video_i2v.yaml (the caches are shared), its run key its own. The t2v demo's pin moved to
-    # tests/demo_t2v.yaml's run key in tests/ops/test_train.py.
+    # tests/demo_t2v.yaml's run key in tests/training/test_train.py.
     "demo.yaml": ("b940d077c6bf8f024793a0db9dd835d9", "bfc371558b952e9a743c28f04f174c4d",
                   "6126de36b025bce2f7d1a6769178b8af", "b14af841b52ad78b61a845c1648dce8b",
                   "f0672af01b1831a37116c785e55ab780"),

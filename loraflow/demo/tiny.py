@@ -361,13 +361,23 @@ class _Saveable(Protocol):
 TinyPipeline = tuple[DiffusionPipeline, dict[str, _Saveable]]
 
 
-def kandinsky5_text_components() -> dict[str, object]:
-    """Qwen2.5-VL + CLIP encoders with their offline tokenizers, shared by all K5 pipelines."""
+def kandinsky5_pipeline(pipeline: type, visual_cond: bool, vae: Callable[[], torch.nn.Module], shift: float,
+                        vl_tokenizer: bool = False) -> TinyPipeline:
+    """A tiny Kandinsky 5 pipeline: the Video, Image and Image i2i checkpoints differ only in these arguments (i2i:
+    16 noisy + 16 source + 1 ones channels, and the VL processor as its tokenizer)."""
+    pipe = pipeline(transformer=kandinsky5_transformer(visual_cond=visual_cond), vae=vae(),
+                    scheduler=kandinsky5_scheduler(shift=shift), **kandinsky5_text_components(vl_tokenizer))
+    return pipe, {}
+
+
+def kandinsky5_text_components(vl_tokenizer: bool = False) -> dict[str, object]:
+    """Qwen2.5-VL + CLIP encoders with their offline tokenizers, shared by all K5 pipelines; `vl_tokenizer`: the
+    Qwen tokenizer inside the VL processor, as Kandinsky 5 i2i takes it."""
     tokenizer = qwen_tokenizer()
     tokenizer_2 = clip_tokenizer()
     return {
         "text_encoder": qwen_vl_encoder(tokenizer),
-        "tokenizer": tokenizer,
+        "tokenizer": qwen_vl_processor(tokenizer) if vl_tokenizer else tokenizer,
         "text_encoder_2": clip_text_encoder(tokenizer_2),
         "tokenizer_2": tokenizer_2,
     }
@@ -400,10 +410,17 @@ def _publish(staging: Path, out_dir: Path, entries: Iterable[str]) -> None:
         os.replace(staging / name, target)
 
 
+def recipe_name(family: str, variant: str, version: int) -> str:
+    """What a family's `tiny(flavour)` names its builder by in model_index.json: words, not the builder's module path,
+    so moving code keeps built folders valid; a family bumps `version` when what the builder makes changes, and the
+    folders built before are refused."""
+    return f"{family} {variant} v{version}"
+
+
 def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | None = None,
                world: bool = False) -> Path:
     """Write a tiny diffusers-layout checkpoint for `family` into out_dir, with the builder its module's
-    `tiny(flavour)` picks (None: the default flavour's; Kandinsky 5 Image i2i has its own). `world`: the module's
+    `tiny(flavour)` picks and names (`recipe_name`) (None: the default flavour's; Kandinsky 5 Image i2i has its own). `world`: the module's
     `tiny_world(flavour)` where it has one (Kandinsky 5 Video: the demo's pre-trained tiny world), else `tiny`.
 
     Idempotent: if out_dir/model_index.json exists, return immediately, after checking that it holds the pipeline
@@ -417,8 +434,8 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
     spec = family_spec(family)
     module = importlib.import_module(spec.module)
     pick = module.tiny_world if world and hasattr(module, "tiny_world") else module.tiny
-    pipeline, builder = pick(spec.flavour(flavour))
-    recipe = {"builder": f"{builder.__module__}.{builder.__qualname__}", "seed": seed}
+    pipeline, name, builder = pick(spec.flavour(flavour))
+    recipe = {"builder": name, "seed": seed}
     if (out_dir / "model_index.json").exists():
         index = json.loads((out_dir / "model_index.json").read_text())
         built = index["_class_name"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# What datasets take: each is read by the installed Pillow or PyAV and tested in tests/ops/test_media.py. A TIFF or
+# What datasets take: each is read by the installed Pillow or PyAV and tested in tests/media/test_media.py. A TIFF or
 # AVIF gives its first page or frame. The MPEG transport stream (.ts; AVCHD's .mts/.m2ts), program stream
 # (.mpg/.mpeg, DVD .vob) and MXF have no frame index, so they are counted by demuxing and decoded with PyAV.
 IMAGE_EXTENSIONS: frozenset[str] = frozenset({".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".avif"})

@@ -17,7 +17,7 @@ from loraflow.assets.stages import lora, teacher_features
 from loraflow.kernels.crepa import PROJECTOR_FILE
 from loraflow.training import loop as T
 from loraflow.demo.tiny_parts import tiny_dinov2
-from tests.ops.test_train import build_caches, make_config
+from tests.training.test_train import build_caches, make_config
 
 # biased_late: long rollouts; seed 42 draws offsets 8, 8, 7, 8 for micro-steps 0-3 (uniform drew 0 for both of the
 # first two, which would train exactly like no rollout)

@@ -28,7 +28,7 @@ HV = "hunyuanvideo-1.5"
 # differ from these only in their sampling defaults, checked without rendering below; the Kandinsky 5 distilled and
 # no-CFG transformers have the Lite config, whose DAG tests/assets/test_dag.py runs, and validation reads the
 # defaults through the same render_settings as these runs); the i2v one mixes in t2v batches (`i2v_prob` 0.3 trains
-# micro-step 0 as t2v, 1 as i2v: tests/ops/test_hv_i2v.py)
+# micro-step 0 as t2v, 1 as i2v: tests/pipelines/test_hv_i2v.py)
 RUNS = [(HV, "t2v-480p-distilled", "64x48", {}), (HV, "i2v-480p-step-distilled", "64x48", {"i2v_prob": 0.3})]
 NEW = {"kandinsky5-video": ("t2v-lite-nocfg-5s", "t2v-lite-nocfg-10s", "t2v-lite-distilled16steps-5s",
                             "t2v-lite-distilled16steps-10s"),

@@ -1,5 +1,5 @@
 """What the checkpointing switches do (kernels/checkpointing.py); that they change no number is
-tests/ops/test_train.py::test_memory_features_change_no_number.
+tests/training/test_train.py::test_memory_features_change_no_number.
 
 Interval: the tiny Kandinsky 5 Video transformer (real from_pretrained, prepared by `ops.train.load_transformer`)
 counts each block's forward calls over one forward + backward: a checkpointed block runs twice (the recompute).

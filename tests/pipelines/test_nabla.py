@@ -10,8 +10,6 @@ cannot tell a dropped `sparse_params` apart. On a GPU the fused kernel skips the
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +21,8 @@ from loraflow.validation.validate import RenderSettings
 from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
 from loraflow.demo.tiny import TEXT_DIM
 
-# What diffusers' conversion script writes for the 10 s checkpoints is P 0.9 and windows (11, 3, 3); small windows
-# keep the tiny mask sparse.
-NABLA = {"attention_type": "nabla", "attention_P": 0.9, "attention_wT": 1, "attention_wH": 1, "attention_wW": 1,
-         "attention_add_sta": True, "attention_method": "topcdf"}
 SETTINGS = RenderSettings(height=128, width=128, num_frames=5, num_inference_steps=1, guidance=3.0, seed=0,
                           flow_shift=5.0)  # latents (2, 16, 16): 2 x 8 x 8 patches, NABLA's 64-token blocks
-
-
-@pytest.fixture(scope="module")
-def nabla_model(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("nabla") / "k5-nabla"
-    shutil.copytree(tiny_k5, path)
-    config_file = path / "transformer" / "config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **NABLA}))
-    return path
 
 
 def rows() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -66,9 +51,9 @@ def assert_same(ours: dict | None, theirs: dict | None) -> None:
 
 
 @pytest.mark.parametrize("flavour", ["t2v-lite-sft-5s", "i2v-lite-5s"])
-def test_velocity_passes_the_pipelines_nabla_params(nabla_model: Path, flavour: str) -> None:
+def test_velocity_passes_the_pipelines_nabla_params(nabla_k5: Path, flavour: str) -> None:
     family = kandinsky5_video.make_family(flavour)
-    pipe = family.load_renderer(str(nabla_model), None, torch.device("cpu"))
+    pipe = family.load_renderer(str(nabla_k5), None, torch.device("cpu"))
     prompt, negative = rows()
     i2v = "i2v" in flavour
     settings = dataclasses.replace(SETTINGS, num_frames=17) if i2v else SETTINGS  # K5 i2v's minimum
@@ -95,19 +80,19 @@ def test_a_regular_checkpoint_gets_no_sparse_params(tiny_k5: Path) -> None:
     assert seen == [None]
 
 
-def test_nabla_training_on_the_cpu_fails_with_what_to_do(nabla_model: Path) -> None:
+def test_nabla_training_on_the_cpu_fails_with_what_to_do(nabla_k5: Path) -> None:
     family = kandinsky5_video.make_family("t2v-lite-sft-5s")
-    pipe = family.load_renderer(str(nabla_model), None, torch.device("cpu"))
+    pipe = family.load_renderer(str(nabla_k5), None, torch.device("cpu"))
     text = family.collate_text([rows()[0]], "cpu")
     with pytest.raises(ValueError, match="trains on CUDA only"):  # flex attention has no CPU backward
         family.velocity(pipe.transformer, torch.zeros(1, 16, 2, 16, 16), torch.tensor([0.5]), text)
 
 
-def test_flex_attention_stays_with_the_nabla_model(nabla_model: Path, tiny_k5: Path) -> None:
+def test_flex_attention_stays_with_the_nabla_model(nabla_k5: Path, tiny_k5: Path) -> None:
     """diffusers' set_attention_backend also sets the process-wide default: a regular model loaded next must still
     train on the CPU (flex attention has no CPU backward)."""
     family = kandinsky5_video.make_family("t2v-lite-sft-5s")
-    family.load_renderer(str(nabla_model), None, torch.device("cpu"))
+    family.load_renderer(str(nabla_k5), None, torch.device("cpu"))
     regular = family.load_renderer(str(tiny_k5), None, torch.device("cpu")).transformer.requires_grad_(True)
     text = family.collate_text([rows()[0]], "cpu")
     family.velocity(regular, torch.zeros(1, 16, 2, 16, 16), torch.tensor([0.5]), text).sum().backward()

@@ -10,6 +10,7 @@ its row in `loraflow.pipelines.FAMILIES`.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Callable, Iterator
@@ -32,10 +33,7 @@ from loraflow.pipelines import FAMILIES, describe_families, get_family
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
 from loraflow.pipelines.kandinsky5.common import MAX_TEXT_TOKENS
 from loraflow.pipelines.kandinsky5.video import Kandinsky5Video
-from loraflow.demo.tiny import (
-    TinyPipeline, build_tiny, hunyuan_video_vae, kandinsky5_scheduler, kandinsky5_text_components,
-    kandinsky5_transformer,
-)
+from loraflow.demo.tiny import TinyPipeline, build_tiny, hunyuan_video_vae, kandinsky5_pipeline, recipe_name
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
 
@@ -69,14 +67,9 @@ def make_family(flavour: str | None) -> Kandinsky5Mini:
 
 
 # 3. the tiny checkpoint ----------------------------------------------------------------------------------------
-def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
-    return Kandinsky5T2VPipeline, _tiny_pipeline
-
-
-def _tiny_pipeline() -> TinyPipeline:
-    pipe = Kandinsky5T2VPipeline(transformer=kandinsky5_transformer(visual_cond=True), vae=hunyuan_video_vae(),
-                                 scheduler=kandinsky5_scheduler(shift=3.0), **kandinsky5_text_components())
-    return pipe, {}
+def tiny(flavour: Flavour) -> tuple[type, str, Callable[[], TinyPipeline]]:
+    return Kandinsky5T2VPipeline, recipe_name(NAME, "t2v", 1), functools.partial(
+        kandinsky5_pipeline, Kandinsky5T2VPipeline, visual_cond=True, vae=hunyuan_video_vae, shift=3.0)
 
 
 # 4. the registry row, for this module's tests ------------------------------------------------------------------

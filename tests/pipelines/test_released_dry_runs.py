@@ -26,7 +26,7 @@ from loraflow.training import loop as T
 from loraflow.training.crepa_training import Crepa
 from loraflow.contracts.teacher_features import latent_frame_indices
 from loraflow.stages.teacher.teacher_features import patch_features
-from loraflow.training.batches import MicroBatch, step_draws
+from loraflow.training.batches import MicroBatch, StepDraws, step_draws
 from loraflow.pipelines import get_family
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
@@ -129,6 +129,22 @@ def text_batch(family: ModelFamily, shape: tuple[int, ...]) -> dict[str, torch.T
     return text
 
 
+def released_batch(config: LoraflowConfig, family: ModelFamily) -> tuple[
+        tuple[int, ...], dict[str, torch.Tensor], StepDraws, torch.Tensor]:
+    """A real batch at the flavour's released size: the latent shape, the text, the step's draws, the clean latent."""
+    shape = latent_shape(family)
+    text, draws = text_batch(family, shape), step_draws(config, family, 0, shape)
+    return shape, text, draws, torch.randn(shape)
+
+
+def released_transformer(case: Case, config: LoraflowConfig, family: ModelFamily) -> tuple[torch.nn.Module, list]:
+    """Under `fake_mode()`: the released transformer (DEPTH blocks) loaded in the run's precision and prepared as
+    `train_lora` prepares it, with the parameters it trains."""
+    released = released_config(case.flavour, "transformer")
+    model = as_loaded(released_model(case.flavour, "transformer", **depth(released)), T.base_dtype(config))
+    return T.prepare_transformer(model, config, family)
+
+
 def teacher_features(config: LoraflowConfig, family: ModelFamily, frames: int) -> tuple[torch.Tensor, int]:
     """CREPA's cached features of a real-size clip: the released DINOv2 teacher through `patch_features`."""
     teacher = as_loaded(released_model(family.flavour.name, "crepa_encoder", num_hidden_layers=2), torch.float32)
@@ -144,14 +160,10 @@ def teacher_features(config: LoraflowConfig, family: ModelFamily, frames: int) -
 def test_training_step_at_released_size(case: Case) -> None:
     config = dry_config(case)
     family = get_family(config)
-    released = released_config(case.flavour, "transformer")
-    shape = latent_shape(family)
     # the batch is real, as `load_micro_batch` makes it on the CPU; the model and everything it computes are fake
-    text, draws = text_batch(family, shape), step_draws(config, family, 0, shape)
-    x0 = torch.randn(shape)
+    shape, text, draws, x0 = released_batch(config, family)
     with fake_mode():
-        model = as_loaded(released_model(case.flavour, "transformer", **depth(released)), T.base_dtype(config))
-        transformer, params = T.prepare_transformer(model, config, family)
+        transformer, params = released_transformer(case, config, family)
         crepa, teacher = None, None
         if config.crepa_enabled:
             teacher, width = teacher_features(config, family, shape[2])

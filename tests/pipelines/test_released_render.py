@@ -32,13 +32,13 @@ import torch
 
 from loraflow.kernels.fake_tensors import fake_mode, fresh_saves, known_values
 from loraflow.training import loop as T
-from loraflow.training.batches import MicroBatch, step_draws
+from loraflow.training.batches import MicroBatch
 from loraflow.pipelines import get_family
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.base import RenderSettings
 from loraflow.pipelines.released import released_config, released_model
 from tests.pipelines.test_released_dry_runs import (
-    Case, as_loaded, depth, dry_config, latent_shape, text_batch,
+    Case, as_loaded, depth, dry_config, latent_shape, released_batch, released_transformer, text_batch,
 )
 
 pytestmark = pytest.mark.released
@@ -90,13 +90,9 @@ def test_fp8_layerwise_training_step_at_released_size() -> None:
     config = dry_config(case).model_copy(update={"base_model_precision": "fp8-layerwise",
                                                  "gradient_checkpointing": False})
     family = get_family(config)
-    released = released_config(case.flavour, "transformer")
-    shape = latent_shape(family)
-    text, draws = text_batch(family, shape), step_draws(config, family, 0, shape)
-    x0 = torch.randn(shape)
+    _, text, draws, x0 = released_batch(config, family)
     with fake_mode():
-        model = as_loaded(released_model(case.flavour, "transformer", **depth(released)), T.base_dtype(config))
-        transformer, params = T.prepare_transformer(model, config, family)
+        transformer, params = released_transformer(case, config, family)
         transformer.train()
         with fresh_saves(), known_values(), T.routing(transformer, family, config, draws.seed):
             loss, _ = T.step_losses(transformer, family, MicroBatch([], x0, text, draws), torch.device("cpu"),

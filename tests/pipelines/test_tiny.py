@@ -81,9 +81,9 @@ def test_a_folder_built_by_another_recipe_is_refused_not_reused(k5_video_dir: Pa
     """Seen failing when any folder holding the right pipeline class was reused: `world=True` over an old random
     checkpoint silently kept the random one."""
     index = (k5_video_dir / "model_index.json").read_text()
-    random = r"loraflow\.pipelines\.kandinsky5\.video\._tiny_pipeline"
+    random = "kandinsky5-video t2v v1"
     with pytest.raises(ValueError, match=rf"was built by {random} \(seed 0\), but this build is "
-                                         r"loraflow\.pipelines\.kandinsky5\.video\._world_pipeline \(seed 0\): delete"):
+                                         r"kandinsky5-video world v1 \(seed 0\): delete"):
         build_tiny("kandinsky5-video", k5_video_dir, world=True)
     with pytest.raises(ValueError, match=rf"\(seed 0\), but this build is {random} \(seed 1\)"):
         build_tiny("kandinsky5-video", k5_video_dir, seed=1)
@@ -92,6 +92,11 @@ def test_a_folder_built_by_another_recipe_is_refused_not_reused(k5_video_dir: Pa
     unmarked = {k: v for k, v in json.loads(index).items() if k != RECIPE_KEY}
     (older / "model_index.json").write_text(json.dumps(unmarked))
     with pytest.raises(ValueError, match="has no build_tiny recipe in its model_index.json"):
+        build_tiny("kandinsky5-video", older)
+    # the builder's name is words (moving its module keeps the folder); its version is what makes a folder stale
+    (older / "model_index.json").write_text(json.dumps({**unmarked, RECIPE_KEY: {"builder": "kandinsky5-video t2v v0",
+                                                                                 "seed": 0}}))
+    with pytest.raises(ValueError, match=rf"was built by kandinsky5-video t2v v0 \(seed 0\), but this build is {random}"):
         build_tiny("kandinsky5-video", older)
 
 

@@ -38,7 +38,7 @@ from loraflow.store import Store
 from tests.assets.test_dead_runs import gpu_claims, status, wait_until
 from tests.conftest import REPO, demo_dict, write_config
 from tests.dagster_dev import dagster_dev, kill_group
-from tests.ops.test_fanout import many_clips
+from tests.stages.test_fanout import many_clips
 from tests.servers import make_bucket
 
 WORKERS, COPIES = 3, 3  # 21 clips in 3 buckets: about 7 per step, committed per bucket

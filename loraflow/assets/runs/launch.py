@@ -30,7 +30,7 @@ def launch_command(config_path: str, num_processes: int, port: int | None = None
     """The training entry point: one process runs it directly (the process Pipes starts is the trainer, so stopping
     the run stops it); more go through `accelerate launch --multi_gpu` (torchrun underneath, on CPUs as well), with
     `fsdp: true` too: loraflow shards the model itself, so the README's accelerate FSDP file would change nothing
-    (tests/ops/test_fsdp.py: the same bits)."""
+    (tests/training/test_fsdp.py: the same bits)."""
     entry = ["-m", "loraflow.train_main", str(Path(config_path).resolve())]
     if num_processes == 1:
         return [sys.executable, *entry]

@@ -3,7 +3,7 @@ image condition, render.
 
 Mirrors diffusers' `HunyuanVideo15Pipeline` (pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5.py) and
 `HunyuanVideo15ImageToVideoPipeline` (..._image2video.py, `HVI`); the parity tests in tests/pipelines/test_families.py
-and tests/ops/test_hv_i2v.py hold this file to their numbers. i2v differs from t2v only in the transformer's
+and tests/pipelines/test_hv_i2v.py hold this file to their numbers. i2v differs from t2v only in the transformer's
 conditioning: the `cond` channels carry the image's latent (`latent_dist.mode()` * scaling, HVI:375-388) in frame 0
 and zeros elsewhere, the mask is 1 on frame 0 (HVI:594-632), and `image_embeds` are SigLIP's `last_hidden_state` of
 the image (HVI:391-402). x_t itself is not touched: every latent frame, frame 0 included, is noised and stepped
@@ -407,12 +407,15 @@ def make_family(flavour: str | None) -> HunyuanVideo15:
     return HunyuanVideo15(flavour=SPEC.flavour(flavour))
 
 
-def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
+def tiny(flavour: Flavour) -> tuple[type, str, Callable[[], TinyPipeline]]:
     """Every flavour but step-distilled loads one tiny checkpoint (`loraflow.demo.tiny.build_tiny`): the t2v
     pipeline's, with SigLIP as extra components so the i2v pipeline loads the same folder. Step-distilled's
     transformer config differs (mean flow: released/hv15-480p-i2v-step-distilled), so it has its own."""
-    step_distilled = flavour.name.endswith("step-distilled")
-    return HunyuanVideo15Pipeline, _tiny_meanflow_pipeline if step_distilled else _tiny_pipeline
+    from loraflow.demo.tiny import recipe_name
+
+    if flavour.name.endswith("step-distilled"):
+        return HunyuanVideo15Pipeline, recipe_name(SPEC.name, "meanflow", 1), _tiny_meanflow_pipeline
+    return HunyuanVideo15Pipeline, recipe_name(SPEC.name, "t2v", 1), _tiny_pipeline
 
 
 def _tiny_pipeline() -> TinyPipeline:

@@ -360,32 +360,11 @@ def make_family(flavour: str | None) -> Kandinsky5Image:
     return (Kandinsky5ImageI2I if chosen.edits_image else Kandinsky5Image)(flavour=chosen)
 
 
-def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
+def tiny(flavour: Flavour) -> tuple[type, str, Callable[[], TinyPipeline]]:
     """The tiny checkpoint a flavour loads (`loraflow.demo.tiny.build_tiny`): i2i has its own."""
-    return (Kandinsky5I2IPipeline, _tiny_i2i) if flavour.edits_image else (Kandinsky5T2IPipeline, _tiny_t2i)
-
-
-def _tiny_t2i() -> TinyPipeline:
     from loraflow.demo import tiny as parts  # the tiny parts only when a tiny checkpoint is built
 
-    pipe = Kandinsky5T2IPipeline(
-        transformer=parts.kandinsky5_transformer(visual_cond=False),
-        vae=parts.flux_vae(),
-        scheduler=parts.kandinsky5_scheduler(shift=1.0),
-        **parts.kandinsky5_text_components(),
-    )
-    return pipe, {}
-
-
-def _tiny_i2i() -> TinyPipeline:
-    """Image-to-image: visual_cond (16 noisy + 16 source + 1 ones channels) and the VL processor as tokenizer."""
-    from loraflow.demo import tiny as parts
-
-    text = parts.kandinsky5_text_components()
-    pipe = Kandinsky5I2IPipeline(
-        transformer=parts.kandinsky5_transformer(visual_cond=True),
-        vae=parts.flux_vae(),
-        scheduler=parts.kandinsky5_scheduler(shift=1.0),
-        **text | {"tokenizer": parts.qwen_vl_processor(text["tokenizer"])},
-    )
-    return pipe, {}
+    pipeline, variant = (Kandinsky5I2IPipeline, "i2i") if flavour.edits_image else (Kandinsky5T2IPipeline, "t2i")
+    build = functools.partial(parts.kandinsky5_pipeline, pipeline, visual_cond=flavour.edits_image,
+                              vae=parts.flux_vae, shift=1.0, vl_tokenizer=flavour.edits_image)
+    return pipeline, parts.recipe_name(SPEC.name, variant, 1), build

@@ -9,6 +9,7 @@ stepped; so training gives frame 0 clean and leaves it out of the loss (`flavour
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -186,27 +187,21 @@ def make_family(flavour: str | None) -> Kandinsky5Video:
     return Kandinsky5Video(flavour=SPEC.flavour(flavour))
 
 
-def tiny(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
+def tiny(flavour: Flavour) -> tuple[type, str, Callable[[], TinyPipeline]]:
     """Every flavour loads one tiny checkpoint (`loraflow.demo.tiny.build_tiny`): the t2v pipeline's."""
-    return Kandinsky5T2VPipeline, _tiny_pipeline
-
-
-def tiny_world(flavour: Flavour) -> tuple[type, Callable[[], TinyPipeline]]:
-    """The demo's tiny checkpoint (`build_tiny(..., world=True)`): the same layout, with a VAE that shows the demo's
-    shapes and a transformer pre-trained on them (cached after the first build), so renders show what a LoRA did."""
-    return Kandinsky5T2VPipeline, _world_pipeline
-
-
-def _tiny_pipeline() -> TinyPipeline:
     from loraflow.demo import tiny as parts  # the tiny parts only when a tiny checkpoint is built
 
-    pipe = Kandinsky5T2VPipeline(
-        transformer=parts.kandinsky5_transformer(visual_cond=True),
-        vae=parts.hunyuan_video_vae(),
-        scheduler=parts.kandinsky5_scheduler(shift=10.0),
-        **parts.kandinsky5_text_components(),
-    )
-    return pipe, {}
+    build = functools.partial(parts.kandinsky5_pipeline, Kandinsky5T2VPipeline, visual_cond=True,
+                              vae=parts.hunyuan_video_vae, shift=10.0)
+    return Kandinsky5T2VPipeline, parts.recipe_name(SPEC.name, "t2v", 1), build
+
+
+def tiny_world(flavour: Flavour) -> tuple[type, str, Callable[[], TinyPipeline]]:
+    """The demo's tiny checkpoint (`build_tiny(..., world=True)`): the same layout, with a VAE that shows the demo's
+    shapes and a transformer pre-trained on them (cached after the first build), so renders show what a LoRA did."""
+    from loraflow.demo.tiny import recipe_name
+
+    return Kandinsky5T2VPipeline, recipe_name(SPEC.name, "world", 1), _world_pipeline
 
 
 def _world_pipeline() -> TinyPipeline:

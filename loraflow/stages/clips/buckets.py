@@ -1,7 +1,7 @@
 """Pure clip planning: which source frames a clip keeps, and the size (bucket) it is cropped to.
 
 No I/O here but `latent_geometry` (one VAE config.json), so the rules are property-tested on their own
-(tests/ops/test_buckets.py). The latent geometry and bucket tally sit here, below the clips stage and `loraflow check`'s
+(tests/stages/test_buckets.py). The latent geometry and bucket tally sit here, below the clips stage and `loraflow check`'s
 plan (bucket_plan.py), which both use them.
 """
 

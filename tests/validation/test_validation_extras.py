@@ -26,14 +26,9 @@ from loraflow.pipelines import get_family
 from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store
 from tests.conftest import demo_dict
-from tests.ops.test_train import build_caches, make_config, same_lora_file, train
+from tests.training.test_train import make_config, same_lora_file, train
 
 RENDERS = {"validation_resolution": "64x48", "validation_num_video_frames": 5, "validation_num_inference_steps": 2}
-
-
-@pytest.fixture(scope="module")
-def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("extras"))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Kandinsky 5 Video i2v on the tiny real model: training input and loss, eval loss, and validation renders.
 
-The caches are the two-clip dataset of tests/ops/test_train.py (17-frame clips: 5 latent frames, the least
+The caches are the two-clip dataset of tests/training/test_train.py (17-frame clips: 5 latent frames, the least
 Kandinsky5I2VPipeline renders without NaN). i2v reads the same caches as t2v; only the flavour differs.
 """
 
@@ -26,7 +26,7 @@ from loraflow.pipelines.base import load_component, load_lora_file
 from loraflow.pipelines.kandinsky5.video import make_family
 from loraflow.store import Store
 from tests.numerics import assert_float64_close
-from tests.ops.test_train import build_caches, make_config, reference_lora
+from tests.training.test_train import build_caches, make_config, reference_lora
 
 I2V = "i2v-lite-5s"
 
@@ -212,8 +212,8 @@ def test_validation_using_datasets_renders_from_an_image_of_the_eval_dataset(tin
     from loraflow.stages.latents.latents import encode_latents
     from loraflow.stages.text.text_embeds import encode_texts
     from tests.media_factory import read_index, write_image
-    from tests.ops.test_clips import make_config as clips_config
-    from tests.ops.test_clips import run, videos
+    from tests.stages.test_clips import make_config as clips_config
+    from tests.stages.test_clips import run, videos
 
     videos(tmp_path / "videos", 2, num_frames=18)
     stills = tmp_path / "stills"

@@ -3,7 +3,7 @@
 The store is filled the way the stages fill it (text embeddings by the real text_embeds op), except the
 latents, which are seeded random tensors: eval loss needs latents of the right shape, not of real video.
 The LoRA has random (non-zero) B matrices, so it visibly changes outputs without a training run.
-i2v validation (Kandinsky 5 Video i2v) is covered in tests/ops/test_i2v.py.
+i2v validation (Kandinsky 5 Video i2v) is covered in tests/pipelines/test_i2v.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The text_embeds store: resumable after SIGKILL, truncation counted, length batching exact, schema as documented.
 
-Dedupe and fingerprint invalidation are in tests/ops/test_caching.py; encoder parity per family in
+Dedupe and fingerprint invalidation are in tests/stages/test_caching.py; encoder parity per family in
 tests/pipelines/test_families.py.
 """
 

@@ -27,7 +27,7 @@ from loraflow.media.previews import BLOCK_GAP, SHEET_ROW_HEIGHT, TEXT_HEIGHT
 from loraflow.pipelines import get_family
 from loraflow.store import Store
 from tests.conftest import demo_dict
-from tests.ops.test_train import build_caches, make_config, same_lora_file, train
+from tests.training.test_train import build_caches, make_config, same_lora_file, train
 
 CPU = torch.device("cpu")
 RENDERS = {"validation_resolution": "64x48", "validation_num_video_frames": 5, "validation_num_inference_steps": 2,

@@ -26,8 +26,8 @@ from loraflow.assets.runs.launch import free_port, launch_command
 from loraflow.training import loop as T
 from loraflow.store import Store
 from tests.conftest import REPO
-from tests.ops.test_distributed import SETTINGS, run_ranks
-from tests.ops.test_train import build_caches, make_config, same_lora_file, train
+from tests.training.test_distributed import SETTINGS, run_ranks
+from tests.training.test_train import build_caches, make_config, same_lora_file, train
 
 # The reference: train_lora as one process with `fully_shard` over a mesh of one rank (the config refuses
 # fsdp with num_processes 1: only a test wants this).

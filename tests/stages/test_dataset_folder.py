@@ -16,7 +16,7 @@ from loraflow.config import ConfigError
 from loraflow.pipelines import get_family
 from tests.conftest import demo_dict, write_config
 from tests.media_factory import read_index, write_h264, write_video
-from tests.ops.test_clips import make_config, run, videos
+from tests.stages.test_clips import make_config, run, videos
 
 
 def animated_gif(path: Path, frames: int = 4) -> Path:

@@ -8,9 +8,7 @@ planned bucket runs through NABLA, the size the family's own multiple would give
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,16 +20,7 @@ from loraflow.config import ConfigError, load_config
 from loraflow.stages.clips.bucket_plan import plan_buckets
 from loraflow.pipelines import get_family, plan_family
 from tests.conftest import demo_dict, write_config
-from tests.pipelines.test_nabla import NABLA, rows
-
-
-@pytest.fixture(scope="module")
-def nabla_model(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("nabla-buckets") / "k5-nabla"
-    shutil.copytree(tiny_k5, path)
-    config_file = path / "transformer" / "config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **NABLA}))
-    return path
+from tests.pipelines.test_nabla import rows
 
 
 def sizes(model: Path, demo_data: Path, root: Path) -> tuple[Path, set[tuple[int, int]]]:
@@ -45,16 +34,16 @@ def sizes(model: Path, demo_data: Path, root: Path) -> tuple[Path, set[tuple[int
     return path, {(int(h), int(w)) for w, h in labels}
 
 
-def test_nabla_buckets_are_the_sizes_nabla_runs_at(nabla_model: Path, tiny_k5: Path, demo_data: Path,
+def test_nabla_buckets_are_the_sizes_nabla_runs_at(nabla_k5: Path, tiny_k5: Path, demo_data: Path,
                                                    tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    config_path, nabla = sizes(nabla_model, demo_data, tmp_path)
+    config_path, nabla = sizes(nabla_k5, demo_data, tmp_path)
     _, plain = sizes(tiny_k5, demo_data, tmp_path)
     assert nabla and all(h % 128 == 0 and w % 128 == 0 for h, w in nabla), nabla
     off = sorted(s for s in plain if s[0] % 128 or s[1] % 128)
     assert off, plain  # the family's own multiple (16) gives sizes NABLA cannot take
 
     family = get_family(load_config(config_path))
-    transformer = family.load_renderer(str(nabla_model), None, torch.device("cpu")).transformer
+    transformer = family.load_renderer(str(nabla_k5), None, torch.device("cpu")).transformer
     text = family.collate_text([rows()[0]], "cpu")
 
     def velocity(height: int, width: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from loraflow.validation.validate import RESULTS, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component
 from loraflow.store import Store
-from tests.ops.test_train import reference_lora
+from tests.training.test_train import reference_lora
 
 I2I = "i2i-lite-sft"
 
@@ -173,7 +173,7 @@ def test_two_i2i_steps_equal_a_hand_written_reference(cached, tmp_path: Path) ->
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
         optimizer.step()
         optimizer.zero_grad()
-        # bit for bit: the same ops on the same shapes as training's step (tests/ops/test_train.py's reference test)
+        # bit for bit: the same ops on the same shapes as training's step (tests/training/test_train.py's reference test)
         assert (loss.item(), norm) == (logged.loss, logged.grad_norm)
         assert norm > 0
         assert abs(((blind - (draws.noise - x0)) ** 2).mean().item() - logged.loss) > 1e-4  # the source is used

@@ -40,13 +40,8 @@ SHORT_CAPTION = "a dot"
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="session")  # session: tests/ops/test_adapter_options.py trains on the same caches
-def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("train"))
-
-
 def build_caches(tiny_k5: Path, demo_data: Path, root: Path) -> dict[str, Path]:
-    """clips, latents and text_embeds of the two-clip dataset under root/cache (tests/ops/test_distributed.py too)."""
+    """clips, latents and text_embeds of the two-clip dataset under root/cache (tests/training/test_distributed.py too)."""
     data = root / "data"
     data.mkdir()
     for stem in ("clip_00", "clip_02"):
@@ -346,7 +341,7 @@ def test_a_config_field_added_later_keeps_the_run_keys_of_before() -> None:
     assert T.run_dir(config, {"latents": "l", "text_embeds": "t"}).name == "6d960b4921c5061b9fa65689cc87413d"
 
 
-# issue 32 B: the loss type and the peers' optimizers through train_lora (tests/ops/test_training_options.py: the
+# issue 32 B: the loss type and the peers' optimizers through train_lora (tests/training/test_training_options.py: the
 # rest); off, the run key and so the LoRA are today's (tests/test_keys_pinned.py, the hand-written reference above)
 @pytest.mark.parametrize("option", [
     {"optimizer": "muon", "loraplus_lr_ratio": 4.0},

@@ -1,7 +1,7 @@
 """Issue 32's optimizers and flow schedules (training/optimizers.py, the schedules in step_draws): Muon's update is
 orthogonal within its Newton-Schulz iteration's bound, LoRA+'s groups, schedule-free's average around renders and
 at export, each schedule option in training's draws. Through `train_lora` (sharing test_train.py's caches and
-baseline run): tests/ops/test_train.py's issue 32 section."""
+baseline run): tests/training/test_train.py's issue 32 section."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from loraflow.training import batches as D
 from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.pipelines import get_family
 from tests.numerics import U32
-from tests.ops.test_train import CPU
+from tests.training.test_train import CPU
 
 SHAPE = (4, 16, 3, 8, 12)  # (B, C, T, h, w): 3 x 4 x 6 = 72 tokens
 

@@ -21,7 +21,7 @@ from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, trained_ad
 from loraflow.pipelines import get_family
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.store import Store
-from tests.ops.test_train import CPU, caches, make_config, same_lora_file, train  # noqa: F401 (caches: fixture)
+from tests.training.test_train import CPU, make_config, same_lora_file, train
 
 DECAY, INTERVAL, STEPS = 0.75, 2, 4
 EMA = {"use_ema": True, "ema_decay": DECAY, "ema_update_interval": INTERVAL}
@@ -49,7 +49,7 @@ def assert_close_to(ema: dict[str, torch.Tensor], reference: dict[str, torch.Ten
 
 
 @pytest.fixture(scope="module")
-def ema_run(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):  # noqa: F811
+def ema_run(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     """Through the Dagster `lora` asset: (config, run folder, the materialization's metadata)."""
     from dagster import DagsterInstance, materialize
 
@@ -66,7 +66,7 @@ def ema_run(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory): 
 
 
 def test_ema_equals_its_closed_form_leaves_the_lora_alone_and_resumes_exactly(
-        ema_run, caches: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+        ema_run, caches: dict[str, Path], tmp_path: Path) -> None:
     config, run, metadata = ema_run
     assert metadata["adapter"] == {"kind": "LoRA", "rank": 4, "alpha": 4, "init_lora": None,
                                    "ema": {"decay": DECAY, "update_interval": INTERVAL}}
@@ -104,7 +104,7 @@ def test_ema_equals_its_closed_form_leaves_the_lora_alone_and_resumes_exactly(
 
 
 def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
-        ema_run, caches: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+        ema_run, caches: dict[str, Path], tmp_path: Path) -> None:
     _, run, _ = ema_run
     trained = peft_names(run / T.LORA_FILE)
     for source in (run / T.LORA_FILE, run / COMFYUI_LORA_FILE):  # diffusers and ComfyUI key names
@@ -169,7 +169,7 @@ KINDS = {  # name: (config, the key names' prefix, peft's scale of every module)
 
 
 def test_lycoris_adapters_train_and_load_in_peft_and_as_comfyuis_readers_compute(
-        caches: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+        caches: dict[str, Path], tmp_path: Path) -> None:
     """LoKr (both factors whole: LyCORIS's scale 1 whatever linear_alpha; w2 decomposed: alpha / r) and LoHa, one
     step each: the file loads back through peft (validation's `load_lora_file`) tensor for tensor, and every
     module's ComfyUI weight change equals the one peft applies."""
@@ -201,7 +201,7 @@ def test_lycoris_adapters_train_and_load_in_peft_and_as_comfyuis_readers_compute
 
 
 def test_dora_trains_a_magnitude_loads_back_through_diffusers_and_resumes_exactly(
-        caches: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+        caches: dict[str, Path], tmp_path: Path) -> None:
     """use_dora: peft's magnitude vectors are trained and saved; validation's loader (diffusers' load_lora_adapter,
     the header's use_dora) reads the file back tensor for tensor; a run resumed from its step-1 checkpoint ends
     with the same bits as the uninterrupted one."""
@@ -233,7 +233,7 @@ def test_dora_trains_a_magnitude_loads_back_through_diffusers_and_resumes_exactl
 
 
 def test_ema_validation_picks_the_adapters_validation_renders(ema_run, caches: dict[str, Path],
-                                                             tmp_path: Path) -> None:  # noqa: F811
+                                                             tmp_path: Path) -> None:
     config, run, _ = ema_run
     lora, ema = str(run / T.LORA_FILE), str(run / EMA_LORA_FILE)
     assert trained_adapters(config, lora) == {"lora": lora, "ema": ema}  # comparison, SimpleTuner's default

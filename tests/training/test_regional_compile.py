@@ -23,13 +23,13 @@ import torch
 from loraflow.config import LoraflowConfig
 from loraflow.training import loop as T
 from loraflow.pipelines import get_family
-from tests.ops.test_train import caches, fixed_batch, loss_and_grads, make_config  # noqa: F401 (caches: fixture)
+from tests.training.test_train import fixed_batch, loss_and_grads, make_config
 
 BOUND = 1e-3  # of max |gradient|: see the module docstring
 
 
 @pytest.mark.compile
-def test_regional_compilation_gives_eager_gradients_within_rounding(caches: dict[str, Path],  # noqa: F811
+def test_regional_compilation_gives_eager_gradients_within_rounding(caches: dict[str, Path],
                                                                     tmp_path: Path) -> None:
     eager = make_config(caches, tmp_path / "eager")
     batch = fixed_batch(eager)

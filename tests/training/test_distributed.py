@@ -28,7 +28,7 @@ from loraflow.training import loop as T
 from loraflow.training.distributed import World, join
 from loraflow.store import Store
 from tests.conftest import REPO
-from tests.ops.test_train import build_caches, make_config, same_lora_file, train
+from tests.training.test_train import build_caches, make_config, same_lora_file, train
 
 # Steps 1-3, a checkpoint at 2; LoRA dropout and caption dropout make the per-micro-step draws matter.
 SETTINGS = {"max_train_steps": 3, "checkpointing_steps": 2, "checkpoints_total_limit": 2, "lora_dropout": 0.1,

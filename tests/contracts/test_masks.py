@@ -30,7 +30,7 @@ from loraflow.kernels.flow_matching import flow_mse, noisy_sample
 from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store
 from tests.conftest import demo_dict
-from tests.ops.test_train import build_caches, make_config, same_lora_file, train
+from tests.training.test_train import build_caches, make_config, same_lora_file, train
 
 CPU = torch.device("cpu")
 
