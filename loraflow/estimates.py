@@ -322,7 +322,7 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
     """`stages` for the config's largest bucket (frames, height, width) and its validation size, from the
     components' config dicts only (`component_configs`, or a released config: no weights are read)."""
     from loraflow.stages.clips.buckets import vae_geometry
-    from loraflow.contracts.renders import validation_size
+    from loraflow.contracts.renders import DEFAULT_VALIDATION_SIZE
     from loraflow.pipelines import plan_family
 
     frames, height, width = bucket
@@ -331,7 +331,7 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
     # validation renders at `validation_resolution`, else at the default or (an i2v pipeline that sizes the render
     # from its image) at that image's size bucket: the largest training bucket's size stands for it
     sized_by_image = config.validation_size is None and plan_family(config).spec.render_size is not None
-    val_height, val_width = (height, width) if sized_by_image else validation_size(config, family, None)
+    val_height, val_width = (height, width) if sized_by_image else (config.validation_size or DEFAULT_VALIDATION_SIZE)
     val_frames = config.validation_num_video_frames or family.flavour.num_frames
     run = {"latents": lambda: vae_encode(config, family, configs["vae"], frames, height, width, device_type),
            "text_embeds": lambda: text_encoders(config, family, configs),

@@ -18,6 +18,7 @@ from dagster import AssetExecutionContext, PipesSubprocessClient
 
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.reports import LoraReport
+from loraflow.pipelines.sources import ModelSource
 
 
 def needs_launch(config: LoraflowConfig) -> bool:
@@ -47,14 +48,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(context: AssetExecutionContext, config: LoraflowConfig, config_path: str, store: Any) -> LoraReport:
-    """The lora stage's report, trained here or by the launched processes."""
+def train(context: AssetExecutionContext, config: LoraflowConfig, model: ModelSource, config_path: str,
+          store: Any) -> LoraReport:
+    """The lora stage's report, trained here or by the launched processes (`model`: resolved by the asset either
+    way, so the Hub is asked once, before any process starts; each launched process resolves it from the cache)."""
     from loraflow.training.loop import train_lora
     from loraflow.train_main import report_from_summary
     from loraflow.pipelines import get_family
 
     if not needs_launch(config):
-        return train_lora(config, get_family(config), store)
+        return train_lora(config, get_family(config), model, store)
     command = launch_command(config_path, config.num_processes)
     context.log.info(f"launching {config.num_processes} training process(es): {' '.join(command)}")
     result = PipesSubprocessClient().run(command=command, context=context).get_materialize_result()

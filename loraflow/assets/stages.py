@@ -44,7 +44,7 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
     store = loraflow.store(config)
     dataset = loraflow.dataset(config, context.partition_key)
     with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):
-        report = build_clips(config, plan_family(config), store, datasets=[dataset])
+        report = build_clips(config, plan_family(config), loraflow.model(config), store, datasets=[dataset])
     for row in report.quarantined:
         context.log.warning(f"quarantined {row.file}: {row.reason} ({row.detail})")
     return MaterializeResult(
@@ -77,7 +77,7 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
     dataset = loraflow.dataset(config, context.partition_key)
     store = loraflow.store(config)
     with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):  # it reads the clips part too
-        report = encode_latents(config, get_family(config), store, datasets=[dataset])
+        report = encode_latents(config, get_family(config), loraflow.model(config), store, datasets=[dataset])
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={"dataset": dataset, **md.counts(report), "latents": report.computed + report.reused,
@@ -95,7 +95,7 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
-    report = encode_texts(config, get_family(config), loraflow.store(config))
+    report = encode_texts(config, get_family(config), loraflow.model(config), loraflow.store(config))
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={**md.counts(report), "distinct_texts": report.distinct_texts,
@@ -137,7 +137,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
     store = loraflow.store(config)
-    report = train(context, config, loraflow.config_path, store)
+    report = train(context, config, loraflow.model(config), loraflow.config_path, store)
     sheet = progress_sheet_path(report.run_dir)  # validation_steps: renders during training
     history = [asdict(step) for step in report.history]
     return MaterializeResult(
@@ -171,9 +171,9 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
-    store, family = loraflow.store(config), get_family(config)
+    store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)
     adapters = validation_adapters(config, current_lora_path(config, family, store))  # ema_validation
-    reports = {name: validate(config, family, store, path) for name, path in adapters.items()}
+    reports = {name: validate(config, family, model, store, path) for name, path in adapters.items()}
     report = next(iter(reports.values()))
     metadata = {**md.counts(report), "prompts": len(report.prompts), "adapter": MetadataValue.path(
         next(iter(adapters.values())))}
