@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
     from loraflow.config import LoraflowConfig
     from loraflow.pipelines.base import ModelFamily
+    from loraflow.pipelines.sources import ModelSource
 
 GIB = 2**30
 CARDS_GB = (16, 24, 32, 48, 80, 141)  # common accelerator sizes; a card's "GB" is counted as GiB here
@@ -305,14 +306,11 @@ def largest_bucket(labels: Iterable[str]) -> tuple[int, int, int]:
     return frames, height, width
 
 
-def stage_estimate(config: LoraflowConfig, family: ModelFamily, stage: str, buckets: Iterable[str],
-                   device_type: str) -> StageEstimate:
+def stage_estimate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, stage: str,
+                   buckets: Iterable[str], device_type: str) -> StageEstimate:
     """One stage's estimate for the model on disk and these buckets: what the `latents` and `lora` assets show
     beside the peak they measured."""
-    from loraflow.pipelines.sources import model_source
-
-    source = model_source(config, download=False)
-    configs = component_configs({c: source.folder(c) for c in config.flavour.components})
+    configs = component_configs({c: model.folder(c) for c in config.flavour.components})
     return next(e for e in estimate(config, family, configs, largest_bucket(buckets), device_type, (stage,)))
 
 

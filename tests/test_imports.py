@@ -177,10 +177,12 @@ def test_stage_folders_meet_only_through_contracts() -> None:
 
 # Context resolved once: the entries (assets/, the CLI, `python -m loraflow.train_main`) resolve a config's family
 # (`get_family`) and model source (`model_source`, which may download from the Hugging Face Hub) and hand them down;
-# everything in stages/ (the fan-out worker too: the CLI and the fan-out op resolve for it), training/, validation/
-# and contracts/ takes them as arguments, so nothing below the entries contacts the Hub.
+# everything in stages/ (the fan-out worker too: the CLI and the fan-out op resolve for it), training/, validation/,
+# contracts/ and the estimates (`loraflow check` and the assets call them) takes them as arguments, so nothing below
+# the entries contacts the Hub.
 CONTEXT_RESOLVERS = ("get_family", "model_source")
-BELOW_THE_ENTRIES = ("loraflow.stages", "loraflow.training", "loraflow.validation", "loraflow.contracts")
+BELOW_THE_ENTRIES = ("loraflow.stages", "loraflow.training", "loraflow.validation", "loraflow.contracts",
+                     "loraflow.estimates")
 
 
 def context_calls(tree: ast.AST) -> list[str]:
