@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: loraflow comes from this checkout
@@ -74,15 +75,15 @@ def tiny_stage() -> dict[str, Any]:
     raw["datasets"][1]["cache_dir"] = str(WORK / "cache" / "text")
     configs = {s: parse_config({**raw, "latent_sampling": s}) for s in ("mode", "distribution")}
     family, store = get_family(configs["mode"]), Store(str(WORK / "cache"))
-    build_clips(configs["mode"], family, store)
+    build_clips(configs["mode"], family, model_source(configs["mode"]), store)
     result: dict[str, Any] = {}
     for sampling, config in configs.items():
         first = []
         for _ in range(3):
             shutil.rmtree(WORK / "cache" / "latents", ignore_errors=True)
-            report, seconds = timed(lambda: encode_latents(config, family, store))
+            report, seconds = timed(lambda: encode_latents(config, family, model_source(config), store))
             first.append(seconds)
-        cached = [timed(lambda: encode_latents(config, family, store)) for _ in range(3)]
+        cached = [timed(lambda: encode_latents(config, family, model_source(config), store)) for _ in range(3)]
         assert all(r.computed == 0 for r, _ in cached), "a rerun with nothing changed computed latents"
         row = store.get("latents", [store.read_manifest("latents")[0]["key"]])
         result[sampling] = {

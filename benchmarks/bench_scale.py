@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: loraflow comes from this checkout
@@ -123,8 +124,8 @@ def step(name: str, config_path: str) -> dict[str, Any]:
     elif name == "text_embeds":
         from loraflow.stages.text.text_embeds import encode_texts
 
-        first, out["first_s"] = timed(lambda: encode_texts(config, family, store))
-        again, out["s"] = timed(lambda: encode_texts(config, family, Store(config.cache_dir)))
+        first, out["first_s"] = timed(lambda: encode_texts(config, family, model_source(config), store))
+        again, out["s"] = timed(lambda: encode_texts(config, family, model_source(config), Store(config.cache_dir)))
         out.update(first_computed=first.computed, computed=again.computed, distinct_texts=again.facts["distinct_texts"])
     return out
 

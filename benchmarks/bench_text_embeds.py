@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: loraflow comes from this checkout
@@ -102,8 +103,8 @@ def tiny_pipeline() -> dict[str, Any]:
     texts = captions(CAPTIONS)
     store.write_manifest("clips", [{"key": f"k{i}", "path": f"clip{i}.mp4", "captions": [t]}
                                    for i, t in enumerate(texts)])
-    first = encode_texts(config, family, store)
-    second_s = median_s(lambda: encode_texts(config, family, store), runs=3)
+    first = encode_texts(config, family, model_source(config), store)
+    second_s = median_s(lambda: encode_texts(config, family, model_source(config), store), runs=3)
     manifest = store.read_manifest("text_embeds")
     rows = store.get("text_embeds", [r["key"] for r in manifest])
     same, padded = WORK / "torch_same", WORK / "torch_padded"

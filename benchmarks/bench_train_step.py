@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -67,7 +68,7 @@ def ours(config_path: Path, steps: int, round_: int) -> list[float]:
     base = load_config(config_path)
     config = parse_config({**base.model_dump(mode="json", exclude_none=True), "max_train_steps": steps,
                            "output_dir": str(config_path.parent / f"out-{round_}")})
-    report = train_lora(config, get_family(config), Store(config.cache_dir))
+    report = train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
     return [row["ms"] for row in report.tables["history"]]
 
 
@@ -86,7 +87,7 @@ def bare(config_path: Path, steps: int, prep: bool = False) -> list[float]:
     family, store, cpu = get_family(config), Store(config.cache_dir), torch.device("cpu")
     plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     batch = D.load_micro_batch(config, family, store, plan(0), 0)
-    transformer, params = T.load_transformer(config, family, cpu)
+    transformer, params = T.load_transformer(config, family, model_source(config), cpu)
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY)
     x0, noise, sigma = batch.x0, batch.draws.noise, batch.draws.sigma
 

@@ -217,18 +217,21 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
 def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> int:
     """Cache one dataset with `workers` local latents workers (stages/shard_worker.py), or be the worker of one `shard`."""
     from loraflow.keys import Shard
+    from loraflow.pipelines import get_family
+    from loraflow.pipelines.sources import model_source
     from loraflow.stages import shard_worker as fanout
 
     if workers < 1:
         print(f"cache: --workers {workers}: give 1 or more worker processes", file=sys.stderr)
         return 2
     config = load_config(config_path)
+    family, model = get_family(config), model_source(config)
     if shard is not None:  # one worker: what `--workers N` starts N of, and what a pod or container runs
-        report = fanout.cache_shard(config, dataset, Shard.parse(shard))
+        report = fanout.cache_shard(config, family, model, dataset, Shard.parse(shard))
         print(f"latents shard {shard} of '{dataset}': computed {report.computed}, reused {report.reused}, "
               f"quarantined {len(report.quarantined)}")
         return 0
-    clips, latents = fanout.cache_dataset(config_path, config, dataset, workers)
+    clips, latents = fanout.cache_dataset(config_path, config, family, model, dataset, workers)
     print(f"'{dataset}' cached by {workers} worker(s): clips computed {clips.computed}, reused {clips.reused}; "
           f"latents {latents.computed + latents.reused} listed (data version {latents.data_version})")
     return 0

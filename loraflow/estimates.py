@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
     from loraflow.config import LoraflowConfig
     from loraflow.pipelines.base import ModelFamily
+    from loraflow.pipelines.sources import ModelSource
 
 GIB = 2**30
 CARDS_GB = (16, 24, 32, 48, 80, 141)  # common accelerator sizes; a card's "GB" is counted as GiB here
@@ -305,14 +306,11 @@ def largest_bucket(labels: Iterable[str]) -> tuple[int, int, int]:
     return frames, height, width
 
 
-def stage_estimate(config: LoraflowConfig, family: ModelFamily, stage: str, buckets: Iterable[str],
-                   device_type: str) -> StageEstimate:
+def stage_estimate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, stage: str,
+                   buckets: Iterable[str], device_type: str) -> StageEstimate:
     """One stage's estimate for the model on disk and these buckets: what the `latents` and `lora` assets show
     beside the peak they measured."""
-    from loraflow.pipelines.sources import model_source
-
-    source = model_source(config, download=False)
-    configs = component_configs({c: source.folder(c) for c in config.flavour.components})
+    configs = component_configs({c: model.folder(c) for c in config.flavour.components})
     return next(e for e in estimate(config, family, configs, largest_bucket(buckets), device_type, (stage,)))
 
 
@@ -322,7 +320,7 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
     """`stages` for the config's largest bucket (frames, height, width) and its validation size, from the
     components' config dicts only (`component_configs`, or a released config: no weights are read)."""
     from loraflow.stages.clips.buckets import vae_geometry
-    from loraflow.contracts.renders import validation_size
+    from loraflow.contracts.renders import DEFAULT_VALIDATION_SIZE
     from loraflow.pipelines import plan_family
 
     frames, height, width = bucket
@@ -331,7 +329,7 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
     # validation renders at `validation_resolution`, else at the default or (an i2v pipeline that sizes the render
     # from its image) at that image's size bucket: the largest training bucket's size stands for it
     sized_by_image = config.validation_size is None and plan_family(config).spec.render_size is not None
-    val_height, val_width = (height, width) if sized_by_image else validation_size(config, family, None)
+    val_height, val_width = (height, width) if sized_by_image else (config.validation_size or DEFAULT_VALIDATION_SIZE)
     val_frames = config.validation_num_video_frames or family.flavour.num_frames
     run = {"latents": lambda: vae_encode(config, family, configs["vae"], frames, height, width, device_type),
            "text_embeds": lambda: text_encoders(config, family, configs),

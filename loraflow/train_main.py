@@ -47,10 +47,11 @@ def train_config_file(config_path: str) -> LoraReport:
     from loraflow.config import load_config
     from loraflow.training.loop import train_lora
     from loraflow.pipelines import get_family
+    from loraflow.pipelines.sources import model_source
     from loraflow.store import Store
 
     config = load_config(config_path)
-    return train_lora(config, get_family(config), Store(config.cache_dir))
+    return train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -66,7 +66,7 @@ def measured_training_peak(config: LoraflowConfig, latent_shape: tuple[int, ...]
     family = get_family(config)
     transformer_config = json.loads((Path(config.pretrained_model_name_or_path) / "transformer" /
                                      "config.json").read_text())
-    transformer, params = load_transformer(config, family, CPU)
+    transformer, params = load_transformer(config, family, model_source(config), CPU)
     transformer.train()
     optimizer = make_optimizer(config, params)
     autocast = uses_autocast(config, CPU)

@@ -195,32 +195,14 @@ def test_stage_folders_meet_only_through_contracts() -> None:
     assert stage_crossings(import_graph()) == sorted(KNOWN_CROSSINGS), "move what two stages share into contracts/"
 
 
-# Context resolved once: the entries (assets/, the CLI, `python -m loraflow.train_main`, the fan-out worker process)
-# resolve a config's family (`get_family`) and model source (`model_source`, which may download from the Hugging Face
-# Hub) and hand them down; the stage folders and contracts/ below them take them as arguments.
+# Context resolved once: the entries (assets/, the CLI, `python -m loraflow.train_main`) resolve a config's family
+# (`get_family`) and model source (`model_source`, which may download from the Hugging Face Hub) and hand them down;
+# everything in stages/ (the fan-out worker too: the CLI and the fan-out op resolve for it), training/, validation/,
+# contracts/ and the estimates (`loraflow check` and the assets call them) takes them as arguments, so nothing below
+# the entries contacts the Hub.
 CONTEXT_RESOLVERS = ("get_family", "model_source")
-BELOW_THE_ENTRIES = (*STAGE_FOLDERS, "loraflow.contracts")
-
-# The re-derivations that stand today (module: resolver, one entry per call), each going when its caller hands the
-# value in; the test fails when one goes too, so this list stays true.
-KNOWN_REDERIVATIONS = [
-    # render_settings / validation sizes / the scheduler's shift: called from config checks and the CLI with a config
-    "loraflow.contracts.renders: model_source", "loraflow.contracts.renders: model_source",
-    "loraflow.contracts.renders: model_source",
-    # the clips stage's latent geometry (planning reads the VAE's config, never its weights)
-    "loraflow.stages.clips.clips: model_source", "loraflow.stages.clips.clips: model_source",
-    # latent_rows (also called by the pinned-key test and `loraflow check`) and encode_latents' loader
-    "loraflow.stages.latents.latents: get_family", "loraflow.stages.latents.latents: model_source",
-    "loraflow.stages.latents.latents: model_source",
-    # text keys (encoder fingerprints) and encode_texts' loader
-    "loraflow.stages.text.text_embeds: model_source", "loraflow.stages.text.text_embeds: model_source",
-    # the transformer's loader
-    "loraflow.training.loop: model_source",
-    # the renders during training load their pipeline
-    "loraflow.training.progress_renders: model_source",
-    # validate's loader
-    "loraflow.validation.validate: model_source",
-]
+BELOW_THE_ENTRIES = ("loraflow.stages", "loraflow.training", "loraflow.validation", "loraflow.contracts",
+                     "loraflow.estimates")
 
 
 def context_calls(tree: ast.AST) -> list[str]:
@@ -242,5 +224,5 @@ def test_the_context_rule_sees_a_planted_call() -> None:
 
 
 def test_the_stages_are_handed_their_family_and_model() -> None:
-    assert rederivations() == sorted(KNOWN_REDERIVATIONS), (
+    assert rederivations() == [], (
         "resolve get_family / model_source in the entry (assets/, the CLI, train_main) and pass it down")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,9 +66,9 @@ def stages(config_path: Path, offload: bool, cache: Path, cuda: bool) -> list[di
     base = load_config(config_path).model_dump(mode="json", exclude_none=True)
     config = parse_config({**base, "offload_during_startup": offload, "cache_dir": str(cache)})
     family, store = get_family(config), Store(config.cache_dir)
-    build_clips(config, family, store)  # CPU only: not measured
-    return [stage("latents", lambda: encode_latents(config, family, store), cuda),
-            stage("text_embeds", lambda: encode_texts(config, family, store), cuda)]
+    build_clips(config, family, model_source(config), store)  # CPU only: not measured
+    return [stage("latents", lambda: encode_latents(config, family, model_source(config), store), cuda),
+            stage("text_embeds", lambda: encode_texts(config, family, model_source(config), store), cuda)]
 
 
 def measure(work: Path, smoke: bool) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from offload import demo_config
+from loraflow.pipelines.sources import model_source
 
 STEPS, CHECKPOINT_AT = 4, 2
 
@@ -44,9 +45,9 @@ def measure(work: Path, smoke: bool) -> dict[str, Any]:
     config = load_config(configs["through"])
     family, store = get_family(config), Store(config.cache_dir)
     began = time.perf_counter()
-    build_clips(config, family, store)
-    encode_latents(config, family, store)
-    encode_texts(config, family, store)
+    build_clips(config, family, model_source(config), store)
+    encode_latents(config, family, model_source(config), store)
+    encode_texts(config, family, model_source(config), store)
     caches_s = time.perf_counter() - began
 
     through, through_s = train_main(configs["through"])

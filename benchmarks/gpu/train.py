@@ -22,6 +22,7 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+from loraflow.pipelines.sources import model_source
 
 K5_LITE = dict(in_visual_dim=16, out_visual_dim=16, time_dim=512, patch_size=(1, 2, 2), model_dim=1792, ff_dim=7168,
                num_text_blocks=2, num_visual_blocks=32, axes_dims=(16, 24, 24), visual_cond=True, in_text_dim=3584,
@@ -104,7 +105,7 @@ def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: 
     device = torch.device("cpu" if smoke else "cuda")
     family_obj = get_family(config)
     try:
-        transformer, params = T.load_transformer(config, family_obj, device)
+        transformer, params = T.load_transformer(config, family_obj, model_source(config), device)
         T.enable_offload(transformer, config, device)
         trainable = T.Trainable(transformer, params, device)
         optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=WEIGHT_DECAY)

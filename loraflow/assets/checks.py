@@ -91,10 +91,9 @@ def bad_latents(store: Store, geometry: LatentGeometry,
 def latents_shape_and_finite(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
     from loraflow.stages.clips.buckets import latent_geometry
     from loraflow.pipelines import plan_family
-    from loraflow.pipelines.sources import model_source
 
     config = loraflow.load()
-    geometry = latent_geometry(model_source(config), plan_family(config))
+    geometry = latent_geometry(loraflow.model(config), plan_family(config))
     checked, offending = bad_latents(loraflow.store(config), geometry, _datasets(context))
     return _result(not offending, offending, checked, "latents",
                    geometry=MetadataValue.json({"channels": geometry.channels, "temporal": geometry.temporal,
@@ -130,12 +129,13 @@ def quarantined_latents(store: Store, datasets: list[str] | None) -> set[str]:
 @asset_check(asset=latents, blocking=True, partitions_def=DATASETS,
              description="Every clip in the clips manifest has a stored latent.")
 def latents_cover_clips(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
+    from loraflow.pipelines import get_family
     from loraflow.stages.latents.latents import latent_rows
 
     config = loraflow.load()
     store = loraflow.store(config)
     datasets = _datasets(context)
-    expected = latent_rows(config, store, datasets)
+    expected = latent_rows(config, get_family(config), loraflow.model(config), store, datasets)
     offending = clips_without_latents(expected, store, datasets)
     return _result(not offending, offending, len(expected), "clips")
 
@@ -169,7 +169,7 @@ def text_embeds_cover_captions(loraflow: LoraflowResource) -> AssetCheckResult:
 
     config = loraflow.load()
     store = loraflow.store(config)
-    needed = needed_texts(config, get_family(config), store)
+    needed = needed_texts(config, get_family(config), loraflow.model(config), store)
     offending = texts_without_embeddings(needed, store)
     return _result(not offending, offending, len(needed), "texts")
 

@@ -37,11 +37,12 @@ ONE_GPU_POD = {"dagster-k8s/config": {"container_config": {"resources": {"limits
 
 @op(pool="gpu", retry_policy=TRANSIENT, tags=ONE_GPU_POD)
 def latents_shard(context: OpExecutionContext, loraflow: LoraflowResource, work: dict) -> int:
+    from loraflow.pipelines import get_family
     from loraflow.stages.shard_worker import cache_shard
 
     config = loraflow.load()
     dataset = loraflow.dataset(config, work["dataset"])
-    report = cache_shard(config, dataset, Shard.parse(work["shard"]))
+    report = cache_shard(config, get_family(config), loraflow.model(config), dataset, Shard.parse(work["shard"]))
     context.log.info(f"latents shard {work['shard']} of '{dataset}': computed {report.computed}, "
                      f"reused {report.reused}, quarantined {len(report.quarantined)}")
     return report.computed

@@ -20,6 +20,8 @@ IMAGE_TYPES = {".png": "image/png", ".webp": "image/webp"}  # the files md_image
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
     from loraflow.contracts.reports import StageReport
+    from loraflow.pipelines.base import ModelFamily
+    from loraflow.pipelines.sources import ModelSource
     from loraflow.store import Store
 
 
@@ -74,17 +76,16 @@ def loss_words(history: list[dict[str, Any]]) -> str:
     return f"{first['loss']:.4g} at step {first['step']} → {last['loss']:.4g} at step {last['step']}"
 
 
-def estimated_peak(config: LoraflowConfig, stage: str, store: Store, device: str,
-                   datasets: list[str] | None = None) -> dict[str, Any]:
+def estimated_peak(config: LoraflowConfig, family: ModelFamily, model: ModelSource, stage: str, store: Store,
+                   device: str, datasets: list[str] | None = None) -> dict[str, Any]:
     """The estimate (loraflow/estimates.py) beside a stage's measured `peak_gib`: `est_peak_gib` and its parts in
     GiB, for the largest bucket of these datasets' clips (None: every dataset) on `device` ("cpu", "cuda:0")."""
     from loraflow.estimates import GIB, stage_estimate
-    from loraflow.pipelines import get_family
 
     buckets = {clip["bucket"] for clip in store.read_manifest("clips", parts=datasets)}
     if not buckets:
         return {}
-    estimate = stage_estimate(config, get_family(config), stage, buckets, device.split(":")[0])
+    estimate = stage_estimate(config, family, model, stage, buckets, device.split(":")[0])
     if not estimate.parts:
         return {"est_peak_gib": estimate.note}
     return {"est_peak_gib": number(estimate.peak_gib),

@@ -7,6 +7,7 @@ import os
 from dagster import ConfigurableResource, Failure, InitResourceContext
 
 from loraflow.config import ConfigError, LoraflowConfig, load_config
+from loraflow.pipelines.sources import HubUnreachable, ModelSource, model_source
 from loraflow.store import Store
 
 DEFAULT_CONFIG = "configs/demo.yaml"
@@ -31,6 +32,15 @@ class LoraflowResource(ConfigurableResource):
         except ConfigError as exc:
             raise Failure(description=str(exc), metadata={"config": self.config_path, "problems": exc.problems},
                           allow_retries=False) from None
+
+    def model(self, config: LoraflowConfig) -> ModelSource:
+        """The config's model, resolved once per step and handed to the stage (a repository is downloaded into the
+        Hugging Face cache first). A Hub that cannot be reached fails the step without retries, in one message
+        naming the Hub and the two ways out, not huggingface_hub's traceback: retrying cannot bring the network."""
+        try:
+            return model_source(config)
+        except HubUnreachable as exc:
+            raise Failure(description=str(exc), metadata={"config": self.config_path}, allow_retries=False) from None
 
     def store(self, config: LoraflowConfig) -> Store:
         """The config's store. Manifest parts of datasets no longer in the config are dropped first, so no

@@ -44,7 +44,7 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
     store = loraflow.store(config)
     dataset = loraflow.dataset(config, context.partition_key)
     with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):
-        report = build_clips(config, plan_family(config), store, datasets=[dataset])
+        report = build_clips(config, plan_family(config), loraflow.model(config), store, datasets=[dataset])
     for row in report.quarantined:
         context.log.warning(f"quarantined {row.file}: {row.reason} ({row.detail})")
     return MaterializeResult(
@@ -75,14 +75,14 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
 
     config = loraflow.load()
     dataset = loraflow.dataset(config, context.partition_key)
-    store = loraflow.store(config)
+    store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)
     with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):  # it reads the clips part too
-        report = encode_latents(config, get_family(config), store, datasets=[dataset])
+        report = encode_latents(config, family, model, store, datasets=[dataset])
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={"dataset": dataset, **md.counts(report), "latents": report.computed + report.reused,
                   "device": report.device, "peak_gib": report.peak_gib,
-                  **md.estimated_peak(config, "latents", store, report.device, [dataset]),
+                  **md.estimated_peak(config, family, model, "latents", store, report.device, [dataset]),
                   "quarantined": len(report.quarantined),
                   "quarantine": md.md_table(report.quarantined), "oom_fallbacks": md.md_table(report.oom_fallbacks)},
     )
@@ -95,7 +95,7 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
-    report = encode_texts(config, get_family(config), loraflow.store(config))
+    report = encode_texts(config, get_family(config), loraflow.model(config), loraflow.store(config))
     return MaterializeResult(
         data_version=DataVersion(report.data_version),
         metadata={**md.counts(report), "distinct_texts": report.distinct_texts,
@@ -134,10 +134,11 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
     from loraflow.training.progress_renders import progress_sheet_path
     from loraflow.config.training_options import trained_with
     from loraflow.contracts.masks import masked_loss_metadata
+    from loraflow.pipelines import get_family
 
     config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
-    store = loraflow.store(config)
-    report = run_training(context, config, loraflow.config_path, store)
+    store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)
+    report = run_training(context, config, family, model, loraflow.config_path, store)
     sheet = progress_sheet_path(report.run_dir)  # validation_steps: renders during training
     history = [asdict(step) for step in report.history]
     return MaterializeResult(
@@ -147,7 +148,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
             "lora_path": MetadataValue.path(report.lora_path),
             "final_loss": md.number(float("nan") if report.final_loss is None else report.final_loss),
             "peak_gib": md.number(report.peak_gib),  # CUDA only: 0 on the CPU
-            **md.estimated_peak(config, "lora", store, "cuda" if report.peak_gib else "cpu"),
+            **md.estimated_peak(config, family, model, "lora", store, "cuda" if report.peak_gib else "cpu"),
             "loss": md.loss_words(history),
             **masked_loss_metadata(config),  # with a mask dataset: which datasets, how often
             "loss_curve": md.md_image(loss_plot(history), "training loss per step"),
@@ -171,9 +172,9 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.pipelines import get_family
 
     config = loraflow.load()
-    store, family = loraflow.store(config), get_family(config)
+    store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)
     adapters = trained_adapters(config, current_lora_path(config, family, store))  # ema_validation
-    reports = {name: validate(config, family, store, path) for name, path in adapters.items()}
+    reports = {name: validate(config, family, model, store, path) for name, path in adapters.items()}
     report = next(iter(reports.values()))
     metadata = {**md.counts(report), "prompts": len(report.prompts), "adapter": MetadataValue.path(
         next(iter(adapters.values())))}

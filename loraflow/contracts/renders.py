@@ -15,7 +15,7 @@ from loraflow.contracts.holdout import split_clips
 from loraflow.keys import content_key
 from loraflow.pipelines import plan_family
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, scheduler_shift
-from loraflow.pipelines.sources import model_source
+from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
 # Part of the i2i prompt image key, so of every i2i validation text key: the validation stage's CODE_VERSION when
@@ -24,12 +24,13 @@ PROMPT_IMAGE_VERSION = "validation-2"
 DEFAULT_VALIDATION_SIZE = (512, 768)  # (height, width): 768x512, what validation rendered before any flavour default
 
 
-def render_settings(config: LoraflowConfig, family: ModelFamily, store: Store | None = None) -> RenderSettings:
+def render_settings(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
+                    store: Store | None = None) -> RenderSettings:
     """The config's validation_* keys, each falling back to the flavour's default; checked against the family.
     `store`: where the clip validation renders from is, for a size left out (`validation_size`)."""
-    height, width = validation_size(config, family, store)
+    height, width = validation_size(config, family, model, store)
     flavour = family.flavour
-    problem = plan_family(config).validation_size_problem(model_source(config), height, width)
+    problem = plan_family(config).validation_size_problem(model, height, width)
     if problem:
         raise ValueError(problem)
     frames = config.validation_num_video_frames or flavour.num_frames
@@ -40,11 +41,12 @@ def render_settings(config: LoraflowConfig, family: ModelFamily, store: Store | 
         num_inference_steps=config.validation_num_inference_steps or flavour.steps,
         guidance=config.validation_guidance if config.validation_guidance is not None else flavour.guidance,
         seed=config.validation_seed if config.validation_seed is not None else config.seed,
-        flow_shift=render_shift(config, family),
+        flow_shift=render_shift(config, family, model),
     )
 
 
-def validation_size(config: LoraflowConfig, family: ModelFamily, store: Store | None) -> tuple[int, int]:
+def validation_size(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
+                    store: Store | None) -> tuple[int, int]:
     """(height, width): `validation_resolution`, else 768x512; left out where the pipeline sizes the render from
     its image (`FamilySpec.render_size`), the size it renders the image validation starts from at: a default that
     always renders."""
@@ -56,15 +58,15 @@ def validation_size(config: LoraflowConfig, family: ModelFamily, store: Store | 
     if store is None:
         raise ValueError(f"{family.name} {family.flavour.name} sizes validation from its image: give the store")
     height, width = condition_frame(store, conditioning_clip(config, family, store)).shape[:2]
-    return spec.render_size(family.flavour, model_source(config), height, width) or DEFAULT_VALIDATION_SIZE
+    return spec.render_size(family.flavour, model, height, width) or DEFAULT_VALIDATION_SIZE
 
 
-def render_shift(config: LoraflowConfig, family: ModelFamily) -> float:
+def render_shift(config: LoraflowConfig, family: ModelFamily, model: ModelSource) -> float:
     """`validation_flow_shift`, else the shift of the checkpoint's own scheduler config (what its pipeline renders
     with: a checkpoint knows its shift better than a table), else the flavour's."""
     if config.validation_flow_shift is not None:
         return config.validation_flow_shift
-    from_checkpoint = scheduler_shift(model_source(config))
+    from_checkpoint = scheduler_shift(model)
     return from_checkpoint if from_checkpoint is not None else family.flavour.flow_shift
 
 

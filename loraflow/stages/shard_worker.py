@@ -20,27 +20,32 @@ import os
 import signal
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
 from loraflow.config import LoraflowConfig
 from loraflow.keys import Shard
 from loraflow.lifetime import die_with_parent
 from loraflow.contracts.reports import ClipsReport, LatentsReport
+from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
+
+if TYPE_CHECKING:
+    from loraflow.pipelines.base import ModelFamily  # imports torch
 
 log = logging.getLogger(__name__)
 
 
-def cache_shard(config: LoraflowConfig, dataset: str, shard: Shard) -> LatentsReport:
+def cache_shard(config: LoraflowConfig, family: ModelFamily, model: ModelSource, dataset: str,
+                shard: Shard) -> LatentsReport:
     """One worker: the latents of the shard's clips of the dataset that the store lacks. The dataset's clips must be
     cached (its clips manifest part is what is split). On a machine of several GPUs, shard i takes GPU i mod N."""
     import torch
 
     from loraflow.stages.latents.latents import encode_latents
-    from loraflow.pipelines import get_family
 
     if torch.cuda.device_count() > 1:  # N local processes (`run_workers`, Dagster's multiprocess executor) see all
         torch.cuda.set_device(shard.index % torch.cuda.device_count())
-    return encode_latents(config, get_family(config), Store(config.cache_dir), datasets=[dataset], shard=shard)
+    return encode_latents(config, family, model, Store(config.cache_dir), datasets=[dataset], shard=shard)
 
 
 def run_workers(config_path: str, dataset: str, count: int) -> dict[int, int]:
@@ -56,20 +61,20 @@ def run_workers(config_path: str, dataset: str, count: int) -> dict[int, int]:
     return {index: code for index, worker in workers.items() if (code := worker.wait()) != 0}
 
 
-def cache_dataset(config_path: str, config: LoraflowConfig, dataset: str, workers: int) -> tuple[ClipsReport, LatentsReport]:
+def cache_dataset(config_path: str, config: LoraflowConfig, family: ModelFamily, model: ModelSource, dataset: str,
+                  workers: int) -> tuple[ClipsReport, LatentsReport]:
     """Clips (one process), latents by `workers` processes, then the manifest parts: what a `cache_dataset` run
     does for one dataset, with the VAE work fanned out. A failed worker raises after the others finished; running
     this again redoes only what is still missing."""
     from loraflow.stages.clips.clips import build_clips
     from loraflow.stages.latents.latents import encode_latents
-    from loraflow.pipelines import get_family
 
-    family, store = get_family(config), Store(config.cache_dir)
+    store = Store(config.cache_dir)
     with store.part_lock(dataset, on_wait=lambda: log.info("waiting for another process writing '%s'", dataset)):
-        clips = build_clips(config, family, store, datasets=[dataset])
+        clips = build_clips(config, family, model, store, datasets=[dataset])
     failed = run_workers(config_path, dataset, workers)
     if failed:
         raise RuntimeError(f"latents worker(s) {', '.join(f'{i}/{workers}' for i in failed)} of dataset '{dataset}' "
                            f"failed (exit codes {', '.join(map(str, failed.values()))}); run again to resume them")
     with store.part_lock(dataset):  # every latent is committed: this writes the manifest parts
-        return clips, encode_latents(config, family, store, datasets=[dataset])
+        return clips, encode_latents(config, family, model, store, datasets=[dataset])

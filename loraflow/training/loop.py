@@ -67,7 +67,7 @@ from loraflow.pipelines.base import (
     ModelFamily, load_component,
 )
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
-from loraflow.pipelines.sources import model_source
+from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -117,13 +117,14 @@ def add_lora(transformer: torch.nn.Module, config: LoraflowConfig, family: Model
     return params
 
 
-def load_transformer(config: LoraflowConfig, family: ModelFamily, device: torch.device) -> tuple[torch.nn.Module, list]:
+def load_transformer(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
+                     device: torch.device) -> tuple[torch.nn.Module, list]:
     """The frozen transformer in the configured precision with fp32 LoRA; on `device` unless group-offloaded."""
     if config.group_offload_use_stream and device.type != "cuda":
         raise ValueError(f"`group_offload_use_stream` needs a CUDA device; this run is on {device.type}: set "
                          "group_offload_use_stream: false (group offloading itself works without it)")
     where = "cpu" if config.enable_group_offload else str(device)  # group offloading moves the blocks itself
-    transformer = load_component(model_source(config), "transformer", base_dtype(config), where)
+    transformer = load_component(model, "transformer", base_dtype(config), where)
     return prepare_transformer(transformer, config, family)
 
 
@@ -291,7 +292,7 @@ def routing(transformer: torch.nn.Module, family: ModelFamily, config: LoraflowC
 
 
 # 4. the loop ---------------------------------------------------------------------------------------------------
-def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> LoraReport:
+def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store) -> LoraReport:
     """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
     # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
     world, device = join(config.num_processes, config.fsdp)
@@ -312,7 +313,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     plan = BatchPlan(samples, config.train_batch_size, config.seed)
     out.mkdir(parents=True, exist_ok=True)
     # 2. model: precision, LoRA (resumed), memory features, optimizer (resumed)
-    transformer, params = load_transformer(config, family, device)
+    transformer, params = load_transformer(config, family, model, device)
     checkpoint = latest_checkpoint(out)
     start_adapter(transformer, checkpoint, config.init_lora, family)
     ema = make_ema(config, transformer, checkpoint, device)  # use_ema; from the weights just loaded
@@ -328,7 +329,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
     optimizer = make_optimizer(config, params, transformer)
     start, history = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
     # 3. steps
-    history = run_steps(config, family, store, plan, transformer, trainable, optimizer, start, history, out,
+    history = run_steps(config, family, model, store, plan, transformer, trainable, optimizer, start, history, out,
                         world, crepa, ema)
     check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, [gathered(p) for p in params]),
                           world, device)
@@ -349,7 +350,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, store: Store) -> Lor
 
 
 def run_steps(
-    config: LoraflowConfig, family: ModelFamily, store: Store, plan: BatchPlan,
+    config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store, plan: BatchPlan,
     transformer: torch.nn.Module, trainable: Trainable, optimizer: torch.optim.Optimizer, start: int,
     history: list[dict], out: Path, world: World = World(), crepa: Crepa | None = None, ema: AdapterEma | None = None,
 ) -> list[dict]:
@@ -366,7 +367,7 @@ def run_steps(
                                                     world.micro_step(j), teacher),
                          range(start * accum, config.max_train_steps * accum))
     sink = open_sink(config.report_to, out, start, run_key_settings(config)) if world.main else None
-    renders = ProgressRenders(config, family, store, out, transformer, world)  # validation_steps; off by default
+    renders = ProgressRenders(config, family, model, store, out, transformer, world)  # validation_steps; off by default
     renders.at_startup(start)  # validation_on_startup; resets the peak memory itself
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

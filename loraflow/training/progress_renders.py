@@ -40,7 +40,7 @@ from loraflow.media.previews import contact_sheet
 from loraflow.media.writers import read_media, save_png, slug, write_media
 from loraflow.training.adapters import ADAPTER_PARAMETERS
 from loraflow.pipelines.base import ModelFamily
-from loraflow.pipelines.sources import model_source
+from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -56,15 +56,15 @@ class ProgressRenders:
     renders step 0 (validation_on_startup), `after_step` a multiple of validation_steps, on rank 0 while every rank
     waits for it."""
 
-    def __init__(self, config: LoraflowConfig, family: ModelFamily, store: Store, out: Path,
+    def __init__(self, config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store, out: Path,
                  transformer: torch.nn.Module, world: World) -> None:
         self.every, self.on_startup = config.validation_steps or 0, config.validation_on_startup
-        self.config, self.family, self.transformer, self.world = config, family, transformer, world
+        self.family, self.model, self.transformer, self.world = family, model, transformer, world
         self.folder = out / "validation"
         self.pipe: Any = None  # loaded at the first render
         if not self.every and not self.on_startup:
             return
-        self.settings = render_settings(config, family, store)
+        self.settings = render_settings(config, family, model, store)
         self.prompts, negative = config.validation_prompts, negative_prompt(config, family)
         clip, seen = prompt_image(config, family, store, self.settings)
         texts = cached_texts(store, [(t, seen) for t in [*self.prompts.values(), negative]])
@@ -113,7 +113,7 @@ class ProgressRenders:
         """
         device = _device_of(self.transformer)
         if self.pipe is None:
-            self.pipe = self.family.load_renderer(model_source(self.config), None,
+            self.pipe = self.family.load_renderer(self.model, None,
                                                   torch.device("cpu"), transformer=self.transformer)
             self.pipe.set_progress_bar_config(disable=True)
         self.pipe.vae.to(device)

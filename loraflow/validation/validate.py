@@ -40,17 +40,18 @@ from loraflow.media.writers import save_png, slug, write_media
 from loraflow.contracts.reports import EvalLoss, PromptRenders, ValidationReport
 from loraflow.config.validation_adapters import ValidationAdapter, activate, adapter_keys, load_adapters
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint
-from loraflow.pipelines.sources import model_source
+from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
 CODE_VERSION = "validation-3"  # 3: labelled, wrapped contact sheets and preview.webp
 RESULTS = "results.json"
 
 
-def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_path: str) -> ValidationReport:
+def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store,
+             lora_path: str) -> ValidationReport:
     """Render every validation prompt (base and LoRA) and measure eval loss; reuse a finished run."""
     # 1. plan: settings, prompts, eval clips, and the run's key
-    settings = render_settings(config, family, store)
+    settings = render_settings(config, family, model, store)
     prompts, negative = config.validation_prompts, negative_prompt(config, family)
     items = eval_items(config, family, store) if evaluates(config) else []
     if not prompts and not items:
@@ -58,7 +59,7 @@ def validate(config: LoraflowConfig, family: ModelFamily, store: Store, lora_pat
                          "or `eval_holdout_fraction` / `eval_dataset_id` (eval loss)")
     condition, seen = prompt_image(config, family, store, settings) if prompts else (None, "")
     texts = cached_texts(store, [(t, seen) for t in [*prompts.values(), negative]] if prompts else [])
-    model, adapters = model_source(config), config.validation_adapters
+    adapters = config.validation_adapters
     out = Path(config.output_dir) / "validation" / content_key(
         lora=safetensors_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
         family=family.name, flavour=family.flavour.name, fps=family.flavour.fps, settings=asdict(settings),

@@ -12,6 +12,7 @@ from loraflow.assets.partitions import sync_partitions
 from loraflow.assets.resources import LoraflowResource
 from loraflow.stages.clips.clips import build_clips
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
 
@@ -20,7 +21,7 @@ def test_one_step_per_shard_then_cache_dataset_computes_nothing(tiny_k5: Path, d
     resource = LoraflowResource(config_path=str(write_config(tmp_path / "c.yaml", demo_dict(tiny_k5, demo_data, tmp_path))))
     config = resource.load()
     store = Store(config.cache_dir)
-    clips = build_clips(config, get_family(config), store, datasets=["demo-videos"])
+    clips = build_clips(config, get_family(config), model_source(config), store, datasets=["demo-videos"])
     assert not clips.quarantined, clips.quarantined  # (a decode_timeout here means a host too loaded for this test)
     instance = DagsterInstance.ephemeral()
     fanout = Definitions(jobs=[cache_latents_fanout], resources={"loraflow": resource})

@@ -17,6 +17,7 @@ from loraflow.assets.stages import lora, teacher_features
 from loraflow.kernels.crepa import PROJECTOR_FILE
 from loraflow.training import loop as T
 from loraflow.demo.tiny_parts import tiny_dinov2
+from loraflow.pipelines.sources import model_source
 from tests.training.test_train import build_caches, make_config
 
 # biased_late: long rollouts; seed 42 draws offsets 8, 8, 7, 8 for micro-steps 0-3 (uniform drew 0 for both of the
@@ -103,11 +104,11 @@ def test_rollout_and_crepa_resume_exactly(caches: dict[str, Path]) -> None:
     settings = {**ROLLOUT, "scheduled_sampling_ramp_steps": 4, "scheduled_sampling_prob_start": 0.0,
                 **crepa(caches), "max_train_steps": 4, "checkpointing_steps": 2, "checkpoints_total_limit": None}
     config = make_config(caches, caches["root"] / "resume" / "out", **settings)
-    first = T.train_lora(config, _family(config), _store(config))
+    first = T.train_lora(config, _family(config), model_source(config), _store(config))
     run = Path(first.run_dir)
     whole, projector = load_file(run / T.LORA_FILE), load_file(run / PROJECTOR_FILE)
     (run / T.LORA_FILE).unlink()
-    resumed = T.train_lora(config, _family(config), _store(config))
+    resumed = T.train_lora(config, _family(config), model_source(config), _store(config))
     assert resumed.resumed_at_step == 2 and resumed.computed == 2
     assert same(load_file(run / T.LORA_FILE), whole) and same(load_file(run / PROJECTOR_FILE), projector)
     assert [r.crepa_loss for r in resumed.history] == [r.crepa_loss for r in first.history]

@@ -141,12 +141,13 @@ from loraflow.config import load_config
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 config = load_config(sys.argv[1])
 store = Store(config.cache_dir)
 for _ in range(3):  # several manifest writes each, so the two processes' writes interleave
-    build_clips(config, get_family(config), store, datasets=[sys.argv[2]])
-    encode_latents(config, get_family(config), store, datasets=[sys.argv[2]])
+    build_clips(config, get_family(config), model_source(config), store, datasets=[sys.argv[2]])
+    encode_latents(config, get_family(config), model_source(config), store, datasets=[sys.argv[2]])
 """
 
 

@@ -21,6 +21,7 @@ from loraflow.config import load_config
 from loraflow.contracts.renders import render_settings
 from loraflow.pipelines import load_family
 from loraflow.pipelines.base import load_component
+from loraflow.pipelines.sources import model_source
 from tests.conftest import demo_dict, write_config
 
 HV = "hunyuanvideo-1.5"
@@ -48,11 +49,11 @@ def test_validation_renders_with_the_releases_sampling_unless_the_config_says(fa
                        validation_resolution="256x128" if flavour.endswith("10s") else "64x48")  # 10 s: NABLA's 128s
     del config["validation_num_inference_steps"], config["validation_guidance"]
     loaded = load_config(write_config(tmp_path / "config.yaml", config))
-    settings = render_settings(loaded, load_family(family, flavour))
+    settings = render_settings(loaded, load_family(family, flavour), model_source(loaded))
     assert (settings.num_inference_steps, settings.guidance, settings.flow_shift) == RELEASED[flavour]
     chosen = loaded.model_copy(update={"validation_num_inference_steps": 3, "validation_guidance": 4.0})
-    assert (render_settings(chosen, load_family(family, flavour)).num_inference_steps,
-            render_settings(chosen, load_family(family, flavour)).guidance) == (3, 4.0)
+    assert (render_settings(chosen, load_family(family, flavour), model_source(chosen)).num_inference_steps,
+            render_settings(chosen, load_family(family, flavour), model_source(chosen)).guidance) == (3, 4.0)
 
 
 @pytest.fixture(scope="module")

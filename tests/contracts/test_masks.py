@@ -26,6 +26,7 @@ from loraflow.stages.latents.latents import encode_latents
 from loraflow.contracts.masks import MASK_COLUMN, masked_loss_metadata
 from loraflow.media.frames import probe
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.kernels.flow_matching import flow_mse, noisy_sample
 from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store
@@ -61,8 +62,8 @@ def masked(caches: dict[str, Path], output: Path, half: bool, **overrides: Any) 
 def use(config: LoraflowConfig) -> LoraflowConfig:
     """The store's clips and latents manifests are this config's (encoding what it lacks)."""
     family, store = get_family(config), Store(config.cache_dir)
-    build_clips(config, family, store)
-    encode_latents(config, family, store)
+    build_clips(config, family, model_source(config), store)
+    encode_latents(config, family, model_source(config), store)
     return config
 
 
@@ -81,7 +82,7 @@ def test_an_all_white_mask_trains_the_unmasked_lora(caches: dict[str, Path], unm
     assert "masks on dataset(s) demo-videos" in masked_loss_metadata(config)["masked_loss"]
     assert masked_loss_metadata(make_config(caches, tmp_path / "plain")) == {}
     (caches["root"] / "white" / "clip_02.png").unlink()  # a file without its mask: quarantined, with the reason
-    report = build_clips(config, get_family(config), Store(config.cache_dir))
+    report = build_clips(config, get_family(config), model_source(config), Store(config.cache_dir))
     assert [(Path(q.file).name, q.reason) for q in report.quarantined] == [("clip_02.mp4", "missing_mask")]
 
 
@@ -95,7 +96,7 @@ def test_a_half_mask_zeroes_the_gradient_of_masked_out_latents(caches: dict[str,
         assert mask.shape[-2:] == np.asarray(row["latent"]).shape[-2:]
         assert (mask[..., : w // 2 - 1] == 1).all() and (mask[..., w // 2 + 1:] == 0).all()
     batch = D.load_micro_batch(half, family, store, D.build_samples(half, store)[:1], 0)
-    transformer, _ = T.load_transformer(half, family, CPU)
+    transformer, _ = T.load_transformer(half, family, model_source(half), CPU)
     x_t = noisy_sample(batch.x0, batch.draws.noise, batch.draws.sigma, family.flavour.conditioning_frames)
     prediction = family.velocity(transformer, x_t, batch.draws.sigma, batch.text).detach().requires_grad_(True)
     loss = flow_mse(prediction, batch.x0, batch.draws.noise, family.flavour.conditioning_frames, mask=batch.mask)

@@ -19,6 +19,7 @@ from loraflow.config import ConfigError, LoraflowConfig, load_config
 from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.training.loop import load_transformer
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from tests.conftest import demo_dict, write_config
 
 CPU = torch.device("cpu")
@@ -32,7 +33,7 @@ def forward_calls(config: LoraflowConfig) -> list[int]:
     """Forward calls of each visual block over one training forward + backward (pre-hooks: the recompute stops
     early, once it has what backward needs, so a forward hook would miss it)."""
     family = get_family(config)
-    transformer, _ = load_transformer(config, family, CPU)
+    transformer, _ = load_transformer(config, family, model_source(config), CPU)
     transformer.train()
     blocks = transformer.visual_transformer_blocks
     calls = [0] * len(blocks)

@@ -20,6 +20,7 @@ from loraflow.contracts.renders import conditioning_clip, conditioning_image, re
 from loraflow.pipelines import get_family
 from loraflow.kernels.flow_matching import flow_mse, noisy_sample
 from loraflow.pipelines.base import load_component
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
 
@@ -51,7 +52,8 @@ def test_first_last_runs_the_dag_and_caches_the_last_frame_encoded_alone(run) ->
     from loraflow.stages.latents.latents import latent_rows
 
     (row,) = store.read_manifest("latents")
-    assert row["key"] not in {r["key"] for r in latent_rows(run.model_copy(update={"i2v_mode": "first"}), store)}
+    assert row["key"] not in {r["key"] for r in latent_rows(run.model_copy(update={"i2v_mode": "first"}), first,
+                                                            model_source(run), store)}
     latent = np.array(store.get("latents", [row["key"]])[row["key"]]["latent"])
     frames = torch.from_numpy(np.array(store.get("clips", [row["clip_key"]])[row["clip_key"]]["frames"]))[None]
     with torch.no_grad():
@@ -90,7 +92,7 @@ def test_the_renderer_keeps_the_last_frame_and_first_renders_as_before(run) -> N
     after the noise and the first frame, as the pipeline draws the first frame's) and marked; the decoded latent's
     last frame is it. `i2v_mode: first` renders bit for bit as the pipeline called as before this mode existed."""
     store, family = Store(run.cache_dir), get_family(run)
-    settings = render_settings(run, family, store)
+    settings = render_settings(run, family, model_source(run), store)
     images = conditioning_image(store, conditioning_clip(run, family, store), settings, last=True)
     texts = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
     rows = store.get("text_embeds", [texts[run.validation_prompt], texts[family.default_negative_prompt]])

@@ -33,6 +33,7 @@ from loraflow.validation.validate import conditioning_image, render_settings, va
 from loraflow.pipelines import family_spec, get_family
 from loraflow.pipelines.base import load_component, load_lora_file
 from loraflow.pipelines.hunyuanvideo15.family import lora_pattern, make_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
 
@@ -72,7 +73,7 @@ def root(demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def trained(root: Path, tmp_path_factory: pytest.TempPathFactory):
     config = make_config(root, tmp_path_factory.mktemp("hv-i2v-run") / "out")
-    return config, T.train_lora(config, get_family(config), Store(config.cache_dir))
+    return config, T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
 
 
 def condition_frame(store: Store, clip_key: str) -> np.ndarray:
@@ -113,10 +114,10 @@ def test_i2v_rows_cache_the_pipelines_image_latent_and_siglip_tokens(root: Path,
     shutil.copytree(root / "cache", tmp_path / "cache")  # t2v rewrites the latents manifest: on a copy
     t2v = make_config(root, tmp_path / "out", model_flavour="t2v-480p", cache_dir=str(tmp_path / "cache"))
     store = Store(t2v.cache_dir)
-    t2v_keys = {r["clip_key"]: r["key"] for r in latent_rows(t2v, store)}
+    t2v_keys = {r["clip_key"]: r["key"] for r in latent_rows(t2v, get_family(t2v), model_source(t2v), store)}
     assert all(t2v_keys[r["clip_key"]] != r["key"] for r in rows)
-    assert "image_condition" not in repr(latent_rows(t2v, store))
-    assert encode_latents(t2v, get_family(t2v), store).computed == len(rows)
+    assert "image_condition" not in repr(latent_rows(t2v, get_family(t2v), model_source(t2v), store))
+    assert encode_latents(t2v, get_family(t2v), model_source(t2v), store).computed == len(rows)
     for row in rows:
         i2v_row, t2v_row = (store.get("latents", [k])[k] for k in (row["key"], t2v_keys[row["clip_key"]]))
         np.testing.assert_array_equal(i2v_row["latent"], t2v_row["latent"])
@@ -211,10 +212,10 @@ def test_hv_i2v_validation_renders_from_the_first_frame(trained) -> None:
     mask 1 on frame 0 only, and the image's SigLIP tokens; the mp4s have the configured frame count."""
     config, report = trained
     store, family = Store(config.cache_dir), get_family(config)
-    settings = render_settings(config, family)
+    settings = render_settings(config, family, model_source(config))
     image = conditioning_image(store, conditioning_clip(config, family, store), settings)
     assert image.shape == (settings.height, settings.width, 3) == (48, 64, 3)
-    result = validate(config, family, store, report.lora_path)
+    result = validate(config, family, model_source(config), store, report.lora_path)
     for path in (result.prompts[0].lora, result.prompts[0].base):
         with av.open(path) as container:
             assert sum(1 for _ in container.decode(video=0)) == config.validation_num_video_frames == 9
@@ -264,7 +265,7 @@ def test_hv_i2v_trains_with_crepa_and_scheduled_sampling(trained, root: Path, tm
                          crepa_encoder_path=str(tiny_dinov2(tmp_path / "dinov2")), crepa_encoder_image_size=16,
                          scheduled_sampling_max_step_offset=8, scheduled_sampling_probability=1.0,
                          scheduled_sampling_strategy="biased_late")
-    report = T.train_lora(guided, get_family(guided), Store(guided.cache_dir))
+    report = T.train_lora(guided, get_family(guided), model_source(guided), Store(guided.cache_dir))
     assert all(r.crepa_loss is not None and np.isfinite(r.crepa_loss) and r.crepa_loss != 0 for r in report.history)
     assert report.history[0].loss != plain.history[0].loss  # same weights at step 1: only the rolled-out input differs
     ours, theirs = load_file(report.lora_path), load_file(plain.lora_path)
@@ -319,7 +320,7 @@ def test_left_out_the_validation_size_is_the_bucket_the_pipeline_renders_the_fir
     config = make_config(root, tmp_path / "out", validation_resolution=None)
     family, store = get_family(config), Store(config.cache_dir)
     first = condition_frame(store, conditioning_clip(config, family, store))
-    settings = render_settings(config, family, store)
+    settings = render_settings(config, family, model_source(config), store)
     target = HunyuanVideo15Transformer3DModel.load_config(root / "model" / "transformer")["target_size"]
     bucket = HunyuanVideo15ImageProcessor().calculate_default_height_width(*first.shape[:2], target)
     assert (settings.height, settings.width) == tuple(bucket)  # the clips' 64x64: not 768x512's bucket, 64x48
@@ -353,7 +354,7 @@ def test_i2v_prob_trains_seeded_micro_batches_as_t2v(trained, root: Path, tmp_pa
     assert torch.equal(got, t2v)
 
     always = make_config(root, tmp_path / "always", i2v_prob=1.0)
-    ours, theirs = (load_file(T.train_lora(c, family, store).lora_path) for c in (always, mixed))
+    ours, theirs = (load_file(T.train_lora(c, family, model_source(c), store).lora_path) for c in (always, mixed))
     reference = load_file(plain.lora_path)
     assert all(torch.equal(ours[k], reference[k]) for k in reference)
     assert any(not torch.equal(theirs[k], reference[k]) for k in reference)

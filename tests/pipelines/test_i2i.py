@@ -30,6 +30,7 @@ from loraflow.stages.text.text_embeds import encode_texts, load_encoders
 from loraflow.validation.validate import RESULTS, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.training.test_train import reference_lora
 
@@ -65,9 +66,9 @@ def cached(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoraflowConfig, Pa
     (targets / "orphan.txt").write_text("make it grey")
     config = i2i_config(root, model, (targets, sources))
     family, store = get_family(config), Store(config.cache_dir)
-    assert build_clips(config, family, store).quarantined[0].reason == "missing_source_image"
-    encode_latents(config, family, store)
-    encode_texts(config, family, store)
+    assert build_clips(config, family, model_source(config), store).quarantined[0].reason == "missing_source_image"
+    encode_latents(config, family, model_source(config), store)
+    encode_texts(config, family, model_source(config), store)
     return config, sources
 
 
@@ -121,7 +122,7 @@ def test_prompt_embeddings_are_keyed_by_text_and_source_image(cached) -> None:
         assert {(c, clip["condition"]) for c in [*clip["captions"], ""]} <= set(texts)
     validation = [(t, image) for t, image in texts if t == config.validation_prompt]
     assert len(validation) == 1 and validation[0][1] not in {c["condition"] for c in clips}
-    components = load_encoders(config, family, torch.device("cpu"))
+    components = load_encoders(config, family, model_source(config), torch.device("cpu"))
     first = clips[0]
     second = next(c for c in clips[1:] if (c["height"], c["width"]) == (first["height"], first["width"]))
     empties = []
@@ -155,7 +156,7 @@ def test_two_i2i_steps_equal_a_hand_written_reference(cached, tmp_path: Path) ->
     config, _ = cached
     config = config.model_copy(update={"output_dir": str(tmp_path / "out")})
     store, family = Store(config.cache_dir), get_family(config)
-    report = T.train_lora(config, family, store)
+    report = T.train_lora(config, family, model_source(config), store)
     transformer, params, optimizer = reference_lora(Path(config.pretrained_model_name_or_path), config)
     plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     for step, logged in enumerate(report.history):
@@ -183,8 +184,8 @@ def test_i2i_validation_renders_from_a_source_image(cached, tmp_path: Path) -> N
     config, sources = cached
     config = config.model_copy(update={"output_dir": str(tmp_path / "out")})
     store, family = Store(config.cache_dir), get_family(config)
-    lora = T.train_lora(config, family, store).lora_path
-    report = validate(config, family, store, lora)
+    lora = T.train_lora(config, family, model_source(config), store).lora_path
+    report = validate(config, family, model_source(config), store, lora)
     out = Path(report.prompts[0].lora).parents[1]
     assert (out / RESULTS).is_file() and Image.open(report.prompts[0].lora).size == (64, 64)
     assert report.condition_image == str(out / "condition.png")
@@ -200,9 +201,9 @@ def test_i2i_eval_loss_without_validation_prompts(cached, tmp_path: Path) -> Non
     config = parse_config({**config.model_dump(mode="json", exclude_none=True), "output_dir": str(tmp_path / "out"),
                            "validation_prompt": None, "eval_holdout_fraction": 0.5})
     store, family = Store(config.cache_dir), get_family(config)
-    encode_texts(config, family, store)
-    lora = T.train_lora(config, family, store).lora_path
-    report = validate(config, family, store, lora)
+    encode_texts(config, family, model_source(config), store)
+    lora = T.train_lora(config, family, model_source(config), store).lora_path
+    report = validate(config, family, model_source(config), store, lora)
     assert report.eval_clips >= 1 and np.isfinite(report.eval_loss_lora)
 
 
@@ -235,7 +236,7 @@ def test_a_source_too_large_for_the_prompt_is_quarantined_before_decoding(cached
     big = config.model_dump(mode="json", exclude_none=True)
     big["datasets"][0]["resolution"] = 1792
     big = parse_config({**big, "pretrained_model_name_or_path": str(model), "cache_dir": str(tmp_path / "cache")})
-    report = build_clips(big, family, Store(big.cache_dir))
+    report = build_clips(big, family, model_source(big), Store(big.cache_dir))
     too_large = [q for q in report.quarantined if q.reason == "source_too_large"]
     assert report.computed == 0 and len(too_large) == len(report.quarantined) - 1 >= 3  # and the orphan
     assert "lower `resolution` (1792) of dataset 'edits'" in too_large[0].detail
@@ -308,7 +309,8 @@ def test_k5_image_trains_with_crepa_on_single_frames_and_an_int8_base(cached, tm
     guided = parse_config({**settings, "output_dir": str(tmp_path / "guided"), "base_model_precision": "int8-quanto",
                            "crepa_enabled": True, "crepa_block_index": 1, "crepa_encoder_image_size": 16,
                            "crepa_encoder_path": str(tiny_dinov2(tmp_path / "dinov2"))})
-    report, before = T.train_lora(guided, family, store), T.train_lora(plain, family, store)
+    model = model_source(plain)  # the same checkpoint for both
+    report, before = T.train_lora(guided, family, model, store), T.train_lora(plain, family, model, store)
     assert all(r.crepa_loss is not None and np.isfinite(r.crepa_loss) and r.crepa_loss != 0 for r in report.history)
     ours, theirs = load_file(report.lora_path), load_file(before.lora_path)
     assert ours.keys() == theirs.keys() and any(not torch.equal(ours[k], theirs[k]) for k in ours)

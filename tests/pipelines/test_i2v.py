@@ -24,6 +24,7 @@ from loraflow.validation.validate import conditioning_image, render_settings, va
 from loraflow.pipelines import family_spec, get_family
 from loraflow.pipelines.base import load_component, load_lora_file
 from loraflow.pipelines.kandinsky5.video import make_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.numerics import assert_float64_close
 from tests.training.test_train import build_caches, make_config, reference_lora
@@ -40,7 +41,7 @@ def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFact
 def trained(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     config = make_config(caches, tmp_path_factory.mktemp("i2v-run") / "out", model_flavour=I2V,
                          validation_num_video_frames=17)
-    return config, T.train_lora(config, get_family(config), Store(config.cache_dir))
+    return config, T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
 
 
 def test_every_k5_i2v_flavour_gives_one_clean_frame_and_t2v_none() -> None:
@@ -75,7 +76,8 @@ def test_i2v_latents_hold_the_first_frame_encoded_alone(caches: dict[str, Path],
     shutil.copytree(caches["root"] / "cache", tmp_path / "cache")
     store, family = Store(config.cache_dir), get_family(config)
     t2v_rows = {r["clip_key"]: r["key"] for r in store.read_manifest("latents")}
-    assert encode_latents(config, family, store).computed == len(t2v_rows)  # new keys: i2v latents differ
+    # new keys: i2v latents differ
+    assert encode_latents(config, family, model_source(config), store).computed == len(t2v_rows)
     vae = load_component(caches["model"], "vae")
     for row in store.read_manifest("latents"):
         i2v, t2v = (store.get("latents", [k])[k]["latent"] for k in (row["key"], t2v_rows[row["clip_key"]]))
@@ -157,11 +159,11 @@ def test_i2v_validation_renders_from_the_first_frame(trained, caches: dict[str, 
     does not resemble its input. The mp4s have the configured frame count."""
     config, report = trained
     store, family = Store(config.cache_dir), get_family(config)
-    settings = render_settings(config, family)
+    settings = render_settings(config, family, model_source(config))
     clip_key = conditioning_clip(config, family, store)
     image = conditioning_image(store, clip_key, settings)
     assert image.shape == (settings.height, settings.width, 3)
-    result = validate(config, family, store, report.lora_path)
+    result = validate(config, family, model_source(config), store, report.lora_path)
     for path in (result.prompts[0].lora, result.prompts[0].base):
         with av.open(path) as container:
             assert sum(1 for _ in container.decode(video=0)) == config.validation_num_video_frames == 17
@@ -201,7 +203,7 @@ def test_the_i2v_example_config_validates() -> None:
     config = load_config(REPO / "configs" / "kandinsky5_video_i2v.yaml")
     family = get_family(config)
     assert family.flavour.conditioning_frames == 1
-    assert render_settings(config, family).num_frames >= 17
+    assert render_settings(config, family, model_source(config)).num_frames >= 17
 
 
 def test_validation_using_datasets_renders_from_an_image_of_the_eval_dataset(tiny_k5: Path, tmp_path: Path) -> None:
@@ -230,10 +232,10 @@ def test_validation_using_datasets_renders_from_an_image_of_the_eval_dataset(tin
     report, store = run(config)
     assert report.quarantined == ()
     family = get_family(config)
-    encode_latents(config, family, store)
-    encode_texts(config, family, store)
+    encode_latents(config, family, model_source(config), store)
+    encode_texts(config, family, model_source(config), store)
     clip_key = conditioning_clip(config, family, store)
     clip = next(c for c in store.read_manifest("clips") if c["key"] == clip_key)
     assert Path(clip["source"]).name == "a.png"
-    assert read_index(conditioning_image(store, clip_key, render_settings(config, family))) == 4
+    assert read_index(conditioning_image(store, clip_key, render_settings(config, family, model_source(config)))) == 4
     assert eval_items(config, family, store) == []  # the held-out clips are images: nothing to score

@@ -33,6 +33,7 @@ from loraflow.pipelines import FAMILIES, describe_families, get_family
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
 from loraflow.pipelines.kandinsky5.common import MAX_TEXT_TOKENS
 from loraflow.pipelines.kandinsky5.video import Kandinsky5Video
+from loraflow.pipelines.sources import model_source
 from loraflow.demo.tiny import TinyPipeline, build_tiny, hunyuan_video_vae, kandinsky5_pipeline, recipe_name
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
@@ -125,7 +126,7 @@ def test_the_stages_cache_and_train_the_family(root: Path) -> None:
         assert op(config, family, store).computed > 0
     keys = [row["key"] for row in store.read_manifest("text_embeds")]
     assert keys and {row["family"] for row in store.get("text_embeds", keys).values()} == {NAME}
-    assert T.train_lora(config, family, store).computed == config.max_train_steps
+    assert T.train_lora(config, family, model_source(config), store).computed == config.max_train_steps
     (lora,) = Path(config.output_dir).rglob(T.LORA_FILE)
     weights = load_file(lora)
     assert weights and all(torch.isfinite(w).all() for w in weights.values())

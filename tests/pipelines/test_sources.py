@@ -23,7 +23,7 @@ from loraflow.keys import content_key, directory_fingerprint
 from loraflow.stages.clips.bucket_plan import human_bytes
 from loraflow.stages.latents.latents import latent_rows
 from loraflow.pipelines.base import component_fingerprint, load_component
-from loraflow.pipelines import family_flavour
+from loraflow.pipelines import family_flavour, get_family
 from loraflow.pipelines.sources import check_layout, layout_problem, model_source
 from tests.conftest import REPO, hf_cache_snapshot, write_config
 
@@ -139,7 +139,9 @@ def test_a_vae_folder_from_elsewhere_is_loaded_and_fingerprinted_from_there(tiny
             return [{"key": "clip", "bucket": "b", "dataset": "v"}]
 
     (vae / "config.json").write_text((vae / "config.json").read_text() + "\n")  # another VAE: other latent keys
-    assert latent_rows(config, Clips())[0]["key"] != latent_rows(without, Clips())[0]["key"]
+    family = get_family(config)
+    assert (latent_rows(config, family, model_source(config), Clips())[0]["key"]
+            != latent_rows(without, family, model_source(without), Clips())[0]["key"])
 
 
 def test_component_folders_are_checked_at_load_naming_the_key(tiny_k5: Path, tmp_path: Path,

@@ -34,6 +34,7 @@ from loraflow.keys import Shard
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import SHARD_CLIPS, latent_rows
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.assets.test_dead_runs import gpu_claims, status, wait_until
 from tests.conftest import REPO, demo_dict, write_config
@@ -134,8 +135,8 @@ def deployment(tiny_k5: Path, demo_data: Path, postgres_url: str, redis_url: str
 def test_three_celery_workers_cache_every_clip_once_though_one_is_killed_mid_step(
         deployment: Deployment, monkeypatch: pytest.MonkeyPatch) -> None:
     config, url = deployment.config, deployment.config.cache_dir
-    clips = build_clips(config, get_family(config), Store(url), datasets=["demo-videos"])
-    rows = latent_rows(config, Store(url), ["demo-videos"])
+    clips = build_clips(config, get_family(config), model_source(config), Store(url), datasets=["demo-videos"])
+    rows = latent_rows(config, get_family(config), model_source(config), Store(url), ["demo-videos"])
     owner = {r["key"]: next(i for i in range(WORKERS) if Shard(i, WORKERS).owns(r["clip_key"])) for r in rows}
     share = {i: sum(o == i for o in owner.values()) for i in range(WORKERS)}
     buckets = Counter((owner[r["key"]], r["bucket"]) for r in rows)  # a step commits per bucket, SHARD_CLIPS at most

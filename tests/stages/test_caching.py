@@ -17,6 +17,7 @@ from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
 
@@ -24,7 +25,7 @@ from tests.conftest import REPO, demo_dict, write_config
 def setup(model: Path, data: Path, root: Path):
     config = load_config(write_config(root / "config.yaml", demo_dict(model, data, root)))
     family, store = get_family(config), Store(config.cache_dir)
-    build_clips(config, family, store)
+    build_clips(config, family, model_source(config), store)
     return config, family, store
 
 
@@ -38,12 +39,12 @@ def test_one_new_clip_computes_one_latent(tiny_k5: Path, demo_data: Path, tmp_pa
     shutil.move(extra, moved / extra.name)
     shutil.move(extra_caption, moved / extra_caption.name)
     config, family, store = setup(tiny_k5, data, tmp_path)
-    first = encode_latents(config, family, store)
+    first = encode_latents(config, family, model_source(config), store)
     shutil.move(moved / extra.name, extra)
     shutil.move(moved / extra_caption.name, extra_caption)
-    clips = build_clips(config, family, store)
+    clips = build_clips(config, family, model_source(config), store)
     assert clips.computed == 1  # only the returned video is decoded
-    second = encode_latents(config, family, store)
+    second = encode_latents(config, family, model_source(config), store)
     assert (second.computed, second.reused) == (1, first.computed)
 
 
@@ -52,7 +53,7 @@ def test_captions_are_encoded_once_per_distinct_text(tiny_k5: Path, demo_data: P
     clip = store.read_manifest("clips")[0]
     captions = ["a red circle", "a blue square", "a red circle"]
     store.write_manifest("clips", [{**clip, "key": f"k{i}", "captions": [captions[i % 3]]} for i in range(100)])
-    report = encode_texts(config, family, store)
+    report = encode_texts(config, family, model_source(config), store)
     texts = [row["text"] for row in store.read_manifest("text_embeds")]
     # 2 distinct captions + the empty prompt + the negative prompt + the validation prompt
     assert sorted(texts) == sorted({"a red circle", "a blue square", "", family.default_negative_prompt,
@@ -64,13 +65,13 @@ def test_a_changed_text_encoder_re_encodes_texts_but_not_latents(tiny_k5: Path, 
     model = tmp_path / "model"
     shutil.copytree(tiny_k5, model)
     config, family, store = setup(model, demo_data, tmp_path)
-    encode_latents(config, family, store)
-    encode_texts(config, family, store)
+    encode_latents(config, family, model_source(config), store)
+    encode_texts(config, family, model_source(config), store)
     weights = next((model / "text_encoder_2").glob("*.safetensors"))
     os.utime(weights, ns=(time.time_ns(), time.time_ns() + 10**9))  # a new checkpoint file in place
-    assert encode_texts(config, family, store).computed > 0
-    assert encode_latents(config, family, store).computed == 0
-    assert encode_texts(config, family, store).computed == 0
+    assert encode_texts(config, family, model_source(config), store).computed > 0
+    assert encode_latents(config, family, model_source(config), store).computed == 0
+    assert encode_texts(config, family, model_source(config), store).computed == 0
 
 
 KILLABLE = """
@@ -78,9 +79,10 @@ import sys
 from loraflow.config import load_config
 from loraflow.stages.latents.latents import encode_latents
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 config = load_config(sys.argv[1])
-encode_latents(config, get_family(config), Store(config.cache_dir), shard_clips=1)
+encode_latents(config, get_family(config), model_source(config), Store(config.cache_dir), shard_clips=1)
 """
 
 
@@ -97,7 +99,7 @@ def test_killed_latent_run_resumes_without_corrupt_or_duplicate_keys(tiny_k5: Pa
     committed = store.keys("latents")
     total = len(store.read_manifest("clips"))
     assert 1 <= len(committed) < total, "the kill should land after the first shard and before the last"
-    report = encode_latents(config, family, store)
+    report = encode_latents(config, family, model_source(config), store)
     assert report.computed == total - len(committed)
     keys = [row["key"] for row in store.read_manifest("latents")]
     assert len(keys) == len(set(keys)) == len(store.keys("latents")) == total

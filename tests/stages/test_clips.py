@@ -22,6 +22,7 @@ from loraflow.stages.clips.clips import build_clips, decode_clip
 from loraflow.contracts.renders import condition_frame
 from loraflow.media.frames import MediaError
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.media_factory import read_index, write_h264, write_image, write_video
 
@@ -38,7 +39,7 @@ def make_config(model: Path, root: Path, datasets: list[dict[str, Any]], **overr
 def run(config):
     family = get_family(config)
     store = Store(config.cache_dir)
-    return build_clips(config, family, store), store
+    return build_clips(config, family, model_source(config), store), store
 
 
 def videos(folder: Path, count: int, captions: bool = True, **kw: Any) -> list[Path]:
@@ -333,7 +334,7 @@ def test_latent_estimate_equals_what_the_latents_stage_writes(tiny_k5: Path, tmp
     videos(data / "tall", 1, width=64, height=112)
     config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}])
     report, store = run(config)
-    encode_latents(config, get_family(config), store)
+    encode_latents(config, get_family(config), model_source(config), store)
     latents = store.get("latents", [r["key"] for r in store.read_manifest("latents")])
     assert len(latents) == 2
     assert sum(v["latent"].nbytes for v in latents.values()) == report.est_latent_bytes

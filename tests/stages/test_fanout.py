@@ -20,6 +20,7 @@ from loraflow.keys import Shard
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import SHARD_CLIPS, latent_rows
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
 
@@ -59,8 +60,8 @@ def test_four_workers_cache_one_dataset_and_a_killed_one_resumes_its_share_only(
     config_path = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, data, tmp_path))
     config = load_config(config_path)
     store = Store(config.cache_dir)
-    build_clips(config, get_family(config), store, datasets=["demo-videos"])
-    rows = latent_rows(config, store, ["demo-videos"])
+    build_clips(config, get_family(config), model_source(config), store, datasets=["demo-videos"])
+    rows = latent_rows(config, get_family(config), model_source(config), store, ["demo-videos"])
     owner = {r["key"]: next(i for i in range(WORKERS) if Shard(i, WORKERS).owns(r["clip_key"])) for r in rows}
     share = {i: sum(1 for o in owner.values() if o == i) for i in range(WORKERS)}
     assert len(rows) == 7 * COPIES and min(share.values()) > SHARD_CLIPS, share  # every worker commits 2+ times

@@ -29,6 +29,7 @@ from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
 from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
 from loraflow.pipelines.base import load_component
+from loraflow.pipelines.sources import model_source
 from loraflow.demo.tiny import build_tiny
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
@@ -123,13 +124,13 @@ def test_switching_latent_sampling_adds_keys_and_leaves_mode_rows(tiny_k5: Path,
     as_dist = load_config(write_config(tmp_path / "dist.yaml", demo_dict(tiny_k5, demo_data, tmp_path,
                                                                         latent_sampling="distribution")))
     family, store = get_family(as_mode), Store(as_mode.cache_dir)
-    build_clips(as_mode, family, store)
-    first = encode_latents(as_mode, family, store)
+    build_clips(as_mode, family, model_source(as_mode), store)
+    first = encode_latents(as_mode, family, model_source(as_mode), store)
     mode_keys = {r["key"] for r in store.read_manifest("latents")}
     shards = Path(as_mode.cache_dir) / "latents" / "shards"
     mode_shards = {p.name: p.read_bytes() for p in shards.glob("*.parquet")}
 
-    switched = encode_latents(as_dist, family, store)
+    switched = encode_latents(as_dist, family, model_source(as_dist), store)
     dist_keys = {r["key"] for r in store.read_manifest("latents")}
     assert (switched.computed, switched.reused) == (first.computed, 0)
     assert len(dist_keys) == len(mode_keys) and not dist_keys & mode_keys
@@ -139,7 +140,7 @@ def test_switching_latent_sampling_adds_keys_and_leaves_mode_rows(tiny_k5: Path,
     # the distribution row's `latent` is the mean = the mode row's latent; its logvar is beside it
     by_clip = {}
     for config in (as_mode, as_dist):
-        for row in latent_rows(config, store):
+        for row in latent_rows(config, get_family(config), model_source(config), store):
             by_clip.setdefault(row["clip_key"], []).append(row["key"])
     mode_key, dist_key = next(iter(by_clip.values()))
     rows = store.get("latents", [mode_key, dist_key])
@@ -148,8 +149,9 @@ def test_switching_latent_sampling_adds_keys_and_leaves_mode_rows(tiny_k5: Path,
     assert rows[dist_key]["latent_logvar"].shape == rows[dist_key]["latent"].shape
     assert np.isfinite(rows[dist_key]["latent_logvar"]).all()
 
-    assert encode_latents(as_mode, family, store).computed == 0  # back to mode: the old rows, untouched
-    assert encode_latents(as_dist, family, store).computed == 0
+    # back to mode: the old rows, untouched
+    assert encode_latents(as_mode, family, model_source(as_mode), store).computed == 0
+    assert encode_latents(as_dist, family, model_source(as_dist), store).computed == 0
 
 
 def test_a_bad_latent_sampling_fails_at_load_naming_the_allowed_values(tiny_k5: Path, demo_data: Path,

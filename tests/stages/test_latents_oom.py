@@ -19,6 +19,7 @@ from loraflow.assets.checks import clips_without_latents
 from loraflow.config import load_config
 from loraflow.stages.clips.clips import build_clips
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
 
@@ -35,8 +36,8 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
         tiny_k5: Path, demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_config(write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))
     family, store = get_family(config), Store(config.cache_dir)
-    build_clips(config, family, store)
-    exact = {r["clip_key"]: r for r in L.latent_rows(config, store)}
+    build_clips(config, family, model_source(config), store)
+    exact = {r["clip_key"]: r for r in L.latent_rows(config, get_family(config), model_source(config), store)}
     assert all(r["key"] != r["tiled_key"] for r in exact.values())  # tiling is off in the demo config
 
     load = L.load_component
@@ -48,7 +49,7 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
         return component
 
     monkeypatch.setattr(L, "load_component", small_card)
-    report = L.encode_latents(config, family, store)
+    report = L.encode_latents(config, family, model_source(config), store)
     assert {f.fallback for f in report.oom_fallbacks} == {"tiling"}
     listed = store.read_manifest("latents")
     assert listed and all(r["approximate"] and r["key"] == exact[r["clip_key"]]["tiled_key"] for r in listed)
@@ -57,7 +58,7 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
     assert clips_without_latents(list(exact.values()), store) == []  # the blocking check counts them
 
     monkeypatch.setattr(L, "load_component", load)  # a card with the memory: the next run redoes them exactly
-    again = L.encode_latents(config, family, store)
+    again = L.encode_latents(config, family, model_source(config), store)
     assert again.computed == len(exact) and again.oom_fallbacks == ()
     listed = store.read_manifest("latents")
     assert all(not r["approximate"] and r["key"] == exact[r["clip_key"]]["key"] for r in listed)

@@ -22,6 +22,7 @@ from loraflow.config import load_config
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.text.text_embeds import encode_texts, load_encoders, needed_texts, truncation_table
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
 
@@ -30,7 +31,7 @@ def setup(model: Path, data: Path, root: Path, captions: list[str] | None = None
     """Config, family and store with clips built; `captions` replace the clips' captions (one clip each)."""
     config = load_config(write_config(root / "config.yaml", demo_dict(model, data, root, **overrides)))
     family, store = get_family(config), Store(config.cache_dir)
-    build_clips(config, family, store)
+    build_clips(config, family, model_source(config), store)
     if captions is not None:
         clip = store.read_manifest("clips")[0]
         store.write_manifest("clips", [{**clip, "key": f"k{i}", "path": f"/data/clip{i}.mp4", "captions": [c]}
@@ -43,9 +44,10 @@ import sys
 from loraflow.config import load_config
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 config = load_config(sys.argv[1])
-encode_texts(config, get_family(config), Store(config.cache_dir), batch_texts=1)
+encode_texts(config, get_family(config), model_source(config), Store(config.cache_dir), batch_texts=1)
 """
 
 
@@ -62,9 +64,9 @@ def test_killed_text_run_resumes_without_duplicate_or_missing_keys(tiny_k5: Path
     os.killpg(worker.pid, signal.SIGKILL)
     worker.wait()
     committed = store.keys("text_embeds")
-    total = len(needed_texts(config, family, store))
+    total = len(needed_texts(config, family, model_source(config), store))
     assert 1 <= len(committed) < total, "the kill should land after the first shard and before the last"
-    report = encode_texts(config, family, store)
+    report = encode_texts(config, family, model_source(config), store)
     assert (report.computed, report.reused) == (total - len(committed), len(committed))
     keys = [row["key"] for row in store.read_manifest("text_embeds")]
     assert len(keys) == len(set(keys)) == len(store.keys("text_embeds")) == total
@@ -80,7 +82,7 @@ def test_a_caption_over_the_token_limit_is_truncated_and_counted(tiny_k5: Path, 
     family = get_family(load_config(write_config(tmp_path / "c.yaml", demo_dict(tiny_k5, demo_data, tmp_path))))
     long = "x" * (family.max_text_tokens + 50)  # the tiny tokenizer is byte-level: one token per character
     config, family, store = setup(tiny_k5, demo_data, tmp_path, ["a short caption", long, long])
-    report = encode_texts(config, family, store)
+    report = encode_texts(config, family, model_source(config), store)
     assert report.truncated_texts == 1
     (row,) = report.truncated
     assert row.files == "/data/clip1.mp4, /data/clip2.mp4" and row.limit == family.max_text_tokens
@@ -88,7 +90,7 @@ def test_a_caption_over_the_token_limit_is_truncated_and_counted(tiny_k5: Path, 
     assert manifest[long]["truncated"] and not manifest["a short caption"]["truncated"]
     stored = store.get("text_embeds", [manifest[long]["key"]])[manifest[long]["key"]]
     assert stored["truncated"] and stored["n_tokens"] == len(stored["text_embeds"]) == family.max_text_tokens
-    again = encode_texts(config, family, store)  # reused rows are still counted
+    again = encode_texts(config, family, model_source(config), store)  # reused rows are still counted
     assert again.computed == 0 and again.truncated == report.truncated
 
 
@@ -107,9 +109,9 @@ def test_batching_by_length_gives_the_embeddings_of_one_at_a_time(tiny_k5: Path,
     captions = ["a cat", "a much longer caption about a dog running on a beach at sunset", "a red ball rolls",
                 'a sign that says "open"', "z" * 90]
     config, family, store = setup(tiny_k5, demo_data, tmp_path, captions)
-    report = encode_texts(config, family, store, batch_texts=4)
-    assert report.computed == len(needed_texts(config, family, store)) > 4  # more than one batch
-    components = load_encoders(config, family, torch.device("cpu"))
+    report = encode_texts(config, family, model_source(config), store, batch_texts=4)
+    assert report.computed == len(needed_texts(config, family, model_source(config), store)) > 4  # more than one batch
+    components = load_encoders(config, family, model_source(config), torch.device("cpu"))
     manifest = store.read_manifest("text_embeds")
     stored = store.get("text_embeds", [r["key"] for r in manifest])
     # bit for bit by construction: the family encodes one text at a time, unpadded, inside any batch (Kandinsky 5's
@@ -124,7 +126,7 @@ def test_batching_by_length_gives_the_embeddings_of_one_at_a_time(tiny_k5: Path,
 
 def test_store_rows_have_the_documented_columns_and_no_padding(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
     config, family, store = setup(tiny_k5, demo_data, tmp_path, ["short", "a somewhat longer caption here"])
-    report = encode_texts(config, family, store)
+    report = encode_texts(config, family, model_source(config), store)
     shards = sorted((Path(config.cache_dir) / "text_embeds" / "shards").glob("*.parquet"))
     table = pq.read_table(shards[0])
     assert {"key", "text", "image", "family", "encoders", "precision", "n_tokens", "truncated", "text_embeds",
@@ -143,10 +145,10 @@ def test_store_rows_have_the_documented_columns_and_no_padding(tiny_k5: Path, de
 def test_a_lower_precision_text_encoder_is_its_own_cache_entry(tiny_k5: Path, demo_data: Path, tmp_path: Path,
                                                                precision: str) -> None:
     config, family, store = setup(tiny_k5, demo_data, tmp_path, ["a blue bird on a wire"])
-    fp32 = encode_texts(config, family, store)
+    fp32 = encode_texts(config, family, model_source(config), store)
     before = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
     config_low = config.model_copy(update={"text_encoder_1_precision": precision})
-    low = encode_texts(config_low, family, store)
+    low = encode_texts(config_low, family, model_source(config_low), store)
     assert low.computed == fp32.computed and low.reused == 0  # a different precision is a different key
     after = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
     text = "a blue bird on a wire"
@@ -168,7 +170,8 @@ def test_a_lower_precision_text_encoder_is_its_own_cache_entry(tiny_k5: Path, de
 def test_int8_text_encoder_holds_its_linear_weights_in_int8(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
     config, family, _ = setup(tiny_k5, demo_data, tmp_path, [])
     cpu = torch.device("cpu")
-    encoders = {p: load_encoders(config.model_copy(update={"text_encoder_1_precision": p}), family, cpu)
+    encoders = {p: load_encoders(config.model_copy(update={"text_encoder_1_precision": p}), family,
+                                 model_source(config), cpu)
                 for p in ("bf16", "int8-torchao")}
     linear = {p: [m.weight for m in e["text_encoder"].modules() if isinstance(m, torch.nn.Linear)]
               for p, e in encoders.items()}

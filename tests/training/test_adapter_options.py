@@ -20,6 +20,7 @@ from loraflow.cli import main
 from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, trained_adapters
 from loraflow.pipelines import get_family
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.training.test_train import CPU, make_config, same_lora_file, train
 
@@ -71,7 +72,8 @@ def test_ema_equals_its_closed_form_leaves_the_lora_alone_and_resumes_exactly(
     assert metadata["adapter"] == {"kind": "LoRA", "rank": 4, "alpha": 4, "init_lora": None,
                                    "ema": {"decay": DECAY, "update_interval": INTERVAL}}
     family = get_family(config)
-    transformer, _ = T.load_transformer(config, family, CPU)  # step 0's adapter: the seeded peft init
+    # step 0's adapter: the seeded peft init
+    transformer, _ = T.load_transformer(config, family, model_source(config), CPU)
     start = {k: v.clone() for k, v in get_peft_model_state_dict(transformer).items()}
     steps = {s: load_file(run / "checkpoints" / f"step-{s:07d}" / "lora.safetensors") for s in range(1, STEPS)}
     steps[STEPS] = peft_names(run / T.LORA_FILE)
@@ -110,14 +112,14 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
     for source in (run / T.LORA_FILE, run / COMFYUI_LORA_FILE):  # diffusers and ComfyUI key names
         config = make_config(caches, tmp_path / "init", init_lora=str(source))
         family = get_family(config)
-        transformer, _ = T.load_transformer(config, family, CPU)
+        transformer, _ = T.load_transformer(config, family, model_source(config), CPU)
         start_adapter(transformer, None, config.init_lora, family)  # what train_lora runs before step 1
         loaded = get_peft_model_state_dict(transformer)
         assert sorted(loaded) == sorted(trained)
         assert all(torch.equal(loaded[k], trained[k]) for k in trained), source.name
     # ComfyUI's scale (alpha / rank = 1 here) moves into lora_B where this config's peft scale differs (8 / 4 = 2)
     doubled = make_config(caches, tmp_path / "init", init_lora=str(run / COMFYUI_LORA_FILE), lora_alpha=8)
-    transformer, _ = T.load_transformer(doubled, family, CPU)
+    transformer, _ = T.load_transformer(doubled, family, model_source(doubled), CPU)
     start_adapter(transformer, None, doubled.init_lora, family)
     loaded = get_peft_model_state_dict(transformer)
     assert all(torch.equal(loaded[k] * (2 if "lora_B" in k else 1), trained[k]) for k in trained)
@@ -136,7 +138,7 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
     scratch = json.loads((run / "history.json").read_text())[0]  # the same first batch from peft's init
     assert first.history[0].loss != scratch["loss"]  # train_lora's step 1 ran from the file
     wrong_rank = make_config(caches, tmp_path / "init", init_lora=str(run / T.LORA_FILE), lora_rank=2)
-    transformer, _ = T.load_transformer(wrong_rank, family, CPU)
+    transformer, _ = T.load_transformer(wrong_rank, family, model_source(wrong_rank), CPU)
     with pytest.raises(ValueError, match=r"init_lora.*shape .*set lora_rank"):
         start_adapter(transformer, None, wrong_rank.init_lora, family)
 
@@ -215,7 +217,7 @@ def test_dora_trains_a_magnitude_loads_back_through_diffusers_and_resumes_exactl
     trained = peft_names(Path(report.lora_path))
     magnitudes = [k for k in trained if k.endswith("lora_magnitude_vector")]
     assert len(magnitudes) == 20
-    transformer, _ = T.load_transformer(config, get_family(config), CPU)
+    transformer, _ = T.load_transformer(config, get_family(config), model_source(config), CPU)
     start = get_peft_model_state_dict(transformer)  # the init: magnitudes = the base rows' norms
     assert all(not torch.equal(trained[k], start[k]) for k in magnitudes)
     transformer = Kandinsky5Transformer3DModel.from_pretrained(caches["model"] / "transformer")

@@ -44,6 +44,7 @@ from loraflow.training import loop as T
 from loraflow.training.checkpoints import lora_state
 from loraflow.training.distributed import leave, world_from_env
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 config_path, probe = sys.argv[1], Path(sys.argv[2])
@@ -57,11 +58,11 @@ for name in ("save_checkpoint", "export_lora", "write_json", "open_sink"):
     setattr(T, name, spy(name, getattr(T, name)))
 run_steps = T.run_steps
 def keep_transformer(*args, **kwargs):
-    kept["transformer"] = args[4]
+    kept["transformer"] = args[5]
     return run_steps(*args, **kwargs)
 T.run_steps = keep_transformer
 config = load_config(config_path)
-T.train_lora(config, get_family(config), Store(config.cache_dir))
+T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
 rank = world_from_env().rank
 (probe / f"rank{rank}.threads").write_text(str(torch.get_num_threads()))
 save_file(lora_state(kept["transformer"]), probe / f"rank{rank}.safetensors")

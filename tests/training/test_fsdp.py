@@ -37,11 +37,12 @@ import torch.distributed as dist
 from loraflow.config import load_config
 from loraflow.training import loop as T
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 config = load_config(sys.argv[1]).model_copy(update={"fsdp": True})
 dist.init_process_group("gloo")
-T.train_lora(config, get_family(config), Store(config.cache_dir))
+T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
 dist.destroy_process_group()
 '''
 # Runs train_lora as one rank and records what this rank holds: every parameter's local and full element count.
@@ -55,13 +56,14 @@ from loraflow.config import load_config
 from loraflow.training import loop as T
 from loraflow.training.distributed import leave, world_from_env
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 
 config_path, probe = sys.argv[1], Path(sys.argv[2])
 held = {}
 run_steps = T.run_steps
 def count(*args, **kwargs):
-    transformer = args[4]
+    transformer = args[5]
     params = list(transformer.parameters())
     held.update(local=sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
                 full=sum(p.numel() for p in params), sharded=sum(isinstance(p, DTensor) for p in params),
@@ -70,7 +72,7 @@ def count(*args, **kwargs):
     return run_steps(*args, **kwargs)
 T.run_steps = count
 config = load_config(config_path)
-T.train_lora(config, get_family(config), Store(config.cache_dir))
+T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
 (probe / f"rank{world_from_env().rank}.json").write_text(json.dumps(held))
 leave()
 '''

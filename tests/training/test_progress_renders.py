@@ -25,6 +25,7 @@ from loraflow.training.distributed import World
 from loraflow.training.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
 from loraflow.media.previews import BLOCK_GAP, SHEET_ROW_HEIGHT, TEXT_HEIGHT
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import demo_dict
 from tests.training.test_train import build_caches, make_config, same_lora_file, train
@@ -80,7 +81,7 @@ def test_the_last_render_is_what_validation_renders(caches: dict[str, Path], tmp
                             or keep(frames, stem, fps))
     config = make_config(caches, tmp_path / "out", max_train_steps=2, validation_steps=2, **{**RENDERS, **flavour})
     report = train(config)
-    V.validate(config, get_family(config), Store(config.cache_dir), report.lora_path)
+    V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), report.lora_path)
     (ours,), (base, lora) = written["progress"], written["validation"]  # validation writes base.mp4, then lora.mp4
     # bit for bit by construction: the exported file holds training's fp32 adapter, both renders run it unmerged at
     # scale 1 through the same pipeline call, in this process (same kernels, same thread count)
@@ -107,14 +108,14 @@ def test_the_lora_is_the_same_with_renders_under_memory_features(caches: dict[st
 def test_rendering_leaves_training_as_it_was(caches: dict[str, Path], tmp_path: Path) -> None:
     config = make_config(caches, tmp_path / "out", validation_steps=1, **RENDERS)
     family, store = get_family(config), Store(config.cache_dir)
-    transformer, params = T.load_transformer(config, family, CPU)
+    transformer, params = T.load_transformer(config, family, model_source(config), CPU)
     for p in params:  # non-zero B: the adapter acts
         p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
     transformer.train()
     before = {k: v.clone() for k, v in transformer.state_dict().items()}
     rngs = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
     out = tmp_path / "run"
-    renders = ProgressRenders(config, family, store, out, transformer, World())
+    renders = ProgressRenders(config, family, model_source(config), store, out, transformer, World())
     renders.after_step(3)
     assert (step_folder(out / "validation", 3) / "result.json").is_file()
     after = transformer.state_dict()

@@ -33,6 +33,7 @@ from loraflow.stages.latents.latents import encode_latents
 from loraflow.contracts.text_set import text_lookup
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
 
@@ -65,7 +66,7 @@ def make_config(caches: dict[str, Path], output: Path, **overrides: Any) -> Lora
 
 
 def train(config: LoraflowConfig):
-    return T.train_lora(config, get_family(config), Store(config.cache_dir))
+    return T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tm
     config = make_config(caches, tmp_path / "out", lora_rank=8, lora_include_ffn=True)
     family = get_family(config)
     batch = fixed_batch(config)
-    transformer, params = T.load_transformer(config, family, CPU)
+    transformer, params = T.load_transformer(config, family, model_source(config), CPU)
     trainable = T.Trainable(transformer, params, CPU)
     optimizer = torch.optim.AdamW(params, lr=3e-2)
     losses = []
@@ -165,8 +166,9 @@ def test_a_killed_run_resumes_to_the_same_bits(caches: dict[str, Path], tmp_path
     killed = make_config(caches, tmp_path / "killed", **settings)
     run = T.run_dir(killed, T.upstream_versions(Store(killed.cache_dir)))
     code = ("import sys; from loraflow.config import load_config; from loraflow.training.loop import train_lora; "
-            "from loraflow.pipelines import get_family; from loraflow.store import Store; "
-            "c = load_config(sys.argv[1]); train_lora(c, get_family(c), Store(c.cache_dir))")
+            "from loraflow.pipelines import get_family; from loraflow.pipelines.sources import model_source; "
+            "from loraflow.store import Store; "
+            "c = load_config(sys.argv[1]); train_lora(c, get_family(c), model_source(c), Store(c.cache_dir))")
     process = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "killed.yaml")], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -258,7 +260,7 @@ def test_tread_with_ratio_zero_trains_exactly_like_no_tread(baseline, caches: di
 
 def loss_and_grads(config: LoraflowConfig, batch: D.MicroBatch) -> tuple[float, torch.Tensor]:
     family = get_family(config)
-    transformer, params = T.load_transformer(config, family, CPU)
+    transformer, params = T.load_transformer(config, family, model_source(config), CPU)
     T.enable_offload(transformer, config, CPU)
     trainable = T.Trainable(transformer, params, CPU)
     for p in params:  # non-zero B, so every LoRA matrix gets a gradient
@@ -296,7 +298,7 @@ def test_streams_need_cuda_and_fp8_keeps_lora_fp32(caches: dict[str, Path], tmp_
     with pytest.raises(ValueError, match="group_offload_use_stream` needs a CUDA device"):
         train(streams)
     config = make_config(caches, tmp_path / "fp8", base_model_precision="fp8-layerwise")
-    transformer, params = T.load_transformer(config, get_family(config), CPU)
+    transformer, params = T.load_transformer(config, get_family(config), model_source(config), CPU)
     dtypes = {p.dtype for n, p in transformer.named_parameters() if "lora_" not in n}
     assert torch.float8_e4m3fn in dtypes and {p.dtype for p in params} == {torch.float32}
     assert T.uses_autocast(config, CPU)
@@ -312,7 +314,8 @@ def test_a_new_validation_prompt_encodes_one_text_and_retrains_nothing(baseline,
     store = Store(tmp_path / "cache")
     assert T.upstream_versions(store) == T.upstream_versions(Store(config.cache_dir))
     prompted = make_config(caches, Path(config.output_dir), validation_prompt="a red ball rolls", **moved)
-    assert encode_texts(prompted, get_family(prompted), store).computed == 1  # the new prompt, nothing else
+    # the new prompt, nothing else
+    assert encode_texts(prompted, get_family(prompted), model_source(prompted), store).computed == 1
     again = train(prompted)
     assert again.computed == 0 and again.run_dir == first.run_dir
 
@@ -325,7 +328,7 @@ def test_distribution_latents_draw_fresh_samples_and_comfyui_is_exported_too(bas
     shutil.copytree(caches["root"] / "cache", tmp_path / "cache")
     sampled = make_config(caches, tmp_path / "out", cache_dir=str(tmp_path / "cache"),
                           latent_sampling="distribution", lora_format="comfyui")
-    assert encode_latents(sampled, get_family(sampled), Store(sampled.cache_dir)).computed == 3
+    assert encode_latents(sampled, get_family(sampled), model_source(sampled), Store(sampled.cache_dir)).computed == 3
     report = train(sampled)
     run = Path(report.run_dir)
     assert (run / T.LORA_FILE).is_file() and (run / COMFYUI_LORA_FILE).is_file()

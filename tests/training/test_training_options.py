@@ -14,6 +14,7 @@ from loraflow.training import loop as T
 from loraflow.training import batches as D
 from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from tests.numerics import U32
 from tests.training.test_train import CPU
 
@@ -81,7 +82,7 @@ def test_muon_update_is_orthogonal_within_its_iteration_bound(demo_config: Loraf
 
 def test_loraplus_puts_the_b_matrices_in_a_group_at_ratio_times_lr(demo_config: LoraflowConfig) -> None:
     config = demo_config.model_copy(update={"loraplus_lr_ratio": 16.0})
-    transformer, params = T.load_transformer(config, get_family(config), CPU)
+    transformer, params = T.load_transformer(config, get_family(config), model_source(config), CPU)
     optimizer = make_optimizer(config, params, transformer)
     b = {id(p) for n, p in transformer.named_parameters() if "lora_B" in n}
     rest, plus = optimizer.param_groups

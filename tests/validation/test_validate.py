@@ -34,6 +34,7 @@ from loraflow.media.writers import write_media
 from loraflow.validation.validate import negative_prompt, render_settings, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component, set_lora_scale
+from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
 
@@ -68,7 +69,7 @@ def fill_store(config: LoraflowConfig, store: Store) -> None:
     store.put("latents", latents)
     store.write_manifest("latents", [{"key": f"latent{i}", "clip_key": c["key"], "bucket": c["bucket"]}
                                      for i, c in enumerate(clips)])
-    encode_texts(config, get_family(config), store)
+    encode_texts(config, get_family(config), model_source(config), store)
 
 
 def make_lora(config: LoraflowConfig, out: Path) -> Path:
@@ -104,7 +105,7 @@ def first_run(setup) -> ValidationReport:
     """The demo-like config validated once, in a fresh output folder (frames 5, 3 prompts, eval on 1 clip)."""
     data, store, lora = setup
     config = parse_config(data)
-    return validate(config, get_family(config), store, str(lora))
+    return validate(config, get_family(config), model_source(config), store, str(lora))
 
 
 def decode(path: str) -> tuple[np.ndarray, float]:
@@ -119,7 +120,7 @@ def decode(path: str) -> tuple[np.ndarray, float]:
 def test_every_prompt_renders_base_and_lora_at_the_configured_frames_and_size(setup, first_run, frames: int) -> None:
     data, store, lora = setup
     config = parse_config({**data, "validation_num_video_frames": frames})
-    report = first_run if frames == 5 else validate(config, get_family(config), store, str(lora))
+    report = first_run if frames == 5 else validate(config, get_family(config), model_source(config), store, str(lora))
     assert report.computed == 4 and report.reused == 0  # 3 prompts + eval
     rows = report.prompts
     assert [r.name for r in rows] == ["validation", "blue", "two words/odd"]
@@ -140,21 +141,22 @@ def test_every_prompt_renders_base_and_lora_at_the_configured_frames_and_size(se
 def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(setup, first_run) -> None:
     data, store, lora = setup
     config, first = parse_config(data), first_run
-    again = validate(config, get_family(config), store, str(lora))
+    again = validate(config, get_family(config), model_source(config), store, str(lora))
     assert again.computed == 0 and again.reused == 4 and again.data_version == first.data_version
     # a killed run: results.json and one prompt's result missing -> only that prompt and eval are redone
     out = Path(first.prompts[0].lora).parents[1]
     (out / "results.json").unlink()
     (out / "01-blue" / "result.json").unlink()
     before, _ = decode(first.prompts[1].lora)
-    resumed = validate(config, get_family(config), store, str(lora))
+    resumed = validate(config, get_family(config), model_source(config), store, str(lora))
     assert resumed.computed == 2 and resumed.reused == 2
     after, _ = decode(resumed.prompts[1].lora)
     assert np.array_equal(before, after)  # same prompt, same seed: the same video
     assert resumed.eval_loss == first.eval_loss
     # another seed renders elsewhere and differently (one prompt, no eval: just the seed at work)
     one = {"validation_prompt": None, "user_prompt_library": {"blue": LIBRARY["blue"]}, "eval_holdout_fraction": 0}
-    other = validate(parse_config({**data, **one, "validation_seed": 8}), get_family(config), store, str(lora))
+    other = validate(parse_config({**data, **one, "validation_seed": 8}), get_family(config), model_source(config),
+                     store, str(lora))
     assert other.data_version != first.data_version and other.settings.seed == 8 and other.computed == 1
     assert not np.array_equal(decode(other.prompts[0].lora)[0], after)
 
@@ -168,8 +170,9 @@ def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(setup, 
              "eval_holdout_fraction": 0}
     (tmp_path / "alone.yaml").write_text(json.dumps(alone))  # JSON is YAML
     code = ("import dataclasses, json, sys; from loraflow.config import load_config; from loraflow.validation.validate import validate; "
-            "from loraflow.pipelines import get_family; from loraflow.store import Store; "
-            "c = load_config(sys.argv[1]); print(json.dumps(dataclasses.asdict(validate(c, get_family(c), "
+            "from loraflow.pipelines import get_family; from loraflow.pipelines.sources import model_source; "
+            "from loraflow.store import Store; c = load_config(sys.argv[1]); "
+            "print(json.dumps(dataclasses.asdict(validate(c, get_family(c), model_source(c), "
             "Store(c.cache_dir), sys.argv[2]).prompts[0])))")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "alone.yaml"), str(lora)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
@@ -184,7 +187,7 @@ def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(setup, 
 def test_lora_at_scale_zero_renders_exactly_the_base_model(setup) -> None:
     data, store, lora = setup
     config = parse_config(data)
-    family, settings = get_family(config), render_settings(config, get_family(config))
+    family, settings = get_family(config), render_settings(config, get_family(config), model_source(config))
     texts = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
     rows = store.get("text_embeds", [texts["a green triangle"], texts[negative_prompt(config, family)]])
     prompt, negative = rows[texts["a green triangle"]], rows[texts[negative_prompt(config, family)]]
@@ -225,7 +228,7 @@ def test_a_rerun_on_the_same_lora_content_renders_nothing_whatever_its_header_or
         assert len(a.metadata()) == 2 and a.metadata() == b.metadata()  # format, lora_adapter_metadata
         assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
     config = parse_config(data)
-    rerun = validate(config, get_family(config), store, str(again))
+    rerun = validate(config, get_family(config), model_source(config), store, str(again))
     assert (rerun.data_version, rerun.computed) == (first_run.data_version, 0)
 
 
@@ -264,9 +267,9 @@ def test_eval_loss_of_the_same_clips_is_the_same_whatever_their_files_mtimes(set
         config = load_config(write_config(tmp_path / name / "config.yaml", demo_dict(
             tiny_k5, data, tmp_path / name, eval_holdout_fraction=0.2)))
         family, store = get_family(config), Store(config.cache_dir)
-        build_clips(config, family, store)
-        encode_latents(config, family, store)
-        encode_texts(config, family, store)
+        build_clips(config, family, model_source(config), store)
+        encode_latents(config, family, model_source(config), store)
+        encode_texts(config, family, model_source(config), store)
         runs.append((config, family, store, eval_items(config, family, store)))
     (_, family, store_a, items_a), (_, _, store_b, items_b) = runs
     assert len(items_a) == 1 and items_a[0].clip_key != items_b[0].clip_key  # the mtime is in the clip key
@@ -315,7 +318,7 @@ def test_every_validation_text_is_encoded_by_the_text_embeds_stage(setup) -> Non
     texts = {r["text"] for r in store.read_manifest("text_embeds")}
     assert set(config.validation_prompts.values()) <= texts
     assert negative_prompt(config, get_family(config)) not in texts  # "blurry" is new: the stage must add it
-    encode_texts(config, get_family(config), store)
+    encode_texts(config, get_family(config), model_source(config), store)
     assert "blurry" in {r["text"] for r in store.read_manifest("text_embeds")}
 
 
@@ -341,11 +344,11 @@ def test_settings_refuse_sizes_the_family_cannot_render(setup) -> None:
     data, _, _ = setup
     with pytest.raises(ConfigError, match="use 96x64"):  # at load, not after training
         parse_config({**data, "validation_resolution": "100x64"})
-    family = get_family(parse_config(data))
+    family, model = get_family(parse_config(data)), model_source(parse_config(data))
     image = dataclasses.replace(family, flavour=dataclasses.replace(family.flavour, num_frames=1))
     with pytest.raises(ValueError, match="renders images"):
-        render_settings(parse_config(data), image)
-    assert render_settings(parse_config({**data, "validation_num_video_frames": None}), image).num_frames == 1
+        render_settings(parse_config(data), image, model)
+    assert render_settings(parse_config({**data, "validation_num_video_frames": None}), image, model).num_frames == 1
 
 
 def test_one_frame_is_written_as_a_lossless_png(tmp_path: Path) -> None:
@@ -364,8 +367,9 @@ def test_image_family_renders_base_and_lora_as_pngs(tmp_path: Path) -> None:
         datasets=[{"id": "images", "instance_data_dir": str(tmp_path / "images"), "dataset_type": "image"}]))
     store = Store(config.cache_dir)
     store.write_manifest("clips", [])  # no captions needed: only the validation texts
-    encode_texts(config, get_family(config), store)
-    report = validate(config, get_family(config), store, str(make_lora(config, tmp_path / "lora")))
+    encode_texts(config, get_family(config), model_source(config), store)
+    report = validate(config, get_family(config), model_source(config), store,
+                      str(make_lora(config, tmp_path / "lora")))
     (row,) = report.prompts
     base, tuned = (np.asarray(Image.open(path)) for path in (row.base, row.lora))
     assert row.base.endswith(".png") and base.shape == tuned.shape == (HEIGHT, WIDTH, 3)
@@ -383,10 +387,10 @@ def test_renders_take_the_shift_from_the_checkpoint_unless_the_config_sets_one(s
     assert config["shift"] == 10.0 == get_family(parse_config(data)).flavour.flow_shift  # the tiny checkpoint's
     scheduler.write_text(json.dumps({**config, "shift": 3.0}))  # a checkpoint that disagrees with the table
     at = {**data, "pretrained_model_name_or_path": str(model)}
-    family = get_family(parse_config(at))
-    assert render_settings(parse_config(at), family).flow_shift == 3.0
-    assert render_settings(parse_config({**at, "validation_flow_shift": 7.0}), family).flow_shift == 7.0
+    family, checkpoint = get_family(parse_config(at)), model_source(parse_config(at))
+    assert render_settings(parse_config(at), family, checkpoint).flow_shift == 3.0
+    assert render_settings(parse_config({**at, "validation_flow_shift": 7.0}), family, checkpoint).flow_shift == 7.0
     scheduler.write_text(json.dumps({k: v for k, v in config.items() if k != "shift"}))
-    assert render_settings(parse_config(at), family).flow_shift == 10.0  # no shift there: the flavour's
+    assert render_settings(parse_config(at), family, checkpoint).flow_shift == 10.0  # no shift there: the flavour's
     with pytest.raises(ConfigError, match="validation_flow_shift"):
         parse_config({**at, "validation_flow_shift": 0})

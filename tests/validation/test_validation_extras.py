@@ -23,6 +23,7 @@ from loraflow.keys import safetensors_sha256
 from loraflow.training.progress_renders import step_folder
 from loraflow.config.validation_adapters import adapter_keys
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store
 from tests.conftest import demo_dict
@@ -57,7 +58,7 @@ def test_validation_on_startup_renders_the_base_at_step_0_and_trains_the_same_lo
     run = Path(report.run_dir)
     assert sorted(p.name for p in (run / "validation").glob("step-*")) == ["step-0000000"]
     assert same_lora_file(run / T.LORA_FILE, Path(plain.lora_path))
-    V.validate(config, get_family(config), Store(config.cache_dir), report.lora_path)
+    V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), report.lora_path)
     (startup,), (base, lora) = written["progress"], written["validation"]
     # the new LoRA's B is zero: step 0 adds exactly 0 to every layer, what validation's scale-0 render adds
     assert np.array_equal(startup, base)
@@ -74,7 +75,7 @@ def test_validation_renders_other_adapters_beside_the_trained_one(
     lora = Path(plain.lora_path)
     adapters = [{"label": "again", "path": str(lora)}, {"label": "half", "path": str(lora.parent), "strength": 0.5}]
     config = make_config(caches, tmp_path / "out", max_train_steps=1, validation_adapter_config=adapters, **RENDERS)
-    report = V.validate(config, get_family(config), Store(config.cache_dir), str(lora))
+    report = V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), str(lora))
     base, tuned, again, half = written["validation"]
     assert np.array_equal(again, tuned)  # the adapter alone at its strength: nothing else active
     assert not np.array_equal(half, tuned) and not np.array_equal(half, base)

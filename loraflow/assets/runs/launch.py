@@ -12,12 +12,16 @@ from __future__ import annotations
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dagster import AssetExecutionContext, PipesSubprocessClient
 
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.reports import LoraReport
+from loraflow.pipelines.sources import ModelSource
+
+if TYPE_CHECKING:
+    from loraflow.pipelines.base import ModelFamily  # imports torch
 
 
 def needs_launch(config: LoraflowConfig) -> bool:
@@ -47,14 +51,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_training(context: AssetExecutionContext, config: LoraflowConfig, config_path: str, store: Any) -> LoraReport:
-    """The lora stage's report, trained here or by the launched processes."""
+def run_training(context: AssetExecutionContext, config: LoraflowConfig, family: ModelFamily, model: ModelSource,
+                 config_path: str, store: Any) -> LoraReport:
+    """The lora stage's report, trained here or by the launched processes (`family`, `model`: resolved by the asset
+    either way, so the Hub is asked once, before any process starts; each launched process resolves them again, the
+    model from the cache)."""
     from loraflow.training.loop import train_lora
     from loraflow.train_main import report_from_summary
-    from loraflow.pipelines import get_family
 
     if not needs_launch(config):
-        return train_lora(config, get_family(config), store)
+        return train_lora(config, family, model, store)
     command = launch_command(config_path, config.num_processes)
     context.log.info(f"launching {config.num_processes} training process(es): {' '.join(command)}")
     result = PipesSubprocessClient().run(command=command, context=context).get_materialize_result()

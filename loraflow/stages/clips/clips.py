@@ -38,7 +38,7 @@ from loraflow.media.frames import decode_frames, probe
 from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
 from loraflow.contracts.reports import ClipsReport, DropReason, DroppedFile
 from loraflow.pipelines import bucket_multiple
-from loraflow.pipelines.sources import ModelSource, model_source
+from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
 if TYPE_CHECKING:  # planning needs the family's plain spec only (`plan_family`); base imports torch
@@ -298,7 +298,8 @@ def drop_removed_datasets(config: LoraflowConfig, store: Store) -> list[str]:
 
 
 def build_clips(
-    config: LoraflowConfig, family: FamilyPlan | ModelFamily, store: Store, datasets: list[str] | None = None
+    config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource, store: Store,
+    datasets: list[str] | None = None,
 ) -> ClipsReport:
     """Plan the datasets (`datasets` ids; None: every training dataset), decode what the store lacks, and write
     each dataset's manifest part of current clips (one dataset's run never touches another's part)."""
@@ -312,7 +313,7 @@ def build_clips(
     manifest, quarantine = [], []
     probes = ProbeCache(store)
     for dataset in selected:
-        rows, dropped_rows = _plan_dataset(config, family, dataset, probes)
+        rows, dropped_rows = _plan_dataset(config, family, model, dataset, probes)
         manifest, quarantine = manifest + rows, quarantine + dropped_rows
     have = store.keys("clips")
     todo = [row for row in manifest if row["key"] not in have]
@@ -332,17 +333,16 @@ def build_clips(
         reused=len(manifest) - computed,
         quarantined=tuple(DroppedFile(**q) for q in quarantine),
         buckets=tuple(tally_buckets([(r["dataset"], r["height"], r["width"], r["num_frames"]) for r in manifest],
-                                    _geometry(config, family))),
+                                    _geometry(model, family))),
         dropped=tuple(DropReason(**r) for r in dropped_table(quarantine)),
     )
 
 
-def _plan_dataset(config: LoraflowConfig, family: FamilyPlan | ModelFamily, dataset: DatasetConfig,
-                  probes: ProbeCache) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+def _plan_dataset(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource,
+                  dataset: DatasetConfig, probes: ProbeCache) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """A dataset's clip rows, and a quarantine row for every entry of its folder that yields none."""
     listing = list_folder(dataset)
     manifest, quarantine = [], [dropped(dataset.id, path, exc) for path, exc in listing.others]
-    model = model_source(config)
     for path in listing.files:
         try:
             manifest += _clip_rows(path, dataset, family, model, probes,
@@ -373,10 +373,10 @@ def _decode_missing(todo: list[dict[str, Any]], store: Store, shard_clips: int =
     return failed
 
 
-def _geometry(config: LoraflowConfig, family: FamilyPlan | ModelFamily) -> LatentGeometry | None:
+def _geometry(model: ModelSource, family: FamilyPlan | ModelFamily) -> LatentGeometry | None:
     """The VAE's factors for the latent estimate; None (estimate unknown) when the checkpoint has no vae config."""
     try:
-        return latent_geometry(model_source(config), family)
+        return latent_geometry(model, family)
     except FileNotFoundError as exc:
         log.warning("no latent estimate: %s", exc)
         return None

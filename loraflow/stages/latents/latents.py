@@ -27,8 +27,7 @@ from loraflow.kernels.devices import free_models, peak_memory_gib, pick_device
 from loraflow.contracts.reports import BadLatent, LatentsReport, OomFallback
 from loraflow.contracts.masks import MASK_COLUMN, latent_key_part, latent_mask
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
-from loraflow.pipelines import get_family
-from loraflow.pipelines.sources import model_source
+from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -36,15 +35,14 @@ CODE_VERSION = "latents-1"
 SHARD_CLIPS = 8
 
 
-def latent_rows(config: LoraflowConfig, store: Store, datasets: list[str] | None = None) -> list[dict[str, Any]]:
+def latent_rows(config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store,
+                datasets: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per current clip of the datasets (None: every training dataset) with the key its latent has.
     Patch conv is exact, so it is not in the key; tiling blends seams and changes the numbers, so it is; so
     does the sampling (a mode row and a distribution row of one clip never share a key), and for i2v flavours
     the first-frame image latent (see `_with_image_latent`) or image condition (the family's `image_condition`).
     `tiled_key` is the key of the clip's latent when an out-of-memory encode falls back to tiling."""
-    model = model_source(config)
     vae_id = component_fingerprint(model, "vae")
-    family = get_family(config)
     given = family.flavour.conditioning_frames
     image = {"image_frames": given} if given else {}  # t2v keys stay what they were
     if family.flavour.last_frame_given:  # its own key: a first-frame-only cache is encoded again, never reused
@@ -78,19 +76,19 @@ def prepare_vae(vae: torch.nn.Module, config: LoraflowConfig) -> None:
 
 
 def encode_latents(
-    config: LoraflowConfig, family: ModelFamily, store: Store, shard_clips: int = SHARD_CLIPS,
+    config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store, shard_clips: int = SHARD_CLIPS,
     datasets: list[str] | None = None, shard: Shard | None = None,
 ) -> LatentsReport:
     """Encode the datasets' clips (None: every training dataset) the store lacks; write each one's manifest part.
     With a `shard`, only that shard's clips, and no manifest: one of N workers (stages/shard_worker.py)."""
-    rows = [r for r in latent_rows(config, store, datasets) if shard is None or shard.owns(r["clip_key"])]
+    rows = [r for r in latent_rows(config, family, model, store, datasets)
+            if shard is None or shard.owns(r["clip_key"])]
     have = store.keys("latents")
     todo = sorted((r for r in rows if r["key"] not in have), key=lambda r: r["bucket"])
     quarantined: list[BadLatent] = []
     fallbacks: list[OomFallback] = []
     device = pick_device()
     if todo:
-        model = model_source(config)
         vae = load_component(model, "vae", torch.float32, str(device))
         prepare_vae(vae, config)
         image = [load_component(model, c, torch.float32, str(device))

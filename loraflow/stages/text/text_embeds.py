@@ -52,7 +52,7 @@ from loraflow.contracts.text_set import ImageLoader, TextItem
 from loraflow.kernels.quantize import quantize_int8
 from loraflow.contracts.reports import TextEmbedsReport, TokenBin, TruncatedText
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
-from loraflow.pipelines.sources import model_source
+from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8-torchao": torch.b
 HISTOGRAM_EDGES = (16, 32, 64, 128, 256, 512, 1024)  # upper bounds of the token-count bins
 
 
-def needed_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> dict[TextItem, ImageLoader | None]:
+def needed_texts(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
+                 store: Store) -> dict[TextItem, ImageLoader | None]:
     """Every item later stages read, sorted, with how to load the image it sees (None: the text alone)."""
     clips = store.read_manifest("clips")
     if not family.flavour.prompt_sees_image:
@@ -77,7 +78,7 @@ def needed_texts(config: LoraflowConfig, family: ModelFamily, store: Store) -> d
         for caption in {*clip["captions"], ""}:
             items[caption, clip["condition"]] = partial(condition_frame, store, clip["key"])
     if config.validation_prompts:
-        settings = render_settings(config, family, store)
+        settings = render_settings(config, family, model, store)
         clip_key, image = prompt_image(config, family, store, settings)
         render = partial(conditioning_image, store, clip_key, settings)
         items |= {(p, image): render for p in [*config.validation_prompts.values(), negative_prompt(config, family)]}
@@ -92,18 +93,18 @@ def text_key(text: str, family: ModelFamily, encoders: dict[str, str], precision
 
 
 def encode_texts(
-    config: LoraflowConfig, family: ModelFamily, store: Store, batch_texts: int = BATCH_TEXTS
+    config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store, batch_texts: int = BATCH_TEXTS
 ) -> TextEmbedsReport:
     """Encode the texts not yet in the store (shortest first, `batch_texts` per shard) and list the text set."""
     started = time.perf_counter()
-    model, precision = model_source(config), config.text_encoder_1_precision
+    precision = config.text_encoder_1_precision
     encoders = {name: component_fingerprint(model, name) for name in family.text_components}
-    items = needed_texts(config, family, store)
+    items = needed_texts(config, family, model, store)
     keys = {item: text_key(item[0], family, encoders, precision, image=item[1]) for item in items}
     have = store.keys("text_embeds")
     todo = {item: image for item, image in items.items() if keys[item] not in have}
     device = pick_device()
-    stats = _encode(config, family, store, todo, keys, encoders, device, batch_texts) if todo else {}
+    stats = _encode(config, family, model, store, todo, keys, encoders, device, batch_texts) if todo else {}
     if len(stats) < len(items):  # reused rows: their counts come from the store, not the encoder
         stored = store.get("text_embeds", [keys[i] for i in items if i not in stats], columns=["n_tokens", "truncated"])
         by_key = {k: item for item, k in keys.items()}
@@ -129,12 +130,13 @@ def encode_texts(
 
 
 def _encode(
-    config: LoraflowConfig, family: ModelFamily, store: Store, todo: dict[TextItem, ImageLoader | None],
-    keys: dict[TextItem, str], encoders: dict[str, str], device: torch.device, batch_texts: int,
+    config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store,
+    todo: dict[TextItem, ImageLoader | None], keys: dict[TextItem, str], encoders: dict[str, str],
+    device: torch.device, batch_texts: int,
 ) -> dict[TextItem, dict[str, Any]]:
     """Load the encoders, encode `todo` shortest first and commit each batch as a shard; free the encoders."""
     offload = config.offload_during_startup and device.type != "cpu"
-    components = load_encoders(config, family, torch.device("cpu") if offload else device)
+    components = load_encoders(config, family, model, torch.device("cpu") if offload else device)
     stats: dict[TextItem, dict[str, Any]] = {}
     try:
         tokenizer = next(c for c in components.values() if not isinstance(c, torch.nn.Module))  # the first encoder's
@@ -160,12 +162,12 @@ def _encode(
     return stats
 
 
-def load_encoders(config: LoraflowConfig, family: ModelFamily, device: torch.device) -> dict[str, Any]:
+def load_encoders(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
+                  device: torch.device) -> dict[str, Any]:
     """Text encoders and tokenizers; the first encoder in `text_encoder_1_precision`, the others in fp32."""
     first, precision = family.text_components[0], config.text_encoder_1_precision
     if precision != "fp32" and device.type == "cpu":
         log.warning("text_encoder_1_precision %s on the CPU: allowed, but much slower than fp32 there", precision)
-    model = model_source(config)
     components = {name: load_component(model, name,
                                        DTYPES[precision] if name == first else torch.float32, str(device))
                   for name in family.text_components}
