@@ -78,10 +78,11 @@ def estimated_peak(config: LoraflowConfig, stage: str, store: Store, device: str
                    datasets: list[str] | None = None) -> dict[str, Any]:
     """The estimate (loraflow/estimates.py) beside a stage's measured `peak_gib`: `est_peak_gib` and its parts in
     GiB, for the largest bucket of these datasets' clips (None: every dataset) on `device` ("cpu", "cuda:0")."""
+    from loraflow.contracts.clip_rows import read_clips
     from loraflow.estimates import GIB, stage_estimate
     from loraflow.pipelines import get_family
 
-    buckets = {clip["bucket"] for clip in store.read_manifest("clips", parts=datasets)}
+    buckets = {clip.bucket for clip in read_clips(store, parts=datasets)}
     if not buckets:
         return {}
     estimate = stage_estimate(config, get_family(config), stage, buckets, device.split(":")[0])

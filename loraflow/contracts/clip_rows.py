@@ -52,6 +52,11 @@ class ClipRow:
     condition: PairedImage | None = None
     mask: PairedImage | None = None
 
+    @property
+    def condition_key(self) -> str:
+        """The i2i source image's key, which its prompts are encoded with (the text stage's image id); "" else."""
+        return self.condition.key if self.condition else ""
+
     def to_row(self) -> dict[str, Any]:
         """The manifest's columns (lists where Parquet stores lists)."""
         row: dict[str, Any] = {
