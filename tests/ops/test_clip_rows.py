@@ -32,6 +32,7 @@ def columns(path: Path) -> dict[str, str]:
 
 def test_the_typed_rows_are_the_manifest_columns(tiny_k5: Path, tmp_path: Path) -> None:
     videos, masks = tmp_path / "videos", tmp_path / "masks"
+    videos.mkdir()
     masks.mkdir()
     for name in ("a", "b"):
         write_h264(videos / f"{name}.mp4", num_frames=6, width=96, height=64)
