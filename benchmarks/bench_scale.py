@@ -106,13 +106,14 @@ def step(name: str, config_path: str) -> dict[str, Any]:
         out["exit_code"] = code
         out["clips"] = int(printed.getvalue().split("total: ")[1].split(" clip")[0])
     elif name in ("probe_cold", "probe_warm"):
-        from loraflow.stages.clips.clips import ProbeCache, _plan_dataset
+        from loraflow.media.frames import ProbeCache
+        from loraflow.stages.clips.clips import _plan_dataset
 
         (rows, dropped), out["s"] = timed(lambda: _plan_dataset(config, family, dataset, ProbeCache(store)))
         out["clips"], out["dropped"] = len(rows), len(dropped)
         out["probe_shards"] = len(store.shard_paths("probes"))
         if name == "probe_cold":  # the manifest step reads these rows
-            Path(config.cache_dir, "planned.json").write_text(json.dumps(rows))
+            Path(config.cache_dir, "planned.json").write_text(json.dumps([r.to_row() for r in rows]))
     elif name == "manifest":
         rows = json.loads(Path(config.cache_dir, "planned.json").read_text())
         _, out["write_s"] = timed(lambda: store.write_manifest("clips", rows, part=dataset.id))

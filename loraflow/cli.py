@@ -129,7 +129,7 @@ def check(config_path: str, estimate: bool = True) -> int:
         print_estimates(config, source, plan.buckets)
     if plan.dropped:
         print(f"\ndropped {len(plan.dropped)} file(s):")
-        print(table([(d["dataset"], Path(d["file"]).name, d["reason"], d["detail"]) for d in plan.dropped],
+        print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
                     ("dataset", "file", "reason", "detail")))
     if problems:
         print(f"\n{len(problems)} problem(s):", file=sys.stderr)

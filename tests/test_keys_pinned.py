@@ -20,11 +20,11 @@ from loraflow.stages.text.text_embeds import text_key
 from loraflow.validation.validate import prompt_image, render_settings
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from tests.clip_factory import clip_row
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = {"latents": "l", "text_embeds": "t"}  # fixed data versions: the pin depends on the config only
 ENCODERS = {"text_encoder": "e1", "text_encoder_2": "e2"}  # fixed fingerprints: no weight files read
-CLIP = {"key": "clip-0", "bucket": "b", "dataset": None}  # the dataset is filled in per config
 
 # config file -> (run key, text key of "a cat", text key of "a cat" seen with image "img", latent key, tiled key)
 PINNED: dict[str, tuple[str, str, str, str, str]] = {
@@ -87,7 +87,7 @@ def keys_of(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str, 
     family = get_family(config)
     monkeypatch.setattr(L, "component_fingerprint", lambda path, component: f"fp-{component}")
     dataset = next(d.id for d in config.datasets if d.dataset_type != "text_embeds")
-    row = L.latent_rows(config, get_family(config), model_source(config), _Clips([{**CLIP, "dataset": dataset}]))[0]
+    row = L.latent_rows(config, get_family(config), model_source(config), _Clips([clip_row("clip-0", dataset, bucket="b").to_row()]))[0]
     precision = config.text_encoder_1_precision
     return (T.run_dir(config, UPSTREAM).name, text_key("a cat", family, ENCODERS, precision),
             text_key("a cat", family, ENCODERS, precision, image="img"), row["key"], row["tiled_key"])
@@ -122,6 +122,5 @@ def test_example_config_keys_are_those_of_before(name: str, monkeypatch: pytest.
 def test_the_image_renders_start_from_is_that_of_before(name: str) -> None:
     config = load_config(REPO / "configs" / name)
     family, dataset = get_family(config), config.datasets[0].id
-    clips = _Clips([{"key": f"clip-{i}", "dataset": dataset, "source": f"s{i}.mp4", "indices": [0]} for i in range(3)])
-    settings = render_settings(config, family, model_source(config))
-    assert prompt_image(config, family, clips, settings) == RENDER_FROM.get(name, (None, ""))
+    clips = _Clips([clip_row(f"clip-{i}", dataset, source=f"s{i}.mp4").to_row() for i in range(3)])
+    assert prompt_image(config, family, clips, render_settings(config, family, model_source(config))) == RENDER_FROM.get(name, (None, ""))

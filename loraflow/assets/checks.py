@@ -23,6 +23,7 @@ from loraflow.assets import metadata as md
 from loraflow.assets.partitions import DATASETS
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import clips, latents, lora, text_embeds
+from loraflow.contracts.clip_rows import read_clips
 from loraflow.stages.clips.bucket_plan import LatentGeometry
 from loraflow.store import Store
 
@@ -65,7 +66,7 @@ def bad_latents(store: Store, geometry: LatentGeometry,
                 datasets: list[str] | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Latents (of `datasets`; None: all) whose shape is not their clip's bucket shape, or that hold NaN/inf;
     (checked, offending)."""
-    clip_rows = {r["key"]: r for r in store.read_manifest("clips", parts=datasets)}
+    clip_rows = {r.key: r for r in read_clips(store, parts=datasets)}
     rows = store.read_manifest("latents", parts=datasets)
     committed = store.keys("latents")
     offending = [{"latent": r["key"], "bucket": r["bucket"], "problem": "not in the store (manifest names it)"}
@@ -76,8 +77,8 @@ def bad_latents(store: Store, geometry: LatentGeometry,
         if clip is None:
             offending.append({"latent": row["key"], "bucket": row["bucket"], "problem": "its clip is not current"})
             continue
-        expected = geometry.shape(clip["num_frames"], clip["height"], clip["width"])
-        base = {"latent": row["key"], "bucket": row["bucket"], "source": clip["source"]}
+        expected = geometry.shape(clip.num_frames, clip.height, clip.width)
+        base = {"latent": row["key"], "bucket": row["bucket"], "source": clip.source}
         if tuple(latent.shape) != expected:
             offending.append({**base, "problem": f"shape {tuple(latent.shape)}, expected {expected}"})
         elif not np.isfinite(latent).all():
@@ -107,7 +108,7 @@ def clips_without_latents(expected: list[dict[str, Any]], store: Store,
     approximate one, tiled after running out of memory, is listed under its own key and counts)."""
     listed = {r["key"] for r in store.read_manifest("latents", parts=datasets)}
     committed = store.keys("latents")
-    sources = {r["key"]: r["source"] for r in store.read_manifest("clips", parts=datasets)}
+    sources = {r.key: r.source for r in read_clips(store, parts=datasets)}
     skipped = quarantined_latents(store, datasets)  # the latents report names them, with their reason
 
     def problem(row: dict[str, Any]) -> str:
@@ -148,9 +149,9 @@ def texts_without_embeddings(needed: Iterable[tuple[str, str]], store: Store) ->
     listed = text_lookup(store)
     committed = store.keys("text_embeds")
     users: dict[str, list[str]] = {}
-    for clip in store.read_manifest("clips"):
-        for caption in clip["captions"]:
-            users.setdefault(caption, []).append(clip["source"])
+    for clip in read_clips(store):
+        for caption in clip.captions:
+            users.setdefault(caption, []).append(clip.source)
     offending = []
     for text, image in needed:
         if listed.get((text, image)) in committed:
@@ -176,9 +177,9 @@ def text_embeds_cover_captions(loraflow: LoraflowResource) -> AssetCheckResult:
 
 # -- captions ------------------------------------------------------------------------------------
 def empty_captions(store: Store, datasets: list[str] | None = None) -> tuple[int, list[dict[str, Any]]]:
-    rows = store.read_manifest("clips", parts=datasets)
-    offending = [{"dataset": r["dataset"], "source": r["source"], "bucket": r["bucket"]}
-                 for r in rows if any(not c.strip() for c in r["captions"])]
+    rows = read_clips(store, parts=datasets)
+    offending = [{"dataset": r.dataset, "source": r.source, "bucket": r.bucket}
+                 for r in rows if any(not c.strip() for c in r.captions)]
     return len(rows), offending
 
 

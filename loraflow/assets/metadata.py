@@ -80,9 +80,10 @@ def estimated_peak(config: LoraflowConfig, family: ModelFamily, model: ModelSour
                    device: str, datasets: list[str] | None = None) -> dict[str, Any]:
     """The estimate (loraflow/estimates.py) beside a stage's measured `peak_gib`: `est_peak_gib` and its parts in
     GiB, for the largest bucket of these datasets' clips (None: every dataset) on `device` ("cpu", "cuda:0")."""
+    from loraflow.contracts.clip_rows import read_clips
     from loraflow.estimates import GIB, stage_estimate
 
-    buckets = {clip["bucket"] for clip in store.read_manifest("clips", parts=datasets)}
+    buckets = {clip.bucket for clip in read_clips(store, parts=datasets)}
     if not buckets:
         return {}
     estimate = stage_estimate(config, family, model, stage, buckets, device.split(":")[0])

@@ -4,10 +4,10 @@ renders start from all read it)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.clip_rows import ClipRow
 
 
 def split_holdout(keys: Sequence[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
@@ -31,18 +31,18 @@ def split_holdout(keys: Sequence[str], fraction: float, seed: int) -> tuple[list
     return [k for k in keys if k not in held], [k for k in keys if k in held]
 
 
-def split_clips(clips: Sequence[Mapping[str, Any]], config: LoraflowConfig) -> tuple[list[str], list[str]]:
+def split_clips(clips: Sequence[ClipRow], config: LoraflowConfig) -> tuple[list[str], list[str]]:
     """Clip keys (train, eval) from the clips manifest: all of `eval_dataset_id`, and every clip of a held-out
     `eval_holdout_fraction` of the other source videos (whole videos: no frame of an eval video is trained on)."""
-    held = {c["key"] for c in clips if c["dataset"] == config.eval_dataset_id}
-    sources = sorted({clip_source(c) for c in clips if c["key"] not in held})
+    held = {c.key for c in clips if c.dataset == config.eval_dataset_id}
+    sources = sorted({clip_source(c) for c in clips if c.key not in held})
     _, held_sources = split_holdout(sources, config.eval_holdout_fraction, config.seed)
-    held |= {c["key"] for c in clips if clip_source(c) in set(held_sources)}
-    return [c["key"] for c in clips if c["key"] not in held], [c["key"] for c in clips if c["key"] in held]
+    held |= {c.key for c in clips if clip_source(c) in set(held_sources)}
+    return [c.key for c in clips if c.key not in held], [c.key for c in clips if c.key in held]
 
 
-def clip_source(clip: Mapping[str, Any]) -> str:
-    return f"{clip['dataset']}/{clip['source']}"  # dataset-relative path: stable across machines and re-encodes
+def clip_source(clip: ClipRow) -> str:
+    return f"{clip.dataset}/{clip.source}"  # dataset-relative path: stable across machines and re-encodes
 
 
 def evaluates(config: LoraflowConfig) -> bool:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from loraflow.config import LoraflowConfig
+    from loraflow.contracts.clip_rows import ClipRow
 
 MASK_CODE = "mask-1"  # bump when `latent_mask` would give other numbers for the same mask
 MASK_COLUMN = "loss_mask"
@@ -45,9 +46,9 @@ def latent_mask(mask_frames: np.ndarray, latent_shape: tuple[int, ...]) -> np.nd
     return np.ascontiguousarray(cells[None, None], dtype=np.float32)
 
 
-def latent_key_part(clip: dict[str, Any]) -> dict[str, str]:
+def latent_key_part(clip: ClipRow) -> dict[str, str]:
     """What a masked clip adds to its latent's key (the downsampling's version); nothing for other clips."""
-    return {"mask": MASK_CODE} if clip.get("mask") else {}
+    return {"mask": MASK_CODE} if clip.mask else {}
 
 
 def batch_mask(rows: list[dict[str, Any]], probability: float, seed: int) -> torch.Tensor | None:

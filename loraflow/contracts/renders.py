@@ -11,6 +11,7 @@ import numpy as np
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.clip_rows import read_clips
 from loraflow.contracts.holdout import split_clips
 from loraflow.keys import content_key
 from loraflow.pipelines import plan_family
@@ -90,13 +91,13 @@ def conditioning_clip(config: LoraflowConfig, family: ModelFamily, store: Store)
     never trained on)."""
     if not family.flavour.takes_image:  # K5 i2v, HunyuanVideo 1.5 i2v (cond channels), K5 i2i alike
         return None
-    clips = store.read_manifest("clips")
+    clips = read_clips(store)
     if config.render_dataset_id is not None:  # validation_using_datasets: its first file, by name
-        chosen = [c for c in clips if c["dataset"] == config.render_dataset_id]
+        chosen = [c for c in clips if c.dataset == config.render_dataset_id]
         if not chosen:
             raise ValueError(f"validation_using_datasets: dataset '{config.render_dataset_id}' has no clip to "
                              "render from; see the `clips` asset's quarantine table for why its files were dropped")
-        return min(chosen, key=lambda c: (c["source"], c["indices"][0]))["key"]
+        return min(chosen, key=lambda c: (c.source, c.indices[0])).key
     train, held = split_clips(clips, config)
     if not train + held:
         raise ValueError("i2v validation renders from a clip's first frame, but the clips stage stored no clip: "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch and of the stages
+    from loraflow.contracts.clip_rows import DroppedFile  # the quarantine row: a report row too
     from loraflow.pipelines.base import RenderSettings
 
 
@@ -22,16 +23,6 @@ class StageReport:
 
 
 # -- clips ----------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DroppedFile:
-    """A source file that yields no clip: a row of the store's `quarantine` manifest."""
-
-    dataset: str
-    file: str
-    reason: str
-    detail: str
-
-
 @dataclass(frozen=True)
 class DropReason:
     """Files dropped for one reason in one dataset, with one example."""

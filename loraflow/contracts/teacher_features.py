@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.clip_rows import ClipRow, read_clips
 from loraflow.keys import content_key, data_version, directory_fingerprint
 from loraflow.store import Store
 
@@ -45,15 +46,15 @@ def latent_frame_indices(num_frames: int, temporal_factor: int) -> list[int]:
     return list(range(0, num_frames, temporal_factor))
 
 
-def teacher_rows(clips: list[dict[str, Any]], teacher: Teacher, temporal_factor: int) -> list[dict[str, Any]]:
-    """One row per clip (clips-manifest rows) with the key its features have."""
+def teacher_rows(clips: list[ClipRow], teacher: Teacher, temporal_factor: int) -> list[dict[str, Any]]:
+    """One row per clip with the key its features have."""
     fingerprint = teacher_fingerprint(teacher)
     rows = []
     for clip in clips:
-        indices = latent_frame_indices(clip["num_frames"], temporal_factor)
-        key = content_key(clip=clip["key"], teacher=fingerprint, image_size=teacher.image_size, frames=indices,
+        indices = latent_frame_indices(clip.num_frames, temporal_factor)
+        key = content_key(clip=clip.key, teacher=fingerprint, image_size=teacher.image_size, frames=indices,
                           code=CODE_VERSION)
-        rows.append({"key": key, "clip_key": clip["key"], "dataset": clip["dataset"], "indices": indices})
+        rows.append({"key": key, "clip_key": clip.key, "dataset": clip.dataset, "indices": indices})
     return rows
 
 
@@ -61,10 +62,10 @@ def teacher_of(config: LoraflowConfig) -> Teacher:
     return Teacher(str(config.crepa_encoder_path), config.crepa_encoder_image_size)
 
 
-def trained_clips(store: Store) -> list[dict[str, Any]]:
+def trained_clips(store: Store) -> list[ClipRow]:
     """The clips that have latents (the only ones training reads)."""
     encoded = {row["clip_key"] for row in store.read_manifest("latents")}
-    return [clip for clip in store.read_manifest("clips") if clip["key"] in encoded]
+    return [clip for clip in read_clips(store) if clip.key in encoded]
 
 
 def teacher_keys(config: LoraflowConfig, family: ModelFamily, store: Store) -> dict[str, str]:

@@ -33,14 +33,22 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from loraflow.keys import content_key
 from loraflow.media.local import decode_local, probe_local  # light: it imports decord and PyAV when it decodes
 from loraflow.media.types import MediaError, Probe
 
+if TYPE_CHECKING:  # annotations only
+    from loraflow.store import Store
+
 logger = logging.getLogger(__name__)
+PROBE_VERSION = 3  # bump when a probe would describe the same file differently (2: VFR frame times; 3: streams
+# without a frame index counted from their first keyframe, as decoders show them)
+PROBE_BATCH = 256  # new probes per committed shard (ProbeCache with a store)
+PROBE_CACHE_MAX = 4096  # probes kept in memory
 
 # --------------------------------------------------------------------------------------------
 # Public API (runs in the caller's process; the work happens in a worker process)
@@ -48,16 +56,9 @@ logger = logging.getLogger(__name__)
 
 
 def probe(path: str | Path, timeout_s: float = 60.0) -> Probe:
-    """Describe a video or image file; raises MediaError if it cannot be used."""
-    path = Path(path)
-    key = _stat_key(path)
-    cached = _probe_cache_get(key)
-    if cached is not None:
-        return cached
-    reply = _run_in_worker(("probe", str(path)), path, timeout_s)
-    result = Probe(**reply["probe"])
-    _probe_cache_put(key, result)
-    return result
+    """Describe a video or image file (each version of it once per process: `ProbeCache`); raises MediaError if it
+    cannot be used."""
+    return ProbeCache().probe(path, timeout_s=timeout_s)
 
 
 def decode_frames(
@@ -106,10 +107,70 @@ def _check_indices(wanted: list[int], info: Probe, path: Path) -> None:
         )
 
 
-# Probe results are reused by decode_frames; a changed file (size or mtime) is probed again.
-_PROBE_CACHE: OrderedDict[tuple[str, int, int], Probe] = OrderedDict()
-_PROBE_CACHE_MAX = 4096
-_PROBE_CACHE_LOCK = threading.Lock()
+class ProbeCache:
+    """The one probe cache: a file version (path, size, mtime) is probed once per process, and with a store once ever.
+
+    In memory, every instance shares one bounded map, so decoding reuses what planning probed; a changed file (size
+    or mtime) is probed again. With a store (the clips stage), probes also go to its `probes` stage, keyed by the
+    file's dataset-relative identity (keys.file_identity), for the next run: committed PROBE_BATCH at a time, not one
+    shard each (a shard per probe cost an fsync per file and left 100k shards for the next run to index), and read in
+    one pass over the stage the first time one is needed, not a shard read per file. A killed pass loses at most
+    PROBE_BATCH probes, which the next one redoes.
+    """
+
+    _memory: ClassVar[OrderedDict[tuple[str, int, int], Probe]] = OrderedDict()
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, store: Store | None = None) -> None:
+        self.store = store
+        self.stored = store.keys("probes") if store is not None else set()
+        self.pending: list[dict[str, Any]] = []
+        self._rows: dict[str, dict[str, Any]] | None = None  # every stored probe, read on the first hit
+
+    def probe(self, path: str | Path, identity: dict[str, Any] | None = None, timeout_s: float = 60.0) -> Probe:
+        """`identity`: the file's keys.file_identity, to store the probe under (needs a store)."""
+        path = Path(path)
+        here = _stat_key(path)
+        with self._lock:
+            hit = self._memory.get(here)
+            if hit is not None:
+                self._memory.move_to_end(here)
+                return hit
+        key = None if identity is None or self.store is None else stored_probe_key(identity)
+        if key in self.stored:
+            result = self._stored(key)
+        else:
+            result = Probe(**_run_in_worker(("probe", str(path)), path, timeout_s)["probe"])
+            if key is not None:
+                self._keep(key, result)
+        with self._lock:
+            self._memory[here] = result
+            while len(self._memory) > PROBE_CACHE_MAX:
+                self._memory.popitem(last=False)
+        return result
+
+    def _stored(self, key: str) -> Probe:
+        if self._rows is None:
+            self._rows = self.store.get("probes", self.stored)
+        row = self._rows[key]
+        return Probe(**{k: tuple(v) if k == "frame_times" else v for k, v in row.items() if k != "key"})
+
+    def _keep(self, key: str, result: Probe) -> None:
+        self.pending.append({"key": key, **dataclasses.asdict(result)})
+        if len(self.pending) >= PROBE_BATCH:
+            self.commit()
+
+    def commit(self) -> None:
+        """Store the probes made since the last commit."""
+        if self.store is not None:
+            self.store.put("probes", self.pending)
+        self.pending = []
+
+
+def stored_probe_key(identity: dict[str, Any]) -> str:
+    # "clips-1": the clips stage's code version when probes were first stored; a probe does not depend on it, the
+    # value only keeps stored probes valid.
+    return content_key(identity=identity, code="clips-1", probe=PROBE_VERSION)
 
 
 def _stat_key(path: Path) -> tuple[str, int, int]:
@@ -122,21 +183,6 @@ def _stat_key(path: Path) -> tuple[str, int, int]:
     if st.st_size == 0:
         raise MediaError("empty_file", f"{path}: the file is empty (0 bytes); re-copy or remove it")
     return (str(path.resolve()), st.st_size, st.st_mtime_ns)
-
-
-def _probe_cache_get(key: tuple[str, int, int]) -> Probe | None:
-    with _PROBE_CACHE_LOCK:
-        hit = _PROBE_CACHE.get(key)
-        if hit is not None:
-            _PROBE_CACHE.move_to_end(key)
-        return hit
-
-
-def _probe_cache_put(key: tuple[str, int, int], value: Probe) -> None:
-    with _PROBE_CACHE_LOCK:
-        _PROBE_CACHE[key] = value
-        while len(_PROBE_CACHE) > _PROBE_CACHE_MAX:
-            _PROBE_CACHE.popitem(last=False)
 
 
 # --------------------------------------------------------------------------------------------

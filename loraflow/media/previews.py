@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from loraflow.contracts.clip_rows import read_clips
 from loraflow.store import Store, write_atomic
 
 THUMB = 96
@@ -32,7 +33,7 @@ PLOT_INCHES, PLOT_DPI = (6.4, 3.2), 100  # 640 x 320 px
 def clip_preview(store: Store, limit: int = 12) -> Image.Image:
     """First frame of up to `limit` clips side by side, each fitted into a THUMB x THUMB cell; i2i: each clip's
     source image in a second row below it."""
-    keys = [row["key"] for row in store.read_manifest("clips")][:limit]
+    keys = [clip.key for clip in read_clips(store)][:limit]
     stored = store.get("clips", keys)
     rows = [[np.asarray(stored[k]["frames"][0]) for k in keys]]
     if keys and stored[keys[0]].get("condition_frames") is not None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.clip_rows import ClipRow, read_clips
 from loraflow.contracts.latent_rows import draw_latents
 from loraflow.keys import hash_seed
 from loraflow.kernels.flow_matching import auto_shift, sample_sigmas
@@ -55,19 +55,18 @@ class MicroBatch:
     mask: torch.Tensor | None = None  # (B, 1, 1, h, w) loss masks (contracts/masks.py); None: unmasked
 
 
-def training_texts(clips: list[dict[str, Any]]) -> Iterator[tuple[str, str]]:
+def training_texts(clips: list[ClipRow]) -> Iterator[tuple[str, str]]:
     """The (text, image) items training reads: each caption (none: the empty prompt, unconditional, as eval loss
     treats it) and the empty prompt for caption dropout, with the clip's source image for i2i ("" otherwise)."""
     for clip in clips:
-        image = clip.get("condition") or ""
-        yield from ((caption, image) for caption in [*(clip["captions"] or [""]), ""])
+        yield from ((caption, clip.condition_key) for caption in [*(clip.captions or [""]), ""])
 
 
 def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
     """One sample per (latent, caption) x repeats; clips held out for eval loss are never trained on."""
-    clips = store.read_manifest("clips")
+    clips = read_clips(store)
     train_keys, _ = split_clips(clips, config)
-    by_key, trained = {c["key"]: c for c in clips}, set(train_keys)
+    by_key, trained = {c.key: c for c in clips}, set(train_keys)
     texts = text_lookup(store)
     tokens = {k: r["n_tokens"] for k, r in store.get("text_embeds", texts.values(), columns=["n_tokens"]).items()}
     samples = []
@@ -78,11 +77,11 @@ def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
         *captioned, empty = training_texts([clip])
         for item in [*captioned, empty]:
             if item not in texts:
-                raise KeyError(f"caption {item[0]!r} of {clip['source']} has no cached embedding: "
+                raise KeyError(f"caption {item[0]!r} of {clip.source} has no cached embedding: "
                                "materialize `text_embeds`")
         for item in captioned:
             key = texts[item]
-            samples += [Sample(row["key"], key, texts[empty], (row["bucket"], tokens[key]))] * clip["repeats"]
+            samples += [Sample(row["key"], key, texts[empty], (row["bucket"], tokens[key]))] * clip.repeats
     if not samples:
         raise ValueError("no training samples: every clip is held out for eval or failed to encode; check the "
                          "`latents` quarantine and `eval_holdout_fraction` / `eval_dataset_id`")

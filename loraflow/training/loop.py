@@ -48,6 +48,7 @@ from loraflow.training.checkpoints import (
     resume_optimizer, save_checkpoint,
 )
 from loraflow.store import write_json
+from loraflow.contracts.clip_rows import read_clips
 from loraflow.contracts.teacher_features import teacher_keys, teacher_version
 from loraflow.stages.teacher.teacher_features import cache_teacher_features
 from loraflow.training.crepa_training import Crepa, capturing, make_crepa, projector_state
@@ -83,7 +84,7 @@ def upstream_versions(store: Store, config: LoraflowConfig | None = None,
     With CREPA on (`config`, and its `family` as the caller resolved it), the teacher features too (other teacher
     weights in the same folder: a new run).
     """
-    read = set(training_texts(store.read_manifest("clips")))
+    read = set(training_texts(read_clips(store)))
     text_keys = [key for item, key in text_lookup(store).items() if item in read]
     versions = {"latents": data_version(r["key"] for r in store.read_manifest("latents")),
                 "text_embeds": data_version(text_keys)}

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.clip_rows import read_clips
 from loraflow.keys import hash_seed
 from loraflow.contracts.holdout import clip_source, split_clips
 from loraflow.contracts.text_set import text_lookup
@@ -44,9 +45,9 @@ def eval_items(config: LoraflowConfig, family: ModelFamily, store: Store) -> lis
 
     Not the images i2v validation renders from (`validation_using_datasets`) when the flavour scores only the
     frames after the first: an image has none (its loss would be NaN)."""
-    clips = store.read_manifest("clips")
+    clips = read_clips(store)
     _, held = split_clips(clips, config)
-    by_key = {c["key"]: c for c in clips}
+    by_key = {c.key: c for c in clips}
     latents = {row["clip_key"]: row["key"] for row in store.read_manifest("latents")}
     texts = text_lookup(store)
     items = []
@@ -54,13 +55,13 @@ def eval_items(config: LoraflowConfig, family: ModelFamily, store: Store) -> lis
         if clip_key not in latents:  # quarantined by the latents stage (non-finite latent)
             continue
         clip = by_key[clip_key]
-        if family.flavour.conditioning_frames and clip["num_frames"] == 1:
+        if family.flavour.conditioning_frames and clip.num_frames == 1:
             continue
-        text = ((clip["captions"] or [""])[0], clip.get("condition") or "")  # i2i: + source
+        text = ((clip.captions or [""])[0], clip.condition_key)  # i2i: + source
         if text not in texts:
-            raise KeyError(f"eval clip {clip['source']}: caption {text[0]!r} has no cached embedding; "
+            raise KeyError(f"eval clip {clip.source}: caption {text[0]!r} has no cached embedding; "
                            "materialize `text_embeds`")
-        items.append(EvalItem(clip_key, latents[clip_key], texts[text], clip_source(clip), tuple(clip["indices"])))
+        items.append(EvalItem(clip_key, latents[clip_key], texts[text], clip_source(clip), clip.indices))
     return items
 
 

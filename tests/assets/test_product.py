@@ -48,6 +48,7 @@ from loraflow.stages.clips.bucket_plan import LatentGeometry
 from loraflow.config import ConfigError, load_config
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
+from tests.clip_factory import clip_row
 
 
 # -- checks on a real materialization --------------------------------------------------------------
@@ -110,7 +111,7 @@ def test_coverage_checks_name_the_clip_without_a_latent_and_the_caption_without_
 
 def test_a_latent_the_latents_stage_quarantined_is_not_reported_missing(tmp_path: Path) -> None:
     store = Store(str(tmp_path))  # one clip encodes to NaN every time: the check must not block every cache run
-    store.write_manifest("clips", [{"key": f"c{i}", "source": f"{i}.mp4"} for i in range(2)], part="d")
+    store.write_manifest("clips", [clip_row(f"c{i}", "d", f"{i}.mp4").to_row() for i in range(2)], part="d")
     store.put("latents", [{"key": "l0", "latent": np.zeros((1,), np.float32)}])
     store.write_manifest("latents", [{"key": "l0", "clip_key": "c0", "bucket": "b"}], part="d")
     expected = [{"key": f"l{i}", "tiled_key": f"t{i}", "clip_key": f"c{i}", "bucket": "b"} for i in range(2)]
@@ -122,7 +123,7 @@ def test_a_latent_the_latents_stage_quarantined_is_not_reported_missing(tmp_path
 
 def test_latent_check_lists_wrong_shapes_and_non_finite_values(tmp_path: Path) -> None:
     store = Store(str(tmp_path))
-    clips = [{"key": f"c{i}", "source": f"{i}.mp4", "num_frames": 17, "height": 64, "width": 96} for i in range(3)]
+    clips = [clip_row(f"c{i}", "d", f"{i}.mp4", num_frames=17, width=96).to_row() for i in range(3)]
     store.write_manifest("clips", clips)
     good = np.zeros((16, 5, 8, 12), np.float32)
     nan = good.copy()
@@ -144,9 +145,8 @@ def test_latent_check_lists_wrong_shapes_and_non_finite_values(tmp_path: Path) -
 def test_empty_captions_warn_and_list_the_clip(tmp_path: Path, tiny_k5: Path, demo_data: Path) -> None:
     config = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path))
     store = Store(str(tmp_path / "cache"))
-    row = {"key": "k", "dataset": "demo-videos", "bucket": "96x64@17"}
-    store.write_manifest("clips", [{**row, "source": "quiet.mp4", "captions": [""]},
-                                   {**row, "source": "loud.mp4", "captions": ["a dog"]}])
+    store.write_manifest("clips", [clip_row("k", "demo-videos", "quiet.mp4", captions=("",)).to_row(),
+                                   clip_row("k", "demo-videos", "loud.mp4", captions=("a dog",)).to_row()])
     result = captions_not_empty(direct(LoraflowResource(config_path=str(config))))
     assert not result.passed and result.severity == AssetCheckSeverity.WARN
     assert "quiet.mp4" in result.metadata["offending"].value and "loud.mp4" not in result.metadata["offending"].value

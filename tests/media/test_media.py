@@ -297,7 +297,7 @@ def test_pyav_path_stops_after_last_kept_frame(files: dict[str, Path], tmp_path:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc")
 def test_worker_peak_memory_stays_small(files: dict[str, Path]) -> None:
     media._close_all_workers()
-    media._PROBE_CACHE.clear()
+    media.ProbeCache._memory.clear()
     decode_frames(files["h264"], [0], (64, 96))  # a fresh worker, decord imported and warmed up
     baseline = _worker_peak_kb()
     decode_frames(files["long"], [0, 400, 800, 1200, 1999], (64, 96))
@@ -336,7 +336,7 @@ def test_dead_idle_worker_is_replaced(files: dict[str, Path]) -> None:
     for worker in media._IDLE:
         worker.proc.kill()
         worker.proc.wait()
-    media._PROBE_CACHE.clear()
+    media.ProbeCache._memory.clear()
     assert probe(files["h264"]).num_frames == 30
 
 

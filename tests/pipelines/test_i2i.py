@@ -208,7 +208,8 @@ def test_i2i_eval_loss_without_validation_prompts(cached, tmp_path: Path) -> Non
 
 
 def test_a_source_image_pairs_by_exact_name_and_an_ambiguous_one_is_quarantined(tmp_path: Path) -> None:
-    from loraflow.stages.clips.clips import ProbeCache, _source_image
+    from loraflow.media.frames import ProbeCache
+    from loraflow.stages.clips.clips import _source_image
 
     targets, sources = make_demo_edits(tmp_path / "targets", tmp_path / "sources")
     config = i2i_config(tmp_path, tmp_path / "model", (targets, sources))

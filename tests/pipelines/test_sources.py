@@ -26,6 +26,7 @@ from loraflow.pipelines.base import component_fingerprint, load_component
 from loraflow.pipelines import family_flavour, get_family
 from loraflow.pipelines.sources import check_layout, layout_problem, model_source
 from tests.conftest import REPO, hf_cache_snapshot, write_config
+from tests.clip_factory import clip_row
 
 K5 = "kandinsky5-video"
 DEFAULT_REPO = family_flavour(K5, "t2v-lite-sft-5s").repo  # kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers
@@ -136,7 +137,7 @@ def test_a_vae_folder_from_elsewhere_is_loaded_and_fingerprinted_from_there(tiny
 
     class Clips:  # the one store call latent_rows makes
         def read_manifest(self, name: str, parts: list[str] | None = None) -> list[dict]:
-            return [{"key": "clip", "bucket": "b", "dataset": "v"}]
+            return [clip_row("clip", "v", bucket="b").to_row()]
 
     (vae / "config.json").write_text((vae / "config.json").read_text() + "\n")  # another VAE: other latent keys
     family = get_family(config)

@@ -17,6 +17,7 @@ from PIL import Image, PngImagePlugin
 
 from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.config import ConfigError, parse_config
+from loraflow.contracts.clip_rows import ClipRow
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.clips import build_clips, decode_clip
 from loraflow.contracts.renders import condition_frame
@@ -156,7 +157,8 @@ def test_a_caption_file_the_os_will_not_read_is_that_files_problem(tiny_k5: Path
 
 def test_a_file_changed_after_planning_is_quarantined(tmp_path: Path) -> None:
     (video,) = videos(tmp_path, 1, num_frames=12)
-    row = {"path": str(video), "indices": [0, 11], "resize": [64, 96], "box": [0, 0, 64, 96]}
+    row = ClipRow(key="k", dataset="d0", source=video.name, path=str(video), bucket="96x64@2", height=64, width=96,
+                  num_frames=2, indices=(0, 11), resize=(64, 96), box=(0, 0, 64, 96), captions=(), repeats=0)
     write_h264(video, num_frames=6, width=96, height=64)  # replaced by a shorter take after the plan
     with pytest.raises(MediaError) as caught:
         decode_clip(row)

@@ -61,7 +61,7 @@ def test_every_entry_that_is_not_a_clip_has_a_row_in_the_stage_and_the_plan(tiny
     assert ".mp4" in details["wave.gif"] and "ffmpeg" in details["wave.gif"]  # what is read, and how to convert
     assert {q["file"] for q in store.read_manifest("quarantine")} == {q.file for q in report.quarantined}
     plan = plan_buckets(config, get_family(config), None, progress=False)
-    assert {Path(d["file"]).name: d["reason"] for d in plan.dropped} == EXPECTED
+    assert {Path(d.file).name: d.reason for d in plan.dropped} == EXPECTED
 
 
 def test_check_lists_every_entry_that_is_not_a_clip(tiny_k5: Path, tmp_path: Path,
@@ -130,7 +130,7 @@ def test_aspect_limits_drop_sources_naming_the_ratio_and_the_limit(tiny_k5: Path
     assert "256x16" in rows["banner.mp4"].detail and "16 > maximum_aspect_ratio 2" in rows["banner.mp4"].detail
     assert "0.333 < minimum_aspect_ratio 0.5" in rows["strip.mp4"].detail
     plan = plan_buckets(config, get_family(config), None, progress=False)  # `loraflow buckets` says the same
-    assert {Path(d["file"]).name: d["reason"] for d in plan.dropped} == {n: q.reason for n, q in rows.items()}
+    assert {Path(d.file).name: d.reason for d in plan.dropped} == {n: q.reason for n, q in rows.items()}
 
 
 def test_without_aspect_limits_every_aspect_is_kept(tiny_k5: Path, tmp_path: Path) -> None:

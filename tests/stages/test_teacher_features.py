@@ -12,17 +12,19 @@ from transformers import Dinov2Model
 from loraflow.contracts.teacher_features import STAGE, Teacher, latent_frame_indices
 from loraflow.stages.teacher.teacher_features import encode_teacher_features
 from loraflow.demo.tiny_parts import tiny_dinov2
+from loraflow.contracts.clip_rows import ClipRow
 from loraflow.store import Store
+from tests.clip_factory import clip_row
 
 
-def clips_store(root: Path) -> tuple[Store, list[dict]]:
+def clips_store(root: Path) -> tuple[Store, list[ClipRow]]:
     """Two stored clips of 9 frames (3 latent frames: features of frames 0, 4, 8) in two datasets, as the clips stage
     stores them: uint8 (F, H, W, 3)."""
     store = Store(str(root / "cache"))
     g = np.random.default_rng(0)
     frames = {k: g.integers(0, 256, (9, 24, 40, 3), dtype=np.uint8) for k in ("c1", "c2")}
     store.put("clips", [{"key": k, "frames": v} for k, v in frames.items()])
-    return store, [{"key": "c1", "num_frames": 9, "dataset": "a"}, {"key": "c2", "num_frames": 9, "dataset": "b"}]
+    return store, [clip_row("c1", "a", num_frames=9), clip_row("c2", "b", num_frames=9)]
 
 
 def reference(teacher_dir: Path, frames: np.ndarray, size: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,12 +20,14 @@ import pyarrow.parquet as pq
 import torch
 
 from loraflow.config import load_config
+from loraflow.contracts.clip_rows import PairedImage
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.text.text_embeds import encode_texts, load_encoders, needed_texts, truncation_table
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
+from tests.clip_factory import clip_row
 
 
 def setup(model: Path, data: Path, root: Path, captions: list[str] | None = None, **overrides):
@@ -96,8 +99,9 @@ def test_a_caption_over_the_token_limit_is_truncated_and_counted(tiny_k5: Path, 
 
 def test_an_i2i_caption_cut_beside_one_source_lists_only_that_sources_files(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "cache"))  # the same caption with two source images: two items, one cut
-    store.write_manifest("clips", [{"key": f"k{i}", "path": f"/data/t{i}.png", "captions": ["cap"],
-                                    "condition": f"src{i}"} for i in (1, 2)])
+    source = PairedImage("", "", (64, 64), (0, 0, 64, 64))
+    store.write_manifest("clips", [clip_row(f"k{i}", "d", path=f"/data/t{i}.png", captions=("cap",),
+                                            condition=replace(source, key=f"src{i}")).to_row() for i in (1, 2)])
     rows = [{"text": "cap", "image": "src1", "n_tokens": 9, "truncated": True},
             {"text": "cap", "image": "src2", "n_tokens": 7, "truncated": False}]
     assert truncation_table(rows, store, 9) == [{"text": "cap", "tokens_kept": 9, "limit": 9,

@@ -37,6 +37,7 @@ from loraflow.pipelines.base import load_component, set_lora_scale
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import REPO, demo_dict, write_config
+from tests.clip_factory import clip_row
 
 LIBRARY = {"blue": "a blue square spins slowly", "two words/odd": "a green triangle"}
 CAPTIONS = [f"clip {i}: a {c} ball bounces" for i, c in enumerate(["red", "blue", "green", "white", "black"])]
@@ -59,9 +60,8 @@ def config_dict(model: Path, root: Path, **overrides: Any) -> dict[str, Any]:
 
 def fill_store(config: LoraflowConfig, store: Store) -> None:
     """Clips manifest (5 videos, one clip each), seeded latents, and real text embeddings."""
-    clips = [{"key": f"clip{i}", "dataset": "videos", "source": f"v{i}.mp4", "indices": list(range(5)),
-              "captions": [caption], "repeats": 1, "bucket": f"{WIDTH}x{HEIGHT}@5"}
-             for i, caption in enumerate(CAPTIONS)]
+    clips = [clip_row(f"clip{i}", "videos", f"v{i}.mp4", num_frames=5, captions=(caption,),
+                      bucket=f"{WIDTH}x{HEIGHT}@5").to_row() for i, caption in enumerate(CAPTIONS)]
     store.write_manifest("clips", clips)
     generator = torch.Generator().manual_seed(0)
     latents = [{"key": f"latent{i}", "latent": torch.randn(16, 2, HEIGHT // 8, WIDTH // 8, generator=generator).numpy()}
@@ -302,9 +302,8 @@ def test_split_holdout_is_seeded_stable_and_disjoint() -> None:
 
 def test_split_clips_holds_out_whole_videos_and_the_eval_dataset(setup) -> None:
     data, _, _ = setup
-    clips = [{"key": f"{s}-{i}", "dataset": "videos", "source": s}
-             for s in ("a.mp4", "b.mp4", "c.mp4") for i in range(3)]
-    clips += [{"key": "m-0", "dataset": "more", "source": "a.mp4"}]
+    clips = [clip_row(f"{s}-{i}", "videos", s) for s in ("a.mp4", "b.mp4", "c.mp4") for i in range(3)]
+    clips += [clip_row("m-0", "more", "a.mp4")]
     train, held = split_clips(clips, parse_config({**data, "eval_holdout_fraction": 0.34}))
     assert len(held) == 3 and len({k.split("-")[0] for k in held}) == 1  # every clip of one video
     train, held = split_clips(clips, parse_config({**data, "eval_holdout_fraction": 0.0, "eval_dataset_id": "more"}))

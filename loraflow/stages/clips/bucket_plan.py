@@ -1,26 +1,22 @@
 """What a config would cache, before any model loads: buckets, dropped files, and the bytes they will take.
 
 `loraflow check` prints this; the latents asset check uses `LatentGeometry` for the shape every latent must
-have. Planning reuses the clips stage's own functions (list_folder, read_captions, probe, plan_clips), so
-the plan is what the clips stage will do, not a second opinion.
+have. Planning is the clips stage's own per-file planner (`plan_files`), so the plan is what the clips stage will
+do, not a second opinion.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
-from tqdm import tqdm
-
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.clip_rows import DroppedFile
 from loraflow.contracts.reports import BucketRow
 from loraflow.stages.clips.buckets import LatentGeometry, tally_buckets
-from loraflow.stages.clips.captions import read_captions
-from loraflow.stages.clips.clips import check_name, dropped, find_source_image, plan_clips
+from loraflow.stages.clips.clips import plan_files
 from loraflow.stages.clips.dataset_folder import list_folder
-from loraflow.media.frames import probe
-from loraflow.media.types import MediaError
+from loraflow.media.frames import ProbeCache
 
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
     from loraflow.pipelines import FamilyPlan
@@ -31,7 +27,7 @@ if TYPE_CHECKING:  # the family protocol module imports torch; planning must sta
 @dataclass
 class BucketPlan:
     buckets: list[BucketRow] = field(default_factory=list)
-    dropped: list[dict[str, str]] = field(default_factory=list)  # {dataset, file, reason, detail}
+    dropped: list[DroppedFile] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # datasets that cannot be planned at all
 
 
@@ -41,28 +37,19 @@ def plan_buckets(config: LoraflowConfig, family: FamilyPlan | ModelFamily, geome
     on disk, for sizes that depend on it; None: as the config names it)."""
     plan = BucketPlan()
     clips_seen: list[tuple[str, int, int, int]] = []
+    probes = ProbeCache()  # in memory: checking a config writes nothing to its cache
     for dataset in config.training_datasets:
         try:
             listing = list_folder(dataset)
         except FileNotFoundError as exc:
             plan.problems.append(str(exc))
             continue
-        files = listing.files
-        plan.dropped += [dropped(dataset.id, path, exc) for path, exc in listing.others]
-        if not files:
+        if not listing.files:
             plan.problems.append(f"dataset '{dataset.id}': no video/image files under {dataset.instance_data_dir}")
-        sources = config.source_images(dataset)
-        for path in tqdm(files, desc=f"probe {dataset.id}", unit="file", disable=not progress or not files):
-            try:
-                read_captions(check_name(path), dataset)
-                if sources is not None:  # i2i: a target without its source image is dropped by clips too
-                    probe(check_name(find_source_image(path, dataset, sources)))
-                clips = plan_clips(path, probe(path), dataset, family, model or config.pretrained_model_name_or_path,
-                                   dataset.id == config.render_dataset_id)
-            except MediaError as exc:
-                plan.dropped.append(dropped(dataset.id, path, exc))
-                continue
-            clips_seen += [(dataset.id, c["height"], c["width"], len(c["indices"])) for c in clips]
+        clips, dropped = plan_files(config, family, model or config.pretrained_model_name_or_path, dataset, listing,
+                                    probes, progress)
+        plan.dropped += dropped
+        clips_seen += [(c.dataset, c.height, c.width, c.num_frames) for c in clips]
     plan.buckets = tally_buckets(clips_seen, geometry)
     return plan
 

@@ -20,7 +20,7 @@ Masked loss pairs each file with its mask image the same way, into `mask*` colum
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +33,11 @@ from loraflow.keys import content_key, data_version, file_identity
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.stages.clips.captions import read_captions
-from loraflow.stages.clips.dataset_folder import list_folder, printable, read_or_quarantine
-from loraflow.media.frames import decode_frames, probe
+from loraflow.stages.clips.dataset_folder import Listing, list_folder, printable, read_or_quarantine
+from loraflow.media.frames import ProbeCache, decode_frames
 from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
-from loraflow.contracts.reports import ClipsReport, DropReason, DroppedFile
+from loraflow.contracts.clip_rows import ClipRow, DroppedFile, PairedImage
+from loraflow.contracts.reports import ClipsReport, DropReason
 from loraflow.pipelines import bucket_multiple
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
@@ -47,51 +48,6 @@ if TYPE_CHECKING:  # planning needs the family's plain spec only (`plan_family`)
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
-PROBE_VERSION = 3  # bump when a probe would describe the same file differently (2: VFR frame times; 3: streams
-# without a frame index counted from their first keyframe, as decoders show them)
-PROBE_BATCH = 256  # new probes per committed shard
-
-
-class ProbeCache:
-    """The store's `probes` stage for one planning pass: each file identity is probed once, ever.
-
-    New probes are committed PROBE_BATCH at a time, not one shard each: a shard per probe cost an fsync per file and
-    left 100k shards for the next run to index. Cached probes are read in one pass over the stage the first time one
-    is needed, not a shard read per file. A killed pass loses at most PROBE_BATCH probes, which the next one redoes.
-    """
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self.stored = store.keys("probes")
-        self.pending: list[dict[str, Any]] = []
-        self.seen: dict[str, Probe] = {}
-        self._rows: dict[str, dict[str, Any]] | None = None  # every stored probe, read on the first hit
-
-    def probe(self, path: Path, identity: dict[str, Any]) -> Probe:
-        key = content_key(identity=identity, code=CODE_VERSION, probe=PROBE_VERSION)
-        if key not in self.seen:
-            self.seen[key] = self._stored(key) if key in self.stored else self._new(path, key)
-        return self.seen[key]
-
-    def _stored(self, key: str) -> Probe:
-        if self._rows is None:
-            self._rows = self.store.get("probes", self.stored)
-        row = self._rows[key]
-        return Probe(**{k: tuple(v) if k == "frame_times" else v for k, v in row.items() if k != "key"})
-
-    def _new(self, path: Path, key: str) -> Probe:
-        result = probe(path)
-        self.pending.append({"key": key, **asdict(result)})
-        if len(self.pending) >= PROBE_BATCH:
-            self.commit()
-        return result
-
-    def commit(self) -> None:
-        """Store the probes made since the last commit."""
-        self.store.put("probes", self.pending)
-        self.pending = []
-
-
 def plan_clips(
     path: Path, info: Probe, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
     images_allowed: bool = False,
@@ -173,12 +129,29 @@ def _check_clip_lengths(path: Path, lengths: set[int], family: FamilyPlan | Mode
                          "after a clean first frame, so it needs videos")
 
 
+def plan_files(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
+               dataset: DatasetConfig, listing: Listing, probes: ProbeCache,
+               progress: bool = False) -> tuple[list[ClipRow], list[DroppedFile]]:
+    """The one per-file planner, for the clips stage and `loraflow check`'s plan (bucket_plan.py): the clips of
+    each media file of the listing, and a quarantine row for every entry that yields none."""
+    manifest, quarantine = [], [dropped(dataset.id, path, exc) for path, exc in listing.others]
+    files = listing.files
+    for path in tqdm(files, desc=f"probe {dataset.id}", unit="file", disable=not progress or not files):
+        try:
+            manifest += _clip_rows(path, dataset, family, model, probes,
+                                   images_allowed=dataset.id == config.render_dataset_id,
+                                   sources=config.source_images(dataset))
+        except MediaError as exc:
+            quarantine.append(dropped(dataset.id, path, exc))
+    return manifest, quarantine
+
+
 def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
-               probes: ProbeCache, images_allowed: bool, sources: DatasetConfig | None = None) -> list[dict]:
-    """The file's clip rows; `sources`: the conditioning dataset holding its i2i source image or its loss mask."""
+               probes: ProbeCache, images_allowed: bool, sources: DatasetConfig | None = None) -> list[ClipRow]:
+    """The file's clips; `sources`: the conditioning dataset holding its i2i source image or its loss mask."""
     check_name(path)
     identity = read_or_quarantine(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
-    captions = read_captions(path, dataset)
+    captions = tuple(read_captions(path, dataset))
     info = probes.probe(path, identity)
     source = _source_image(path, dataset, sources, probes) if sources else None
     column = "mask" if is_mask_dataset(sources) else "condition"
@@ -189,13 +162,13 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFam
         key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style,
                           code=CODE_VERSION, **paired)
         crop = buckets.crop_plan((info.height, info.width), size, dataset.crop_style, seed=key)
-        rows.append({
-            "key": key, "dataset": dataset.id, "source": identity["path"], "path": str(path),
-            "bucket": buckets.bucket_label(*size, len(plan["indices"])), "height": size[0], "width": size[1],
-            "num_frames": len(plan["indices"]), "indices": plan["indices"], "resize": list(crop.resize),
-            "box": list(crop.box), "captions": captions, "repeats": dataset.repeats,
-            **(_condition_columns(source, size, dataset.crop_style, key, column) if source else {}),
-        })
+        rows.append(ClipRow(
+            key=key, dataset=dataset.id, source=identity["path"], path=str(path),
+            bucket=buckets.bucket_label(*size, len(plan["indices"])), height=size[0], width=size[1],
+            num_frames=len(plan["indices"]), indices=tuple(plan["indices"]), resize=crop.resize, box=crop.box,
+            captions=captions, repeats=dataset.repeats,
+            **({column: _paired_image(source, size, dataset.crop_style, key)} if source else {}),
+        ))
     return rows
 
 
@@ -222,9 +195,9 @@ def check_name(path: Path) -> Path:
     return path
 
 
-def dropped(dataset: str, path: str | Path, exc: MediaError) -> dict[str, str]:
+def dropped(dataset: str, path: str | Path, exc: MediaError) -> DroppedFile:
     """A quarantine row."""
-    return {"dataset": dataset, "file": printable(path), "reason": exc.reason, "detail": str(exc)}
+    return DroppedFile(dataset=dataset, file=printable(path), reason=exc.reason, detail=str(exc))
 
 
 def find_source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig) -> Path:
@@ -252,34 +225,34 @@ def _pairing(sources: DatasetConfig) -> str:
     return "masked loss" if is_mask_dataset(sources) else "i2i"
 
 
-def _condition_columns(source: tuple[dict[str, Any], Path, Probe], size: tuple[int, int], crop_style: str,
-                       key: str, column: str = "condition") -> dict[str, Any]:
-    """The source image (or mask: `column` "mask") cut like the target: same bucket size, same crop style and seed
-    (aligned when the two images have the same size, as edit pairs and masks do)."""
+def _paired_image(source: tuple[dict[str, Any], Path, Probe], size: tuple[int, int], crop_style: str,
+                  key: str) -> PairedImage:
+    """The source image (or mask) cut like the target: same bucket size, same crop style and seed (aligned when the
+    two images have the same size, as edit pairs and masks do)."""
     identity, path, info = source
     crop = buckets.crop_plan((info.height, info.width), size, crop_style, seed=key)
-    return {column: content_key(source=identity, resize=crop.resize, box=crop.box, code=CODE_VERSION),
-            f"{column}_path": str(path), f"{column}_resize": list(crop.resize), f"{column}_box": list(crop.box)}
+    return PairedImage(key=content_key(source=identity, resize=crop.resize, box=crop.box, code=CODE_VERSION),
+                       path=str(path), resize=crop.resize, box=crop.box)
 
 
-def decode_clip(row: dict[str, Any]) -> dict[str, np.ndarray]:
+def decode_clip(row: ClipRow) -> dict[str, np.ndarray]:
     """The stored columns of a clip: uint8 `frames` (F, H, W, 3), decoding only the kept frames, resized in the
     decoder, then cut to the crop box; i2i: also its source image, `condition_frames` (1, H, W, 3); masked loss:
     its mask, `mask_frames` (1, H, W, 3)."""
-    stored = {"frames": _decode_cropped(row["path"], row["indices"], row["resize"], row["box"])}
-    for column, word in (("condition", "source image"), ("mask", "mask")):
-        if row.get(column):
+    stored = {"frames": _decode_cropped(row.path, row.indices, row.resize, row.box)}
+    for column, word, image in (("condition", "source image", row.condition), ("mask", "mask", row.mask)):
+        if image is not None:
             try:
-                stored[f"{column}_frames"] = _decode_cropped(row[f"{column}_path"], [0], row[f"{column}_resize"],
-                                                             row[f"{column}_box"])
+                stored[f"{column}_frames"] = _decode_cropped(image.path, (0,), image.resize, image.box)
             except MediaError as exc:
-                raise MediaError(exc.reason, f"its {word} {row[f'{column}_path']}: {exc}") from None
+                raise MediaError(exc.reason, f"its {word} {image.path}: {exc}") from None
     return stored
 
 
-def _decode_cropped(path: str, indices: list[int], resize: list[int], box: list[int]) -> np.ndarray:
+def _decode_cropped(path: str, indices: tuple[int, ...], resize: tuple[int, int],
+                    box: tuple[int, int, int, int]) -> np.ndarray:
     try:
-        frames = decode_frames(path, indices, tuple(resize))
+        frames = decode_frames(path, indices, resize)
     except ValueError as exc:  # planned frames the file no longer has
         raise MediaError("changed_during_run", f"{path} changed after this run planned it ({exc}); materialize "
                          "the stage again") from None
@@ -316,56 +289,48 @@ def build_clips(
         rows, dropped_rows = _plan_dataset(config, family, model, dataset, probes)
         manifest, quarantine = manifest + rows, quarantine + dropped_rows
     have = store.keys("clips")
-    todo = [row for row in manifest if row["key"] not in have]
+    todo = [row for row in manifest if row.key not in have]
     failed = _decode_missing(todo, store)
     quarantine += failed
-    bad = {q["file"] for q in failed}
-    manifest = [row for row in manifest if row["path"] not in bad]
+    bad = {q.file for q in failed}
+    manifest = [row for row in manifest if row.path not in bad]
     computed = len(todo) - len(failed)
     for dataset in selected:
-        store.write_manifest("clips", [r for r in manifest if r["dataset"] == dataset.id], part=dataset.id)
-        store.write_manifest("quarantine", [q for q in quarantine if q["dataset"] == dataset.id], part=dataset.id)
+        store.write_manifest("clips", [r.to_row() for r in manifest if r.dataset == dataset.id], part=dataset.id)
+        store.write_manifest("quarantine", [q.to_row() for q in quarantine if q.dataset == dataset.id],
+                             part=dataset.id)
     return ClipsReport(
         # Captions and repeats are part of what this asset stands for (text_embeds reads them), not of the frames.
-        data_version=data_version(content_key(clip=r["key"], captions=r["captions"], repeats=r["repeats"])
-                                  for r in manifest),
+        data_version=data_version(content_key(clip=r.key, captions=r.captions, repeats=r.repeats) for r in manifest),
         computed=computed,
         reused=len(manifest) - computed,
-        quarantined=tuple(DroppedFile(**q) for q in quarantine),
-        buckets=tuple(tally_buckets([(r["dataset"], r["height"], r["width"], r["num_frames"]) for r in manifest],
+        quarantined=tuple(quarantine),
+        buckets=tuple(tally_buckets([(r.dataset, r.height, r.width, r.num_frames) for r in manifest],
                                     _geometry(model, family))),
-        dropped=tuple(DropReason(**r) for r in dropped_table(quarantine)),
+        dropped=dropped_table(quarantine),
     )
 
 
 def _plan_dataset(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource,
-                  dataset: DatasetConfig, probes: ProbeCache) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
-    """A dataset's clip rows, and a quarantine row for every entry of its folder that yields none."""
-    listing = list_folder(dataset)
-    manifest, quarantine = [], [dropped(dataset.id, path, exc) for path, exc in listing.others]
-    for path in listing.files:
-        try:
-            manifest += _clip_rows(path, dataset, family, model, probes,
-                                   images_allowed=dataset.id == config.render_dataset_id,
-                                   sources=config.source_images(dataset))
-        except MediaError as exc:
-            quarantine.append(dropped(dataset.id, path, exc))
+                  dataset: DatasetConfig, probes: ProbeCache) -> tuple[list[ClipRow], list[DroppedFile]]:
+    """A dataset's clips, and a quarantine row for every entry of its folder that yields none."""
+    planned = plan_files(config, family, model, dataset, list_folder(dataset), probes)
     probes.commit()
-    return manifest, quarantine
+    return planned
 
 
-def _decode_missing(todo: list[dict[str, Any]], store: Store, shard_clips: int = 8) -> list[dict[str, str]]:
+def _decode_missing(todo: list[ClipRow], store: Store, shard_clips: int = 8) -> list[DroppedFile]:
     """Decode clips the store lacks, committing a shard per bucket chunk (a killed run keeps its shards)."""
-    failed: list[dict[str, str]] = []
-    todo = sorted(todo, key=lambda r: r["bucket"])
+    failed: list[DroppedFile] = []
+    todo = sorted(todo, key=lambda r: r.bucket)
     progress = tqdm(total=len(todo), desc="clips", unit="clip", disable=not todo)
     for start in range(0, len(todo), shard_clips):
         decoded: dict[str, list[dict[str, Any]]] = {}
         for row in todo[start : start + shard_clips]:
             try:
-                decoded.setdefault(row["bucket"], []).append({"key": row["key"], **decode_clip(row)})
+                decoded.setdefault(row.bucket, []).append({"key": row.key, **decode_clip(row)})
             except MediaError as exc:
-                failed.append(dropped(row["dataset"], row["path"], exc))
+                failed.append(dropped(row.dataset, row.path, exc))
             progress.update()
         for rows in decoded.values():
             store.put("clips", rows)
@@ -382,11 +347,11 @@ def _geometry(model: ModelSource, family: FamilyPlan | ModelFamily) -> LatentGeo
         return None
 
 
-def dropped_table(quarantine: list[dict[str, str]]) -> list[dict[str, Any]]:
-    """Why files were dropped: one row per (dataset, reason) with a count and one example."""
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
+def dropped_table(quarantine: list[DroppedFile]) -> tuple[DropReason, ...]:
+    """Why files were dropped: one row per (dataset, reason) with a count and its first file's detail as example."""
+    files = Counter((q.dataset, q.reason) for q in quarantine)
+    example = {}
     for q in quarantine:
-        row = rows.setdefault((q["dataset"], q["reason"]), {"dataset": q["dataset"], "reason": q["reason"],
-                                                             "files": 0, "example": q["detail"]})
-        row["files"] += 1
-    return sorted(rows.values(), key=lambda r: (r["dataset"], r["reason"]))
+        example.setdefault((q.dataset, q.reason), q.detail)
+    return tuple(DropReason(dataset, reason, count, example[dataset, reason])
+                 for (dataset, reason), count in sorted(files.items()))

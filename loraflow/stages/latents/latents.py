@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig, select_datasets
+from loraflow.contracts.clip_rows import read_clips
 from loraflow.contracts.latent_rows import latent_columns
 from loraflow.keys import Shard, content_key, data_version
 from loraflow.kernels.patch_conv import enable_patch_conv
@@ -53,15 +54,15 @@ def latent_rows(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
     elif family.image_condition_name:  # the VAE alone computes it (K5 i2i: from the source, which the clip key names)
         image["image_condition"] = family.image_condition_name
     ids = {d.id for d in select_datasets(config, datasets)}
-    clips = store.read_manifest("clips", parts=datasets)
+    clips = read_clips(store, parts=datasets)
     key = lambda clip, tiling: content_key(  # noqa: E731
-        clip=clip["key"], vae=vae_id, dtype="float32", sampling=config.latent_sampling, tiling=tiling,
+        clip=clip.key, vae=vae_id, dtype="float32", sampling=config.latent_sampling, tiling=tiling,
         code=CODE_VERSION, **image, **latent_key_part(clip))
     return [
-        {"key": key(clip, config.vae_enable_tiling), "tiled_key": key(clip, True), "clip_key": clip["key"],
-         "bucket": clip["bucket"], "dataset": clip["dataset"]}
+        {"key": key(clip, config.vae_enable_tiling), "tiled_key": key(clip, True), "clip_key": clip.key,
+         "bucket": clip.bucket, "dataset": clip.dataset}
         for clip in clips
-        if clip["dataset"] in ids  # a dataset no longer in the config is never encoded or listed
+        if clip.dataset in ids  # a dataset no longer in the config is never encoded or listed
     ]
 
 

@@ -20,12 +20,12 @@ antialiasing), normalised with ImageNet's mean and std.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import numpy as np
 import torch
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.clip_rows import ClipRow
 from loraflow.contracts.reports import TeacherFeaturesReport
 from loraflow.contracts.teacher_features import (
     STAGE, Teacher, teacher_fingerprint, teacher_of, teacher_rows, trained_clips,
@@ -41,7 +41,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 FRAMES_PER_BATCH = 16  # frames through the teacher at once: bounds its activations, not its results
 
 
-def encode_teacher_features(clips: list[dict[str, Any]], teacher: Teacher, temporal_factor: int, store: Store,
+def encode_teacher_features(clips: list[ClipRow], teacher: Teacher, temporal_factor: int, store: Store,
                             datasets: list[str]) -> TeacherFeaturesReport:
     """Compute the features the store lacks, one shard per clip; write one manifest part per dataset id."""
     rows = teacher_rows(clips, teacher, temporal_factor)

@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.clip_rows import read_clips
 from loraflow.keys import content_key, data_version
 from loraflow.kernels.devices import free_models, pick_device
 from loraflow.contracts.renders import (
@@ -66,17 +67,17 @@ HISTOGRAM_EDGES = (16, 32, 64, 128, 256, 512, 1024)  # upper bounds of the token
 def needed_texts(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
                  store: Store) -> dict[TextItem, ImageLoader | None]:
     """Every item later stages read, sorted, with how to load the image it sees (None: the text alone)."""
-    clips = store.read_manifest("clips")
+    clips = read_clips(store)
     if not family.flavour.prompt_sees_image:
-        texts = {caption for clip in clips for caption in clip["captions"]}
+        texts = {caption for clip in clips for caption in clip.captions}
         texts |= {"", family.default_negative_prompt, *config.validation_prompts.values()}
         if config.validation_negative_prompt is not None:
             texts.add(config.validation_negative_prompt)
         return {(t, ""): None for t in sorted(texts)}
     items: dict[TextItem, ImageLoader | None] = {}
     for clip in clips:  # each caption, and the empty prompt for caption dropout, with the clip's source image
-        for caption in {*clip["captions"], ""}:
-            items[caption, clip["condition"]] = partial(condition_frame, store, clip["key"])
+        for caption in {*clip.captions, ""}:
+            items[caption, clip.condition_key] = partial(condition_frame, store, clip.key)
     if config.validation_prompts:
         settings = render_settings(config, family, model, store)
         clip_key, image = prompt_image(config, family, store, settings)
@@ -219,11 +220,11 @@ def truncation_table(rows: list[dict[str, Any]], store: Store, limit: int) -> li
     beside one image and not another: such an item lists only the files paired with that image."""
     cut = {(r["text"], r.get("image") or ""): r["n_tokens"] for r in rows if r["truncated"]}
     files: dict[TextItem, list[str]] = {item: [] for item in cut}
-    for clip in store.read_manifest("clips") if cut else []:
-        for caption in clip["captions"]:
-            for item in {(caption, ""), (caption, clip.get("condition") or "")} & cut.keys():
-                if clip["path"] not in files[item]:
-                    files[item].append(clip["path"])
+    for clip in read_clips(store) if cut else []:
+        for caption in clip.captions:
+            for item in {(caption, ""), (caption, clip.condition_key)} & cut.keys():
+                if clip.path not in files[item]:
+                    files[item].append(clip.path)
     return [{"text": text[:80] + ("..." if len(text) > 80 else ""), "tokens_kept": cut[text, image], "limit": limit,
              "files": ", ".join(files[text, image]) or "(validation prompt)"} for text, image in sorted(cut)]
 

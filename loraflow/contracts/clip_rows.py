@@ -1,0 +1,102 @@
+"""The clips stage's manifest rows, typed: a clip (`ClipRow`, the `clips` manifest) and a file that yields none
+(`DroppedFile`, the `quarantine` manifest). One schema each, shared by the stage that writes them, the store writer,
+every reader and the clips report.
+
+Frozen dataclasses rather than TypedDicts: a row is one value passed through six stages, and a dataclass lets the
+optional paired image (i2i's source image or a loss mask) be one field holding four columns instead of four keys
+that are there or not; readers get attributes a type checker follows and nothing can change a row in flight.
+`to_row()`/`from_row()` are the store boundary: the Parquet columns, their order and values are those the stage has
+always written (a clip without a paired image has no `condition*`/`mask*` columns), so no stored manifest changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: contracts stay free of the store's imports
+    from loraflow.store import Store
+
+PAIRED_COLUMNS = ("condition", "mask")  # a ClipRow field each, and the prefix of its columns
+
+
+@dataclass(frozen=True)
+class PairedImage:
+    """An image cut like its clip (same bucket size, crop style and seed): i2i's source image (`condition`, which the
+    text_embeds stage keys i2i prompts by) or a loss mask (`mask`, contracts/masks.py)."""
+
+    key: str  # content key of the image's file identity, resize and box
+    path: str
+    resize: tuple[int, int]  # (height, width) the decoder resizes to
+    box: tuple[int, int, int, int]  # (top, left, height, width) cut from the resized image
+
+
+@dataclass(frozen=True)
+class ClipRow:
+    """One clip of a source file: which frames, at which bucket size and crop, with the file's captions."""
+
+    key: str  # content key: source identity, indices, size, crop style, code version (and the paired image's key)
+    dataset: str
+    source: str  # the dataset-relative path: stable across machines and re-encodes
+    path: str  # where the file is on this machine
+    bucket: str  # WIDTHxHEIGHT@FRAMES
+    height: int
+    width: int
+    num_frames: int
+    indices: tuple[int, ...]  # source frame indices
+    resize: tuple[int, int]
+    box: tuple[int, int, int, int]
+    captions: tuple[str, ...]
+    repeats: int
+    condition: PairedImage | None = None
+    mask: PairedImage | None = None
+
+    @property
+    def condition_key(self) -> str:
+        """The i2i source image's key, which its prompts are encoded with (the text stage's image id); "" else."""
+        return self.condition.key if self.condition else ""
+
+    def to_row(self) -> dict[str, Any]:
+        """The manifest's columns (lists where Parquet stores lists)."""
+        row: dict[str, Any] = {
+            "key": self.key, "dataset": self.dataset, "source": self.source, "path": self.path,
+            "bucket": self.bucket, "height": self.height, "width": self.width, "num_frames": self.num_frames,
+            "indices": list(self.indices), "resize": list(self.resize), "box": list(self.box),
+            "captions": list(self.captions), "repeats": self.repeats,
+        }
+        for column in PAIRED_COLUMNS:
+            image = getattr(self, column)
+            if image is not None:
+                row |= {column: image.key, f"{column}_path": image.path, f"{column}_resize": list(image.resize),
+                        f"{column}_box": list(image.box)}
+        return row
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> ClipRow:
+        paired = {column: PairedImage(row[column], row[f"{column}_path"], tuple(row[f"{column}_resize"]),
+                                      tuple(row[f"{column}_box"]))
+                  for column in PAIRED_COLUMNS if row.get(column)}  # a part read beside an i2i one has them as None
+        return cls(key=row["key"], dataset=row["dataset"], source=row["source"], path=row["path"],
+                   bucket=row["bucket"], height=row["height"], width=row["width"], num_frames=row["num_frames"],
+                   indices=tuple(row["indices"]), resize=tuple(row["resize"]), box=tuple(row["box"]),
+                   captions=tuple(row["captions"]), repeats=row["repeats"], **paired)
+
+
+def read_clips(store: Store, parts: Iterable[str] | None = None) -> list[ClipRow]:
+    """The current clips (of the datasets `parts`; None: every dataset) as the stage wrote them."""
+    return [ClipRow.from_row(row) for row in store.read_manifest("clips", parts=parts)]
+
+
+@dataclass(frozen=True)
+class DroppedFile:
+    """A source file that yields no clip: a row of the store's `quarantine` manifest (and of `loraflow check`'s
+    dropped table)."""
+
+    dataset: str
+    file: str  # printable: a name that is not UTF-8 shows its bytes escaped
+    reason: str  # a short machine code (MediaError.reason)
+    detail: str  # what was wrong and what to do
+
+    def to_row(self) -> dict[str, str]:
+        return asdict(self)
