@@ -14,6 +14,7 @@ from PIL import Image
 from loraflow.config import parse_config
 from loraflow.contracts.clip_rows import PAIRED_COLUMNS, ClipRow, DroppedFile, PairedImage, read_clips
 from loraflow.pipelines import get_family
+from loraflow.pipelines.sources import model_source
 from loraflow.stages.clips.clips import build_clips
 from loraflow.store import Store
 from tests.media_factory import write_h264
@@ -47,7 +48,7 @@ def test_the_typed_rows_are_the_manifest_columns(tiny_k5: Path, tmp_path: Path) 
                      {"id": "masks", "dataset_type": "conditioning", "conditioning_type": "mask",
                       "instance_data_dir": str(masks)}]})
     store = Store(config.cache_dir)
-    report = build_clips(config, get_family(config), store)
+    report = build_clips(config, get_family(config), model_source(config), store)
 
     manifest = tmp_path / "cache" / "clips" / "manifest" / "v.parquet"
     assert columns(manifest) == {**CLIP_COLUMNS, **MASK_COLUMNS}  # names, order and types as always written
