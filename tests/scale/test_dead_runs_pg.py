@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dagster import DagsterEventType, DagsterInstance, DagsterRun, DagsterRunStatus, materialize
+from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, materialize
 from dagster._core.events import EngineEventData
 
 from loraflow.assets.dead_runs import HOST_TAG, reap_dead_runs
