@@ -88,6 +88,21 @@ def postgres() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def new_database(url: str, name: str) -> str:
+    """A new database on the PostgreSQL server of `url` (from postgres()); its URL. A test's own Dagster instance on
+    the session's server: its runs apart from other tests' runs."""
+    import psycopg2  # dagster-postgres's driver
+
+    connection = psycopg2.connect(url.replace("postgresql+psycopg2://", "postgresql://"))
+    try:
+        connection.autocommit = True  # CREATE DATABASE runs outside a transaction
+        with connection.cursor() as cursor:
+            cursor.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        connection.close()
+    return f"{url.rsplit('/', 1)[0]}/{name}"
+
+
 @contextlib.contextmanager
 def redis() -> Iterator[str]:
     """A Redis server without persistence; yields its URL."""

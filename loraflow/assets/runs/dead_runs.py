@@ -10,10 +10,15 @@ by nothing and is watched by nothing (nor is a run whose code server died with i
   worker's;
 - a run all of whose recorded processes are provably gone (no such pid, a zombie, or the pid now held by a process
   started after the event: reused) is reported failed, and its slots are freed;
-- a run that has recorded no pid yet is starting and is left alone, and so is every run of an instance whose storage
-  is not SQLite files on this host (its pids could be another machine's). Assumed: every process using this
-  DAGSTER_HOME sees the same pids (one machine, no container with a PID namespace of its own sharing it), as with
-  Dagster's default run launcher, which starts every run on the machine of `dagster dev`.
+- a run that has recorded no pid yet is starting and is left alone;
+- a run's pids are this machine's on an instance in SQLite files (one machine). On shared run storage (PostgreSQL:
+  docs/scale.md) they could be any machine's, so the guard acts only on the runs tagged HOST_TAG with this machine's
+  name: a step worker of the multiprocess executor tags its run when it starts (`die_with_run`: its parent, the
+  run's executor, is on its machine, and so are the run's other step workers). A run killed before its first step
+  started, and a run whose steps run on Celery workers, are not tagged: a UI run's code server fails it (run worker
+  gone), else only its `dagster/max_runtime` tag does. Assumed: processes that share a host name share their pids (no
+  container with a PID namespace of its own and the host's name), as with Dagster's default run launcher, which
+  starts every run on the machine of its code server.
 
 The guard runs in every main process that loads loraflow.definitions (dagster's CLI, the code server of
 `dagster dev`): once while it loads them, so before the CLI's own run asks for its slot, then on a thread every
@@ -37,17 +42,19 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import DagsterEventType, DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 
 log = logging.getLogger(__name__)
 PID_EVENTS = {DagsterEventType.ENGINE_EVENT, DagsterEventType.STEP_WORKER_STARTED}
 CLOCK_SLACK_S = 2.0  # /proc's boot time is whole seconds and drifts with the clock: a pid counts as reused past this
 WATCH_INTERVAL_S = 15.0  # as often as a blocked step re-asks for its slot at the most (Dagster: every 15 s)
+HOST_TAG = "loraflow/host"  # the machine of a run's processes, on shared run storage (PostgreSQL)
 _watching = threading.Event()
 
 
@@ -88,21 +95,24 @@ def _boot_time() -> float:
     raise RuntimeError("/proc/stat has no btime")
 
 
-def on_this_host(instance: DagsterInstance) -> bool:
-    """Whether the instance's runs are this machine's: SQLite storage (files under DAGSTER_HOME, one host)."""
+def on_this_host(instance: DagsterInstance, run: DagsterRun | None = None) -> bool:
+    """Whether the run's processes are this machine's: every run on SQLite storage (files under DAGSTER_HOME, one
+    host); elsewhere a run tagged with this machine's name (without `run`: whether the storage is SQLite)."""
     from dagster._core.storage.runs import SqliteRunStorage
 
-    return isinstance(instance.run_storage, SqliteRunStorage)
+    if isinstance(instance.run_storage, SqliteRunStorage):
+        return True
+    return run is not None and run.tags.get(HOST_TAG) == socket.gethostname()
 
 
 def reap_dead_runs(instance: DagsterInstance) -> list[str]:
     """Fail the in-progress runs whose recorded processes are all gone and free their pool slots, then give free
     slots to the steps waiting for them; return the dead runs' ids."""
-    if not on_this_host(instance):
-        return []
     dead = []
     with _guard_lock(instance):
         for run in instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTING, DagsterRunStatus.STARTED])):
+            if not on_this_host(instance, run):
+                continue
             pids = recorded_pids(instance, run.run_id)
             if not pids or any(process_alive(pid, at) for pid, at in pids):
                 continue
@@ -168,7 +178,8 @@ def die_with_run(instance: DagsterInstance | None, run_id: str | None) -> bool:
     dies (SIGKILL: no step failure, no materialization reported after the run failed). Return whether it was set.
 
     Only where the parent is a process the run recorded (its executor): a code server's run worker is a
-    multiprocessing child too, and tied to the code server's request thread it would die when that thread ends."""
+    multiprocessing child too, and tied to the code server's request thread it would die when that thread ends.
+    On shared run storage it also tags the run with this machine's name (HOST_TAG): its executor is here."""
     from loraflow.lifetime import die_with_parent
 
     parent = multiprocessing.parent_process()
@@ -176,4 +187,6 @@ def die_with_run(instance: DagsterInstance | None, run_id: str | None) -> bool:
         return False
     if parent.pid not in {pid for pid, _ in recorded_pids(instance, run_id)}:
         return False
+    if not on_this_host(instance):
+        instance.add_run_tags(run_id, {HOST_TAG: socket.gethostname()})
     return die_with_parent(signal.SIGKILL, parent=parent.pid)
