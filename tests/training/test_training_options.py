@@ -24,14 +24,16 @@ SHAPE = (4, 16, 3, 8, 12)  # (B, C, T, h, w): 3 x 4 x 6 = 72 tokens
 def test_flow_schedule_options_reach_the_training_draws(demo_config: LoraflowConfig) -> None:
     """Micro-step 0's sigmas (`step_draws`: what training uses) with each schedule option, against the plain
     draws of the same generator: the range maps them onto [0.2, 0.8] (two float32 roundings), the auto shift is
-    the shift of the batch's token count (frames x h/2 x w/2), the beta schedule draws others."""
+    the shift of the batch's token count (frames x h/2 x w/2), the beta schedule draws others. The range is two
+    float32 roundings (times 0.6, plus 0.2) of values below the result on either side: each side is within 2u of the
+    exact result, so within 4u of the other."""
     def sigmas(**option) -> torch.Tensor:
         config = demo_config.model_copy(update=option)
         return D.step_draws(config, get_family(config), 0, SHAPE).sigma
 
     plain = sigmas()
     ranged = sigmas(min_timestep=200, max_timestep=800)
-    assert torch.allclose(ranged, plain * 0.6 + 0.2, rtol=2 * U32, atol=0) and not torch.equal(ranged, plain)
+    assert torch.allclose(ranged, plain * 0.6 + 0.2, rtol=4 * U32, atol=0) and not torch.equal(ranged, plain)
     tokens = SHAPE[2] * (SHAPE[3] // 2) * (SHAPE[4] // 2)
     assert torch.equal(sigmas(flow_schedule_auto_shift=True), sigmas(flow_schedule_shift=auto_shift(tokens)))
     assert not torch.equal(sigmas(flow_schedule_auto_shift=True), plain)
@@ -54,7 +56,8 @@ def test_muon_update_is_orthogonal_within_its_iteration_bound(demo_config: Loraf
     p^5(s_i / |G|_F) (torch's quintic, 5 steps), not the gradient's spread. torch runs the iteration in bf16
     (u = 2^-8): 5 steps of 3 roundings each (X, XX^T, the polynomial), each moving a singular value by at most
     u |p'| <= 3.5 u of the ~1.2 largest, bound the difference by 15 x 3.5 x 1.2 x 2^-8 < 0.25; a plain
-    (unorthogonalised) step would differ by up to 100x."""
+    (unorthogonalised) step would differ by up to 100x. (The expected values lie in 0.69..1.1: the gradient's
+    100:1 spread is gone.)"""
     config = demo_config.model_copy(update={"optimizer": "muon"})
     g = torch.Generator().manual_seed(0)
     spread = torch.tensor([100.0, 30.0, 3.0, 1.0], dtype=torch.float64)
@@ -77,7 +80,6 @@ def test_muon_update_is_orthogonal_within_its_iteration_bound(demo_config: Loraf
         expected = newton_schulz_singular_values(torch.linalg.svdvals(nesterov) / nesterov.norm(),
                                                  ns["ns_coefficients"], ns["ns_steps"]).sort(descending=True).values
         assert (update - expected).abs().max() < 0.25, (update, expected)
-        assert update.max() / update.min() < 2  # orthogonal-ish: the gradient's 100:1 is gone
 
 
 def test_loraplus_puts_the_b_matrices_in_a_group_at_ratio_times_lr(demo_config: LoraflowConfig) -> None:
@@ -91,11 +93,20 @@ def test_loraplus_puts_the_b_matrices_in_a_group_at_ratio_times_lr(demo_config: 
     assert (rest["lr"], plus["lr"]) == (1e-3, 1.6e-2)
 
 
+def assert_average(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> None:
+    """x is schedule-free's average y + (1 - 1/beta1)(z - y), beta1 = 0.9, within the rounding of either route."""
+    step = (1 - 1 / 0.9) * (z.double() - y.double())
+    exact = y.double() + step
+    assert ((x.double() - exact).abs() <= U32 * (3 * step.abs() + exact.abs())).all()
+
+
 def test_schedulefree_renders_and_exports_the_average_and_trains_on_unchanged(demo_config: LoraflowConfig) -> None:
     """Around a render during training (`averaged_weights`) the parameters are schedule-free's average
     x = y + (1 - 1/beta1)(z - y); afterwards y again, bit for bit (schedule-free's own train() after eval() rounds
     a few hundred of these 4096 values elsewhere), so the next step is the one without a render.
-    After the last step `exported` leaves x in them for good (what train_lora writes)."""
+    After the last step `exported` leaves x in them for good (what train_lora writes).
+    Schedule-free's lerp y + w (z - y) rounds w = 1 - 1/beta1 to float32, then the difference z - y, the product and
+    the sum once each: within u (3 |w (z - y)| + |x|) of x in float64 (to first order: the rest is 2^-24 of that)."""
     config = demo_config.model_copy(update={"optimizer": "adamw_schedulefree"})
 
     def stepped(render: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -109,11 +120,11 @@ def test_schedulefree_renders_and_exports_the_average_and_trains_on_unchanged(de
                 y, z = param.detach().clone(), optimizer.state[param]["z"].clone()
                 with averaged_weights(optimizer):
                     shown = param.detach().clone()
-                    assert torch.allclose(shown, y + (1 - 1 / 0.9) * (z - y), rtol=4 * U32, atol=4 * U32)
+                    assert_average(shown, y, z)
                 assert torch.equal(param.detach(), y)
         y, z = param.detach().clone(), optimizer.state[param]["z"]
         exported(optimizer)
-        assert torch.allclose(param.detach(), y + (1 - 1 / 0.9) * (z - y), rtol=4 * U32, atol=4 * U32)
+        assert_average(param.detach(), y, z)
         return y, shown
 
     rendered, shown = stepped(True)
