@@ -5,6 +5,9 @@ block loop calls for each block (`enable_gradient_checkpointing(gradient_checkpo
   are checkpointed, the others keep their activations (faster backward, more memory).
 - `gradient_checkpointing_cpu_offload` (musubi-tuner's name): the inputs a checkpointed block keeps for its
   recompute (the only activations checkpointing keeps) are held on the CPU and brought back for the recompute.
+  Both moves copy, also where the accelerator is the CPU: a CPU run then allocates what a GPU run allocates (the
+  held copies, a fresh copy for the recompute), on one allocator, which is how tests/test_estimates.py measures
+  the estimate of it.
 
 Both change no number: a block computes the same ops on the same values either way, and a CPU copy is exact.
 """
@@ -19,8 +22,10 @@ if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
 
 
-def enable_checkpointing(transformer: torch.nn.Module, config: LoraflowConfig) -> None:
-    """Turn on the configured checkpointing in a diffusers transformer (ops/train.py, and the estimates' fake step)."""
+def enable_checkpointing(transformer: torch.nn.Module, config: LoraflowConfig, host: str = "cpu") -> None:
+    """Turn on the configured checkpointing in a diffusers transformer (training/loop.py, and the estimates' fake
+    step, whose activation offload holds its copies on `host` "meta": fake CPU tensors stand for the accelerator's
+    there, and its counter counts meta ones as host memory)."""
     if not config.gradient_checkpointing:
         return
     interval, offload = config.gradient_checkpointing_interval, config.gradient_checkpointing_cpu_offload
@@ -35,24 +40,25 @@ def enable_checkpointing(transformer: torch.nn.Module, config: LoraflowConfig) -
     def run_block(block: torch.nn.Module, *args: Any) -> Any:
         if positions.get(id(block), 0) % interval:
             return block(*args)
-        return checkpoint(block, args, offload)
+        return checkpoint(block, args, host if offload else None)
 
     transformer.enable_gradient_checkpointing(run_block)
 
 
-def checkpoint(block: torch.nn.Module, args: tuple, offload: bool) -> Any:
-    """`block(*args)` under torch's non-reentrant checkpoint (as diffusers calls it); with `offload`, its tensor
-    arguments are handed to the checkpoint as CPU copies, which is all it keeps, and moved back inside the recompute.
-    The copy's autograd node keeps no tensor, so the accelerator copy is freed once the block loop moves on."""
+def checkpoint(block: torch.nn.Module, args: tuple, host: str | None) -> Any:
+    """`block(*args)` under torch's non-reentrant checkpoint (as diffusers calls it); with a `host` device, its
+    tensor arguments are handed to the checkpoint as copies on the host, which is all it keeps, and copied back
+    inside the recompute. The copy's autograd node keeps no tensor, so the accelerator copy is freed once the block
+    loop moves on."""
     import torch
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-    if not offload:
+    if host is None:
         return torch_checkpoint(block, *args, use_reentrant=False)
     devices = [a.device if torch.is_tensor(a) else None for a in args]
-    held = [a if d is None else a.to("cpu") for a, d in zip(args, devices)]
+    held = [a if d is None else a.to(host, copy=True) for a, d in zip(args, devices)]
 
     def on_device(*kept: Any) -> Any:
-        return block(*(k if d is None else k.to(d) for k, d in zip(kept, devices)))
+        return block(*(k if d is None else k.to(d, copy=True) for k, d in zip(kept, devices)))
 
     return torch_checkpoint(on_device, *held, use_reentrant=False)
