@@ -19,8 +19,8 @@ checkpointing) runs at released size in seconds and allocates nothing. Each numb
   block's recompute are what is counted. Activation offload (`gradient_checkpointing_cpu_offload`) runs too,
   holding its copies of the block inputs on the meta device: the counter counts those as host memory
   (`StageEstimate.host`, the stage's "(host)" row), not in the accelerator's peak; the copies back for each
-  recompute are counted on the accelerator. (Estimated for a CPU device, the host is the device: they are
-  counted there.) Attention keeps no N x N matrix (flash kernels: output and
+  recompute are counted on the accelerator. (For a CPU device nothing moves: a CPU tensor's copy to the CPU is
+  itself, in a run as in the fake step.) Attention keeps no N x N matrix (flash kernels: output and
   log-sum-exp); what kernels allocate inside themselves is added by formula where it is large:
   `attention_workspace` (the backward's fp32 dQ accumulator, and the CPU kernel's tiles) and `conv3d_columns`
   (the CPU 3D convolution's column buffer; none on CUDA).
@@ -196,8 +196,8 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
         return skipped
     mode = _fake_mode()
     transformer, lora, stored = _transformer(config, family, transformer_config, mode, config.base_model_precision)
-    # activation offload's copies go to the meta device, which the counter counts as host memory; a CPU device is
-    # its own host
+    # activation offload's copies go to the meta device, which the counter counts as host memory (a CPU run's
+    # offload moves nothing)
     enable_checkpointing(transformer, config, host="cpu" if device_type == "cpu" else "meta")
     transformer.train()
     for module in transformer.modules():

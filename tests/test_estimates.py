@@ -107,21 +107,6 @@ def test_training_step_peak_tiny(tiny_k5: Path, demo_data: Path, tmp_path: Path,
     assert_close(estimate.peak_bytes, measured_training_peak(config, latent))
 
 
-def test_training_step_peak_tiny_activation_offload(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
-    """Activation offload on the CPU, where the host is the device: its copies (held for each checkpointed block, and
-    back for each recompute) are made as on a GPU (kernels/checkpointing.py copies either way), so the allocator
-    sees them, and the estimate for a CPU device counts them with the rest (for an accelerator they are its host
-    memory: tests/kernels/test_checkpointing.py)."""
-    config = config_for(tiny_k5, demo_data, tmp_path, gradient_checkpointing=True,
-                        gradient_checkpointing_cpu_offload=True)
-    family = get_family(config)
-    latent = latent_geometry(tiny_k5, family).shape(*BUCKET)
-    transformer_config = json.loads((tiny_k5 / "transformer" / "config.json").read_text())
-    estimate = estimates.training_step(config, family, transformer_config, latent, device_type="cpu")
-    assert estimate.host == 0
-    assert_close(estimate.peak_bytes, measured_training_peak(config, latent))
-
-
 @pytest.mark.parametrize("adapter", [{"lora_type": "lycoris", "lycoris_config": {"algo": "lokr", "linear_dim": 4}},
                                      {"use_dora": True}], ids=["lokr", "dora"])
 def test_the_estimate_counts_the_adapter_peft_creates(tiny_k5: Path, demo_data: Path, tmp_path: Path,

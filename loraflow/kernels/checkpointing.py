@@ -5,11 +5,11 @@ block loop calls for each block (`enable_gradient_checkpointing(gradient_checkpo
   are checkpointed, the others keep their activations (faster backward, more memory).
 - `gradient_checkpointing_cpu_offload` (musubi-tuner's name): the inputs a checkpointed block keeps for its
   recompute (the only activations checkpointing keeps) are held on the CPU and brought back for the recompute.
-  Both moves copy, also where the accelerator is the CPU: a CPU run then allocates what a GPU run allocates (the
-  held copies, a fresh copy for the recompute), on one allocator, which is how tests/test_estimates.py measures
-  the estimate of it.
 
-Both change no number: a block computes the same ops on the same values either way, and a CPU copy is exact.
+Both change no number: a block computes the same ops on the same values either way, and a CPU copy is exact. (On
+the CPU, where the offload's copies are the tensors themselves, the LoRA is the same bit for bit. Forced to copy
+there, as on a GPU, the loss stayed equal and the gradients differed in the last bits: each copy is an autograd
+node, which changes the order the gradients of a tensor used by several blocks are summed in.)
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def checkpoint(block: torch.nn.Module, args: tuple, host: str | None) -> Any:
     if host is None:
         return torch_checkpoint(block, *args, use_reentrant=False)
     devices = [a.device if torch.is_tensor(a) else None for a in args]
-    held = [a if d is None else a.to(host, copy=True) for a, d in zip(args, devices)]
+    held = [a if d is None else a.to(host) for a, d in zip(args, devices)]
 
     def on_device(*kept: Any) -> Any:
-        return block(*(k if d is None else k.to(d, copy=True) for k, d in zip(kept, devices)))
+        return block(*(k if d is None else k.to(d) for k, d in zip(kept, devices)))
 
     return torch_checkpoint(on_device, *held, use_reentrant=False)

@@ -300,6 +300,8 @@ def known_values(limit: int = KNOWN_NUMEL) -> Any:
                 weakref.finalize(storage, self.forgotten.discard, storage._cdata)
 
         def real(self, func: Any, args: tuple, kwargs: dict) -> Any:
+            if kwargs.get("device") == torch.device("meta"):  # the estimates' host memory (activation offload's
+                kwargs = {k: v for k, v in kwargs.items() if k != "device"}  # copies): the values, where they are
             with _disable_current_modes():
                 return func(*tree_map(self.value, args), **tree_map(self.value, kwargs))
 

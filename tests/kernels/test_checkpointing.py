@@ -3,8 +3,9 @@ tests/ops/test_train.py::test_memory_features_change_no_number.
 
 Interval: the tiny Kandinsky 5 Video transformer (real from_pretrained, prepared by `training.loop.load_transformer`)
 counts each block's forward calls over one forward + backward: a checkpointed block runs twice (the recompute).
-Activation offload: on the CPU its copies go from the CPU to the CPU (tests/test_estimates.py measures their bytes on
-the CPU allocator); here the estimate's host memory is checked against the bytes the real blocks are called with.
+Activation offload cannot be seen on the CPU allocator (its copies go from the CPU to the CPU, which is no copy):
+the estimate's host memory is checked against the bytes the real blocks are called with, and its accelerator peak
+against plain checkpointing's.
 """
 
 from __future__ import annotations
