@@ -211,6 +211,8 @@ def test_group_offload_of_one_byte_weights_offloads_one_byte_blocks(tiny_k5: Pat
         config_for(tiny_k5, demo_data, tmp_path, base_model_precision="fp8-layerwise", enable_group_offload=o),
         family, transformer_config, latent, device_type="cpu").parts["weights"] for o in (False, True))
     stored = fake_tensors.meta_model(transformer_config, torch.bfloat16, fp8=True)
+    # without an adapter every tensor is a weight, the fp32-kept modules (time embeddings, modulation) too
+    assert estimates.weights_bytes(stored) == fake_tensors.tensor_bytes([*stored.parameters(), *stored.buffers()])
     blocks = [estimates.weights_bytes(b) for b in getattr(stored, family.tread_layout.blocks)]
     assert resident - offloaded == sum(blocks) - max(blocks) > 0  # one group of one block stays
 

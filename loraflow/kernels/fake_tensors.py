@@ -40,6 +40,7 @@ def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter:
             for name, p in list(module._parameters.items()):
                 if p is not None and p.is_floating_point() and not keep & set(module_name.split(".")):
                     module._parameters[name] = torch.nn.Parameter(p.to(dtype), requires_grad=False)
+        model.requires_grad_(False)  # the kept fp32 modules too: only an adapter's parameters train
         if fp8:
             model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
         if adapter is not None:
