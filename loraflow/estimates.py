@@ -200,10 +200,10 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     # offload moves nothing)
     enable_checkpointing(transformer, config, host="cpu" if device_type == "cpu" else "meta")
     transformer.train()
+    # LoKr and LoHa layers read torch.rand(1) > module_dropout in each training forward, a value fake tensors lack:
+    # they run as in eval, applying the adapter (the larger peak; the rank_dropout mask, a vector per layer, left out)
     for module in transformer.modules():
-        if isinstance(module, LycorisLayer):  # LoKr, LoHa: each training forward reads torch.rand(1) > module_dropout,
-            # a value fake tensors lack; as in eval, the adapter is applied (the step that applies it: the larger
-            # peak; the rank_dropout mask, a vector per layer, left out)
+        if isinstance(module, LycorisLayer):
             module.training = False
     autocast = uses_autocast(config, torch.device(device_type))
     step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, config,

@@ -54,8 +54,9 @@ def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter:
 def fake_model(model: torch.nn.Module, mode: Any, device: str = "cpu") -> torch.nn.Module:
     """`model` (a `meta_model`) with each parameter, buffer and plain tensor attribute (Kandinsky 5 keeps its time
     frequencies as one) replaced by a fake tensor of its shape and dtype on `device`, the adapter's parameters
-    trainable and the rest frozen (as `meta_model` left them): ops on it run the real code at no memory. (peft cannot add an adapter to a model built under FakeTensorMode, hence the meta step;
-    nor can a module be moved or cast there, so layerwise casting is counted on the meta model only.)"""
+    trainable and the rest frozen (as `meta_model` left them): ops on it run the real code at no memory. (peft
+    cannot add an adapter to a model built under FakeTensorMode, hence the meta step; nor can a module be moved or
+    cast there, so layerwise casting is counted on the meta model only.)"""
     import torch
 
     with mode:

@@ -100,9 +100,9 @@ def test_the_estimate_holds_offloaded_inputs_in_host_memory(tiny_k5: Path, demo_
 
 
 def test_offload_lowers_the_estimated_peak(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
-    """At 4 visual blocks and 480 visual tokens, where the blocks' saved inputs weigh (fake tensors need no weights): with the inputs on
-    the host the accelerator holds less than with plain checkpointing (activations 1.97 -> 1.82 MB here, the
-    recompute's copies back counted), and the same TFLOP (a copy is no flop)."""
+    """At 4 visual blocks and 480 visual tokens, where the blocks' saved inputs weigh (fake tensors need no
+    weights): with the inputs on the host the accelerator holds less than with plain checkpointing (activations
+    1.97 -> 1.82 MB here, the recompute's copies back counted), and the same TFLOP (a copy is no flop)."""
     family = get_family(config_for(tiny_k5, demo_data, tmp_path))
     latent = latent_geometry(tiny_k5, family).shape(17, 128, 192)
     transformer_config = {**json.loads((tiny_k5 / "transformer" / "config.json").read_text()), "num_visual_blocks": 4}
