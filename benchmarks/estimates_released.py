@@ -3,9 +3,15 @@
 The transformers of benchmarks/gpu/train.py (Kandinsky 5 Video Lite's released config, 2.01B; HunyuanVideo 1.5's
 diffusers default, the released 8.33B) at its sizes (512x768 and 480x848, 61 frames), batch 1, LoRA rank 16 on the
 family's targets, the family's longest caption, through `loraflow.estimates.training_step` for the variants of
-gpu/train.py that change memory; the seeds' folklore beside them. Estimates only, made on the CPU: gpu/train.py
-measures the same variants on a GPU (a later issue compares the two). HunyuanVideo 1.5's rows hold the note that
-says why it is not estimated yet (its forward reads tensor values, which fake tensors do not have).
+gpu/train.py that change memory and activation offload (`gradient_checkpointing_cpu_offload`: its host memory in
+`host_gib`, apart from the accelerator's peak); the seeds' folklore beside them. Then each family's i2v flavour
+(Kandinsky 5 Lite i2v, HunyuanVideo 1.5 i2v 480p: the released transformer config, the conditioning latent and
+SigLIP tokens in the fake batch) at the same size with checkpointing, without and with activation offload.
+Estimates only, made on the CPU: gpu/train.py measures the t2v variants on a GPU (a later issue compares the two).
+Last, the seed guides' imports (one guide per model, imported as tests/test_seed_guides.py combines them) at
+the bucket their datasets ask for, from the released configs, as `loraflow check` estimates them before download:
+the lora stage with `gradient_checkpointing: true`, then with `gradient_checkpointing_cpu_offload: true` too
+(docs/benchmarks.md's seed-guide table).
 
     python benchmarks/estimates_released.py       # writes benchmarks/results/estimates_released.json
 """
@@ -28,7 +34,12 @@ VARIANTS = {
     "fp8+checkpointing": {"base_model_precision": "fp8-layerwise", "gradient_checkpointing": True},
     "bf16+checkpointing+offload": {"base_model_precision": "bf16", "gradient_checkpointing": True,
                                    "enable_group_offload": True, "group_offload_use_stream": True},
+    "bf16+checkpointing+activation offload": {"base_model_precision": "bf16", "gradient_checkpointing": True,
+                                              "gradient_checkpointing_cpu_offload": True},
 }
+I2V = {"kandinsky5-video": "i2v-lite-5s", "hunyuanvideo-1.5": "i2v-480p"}  # each family's i2v flavour
+I2V_VARIANTS = ("bf16+checkpointing", "bf16+checkpointing+activation offload")
+SEED_GUIDES = ("000", "002", "004")  # Kandinsky 5 Video Lite, Kandinsky 5 Image, HunyuanVideo 1.5 (/work/shared/seeds)
 
 
 def main() -> None:
@@ -36,29 +47,75 @@ def main() -> None:
     from loraflow import estimates
     from loraflow.config import parse_config
     from loraflow.pipelines import get_family
+    from loraflow.pipelines.released import released_config
 
+    runs = [(family_name, model["flavour"], {"_class_name": model["class"], **model["config"]}, variant)
+            for family_name, model in MODELS.items() for variant in VARIANTS]
+    runs += [(family_name, flavour, released_config(flavour, "transformer"), variant)
+             for family_name, flavour in I2V.items() for variant in I2V_VARIANTS]
     rows = []
-    for family_name, model in MODELS.items():
-        transformer_config = {"_class_name": model["class"], **model["config"]}
+    for family_name, flavour, transformer_config, variant in runs:
+        model = MODELS[family_name]
         (height, width), frames = model["size"], model["frames"]
         channels, spatial = model["vae"]
         latent = (channels, (frames - 1) // 4 + 1, height // spatial, width // spatial)
-        for variant, settings in VARIANTS.items():
-            config = parse_config({"model_family": family_name, "model_flavour": model["flavour"],
-                                   "pretrained_model_name_or_path": str(ROOT),  # unused: configs are given
-                                   "datasets": [{"id": "d", "instance_data_dir": str(ROOT / "configs")}],
-                                   "lora_rank": 16, **settings})
+        config = parse_config({"model_family": family_name, "model_flavour": flavour,
+                               "pretrained_model_name_or_path": str(ROOT),  # unused: configs are given
+                               "datasets": [{"id": "d", "instance_data_dir": str(ROOT / "configs")}],
+                               "lora_rank": 16, **VARIANTS[variant]})
+        began = time.perf_counter()
+        estimate = estimates.training_step(config, get_family(config), transformer_config, latent)
+        row = {"family": family_name, "flavour": flavour, "variant": variant, "size": f"{width}x{height}@{frames}",
+               "estimate_s": round(time.perf_counter() - began, 1), "folklore": FOLKLORE[family_name]}
+        if not estimate.parts:  # not estimated: the note says why
+            rows.append({**row, "note": estimate.note})
+            continue
+        rows.append({**row, "peak_gib": round(estimate.peak_gib, 2), "step_tflop": round(estimate.tflop, 1),
+                     "parts_gib": {k: round(v / 2**30, 3) for k, v in estimate.parts.items()},
+                     **({"host_gib": round(estimate.host / 2**30, 3)} if estimate.host else {})})
+        print(rows[-1], flush=True)
+    RESULTS.write_text(json.dumps({"device": "CPU (fake tensors)", "rows": rows, "seed_guides": seed_rows()},
+                                  indent=1) + "\n")
+
+
+def seed_rows() -> list[dict]:
+    """The seed guides' lora-stage estimates with checkpointing, without and with activation offload."""
+    import tempfile
+
+    from loraflow import estimates
+    from loraflow.cli import main as cli
+    from loraflow.config import load_config
+    from loraflow.pipelines import get_family
+    from loraflow.pipelines.released import released_config
+    from loraflow.stages.clips.buckets import vae_geometry
+    from tests.test_seed_guides import GUIDES, combine
+
+    rows = []
+    for number in SEED_GUIDES:
+        guide = next(g for g in GUIDES if g.name.startswith(number))
+        with tempfile.TemporaryDirectory() as folder:
+            root = Path(folder)
+            settings, backends = combine(guide, root, with_i2v=False)
+            (root / "config.json").write_text(json.dumps(settings))
+            (root / "multidatabackend.json").write_text(json.dumps(backends))
+            cli(["import-simpletuner", str(root / "config.json"), str(root / "multidatabackend.json"),
+                 "-o", str(root / "config.yaml")])
+            config = load_config(root / "config.yaml")
+        family = get_family(config)
+        configs = {c: released_config(config.flavour.name, c) for c in ("transformer", "vae")}
+        bucket = estimates.largest_bucket(estimates.configured_buckets(config, family))
+        latent = vae_geometry(configs["vae"], family).shape(*bucket)
+        for label, offload in (("gradient_checkpointing", False), ("+ gradient_checkpointing_cpu_offload", True)):
             began = time.perf_counter()
-            estimate = estimates.training_step(config, get_family(config), transformer_config, latent)
-            row = {"family": family_name, "variant": variant, "size": f"{width}x{height}@{frames}",
-                   "estimate_s": round(time.perf_counter() - began, 1), "folklore": FOLKLORE[family_name]}
-            if not estimate.parts:  # HunyuanVideo 1.5: its forward reads tensor values (the note says which)
-                rows.append({**row, "note": estimate.note})
-                continue
-            rows.append({**row, "peak_gib": round(estimate.peak_gib, 2), "step_tflop": round(estimate.tflop, 1),
+            estimate = estimates.training_step(config.model_copy(update={
+                "gradient_checkpointing": True, "gradient_checkpointing_cpu_offload": offload}), family,
+                configs["transformer"], latent)
+            rows.append({"guide": guide.name, "flavour": config.flavour.name, "bucket": "{2}x{1}@{0}".format(*bucket),
+                         "variant": label, "estimate_s": round(time.perf_counter() - began, 1),
+                         "peak_gib": round(estimate.peak_gib, 2), "host_gib": round(estimate.host / 2**30, 3),
                          "parts_gib": {k: round(v / 2**30, 3) for k, v in estimate.parts.items()}})
             print(rows[-1], flush=True)
-    RESULTS.write_text(json.dumps({"device": "CPU (fake tensors)", "rows": rows}, indent=1) + "\n")
+    return rows
 
 
 if __name__ == "__main__":

@@ -183,7 +183,8 @@ def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets:
     print(f"  training needs {lora.peak_gib:.3g} GiB; {card:.3g} GB ({named}) is short. Switches, each with its "
           "estimated peak (smaller buckets: `resolution` of the dataset):")
     for label, changed in estimates.switches(config, family, configs, bucket):
-        print(f"    {label:<40} {changed.peak_gib:.3g} GiB {'fits' if changed.fits(card) else 'does not fit'}")
+        host = f" (+ {changed.host / estimates.GIB:.3g} GiB of CPU memory)" if changed.host else ""
+        print(f"    {label:<40} {changed.peak_gib:.3g} GiB{host} {'fits' if changed.fits(card) else 'does not fit'}")
 
 
 def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str], ModelSource | None,

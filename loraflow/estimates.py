@@ -10,11 +10,17 @@ checkpointing) runs at released size in seconds and allocates nothing. Each numb
   stay fp32, as from_pretrained keeps them; fp8-layerwise stores the layers diffusers casts in 1 byte); group
   offloading keeps only the non-block modules and the groups on the accelerator (one group, two with streams:
   the next is prefetched).
+- LoRA: every parameter the configured adapter trains, built by training's own `add_adapter` (LoRA, DoRA's
+  magnitude vectors, LoKr, LoHa: what peft leaves requiring grad, not a name prefix).
 - optimizer: AdamW's two moments per LoRA parameter, fp32 (8 bytes per parameter) or bf16 with adamw_bf16 (4).
 - activations: the peak of the bytes alive during one fake forward + backward of `training.loop.step_losses` (LoRA
   gradients and the batch's device copies included), counted by `StepCounter` from the storages every op
   returns. With gradient checkpointing diffusers' own checkpointing runs, so the saved block inputs and one
-  block's recompute are what is counted. Attention keeps no N x N matrix (flash kernels: output and
+  block's recompute are what is counted. Activation offload (`gradient_checkpointing_cpu_offload`) runs too,
+  holding its copies of the block inputs on the meta device: the counter counts those as host memory
+  (`StageEstimate.host`, the stage's "(host)" row), not in the accelerator's peak; the copies back for each
+  recompute are counted on the accelerator. (For a CPU device nothing moves: a CPU tensor's copy to the CPU is
+  itself, in a run as in the fake step.) Attention keeps no N x N matrix (flash kernels: output and
   log-sum-exp); what kernels allocate inside themselves is added by formula where it is large:
   `attention_workspace` (the backward's fp32 dQ accumulator, and the CPU kernel's tiles) and `conv3d_columns`
   (the CPU 3D convolution's column buffer; none on CUDA).
@@ -62,12 +68,14 @@ STAGES = ("latents", "text_embeds", "lora", "validation")
 @dataclass(frozen=True)
 class StageEstimate:
     """One stage's estimated accelerator peak, by what holds the bytes, and the TFLOP of one step (None: not
-    estimated). `note` says what the number leaves out."""
+    estimated). `note` says what the number leaves out; `host`: the peak bytes the step holds in host memory
+    instead (activation offload's copies), not in the peak."""
 
     stage: str
     parts: dict[str, int] = field(default_factory=dict)
     tflop: float | None = None
     note: str = ""
+    host: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -96,8 +104,8 @@ def _dtype(precision: str) -> torch.dtype:
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
-    """The frozen weights and buffers (not the LoRA)."""
-    return tensor_bytes([p for n, p in model.named_parameters() if "lora_" not in n] + list(model.buffers()))
+    """The frozen weights and buffers (not the adapter, whose parameters require grad)."""
+    return tensor_bytes([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
 
 
 def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> int:
@@ -113,19 +121,23 @@ def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family
 
 def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
                  precision: str) -> tuple[torch.nn.Module, list, torch.nn.Module]:
-    """The fake transformer as `training.loop.load_transformer` prepares it (precision, fp32 LoRA), its LoRA parameters,
-    and the model whose tensors are its frozen weights as stored (`weights_bytes`, `offloaded_bytes` count them).
-    fp8-layerwise computes as bf16 does: the fake model is bf16, its weights are stored as a meta model with
-    layerwise casting stores them (1 byte each where diffusers casts); int8 weight-only is counted the same way
-    (its per-channel scales are left out)."""
-    from peft import LoraConfig
+    """The fake transformer as `training.loop.load_transformer` prepares it (precision, the configured adapter in
+    fp32), its adapter's parameters, and the model whose tensors are its frozen weights as stored (`weights_bytes`,
+    `offloaded_bytes` count them). fp8-layerwise computes as bf16 does: the fake model is bf16, its weights are
+    stored as a meta model with layerwise casting stores them (1 byte each where diffusers casts); int8
+    weight-only is counted the same way (its per-channel scales are left out)."""
+    import torch
 
-    adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or config.lora_rank,
-                         target_modules=family.lora_targets(config.lora_include_ffn))
+    from loraflow.training.adapters import add_adapter
+
+    def adapter(model: torch.nn.Module) -> None:
+        with torch.random.fork_rng(devices=[]):  # add_adapter seeds torch's generator: the caller's is left as it was
+            add_adapter(model, config, family.lora_targets(config.lora_include_ffn))
+
     one_byte = precision in ("fp8-layerwise", "int8-torchao", "int8-quanto")
     transformer = fake_model(meta_model(transformer_config, _dtype(precision), adapter), mode)
     stored = meta_model(transformer_config, _dtype(precision), fp8=True) if one_byte else transformer
-    lora = [p for n, p in transformer.named_parameters() if "lora_" in n]
+    lora = [p for p in transformer.parameters() if p.requires_grad]
     return transformer, lora, stored
 
 
@@ -177,6 +189,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     accelerator:
     weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included)."""
     import torch
+    from peft.tuners.lycoris_utils import LycorisLayer
 
     from loraflow.training.loop import uses_autocast
 
@@ -184,15 +197,20 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
         return skipped
     mode = _fake_mode()
     transformer, lora, stored = _transformer(config, family, transformer_config, mode, config.base_model_precision)
-    for p in lora:
-        p.requires_grad_(True)
-    enable_checkpointing(transformer, config)
+    # activation offload's copies go to the meta device, which the counter counts as host memory (a CPU run's
+    # offload moves nothing)
+    enable_checkpointing(transformer, config, host="cpu" if device_type == "cpu" else "meta")
     transformer.train()
+    # LoKr and LoHa layers read torch.rand(1) > module_dropout in each training forward, a value fake tensors lack:
+    # they run as in eval, applying the adapter (the larger peak; the rank_dropout mask, a vector per layer, left out)
+    for module in transformer.modules():
+        if isinstance(module, LycorisLayer):
+            module.training = False
     autocast = uses_autocast(config, torch.device(device_type))
     step = _velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, config,
                           text_tokens=text_tokens)
     try:
-        activations, tflop = measured_step(step, mode, transformer, device_type)
+        activations, tflop, host = measured_step(step, mode, transformer, device_type)
     except NotFakeable as exc:
         return StageEstimate("lora", note=str(exc))
     weights = weights_bytes(stored)
@@ -200,7 +218,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
         weights -= offloaded_bytes(stored, config, family)
     moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
     return StageEstimate("lora", {"weights": weights, "lora": tensor_bytes(lora), "optimizer": moments,
-                                  "activations": activations}, tflop)
+                                  "activations": activations}, tflop, host=host)
 
 
 def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[str, Any],
@@ -220,7 +238,7 @@ def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[
             family.vae_encode(vae, torch.zeros((1, frames, height, width, 3), dtype=torch.uint8),
                               config.latent_sampling)
 
-    activations, tflop = measured_step(encode, mode, vae, device_type)
+    activations, tflop, _ = measured_step(encode, mode, vae, device_type)
     note = "" if not family.image_condition_components else \
         f"{', '.join(family.image_condition_components)} left out"
     return StageEstimate("latents", {"weights": weights_bytes(vae), "activations": activations}, tflop, note)
@@ -252,7 +270,7 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
     transformer, lora, stored = _transformer(config, family, component_configs["transformer"], mode, "no_change")
     denoise = _velocity_call(family, transformer, latent_shape, 1, False, None)
     try:
-        denoise_peak, tflop = measured_step(denoise, mode, transformer, device_type)
+        denoise_peak, tflop, _ = measured_step(denoise, mode, transformer, device_type)
     except NotFakeable as exc:
         return StageEstimate("validation", note=str(exc))
     vae = fake_model(meta_model(component_configs["vae"], torch.float32), mode)
@@ -262,7 +280,7 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
         with torch.no_grad():  # an image family's VAE (Flux) is 2D: its pipeline decodes (B, C, h, w)
             vae.decode(latent[:, :, 0] if family.flavour.num_frames == 1 else latent)
 
-    decode_peak, _ = measured_step(decode, mode, vae, device_type)
+    decode_peak, _, _ = measured_step(decode, mode, vae, device_type)
     return StageEstimate("validation", {"weights": weights_bytes(stored) + weights_bytes(vae),
                                         "lora": tensor_bytes(lora), "activations": max(denoise_peak, decode_peak)},
                          tflop)
@@ -342,6 +360,8 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
 # each switch alone, then together: the settings that lower the training peak, by name as the config takes them
 SWITCHES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("gradient_checkpointing: true", {"gradient_checkpointing": True}),
+    ("gradient_checkpointing_cpu_offload: true", {"gradient_checkpointing": True,
+                                                  "gradient_checkpointing_cpu_offload": True}),
     ("base_model_precision: fp8-layerwise", {"base_model_precision": "fp8-layerwise"}),
     ("enable_group_offload: true", {"enable_group_offload": True}),
     ("optimizer: adamw_bf16", {"optimizer": "adamw_bf16"}),
@@ -376,7 +396,8 @@ def card_gb(config: LoraflowConfig) -> tuple[float | None, str]:
 
 
 def estimate_rows(estimates: list[StageEstimate]) -> list[tuple[str, ...]]:
-    """`loraflow check`'s table: stage, peak GiB, TFLOP, then ✓/✗ per card of CARDS_GB."""
+    """`loraflow check`'s table: stage, peak GiB, TFLOP, then ✓/✗ per card of CARDS_GB; below a stage that holds
+    host memory, a "(host)" row with its GiB."""
     rows = []
     for e in estimates:
         if not e.parts:
@@ -384,4 +405,7 @@ def estimate_rows(estimates: list[StageEstimate]) -> list[tuple[str, ...]]:
             continue
         tflop = "-" if e.tflop is None else f"{e.tflop:.4g}"
         rows.append((e.stage, f"{e.peak_gib:.3g}", tflop, *("✓" if e.fits(gb) else "✗" for gb in CARDS_GB), e.note))
+        if e.host:
+            rows.append((f"{e.stage} (host)", f"{e.host / GIB:.3g}", "-", *("-" for _ in CARDS_GB),
+                         "CPU memory, not the accelerator's: activation offload's copies of the blocks' inputs"))
     return rows

@@ -107,6 +107,25 @@ def test_training_step_peak_tiny(tiny_k5: Path, demo_data: Path, tmp_path: Path,
     assert_close(estimate.peak_bytes, measured_training_peak(config, latent))
 
 
+@pytest.mark.parametrize("adapter", [{"lora_type": "lycoris", "lycoris_config": {"algo": "lokr", "linear_dim": 4}},
+                                     {"use_dora": True}], ids=["lokr", "dora"])
+def test_the_estimate_counts_the_adapter_peft_creates(tiny_k5: Path, demo_data: Path, tmp_path: Path,
+                                                      adapter: dict) -> None:
+    """LoKr's Kronecker factors, DoRA's magnitude vectors: the estimate's adapter and AdamW moments are exactly
+    those of the parameters peft leaves trainable on the real tiny model, as training loads it."""
+    config = config_for(tiny_k5, demo_data, tmp_path, **adapter)
+    family = get_family(config)
+    transformer, params = load_transformer(config, family, CPU)
+    trainable = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    assert list(trainable.values()) == params  # what the optimizer trains
+    assert any(("lokr_" if "lycoris_config" in adapter else "lora_magnitude_vector") in n for n in trainable)
+    transformer_config = json.loads((tiny_k5 / "transformer" / "config.json").read_text())
+    estimate = estimates.training_step(config, family, transformer_config,
+                                       latent_geometry(tiny_k5, family).shape(*BUCKET), device_type="cpu")
+    assert estimate.parts["lora"] == fake_tensors.tensor_bytes(params)
+    assert estimate.parts["optimizer"] == 8 * sum(p.numel() for p in params)  # fp32 AdamW: two moments
+
+
 def test_checkpointing_lowers_the_estimate(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
     """The same claim the measurement makes (2.6 MB -> 1.9 MB here): the switch `check` names must lower it."""
     family = get_family(config_for(tiny_k5, demo_data, tmp_path))
@@ -192,6 +211,8 @@ def test_group_offload_of_one_byte_weights_offloads_one_byte_blocks(tiny_k5: Pat
         config_for(tiny_k5, demo_data, tmp_path, base_model_precision="fp8-layerwise", enable_group_offload=o),
         family, transformer_config, latent, device_type="cpu").parts["weights"] for o in (False, True))
     stored = fake_tensors.meta_model(transformer_config, torch.bfloat16, fp8=True)
+    # without an adapter every tensor is a weight, the fp32-kept modules (time embeddings, modulation) too
+    assert estimates.weights_bytes(stored) == fake_tensors.tensor_bytes([*stored.parameters(), *stored.buffers()])
     blocks = [estimates.weights_bytes(b) for b in getattr(stored, family.tread_layout.blocks)]
     assert resident - offloaded == sum(blocks) - max(blocks) > 0  # one group of one block stays
 

@@ -6,7 +6,10 @@ block loop calls for each block (`enable_gradient_checkpointing(gradient_checkpo
 - `gradient_checkpointing_cpu_offload` (musubi-tuner's name): the inputs a checkpointed block keeps for its
   recompute (the only activations checkpointing keeps) are held on the CPU and brought back for the recompute.
 
-Both change no number: a block computes the same ops on the same values either way, and a CPU copy is exact.
+Both change no number: a block computes the same ops on the same values either way, and a CPU copy is exact. (On
+the CPU, where the offload's copies are the tensors themselves, the LoRA is the same bit for bit. Forced to copy
+there, as on a GPU, the loss stayed equal and the gradients differed in the last bits: each copy is an autograd
+node, which changes the order the gradients of a tensor used by several blocks are summed in.)
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
 
 
-def enable_checkpointing(transformer: torch.nn.Module, config: LoraflowConfig) -> None:
-    """Turn on the configured checkpointing in a diffusers transformer (ops/train.py, and the estimates' fake step)."""
+def enable_checkpointing(transformer: torch.nn.Module, config: LoraflowConfig, host: str = "cpu") -> None:
+    """Turn on the configured checkpointing in a diffusers transformer (training/loop.py, and the estimates' fake
+    step, whose activation offload holds its copies on `host` "meta": fake CPU tensors stand for the accelerator's
+    there, and its counter counts meta ones as host memory)."""
     if not config.gradient_checkpointing:
         return
     interval, offload = config.gradient_checkpointing_interval, config.gradient_checkpointing_cpu_offload
@@ -35,22 +40,23 @@ def enable_checkpointing(transformer: torch.nn.Module, config: LoraflowConfig) -
     def run_block(block: torch.nn.Module, *args: Any) -> Any:
         if positions.get(id(block), 0) % interval:
             return block(*args)
-        return checkpoint(block, args, offload)
+        return checkpoint(block, args, host if offload else None)
 
     transformer.enable_gradient_checkpointing(run_block)
 
 
-def checkpoint(block: torch.nn.Module, args: tuple, offload: bool) -> Any:
-    """`block(*args)` under torch's non-reentrant checkpoint (as diffusers calls it); with `offload`, its tensor
-    arguments are handed to the checkpoint as CPU copies, which is all it keeps, and moved back inside the recompute.
-    The copy's autograd node keeps no tensor, so the accelerator copy is freed once the block loop moves on."""
+def checkpoint(block: torch.nn.Module, args: tuple, host: str | None) -> Any:
+    """`block(*args)` under torch's non-reentrant checkpoint (as diffusers calls it); with a `host` device, its
+    tensor arguments are handed to the checkpoint as copies on the host, which is all it keeps, and copied back
+    inside the recompute. The copy's autograd node keeps no tensor, so the accelerator copy is freed once the block
+    loop moves on."""
     import torch
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-    if not offload:
+    if host is None:
         return torch_checkpoint(block, *args, use_reentrant=False)
     devices = [a.device if torch.is_tensor(a) else None for a in args]
-    held = [a if d is None else a.to("cpu") for a, d in zip(args, devices)]
+    held = [a if d is None else a.to(host) for a, d in zip(args, devices)]
 
     def on_device(*kept: Any) -> Any:
         return block(*(k if d is None else k.to(d) for k, d in zip(kept, devices)))

@@ -27,7 +27,8 @@ def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter:
                fp8: bool = False) -> torch.nn.Module:
     """The component built from its config on the meta device (no memory) as training loads it: in `dtype` with its
     `_keep_in_fp32_modules` kept fp32 (what from_pretrained does), `fp8`: diffusers' layerwise casting to
-    float8_e4m3fn storage, then `adapter` (a peft LoraConfig) with fp32 LoRA weights."""
+    float8_e4m3fn storage, then `adapter` (a function that adds one to the model: training's `add_adapter`) with
+    its trainable parameters (peft's own notion: those it leaves requiring grad) in fp32."""
     import torch
 
     cls = model_class(component_config)
@@ -39,21 +40,23 @@ def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter:
             for name, p in list(module._parameters.items()):
                 if p is not None and p.is_floating_point() and not keep & set(module_name.split(".")):
                     module._parameters[name] = torch.nn.Parameter(p.to(dtype), requires_grad=False)
+        model.requires_grad_(False)  # the kept fp32 modules too: only an adapter's parameters train
         if fp8:
             model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
         if adapter is not None:
-            model.add_adapter(adapter)
-    for name, p in model.named_parameters():
-        if "lora_" in name:
+            adapter(model)
+    for p in model.parameters():
+        if p.requires_grad:
             p.data = p.data.float()
     return model
 
 
 def fake_model(model: torch.nn.Module, mode: Any, device: str = "cpu") -> torch.nn.Module:
     """`model` (a `meta_model`) with each parameter, buffer and plain tensor attribute (Kandinsky 5 keeps its time
-    frequencies as one) replaced by a fake tensor of its shape and dtype on `device`, frozen: ops on it run the
-    real code at no memory. (peft cannot add an adapter to a model built under FakeTensorMode, hence the meta step;
-    nor can a module be moved or cast there, so layerwise casting is counted on the meta model only.)"""
+    frequencies as one) replaced by a fake tensor of its shape and dtype on `device`, the adapter's parameters
+    trainable and the rest frozen (as `meta_model` left them): ops on it run the real code at no memory. (peft
+    cannot add an adapter to a model built under FakeTensorMode, hence the meta step; nor can a module be moved or
+    cast there, so layerwise casting is counted on the meta model only.)"""
     import torch
 
     with mode:
@@ -61,7 +64,7 @@ def fake_model(model: torch.nn.Module, mode: Any, device: str = "cpu") -> torch.
             for name, p in list(module._parameters.items()):
                 if p is not None:
                     module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                                  requires_grad=False)
+                                                                  requires_grad=p.requires_grad)
             for name, b in list(module._buffers.items()):
                 if b is not None:
                     module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
@@ -92,15 +95,16 @@ def _counter_mode() -> type:
         uncounted when it is freed), and the FLOPs of every op torch's flop counter has a formula for. Works on
         real and fake tensors alike: what the allocator would hold, without its rounding. `existing` tensors (the
         model's) are never counted, not even when an op returns a view of them (a weight's transpose in every
-        linear). (FlopCounterMode itself is not used: its module hooks keep recomputed activations alive under
-        gradient checkpointing, which would be counted.)"""
+        linear). Storages on the meta device are host memory (`host_peak`, apart): the fake step's activation
+        offload holds its copies there (kernels/checkpointing.py). (FlopCounterMode itself is not used: its module
+        hooks keep recomputed activations alive under gradient checkpointing, which would be counted.)"""
 
         def __init__(self, existing: Iterable[Any] = (), device_type: str = "cuda") -> None:
             super().__init__()
             self.device_type = device_type
-            # keyed by the C storage: views (and fake tensors' storage objects) share it
-            self.live: dict[int, int] = {t.untyped_storage()._cdata: 0 for t in existing}
-            self.current = self.peak = self.flops = 0
+            # keyed by the C storage: views (and fake tensors' storage objects) share it; value: (bytes, on host)
+            self.live: dict[int, tuple[int, bool]] = {t.untyped_storage()._cdata: (0, False) for t in existing}
+            self.current = self.peak = self.host = self.host_peak = self.flops = 0
 
         def track(self, t: Any) -> None:
             if not hasattr(t, "untyped_storage"):
@@ -108,13 +112,22 @@ def _counter_mode() -> type:
             storage = t.untyped_storage()
             if storage._cdata in self.live:
                 return
-            self.live[storage._cdata] = n = storage.nbytes()
-            self.current += n
-            self.peak = max(self.peak, self.current)
+            n, on_host = storage.nbytes(), t.device.type == "meta"
+            self.live[storage._cdata] = n, on_host
+            if on_host:
+                self.host += n
+                self.host_peak = max(self.host_peak, self.host)
+            else:
+                self.current += n
+                self.peak = max(self.peak, self.current)
             weakref.finalize(storage, self._free, storage._cdata)
 
         def _free(self, key: int) -> None:
-            self.current -= self.live.pop(key)
+            n, on_host = self.live.pop(key)
+            if on_host:
+                self.host -= n
+            else:
+                self.current -= n
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             kwargs = kwargs or {}
@@ -185,9 +198,10 @@ class NotFakeable(Exception):
 
 
 def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module,
-                  device_type: str = "cuda") -> tuple[int, float]:
+                  device_type: str = "cuda") -> tuple[int, float, int]:
     """Run `fn` under the fake `mode`: (peak bytes of the tensors it makes and of the attention backward's
-    workspace on `device_type`, `model`'s own tensors not counted; TFLOP)."""
+    workspace on `device_type`, `model`'s own tensors not counted; TFLOP; peak bytes it holds in host memory:
+    on the meta device)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     counter = _counter_mode()([*model.parameters(), *model.buffers()], device_type)
@@ -199,7 +213,7 @@ def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module,
     except DataDependentOutputException as exc:
         raise NotFakeable(f"not estimated yet: {type(model).__name__}'s forward reads tensor values ({exc.func}), "
                           "which fake tensors do not have") from None
-    return counter.peak, counter.flops / 1e12
+    return counter.peak, counter.flops / 1e12, counter.host_peak
 
 
 def model_from_config(config: dict[str, Any]) -> Any:
@@ -288,6 +302,8 @@ def known_values(limit: int = KNOWN_NUMEL) -> Any:
                 weakref.finalize(storage, self.forgotten.discard, storage._cdata)
 
         def real(self, func: Any, args: tuple, kwargs: dict) -> Any:
+            if kwargs.get("device") == torch.device("meta"):  # the estimates' host memory (activation offload's
+                kwargs = {k: v for k, v in kwargs.items() if k != "device"}  # copies): the values, where they are
             with _disable_current_modes():
                 return func(*tree_map(self.value, args), **tree_map(self.value, kwargs))
 
