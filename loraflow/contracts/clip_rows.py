@@ -76,7 +76,7 @@ class ClipRow:
     def from_row(cls, row: Mapping[str, Any]) -> ClipRow:
         paired = {column: PairedImage(row[column], row[f"{column}_path"], tuple(row[f"{column}_resize"]),
                                       tuple(row[f"{column}_box"]))
-                  for column in PAIRED_COLUMNS if row.get(column)}  # a part read beside an i2i one has them as None
+                  for column in PAIRED_COLUMNS if row.get(column)}  # a clip without one has no such columns
         return cls(key=row["key"], dataset=row["dataset"], source=row["source"], path=row["path"],
                    bucket=row["bucket"], height=row["height"], width=row["width"], num_frames=row["num_frames"],
                    indices=tuple(row["indices"]), resize=tuple(row["resize"]), box=tuple(row["box"]),

@@ -125,28 +125,27 @@ class ProbeCache:
         self.store = store
         self.stored = store.keys("probes") if store is not None else set()
         self.pending: list[dict[str, Any]] = []
+        self.kept: set[str] = set()  # keys this pass stored (or will, at its next commit)
         self._rows: dict[str, dict[str, Any]] | None = None  # every stored probe, read on the first hit
 
     def probe(self, path: str | Path, identity: dict[str, Any] | None = None, timeout_s: float = 60.0) -> Probe:
         """`identity`: the file's keys.file_identity, to store the probe under (needs a store)."""
         path = Path(path)
         here = _stat_key(path)
+        key = None if identity is None or self.store is None else _stored_probe_key(identity)
         with self._lock:
-            hit = self._memory.get(here)
-            if hit is not None:
+            result = self._memory.get(here)
+            if result is not None:
                 self._memory.move_to_end(here)
-                return hit
-        key = None if identity is None or self.store is None else stored_probe_key(identity)
-        if key in self.stored:
-            result = self._stored(key)
-        else:
-            result = Probe(**_run_in_worker(("probe", str(path)), path, timeout_s)["probe"])
-            if key is not None:
-                self._keep(key, result)
-        with self._lock:
-            self._memory[here] = result
-            while len(self._memory) > PROBE_CACHE_MAX:
-                self._memory.popitem(last=False)
+        if result is None:
+            result = self._stored(key) if key in self.stored else Probe(
+                **_run_in_worker(("probe", str(path)), path, timeout_s)["probe"])
+            with self._lock:
+                self._memory[here] = result
+                while len(self._memory) > PROBE_CACHE_MAX:
+                    self._memory.popitem(last=False)
+        if key is not None and key not in self.stored and key not in self.kept:  # whoever probed it in this process
+            self._keep(key, result)
         return result
 
     def _stored(self, key: str) -> Probe:
@@ -157,6 +156,7 @@ class ProbeCache:
 
     def _keep(self, key: str, result: Probe) -> None:
         self.pending.append({"key": key, **dataclasses.asdict(result)})
+        self.kept.add(key)
         if len(self.pending) >= PROBE_BATCH:
             self.commit()
 
@@ -167,7 +167,7 @@ class ProbeCache:
         self.pending = []
 
 
-def stored_probe_key(identity: dict[str, Any]) -> str:
+def _stored_probe_key(identity: dict[str, Any]) -> str:
     # "clips-1": the clips stage's code version when probes were first stored; a probe does not depend on it, the
     # value only keeps stored probes valid.
     return content_key(identity=identity, code="clips-1", probe=PROBE_VERSION)

@@ -27,6 +27,7 @@ def test_probes_are_committed_in_batches_and_reused_from_one_read(demo_data: Pat
     monkeypatch.setattr(frames, "PROBE_BATCH", 3)
     monkeypatch.setattr(frames.ProbeCache, "_memory", OrderedDict())  # this process has probed nothing yet
     files = media(demo_data)
+    frames.probe(files[0])  # in memory only (a decode), before the pass: the pass stores it all the same
     store = Store(str(tmp_path / "cache"))
     first = frames.ProbeCache(store)
     probed = [first.probe(p, file_identity(p, demo_data)) for p in files]
