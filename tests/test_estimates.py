@@ -115,7 +115,7 @@ def test_the_estimate_counts_the_adapter_peft_creates(tiny_k5: Path, demo_data: 
     those of the parameters peft leaves trainable on the real tiny model, as training loads it."""
     config = config_for(tiny_k5, demo_data, tmp_path, **adapter)
     family = get_family(config)
-    transformer, params = load_transformer(config, family, CPU)
+    transformer, params = load_transformer(config, family, model_source(config), CPU)
     trainable = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
     assert list(trainable.values()) == params  # what the optimizer trains
     assert any(("lokr_" if "lycoris_config" in adapter else "lora_magnitude_vector") in n for n in trainable)
