@@ -89,7 +89,7 @@ def keys_of(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str, 
     row = L.latent_rows(config, _Clips([{**CLIP, "dataset": dataset}]))[0]
     precision = config.text_encoder_1_precision
     return (T.run_dir(config, UPSTREAM).name, text_key("a cat", family, ENCODERS, precision),
-            text_key("a cat", family, ENCODERS, precision, image="img"), row["key"], row["tiled_key"])
+            text_key("a cat", family, ENCODERS, precision, image="img"), row.key, row.tiled_key)
 
 
 def test_the_content_key_itself_is_pinned() -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from loraflow.config import LoraflowConfig
-from loraflow.contracts.latent_rows import draw_latents
+from loraflow.contracts.latent_rows import draw_latents, read_latent_rows
 from loraflow.keys import hash_seed
 from loraflow.kernels.flow_matching import auto_shift, sample_sigmas
 from loraflow.kernels.scheduled_sampling import draw_offsets, rollout_probability
@@ -71,10 +71,10 @@ def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
     texts = text_lookup(store)
     tokens = {k: r["n_tokens"] for k, r in store.get("text_embeds", texts.values(), columns=["n_tokens"]).items()}
     samples = []
-    for row in store.read_manifest("latents"):
-        if row["clip_key"] not in trained:
+    for row in read_latent_rows(store):
+        if row.clip_key not in trained:
             continue
-        clip = by_key[row["clip_key"]]
+        clip = by_key[row.clip_key]
         *captioned, empty = training_texts([clip])
         for item in [*captioned, empty]:
             if item not in texts:
@@ -82,7 +82,7 @@ def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
                                "materialize `text_embeds`")
         for item in captioned:
             key = texts[item]
-            samples += [Sample(row["key"], key, texts[empty], (row["bucket"], tokens[key]))] * clip["repeats"]
+            samples += [Sample(row.key, key, texts[empty], (row.bucket, tokens[key]))] * clip["repeats"]
     if not samples:
         raise ValueError("no training samples: every clip is held out for eval or failed to encode; check the "
                          "`latents` quarantine and `eval_holdout_fraction` / `eval_dataset_id`")
