@@ -22,7 +22,7 @@ from loraflow.kernels.scheduled_sampling import draw_offsets, rollout_probabilit
 from loraflow.training.row_cache import RowCache
 from loraflow.contracts.teacher_features import load_teacher_batch
 from loraflow.contracts.holdout import split_clips
-from loraflow.contracts.text_set import text_lookup
+from loraflow.contracts.text_set import read_text_set
 from loraflow.pipelines.base import AS_T2V, IMAGE_CONDITION_COLUMNS, ModelFamily, TextRow, image_conditions
 from loraflow.contracts.masks import batch_mask
 from loraflow.store import Store
@@ -68,8 +68,8 @@ def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
     clips = store.read_manifest("clips")
     train_keys, _ = split_clips(clips, config)
     by_key, trained = {c["key"]: c for c in clips}, set(train_keys)
-    texts = text_lookup(store)
-    tokens = {k: r["n_tokens"] for k, r in store.get("text_embeds", texts.values(), columns=["n_tokens"]).items()}
+    text_set = read_text_set(store)
+    texts, tokens = {r.item: r.key for r in text_set}, {r.key: r.n_tokens for r in text_set}
     samples = []
     for row in read_latent_rows(store):
         if row.clip_key not in trained:

@@ -26,7 +26,8 @@ Store schema (`text_embeds/shards/*.parquet`, one row per distinct key):
     byt5_embeds      float32 (L2, 1472)   HunyuanVideo 1.5: Glyph-ByT5 tokens (one zero token when no quotes)
     byt5_mask        float32 (L2,)        HunyuanVideo 1.5: its mask
 Tensors of varying length are flat lists plus a `<name>__shape` column (see store.py). The manifest
-(`text_embeds/manifest.parquet`) lists the current text set: key, text, image, n_tokens, truncated.
+(`text_embeds/manifest.parquet`) lists the current text set: key, text, image, n_tokens, truncated
+(`contracts/text_set.TextSetRow`).
 """
 
 from __future__ import annotations
