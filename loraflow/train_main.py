@@ -26,17 +26,8 @@ from loraflow.contracts.reports import LoraReport
 log = logging.getLogger(__name__)
 
 
-def summary(report: LoraReport) -> dict[str, Any]:
-    """The report as JSON values (the history stays in the run folder's history.json)."""
-    comfyui = {"comfyui_lora_path": report.comfyui_lora_path} if report.comfyui_lora_path else {}
-    return {"computed": report.computed, "reused": report.reused, "lora_path": report.lora_path,
-            "run_dir": report.run_dir, "inputs": report.inputs, "resumed_at_step": report.resumed_at_step,
-            "samples_per_s": report.samples_per_s, "peak_gib": report.peak_gib, **comfyui,
-            "final_loss": report.final_loss}
-
-
 def report_from_summary(values: dict[str, Any]) -> LoraReport:
-    """The report a launched run summarised, the rest read back from its run folder."""
+    """The report a launched run summarised (`LoraReport.summary`), the rest read back from its run folder."""
     from loraflow.training.loop import lora_report  # torch: imported when used, as in train_config_file()
 
     return lora_report(Path(values["run_dir"]), values["inputs"], computed=int(values["computed"]),
@@ -80,12 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     logging.getLogger("loraflow").removeHandler(to_dagster)
                 # A mapping would read as Pipes' {raw_value, type} schema: mappings are marked json
                 metadata = {k: {"raw_value": v, "type": "json"} if isinstance(v, dict) else v
-                            for k, v in summary(report).items()}
+                            for k, v in report.summary().items()}
                 pipes.report_asset_materialization(metadata=metadata, data_version=report.data_version)
         else:
             report = train_config_file(args.config)
             if world.main:
-                print(json.dumps({"data_version": report.data_version, **summary(report)}))
+                print(json.dumps({"data_version": report.data_version, **report.summary()}))
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -87,10 +87,11 @@ def keys_of(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str, 
     family = get_family(config)
     monkeypatch.setattr(L, "component_fingerprint", lambda path, component: f"fp-{component}")
     dataset = next(d.id for d in config.datasets if d.dataset_type != "text_embeds")
-    row = L.latent_rows(config, get_family(config), model_source(config), _Clips([clip_row("clip-0", dataset, bucket="b").to_row()]))[0]
+    clips = _Clips([clip_row("clip-0", dataset, bucket="b").to_row()])
+    row = L.latent_rows(config, get_family(config), model_source(config), clips)[0]
     precision = config.text_encoder_1_precision
     return (T.run_dir(config, UPSTREAM).name, text_key("a cat", family, ENCODERS, precision),
-            text_key("a cat", family, ENCODERS, precision, image="img"), row["key"], row["tiled_key"])
+            text_key("a cat", family, ENCODERS, precision, image="img"), row.key, row.tiled_key)
 
 
 def test_the_content_key_itself_is_pinned() -> None:

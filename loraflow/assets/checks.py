@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from itertools import groupby
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from dagster import (
@@ -26,6 +26,9 @@ from loraflow.assets.stages import clips, latents, lora, text_embeds
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.stages.clips.bucket_plan import LatentGeometry
 from loraflow.store import Store
+
+if TYPE_CHECKING:  # the latents stage imports torch: annotations only
+    from loraflow.stages.latents.latents import PlannedLatent
 
 # Partitioned checks are "preview" in Dagster 1.13 (pinned in pyproject.toml); they are what keeps one dataset's
 # result from replacing another's, so the load-time warning about them is expected and quieted.
@@ -102,7 +105,7 @@ def latents_shape_and_finite(context: AssetCheckExecutionContext, loraflow: Lora
 
 
 # -- coverage ------------------------------------------------------------------------------------
-def clips_without_latents(expected: list[dict[str, Any]], store: Store,
+def clips_without_latents(expected: "list[PlannedLatent]", store: Store,
                           datasets: list[str] | None = None) -> list[dict[str, Any]]:
     """Current clips (of `datasets`; None: all) whose latent for the current VAE is not listed and stored (an
     approximate one, tiled after running out of memory, is listed under its own key and counts)."""
@@ -111,14 +114,14 @@ def clips_without_latents(expected: list[dict[str, Any]], store: Store,
     sources = {r.key: r.source for r in read_clips(store, parts=datasets)}
     skipped = quarantined_latents(store, datasets)  # the latents report names them, with their reason
 
-    def problem(row: dict[str, Any]) -> str:
-        key = next((k for k in (row["key"], row["tiled_key"]) if k in listed), None)
+    def problem(row: "PlannedLatent") -> str:
+        key = next((k for k in (row.key, row.tiled_key) if k in listed), None)
         if key is None:
             return "no latent for the current VAE"
         return "" if key in committed else "latent listed but not stored"
 
-    return [{"clip": r["clip_key"], "source": sources.get(r["clip_key"], "?"), "bucket": r["bucket"],
-             "problem": problem(r)} for r in expected if r["key"] not in skipped and problem(r)]
+    return [{"clip": r.clip_key, "source": sources.get(r.clip_key, "?"), "bucket": r.bucket,
+             "problem": problem(r)} for r in expected if r.key not in skipped and problem(r)]
 
 
 def quarantined_latents(store: Store, datasets: list[str] | None) -> set[str]:

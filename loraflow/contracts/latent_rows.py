@@ -1,12 +1,42 @@
-"""A latents row's tensors: how the latents stage stores a clip's VAE posterior, and how training draws from it."""
+"""Latent rows: the `latents` manifest's typed row, how the latents stage stores a clip's VAE posterior, and how
+training draws from it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: contracts stay free of torch at import
     import numpy as np
     import torch
+
+    from loraflow.store import Store
+
+
+@dataclass(frozen=True)
+class LatentRow:
+    """A row of the store's `latents` manifest: the current latent of one clip. The fields are its Parquet columns,
+    in order; `to_row`/`from_row` are the only crossings to and from the store."""
+
+    key: str
+    clip_key: str
+    bucket: str
+    dataset: str
+    approximate: bool = False  # encoded with tiling after running out of memory, under its tiled key
+
+    def to_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> LatentRow:
+        # a manifest written before the out-of-memory fallback has no `approximate` column: none of its rows is
+        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
+
+
+def read_latent_rows(store: Store, parts: Iterable[str] | None = None) -> list[LatentRow]:
+    """The `latents` manifest (of `parts`; None: all), typed."""
+    return [LatentRow.from_row(row) for row in store.read_manifest("latents", parts=parts)]
 
 
 def latent_columns(encoded: torch.Tensor, sampling: str) -> dict[str, np.ndarray]:

@@ -6,8 +6,8 @@ go into JSON (results, the launched trainer's summary) and Dagster metadata as t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: this module stays free of torch and of the stages
     from loraflow.contracts.clip_rows import DroppedFile  # the quarantine row: a report row too
@@ -134,6 +134,11 @@ class TrainStep:
     peak_gib: float | None = None  # CUDA only
     crepa_loss: float | None = None  # CREPA's weighted term (crepa_enabled), apart from `loss`, the flow loss
 
+    def json_row(self) -> dict[str, float]:
+        """Its history.json row, also what the `report_to` sink logs: the numbers measured (a CPU run has no
+        peak_gib, a run without CREPA no crepa_loss), so files keep the keys they always had."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
 
 @dataclass(frozen=True, kw_only=True)
 class LoraReport(StageReport):
@@ -150,9 +155,18 @@ class LoraReport(StageReport):
     def final_loss(self) -> float | None:
         return self.history[-1].loss if self.history else None
 
+    def summary(self) -> dict[str, Any]:
+        """The report as JSON values, as a launched trainer hands it to Dagster: the history stays in the run
+        folder's history.json, the data version goes beside, comfyui_lora_path only where exported."""
+        left_out = {"data_version", "quarantined", "history"}
+        if self.comfyui_lora_path is None:
+            left_out.add("comfyui_lora_path")
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
+        return values | {"final_loss": self.final_loss}
+
 
 # -- validation -----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keywords only: the fields keep result.json's key order
 class PromptRenders:
     """One validation prompt's base and LoRA renders (its result.json)."""
 
@@ -161,9 +175,16 @@ class PromptRenders:
     base: str
     lora: str
     contact_sheet: str
-    mean_abs_pixel_change: float
     animation: str | None = None  # preview.webp, base beside LoRA; None for an image family's stills
+    mean_abs_pixel_change: float
     adapters: dict[str, str] | None = None  # other adapters' renders by name (`validation_adapter_*`)
+
+    def json_row(self) -> dict[str, Any]:
+        """Its result.json: `adapters` only where other adapters rendered, as the files always had it."""
+        row = asdict(self)
+        if self.adapters is None:
+            del row["adapters"]
+        return row
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.clip_rows import ClipRow, read_clips
+from loraflow.contracts.latent_rows import read_latent_rows
 from loraflow.keys import content_key, data_version, directory_fingerprint
 from loraflow.store import Store
 
@@ -64,7 +65,7 @@ def teacher_of(config: LoraflowConfig) -> Teacher:
 
 def trained_clips(store: Store) -> list[ClipRow]:
     """The clips that have latents (the only ones training reads)."""
-    encoded = {row["clip_key"] for row in store.read_manifest("latents")}
+    encoded = {row.clip_key for row in read_latent_rows(store)}
     return [clip for clip in read_clips(store) if clip.key in encoded]
 
 
@@ -72,8 +73,7 @@ def teacher_keys(config: LoraflowConfig, family: ModelFamily, store: Store) -> d
     """latent key -> the key of its clip's teacher features."""
     rows = teacher_rows(trained_clips(store), teacher_of(config), family.vae_temporal_factor)
     by_clip = {row["clip_key"]: row["key"] for row in rows}
-    return {row["key"]: by_clip[row["clip_key"]] for row in store.read_manifest("latents")
-            if row["clip_key"] in by_clip}
+    return {row.key: by_clip[row.clip_key] for row in read_latent_rows(store) if row.clip_key in by_clip}
 
 
 def teacher_version(config: LoraflowConfig, family: ModelFamily, store: Store) -> str:

@@ -163,10 +163,15 @@ IMAGE_CONDITION_COLUMNS = ("image_latent", "image_embeds")
 AS_T2V = "as_t2v"
 
 
+def stacked(rows: Sequence[Mapping[str, Any]], column: str) -> torch.Tensor:
+    """One column of equally shaped stored rows as a batch, (B, ...) float32 on the CPU: the batching that latent rows
+    (`image_conditions`) and text rows (`collate_text`) share."""
+    return torch.from_numpy(np.stack([np.asarray(r[column], np.float32) for r in rows]))
+
+
 def image_conditions(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     """The rows' image-condition columns stacked (B, ...) float32 on the CPU; {} for rows without them (t2v)."""
-    return {c: torch.from_numpy(np.stack([np.asarray(r[c], np.float32) for r in rows]))
-            for c in IMAGE_CONDITION_COLUMNS if rows and c in rows[0]}
+    return {c: stacked(rows, c) for c in IMAGE_CONDITION_COLUMNS if rows and c in rows[0]}
 
 
 def scaled_posterior(posterior: Any, sampling: str, scale: float, shift: float = 0.0) -> torch.Tensor:

@@ -15,14 +15,14 @@ import torch
 
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.clip_rows import ClipRow, read_clips
-from loraflow.contracts.latent_rows import draw_latents
+from loraflow.contracts.latent_rows import draw_latents, read_latent_rows
 from loraflow.keys import hash_seed
 from loraflow.kernels.flow_matching import auto_shift, sample_sigmas
 from loraflow.kernels.scheduled_sampling import draw_offsets, rollout_probability
 from loraflow.training.row_cache import RowCache
 from loraflow.contracts.teacher_features import load_teacher_batch
 from loraflow.contracts.holdout import split_clips
-from loraflow.contracts.text_set import text_lookup
+from loraflow.contracts.text_set import read_text_set
 from loraflow.pipelines.base import AS_T2V, IMAGE_CONDITION_COLUMNS, ModelFamily, TextRow, image_conditions
 from loraflow.contracts.masks import batch_mask
 from loraflow.store import Store
@@ -67,13 +67,13 @@ def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
     clips = read_clips(store)
     train_keys, _ = split_clips(clips, config)
     by_key, trained = {c.key: c for c in clips}, set(train_keys)
-    texts = text_lookup(store)
-    tokens = {k: r["n_tokens"] for k, r in store.get("text_embeds", texts.values(), columns=["n_tokens"]).items()}
+    text_set = read_text_set(store)
+    texts, tokens = {r.item: r.key for r in text_set}, {r.key: r.n_tokens for r in text_set}
     samples = []
-    for row in store.read_manifest("latents"):
-        if row["clip_key"] not in trained:
+    for row in read_latent_rows(store):
+        if row.clip_key not in trained:
             continue
-        clip = by_key[row["clip_key"]]
+        clip = by_key[row.clip_key]
         *captioned, empty = training_texts([clip])
         for item in [*captioned, empty]:
             if item not in texts:
@@ -81,7 +81,7 @@ def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
                                "materialize `text_embeds`")
         for item in captioned:
             key = texts[item]
-            samples += [Sample(row["key"], key, texts[empty], (row["bucket"], tokens[key]))] * clip.repeats
+            samples += [Sample(row.key, key, texts[empty], (row.bucket, tokens[key]))] * clip.repeats
     if not samples:
         raise ValueError("no training samples: every clip is held out for eval or failed to encode; check the "
                          "`latents` quarantine and `eval_holdout_fraction` / `eval_dataset_id`")

@@ -49,6 +49,7 @@ from loraflow.training.checkpoints import (
 )
 from loraflow.store import write_json
 from loraflow.contracts.clip_rows import read_clips
+from loraflow.contracts.latent_rows import read_latent_rows
 from loraflow.contracts.teacher_features import teacher_keys, teacher_version
 from loraflow.stages.teacher.teacher_features import cache_teacher_features
 from loraflow.training.crepa_training import Crepa, capturing, make_crepa, projector_state
@@ -86,7 +87,7 @@ def upstream_versions(store: Store, config: LoraflowConfig | None = None,
     """
     read = set(training_texts(read_clips(store)))
     text_keys = [key for item, key in text_lookup(store).items() if item in read]
-    versions = {"latents": data_version(r["key"] for r in store.read_manifest("latents")),
+    versions = {"latents": data_version(r.key for r in read_latent_rows(store)),
                 "text_embeds": data_version(text_keys)}
     if config is not None and config.crepa_enabled:
         versions["teacher_features"] = teacher_version(config, family, store)
@@ -328,7 +329,8 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
         params = parallelize(transformer, world, device)
         trainable = Trainable(transformer, params, device)
     optimizer = make_optimizer(config, params, transformer)
-    start, history = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
+    start, rows = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
+    history = [TrainStep(**row) for row in rows]
     # 3. steps
     history = run_steps(config, family, model, store, plan, transformer, trainable, optimizer, start, history, out,
                         world, crepa, ema)
@@ -338,7 +340,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
     exported(optimizer)  # schedule-free: its averaged weights
     lora = lora_state(transformer)  # on every rank: under FSDP it gathers the shards
     if world.main:
-        write_json(out / "history.json", history)
+        write_json(out / "history.json", [row.json_row() for row in history])
         for name, tensors in projector_state(crepa).items():  # beside the adapter, before it marks the run done
             save_file(tensors, out / name)
         if ema is not None:
@@ -353,8 +355,9 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
 def run_steps(
     config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store, plan: BatchPlan,
     transformer: torch.nn.Module, trainable: Trainable, optimizer: torch.optim.Optimizer, start: int,
-    history: list[dict], out: Path, world: World = World(), crepa: Crepa | None = None, ema: AdapterEma | None = None,
-) -> list[dict]:
+    history: list[TrainStep], out: Path, world: World = World(), crepa: Crepa | None = None,
+    ema: AdapterEma | None = None,
+) -> list[TrainStep]:
     """Optimizer steps start..max_train_steps: set lr, micro-steps, average over ranks, clip + step, log, checkpoint.
 
     Local micro-step j of this rank is global micro-step world.micro_step(j): its batch and its random draws.
@@ -418,28 +421,28 @@ def run_steps(
 
 
 def save_step(out: Path, step: int, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              history: list[dict], config: LoraflowConfig, world: World, crepa: Crepa | None,
+              history: list[TrainStep], config: LoraflowConfig, world: World, crepa: Crepa | None,
               ema: AdapterEma | None = None) -> None:
     """Every rank takes the state (under FSDP: gathers the shards), rank 0 writes it."""
     lora, moments = lora_state(transformer), optimizer_state(optimizer)
     if world.main:
         extra = projector_state(crepa) | ({} if ema is None else {EMA_CHECKPOINT_FILE: ema.state()})
-        save_checkpoint(out, step, lora, moments, history, config.checkpoints_total_limit, extra)
+        save_checkpoint(out, step, lora, moments, [row.json_row() for row in history], config.checkpoints_total_limit,
+                        extra)
     barrier(world)  # no rank runs ahead of the newest checkpoint
 
 
 def _log_step(step: int, total: int, loss: float, lr: float, grad_norm: float, seconds: float, seen: int,
-              device: torch.device, sink: Any, extra: dict[str, float]) -> dict[str, float]:
+              device: torch.device, sink: Any, extra: dict[str, float]) -> TrainStep:
     """One greppable line, one point per number in the `report_to` sink, one history row. `loss` is the flow loss
     alone; `extra` holds a regulariser's term (crepa_loss), logged as its own series."""
-    row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": seconds * 1000,
-           "samples_per_s": seen / seconds} | ({"peak_gib": peak_memory_gib(device)} if device.type == "cuda" else {})
-    row |= extra
+    row = TrainStep(step=step, loss=loss, lr=lr, grad_norm=grad_norm, ms=seconds * 1000, samples_per_s=seen / seconds,
+                    peak_gib=peak_memory_gib(device) if device.type == "cuda" else None, **extra)
     log.info("step %d/%d | loss %.4f%s | lr %.1e | grad %.3f | %.0f ms | %.2f samples/s | %s GiB", step, total, loss,
-             "".join(f" | {k} {v:.4f}" for k, v in extra.items()), lr, grad_norm, row["ms"], row["samples_per_s"],
-             f"{row['peak_gib']:.1f}" if "peak_gib" in row else "-")
+             "".join(f" | {k} {v:.4f}" for k, v in extra.items()), lr, grad_norm, row.ms, row.samples_per_s,
+             "-" if row.peak_gib is None else f"{row.peak_gib:.1f}")
     if sink is not None:
-        sink.log({k: v for k, v in row.items() if k != "step"}, step)
+        sink.log({k: v for k, v in row.json_row().items() if k != "step"}, step)
     return row
 
 

@@ -12,7 +12,7 @@ Numbers compare across runs and configs:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +22,8 @@ from loraflow.config import LoraflowConfig
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.keys import hash_seed
 from loraflow.contracts.holdout import clip_source, split_clips
+from loraflow.contracts.latent_rows import read_latent_rows
+from loraflow.contracts.reports import EvalLoss
 from loraflow.contracts.text_set import text_lookup
 from loraflow.kernels.flow_matching import flow_mse, noisy_sample
 from loraflow.pipelines.base import ModelFamily, image_conditions, set_lora_scale
@@ -48,7 +50,7 @@ def eval_items(config: LoraflowConfig, family: ModelFamily, store: Store) -> lis
     clips = read_clips(store)
     _, held = split_clips(clips, config)
     by_key = {c.key: c for c in clips}
-    latents = {row["clip_key"]: row["key"] for row in store.read_manifest("latents")}
+    latents = {row.clip_key: row.key for row in read_latent_rows(store)}
     texts = text_lookup(store)
     items = []
     for clip_key in held:
@@ -73,11 +75,10 @@ def noise_seed(seed: int, item: EvalItem) -> int:
 def eval_losses(
     transformer: torch.nn.Module, family: ModelFamily, store: Store, items: Sequence[EvalItem], seed: int,
     device: torch.device,
-) -> list[dict[str, float]]:
+) -> list[EvalLoss]:
     """Mean MSE(velocity, noise - x0) over `items` at each of EVAL_SIGMAS, for LoRA scale 0 (base) and 1.
 
-    One clip and one sigma per forward (batch 1): real clips are ~50k tokens. Returns one row per sigma:
-    {sigma, timestep, base, lora}.
+    One clip and one sigma per forward (batch 1): real clips are ~50k tokens. Returns one row per sigma.
     """
     if not items:
         return []
@@ -99,12 +100,12 @@ def eval_losses(
                                              text)
                 sums[name][j] += flow_mse(prediction, x0, noise, given, last).item()  # i2v: generated frames only
     set_lora_scale(transformer, 1.0)
-    return [{"sigma": s, "timestep": round(s * 1000), **{n: float(sums[n][j] / len(items)) for n in SCALES}}
+    return [EvalLoss(sigma=s, timestep=round(s * 1000), **{n: float(sums[n][j] / len(items)) for n in SCALES})
             for j, s in enumerate(EVAL_SIGMAS)]
 
 
-def loss_summary(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+def loss_summary(rows: Sequence[EvalLoss]) -> dict[str, float]:
     """Mean over the fixed sigmas, and the LoRA's relative change (negative: the LoRA fits held-out clips better)."""
-    base = float(np.mean([r["base"] for r in rows]))
-    lora = float(np.mean([r["lora"] for r in rows]))
+    base = float(np.mean([r.base for r in rows]))
+    lora = float(np.mean([r.lora for r in rows]))
     return {"eval_loss_base": base, "eval_loss_lora": lora, "eval_loss_change": (lora - base) / base}

@@ -83,10 +83,10 @@ def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, st
     for name in todo:
         render_prompt(family, pipe, folders[name], name, prompts[name], texts[prompts[name], seen],
                       texts[negative, seen], settings, image, adapters)
-    losses = eval_losses(pipe.transformer, family, store, items, settings.seed, device)
+    losses = [asdict(r) for r in eval_losses(pipe.transformer, family, store, items, settings.seed, device)]
     del pipe  # drop the last reference first, so free_models' collection frees the weights
     free_models()
-    # 3. summary, written last
+    # 3. summary, written last: each prompt's result.json as written (a resumed run's too)
     if losses:
         save_png(eval_loss_plot(losses), out / "eval_loss.png")
     rows = [json.loads((folders[name] / "result.json").read_text()) for name in prompts]
@@ -117,24 +117,24 @@ def render_prompt(
     animation = folder / "preview.webp" if len(base) > 1 else None  # an image family's render does not move
     if animation:
         save_animation(videos, fps, animation)
-    write_json(folder / "result.json", {
-        "name": name, "prompt": prompt, **{k: str(p) for k, p in paths.items()},
-        "contact_sheet": str(folder / "contact_sheet.png"), "animation": str(animation) if animation else None,
-        "mean_abs_pixel_change": float(np.abs(base.astype(np.int16) - tuned).mean()),
-        **({"adapters": others} if others else {}),
-    })
+    renders = PromptRenders(
+        name=name, prompt=prompt, base=str(paths["base"]), lora=str(paths["lora"]),
+        contact_sheet=str(folder / "contact_sheet.png"), animation=str(animation) if animation else None,
+        mean_abs_pixel_change=float(np.abs(base.astype(np.int16) - tuned).mean()), adapters=others or None)
+    write_json(folder / "result.json", renders.json_row())
 
 
 def _report(out: Path, computed: int) -> ValidationReport:
     results = json.loads((out / RESULTS).read_text())
-    prompts, losses = results["prompts"], results["eval_loss"]
+    # results.json is the record: the report reads it back, so a reused run reports what the run that made it did
+    prompts = tuple(PromptRenders(**p) for p in results["prompts"])
+    losses = tuple(EvalLoss(**r) for r in results["eval_loss"])
     condition = out / "condition.png"
     return ValidationReport(
         data_version=out.name, computed=computed, reused=len(prompts) + bool(results["eval_clips"]) - computed,
-        settings=RenderSettings(**results["settings"]), fps=results["fps"],
-        prompts=tuple(PromptRenders(**p) for p in prompts), eval_loss=tuple(EvalLoss(**r) for r in losses),
+        settings=RenderSettings(**results["settings"]), fps=results["fps"], prompts=prompts, eval_loss=losses,
         eval_clips=results["eval_clips"],
-        mean_abs_pixel_change=float(np.mean([p["mean_abs_pixel_change"] for p in prompts])) if prompts else None,
+        mean_abs_pixel_change=float(np.mean([p.mean_abs_pixel_change for p in prompts])) if prompts else None,
         **(loss_summary(losses) if losses else {}),  # eval_loss_base, eval_loss_lora, eval_loss_change
         eval_plot=str(out / "eval_loss.png") if losses else None,
         condition_image=str(condition) if condition.is_file() else None,

@@ -45,6 +45,7 @@ from loraflow.assets.schedules import DEFAULT_CRON, recache_schedule
 from loraflow.assets.sensors import CHANGED_TAG, dataset_watch
 from loraflow.assets.stages import ALL_ASSETS
 from loraflow.stages.clips.bucket_plan import LatentGeometry
+from loraflow.stages.latents.latents import PlannedLatent
 from loraflow.config import ConfigError, load_config
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
@@ -114,7 +115,8 @@ def test_a_latent_the_latents_stage_quarantined_is_not_reported_missing(tmp_path
     store.write_manifest("clips", [clip_row(f"c{i}", "d", f"{i}.mp4").to_row() for i in range(2)], part="d")
     store.put("latents", [{"key": "l0", "latent": np.zeros((1,), np.float32)}])
     store.write_manifest("latents", [{"key": "l0", "clip_key": "c0", "bucket": "b"}], part="d")
-    expected = [{"key": f"l{i}", "tiled_key": f"t{i}", "clip_key": f"c{i}", "bucket": "b"} for i in range(2)]
+    expected = [PlannedLatent(key=f"l{i}", tiled_key=f"t{i}", clip_key=f"c{i}", bucket="b", dataset="d")
+                for i in range(2)]
     assert [r["clip"] for r in clips_without_latents(expected, store, ["d"])] == ["c1"]
     store.write_manifest("latents_quarantine", [{"key": "l1", "clip_key": "c1", "dataset": "d",
                                                  "reason": "non_finite_latent"}], part="d")

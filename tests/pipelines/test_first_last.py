@@ -52,8 +52,8 @@ def test_first_last_runs_the_dag_and_caches_the_last_frame_encoded_alone(run) ->
     from loraflow.stages.latents.latents import latent_rows
 
     (row,) = store.read_manifest("latents")
-    assert row["key"] not in {r["key"] for r in latent_rows(run.model_copy(update={"i2v_mode": "first"}), first,
-                                                            model_source(run), store)}
+    assert row["key"] not in {r.key for r in latent_rows(run.model_copy(update={"i2v_mode": "first"}), first,
+                                                      model_source(run), store)}
     latent = np.array(store.get("latents", [row["key"]])[row["key"]]["latent"])
     frames = torch.from_numpy(np.array(store.get("clips", [row["clip_key"]])[row["clip_key"]]["frames"]))[None]
     with torch.no_grad():

@@ -114,7 +114,7 @@ def test_i2v_rows_cache_the_pipelines_image_latent_and_siglip_tokens(root: Path,
     shutil.copytree(root / "cache", tmp_path / "cache")  # t2v rewrites the latents manifest: on a copy
     t2v = make_config(root, tmp_path / "out", model_flavour="t2v-480p", cache_dir=str(tmp_path / "cache"))
     store = Store(t2v.cache_dir)
-    t2v_keys = {r["clip_key"]: r["key"] for r in latent_rows(t2v, get_family(t2v), model_source(t2v), store)}
+    t2v_keys = {r.clip_key: r.key for r in latent_rows(t2v, get_family(t2v), model_source(t2v), store)}
     assert all(t2v_keys[r["clip_key"]] != r["key"] for r in rows)
     assert "image_condition" not in repr(latent_rows(t2v, get_family(t2v), model_source(t2v), store))
     assert encode_latents(t2v, get_family(t2v), model_source(t2v), store).computed == len(rows)
@@ -202,9 +202,9 @@ def test_hv_i2v_eval_loss_uses_the_cached_condition(trained) -> None:
         expected = ((reference_velocity(plain, x_t, sigma, text, image_latent, image_embeds) - (noise - x0)) ** 2)
         zeroed = reference_velocity(plain, x_t, sigma, text, image_latent, torch.zeros_like(image_embeds))
     # bit for bit: LoRA scale 0 adds exact zeros, and the rest is this computation (one clip: its mean is itself)
-    assert losses[j]["base"] == expected.mean().item()
-    assert abs(((zeroed - (noise - x0)) ** 2).mean().item() - losses[j]["base"]) > 1e-4
-    assert losses[j]["lora"] != losses[j]["base"]
+    assert losses[j].base == expected.mean().item()
+    assert abs(((zeroed - (noise - x0)) ** 2).mean().item() - losses[j].base) > 1e-4
+    assert losses[j].lora != losses[j].base
 
 
 def test_hv_i2v_validation_renders_from_the_first_frame(trained) -> None:

@@ -149,8 +149,8 @@ def test_i2v_eval_loss_is_the_masked_loss(trained) -> None:
         prediction = family.velocity(plain, noisy, torch.full((1,), 0.5), text)
     expected = ((prediction - (noise - x0))[:, :, 1:] ** 2).mean().item()
     # bit for bit: LoRA scale 0 adds exact zeros, and the rest is this computation (one clip: its mean is itself)
-    assert losses[j]["base"] == expected
-    assert losses[j]["lora"] != losses[j]["base"]
+    assert losses[j].base == expected
+    assert losses[j].lora != losses[j].base
 
 
 def test_i2v_validation_renders_from_the_first_frame(trained, caches: dict[str, Path]) -> None:

@@ -141,8 +141,8 @@ def test_a_vae_folder_from_elsewhere_is_loaded_and_fingerprinted_from_there(tiny
 
     (vae / "config.json").write_text((vae / "config.json").read_text() + "\n")  # another VAE: other latent keys
     family = get_family(config)
-    assert (latent_rows(config, family, model_source(config), Clips())[0]["key"]
-            != latent_rows(without, family, model_source(without), Clips())[0]["key"])
+    assert (latent_rows(config, family, model_source(config), Clips())[0].key
+            != latent_rows(without, family, model_source(without), Clips())[0].key)
 
 
 def test_component_folders_are_checked_at_load_naming_the_key(tiny_k5: Path, tmp_path: Path,

@@ -137,9 +137,9 @@ def test_three_celery_workers_cache_every_clip_once_though_one_is_killed_mid_ste
     config, url = deployment.config, deployment.config.cache_dir
     clips = build_clips(config, get_family(config), model_source(config), Store(url), datasets=["demo-videos"])
     rows = latent_rows(config, get_family(config), model_source(config), Store(url), ["demo-videos"])
-    owner = {r["key"]: next(i for i in range(WORKERS) if Shard(i, WORKERS).owns(r["clip_key"])) for r in rows}
+    owner = {r.key: next(i for i in range(WORKERS) if Shard(i, WORKERS).owns(r.clip_key)) for r in rows}
     share = {i: sum(o == i for o in owner.values()) for i in range(WORKERS)}
-    buckets = Counter((owner[r["key"]], r["bucket"]) for r in rows)  # a step commits per bucket, SHARD_CLIPS at most
+    buckets = Counter((owner[r.key], r.bucket) for r in rows)  # a step commits per bucket, SHARD_CLIPS at most
     commits = {i: sum(-(-n // SHARD_CLIPS) for (o, _), n in buckets.items() if o == i) for i in range(WORKERS)}
     victim = max(commits, key=commits.get)
     assert clips.computed == len(rows) and commits[victim] >= 2, commits  # so the kill can land between two

@@ -62,7 +62,7 @@ def test_four_workers_cache_one_dataset_and_a_killed_one_resumes_its_share_only(
     store = Store(config.cache_dir)
     build_clips(config, get_family(config), model_source(config), store, datasets=["demo-videos"])
     rows = latent_rows(config, get_family(config), model_source(config), store, ["demo-videos"])
-    owner = {r["key"]: next(i for i in range(WORKERS) if Shard(i, WORKERS).owns(r["clip_key"])) for r in rows}
+    owner = {r.key: next(i for i in range(WORKERS) if Shard(i, WORKERS).owns(r.clip_key)) for r in rows}
     share = {i: sum(1 for o in owner.values() if o == i) for i in range(WORKERS)}
     assert len(rows) == 7 * COPIES and min(share.values()) > SHARD_CLIPS, share  # every worker commits 2+ times
 

@@ -141,7 +141,7 @@ def test_switching_latent_sampling_adds_keys_and_leaves_mode_rows(tiny_k5: Path,
     by_clip = {}
     for config in (as_mode, as_dist):
         for row in latent_rows(config, get_family(config), model_source(config), store):
-            by_clip.setdefault(row["clip_key"], []).append(row["key"])
+            by_clip.setdefault(row.clip_key, []).append(row.key)
     mode_key, dist_key = next(iter(by_clip.values()))
     rows = store.get("latents", [mode_key, dist_key])
     np.testing.assert_array_equal(rows[dist_key]["latent"], rows[mode_key]["latent"])

@@ -37,8 +37,8 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
     config = load_config(write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))
     family, store = get_family(config), Store(config.cache_dir)
     build_clips(config, family, model_source(config), store)
-    exact = {r["clip_key"]: r for r in L.latent_rows(config, get_family(config), model_source(config), store)}
-    assert all(r["key"] != r["tiled_key"] for r in exact.values())  # tiling is off in the demo config
+    exact = {r.clip_key: r for r in L.latent_rows(config, get_family(config), model_source(config), store)}
+    assert all(r.key != r.tiled_key for r in exact.values())  # tiling is off in the demo config
 
     load = L.load_component
 
@@ -52,13 +52,13 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
     report = L.encode_latents(config, family, model_source(config), store)
     assert {f.fallback for f in report.oom_fallbacks} == {"tiling"}
     listed = store.read_manifest("latents")
-    assert listed and all(r["approximate"] and r["key"] == exact[r["clip_key"]]["tiled_key"] for r in listed)
+    assert listed and all(r["approximate"] and r["key"] == exact[r["clip_key"]].tiled_key for r in listed)
     stored = store.keys("latents")
-    assert not stored & {r["key"] for r in exact.values()}  # nothing approximate under an exact key
+    assert not stored & {r.key for r in exact.values()}  # nothing approximate under an exact key
     assert clips_without_latents(list(exact.values()), store) == []  # the blocking check counts them
 
     monkeypatch.setattr(L, "load_component", load)  # a card with the memory: the next run redoes them exactly
     again = L.encode_latents(config, family, model_source(config), store)
     assert again.computed == len(exact) and again.oom_fallbacks == ()
     listed = store.read_manifest("latents")
-    assert all(not r["approximate"] and r["key"] == exact[r["clip_key"]]["key"] for r in listed)
+    assert all(not r["approximate"] and r["key"] == exact[r["clip_key"]].key for r in listed)

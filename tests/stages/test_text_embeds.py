@@ -21,6 +21,8 @@ import torch
 
 from loraflow.config import load_config
 from loraflow.contracts.clip_rows import PairedImage
+from loraflow.contracts.reports import TruncatedText
+from loraflow.contracts.text_set import TextSetRow
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.text.text_embeds import encode_texts, load_encoders, needed_texts, truncation_table
 from loraflow.pipelines import get_family
@@ -45,6 +47,8 @@ def setup(model: Path, data: Path, root: Path, captions: list[str] | None = None
 KILLABLE = """
 import sys
 from loraflow.config import load_config
+from loraflow.contracts.reports import TruncatedText
+from loraflow.contracts.text_set import TextSetRow
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
@@ -102,10 +106,10 @@ def test_an_i2i_caption_cut_beside_one_source_lists_only_that_sources_files(tmp_
     source = PairedImage("", "", (64, 64), (0, 0, 64, 64))
     store.write_manifest("clips", [clip_row(f"k{i}", "d", path=f"/data/t{i}.png", captions=("cap",),
                                             condition=replace(source, key=f"src{i}")).to_row() for i in (1, 2)])
-    rows = [{"text": "cap", "image": "src1", "n_tokens": 9, "truncated": True},
-            {"text": "cap", "image": "src2", "n_tokens": 7, "truncated": False}]
-    assert truncation_table(rows, store, 9) == [{"text": "cap", "tokens_kept": 9, "limit": 9,
-                                                 "files": "/data/t1.png"}]
+    rows = [TextSetRow(key="a", text="cap", image="src1", n_tokens=9, truncated=True),
+            TextSetRow(key="b", text="cap", image="src2", n_tokens=7, truncated=False)]
+    assert truncation_table(rows, store, 9) == (TruncatedText(text="cap", tokens_kept=9, limit=9,
+                                                              files="/data/t1.png"),)
 
 
 def test_batching_by_length_gives_the_embeddings_of_one_at_a_time(tiny_k5: Path, demo_data: Path,

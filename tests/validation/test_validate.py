@@ -25,6 +25,7 @@ from PIL import Image
 from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
 from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips
 from loraflow.contracts.holdout import split_holdout
+from loraflow.contracts.latent_rows import LatentRow
 from loraflow.contracts.reports import ValidationReport
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.media.previews import (
@@ -67,7 +68,7 @@ def fill_store(config: LoraflowConfig, store: Store) -> None:
     latents = [{"key": f"latent{i}", "latent": torch.randn(16, 2, HEIGHT // 8, WIDTH // 8, generator=generator).numpy()}
                for i in range(len(clips))]
     store.put("latents", latents)
-    store.write_manifest("latents", [{"key": f"latent{i}", "clip_key": c["key"], "bucket": c["bucket"]}
+    store.write_manifest("latents", [LatentRow(f"latent{i}", c["key"], c["bucket"], c["dataset"]).to_row()
                                      for i, c in enumerate(clips)])
     encode_texts(config, get_family(config), model_source(config), store)
 
@@ -240,11 +241,10 @@ def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(setup, fir
     items = eval_items(config, get_family(config), store)
     assert len(items) == 1  # 0.2 of 5 videos
     pipe = family.load_renderer(config.pretrained_model_name_or_path, str(lora), torch.device("cpu"))
-    runs = [[dataclasses.asdict(r) for r in first_run.eval_loss],
-            eval_losses(pipe.transformer, family, store, items, 7, torch.device("cpu"))]
+    runs = [list(first_run.eval_loss), eval_losses(pipe.transformer, family, store, items, 7, torch.device("cpu"))]
     assert runs[0] == runs[1]  # a second pipeline load reproduces the validation run's numbers exactly
-    assert [r["sigma"] for r in runs[0]] == list(EVAL_SIGMAS) and runs[0][0]["timestep"] == 100
-    assert all(np.isfinite(r["base"]) and np.isfinite(r["lora"]) and r["base"] != r["lora"] for r in runs[0])
+    assert [r.sigma for r in runs[0]] == list(EVAL_SIGMAS) and runs[0][0].timestep == 100
+    assert all(np.isfinite(r.base) and np.isfinite(r.lora) and r.base != r.lora for r in runs[0])
     other_noise = eval_losses(pipe.transformer, family, store, items, 8, torch.device("cpu"))
     assert other_noise != runs[0]
 

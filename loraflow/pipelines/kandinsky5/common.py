@@ -17,7 +17,7 @@ from diffusers.loaders import KandinskyLoraLoaderMixin
 from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 from transformers import ProcessorMixin
 
-from loraflow.pipelines.base import TextRow, compute_dtype
+from loraflow.pipelines.base import TextRow, compute_dtype, stacked
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.sources import ModelSource
@@ -173,10 +173,7 @@ class Kandinsky5Shared:
             # No text mask in this transformer: padding would be attended to (REFERENCE.md). Batches are
             # grouped by token length upstream; reaching here is a bug, not a user error.
             raise ValueError(f"Kandinsky 5 batches need equal text lengths; got {sorted(lengths)}")
-        return {
-            "text_embeds": torch.from_numpy(np.stack([r["text_embeds"] for r in rows])).to(device),
-            "pooled_embeds": torch.from_numpy(np.stack([r["pooled_embeds"] for r in rows])).to(device),
-        }
+        return {c: stacked(rows, c).to(device) for c in ("text_embeds", "pooled_embeds")}
 
     def example_text_row(self, transformer_config: Mapping[str, Any], n_tokens: int) -> TextRow:
         return {"text_embeds": np.zeros((n_tokens, transformer_config["in_text_dim"]), np.float32),

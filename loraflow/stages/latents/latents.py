@@ -11,7 +11,7 @@ accelerator with the VAE.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from itertools import groupby
 from typing import Any
 
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig, select_datasets
 from loraflow.contracts.clip_rows import read_clips
-from loraflow.contracts.latent_rows import latent_columns
+from loraflow.contracts.latent_rows import LatentRow, latent_columns
 from loraflow.keys import Shard, content_key, data_version
 from loraflow.kernels.patch_conv import enable_patch_conv
 from loraflow.kernels.devices import free_models, peak_memory_gib, pick_device
@@ -36,8 +36,26 @@ CODE_VERSION = "latents-1"
 SHARD_CLIPS = 8
 
 
+@dataclass(frozen=True)
+class PlannedLatent:
+    """A current clip's latent as the stage plans it: `key`, and `tiled_key`, the key its latent has when an
+    out-of-memory encode falls back to tiling."""
+
+    key: str
+    tiled_key: str
+    clip_key: str
+    bucket: str
+    dataset: str
+
+    def listed(self, tiled: bool) -> LatentRow:
+        """Its manifest row. An out-of-memory encode that fell back to tiling was stored under the tiled key and is
+        listed as approximate; the next run tries the exact encode again (its key is still missing)."""
+        return LatentRow(key=self.tiled_key if tiled else self.key, clip_key=self.clip_key, bucket=self.bucket,
+                         dataset=self.dataset, approximate=tiled)
+
+
 def latent_rows(config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store,
-                datasets: list[str] | None = None) -> list[dict[str, Any]]:
+                datasets: list[str] | None = None) -> list[PlannedLatent]:
     """One row per current clip of the datasets (None: every training dataset) with the key its latent has.
     Patch conv is exact, so it is not in the key; tiling blends seams and changes the numbers, so it is; so
     does the sampling (a mode row and a distribution row of one clip never share a key), and for i2v flavours
@@ -59,8 +77,8 @@ def latent_rows(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
         clip=clip.key, vae=vae_id, dtype="float32", sampling=config.latent_sampling, tiling=tiling,
         code=CODE_VERSION, **image, **latent_key_part(clip))
     return [
-        {"key": key(clip, config.vae_enable_tiling), "tiled_key": key(clip, True), "clip_key": clip.key,
-         "bucket": clip.bucket, "dataset": clip.dataset}
+        PlannedLatent(key=key(clip, config.vae_enable_tiling), tiled_key=key(clip, True), clip_key=clip.key,
+                      bucket=clip.bucket, dataset=clip.dataset)
         for clip in clips
         if clip.dataset in ids  # a dataset no longer in the config is never encoded or listed
     ]
@@ -82,10 +100,10 @@ def encode_latents(
 ) -> LatentsReport:
     """Encode the datasets' clips (None: every training dataset) the store lacks; write each one's manifest part.
     With a `shard`, only that shard's clips, and no manifest: one of N workers (stages/shard_worker.py)."""
-    rows = [r for r in latent_rows(config, family, model, store, datasets)
-            if shard is None or shard.owns(r["clip_key"])]
+    planned = [r for r in latent_rows(config, family, model, store, datasets)
+               if shard is None or shard.owns(r.clip_key)]
     have = store.keys("latents")
-    todo = sorted((r for r in rows if r["key"] not in have), key=lambda r: r["bucket"])
+    todo = sorted((r for r in planned if r.key not in have), key=lambda r: r.bucket)
     quarantined: list[BadLatent] = []
     fallbacks: list[OomFallback] = []
     device = pick_device()
@@ -99,14 +117,14 @@ def encode_latents(
         free_models(vae, *image)
     bad = {q.key for q in quarantined}
     tiled = {f.key for f in fallbacks if f.fallback == "tiling"}
-    rows = [listed(r, r["key"] in tiled) for r in rows if r["key"] not in bad]
+    rows = [r.listed(r.key in tiled) for r in planned if r.key not in bad]
     for dataset in select_datasets(config, datasets) if shard is None else []:  # one part per dataset
-        store.write_manifest("latents", [r for r in rows if r["dataset"] == dataset.id], part=dataset.id)
+        store.write_manifest("latents", [r.to_row() for r in rows if r.dataset == dataset.id], part=dataset.id)
         # this run's failures (a failed clip is retried by every run): the coverage check leaves them out
         store.write_manifest("latents_quarantine", [asdict(q) for q in quarantined if q.dataset == dataset.id],
                              part=dataset.id)
     return LatentsReport(
-        data_version=data_version(r["key"] for r in rows),
+        data_version=data_version(r.key for r in rows),
         computed=len(todo) - len(bad),
         reused=len(rows) - (len(todo) - len(bad)),
         quarantined=tuple(quarantined),
@@ -118,34 +136,34 @@ def encode_latents(
 
 @torch.no_grad()
 def _encode(
-    todo: list[dict], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device, shard_clips: int,
+    todo: list[PlannedLatent], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device, shard_clips: int,
     sampling: str, image: list[Any], have: set[str],
 ) -> tuple[list[BadLatent], list[OomFallback]]:
     """Encode clip by clip; commit a shard every `shard_clips` so a killed run loses at most one shard's work."""
     quarantined: list[BadLatent] = []
     fallbacks: list[OomFallback] = []
     progress = tqdm(total=len(todo), desc="latents", unit="clip")
-    for _, group in groupby(todo, key=lambda r: r["bucket"]):
+    for _, group in groupby(todo, key=lambda r: r.bucket):
         group = list(group)
         for start in range(0, len(group), shard_clips):
             done = []
             for row in group[start : start + shard_clips]:
-                stored = store.get("clips", [row["clip_key"]])[row["clip_key"]]
+                stored = store.get("clips", [row.clip_key])[row.clip_key]
                 pixels = torch.from_numpy(np.array(stored["frames"]))[None].to(device)  # copy: Arrow is read-only
                 latent, fallback = _encode_with_fallback(vae, family, pixels, sampling)
                 latent = _with_image_latent(latent, vae, family, pixels, sampling)
                 condition = family.image_condition(vae, image, stored) or {}
                 if stored.get("mask_frames") is not None:
                     condition[MASK_COLUMN] = latent_mask(np.asarray(stored["mask_frames"]), tuple(latent.shape))
-                key = row["tiled_key"] if fallback == "tiling" else row["key"]  # tiled: other numbers, other key
+                key = row.tiled_key if fallback == "tiling" else row.key  # tiled: other numbers, other key
                 if fallback:
-                    log.warning("clip %s ran out of memory; encoded with %s", row["clip_key"], fallback)
-                    fallbacks.append(OomFallback(clip_key=row["clip_key"], fallback=fallback, key=row["key"]))
+                    log.warning("clip %s ran out of memory; encoded with %s", row.clip_key, fallback)
+                    fallbacks.append(OomFallback(clip_key=row.clip_key, fallback=fallback, key=row.key))
                 if not torch.isfinite(latent).all() or not all(np.isfinite(c).all() for c in condition.values()):
-                    quarantined.append(BadLatent(key=row["key"], clip_key=row["clip_key"], dataset=row["dataset"],
+                    quarantined.append(BadLatent(key=row.key, clip_key=row.clip_key, dataset=row.dataset,
                                                  reason="non_finite_latent"))
                 elif MASK_COLUMN in condition and not condition[MASK_COLUMN].any():  # nothing to train on
-                    quarantined.append(BadLatent(key=row["key"], clip_key=row["clip_key"], dataset=row["dataset"],
+                    quarantined.append(BadLatent(key=row.key, clip_key=row.clip_key, dataset=row.dataset,
                                                  reason="empty_mask"))
                 elif key not in have:
                     done.append({"key": key, **latent_columns(latent.cpu(), sampling), **condition})
@@ -173,13 +191,6 @@ def _with_image_latent(
         last, _ = _encode_with_fallback(vae, family, pixels[:, -1:], sampling)
         latent = torch.cat([latent[:, :-1], last], dim=1)
     return latent
-
-
-def listed(row: dict[str, Any], tiled: bool) -> dict[str, Any]:
-    """The manifest row of a clip's latent. An out-of-memory encode that fell back to tiling was stored under the
-    tiled key and is listed as approximate; the next run tries the exact encode again (its key is still missing)."""
-    key = row["tiled_key"] if tiled else row["key"]
-    return {**{k: v for k, v in row.items() if k != "tiled_key"}, "key": key, "approximate": tiled}
 
 
 def _encode_with_fallback(

@@ -26,7 +26,8 @@ Store schema (`text_embeds/shards/*.parquet`, one row per distinct key):
     byt5_embeds      float32 (L2, 1472)   HunyuanVideo 1.5: Glyph-ByT5 tokens (one zero token when no quotes)
     byt5_mask        float32 (L2,)        HunyuanVideo 1.5: its mask
 Tensors of varying length are flat lists plus a `<name>__shape` column (see store.py). The manifest
-(`text_embeds/manifest.parquet`) lists the current text set: key, text, image, n_tokens, truncated.
+(`text_embeds/manifest.parquet`) lists the current text set: key, text, image, n_tokens, truncated
+(`contracts/text_set.TextSetRow`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from loraflow.kernels.devices import free_models, pick_device
 from loraflow.contracts.renders import (
     condition_frame, conditioning_image, negative_prompt, prompt_image, render_settings,
 )
-from loraflow.contracts.text_set import ImageLoader, TextItem
+from loraflow.contracts.text_set import ImageLoader, TextItem, TextSetRow
 from loraflow.kernels.quantize import quantize_int8
 from loraflow.contracts.reports import TextEmbedsReport, TokenBin, TruncatedText
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
@@ -110,20 +111,20 @@ def encode_texts(
         stored = store.get("text_embeds", [keys[i] for i in items if i not in stats], columns=["n_tokens", "truncated"])
         by_key = {k: item for item, k in keys.items()}
         stats |= {by_key[key]: row for key, row in stored.items()}
-    rows = [{"key": keys[i], "text": i[0], "image": i[1], "n_tokens": int(stats[i]["n_tokens"]),
-             "truncated": bool(stats[i]["truncated"])} for i in items]
-    store.write_manifest("text_embeds", rows)
+    rows = [TextSetRow(key=keys[i], text=i[0], image=i[1], n_tokens=int(stats[i]["n_tokens"]),
+                       truncated=bool(stats[i]["truncated"])) for i in items]
+    store.write_manifest("text_embeds", [r.to_row() for r in rows])
     seconds = time.perf_counter() - started
     truncated = truncation_table(rows, store, family.max_text_tokens)
     for row in truncated:
-        log.warning("text longer than %d tokens truncated (%d tokens kept), used by %s: %r", row["limit"],
-                    row["tokens_kept"], row["files"], row["text"])
+        log.warning("text longer than %d tokens truncated (%d tokens kept), used by %s: %r", row.limit,
+                    row.tokens_kept, row.files, row.text)
     return TextEmbedsReport(
-        data_version=data_version(r["key"] for r in rows),
+        data_version=data_version(r.key for r in rows),
         computed=len(todo),
         reused=len(rows) - len(todo),
-        tokens_histogram=tuple(TokenBin(**b) for b in token_histogram([r["n_tokens"] for r in rows])),
-        truncated=tuple(TruncatedText(**t) for t in truncated),
+        tokens_histogram=token_histogram([r.n_tokens for r in rows]),
+        truncated=truncated,
         distinct_texts=len(rows), device=str(device), text_encoder_1_precision=precision,
         bytes_on_disk=stage_bytes(store), seconds=round(seconds, 3),
         texts_per_s=round(len(todo) / seconds, 2) if todo else 0.0,
@@ -201,32 +202,33 @@ def caption_tokens(tokenizer: Any, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def token_histogram(counts: list[int]) -> list[dict[str, Any]]:
+def token_histogram(counts: list[int]) -> tuple[TokenBin, ...]:
     """Texts per bin of stored tokens (`n_tokens`), up to the bin of the longest text."""
     table, low = [], 0
     for high in HISTOGRAM_EDGES:
-        table.append({"tokens": f"{low}-{high}", "texts": sum(low <= c <= high for c in counts)})
+        table.append(TokenBin(tokens=f"{low}-{high}", texts=sum(low <= c <= high for c in counts)))
         low = high + 1
         if not any(c >= low for c in counts):
-            return table
-    table.append({"tokens": f">{HISTOGRAM_EDGES[-1]}", "texts": sum(c >= low for c in counts)})
-    return table
+            return tuple(table)
+    table.append(TokenBin(tokens=f">{HISTOGRAM_EDGES[-1]}", texts=sum(c >= low for c in counts)))
+    return tuple(table)
 
 
-def truncation_table(rows: list[dict[str, Any]], store: Store, limit: int) -> list[dict[str, Any]]:
+def truncation_table(rows: list[TextSetRow], store: Store, limit: int) -> tuple[TruncatedText, ...]:
     """One row per truncated item, with the source files whose captions use it.
 
     An i2i caption is one item per source image (the image's vision tokens share the budget), so it may be cut
     beside one image and not another: such an item lists only the files paired with that image."""
-    cut = {(r["text"], r.get("image") or ""): r["n_tokens"] for r in rows if r["truncated"]}
+    cut = {r.item: r.n_tokens for r in rows if r.truncated}
     files: dict[TextItem, list[str]] = {item: [] for item in cut}
     for clip in read_clips(store) if cut else []:
         for caption in clip.captions:
             for item in {(caption, ""), (caption, clip.condition_key)} & cut.keys():
                 if clip.path not in files[item]:
                     files[item].append(clip.path)
-    return [{"text": text[:80] + ("..." if len(text) > 80 else ""), "tokens_kept": cut[text, image], "limit": limit,
-             "files": ", ".join(files[text, image]) or "(validation prompt)"} for text, image in sorted(cut)]
+    return tuple(TruncatedText(text=text[:80] + ("..." if len(text) > 80 else ""), tokens_kept=cut[text, image],
+                               limit=limit, files=", ".join(files[text, image]) or "(validation prompt)")
+                 for text, image in sorted(cut))
 
 
 def stage_bytes(store: Store) -> int:
