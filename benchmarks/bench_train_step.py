@@ -55,7 +55,7 @@ def build_caches(root: Path) -> Path:
     path = write_config(root / "config.yaml", demo_dict(model, data, root, checkpointing_steps=10_000))
     config = load_config(path)
     for op in (build_clips, encode_latents, encode_texts):
-        op(config, get_family(config), Store(config.cache_dir))
+        op(config, get_family(config), model_source(config), Store(config.cache_dir))
     return path
 
 

@@ -66,7 +66,7 @@ def root(demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = make_config(root, root / "output")
     family, store = get_family(config), Store(config.cache_dir)
     for op in (build_clips, encode_latents, encode_texts):
-        op(config, family, store)
+        op(config, family, model_source(config), store)
     return root
 
 

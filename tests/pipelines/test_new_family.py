@@ -123,7 +123,7 @@ def test_the_stages_cache_and_train_the_family(root: Path) -> None:
     config = make_config(root)
     family, store = get_family(config), Store(config.cache_dir)
     for op in (build_clips, encode_latents, encode_texts):
-        assert op(config, family, store).computed > 0
+        assert op(config, family, model_source(config), store).computed > 0
     keys = [row["key"] for row in store.read_manifest("text_embeds")]
     assert keys and {row["family"] for row in store.get("text_embeds", keys).values()} == {NAME}
     assert T.train_lora(config, family, model_source(config), store).computed == config.max_train_steps

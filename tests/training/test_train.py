@@ -53,7 +53,7 @@ def build_caches(tiny_k5: Path, demo_data: Path, root: Path) -> dict[str, Path]:
     config = make_config({"model": tiny_k5, "data": data, "root": root}, root / "output")
     family, store = get_family(config), Store(config.cache_dir)
     for op in (build_clips, encode_latents, encode_texts):
-        op(config, family, store)
+        op(config, family, model_source(config), store)
     return {"model": tiny_k5, "data": data, "root": root}
 
 
