@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +139,15 @@ def redis_url() -> Any:
 
     with redis() as url:
         yield url
+
+
+@pytest.fixture
+def unreachable_hub(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The environment of a machine whose Hub endpoint refuses connections: a loopback port bound, never listening."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{closed.getsockname()[1]}", HF_HUB_CACHE=str(tmp_path / "hf"),
+               PYTHONPATH=str(REPO))
+    yield env
+    closed.close()

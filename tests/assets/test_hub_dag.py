@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import REPO, demo_dict, hf_cache_snapshot, write_config
-from tests.pipelines.test_sources import DEFAULT_REPO, unreachable_hub  # noqa: F401 (a fixture)
+from tests.pipelines.test_sources import DEFAULT_REPO
 from tests.pipelines.test_sources import settings as repo_settings
 
 PASS = """

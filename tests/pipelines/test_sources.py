@@ -6,12 +6,9 @@ with HF_HUB_OFFLINE=1; an unreachable Hub is a loopback port that refuses connec
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -215,18 +212,6 @@ def test_a_download_fetches_only_the_flavours_configs_tokenizers_and_safetensors
                  "text_encoder/modeling_qwen.py", "text_encoder_2/tf_model.h5", "image_encoder/model.safetensors"]
     t2v = family_flavour("hunyuanvideo-1.5", "t2v-480p").components
     assert sorted(filter_repo_objects(wanted + elsewhere, allow_patterns=fetched_patterns(t2v))) == sorted(wanted)
-
-
-@pytest.fixture
-def unreachable_hub(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """The environment of a machine whose Hub endpoint refuses connections: a loopback port bound, never listening."""
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    env.update(HF_ENDPOINT=f"http://127.0.0.1:{closed.getsockname()[1]}", HF_HUB_CACHE=str(tmp_path / "hf"),
-               PYTHONPATH=str(REPO))
-    yield env
-    closed.close()
 
 
 @pytest.mark.parametrize("command", [["check"], ["cache", "--dataset", "v"]])
