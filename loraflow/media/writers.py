@@ -19,13 +19,15 @@ def slug(name: str) -> str:
 
 
 def write_media(frames: np.ndarray, stem: Path, fps: float) -> Path:
-    """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4."""
+    """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4. Renders are written
+    reproducibly: x264's defaults (threads, mb-tree lookahead) gave a resumed validation run a `lora.mp4` that
+    decoded to other pixels than the same frames encoded before (test_validate, 1 full-suite run in 2)."""
     if len(frames) == 1:
         path = stem.with_suffix(".png")
         save_png(Image.fromarray(frames[0]), path)
     else:
         path = stem.with_suffix(".mp4")
-        write_mp4(frames, path, fps)
+        write_mp4(frames, path, fps, reproducible=True)
     return path
 
 
