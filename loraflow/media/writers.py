@@ -20,8 +20,8 @@ def slug(name: str) -> str:
 
 def write_media(frames: np.ndarray, stem: Path, fps: float) -> Path:
     """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4. Renders are written
-    reproducibly: x264's defaults (threads, mb-tree lookahead) gave a resumed validation run a `lora.mp4` that
-    decoded to other pixels than the same frames encoded before (test_validate, 1 full-suite run in 2)."""
+    with the reproducible x264 settings: a resumed validation run once decoded to other pixels than the first
+    (test_validate, 1 full-suite run in 2); x264's defaults were suspected, not shown to be the cause."""
     if len(frames) == 1:
         path = stem.with_suffix(".png")
         save_png(Image.fromarray(frames[0]), path)
