@@ -1,4 +1,5 @@
-"""Processes that die with the process that started them (Linux), so a killed parent leaves no orphan at work.
+"""Processes that die with the process that started them (Linux), so a killed parent leaves no orphan at work; and
+in-process Dagster runs that leave this process's signal handlers as they found them.
 
 No Dagster import: the trainer entry point (train_main.py) uses this on GPU boxes without Dagster.
 """
@@ -8,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 PR_SET_PDEATHSIG = 1  # prctl's option number (linux/prctl.h)
 
@@ -34,3 +37,21 @@ def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> 
     if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), signum)
     return True
+
+
+@contextmanager
+def keep_signal_handlers() -> Iterator[None]:
+    """Put SIGINT's and SIGTERM's handlers back as they were after the block (an in-process Dagster run).
+
+    Dagster's in-process execution (`materialize`, `execute_in_process`) maps SIGTERM to SIGINT's handler on the way
+    out (dagster/_utils/interrupts.py: `setup_interrupt_handlers`, "for k8s"). A process started in the background by
+    a non-interactive shell (`make test &`, a CI step, a cron job) has SIGINT ignored, so SIGTERM then stays ignored
+    for the rest of the process: `kill` no longer stops it.
+    """
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:  # None: set outside Python; leave it
+                signal.signal(signum, handler)

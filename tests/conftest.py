@@ -18,6 +18,17 @@ from loraflow.config import LoraflowConfig, load_config
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def signal_handlers_kept() -> Iterator[None]:
+    """Every test leaves SIGINT and SIGTERM as it found them. Dagster's in-process runs (`materialize`,
+    `execute_in_process`) map SIGTERM to SIGINT's handler, and SIGINT is ignored in a suite started in the background
+    (CI's `make test`): the suite then ignored `kill` (tests/test_signals.py)."""
+    from loraflow.lifetime import keep_signal_handlers
+
+    with keep_signal_handlers():
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_k5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from loraflow.demo.tiny import build_tiny

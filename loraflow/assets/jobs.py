@@ -21,6 +21,7 @@ from dagster import (
 
 from loraflow.assets.partitions import sync_partitions
 from loraflow.assets.resources import LoraflowResource
+from loraflow.lifetime import keep_signal_handlers
 
 # Transient failures (a flaky network store, a worker killed for memory) are retried; a config error raises
 # Failure(allow_retries=False) in LoraflowResource.load and is not. Retries resume from committed shards.
@@ -50,7 +51,12 @@ QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}  # the termi
 def materialize_everything(resource: LoraflowResource, instance: DagsterInstance) -> list[ExecuteInProcessResult]:
     """What `loraflow demo` runs: a partition per training dataset added to the instance, one `cache_dataset`
     run per dataset, then `train_and_validate`. Stops after the first failed run (and returns it last)."""
-    defs = build_defs(resource)
+    with keep_signal_handlers():  # in a background job, Dagster would leave SIGTERM ignored
+        return _run_every_job(build_defs(resource), resource, instance)
+
+
+def _run_every_job(defs: Definitions, resource: LoraflowResource,
+                   instance: DagsterInstance) -> list[ExecuteInProcessResult]:
     config = resource.load()
     sync_partitions(instance, config)
     results = []
