@@ -127,6 +127,10 @@ def check(config_path: str, estimate: bool = True) -> int:
           + ("" if geometry else " (unknown: no readable vae/config.json)"))
     if estimate:
         print_estimates(config, source, plan.buckets)
+    print("\ncaption limits (a file past them is dropped):")
+    for d in config.training_datasets:
+        print(f"  {d.id}: at most {d.max_captions_per_file} caption(s) per file (max_captions_per_file), "
+              f"{d.max_caption_chars} characters each (max_caption_chars)")
     if plan.dropped:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
