@@ -127,6 +127,10 @@ def check(config_path: str, estimate: bool = True) -> int:
           + ("" if geometry else " (unknown: no readable vae/config.json)"))
     if estimate:
         print_estimates(config, source, plan.buckets)
+    print("\ncaption limits (a file past them is dropped):")
+    for d in config.training_datasets:
+        print(f"  {d.id}: at most {d.max_captions_per_file} caption(s) per file (max_captions_per_file), "
+              f"{d.max_caption_chars} characters each (max_caption_chars)")
     if plan.dropped:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
@@ -238,10 +242,15 @@ def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> in
     return 0
 
 
-def import_simpletuner(config_json: str, backend_json: str | None, out_path: str | None) -> int:
-    """Convert, write (or print), report every key not carried over, then validate the result."""
+def import_simpletuner(config_json: str, backend_json: str | None, out_path: str | None, force: bool = False) -> int:
+    """Convert, write (or print), report every key not carried over, then validate the result. An existing output
+    file is replaced only with `force`."""
     from loraflow import simpletuner
 
+    if out_path and Path(out_path).exists() and not force:
+        print(f"import-simpletuner: {out_path} exists; pass --force to replace it, or choose another -o",
+              file=sys.stderr)
+        return 2
     try:
         settings = simpletuner.read_json(config_json)
         backends = simpletuner.read_json(backend_json) if backend_json else None
@@ -307,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     importer.add_argument("config_json")
     importer.add_argument("backend_json", nargs="?", help="default: the file its data_backend_config names")
     importer.add_argument("-o", "--output", help="YAML file to write (default: standard output)")
+    importer.add_argument("--force", action="store_true", help="replace the -o file if it exists")
     averager = sub.add_parser("post-hoc-ema", help="the EMA of saved LoRA files (checkpoints' lora.safetensors), "
                               "given in step order (musubi-tuner's post-hoc EMA)")
     averager.add_argument("files", nargs="+")
@@ -327,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "cache":
             return cache(args.config, args.dataset, args.workers, args.shard)
         if args.command == "import-simpletuner":
-            return import_simpletuner(args.config_json, args.backend_json, args.output)
+            return import_simpletuner(args.config_json, args.backend_json, args.output, args.force)
         if args.command == "post-hoc-ema":
             return post_hoc_ema(args.files, args.decay, args.output)
         return check(args.config, estimate=not args.no_estimates)

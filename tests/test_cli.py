@@ -248,6 +248,18 @@ def test_import_fails_clearly_without_a_dataset_list(tmp_path: Path, capsys: pyt
     assert "config/missing.json, which does not exist" in capsys.readouterr().err
 
 
+def test_import_refuses_to_overwrite_a_file_without_force(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config_json = _write_json(tmp_path / "config" / "config.json", HV_CONFIG)
+    backend = _write_json(tmp_path / "config" / "multidatabackend.json", HV_BACKEND)
+    out = tmp_path / "mine.yaml"
+    out.write_text("# my own config, edited for hours\n")
+    assert main(["import-simpletuner", str(config_json), str(backend), "-o", str(out)]) == 2
+    assert out.read_text() == "# my own config, edited for hours\n"
+    assert f"{out} exists" in capsys.readouterr().err
+    assert main(["import-simpletuner", str(config_json), str(backend), "-o", str(out), "--force"]) == 0
+    assert load_config(out).model_family == "hunyuanvideo-1.5"
+
+
 def test_quantised_base_precision_is_reported_and_supported_ones_are_kept() -> None:
     quantised = import_simpletuner({"model_family": "kandinsky5-video", "base_model_precision": "int4-quanto"}, [])
     assert "base_model_precision" not in quantised.config

@@ -195,6 +195,15 @@ def test_outputs_inside_a_dataset_folder_are_refused(key: str, tmp_path: Path) -
     parse_config(data)
 
 
+@pytest.mark.parametrize("key", ["output_dir", "cache_dir"])
+@pytest.mark.parametrize("folder", ["/", "/etc", "/usr/lib/loraflow", "/proc/self", "/home", "~"])
+def test_outputs_in_a_system_folder_are_refused_naming_the_key(key: str, folder: str) -> None:
+    data = demo()
+    data[key] = str(Path.home()) if folder == "~" else folder
+    (problem,) = problems(data)
+    assert problem.startswith(f"config: `{key}` {data[key]}") and "system folder" in problem
+
+
 @pytest.mark.parametrize("settings, named", [
     ({"flow_use_beta_schedule": True, "flow_sigma_sampling": "uniform"}, "`flow_use_beta_schedule` replaces"),
     ({"flow_schedule_auto_shift": True, "flow_schedule_shift": 3.0}, "`flow_schedule_auto_shift` computes the shift"),

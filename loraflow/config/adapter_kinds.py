@@ -10,12 +10,12 @@ without it; training/adapters.py builds the peft config.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import model_validator
 
+from loraflow.config.config_files import read_json_file
 from loraflow.config.dataset import StrictModel, setting
 
 # LyCORIS fields peft cannot express, and why (what to do instead).
@@ -83,11 +83,5 @@ def read_lycoris_config(value: Any) -> Any:
     """A path to SimpleTuner's lycoris_config JSON file, or the mapping itself."""
     if not isinstance(value, (str, Path)):
         return value
-    path = Path(value)
-    if not path.is_file():
-        raise ValueError(f"`lycoris_config` file {path} does not exist; give the LyCORIS JSON file (algo, "
-                         "linear_dim, linear_alpha, factor) or an inline mapping")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"`lycoris_config` file {path} is not valid JSON: {exc}") from None
+    return read_json_file(Path(value), "lycoris_config", "give the LyCORIS JSON file (algo, linear_dim, "
+                          "linear_alpha, factor) or an inline mapping")

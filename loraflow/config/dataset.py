@@ -139,6 +139,16 @@ class DatasetConfig(StrictModel):
     metadata_file: str | None = setting(
         None, run_key="always", description="caption_strategy metadata: .jsonl/.csv/.parquet of file -> caption(s); a "
         "relative path is inside instance_data_dir")
+    # Hostile and careless input (docs/reliability.md); unset, they leave every run its key.
+    allow_links_outside: bool = setting(
+        False, run_key="when_set", description="read files (media, captions, masks, a relative metadata_file) that "
+        "are links to places outside instance_data_dir; false: such a file is quarantined as link_outside, unread")
+    max_captions_per_file: int = setting(
+        100, run_key="when_set", ge=1, description="a file with more captions (non-empty lines of its .txt, rows of "
+        "the metadata file) is quarantined as too_many_captions")
+    max_caption_chars: int = setting(
+        10_000, run_key="when_set", ge=1, description="a file with a longer caption is quarantined as "
+        "caption_too_long (text encoders read a caption's first few hundred tokens)")
     resolution: int = setting(
         512, run_key="always", gt=0, description="pixel: the shorter side; area: the side of a square of equal area")
     resolution_type: Literal["pixel", "area", "pixel_area"] = setting(

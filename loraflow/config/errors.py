@@ -1,12 +1,25 @@
 """A pydantic validation error of a config, said the way `loraflow check` prints it: the key path, what is wrong,
-and for an unknown key the nearest valid one."""
+and for an unknown key the nearest valid one. A value is shown by its start (`shown`): a config error never prints
+megabytes."""
 
 from __future__ import annotations
 
 import difflib
+import reprlib
 from typing import Any, get_args
 
 from pydantic import BaseModel
+
+
+_SHORT = reprlib.Repr()  # a few items of a list, the first 60 characters of a string, two levels deep
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 60
+_SHORT.maxlevel = 2
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` cut short: what an error prints of a value."""
+    return _SHORT.repr(value)
 
 
 def _nearest(key: str, model: type[BaseModel]) -> str:
@@ -41,5 +54,5 @@ def describe(error: dict[str, Any], root: type[BaseModel]) -> str:
     if error["type"] == "missing":
         return f"{path}: required key is missing"
     if "input" in error and error["type"] not in ("value_error",):
-        return f"{path}: {message} (got {error['input']!r})"
+        return f"{path}: {message} (got {shown(error['input'])})"
     return f"{path}: {message}"

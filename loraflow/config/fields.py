@@ -5,7 +5,6 @@ with the checks of one key alone (a cron's shape, a known family, a file that ex
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -13,6 +12,7 @@ from typing import Any, Literal
 from pydantic import ValidationInfo, field_validator, model_validator
 
 from loraflow.config.adapter_kinds import LycorisConfig, read_lycoris_config
+from loraflow.config.config_files import read_json_file
 from loraflow.config.dataset import DatasetConfig, StrictModel, check_4k_plus_1, setting
 from loraflow.config.guide_features import GuideFeatures
 from loraflow.config.training_options import TrainingOptions
@@ -350,12 +350,7 @@ class ConfigFields(GuideFeatures, TrainingOptions):
 def read_prompt_library(path: str | Path) -> dict[str, str]:
     """SimpleTuner's user_prompt_library: a JSON object {shortname: prompt}."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"`user_prompt_library` file {path} does not exist; give a JSON file or an inline mapping")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"`user_prompt_library` file {path} is not valid JSON: {exc}") from None
+    data = read_json_file(path, "user_prompt_library", "give a JSON file or an inline mapping")
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
         raise ValueError(f"`user_prompt_library` file {path} must hold one JSON object of shortname -> prompt strings")
     return data

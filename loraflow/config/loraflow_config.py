@@ -8,13 +8,13 @@ stages read from a config. Dataset entries (`config/dataset.py`) have the shape 
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError, model_validator
 
+from loraflow.config.config_files import read_json_file, read_yaml_file
 from loraflow.config.dataset import DatasetConfig, is_mask_dataset
 from loraflow.config.errors import describe
 from loraflow.config.fields import ConfigFields
@@ -170,10 +170,15 @@ class LoraflowConfig(ConfigFields):
     @model_validator(mode="after")
     def _outputs_outside_datasets(self) -> LoraflowConfig:
         """Dataset folders are read recursively and watched by the sensor: a cache or output folder inside one would
-        feed rendered videos back as training data and make every run look like a dataset change."""
+        feed rendered videos back as training data and make every run look like a dataset change. Nor is a system
+        folder (`/`, `/etc`, a home folder itself) a place for a run's files."""
         written = {"output_dir": self.output_dir}
         if "://" not in self.cache_dir:  # an object store is no dataset folder
             written["cache_dir"] = self.cache_dir
+        for key, folder in written.items():
+            if system := system_folder(folder):
+                raise ValueError(f"`{key}` {folder} is {system}: loraflow writes runs and caches there; give `{key}` "
+                                 f"a folder of its own (the default is ./{type(self).model_fields[key].default})")
         for d in self.datasets:
             if d.disabled or not d.instance_data_dir:
                 continue
@@ -297,6 +302,22 @@ class LoraflowConfig(ConfigFields):
         return height, width
 
 
+# System folders: what is inside them is the system's, and the rest are folders of folders (a home folder itself).
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc", "/sbin", "/sys",
+                "/usr", "/System", "/Library", "/private/etc")
+SYSTEM_FOLDERS = ("/", "/home", "/root", "/var", "/var/lib", "/tmp", "/opt", "/srv", "/mnt", "/media", "/run",
+                  "/Users", "/Volumes", "/private", "/private/var")
+
+
+def system_folder(folder: str) -> str | None:
+    """What makes `folder` (links resolved) a system folder, or None: it is one, or it lies in one."""
+    path, home = Path(folder).resolve(), os.path.expanduser("~")  # "~" where no home is known (a container's uid)
+    if str(path) in SYSTEM_FOLDERS or (home != "~" and path == Path(home).resolve()):
+        return "a system folder"
+    tree = next((t for t in SYSTEM_TREES if path == Path(t) or Path(t) in path.parents), None)
+    return f"in the system folder {tree}" if tree else None
+
+
 def _nested(a: str | None, b: str | None) -> bool:
     """One folder is the other or inside it (a dataset folder is read recursively)."""
     first, second = Path(a or "").resolve(), Path(b or "").resolve()
@@ -309,9 +330,11 @@ def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | 
     backend = data.get("dataset_backend_config")
     if backend and "datasets" not in data:
         path = Path(backend) if base_dir is None or Path(backend).is_absolute() else base_dir / backend
-        if not path.is_file():
-            raise ConfigError([f"dataset_backend_config: file {path} does not exist"], source)
-        data["datasets"] = json.loads(path.read_text())
+        try:
+            data["datasets"] = read_json_file(path, "dataset_backend_config", "give the dataset list's JSON file "
+                                              "(multidatabackend.json), or the list itself under `datasets`")
+        except ValueError as exc:
+            raise ConfigError([str(exc)], source) from None
     lycoris = data.get("lycoris_config")  # relative to the config file, like the datasets file
     if isinstance(lycoris, str) and base_dir is not None and not Path(lycoris).is_absolute():
         data["lycoris_config"] = str(base_dir / lycoris)
@@ -330,7 +353,10 @@ def load_config(path: str | Path) -> LoraflowConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"config file {path} does not exist"], str(path))
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = read_yaml_file(path) or {}
+    except ValueError as exc:
+        raise ConfigError([str(exc)], str(path)) from None
     if not isinstance(data, dict):
         raise ConfigError(["the top level must be a mapping of keys to values"], str(path))
     return parse_config(data, str(path), path.parent)

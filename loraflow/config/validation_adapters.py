@@ -12,10 +12,10 @@ Config validation (this module's top half) runs without torch.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from loraflow.config.config_files import read_json_file
 from loraflow.config.dataset import StrictModel, setting
 
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # SimpleTuner's default file in a folder, and loraflow's
@@ -41,14 +41,8 @@ class ValidationAdapter(StrictModel):
 def read_adapter_config(value: Any) -> Any:
     """SimpleTuner's forms: a JSON file, a list of entries or an object with a `runs` list -> the list."""
     if isinstance(value, (str, Path)):
-        path = Path(value)
-        if not path.is_file():
-            raise ValueError(f"`validation_adapter_config` file {path} does not exist; give a JSON file or an inline "
-                             "list of {label, path, strength}")
-        try:
-            value = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"`validation_adapter_config` file {path} is not valid JSON: {exc}") from None
+        value = read_json_file(Path(value), "validation_adapter_config", "give a JSON file or an inline list of "
+                               "{label, path, strength}")
     if isinstance(value, dict) and set(value) == {"runs"}:
         value = value["runs"]
     for entry in value if isinstance(value, list) else []:

@@ -150,7 +150,8 @@ def test_a_caption_file_the_os_will_not_read_is_that_files_problem(tiny_k5: Path
     good, bad = videos(data, 2)
     bad.with_suffix(".txt").unlink()
     bad.with_suffix(".txt").symlink_to("/proc/self/mem")  # a regular file whose read fails (EIO), as a vanished
-    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))  # one would
+    dataset = {"instance_data_dir": str(data), "allow_links_outside": True}  # one would (a link out of the dataset)
+    report, store = run(make_config(tiny_k5, tmp_path, [dataset]))
     assert [r["path"] for r in store.read_manifest("clips")] == [str(good)]
     assert [(q.reason, "Input/output error" in q.detail) for q in report.quarantined] == [("unreadable", True)]
 

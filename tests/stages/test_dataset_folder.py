@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from loraflow.cli import main
 from loraflow.config import ConfigError
 from loraflow.pipelines import get_family
 from tests.conftest import demo_dict, write_config
-from tests.media_factory import read_index, write_h264, write_video
+from tests.media_factory import read_index, write_h264, write_text_as_video, write_video
 from tests.stages.test_clips import make_config, run, videos
 
 
@@ -35,8 +36,10 @@ def odd_folder(tmp_path: Path) -> Path:
     (data / "folder.mp4").mkdir()  # a folder named like a video
     videos(outside, 1)
     os.symlink(outside, data / "linked")  # a link to a folder of videos: not followed
-    os.symlink(outside / "clip_0.mp4", data / "alias.mp4")  # a link to a video is that video
+    os.symlink(outside / "clip_0.mp4", data / "alias.mp4")  # a link out of the dataset: not read
     (data / "alias.txt").write_text("the linked video")
+    os.symlink("clip_0.mp4", data / "inner.mp4")  # a link to a video of the dataset is that video
+    (data / "inner.txt").write_text("the same video")
     (data / "orphan.txt").write_text("a caption whose video was deleted")
     (data / "notes.json").write_text("{}")
     (data / ".DS_Store").write_bytes(b"\0")  # hidden, not a media name: not data, no row
@@ -46,14 +49,14 @@ def odd_folder(tmp_path: Path) -> Path:
 
 EXPECTED = {"wave.gif": "unsupported_format", "gone.mp4": "broken_link", "loop.mp4": "broken_link",
             "folder.mp4": "not_a_file", "linked": "linked_folder", "orphan.txt": "not_used",
-            "notes.json": "not_used", ".hidden.mp4": "hidden_file"}
+            "notes.json": "not_used", ".hidden.mp4": "hidden_file", "alias.mp4": "link_outside"}
 
 
 def test_every_entry_that_is_not_a_clip_has_a_row_in_the_stage_and_the_plan(tiny_k5: Path, tmp_path: Path) -> None:
     data = odd_folder(tmp_path)
     config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}])
     report, store = run(config)
-    assert sorted(r["source"] for r in store.read_manifest("clips")) == ["alias.mp4", "clip_0.mp4"]
+    assert sorted(r["source"] for r in store.read_manifest("clips")) == ["clip_0.mp4", "inner.mp4"]
     reasons = {Path(q.file).name: q.reason for q in report.quarantined}
     assert reasons == EXPECTED
     details = {Path(q.file).name: q.detail for q in report.quarantined}
@@ -228,3 +231,146 @@ def test_captions_with_a_byte_order_mark_are_read(tiny_k5: Path, tmp_path: Path,
     report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     assert report.quarantined == ()
     assert store.read_manifest("clips")[0]["captions"] == ["café au lait", "second line"]
+
+
+# ------------------------------------------------------------------ hostile and careless input (issue 42)
+
+
+def test_links_out_of_the_dataset_are_quarantined_unread_unless_the_dataset_allows_them(tiny_k5: Path,
+                                                                                        tmp_path: Path) -> None:
+    data, library = tmp_path / "data", tmp_path / "library"
+    good, stolen, latin = videos(data, 3)
+    stolen.with_suffix(".txt").unlink()
+    stolen.with_suffix(".txt").symlink_to("/etc/passwd")  # from someone else's archive
+    (far,) = videos(library, 1, captions=False)
+    (library / "notes.txt").write_bytes(b"caf\xe9")  # read, it would be caption_not_utf8
+    latin.with_suffix(".txt").unlink()
+    latin.with_suffix(".txt").symlink_to(library / "notes.txt")
+    write_text_as_video(library / "text.mp4")  # probed, it would be a media error
+    for name, target in {"far.mp4": far, "text.mp4": library / "text.mp4", "inner.mp4": Path(good.name)}.items():
+        (data / name).symlink_to(target)  # inner.mp4: a link inside the dataset is that file
+        (data / name).with_suffix(".txt").write_text(name)
+    dataset = {"instance_data_dir": str(data)}
+    config = make_config(tiny_k5, tmp_path, [dataset])
+    report, store = run(config)
+    clips = store.read_manifest("clips")
+    assert sorted(r["source"] for r in clips) == [good.name, "inner.mp4"]
+    assert not any("root:" in c for r in clips for c in r["captions"])  # /etc/passwd was not read
+    rows = {Path(q.file).name: q for q in report.quarantined}
+    assert {name: q.reason for name, q in rows.items()} == {
+        stolen.name: "link_outside", latin.name: "link_outside", "far.mp4": "link_outside", "text.mp4": "link_outside"}
+    assert "/etc/passwd" in rows[stolen.name].detail and "allow_links_outside: true" in rows[stolen.name].detail
+    plan = plan_buckets(config, get_family(config), None, progress=False)  # `check` reads nothing outside either
+    assert {Path(d.file).name: d.reason for d in plan.dropped} == {n: q.reason for n, q in rows.items()}
+
+    report, store = run(make_config(tiny_k5, tmp_path, [{**dataset, "allow_links_outside": True}]))
+    assert sorted(r["source"] for r in store.read_manifest("clips")) == sorted(
+        [good.name, "inner.mp4", stolen.name, "far.mp4"])
+    reasons = {Path(q.file).name: q.reason for q in report.quarantined}
+    assert reasons[latin.name] == "caption_not_utf8" and reasons["text.mp4"] not in ("link_outside", None)
+
+
+def test_a_metadata_file_or_a_mask_linked_from_outside_is_not_read(tiny_k5: Path, tmp_path: Path) -> None:
+    data, masks, library = tmp_path / "data", tmp_path / "masks", tmp_path / "library"
+    first, second = videos(data, 2, captions=False)
+    library.mkdir()
+    (library / "captions.jsonl").write_text("".join(json.dumps({"file_name": v.name, "caption": "from far away"}) + "\n"
+                                                    for v in (first, second)))
+    (data / "captions.jsonl").symlink_to(library / "captions.jsonl")
+    masks.mkdir()
+    Image.fromarray(np.full((64, 96, 3), 255, np.uint8)).save(masks / f"{first.stem}.png")
+    Image.fromarray(np.full((64, 96, 3), 255, np.uint8)).save(library / "mask.png")
+    (masks / f"{second.stem}.png").symlink_to(library / "mask.png")
+    mask_set = {"id": "masks", "dataset_type": "conditioning", "conditioning_type": "mask",
+                "instance_data_dir": str(masks)}
+    videos_set = {"instance_data_dir": str(data), "conditioning_data": "masks"}
+    report, _ = run(make_config(tiny_k5, tmp_path, [
+        {**videos_set, "caption_strategy": "metadata", "metadata_file": "captions.jsonl"}, mask_set]))
+    assert {(Path(q.file).name, q.reason) for q in report.quarantined} == {
+        (first.name, "link_outside"), (second.name, "link_outside")}
+    (data / "captions.jsonl").unlink()
+    for video in (first, second):
+        video.with_suffix(".txt").write_text("a caption")
+    report, store = run(make_config(tiny_k5, tmp_path, [videos_set, mask_set]))
+    assert [r["source"] for r in store.read_manifest("clips")] == [first.name]
+    (row,) = report.quarantined
+    assert (Path(row.file).name, row.reason) == (second.name, "link_outside") and "mask.png" in row.detail
+    report, store = run(make_config(tiny_k5, tmp_path, [videos_set, {**mask_set, "allow_links_outside": True}]))
+    assert report.quarantined == () and len(store.read_manifest("clips")) == 2
+
+
+def test_caption_files_are_found_whatever_the_case_of_their_extension(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    upper, mixed, both, plain = videos(data, 4, captions=False)
+    upper.with_suffix(".TXT").write_text("from a camera")
+    mixed.with_suffix(".Txt").write_text("from a Windows tool")
+    both.with_suffix(".txt").write_text("one")
+    both.with_suffix(".TXT").write_text("the other")
+    plain.with_suffix(".txt").write_text("plain")
+    (data / "orphan.TXT").write_text("a caption whose video was deleted")
+    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    captions = {r["source"]: r["captions"] for r in store.read_manifest("clips")}
+    assert captions == {upper.name: ["from a camera"], mixed.name: ["from a Windows tool"], plain.name: ["plain"]}
+    rows = {Path(q.file).name: q for q in report.quarantined}
+    assert {name: q.reason for name, q in rows.items()} == {both.name: "ambiguous_caption", "orphan.TXT": "not_used"}
+    assert f"{both.stem}.txt" in rows[both.name].detail and f"{both.stem}.TXT" in rows[both.name].detail
+    assert "no video or image" in rows["orphan.TXT"].detail
+
+
+def test_runaway_captions_are_quarantined_by_limits_the_dataset_can_raise(tiny_k5: Path, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    many, most, long, huge, fine = videos(data, 5, captions=False)
+    many.with_suffix(".txt").write_text("".join(f"caption {i}\n" for i in range(101)))  # a log saved as a caption
+    most.with_suffix(".txt").write_text("".join(f"caption {i}\n\n" for i in range(100)))  # blank lines do not count
+    long.with_suffix(".txt").write_text("word " * 2000 + "w\n")  # 10,001 characters
+    huge.with_suffix(".txt").write_bytes(b"x" * (5 << 20))  # 5 MiB on one line: not read whole
+    fine.with_suffix(".txt").write_text("w" * 10_000)
+    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    assert sorted(r["source"] for r in store.read_manifest("clips")) == [most.name, fine.name]
+    rows = {Path(q.file).name: q for q in report.quarantined}
+    assert {name: q.reason for name, q in rows.items()} == {
+        many.name: "too_many_captions", long.name: "caption_too_long", huge.name: "caption_too_long"}
+    assert "101" in rows[many.name].detail and "max_captions_per_file (100)" in rows[many.name].detail
+    assert "10001" in rows[long.name].detail and "max_caption_chars (10000)" in rows[long.name].detail
+    assert all(len(q.detail) < 400 for q in rows.values())  # the caption itself is never in the row
+
+    dataset = {"instance_data_dir": str(data), "max_captions_per_file": 101, "max_caption_chars": 6 << 20}
+    report, store = run(make_config(tiny_k5, tmp_path, [dataset]))
+    assert report.quarantined == () and len(store.read_manifest("clips")) == 5
+
+    settings = demo_dict(tiny_k5, data, tmp_path)  # `check` shows the limits and what they drop
+    settings["datasets"][0].update(video={"num_frames": 5}, max_caption_chars=5000)
+    assert main(["check", "--no-estimates", str(write_config(tmp_path / "config.yaml", settings))]) == 0
+    out = capsys.readouterr().out
+    assert "at most 100 caption(s) per file (max_captions_per_file), 5000 characters each (max_caption_chars)" in out
+    dropped = {line.split()[1]: line.split()[2] for line in out.split("dropped 4 file(s):")[1].splitlines()[2:]}
+    assert dropped == {many.name: "too_many_captions", long.name: "caption_too_long", huge.name: "caption_too_long",
+                       fine.name: "caption_too_long"}
+
+
+@pytest.mark.parametrize(("caption", "named"), [("a cat\x00", "U+0000"), ("a \x1b[31mred\x1b[0m cat", "U+001B"),
+                                               ("a\x7fcat", "U+007F")])
+def test_a_caption_with_control_characters_is_quarantined(tiny_k5: Path, tmp_path: Path, caption: str,
+                                                          named: str) -> None:
+    data = tmp_path / "data"
+    bad, tabbed = videos(data, 2, captions=False)
+    bad.with_suffix(".txt").write_text(f"a fine caption\n{caption}\n")
+    tabbed.with_suffix(".txt").write_text("a cat\tsitting\r\non a mat\n")  # a tab and Windows line ends are text
+    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    assert {r["source"]: r["captions"] for r in store.read_manifest("clips")} == {
+        tabbed.name: ["a cat\tsitting", "on a mat"]}
+    (row,) = report.quarantined
+    assert (Path(row.file).name, row.reason) == (bad.name, "caption_control_chars")
+    assert named in row.detail and "caption 2" in row.detail
+
+
+def test_a_metadata_caption_with_a_nul_is_quarantined(tiny_k5: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    bad, good = videos(data, 2, captions=False)
+    (data / "captions.jsonl").write_text(json.dumps({"file_name": bad.name, "caption": "a\u0000cat"}) + "\n"
+                                         + json.dumps({"file_name": good.name, "caption": "two\nlines"}) + "\n")
+    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "caption_strategy": "metadata",
+                                                         "metadata_file": "captions.jsonl"}]))
+    assert {r["source"]: r["captions"] for r in store.read_manifest("clips")} == {good.name: ["two\nlines"]}
+    assert [(Path(q.file).name, q.reason) for q in report.quarantined] == [(bad.name, "caption_control_chars")]

@@ -1,13 +1,21 @@
 """Captions of a source file, by the dataset's `caption_strategy`.
 
-`textfile` reads NAME.txt beside the file, one caption per non-empty line;
+`textfile` reads NAME.txt beside the file (the extension in any case: cameras and Windows tools write `.TXT`), one
+caption per non-empty line;
 `filename` uses the file's stem; `instanceprompt` the dataset's `instance_prompt`; `metadata` looks the file
 up in `metadata_file` (.jsonl, .csv or .parquet with a file column - file_name, file, filename or path -
 holding the dataset-relative path or the bare name, and a caption column - caption, captions, text or
 prompt - holding a string or a list; repeated rows add captions). Rules, the same for every strategy: an
 empty caption trains on the empty prompt; a missing caption (no .txt, not in the metadata) quarantines the
-file as `missing_caption`; a caption file that is not UTF-8 quarantines it as `caption_not_utf8` (a byte-order
-mark is read: UTF-16 as Windows editors save "Unicode" text, and UTF-8).
+file as `missing_caption`, two caption files (`a.txt` and `a.TXT`) as `ambiguous_caption`; a caption file that is
+not UTF-8 quarantines it as `caption_not_utf8` (a byte-order mark is read: UTF-16 as Windows editors save "Unicode"
+text, and UTF-8); a caption file or a relative metadata_file that leads outside the dataset folder as `link_outside`
+(unread; `allow_links_outside`). Limits the dataset sets: more than `max_captions_per_file` captions quarantine the
+file as `too_many_captions`, a caption longer than `max_caption_chars` characters as `caption_too_long` (a caption
+file too large to fit both is not read past that size). A caption holding a control character (NUL, ESC, DEL, ...;
+tabs and line ends are text) quarantines the file as `caption_control_chars`: such a file is seldom a caption (a NUL
+is mostly UTF-16 saved without its byte-order mark, or binary data), and stripping the characters would train on a
+guess, so the user is told to fix the file.
 """
 
 from __future__ import annotations
@@ -15,7 +23,10 @@ from __future__ import annotations
 import codecs
 import csv
 import io
+import itertools
 import json
+import re
+import stat
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -24,23 +35,85 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from loraflow.config.dataset import DatasetConfig
-from loraflow.stages.clips.dataset_folder import read_or_quarantine
+from loraflow.stages.clips.dataset_folder import link_outside, printable, read_or_quarantine
 from loraflow.media.types import MediaError
 
 
 def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     """Captions for a file. Rule: textfile = one caption per non-empty line; an empty file is the empty
-    prompt; a missing or non-UTF-8 file quarantines the source (MediaError)."""
+    prompt; a missing, ambiguous, outside, non-UTF-8 or over-limit file quarantines the source (MediaError)."""
     if dataset.caption_strategy == "instanceprompt":
-        return [dataset.instance_prompt or ""]
+        return _checked([dataset.instance_prompt or ""], "instance_prompt", dataset)
     if dataset.caption_strategy == "filename":
-        return [path.stem.replace("_", " ").replace("-", " ").strip()]
+        return _checked([path.stem.replace("_", " ").replace("-", " ").strip()], path.name, dataset)
     if dataset.caption_strategy == "metadata":
         return _metadata_captions(path, dataset)
-    caption_file = path.with_suffix(".txt")
-    if not caption_file.is_file():
-        raise MediaError("missing_caption", f"{path.name}: no caption file {caption_file.name} (caption_strategy textfile)")
-    return _clean(_text(_read(caption_file), caption_file).splitlines())
+    caption_file = _caption_file(path)
+    if problem := link_outside(caption_file, dataset):
+        raise problem
+    most = dataset.max_captions_per_file * (dataset.max_caption_chars + 2) * 4 + 4  # 4 bytes per character at most
+    data = read_or_quarantine(lambda: _read_at_most(caption_file, most), caption_file)
+    if len(data) > most:
+        size = caption_file.stat().st_size / 2**20
+        raise MediaError("caption_too_long", f"{printable(caption_file.name)} holds {size:.1f} MiB, more than fits "
+                         f"in max_captions_per_file ({dataset.max_captions_per_file}) captions of max_caption_chars "
+                         f"({dataset.max_caption_chars}) characters; it is not read: is it a caption? Raise the "
+                         f"limits on dataset '{dataset.id}' if it is")
+    return _checked(_clean(_text(data, caption_file).splitlines()), printable(caption_file.name), dataset)
+
+
+# every case of ".txt": .txt, .TXT, .Txt, ...
+_CAPTION_SUFFIXES = tuple("".join(letters) for letters in itertools.product(*zip(".txt", ".TXT")))
+
+
+def _caption_file(path: Path) -> Path:
+    """The caption file beside `path`: NAME.txt, the extension in any case; none, or two, quarantine the file."""
+    found: dict[tuple[int, int], Path] = {}
+    for suffix in _CAPTION_SUFFIXES:
+        candidate = path.with_suffix(suffix)
+        try:
+            info = candidate.stat()
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode):  # one file under two spellings (a case-insensitive disk) is one file
+            found.setdefault((info.st_dev, info.st_ino), candidate)
+    if not found:
+        raise MediaError("missing_caption", f"{printable(path.name)}: no caption file "
+                         f"{printable(path.with_suffix('.txt').name)} (caption_strategy textfile)")
+    if len(found) > 1:
+        names = ", ".join(printable(p.name) for p in sorted(found.values()))
+        raise MediaError("ambiguous_caption", f"{printable(path.name)}: {len(found)} caption files ({names}); keep one")
+    return next(iter(found.values()))
+
+
+def _read_at_most(path: Path, most: int) -> bytes:
+    """The file's bytes, one past `most` at most (a larger file is not read whole)."""
+    with open(path, "rb") as f:
+        return f.read(most + 1)
+
+
+# Control characters but tab and the line ends (line ends split a caption file's captions; a metadata caption may
+# hold them).
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _checked(captions: list[str], where: str, dataset: DatasetConfig) -> list[str]:
+    """The captions, if they keep the dataset's limits and hold no control character; `where`: what names them."""
+    if len(captions) > dataset.max_captions_per_file:
+        raise MediaError("too_many_captions", f"{where}: {len(captions)} captions, more than max_captions_per_file "
+                         f"({dataset.max_captions_per_file}); is it a caption file (a log, a word list)? Raise the "
+                         f"limit on dataset '{dataset.id}' if it is")
+    for number, caption in enumerate(captions, 1):
+        if len(caption) > dataset.max_caption_chars:
+            raise MediaError("caption_too_long", f"{where}: caption {number} is {len(caption)} characters, more "
+                             f"than max_caption_chars ({dataset.max_caption_chars}); text encoders read its first few "
+                             f"hundred tokens: shorten it, or raise the limit on dataset '{dataset.id}'")
+        if control := _CONTROL.search(caption):
+            raise MediaError("caption_control_chars", f"{where}: caption {number} holds the control character "
+                             f"U+{ord(control.group()):04X} at character {control.start() + 1} (a NUL mostly means "
+                             "UTF-16 saved without its byte-order mark, or not text): re-save it as UTF-8 text "
+                             "without it")
+    return captions
 
 
 def _clean(captions: list[str]) -> list[str]:
@@ -67,18 +140,21 @@ CAPTION_COLUMNS = ("caption", "captions", "text", "prompt")
 
 def _metadata_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     root = Path(dataset.instance_data_dir or "")
-    meta = Path(dataset.metadata_file or "")
-    meta = meta if meta.is_absolute() else root / meta
+    given = Path(dataset.metadata_file or "")
+    meta = given if given.is_absolute() else root / given
     if not meta.is_file():
         raise MediaError("missing_caption", f"dataset '{dataset.id}': metadata_file {meta} does not exist")
-    stat = read_or_quarantine(meta.stat, meta)
-    table, error = _load_metadata(str(meta), stat.st_size, stat.st_mtime_ns)
+    # an absolute metadata_file is the user's own choice; a relative one is the dataset's, held to it like its files
+    if not given.is_absolute() and (problem := link_outside(meta, dataset)):
+        raise problem
+    info = read_or_quarantine(meta.stat, meta)
+    table, error = _load_metadata(str(meta), info.st_size, info.st_mtime_ns)
     if error:
         raise MediaError(*error)
     relative = path.relative_to(root).as_posix()
     for name in (relative, path.name):
         if name in table:
-            return _clean(list(table[name]))
+            return _checked(_clean(list(table[name])), f"{printable(relative)} in {printable(meta.name)}", dataset)
     raise MediaError("missing_caption", f"{relative}: not in metadata_file {meta.name}; add a row for it")
 
 
@@ -130,6 +206,3 @@ def _metadata_rows(meta: Path) -> list[dict[str, Any]]:
         return rows
     raise MediaError("bad_metadata", f"metadata_file {meta.name}: use .jsonl, .csv or .parquet")
 
-
-def _read(path: Path) -> bytes:
-    return read_or_quarantine(path.read_bytes, path)

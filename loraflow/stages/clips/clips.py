@@ -33,7 +33,7 @@ from loraflow.keys import content_key, data_version, file_identity
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.stages.clips.captions import read_captions
-from loraflow.stages.clips.dataset_folder import Listing, list_folder, printable, read_or_quarantine
+from loraflow.stages.clips.dataset_folder import Listing, link_outside, list_folder, printable, read_or_quarantine
 from loraflow.media.frames import ProbeCache, decode_frames
 from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
 from loraflow.contracts.clip_rows import ClipRow, DroppedFile, PairedImage
@@ -177,6 +177,8 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
     """i2i: the source image paired with `path`, its identity and its (cached) probe."""
     found = check_name(find_source_image(path, dataset, sources))
     relative = path.relative_to(dataset.instance_data_dir or "")
+    if problem := link_outside(found, sources):
+        raise MediaError(problem.reason, f"{relative}: its {_paired_word(sources)} {problem}")
     identity = read_or_quarantine(lambda: file_identity(found, sources.instance_data_dir or ""), found)
     try:
         info = probes.probe(found, identity)

@@ -6,9 +6,12 @@ later), the caption or metadata file of one, or a row here:
 link to a folder: not followed, links can loop or leave the dataset), `broken_link` (a link to nothing, or a loop),
 `unsupported_format` (media datasets do not take: GIF, HEIC, WMV, ...), `hidden_file` (a
 hidden file named like media: the dataset_watch sensor does not watch hidden files, so they are not read),
+`link_outside` (a media file that is a link leading outside the dataset folder: not read unless the dataset says
+`allow_links_outside: true`; captions, metadata files and masks are held to the same test, `link_outside()`, where
+they are read),
 `unreadable` (a folder the OS will not list) and `not_used` (any other file nothing reads: a caption whose video is
-gone, `.txt` files under a caption_strategy other than textfile, notes). Other hidden entries (.DS_Store, .git)
-are not data: neither read nor listed.
+gone, `.txt` files under a caption_strategy other than textfile, notes; `.txt` in any case, as cameras and Windows
+tools write `.TXT`). Other hidden entries (.DS_Store, .git) are not data: neither read nor listed.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def list_folder(dataset: DatasetConfig) -> Listing:
         dirs[:] = [d for d in dirs if not d.startswith(".") and _walk_into(here / d, listing)]
         names = [n for n in names if not n.startswith(".") or _media_name(n)]
         for name in names:
-            problem = _problem(here / name)
+            problem = _problem(here / name, dataset)
             if problem:
                 listing.others.append((here / name, problem))
             elif _media_name(name, MEDIA_EXTENSIONS):
@@ -83,7 +86,7 @@ def _walk_into(path: Path, listing: Listing) -> bool:
     return True
 
 
-def _problem(path: Path) -> MediaError | None:
+def _problem(path: Path, dataset: DatasetConfig) -> MediaError | None:
     """Why an entry that is not a folder cannot be read as a file (None: it can)."""
     name = printable(path.name)
     try:
@@ -99,7 +102,20 @@ def _problem(path: Path) -> MediaError | None:
         return MediaError("unsupported_format", f"{name}: {path.suffix.lower()} is not read (datasets take "
                           f"{', '.join(sorted(MEDIA_EXTENSIONS))}); convert it: a video or animated image with "
                           f"`ffmpeg -i '{name}' -pix_fmt yuv420p '{printable(path.stem)}.mp4'`, a still image to .png")
-    return None
+    return link_outside(path, dataset) if _media_name(path.name, MEDIA_EXTENSIONS) else None
+
+
+def link_outside(path: Path, dataset: DatasetConfig) -> MediaError | None:
+    """The quarantine row's error if `path` (a file of `dataset`'s folder, or one the dataset names) leads outside
+    that folder: a link from someone else's archive can pull any readable file (/etc/passwd) into caches and logs.
+    None: it is inside, or the dataset says `allow_links_outside: true`. The one test of "inside the dataset": call
+    it before reading a file."""
+    root, target = Path(dataset.instance_data_dir or "").resolve(), path.resolve()
+    if dataset.allow_links_outside or target == root or root in target.parents:
+        return None
+    return MediaError("link_outside", f"{printable(path.name)} leads to {printable(target)}, outside the dataset "
+                      f"folder; files outside a dataset are not read: if you linked it there yourself, set "
+                      f"`allow_links_outside: true` on dataset '{dataset.id}'")
 
 
 def _unstattable(path: Path, exc: OSError) -> MediaError:
@@ -117,12 +133,13 @@ def _unused(path: Path, dataset: DatasetConfig, root: Path, media_stems: set[tup
     name, strategy = printable(path.name), dataset.caption_strategy
     if strategy == "metadata" and path.resolve() == (root / (dataset.metadata_file or "")).resolve():
         return None  # an absolute metadata_file stays absolute under the join
-    if path.suffix == ".txt" and strategy == "textfile":
+    caption = path.suffix.lower() == ".txt"
+    if caption and strategy == "textfile":
         if (path.parent, path.stem) in media_stems:
             return None
         return MediaError("not_used", f"{name}: a caption with no video or image named {printable(path.stem)}.* "
                                       "beside it; nothing reads it")
-    if path.suffix == ".txt":
+    if caption:
         return MediaError("not_used", f"{name}: caption_strategy {strategy} reads no .txt files; nothing reads it "
                                       "(caption_strategy textfile would)")
     return MediaError("not_used", f"{name}: not a video, image or caption file; nothing reads it")
