@@ -166,7 +166,7 @@ def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets:
     family = get_family(config)
     labels = [b.bucket for b in buckets]
     if not labels:
-        labels = estimates.configured_buckets(config, family)
+        labels = estimates.configured_buckets(config, family, source or config.pretrained_model_name_or_path)
         print(f"  no clips yet: estimated at the bucket{'s' * (len(labels) > 1)} the datasets ask for "
               f"({', '.join(labels)}: a square source at `resolution`, `video.num_frames` frames)")
     bucket = estimates.largest_bucket(labels)

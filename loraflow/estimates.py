@@ -28,7 +28,8 @@ checkpointing) runs at released size in seconds and allocates nothing. Each numb
   a checkpointed block's forward is counted again when it is recomputed). The CPU flash-attention kernel that SDPA
   takes on fake CPU tensors has no formula in the counter: `attention_flops` gives it the counter's SDPA one,
   4 * B * heads * N_q * N_kv * d forward (QK^T and PV, 2 flops per multiply-add) and twice that backward.
-  NABLA checkpoints (flex attention at their sparsity) are not modelled yet: their rows say so.
+  NABLA checkpoints (flex attention at their sparsity) run dense attention plus NABLA's measured block masks
+  (`_attention_stand_in`); their rows say so.
 - TREAD: the fake step is routed as `train_lora` routes it (`training.loop.routing`), so the tokens a route takes out
   skip its blocks in the fake step itself: the activations those blocks keep and their FLOPs (attention included)
   shrink with the selection ratio, and the routing's gathers and scatters are counted.
@@ -175,10 +176,60 @@ def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_sha
     return call
 
 
-def _not_modelled(stage: str, family: ModelFamily, transformer_config: Mapping[str, Any]) -> StageEstimate | None:
-    if transformer_config.get("attention_type") == "nabla":  # Kandinsky 5's 10 s checkpoints (training/loop.py too)
-        return StageEstimate(stage, note="not estimated: NABLA attention (flex, block-sparse) is not modelled yet")
-    return None
+def nabla_masks(transformer_config: Mapping[str, Any], latent_shape: tuple[int, ...], batch: int,
+                device_type: str = "cuda") -> tuple[int, int]:
+    """NABLA's block masks at this latent (C, T, h, w): (the peak bytes of building one attention's mask beyond its
+    q and k, the bytes of the BlockMask it returns, which flex attention keeps for its backward). Measured by running
+    diffusers' own `nablaT_v2` on fake q and k of the attention's shape with the pipeline's STA mask
+    (`fast_sta_nabla`), as every self-attention of a NABLA checkpoint does."""
+    import torch
+    from diffusers import Kandinsky5T2VPipeline
+    from diffusers.models.transformers.transformer_kandinsky import nablaT_v2
+
+    from loraflow.kernels.fake_tensors import tensor_bytes
+
+    config = transformer_config
+    head_dim = sum(config["axes_dims"])
+    _, frames, height, width = latent_shape
+    t, h, w = frames, height // config["patch_size"][1], width // config["patch_size"][2]
+    shape = (batch, t * h * w, config["model_dim"] // head_dim, head_dim)
+    masks: list[Any] = []
+
+    def build() -> None:
+        q, k = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+        sta = Kandinsky5T2VPipeline.fast_sta_nabla(t, h // 8, w // 8, config["attention_wT"], config["attention_wH"],
+                                                   config["attention_wW"], device="cpu")
+        with torch.no_grad():
+            masks.append(nablaT_v2(q, k, sta[None, None], thr=config["attention_P"]))
+
+    peak, _, _ = measured_step(build, _fake_mode(), torch.nn.Module(), device_type)
+    mask = masks[0]
+    kept = tensor_bytes([part for part in mask.as_tuple() if isinstance(part, torch.Tensor)])
+    return peak - 2 * batch * shape[1] * shape[2] * head_dim * 2, kept
+
+
+def _attention_stand_in(config: LoraflowConfig | None, transformer_config: Mapping[str, Any],
+                        latent_shape: tuple[int, ...], batch: int,
+                        device_type: str) -> tuple[Mapping[str, Any], dict[str, int], str]:
+    """The transformer config the fake step runs, the bytes it leaves out, and the note saying so. NABLA (Kandinsky
+    5's 10 s checkpoints, Pro in its HD mode) runs flex attention, which fake tensors cannot take a backward of: the
+    step runs the same model with dense attention, whose kept tensors (output, log-sum-exp) are flex's too, and NABLA's
+    block masks are added (`nabla_masks`): one being built, plus, in training, the one each block keeps for its
+    backward (every visual block's without gradient checkpointing; the recomputed one's with it). TFLOP are dense:
+    an upper bound (NABLA skips the blocks outside its P-CDF, a share only the real q and k decide)."""
+    if transformer_config.get("attention_type") != "nabla":
+        return transformer_config, {}, ""
+    building, kept = nabla_masks(transformer_config, latent_shape, batch, device_type)
+    blocks = transformer_config["num_visual_blocks"]
+    if config is None:  # a render: no backward keeps masks
+        saved = 0
+    elif config.gradient_checkpointing:  # the blocks the interval leaves unchecked keep theirs, and the recomputed one
+        saved = blocks - len(range(0, blocks, config.gradient_checkpointing_interval)) + 1
+    else:
+        saved = blocks
+    note = (f"NABLA (P {transformer_config['attention_P']}): dense attention + its block masks; TFLOP dense, an upper "
+            "bound")
+    return {**transformer_config, "attention_type": "flash"}, {"nabla masks": building + saved * kept}, note
 
 
 def training_step(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
@@ -193,8 +244,8 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
 
     from loraflow.training.loop import uses_autocast
 
-    if (skipped := _not_modelled("lora", family, transformer_config)) is not None:
-        return skipped
+    transformer_config, nabla, note = _attention_stand_in(config, transformer_config, latent_shape,
+                                                          config.train_batch_size, device_type)
     mode = _fake_mode()
     transformer, lora, stored = _transformer(config, family, transformer_config, mode, config.base_model_precision)
     # activation offload's copies go to the meta device, which the counter counts as host memory (a CPU run's
@@ -218,7 +269,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
         weights -= offloaded_bytes(stored, config, family)
     moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
     return StageEstimate("lora", {"weights": weights, "lora": tensor_bytes(lora), "optimizer": moments,
-                                  "activations": activations}, tflop, host=host)
+                                  "activations": activations, **nabla}, tflop, note, host=host)
 
 
 def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[str, Any],
@@ -264,10 +315,10 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
     larger of one no-grad denoise call at the validation size and the VAE decode of its latent."""
     import torch
 
-    if (skipped := _not_modelled("validation", family, component_configs["transformer"])) is not None:
-        return skipped
+    transformer_config, nabla, note = _attention_stand_in(None, component_configs["transformer"], latent_shape, 1,
+                                                          device_type)
     mode = _fake_mode()
-    transformer, lora, stored = _transformer(config, family, component_configs["transformer"], mode, "no_change")
+    transformer, lora, stored = _transformer(config, family, transformer_config, mode, "no_change")
     denoise = _velocity_call(family, transformer, latent_shape, 1, False, None)
     try:
         denoise_peak, tflop, _ = measured_step(denoise, mode, transformer, device_type)
@@ -282,8 +333,8 @@ def validation(config: LoraflowConfig, family: ModelFamily, component_configs: M
 
     decode_peak, _, _ = measured_step(decode, mode, vae, device_type)
     return StageEstimate("validation", {"weights": weights_bytes(stored) + weights_bytes(vae),
-                                        "lora": tensor_bytes(lora), "activations": max(denoise_peak, decode_peak)},
-                         tflop)
+                                        "lora": tensor_bytes(lora), "activations": max(denoise_peak, decode_peak),
+                                        **nabla}, tflop, note)
 
 
 # 3. a config's table, and what would make it fit ------------------------------------------------------------
@@ -304,14 +355,17 @@ def released_configs(config: LoraflowConfig) -> dict[str, str] | None:
     return {c: released.file_name(flavour.name, c) for c in flavour.components if c in released.FLAVOURS[flavour.name]}
 
 
-def configured_buckets(config: LoraflowConfig, family: ModelFamily) -> list[str]:
+def configured_buckets(config: LoraflowConfig, family: ModelFamily, model: ModelSource | str) -> list[str]:
     """The bucket label each training dataset asks for before it has clips: a square source at its `resolution`
-    (bucketed as `stages.clips.clips.plan_clips` buckets one) and its `video.num_frames` (1 for an image dataset)."""
+    (bucketed as `stages.clips.clips.plan_clips` buckets one: in multiples of 128 px for a NABLA transformer) and its
+    `video.num_frames` (1 for an image dataset)."""
+    from loraflow.pipelines import bucket_multiple
     from loraflow.stages.clips.buckets import bucket_label, bucket_size
 
     labels = []
+    multiple = bucket_multiple(family, model)
     for d in config.training_datasets:
-        height, width = bucket_size(d.resolution, d.resolution, d.resolution, family.spatial_multiple,
+        height, width = bucket_size(d.resolution, d.resolution, d.resolution, multiple,
                                     d.resolution_type, d.crop_aspect, d.crop_aspect_buckets)
         labels.append(bucket_label(height, width, 1 if d.dataset_type == "image" else d.video.num_frames))
     return labels
@@ -338,16 +392,16 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
     """`stages` for the config's largest bucket (frames, height, width) and its validation size, from the
     components' config dicts only (`component_configs`, or a released config: no weights are read)."""
     from loraflow.stages.clips.buckets import vae_geometry
-    from loraflow.contracts.renders import DEFAULT_VALIDATION_SIZE
     from loraflow.pipelines import plan_family
 
     frames, height, width = bucket
+    configs = {**configs, "transformer": family.flavour.configured(configs["transformer"])}  # Pro's SD/HD mode
     geometry = vae_geometry(dict(configs["vae"]), family)
     latent = geometry.shape(frames, height, width)
     # validation renders at `validation_resolution`, else at the default or (an i2v pipeline that sizes the render
     # from its image) at that image's size bucket: the largest training bucket's size stands for it
     sized_by_image = config.validation_size is None and plan_family(config).spec.render_size is not None
-    val_height, val_width = (height, width) if sized_by_image else (config.validation_size or DEFAULT_VALIDATION_SIZE)
+    val_height, val_width = (height, width) if sized_by_image else (config.validation_size or family.flavour.size)
     val_frames = config.validation_num_video_frames or family.flavour.num_frames
     run = {"latents": lambda: vae_encode(config, family, configs["vae"], frames, height, width, device_type),
            "text_embeds": lambda: text_encoders(config, family, configs),
@@ -375,11 +429,12 @@ def switches(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
     from loraflow.stages.clips.buckets import vae_geometry
 
     latent = vae_geometry(dict(configs["vae"]), family).shape(*bucket)
+    transformer_config = family.flavour.configured(configs["transformer"])  # Pro's SD/HD mode
     unused = [(label, change) for label, change in SWITCHES
               if any(getattr(config, k) != v for k, v in change.items())]
     if len(unused) > 1:
         unused.append(("all of the above", {k: v for _, change in unused for k, v in change.items()}))
-    return [(label, training_step(config.model_copy(update=change), family, configs["transformer"], latent,
+    return [(label, training_step(config.model_copy(update=change), family, transformer_config, latent,
                                   device_type)) for label, change in unused]
 
 

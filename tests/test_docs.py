@@ -206,3 +206,14 @@ def test_the_quick_starts_diffusers_snippet_loads_a_lora_written_as_training_wri
     for name, param in get_peft_model_state_dict(trained).items():
         # the pipeline's copy of each trained weight in its dtype: one rounding of the fp32 value, exactly
         assert torch.equal(weights[name], param.to(loaded.dtype)), name
+
+
+def test_the_flavour_table_is_the_flavours() -> None:
+    """docs/families.md's released-checkpoint table is made from the flavours and their citations: a number changed in
+    a spec (or a citation) without the page changes fails here (`python -m loraflow.pipelines.flavour_table`)."""
+    from loraflow.pipelines.flavour_table import flavour_table
+
+    text = (REPO / "docs" / "families.md").read_text()
+    shown = re.search(r"<!-- flavour table: .*? -->\n(.*?)<!-- end of the flavour table -->", text, flags=re.S)
+    assert shown, "docs/families.md lost its flavour table markers"
+    assert shown.group(1) == flavour_table()

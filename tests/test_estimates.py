@@ -103,7 +103,8 @@ def test_training_step_peak_tiny(tiny_k5: Path, demo_data: Path, tmp_path: Path,
     latent = latent_geometry(tiny_k5, family).shape(*BUCKET)
     transformer_config = json.loads((tiny_k5 / "transformer" / "config.json").read_text())
     estimate = estimates.training_step(config, family, transformer_config, latent, device_type="cpu")
-    assert estimate.parts["activations"] > 4 * estimate.parts["weights"]  # the claim under test is activations
+    # the claim under test is activations (2.3x the weights with checkpointing at Kandinsky 5 Video's 256 text tokens)
+    assert estimate.parts["activations"] > 2 * estimate.parts["weights"]
     assert_close(estimate.peak_bytes, measured_training_peak(config, latent))
 
 

@@ -98,6 +98,13 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         "first", run_key="when_set", description="Kandinsky 5 i2v flavours: first_last also gives the clip's last "
         "frame clean (training: the last latent frame is input, not loss; validation renders to the clip's last "
         "frame); first: the first frame only")
+    # issue 44; "original" is the default because the checkpoints were trained with it (docs/families.md); part of
+    # every text key through the family's text signature, so the run's inputs change with it
+    kandinsky5_prompt_template: Literal["original", "diffusers"] = setting(
+        "original", run_key="when_set", description="Kandinsky 5 Video and t2i: the Qwen system prompt captions and "
+        "validation prompts are encoded with; original: the original repository's (\"You are a promt engineer\", "
+        "crop 129 / 41: what the checkpoints saw, and what ComfyUI encodes); diffusers: diffusers 0.42.1's "
+        "(\"prompt\", crop 128 / 40). i2i always uses the original's")
     caption_dropout_probability: float = setting(
         0.0, run_key="always", ge=0, le=1, description="train on the empty prompt this often")
     masked_loss_probability: float = setting(
@@ -120,16 +127,16 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     # validation_*: what validation renders, never part of the run (a new prompt re-renders, never retrains)
     validation_prompt: str | None = setting(None, run_key="never")
     validation_resolution: str | None = setting(
-        None, run_key="never", description="WIDTHxHEIGHT in pixels; default 768x512, and where the pipeline sizes "
-        "the render from its image (HunyuanVideo 1.5 i2v) the size it renders the image validation starts from at")
+        None, run_key="never", description="WIDTHxHEIGHT in pixels; default: the flavour's release "
+        "size (docs/families.md), and where the pipeline sizes the render from its image (HunyuanVideo 1.5 i2v) the size it renders the image validation starts from at")
     validation_num_video_frames: int | None = setting(None, run_key="never", description="4k+1; default: the flavour's")
     validation_guidance: float | None = setting(None, run_key="never", description="default: the flavour's")
     validation_flow_shift: float | None = setting(
         None, run_key="never", gt=0, description="the sigma shift of validation renders; default: the checkpoint's "
         "scheduler config (scheduler/scheduler_config.json `shift`), else the flavour's")
     validation_num_inference_steps: int | None = setting(
-        None, run_key="never", ge=1, description="default: the flavour's (its release's for the distilled flavours, "
-        "else 30)")
+        None, run_key="never", ge=1, description="default: the flavour's (docs/families.md: the "
+        "release's, or 30 where loraflow kept its earlier default)")
     user_prompt_library: dict[str, str] | None = setting(
         None, run_key="never", description="more validation prompts {shortname: prompt}: inline, or a JSON file "
         "(relative to the config)")
@@ -182,7 +189,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         "mode", run_key="always", description="mode: cache the VAE posterior's mode (deterministic); distribution: "
         "cache its mean and log-variance so training draws a fresh sample each epoch; part of every latent key")
     flow_schedule_shift: float | None = setting(
-        None, run_key="always", description="sigma shift for training; default: the flavour's")
+        None, run_key="always", description="sigma shift for training; default: the flavour's training shift "
+        "(docs/families.md: a guide's where it states one, e.g. 1.0 for Kandinsky 5 Image, which renders at 3.0)")
     recache_cron: str | None = setting(
         None, run_key="never", description="cron (5 fields, UTC) for the `recache` schedule (a cache_dataset run per "
         "dataset); unset: schedule off")

@@ -19,7 +19,7 @@ from loraflow.config.dataset import DatasetConfig, is_mask_dataset
 from loraflow.config.errors import describe
 from loraflow.config.fields import ConfigFields
 from loraflow.config.validation_adapters import ValidationAdapter, check_adapters
-from loraflow.pipelines import family_flavour
+from loraflow.pipelines import family_flavour, family_spec
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
@@ -120,6 +120,12 @@ class LoraflowConfig(ConfigFields):
                     raise ValueError(f"dataset '{d.id}': `i2v_mode: first_last` gives the first and the last latent "
                                      f"frame clean; {d.video.num_frames} frames leave none to train: set "
                                      f"`video.num_frames` to {FIRST_LAST_MIN_FRAMES} or more")
+        if self.kandinsky5_prompt_template != "original" and (
+                self.kandinsky5_prompt_template not in family_spec(self.model_family).prompt_templates
+                or flavour.prompt_sees_image):
+            raise ValueError(f"`kandinsky5_prompt_template: {self.kandinsky5_prompt_template}`: flavour "
+                             f"'{flavour.name}' encodes with its own template only (the Kandinsky 5 Video and t2i "
+                             "flavours offer the diffusers one): remove it")
         if self.i2v_prob is not None and not flavour.image_in_condition_only:
             raise ValueError(f"`i2v_prob`: flavour '{flavour.name}' cannot train batches as t2v (only the "
                              "HunyuanVideo 1.5 i2v flavours, whose image is a condition input): remove it")

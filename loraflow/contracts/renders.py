@@ -22,7 +22,6 @@ from loraflow.store import Store
 # Part of the i2i prompt image key, so of every i2i validation text key: the validation stage's CODE_VERSION when
 # the key moved here. It stays, so that moving the function re-encodes nothing.
 PROMPT_IMAGE_VERSION = "validation-2"
-DEFAULT_VALIDATION_SIZE = (512, 768)  # (height, width): 768x512, what validation rendered before any flavour default
 
 
 def render_settings(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
@@ -48,18 +47,18 @@ def render_settings(config: LoraflowConfig, family: ModelFamily, model: ModelSou
 
 def validation_size(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
                     store: Store | None) -> tuple[int, int]:
-    """(height, width): `validation_resolution`, else 768x512; left out where the pipeline sizes the render from
-    its image (`FamilySpec.render_size`), the size it renders the image validation starts from at: a default that
-    always renders."""
+    """(height, width): `validation_resolution`, else the flavour's release size (`Flavour.size`); left out where
+    the pipeline sizes the render from its image (`FamilySpec.render_size`), the size it renders the image
+    validation starts from at: a default that always renders."""
     if config.validation_size is not None:
         return config.validation_size
     spec = plan_family(config).spec
     if spec.render_size is None:
-        return DEFAULT_VALIDATION_SIZE
+        return family.flavour.size
     if store is None:
         raise ValueError(f"{family.name} {family.flavour.name} sizes validation from its image: give the store")
     height, width = condition_frame(store, conditioning_clip(config, family, store)).shape[:2]
-    return spec.render_size(family.flavour, model, height, width) or DEFAULT_VALIDATION_SIZE
+    return spec.render_size(family.flavour, model, height, width) or family.flavour.size
 
 
 def render_shift(config: LoraflowConfig, family: ModelFamily, model: ModelSource) -> float:

@@ -84,6 +84,9 @@ def get_family(config: FamilyChoice) -> ModelFamily:
     family = load_family(config.model_family, config.model_flavour)
     if getattr(config, "i2v_mode", "first") == "first_last":  # validated by the config: a clean-frame i2v flavour
         family = replace(family, flavour=replace(family.flavour, last_frame_given=True))
+    template = getattr(config, "kandinsky5_prompt_template", "original")
+    if template != "original":  # validated by the config: a family whose SPEC offers it
+        family = replace(family, template=template)
     return family
 
 
@@ -118,7 +121,7 @@ class FamilyPlan:
         """Why validation cannot render at (height, width) ("" when it can, or cannot tell yet): a size off the
         spatial multiple, or one the flavour's pipeline would silently replace by its own (`FamilySpec.render_size`;
         `model` None: no checkpoint to ask yet)."""
-        multiple = bucket_multiple(self, model) if model else self.spatial_multiple  # no model: cannot tell NABLA
+        multiple = bucket_multiple(self, model)  # no model: NABLA only where the flavour's mode says so
         asked = f"`validation_resolution` {width}x{height}"
         if height % multiple or width % multiple:
             near = f"{nearest_multiple(width, multiple)}x{nearest_multiple(height, multiple)}"
@@ -155,9 +158,15 @@ NABLA_BLOCK = 8  # patches per block side (diffusers' fractal_flatten)
 
 
 @cache
-def checkpoint_uses_nabla(model: ModelSource | str | Path, flavour: str) -> bool:
-    """Whether the checkpoint's transformer attends with NABLA: its config.json on disk, else (not downloaded yet)
-    the flavour's released config, which the download will bring."""
+def checkpoint_uses_nabla(model: ModelSource | str | Path | None, flavour: Flavour) -> bool:
+    """Whether the transformer attends with NABLA as the flavour runs it: the flavour's mode where it sets the
+    attention (Kandinsky 5 Pro SD/HD, `Flavour.transformer_config`), else the checkpoint's config.json on disk, else
+    (not downloaded yet) the flavour's released config, which the download will bring; no model and no mode: no."""
+    mode = dict(flavour.transformer_config)
+    if "attention_type" in mode:
+        return mode["attention_type"] == "nabla"
+    if model is None:
+        return False
     from loraflow.pipelines.sources import as_source
 
     path = as_source(model).folder("transformer") / "config.json"
@@ -165,12 +174,12 @@ def checkpoint_uses_nabla(model: ModelSource | str | Path, flavour: str) -> bool
         return json.loads(path.read_text()).get("attention_type") == "nabla"
     from loraflow.pipelines.released import FLAVOURS, released_config
 
-    return flavour in FLAVOURS and released_config(flavour, "transformer").get("attention_type") == "nabla"
+    return flavour.name in FLAVOURS and released_config(flavour.name, "transformer").get("attention_type") == "nabla"
 
 
-def bucket_multiple(family: FamilyPlan | ModelFamily, model: ModelSource | str | Path) -> int:
+def bucket_multiple(family: FamilyPlan | ModelFamily, model: ModelSource | str | Path | None) -> int:
     """The pixel multiple of bucket sides: the family's, times NABLA's block side for a NABLA checkpoint."""
-    return family.spatial_multiple * (NABLA_BLOCK if checkpoint_uses_nabla(model, family.flavour.name) else 1)
+    return family.spatial_multiple * (NABLA_BLOCK if checkpoint_uses_nabla(model, family.flavour) else 1)
 
 
 def nabla_note(family: FamilyPlan | ModelFamily, model: ModelSource | str | Path) -> str:
@@ -178,6 +187,7 @@ def nabla_note(family: FamilyPlan | ModelFamily, model: ModelSource | str | Path
     multiple = bucket_multiple(family, model)
     if multiple == family.spatial_multiple:
         return ""
-    return (f"NABLA attention (this checkpoint's transformer): bucket sides are multiples of {multiple} px, "
+    return (f"NABLA attention (the transformer as {family.flavour.name} runs it): bucket sides are multiples of "
+            f"{multiple} px, "
             f"{family.spatial_multiple} (VAE x patch) x {NABLA_BLOCK} (NABLA's {NABLA_BLOCK}x{NABLA_BLOCK}-patch "
             f"blocks); a `resolution` off it is rounded to the nearest")

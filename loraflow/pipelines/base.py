@@ -271,6 +271,15 @@ def scheduler_shift(model: ModelSource | str | Path) -> float | None:
     return float(shift) if shift is not None else None
 
 
+def set_flavour_config(transformer: torch.nn.Module, flavour: Flavour) -> torch.nn.Module:
+    """The transformer as the flavour runs it: its mode's config keys (`Flavour.transformer_config`: Kandinsky 5 Pro's
+    SD or HD attention) set over the checkpoint's. Only config the forward's callers read (the pipeline's
+    `get_sparse_params`, `nabla_params`), so setting it after loading equals loading with it."""
+    if flavour.transformer_config:
+        transformer.register_to_config(**dict(flavour.transformer_config))
+    return transformer
+
+
 def load_component(model: ModelSource | str | Path, name: str, dtype: torch.dtype = torch.float32,
                    device: str = "cpu") -> Any:
     """Load one component with its real class's from_pretrained, as model_index.json names it, from safetensors

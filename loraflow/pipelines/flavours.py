@@ -2,21 +2,24 @@
 `FamilySpec` each registered family module holds as `SPEC` (`loraflow.pipelines.FAMILIES`).
 
 fps, frames and size are what validation renders and clips are resampled to unless the config says
-otherwise; flow_shift is the inference/training sigma shift of the original repos; components are the
+otherwise; flow_shift is the sigma shift renders use (the checkpoint's scheduler config wins where there is one),
+training_shift the one training draws with (`flow_schedule_shift` unset); components are the
 sub-folders a local checkpoint must hold for this flavour; conditioning_frames are the latent frames the model
 is given clean (Kandinsky 5 i2v: the first), which training and eval loss leave out of the loss; repo is the
 flavour's diffusers-format Hugging Face repository, the default `pretrained_model_name_or_path` (None: none is
 published, the config must name a folder). Each family's spec module says where its repository ids come from.
 guidance and steps are how validation and eval render unless the config says otherwise: a distilled checkpoint's
 own step count, and guidance 1.0 (no classifier-free guidance: the pipelines skip the negative pass at 1.0) where
-guidance was distilled into it.
+guidance was distilled into it. Every number carries its citation (`sources`, loraflow/pipelines/citations.py;
+docs/families.md shows them), and `transformer_config` is the mode a flavour sets over its checkpoint's config
+(Kandinsky 5 Pro's SD and HD attention, as musubi-tuner's `--task` configs set it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 Task = Literal["t2v", "i2v", "t2i", "i2i"]
 # The components of a diffusers pipeline with two text encoders (Kandinsky 5, HunyuanVideo 1.5 and its guider)
@@ -57,11 +60,32 @@ class Flavour:
     # flavour by `get_family` from the config, never by a spec row (last: rows pass fields by position); only where
     # conditioning_frames > 0.
     last_frame_given: bool = False
+    # The sigma shift training draws with when `flow_schedule_shift` is unset (`training.batches.step_draws`); left
+    # out, the render shift. Two numbers: a guide's training default and a release's render shift differ.
+    training_shift: float | None = None
+    # Caption tokens the first text encoder keeps after the template (the family's `max_text_tokens`)
+    text_tokens: int = 512
+    # Transformer config keys this flavour sets over its checkpoint's (a mode of the same weights: Kandinsky 5 Pro's
+    # SD and HD attention): applied where the transformer loads, for training and renders, and where planning and
+    # estimates read its config (`configured`)
+    transformer_config: tuple[tuple[str, Any], ...] = ()
+    # (field, citation) for each number above: loraflow/pipelines/citations.py
+    sources: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.task not in get_args(Task):
             raise ValueError(f"flavour '{self.name}': task must be one of {', '.join(get_args(Task))}; "
                              f"got {self.task!r}")
+        if self.training_shift is None:
+            object.__setattr__(self, "training_shift", self.flow_shift)
+
+    def source(self, field: str) -> str:
+        """The citation of one of this flavour's numbers ("" when it has none)."""
+        return dict(self.sources).get(field, "")
+
+    def configured(self, transformer_config: Mapping[str, Any]) -> dict[str, Any]:
+        """A checkpoint's transformer config as this flavour runs it: its mode's keys over the checkpoint's."""
+        return {**transformer_config, **dict(self.transformer_config)}
 
     @property
     def takes_image(self) -> bool:
@@ -113,6 +137,8 @@ class FamilySpec:
     # (flavour, model source, height, width) -> the (height, width) the family's pipeline renders at when asked for
     # that size, None while unknown (no checkpoint configs yet); unset: every size renders as asked.
     render_size: Callable[..., tuple[int, int] | None] | None = None
+    # The prompt templates its text side offers (config `kandinsky5_prompt_template`), the default first; () none
+    prompt_templates: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.flavours]

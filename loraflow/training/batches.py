@@ -125,7 +125,7 @@ def step_draws(config: LoraflowConfig, family: ModelFamily, micro_step: int, sha
     generator = torch.Generator().manual_seed(step_seed(config.seed, micro_step, "draws"))
     drop = torch.rand(1, generator=generator).item() < config.caption_dropout_probability
     noise = torch.randn(shape, generator=generator)
-    shift = config.flow_schedule_shift if config.flow_schedule_shift is not None else family.flavour.flow_shift
+    shift = config.flow_schedule_shift if config.flow_schedule_shift is not None else family.flavour.training_shift
     if config.flow_schedule_auto_shift:  # the token count as SimpleTuner counts it: frames x h/2 x w/2
         shift = auto_shift(shape[2] * (shape[3] // 2) * (shape[4] // 2))
     beta = (config.flow_beta_schedule_alpha, config.flow_beta_schedule_beta) if config.flow_use_beta_schedule else None

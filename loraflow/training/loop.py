@@ -66,7 +66,7 @@ from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load
 from loraflow.training.ema import EMA_CHECKPOINT_FILE, AdapterEma, export_ema, make_ema
 from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.pipelines.base import (
-    ModelFamily, load_component,
+    ModelFamily, load_component, set_flavour_config,
 )
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.pipelines.sources import ModelSource
@@ -126,7 +126,7 @@ def load_transformer(config: LoraflowConfig, family: ModelFamily, model: ModelSo
         raise ValueError(f"`group_offload_use_stream` needs a CUDA device; this run is on {device.type}: set "
                          "group_offload_use_stream: false (group offloading itself works without it)")
     where = "cpu" if config.enable_group_offload else str(device)  # group offloading moves the blocks itself
-    transformer = load_component(model, "transformer", base_dtype(config), where)
+    transformer = set_flavour_config(load_component(model, "transformer", base_dtype(config), where), family.flavour)
     return prepare_transformer(transformer, config, family)
 
 

@@ -32,11 +32,12 @@ HV = "hunyuanvideo-1.5"
 # micro-step 0 as t2v, 1 as i2v: tests/pipelines/test_hv_i2v.py)
 RUNS = [(HV, "t2v-480p-distilled", "64x48", {}), (HV, "i2v-480p-step-distilled", "64x48", {"i2v_prob": 0.3})]
 NEW = {"kandinsky5-video": ("t2v-lite-nocfg-5s", "t2v-lite-nocfg-10s", "t2v-lite-distilled16steps-5s",
-                            "t2v-lite-distilled16steps-10s"),
+                            "t2v-lite-distilled16steps-10s", "t2v-pro-distilled-5s", "i2v-pro-distilled-5s"),
        HV: ("t2v-480p-distilled", "i2v-480p-distilled", "i2v-480p-step-distilled", "i2v-720p-distilled")}
-# the releases' (steps, guidance, shift): module docstrings of the spec modules say where each number is from
+# the releases' (steps, guidance, shift): each flavour's citations say where each number is from
 RELEASED = {"t2v-lite-nocfg-5s": (50, 1.0, 10.0), "t2v-lite-nocfg-10s": (50, 1.0, 10.0),
-            "t2v-lite-distilled16steps-5s": (16, 1.0, 10.0), "t2v-lite-distilled16steps-10s": (16, 1.0, 10.0),
+            "t2v-lite-distilled16steps-5s": (16, 1.0, 5.0), "t2v-lite-distilled16steps-10s": (16, 1.0, 10.0),
+            "t2v-pro-distilled-5s": (16, 1.0, 5.0), "i2v-pro-distilled-5s": (16, 1.0, 5.0),
             "t2v-480p-distilled": (50, 1.0, 5.0), "i2v-480p-distilled": (50, 1.0, 5.0),
             "i2v-480p-step-distilled": (12, 1.0, 7.0), "i2v-720p-distilled": (50, 1.0, 7.0)}
 
@@ -46,7 +47,8 @@ def test_validation_renders_with_the_releases_sampling_unless_the_config_says(fa
                                                                                 tmp_path: Path) -> None:
     """No checkpoint here (its scheduler config would win for the shift): the flavour's own defaults."""
     config = demo_dict(tmp_path / "absent", tmp_path / "data", tmp_path, model_family=family, model_flavour=flavour,
-                       validation_resolution="256x128" if flavour.endswith("10s") else "64x48")  # 10 s: NABLA's 128s
+                       # NABLA's 128s: the 10 s ones, and the Pro distilled (the Pro 5 s file until downloaded)
+                       validation_resolution="256x128" if flavour.endswith("10s") or "-pro-" in flavour else "64x48")
     del config["validation_num_inference_steps"], config["validation_guidance"]
     loaded = load_config(write_config(tmp_path / "config.yaml", config))
     settings = render_settings(loaded, load_family(family, flavour), model_source(loaded))

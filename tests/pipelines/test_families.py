@@ -4,7 +4,8 @@ For each family: text rows (re-padded by collate_text) == the pipeline's encode_
 pipeline VAE's mode() * scaling; velocity == the transformer called as the pipeline's denoising loop calls
 it; a saved LoRA loads with the family's diffusers loader; every LoRA target exists and learns.
 The pipelines hard-code the template crop of the real Qwen tokenizer (128/40/108), so each test first
-sets `pipe.prompt_template_encode_start_idx` to the crop computed for the tiny byte-level tokenizer.
+sets `pipe.prompt_template_encode_start_idx` to the crop computed for the tiny byte-level tokenizer, and for Kandinsky 5
+`pipe.prompt_template` to the template loraflow encodes with (the original repository's, docs/families.md).
 
 Numbers (issue 15: the same verdict on any CPU): where the family and the pipeline run the same ops on the same
 shapes (Kandinsky 5's one prompt at a time, unpadded; one clip per VAE call, in the layout diffusers' processors
@@ -86,6 +87,8 @@ def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     # Borrowed from loraflow: the crop for the tiny tokenizer. Not borrowed: tests/pipelines/test_qwen_templates.py
     # counts every template under the real Qwen vocabulary against the pipelines' own constants.
     pipe.prompt_template_encode_start_idx = case.module.template_crop(pipe.tokenizer)
+    if hasattr(family, "template"):  # Kandinsky 5: the original's template, loraflow's default; its crop above
+        pipe.prompt_template = family.prompt_template
     text = {name: load_component(path, name) for name in family.text_components}
     return Loaded(case, path, family, pipe, text)
 
@@ -98,17 +101,17 @@ def in_float64(loaded: Loaded) -> Loaded:
 
 # -- references: what each pipeline computes -----------------------------------------------------------
 def reference_text(loaded: Loaded, prompts: list[str]) -> dict[str, torch.Tensor]:
-    """The pipeline's own encode_prompt (512 tokens after the crop fits the byte-level tokenizer)."""
+    """The pipeline's own encode_prompt, Kandinsky 5's at the family's token limit (256 video, 512 image)."""
     pipe = loaded.pipe
     with torch.no_grad():  # as inside the pipeline's __call__ (grad mode changes the last ulp of SDPA)
-        return _encode_prompt(pipe, prompts)
+        return _encode_prompt(pipe, prompts, loaded.family.max_text_tokens)
 
 
-def _encode_prompt(pipe: DiffusionPipeline, prompts: list[str]) -> dict[str, torch.Tensor]:
+def _encode_prompt(pipe: DiffusionPipeline, prompts: list[str], max_tokens: int) -> dict[str, torch.Tensor]:
     if isinstance(pipe, HunyuanVideo15Pipeline):
         embeds, mask, byt5, byt5_mask = pipe.encode_prompt(prompts, batch_size=len(prompts), device="cpu")
         return {"text_embeds": embeds, "text_mask": mask, "byt5_embeds": byt5, "byt5_mask": byt5_mask}
-    qwen, pooled, cu_seqlens = pipe.encode_prompt(prompts, max_sequence_length=512, device="cpu")
+    qwen, pooled, cu_seqlens = pipe.encode_prompt(prompts, max_sequence_length=max_tokens, device="cpu")
     return {"text_embeds": qwen, "pooled_embeds": pooled, "cu_seqlens": cu_seqlens}
 
 
@@ -345,7 +348,7 @@ def test_i2i_flavours_build_the_i2i_family(flavour: str) -> None:
     [
         (hunyuanvideo15, None, ("t2v-480p", (480, 848), 5.0, 121)),
         (hunyuanvideo15, "t2v-720p", ("t2v-720p", (720, 1280), 9.0, 121)),
-        (kandinsky5_image, None, ("t2i-lite-sft", (1024, 1024), 1.0, 1)),
+        (kandinsky5_image, None, ("t2i-lite-sft", (1024, 1024), 3.0, 1)),
     ],
 )
 def test_flavour_defaults(module: Any, flavour: str | None, expected: tuple) -> None:

@@ -46,7 +46,8 @@ def trained(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
 
 def test_every_k5_i2v_flavour_gives_one_clean_frame_and_t2v_none() -> None:
     flavours = family_spec("kandinsky5-video").flavours
-    assert {f.name for f in flavours if f.task == "i2v"} == {"i2v-lite-5s", "i2v-pro-sft-5s", "i2v-pro-pretrain-5s"}
+    assert {f.name for f in flavours if f.task == "i2v"} == {"i2v-lite-5s", "i2v-pro-sft-5s", "i2v-pro-sft-5s-sd",
+                                                            "i2v-pro-pretrain-5s", "i2v-pro-distilled-5s"}
     for flavour in flavours:
         assert make_family(flavour.name).flavour.conditioning_frames == (1 if flavour.task == "i2v" else 0)
 

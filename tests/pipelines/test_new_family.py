@@ -24,14 +24,12 @@ from diffusers import Kandinsky5T2VPipeline
 from safetensors.torch import load_file
 
 from loraflow.config import LoraflowConfig, load_config
-from loraflow.keys import content_key
 from loraflow.training import loop as T
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import FAMILIES, describe_families, get_family
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
-from loraflow.pipelines.kandinsky5.common import MAX_TEXT_TOKENS
 from loraflow.pipelines.kandinsky5.video import Kandinsky5Video
 from loraflow.pipelines.sources import model_source
 from loraflow.demo.tiny import TinyPipeline, build_tiny, hunyuan_video_vae, kandinsky5_pipeline, recipe_name
@@ -58,9 +56,8 @@ PROMPT_TEMPLATE = "<|im_start|>system\nDescribe the video.<|im_end|>\n<|im_start
 
 @dataclass(frozen=True)
 class Kandinsky5Mini(Kandinsky5Video):
-    prompt_template: ClassVar[str] = PROMPT_TEMPLATE
-    name: str = NAME
-    text_signature: str = content_key(template=PROMPT_TEMPLATE, max_tokens=MAX_TEXT_TOKENS)
+    prompt_templates: ClassVar[dict[str, str]] = {"original": PROMPT_TEMPLATE}
+    name: str = NAME  # text_signature, max_text_tokens: Kandinsky5Shared's (this template, the flavour's 512 tokens)
 
 
 def make_family(flavour: str | None) -> Kandinsky5Mini:

@@ -2,7 +2,11 @@
 `dashscope` wheel ships; built by loraflow.demo.qwen_vocab into .loraflow/qwen2-tokenizer/), not the tiny
 checkpoints' one-token-a-byte tokenizer that every other test uses.
 
-The pipelines hard-code their crops for this tokenizer; loraflow computes them from its templates. Kandinsky 5 i2i
+The pipelines hard-code their crops for this tokenizer; loraflow computes them from its templates. Kandinsky 5 video
+and t2i encode by default with the original repository's templates ("You are a promt engineer", crops 129 / 41),
+which the checkpoints were trained with and ComfyUI encodes with; diffusers 0.42.1's ("prompt", 128 / 40) is the
+`kandinsky5_prompt_template: diffusers` option. The two are measured on a tiny Qwen2.5-VL with the real vocabulary:
+the crop lands on the user text in both, and every prompt token's hidden state differs. Kandinsky 5 i2i
 follows the original repository (kandinskylab/kandinsky-5, kandinsky/models/text_embedders.py): its "image_edit"
 template and its crop of 55, which is 3 tokens past that template's 52-token prefix. diffusers' i2i template differs
 (the "promt" typo fixed, two "\n" dropped: a 49-token prefix) and its crop of 54 cuts 5 tokens into the user text.
@@ -12,10 +16,12 @@ from __future__ import annotations
 
 import inspect
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from diffusers import (
     HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline, Kandinsky5I2IPipeline, Kandinsky5I2VPipeline,
     Kandinsky5T2IPipeline, Kandinsky5T2VPipeline,
@@ -80,18 +86,54 @@ def test_tokenizer_has_qwen25_vl_ids_and_qwen2_pre_tokenizer(qwen: Any) -> None:
     (Kandinsky5T2VPipeline, kandinsky5_video, 128), (Kandinsky5I2VPipeline, kandinsky5_video, 128),
     (Kandinsky5T2IPipeline, kandinsky5_image, 40),
 ])
-def test_k5_crop_is_the_template_prefix(qwen: Any, cls: type, module: Any, crop: int) -> None:
+def test_k5_diffusers_crop_is_the_template_prefix(qwen: Any, cls: type, module: Any, crop: int) -> None:
     pipe = constants_of(cls)
     assert pipe.prompt_template_encode_start_idx == crop
     assert count(qwen, prefix(pipe.prompt_template)) == crop
-    assert module.template_crop(qwen) == crop  # loraflow's, computed from its copy of the template
+    assert module.DIFFUSERS_TEMPLATE == pipe.prompt_template  # the option is diffusers 0.42.1's template, verbatim
+    assert module.template_crop(qwen, "diffusers") == crop  # loraflow's, computed from its copy of the template
 
 
-@pytest.mark.parametrize(("cls", "kind"), [(Kandinsky5T2VPipeline, "video"), (Kandinsky5T2IPipeline, "image")])
-def test_original_repo_crops_its_video_and_image_prefixes(qwen: Any, cls: type, kind: str) -> None:
-    """The original's templates are diffusers' with "promt" (one token more): its crops 129 / 41 are their prefixes."""
-    template = constants_of(cls).prompt_template
-    assert count(qwen, prefix(template.replace("prompt engineer", "promt engineer"))) == ORIGINAL_CROPS[kind]
+@pytest.mark.parametrize(("module", "kind"), [(kandinsky5_video, "video"), (kandinsky5_image, "image")])
+def test_k5_encodes_with_the_original_template_and_its_crop_by_default(qwen: Any, module: Any, kind: str) -> None:
+    """The original's templates are diffusers' with "promt" (one token more): its crops 129 / 41 are their prefixes,
+    and they are loraflow's default (before issue 44: diffusers', 128 / 40)."""
+    family = module.make_family(None)
+    assert family.template == "original" and "You are a promt engineer" in family.prompt_template
+    assert module.ORIGINAL_TEMPLATE == module.DIFFUSERS_TEMPLATE.replace("a prompt engineer", "a promt engineer")
+    assert module.template_crop(qwen) == count(qwen, prefix(family.prompt_template)) == ORIGINAL_CROPS[kind]
+
+
+@pytest.fixture(scope="module")
+def real_vocab_components(qwen: Any) -> dict[str, Any]:
+    """A tiny Qwen2.5-VL (random, 3 layers of 32) over the real vocabulary, and the tiny CLIP: `encode_text`'s parts."""
+    from loraflow.demo.tiny import clip_text_encoder, clip_tokenizer, qwen_vl_encoder
+
+    torch.manual_seed(0)
+    clip = clip_tokenizer()
+    return {"tokenizer": qwen, "text_encoder": qwen_vl_encoder(qwen), "tokenizer_2": clip,
+            "text_encoder_2": clip_text_encoder(clip)}
+
+
+@pytest.mark.parametrize("module", [kandinsky5_video, kandinsky5_image])
+def test_the_two_templates_differ_in_every_prompt_token(real_vocab_components: dict[str, Any],
+                                                         module: Any) -> None:
+    """Measured on a tiny Qwen with the real vocabulary, through loraflow's own `encode_text`: both crops start at
+    the user text (the same prompt tokens are kept), and because Qwen is causal the one-token-longer system prompt
+    moves the hidden state of every one of them (what the checkpoints saw is the original's; docs/families.md gives
+    the numbers). CLIP's pooled output, which sees no template, is the same."""
+    qwen = real_vocab_components["tokenizer"]
+    rows = {}
+    for template in ("original", "diffusers"):
+        family = replace(module.make_family(None), template=template)
+        rows[template] = family.encode_text(real_vocab_components, [PROMPT])[0]
+        ids = qwen(family.prompt_template.format(PROMPT))["input_ids"][module.template_crop(qwen, template):]
+        assert qwen.decode(ids) == PROMPT + "<|im_end|>"
+    original, diffusers = (torch.from_numpy(rows[t]["text_embeds"]) for t in ("original", "diffusers"))
+    assert original.shape == diffusers.shape == (count(qwen, PROMPT) + 1, 32)
+    per_token = (original - diffusers).norm(dim=-1) / original.norm(dim=-1)
+    assert bool((per_token > 1e-3).all()), per_token  # float32 noise is ~1e-7: every token moved
+    assert (rows["original"]["pooled_embeds"] == rows["diffusers"]["pooled_embeds"]).all()
 
 
 # -- HunyuanVideo 1.5 ---------------------------------------------------------------------------------------

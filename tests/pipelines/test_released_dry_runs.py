@@ -31,7 +31,6 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.base import ModelFamily
-from loraflow.pipelines.kandinsky5.common import MAX_TEXT_TOKENS
 from loraflow.kernels.fake_tensors import fake_mode, known_values
 from loraflow.pipelines.released import released_config, released_model
 
@@ -39,7 +38,7 @@ pytestmark = pytest.mark.released
 
 DEPTH = 3  # visual blocks kept: TREAD routes the middle one, CREPA reads it
 TREAD = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
-TEXT_TOKENS = {"kandinsky5-video": 512, "kandinsky5-image": 512, "hunyuanvideo-1.5": 1000}  # the longest prompt
+TEXT_TOKENS = {"kandinsky5-video": 256, "kandinsky5-image": 512, "hunyuanvideo-1.5": 1000}  # the longest prompt
 # HV1.5's forward drops the text tokens after its last block: the LoRA there gets no gradient (in a real run too)
 DEAD = tuple(f"transformer_blocks.{DEPTH - 1}.{name}." for name in hunyuanvideo15.DEAD_IN_LAST_BLOCK)
 LATENT = {"kandinsky5-video": (16, 8), "kandinsky5-image": (16, 8), "hunyuanvideo-1.5": (32, 16)}  # channels, VAE
@@ -56,8 +55,10 @@ class Case:
 CASES = [
     Case("kandinsky5-video", "t2v-lite-sft-5s", "tread", ("t2v-lite-pretrain-5s",)),
     Case("kandinsky5-video", "i2v-lite-5s", "crepa"),
-    Case("kandinsky5-video", "t2v-pro-sft-5s-hd", "tread", ("t2v-pro-pretrain-5s-hd",)),
-    Case("kandinsky5-video", "i2v-pro-sft-5s", "crepa", ("i2v-pro-pretrain-5s",)),
+    # Pro in its SD mode (flash attention): the HD mode's NABLA takes neither TREAD nor a CPU backward
+    # (tests/pipelines/test_released_render.py runs NABLA)
+    Case("kandinsky5-video", "t2v-pro-sft-5s-sd", "tread", ("t2v-pro-pretrain-5s-sd", "t2v-pro-distilled-5s")),
+    Case("kandinsky5-video", "i2v-pro-sft-5s-sd", "crepa", ("i2v-pro-distilled-5s",)),
     Case("kandinsky5-image", "t2i-lite-sft", "crepa", ("t2i-lite-pretrain",)),
     Case("kandinsky5-image", "i2i-lite-sft", "tread", ("i2i-lite-pretrain",)),
     Case("hunyuanvideo-1.5", "t2v-480p", "tread"),
@@ -140,8 +141,9 @@ def released_batch(config: LoraflowConfig, family: ModelFamily) -> tuple[
 def released_transformer(case: Case, config: LoraflowConfig, family: ModelFamily) -> tuple[torch.nn.Module, list]:
     """Under `fake_mode()`: the released transformer (DEPTH blocks) loaded in the run's precision and prepared as
     `train_lora` prepares it, with the parameters it trains."""
-    released = released_config(case.flavour, "transformer")
-    model = as_loaded(released_model(case.flavour, "transformer", **depth(released)), T.base_dtype(config))
+    released = family.flavour.configured(released_config(case.flavour, "transformer"))  # Pro's SD or HD mode
+    model = as_loaded(released_model(case.flavour, "transformer", **depth(released),
+                                     **dict(family.flavour.transformer_config)), T.base_dtype(config))
     return T.prepare_transformer(model, config, family)
 
 
@@ -203,9 +205,9 @@ def test_vae_encode_at_released_size(flavour: str, patch_conv: bool) -> None:
 
 @pytest.mark.parametrize("flavour", ["t2v-lite-sft-5s", "t2i-lite-sft"])
 def test_text_encoders_at_released_size(flavour: str) -> None:
-    """A prompt longer than the 512 tokens Kandinsky 5 keeps, through the released Qwen2.5-VL and CLIP-L as
-    `encode_text` runs them (`prompt_tensors`; the offline byte-level tokenizers: one token per byte): the row is as
-    wide as the released transformer takes (in_text_dim, in_text_dim2)."""
+    """A prompt longer than the tokens Kandinsky 5 keeps (256 video, 512 image), through the released Qwen2.5-VL and
+    CLIP-L as `encode_text` runs them (`prompt_tensors`; the offline byte-level tokenizers: one token per byte): the
+    row is as wide as the released transformer takes (in_text_dim, in_text_dim2)."""
     from loraflow.demo.tiny import clip_tokenizer, qwen_tokenizer
 
     case = next(c for c in CASES if c.flavour == flavour)
@@ -217,7 +219,7 @@ def test_text_encoders_at_released_size(flavour: str) -> None:
         components = {"tokenizer": tokenizer, "tokenizer_2": clip_tokenizer(),
                       **{c: as_loaded(released_model(flavour, c), torch.bfloat16)
                          for c in ("text_encoder", "text_encoder_2")}}
-        row = family.prompt_tensors(components, "a cat " * 100, crop)
-    assert tuple(row["text_embeds"].shape) == (MAX_TEXT_TOKENS, transformer["in_text_dim"])
+        row = family.prompt_tensors(components, "a cat " * 200, crop)
+    assert tuple(row["text_embeds"].shape) == (family.max_text_tokens, transformer["in_text_dim"])
     assert tuple(row["pooled_embeds"].shape) == (transformer["in_text_dim2"],)
     assert row["truncated"]

@@ -1,4 +1,5 @@
-"""Buckets a NABLA checkpoint can train (loraflow/pipelines/__init__.py: bucket_multiple), planned before caching.
+"""Buckets a NABLA checkpoint can train (loraflow/pipelines/__init__.py: bucket_multiple), planned before caching, and
+`loraflow check` of a Kandinsky 5 Pro HD config before its download: 128-px buckets and a NABLA estimate.
 
 The tiny Kandinsky 5 Video checkpoint with its transformer config switched to `attention_type: nabla` (the weights do
 not depend on it; tests/pipelines/test_nabla.py does the same), and the demo videos at `resolution: 128`. The plan's
@@ -62,3 +63,32 @@ def test_nabla_buckets_are_the_sizes_nabla_runs_at(nabla_k5: Path, tiny_k5: Path
                                                          "validation_resolution": "96x64"}))
     assert check(str(config_path), estimate=False) == 0
     assert "bucket sides are multiples of 128 px, 16 (VAE x patch) x 8" in capsys.readouterr().out
+
+
+@pytest.mark.released  # estimates the released 19B Pro transformer on fake tensors: minutes on 2 loaded cores
+def test_check_of_a_pro_hd_config_before_download_plans_nabla(demo_data: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kandinsky 5 Pro 5 s HD, not downloaded (an empty Hugging Face cache, offline): its mode is NABLA P 0.8, so the
+    plan's buckets are multiples of 128 px and the estimates run NABLA's stand-in (dense attention + its measured
+    block masks); its SD mode plans in 16s and estimates flash attention. Before issue 44 both planned in 16s and
+    estimated flash."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    outputs = {}
+    for mode in ("hd", "sd"):
+        data = demo_dict(Path("unused"), demo_data, tmp_path, model_flavour=f"t2v-pro-sft-5s-{mode}",
+                         pretrained_model_name_or_path="kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers",
+                         validation_resolution="256x128", gradient_checkpointing=True)
+        data["datasets"][0].update(resolution=144, minimum_image_size=0)
+        data["datasets"][0]["video"].update(num_frames=9, min_frames=9)
+        assert check(str(write_config(tmp_path / f"{mode}.yaml", data))) == 2  # the model is not in the cache
+        outputs[mode] = capsys.readouterr().out
+    hd, sd = outputs["hd"], outputs["sd"]
+    assert "NABLA attention (the transformer as t2v-pro-sft-5s-hd runs it): bucket sides are multiples of 128 px" in hd
+    buckets = {tuple(map(int, b)) for b in re.findall(r"(\d+)x(\d+)@9", hd.split("estimates")[0])}
+    assert buckets and all(w % 128 == 0 and h % 128 == 0 for w, h in buckets), buckets
+    rows = {line.split()[0]: line for line in hd.split("estimates (no model loads")[1].splitlines()[3:8]}
+    assert "NABLA (P 0.8)" in rows["lora"] and "NABLA (P 0.8)" in rows["validation"], rows
+    assert "NABLA" not in sd and any(w % 128 for w, _ in (tuple(map(int, b)) for b in re.findall(
+        r"(\d+)x(\d+)@9", sd.split("estimates")[0])))

@@ -36,7 +36,7 @@ from loraflow.pipelines.base import (
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
-from loraflow.pipelines.hunyuanvideo15.spec import SPEC
+from loraflow.pipelines.hunyuanvideo15.spec import SPEC, TEXT_TOKENS
 from loraflow.pipelines.sources import ModelSource
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ SYSTEM_MESSAGE = (
     "4. background environment, light, style and atmosphere.         "
     "5. camera angles, movements, and transitions used in the video."
 )
-MAX_TEXT_TOKENS = 1000  # the pipeline's tokenizer_max_length (after the template)
+MAX_TEXT_TOKENS = TEXT_TOKENS  # the pipeline's tokenizer_max_length (after the template): every flavour's
 HIDDEN_LAYER = -3  # hidden_states[-3]: the pipeline skips the last two decoder layers
 GLYPH_TOKENS = 256  # the pipeline's tokenizer_2_max_length (ByT5)
 IMAGE_TOKENS = 729  # SigLIP so400m/14-384 tokens; all zero for t2v (the DiT then masks them out)

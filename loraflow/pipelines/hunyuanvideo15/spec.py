@@ -1,16 +1,20 @@
-"""HunyuanVideo 1.5's plain data: flavours and names. The family itself is `hunyuanvideo15` (torch, diffusers),
-imported only when a stage needs it.
+"""HunyuanVideo 1.5's plain data: flavours and names, each number with its citation (loraflow/pipelines/citations.py).
+The family itself is `hunyuanvideo15` (torch, diffusers), imported only when a stage needs it.
 
-Repository ids: the hunyuanvideo-community collection (also SimpleTuner's table). The distilled flavours' shift,
-guidance 1.0 and (step-distilled) mean-flow transformer are diffusers' conversion script's
-(scripts/convert_hunyuan_video1_5_to_diffusers.py: SCHEDULER_CONFIGS, GUIDANCE_CONFIGS, TRANSFORMER_CONFIGS); their
-steps the Tencent-Hunyuan/HunyuanVideo-1.5 README's inference table (50; 8 or 12 for step-distilled, 12 its code's
-default). docs/families.md lists every release, and why the super-resolution ones are no flavour."""
+Repository ids: the hunyuanvideo-community collection (also SimpleTuner's table). Shifts, guidance and the
+step-distilled steps are Tencent-Hunyuan/HunyuanVideo-1.5's (hyvideo/commons/__init__.py PIPELINE_CONFIGS, its README
+inference table), which diffusers' conversion script repeats (scripts/convert_hunyuan_video1_5_to_diffusers.py:
+SCHEDULER_CONFIGS, GUIDANCE_CONFIGS; TRANSFORMER_CONFIGS gives the step-distilled mean-flow transformer).
+The diffusers `720p_i2v_distilled` repository converts Tencent's `transformer/720p_i2v_distilled` (the script's
+TRANSFORMER_CONFIGS key is the folder it downloads), not `720p_i2v_distilled_sparse`, a separate checkpoint for
+Tencent's sparse attention (PIPELINE_CONFIGS and the README list both; `get_transformer_version` adds "_sparse" only
+with --sparse_attn). docs/families.md lists every release, and why the super-resolution ones are no flavour."""
 
 from __future__ import annotations
 
 import json
 
+from loraflow.pipelines.citations import cite
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
 from loraflow.pipelines.sources import ModelSource
 
@@ -18,6 +22,8 @@ _SIGLIP_PARTS = ("image_encoder", "feature_extractor")
 # The guide's environment variables; read as diffusers component folders, not the original release's
 # text_encoder/llm or vision_encoder/siglip tree SimpleTuner points them at.
 _GUIDE_FOLDERS = (("text_encoder", "HUNYUANVIDEO_TEXT_ENCODER_PATH"), ("image_encoder", "HUNYUANVIDEO_VISION_ENCODER_PATH"))
+TEXT_TOKENS = 1000  # the pipelines' tokenizer_max_length, after the template's crop
+_CONVERT = "scripts/convert_hunyuan_video1_5_to_diffusers.py"
 
 
 def _flavour(name: str, shift: float, steps: int = 30) -> Flavour:
@@ -26,10 +32,35 @@ def _flavour(name: str, shift: float, steps: int = 30) -> Flavour:
     size = {"480p": (480, 848), "720p": (720, 1280)}[resolution]
     parts = (*TWO_ENCODER_PARTS, "guider") + (_SIGLIP_PARTS if task == "i2v" else ())
     folder = "_".join([resolution, task, *distilled]).replace("-", "_")
-    # conditioning_frames 0 for i2v too: HunyuanVideo15ImageToVideoPipeline steps every latent frame (HVI:931)
-    return Flavour(name, task, 24.0, 121, size, shift, 1.0 if distilled else 6.0, parts,
+    guidance = 1.0 if distilled else 6.0
+    sources = {
+        "fps": cite("HunyuanVideo-1.5", "generate.py writes its videos at fps=24"),
+        "num_frames": cite("HunyuanVideo-1.5", "generate.py --video_length default 121"),
+        "size": cite("diffusers 0.42.1", f"pipeline_hunyuan_video1_5.py with no size renders the 16:9 "
+                                         f"(default_aspect_ratio) bucket of target_size: {size[1]}x{size[0]}; "
+                                         "HunyuanVideo-1.5 generate.py --aspect_ratio 16:9"),
+        "flow_shift": cite("HunyuanVideo-1.5", f"hyvideo/commons/__init__.py PIPELINE_CONFIGS['{folder}'] flow_shift "
+                                               f"{shift} (diffusers@58eb52c {_CONVERT} SCHEDULER_CONFIGS agrees)"),
+        "training_shift": cite("loraflow", f"{shift}, the render shift, loraflow's default before issue 44, kept so "
+                                           "runs train as before; Tencent's train.py trains with "
+                                           "--train_timestep_shift 3.0 (set flow_schedule_shift: 3.0 for it)"),
+        "guidance": cite("HunyuanVideo-1.5", f"hyvideo/commons/__init__.py PIPELINE_CONFIGS['{folder}'] guidance_scale "
+                                             f"{guidance} (diffusers@58eb52c {_CONVERT} GUIDANCE_CONFIGS agrees)"),
+        "steps": cite("HunyuanVideo-1.5", "hyvideo/commons/__init__.py PIPELINE_CONFIGS['480p_i2v_step_distilled'] "
+                                          "num_inference_steps 12 (README: 8 or 12 recommended)" if steps == 12 else
+                      "README inference table: 50 steps (hyvideo/pipelines/hunyuan_video_pipeline.py default 50)")
+        if distilled
+        else cite("loraflow", "30, the config default before issue 33, kept so validation keys stay; the release "
+                              "samples with 50 (HunyuanVideo-1.5 README inference table)"),
+        "text_tokens": cite("diffusers 0.42.1", "pipeline_hunyuan_video1_5.py tokenizer_max_length 1000"),
+        # 0 for i2v too: HunyuanVideo15ImageToVideoPipeline steps every latent frame (HVI:931)
+        "conditioning_frames": cite("diffusers 0.42.1", "pipeline_hunyuan_video1_5_image2video.py steps every "
+                                                        "latent frame; the image enters through condition channels"),
+    }
+    return Flavour(name, task, 24.0, 121, size, shift, guidance, parts,
                    repo=f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{folder}",
-                   folder_variables=_GUIDE_FOLDERS, steps=steps)
+                   folder_variables=_GUIDE_FOLDERS, steps=steps, text_tokens=TEXT_TOKENS,
+                   sources=tuple(sources.items()))
 
 
 def render_size(flavour: Flavour, model: ModelSource, height: int, width: int) -> tuple[int, int] | None:
@@ -65,7 +96,7 @@ SPEC = FamilySpec(
     flavours=(_flavour("t2v-480p", 5.0), _flavour("t2v-720p", 9.0), _flavour("i2v-480p", 5.0),
               _flavour("i2v-720p", 7.0), _flavour("t2v-480p-distilled", 5.0, 50),
               _flavour("i2v-480p-distilled", 5.0, 50), _flavour("i2v-480p-step-distilled", 7.0, 12),
-              # Tencent's 720p_i2v_distilled_sparse, trained for its sparse attention; diffusers runs it dense
+              # Tencent's 720p_i2v_distilled (not its separate 720p_i2v_distilled_sparse): see the docstring
               _flavour("i2v-720p-distilled", 7.0, 50)),
     default_flavour="t2v-480p",
     spatial_multiple=16,  # VAE 16x, patch 1

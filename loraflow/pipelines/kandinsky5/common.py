@@ -1,7 +1,12 @@
 """What Kandinsky 5.0 Video and Image share: the Qwen2.5-VL + CLIP text path, the transformer's LoRA targets and
 file format, and the pipelines' prompt-embedding arguments. Both families mix in `Kandinsky5Shared` and name
-their own `prompt_template` (the only difference on the text side, except for Image i2i, whose Qwen path also sees
+their own `prompt_templates` (the only difference on the text side, except for Image i2i, whose Qwen path also sees
 the source image: `kandinsky5_image.Kandinsky5ImageI2I.encode_text`).
+
+Two templates per family (config `kandinsky5_prompt_template`): "original", the original repository's (its system
+prompt says "You are a promt engineer", as the checkpoints were trained with, and as ComfyUI, FastVideo, musubi-tuner
+and diffusers before 0.42 encode), the default; and "diffusers", diffusers 0.42.1's ("prompt" spelled right). The crop
+is each template's prefix, counted with the checkpoint's tokenizer: 129 / 41 and 128 / 40 with the real Qwen2.5 one.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ from diffusers.loaders import KandinskyLoraLoaderMixin
 from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 from transformers import ProcessorMixin
 
+from loraflow.keys import content_key
 from loraflow.pipelines.base import TextRow, compute_dtype, stacked
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.sources import ModelSource
 
-MAX_TEXT_TOKENS = 512  # every K5 pipeline's max_sequence_length
 CLIP_TOKENS = 77
+PROMPT_TEMPLATES = ("original", "diffusers")  # config `kandinsky5_prompt_template`; the first is the default
 # ComfyUI's Kandinsky5 model (comfyanonymous/ComfyUI comfy/ldm/kandinsky5/model.py) keeps the original checkpoint's
 # module names, which are also diffusers' (models/transformers/transformer_kandinsky.py): text_/visual_transformer_blocks
 # .N.self_attention|cross_attention.to_query|to_key|to_value|out_layer, .feed_forward.in_layer|out_layer. So the
@@ -35,7 +41,8 @@ KANDINSKY5_COMFYUI_NAMES = (
 
 
 def template_crop(tokenizer: Any, template: str) -> int:
-    """Tokens in `template` before the user text (128 video, 40 image with the real Qwen2.5 tokenizer).
+    """Tokens in `template` before the user text (with the real Qwen2.5 tokenizer: 129 video, 41 image for the
+    original templates, 128 / 40 for diffusers 0.42.1's).
 
     Computed, not hard-coded: a different tokenizer (the tiny offline one) splits the prefix differently.
     `tokenizer` may be a Qwen2-VL processor (Image i2i's): its text tokenizer counts.
@@ -130,9 +137,26 @@ def denoise(
 class Kandinsky5Shared:
     """Methods of the family protocol that Kandinsky 5 Video and Image implement alike."""
 
-    prompt_template: ClassVar[str]  # the pipeline's `prompt_template`; hidden states are cropped after its prefix
+    # "original" / "diffusers" -> the system prompt template; hidden states are cropped after its prefix
+    prompt_templates: ClassVar[dict[str, str]]
     name: str
     flavour: Flavour
+    template: str  # which of `prompt_templates` (config `kandinsky5_prompt_template`)
+
+    @property
+    def prompt_template(self) -> str:
+        return self.prompt_templates[self.template]
+
+    @property
+    def max_text_tokens(self) -> int:
+        """Caption tokens kept by encode_text after the template (the flavour's: 256 video, 512 image); longer
+        captions are truncated."""
+        return self.flavour.text_tokens
+
+    @property
+    def text_signature(self) -> str:
+        """Part of every text key: another template or limit re-encodes."""
+        return content_key(template=self.prompt_template, max_tokens=self.max_text_tokens, clip_tokens=CLIP_TOKENS)
 
     @torch.no_grad()
     def encode_text(
@@ -156,7 +180,7 @@ class Kandinsky5Shared:
         """One text's row as tensors on the encoders' device (`encode_text` stores them as numpy; the real-size dry
         runs call this on fake encoders, which have no numbers to store)."""
         tokenizer, qwen = components["tokenizer"], components["text_encoder"]
-        text, limit = prompt_clean(text), crop + MAX_TEXT_TOKENS
+        text, limit = prompt_clean(text), crop + self.max_text_tokens
         templated = tokenizer(self.prompt_template.format(text))["input_ids"]
         ids = torch.tensor([templated[:limit]], device=qwen.device)  # the pipeline's truncation=True
         hidden = qwen(input_ids=ids, output_hidden_states=True, return_dict=True)["hidden_states"][-1]

@@ -37,24 +37,25 @@ from loraflow.pipelines.base import (
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.sources import ModelSource, as_source
-from loraflow.pipelines.kandinsky5.common import (
-    CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared, clip_pooled,
-)
-from loraflow.pipelines.kandinsky5.image_spec import SPEC
+from loraflow.pipelines.kandinsky5.common import CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, Kandinsky5Shared, clip_pooled
+from loraflow.pipelines.kandinsky5.image_spec import I2I_TEXT_TOKENS, SPEC
 
 if TYPE_CHECKING:
     from loraflow.demo.tiny import TinyPipeline
 
 log = logging.getLogger(__name__)
 
-# The T2I pipeline's `prompt_template` (K5T2I:178); we crop the hidden states after its prefix.
-PROMPT_TEMPLATE = (
+# diffusers 0.42.1's T2I `prompt_template` (K5T2I:178); we crop the hidden states after its prefix (40 tokens with the
+# real Qwen2.5 tokenizer, its prompt_template_encode_start_idx).
+DIFFUSERS_TEMPLATE = (
     "<|im_start|>system\nYou are a prompt engineer. Describe the image by detailing the color, shape, size, "
     "texture, quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
     "<|im_start|>user\n{}<|im_end|>"
 )
+# The original repository's "image" template (kandinskylab/kandinsky-5 kandinsky/models/text_embedders.py), "promt"
+# as it spells it: what the checkpoints were trained with (crop 41 there, its prefix).
+ORIGINAL_TEMPLATE = DIFFUSERS_TEMPLATE.replace("You are a prompt engineer", "You are a promt engineer")
 NEGATIVE_PROMPT = ""  # the T2I pipeline's default negative prompt (K5T2I:660)
-TEXT_SIGNATURE = content_key(template=PROMPT_TEMPLATE, max_tokens=MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS)
 VAE_FACTOR = 8  # the pipeline hard-codes vae_scale_factor_spatial = 8 (K5T2I:181)
 IMAGE_ROPE_SCALE = (1.0, 1.0, 1.0)  # both image pipelines' scale_factor
 
@@ -72,16 +73,16 @@ I2I_PROMPT_TEMPLATE = "\n".join((
 # the transformer therefore never saw. Kept, to feed the embeddings it was trained on (diffusers: 54, 5 past its 49).
 I2I_CROP_PAST_PREFIX = 3
 # The I2I pipeline's max_sequence_length default (K5I2I:300): tokens after the crop, vision tokens included.
-I2I_MAX_TEXT_TOKENS = 1024
+I2I_MAX_TEXT_TOKENS = I2I_TEXT_TOKENS
 I2I_CLOSING_TOKENS = 3  # <|vision_start|>, <|vision_end|>, <|im_end|>: the template's tokens after the user text
 I2I_TEXT_SIGNATURE = content_key(template=I2I_PROMPT_TEMPLATE, crop_past_prefix=I2I_CROP_PAST_PREFIX,
                                  max_tokens=I2I_MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS,
                                  image="source image at half size, through the checkpoint's Qwen2-VL processor")
 
 
-def template_crop(tokenizer: Any) -> int:
-    """Tokens in the template before the user text; 40 for the real Qwen2.5 tokenizer."""
-    return kandinsky5.template_crop(tokenizer, PROMPT_TEMPLATE)
+def template_crop(tokenizer: Any, template: str = "original") -> int:
+    """Tokens in the t2i template before the user text; 41 (diffusers': 40) for the real Qwen2.5 tokenizer."""
+    return kandinsky5.template_crop(tokenizer, Kandinsky5Image.prompt_templates[template])
 
 
 def i2i_template_crop(processor: Any) -> int:
@@ -94,17 +95,17 @@ def i2i_template_crop(processor: Any) -> int:
 class Kandinsky5Image(Kandinsky5Shared):
     """Text-to-image; `Kandinsky5ImageI2I` (a subclass) the i2i flavours. `make_family` picks by flavour."""
 
-    prompt_template: ClassVar[str] = PROMPT_TEMPLATE
+    prompt_templates: ClassVar[dict[str, str]] = {"original": ORIGINAL_TEMPLATE, "diffusers": DIFFUSERS_TEMPLATE}
     task: ClassVar[str] = "t2i"
     pipeline_class: ClassVar[type] = Kandinsky5T2IPipeline  # what `load_renderer` loads
     flavour: Flavour
+    template: str = "original"  # config `kandinsky5_prompt_template`
     name: str = SPEC.name
     spatial_multiple: int = SPEC.spatial_multiple
     vae_temporal_factor: int = SPEC.vae_temporal_factor
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = NEGATIVE_PROMPT
-    text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
-    max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
+    # text_signature, max_text_tokens: Kandinsky5Shared (the template, the flavour's 512 tokens; i2i's 1024)
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # same transformer class as video
     image_condition_components: tuple[str, ...] = ()  # i2i's source latent needs the VAE only
@@ -173,14 +174,18 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
     """Image-to-image (editing): the target is generated from noise beside the source image's latent, with a
     prompt embedding that saw the source image."""
 
-    prompt_template: ClassVar[str] = I2I_PROMPT_TEMPLATE
+    # the original's template only (config `kandinsky5_prompt_template: diffusers` is refused for i2i)
+    prompt_templates: ClassVar[dict[str, str]] = {"original": I2I_PROMPT_TEMPLATE}
     task: ClassVar[str] = "i2i"
     pipeline_class: ClassVar[type] = Kandinsky5I2IPipeline
-    text_signature: str = I2I_TEXT_SIGNATURE  # another template and limit: i2i never reuses t2i embeddings
-    max_text_tokens: int = I2I_MAX_TEXT_TOKENS  # after the crop, the source image's vision tokens included
     image_condition_name: str = "source_image"  # the latents stage caches `image_condition`: the source's latent
 
     # 1. text -------------------------------------------------------------------------------------
+    @property
+    def text_signature(self) -> str:
+        """Another template, crop and limit: i2i never reuses t2i embeddings."""
+        return I2I_TEXT_SIGNATURE
+
     @torch.no_grad()
     def encode_text(
         self, components: Mapping[str, Any], texts: list[str], images: list[np.ndarray] | None = None

@@ -19,24 +19,24 @@ import torch
 from PIL import Image
 from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5I2VPipeline, Kandinsky5T2VPipeline
 
-from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, load_pipeline, scaled_posterior, set_lora_scale,
+    RenderSettings, TextRow, load_pipeline, scaled_posterior, set_flavour_config, set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.kandinsky5.first_last import first_last_inputs
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.sources import ModelSource
-from loraflow.pipelines.kandinsky5.common import CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, MAX_TEXT_TOKENS, Kandinsky5Shared
+from loraflow.pipelines.kandinsky5.common import KANDINSKY5_COMFYUI_NAMES, Kandinsky5Shared
 from loraflow.pipelines.kandinsky5.video_spec import SPEC
 
 if TYPE_CHECKING:
     from loraflow.demo.tiny import TinyPipeline
 
-# The pipeline's system prompt (its `prompt_template`); we crop the hidden states after its prefix.
-PROMPT_TEMPLATE = "\n".join(
+# diffusers 0.42.1's system prompt (Kandinsky5T2VPipeline/I2VPipeline `prompt_template`); we crop the hidden
+# states after its prefix (128 tokens with the real Qwen2.5 tokenizer, its prompt_template_encode_start_idx).
+DIFFUSERS_TEMPLATE = "\n".join(
     [
         "<|im_start|>system\nYou are a prompt engineer. Describe the video in detail.",
         "Describe how the camera moves or shakes, describe the zoom and view angle, whether it follows the objects.",
@@ -49,6 +49,9 @@ PROMPT_TEMPLATE = "\n".join(
         "<|im_start|>user\n{}<|im_end|>",
     ]
 )
+# The original repository's "video" template (kandinskylab/kandinsky-5 kandinsky/models/text_embedders.py, used for
+# t2v and i2v alike), "promt" as it spells it: what the checkpoints were trained with (crop 129 there, its prefix).
+ORIGINAL_TEMPLATE = DIFFUSERS_TEMPLATE.replace("You are a prompt engineer", "You are a promt engineer")
 NEGATIVE_PROMPT = (
     "Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, ugly, deformed, "
     "walking backwards"
@@ -56,25 +59,24 @@ NEGATIVE_PROMPT = (
 # Kandinsky5I2VPipeline.normalize_first_frame takes its reference statistics from latent frames 4..: with fewer
 # than 5 latent frames (17 video frames) they are empty and the whole video is NaN.
 I2V_MIN_FRAMES = 17
-TEXT_SIGNATURE = content_key(template=PROMPT_TEMPLATE, max_tokens=MAX_TEXT_TOKENS, clip_tokens=CLIP_TOKENS)
 
 
-def template_crop(tokenizer: Any) -> int:
-    """Tokens in the template before the user text; 128 for the real Qwen2.5 tokenizer."""
-    return kandinsky5.template_crop(tokenizer, PROMPT_TEMPLATE)
+def template_crop(tokenizer: Any, template: str = "original") -> int:
+    """Tokens in the template before the user text; 129 (diffusers': 128) for the real Qwen2.5 tokenizer."""
+    return kandinsky5.template_crop(tokenizer, Kandinsky5Video.prompt_templates[template])
 
 
 @dataclass(frozen=True)
 class Kandinsky5Video(Kandinsky5Shared):
-    prompt_template: ClassVar[str] = PROMPT_TEMPLATE
+    prompt_templates: ClassVar[dict[str, str]] = {"original": ORIGINAL_TEMPLATE, "diffusers": DIFFUSERS_TEMPLATE}
     flavour: Flavour
+    template: str = "original"  # config `kandinsky5_prompt_template`
     name: str = SPEC.name
     spatial_multiple: int = SPEC.spatial_multiple
     vae_temporal_factor: int = SPEC.vae_temporal_factor
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = NEGATIVE_PROMPT
-    text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
-    max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
+    # text_signature, max_text_tokens: Kandinsky5Shared (the template, the flavour's 256 tokens)
     # TREAD: visual blocks are called block(visual_embed (B, N, D), text, time, rope (B, N, 1, d/2, 2, 2), sparse)
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # lora_format: comfyui
@@ -120,8 +122,10 @@ class Kandinsky5Video(Kandinsky5Shared):
         self, model: ModelSource | str, lora_path: str | None, device: torch.device,
         transformer: torch.nn.Module | None = None,
     ) -> Kandinsky5T2VPipeline:
-        """The t2v or i2v pipeline (one checkpoint layout: the class differs only in how it prepares latents)."""
+        """The t2v or i2v pipeline (one checkpoint layout: the class differs only in how it prepares latents), its
+        transformer in the flavour's mode (Pro SD or HD attention: `set_flavour_config`)."""
         pipe = load_pipeline(self.pipeline_class, model, lora_path, device, transformer)
+        set_flavour_config(pipe.transformer, self.flavour)
         if kandinsky5.uses_nabla(pipe.transformer):  # the pipeline builds NABLA's mask itself; it needs flex to run
             kandinsky5.use_flex_attention(pipe.transformer)
         return pipe

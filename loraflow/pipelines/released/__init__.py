@@ -1,8 +1,9 @@
 """The released checkpoints' component configs as data (nothing downloaded): one JSON per distinct config in this
-folder, `{"source": {"repo_id", "file", "revision_note", "same_in"}, "config": {...}}`, where `config` is the
+folder, `{"source": {"repo_id", "file", "same_in", "values"}, "config": {...}}`, where `config` is the
 component's config.json as its library writes it (diffusers: `_class_name`; transformers: `architectures`) and
-`revision_note` says which values were read from where and which were derived (checked by parameter counts,
-tests/pipelines/test_released.py).
+`values` cites every key: `[{"keys": [...], "from": "<source>: <where>"}]` (loraflow/pipelines/citations.py; a dotted
+key covers one entry of a nested config; tests/pipelines/test_citations.py fails on a key without one, and
+tests/pipelines/test_released.py checks the parameter counts).
 
 `released_config(flavour or repo id, component)` reads one; `released_model(...)` builds its real class from it
 (on the meta device, or under a FakeTensorMode: no memory), which the real-size dry runs train, encode and render
@@ -26,8 +27,10 @@ CREPA_ENCODER = "crepa_encoder"  # CREPA's teacher, the same for every flavour
 
 
 def _k5_video(flavour: str) -> dict[str, str]:
+    # every Pro flavour has the Pro file (the distilled ones too: their own config.json is not read here) and sets
+    # its SD or HD attention over it (`Flavour.transformer_config`)
     size = "pro" if "-pro-" in flavour else "lite"
-    seconds = "10s" if flavour.endswith(("10s", "10s-hd")) else "5s"
+    seconds = "10s" if "-10s" in flavour else "5s"
     return {"transformer": f"k5-video-{size}-{seconds}", "vae": "hunyuanvideo", "text_encoder": "qwen2.5-vl-7b",
             "text_encoder_2": "clip-l"}
 
@@ -52,8 +55,10 @@ FLAVOURS: dict[str, dict[str, str]] = {
     **{f.name: _k5_image(f.name) for f in K5_IMAGE.flavours},
     **{f.name: _hv15(f.name) for f in HV15.flavours},
 }
-# a flavour's diffusers repository -> its flavour (i2v-pro-pretrain-5s has none: its config is I2V-Pro-sft-5s's)
-REPOS = {f.repo: f.name for spec in (K5_VIDEO, K5_IMAGE, HV15) for f in spec.flavours if f.repo}
+# a flavour's diffusers repository -> its first flavour (i2v-pro-pretrain-5s has none: its config is I2V-Pro-sft-5s's;
+# Pro's SD and HD flavours share their repository and its files)
+REPOS = {repo: name for repo, name in reversed([(f.repo, f.name) for spec in (K5_VIDEO, K5_IMAGE, HV15)
+                                                for f in spec.flavours if f.repo])}
 
 
 @cache
