@@ -10,7 +10,6 @@ missing and CI is not set.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from dagster import DagsterInstance
 from loraflow.assets.jobs import materialize_everything
 from loraflow.assets.resources import LoraflowResource
 from loraflow.keys import env_flag
-from tests.conftest import REPO, demo_dict, write_config
+from tests.conftest import REPO, demo_dict, missing_input, write_config
 from tests.dagster_dev import dagster_dev
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -31,9 +30,13 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 ASSETS = ("clips", "latents", "text_embeds", "teacher_features", "lora", "validation")
 WAIT_MS = 30_000  # the UI fetches over GraphQL after the page loads; 2 CPU cores are slow
 
-if not CHROMIUM.exists() and not os.environ.get("CI"):
-    pytest.skip("headless Chromium is not installed at /usr/bin/chromium (apt-get install chromium); "
-                "under CI this test runs and fails instead", allow_module_level=True)
+
+@pytest.fixture(scope="session", autouse=True)
+def chromium() -> None:
+    """This module's first fixture (session-scoped and autouse: before tiny_world), so that no demo is pre-trained or
+    materialized for a browser that is not here."""
+    if not CHROMIUM.exists():
+        missing_input(f"headless Chromium is not installed at {CHROMIUM} (apt-get install chromium; .ci/run does)")
 
 
 @pytest.fixture(scope="module")
