@@ -30,6 +30,15 @@ def setup(model: Path, data: Path, root: Path):
     return config, family, store
 
 
+def uninterrupted_latents(model: Path, data: Path, root: Path, keys: list[str]) -> dict[str, np.ndarray]:
+    """{key: latent} as a run never killed and never short of memory writes them, into a cache of its own under `root`
+    (the VAE's mode, clip by clip: the same bits in any process)."""
+    root.mkdir()
+    config, family, store = setup(model, data, root)
+    encode_latents(config, family, model_source(config), store)
+    return {key: row["latent"] for key, row in store.get("latents", keys).items()}
+
+
 def test_one_new_clip_computes_one_latent(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
     shutil.copytree(demo_data, data)
@@ -107,10 +116,6 @@ def test_killed_latent_run_resumes_without_corrupt_or_duplicate_keys(tiny_k5: Pa
     in_shards = [key for shard in store.shard_paths("latents")
                  for key in pq.read_table(shard, columns=["key"])["key"].to_pylist()]
     assert sorted(in_shards) == sorted(keys)  # each latent committed once: the resumed run wrote only the rest
-    # the values a run never killed writes (the VAE's mode, clip by clip: the same bits in any process)
-    (tmp_path / "reference").mkdir()
-    reference_config, _, reference_store = setup(tiny_k5, demo_data, tmp_path / "reference")
-    encode_latents(reference_config, family, model_source(reference_config), reference_store)
-    reference = reference_store.get("latents", keys)
+    reference = uninterrupted_latents(tiny_k5, demo_data, tmp_path / "reference", keys)
     for key, row in store.get("latents", keys).items():
-        assert np.array_equal(row["latent"], reference[key]["latent"]), key
+        assert np.array_equal(row["latent"], reference[key]), key
