@@ -1,7 +1,7 @@
 """The Dagster UI on a materialized demo, in headless Chromium: what a user sees after `make demo && make dev`.
 
 `dagster dev` runs on a free loopback port against a DAGSTER_HOME where every asset (and check) was
-materialized; the browser must find the five assets (clips and latents with their one dataset partition), the
+materialized; the browser must find the six assets (clips and latents with their one dataset partition), the
 clips bucket table, the loss in words, and every picture (clips, loss curve, validation renders: an animation that
 plays and a labelled sheet) decoded and whole inside the window. Screenshots go to the test's tmp dir; with
 LORAFLOW_SAVE_SCREENSHOT=1 the validation preview's is copied to docs/ui.png. Skipped only where Chromium is
@@ -120,7 +120,7 @@ def _close(page) -> None:
     page.get_by_role("dialog").wait_for(state="detached")
 
 
-def test_catalog_lists_the_five_assets_and_the_dataset_partitions(page, server: str, materialized) -> None:
+def test_catalog_lists_the_six_assets_and_the_dataset_partitions(page, server: str, materialized) -> None:
     from playwright.sync_api import expect
 
     page.goto(f"{server}/assets")
