@@ -1,7 +1,7 @@
 # The two commands of the README. Both are idempotent.
 export DAGSTER_HOME := $(CURDIR)/.dagster
 
-.PHONY: setup demo test soak test-variants dev
+.PHONY: setup demo test soak test-compile test-variants dev
 setup:
 	./scripts/setup.sh
 
@@ -13,6 +13,9 @@ test: setup   ## the whole test suite
 
 soak: setup   ## the soak tests: many kill -9 of CLI runs at random moments, then a run must finish (minutes)
 	.venv/bin/python -m pytest -q -m soak $(PYTEST_ARGS)
+
+test-compile: setup  ## the torch.compile tests: inductor builds C++ kernels on the CPU (4-6 minutes on 2 cores)
+	.venv/bin/python -m pytest -q -m compile $(PYTEST_ARGS)
 
 test-variants: setup  ## the suite under each CPU variant (ATen AVX2, one thread, both, MKL's AMD kernels)
 	./scripts/test_variants.sh $(PYTEST_ARGS)

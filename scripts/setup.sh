@@ -20,5 +20,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   touch "$stamp"
 fi
 # The real Qwen2 tokenizer for the template-crop tests (tests/pipelines/test_qwen_templates.py), built from Qwen's
-# vocabulary in the dashscope wheel into the git-ignored .loraflow/; offline, those tests skip.
+# vocabulary in the dashscope wheel into the git-ignored .loraflow/; offline, those tests skip (under CI they fail).
 [ -f .loraflow/qwen2-tokenizer/tokenizer.json ] || .venv/bin/python -m loraflow.demo.qwen_vocab

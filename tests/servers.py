@@ -2,7 +2,7 @@
 started on a free loopback port in a temporary folder of its own, bounded in time, and ended by the test session.
 
 A server whose package is not installed skips its tests, naming the package and the command that installs it
-(`.ci/run` installs them, so there they run).
+(`.ci/run` installs them: under CI those tests fail instead, `missing_input`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import missing_input
 
 START_TIMEOUT_S = 60.0
 
@@ -58,7 +60,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 def _need(binary: str | None, package: str) -> str:
     if not binary:
-        pytest.skip(f"{package} is not installed: `apt-get install -y {package}` (.ci/run does)")
+        missing_input(f"{package} is not installed: `apt-get install -y {package}` (.ci/run does)")
     return binary
 
 
@@ -129,7 +131,7 @@ def s3() -> Iterator[dict[str, str]]:
     (`AWS_ENDPOINT_URL`: no loraflow setting names an endpoint, as on a real deployment)."""
     binary = Path(sys.executable).with_name("moto_server")
     if not binary.exists():
-        pytest.skip("moto[server] is not installed: `make setup` installs it (pyproject extra `scale`)")
+        missing_input("moto[server] is not installed: `make setup` installs it (pyproject extra `scale`)")
     folder, port = Path(tempfile.mkdtemp(prefix="loraflow-s3-")), free_port()
     log = folder / "server.log"
     server = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)], cwd=folder,

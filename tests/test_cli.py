@@ -14,7 +14,7 @@ from loraflow.cli import main
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.simpletuner import import_simpletuner
 from loraflow.config.training_options import trained_with
-from tests.conftest import demo_dict, write_config
+from tests.conftest import demo_dict, missing_input, write_config
 
 # The seed guides' HunyuanVideo 1.5 config.json and its multidatabackend.json, verbatim.
 HV_CONFIG = {
@@ -129,11 +129,11 @@ def test_check_estimates_an_imported_seed_guide_from_the_released_configs_before
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The Kandinsky 5 Video guide imported as its reader would (no model downloaded, no clips yet): check
     estimates every stage from loraflow's released config files, at the bucket the dataset asks for."""
-    from tests.test_seed_guides import GUIDES, combine
+    from tests.test_seed_guides import GUIDES, SEEDS, combine
 
     guide = next((g for g in GUIDES if "`model_family`: `kandinsky5-video`" in g.read_text()), None)
     if guide is None:
-        pytest.skip("no Kandinsky 5 Video seed guide beside the repository")
+        missing_input(f"no Kandinsky 5 Video seed guide in {SEEDS} (the shared folder beside the repository)")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # empty: the model is not on disk
     settings, backends = combine(guide, tmp_path, with_i2v=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import REPO
+from tests.numerics import FLOAT32_AGREEMENT
 
 RUN = REPO / "benchmarks" / "gpu" / "run.py"
 
@@ -63,7 +64,9 @@ def test_every_measurement_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None
     assert resume["killed_at_checkpoint"] == "step-0000002" and resume["resumed_at_step"] == 2
     assert resume["same_lora_bits"] is True
     modes = {row["mode"]: row for row in results["vae_hv15_720p"]["modes"]}
-    assert set(modes) == {"stock", "patch"} and math.isfinite(modes["patch"]["max_abs_diff_vs_exact"])
+    assert set(modes) == {"stock", "patch"} and modes["stock"]["max_abs"] > 0
+    # patch conv is the stock encode in other pieces: float32 rounding apart (tests/numerics.py), no more
+    assert modes["patch"]["max_abs_diff_vs_exact"] <= FLOAT32_AGREEMENT * modes["stock"]["max_abs"]
     offload = results["offload_startup"]["runs"]
     assert [s["stage"] for s in offload["offload_True"]] == ["latents", "text_embeds"]
     assert all(s["computed"] > 0 for run in offload.values() for s in run)  # each run starts from an empty cache

@@ -4,7 +4,8 @@ tiling; Flux, Kandinsky 5 Image's 2D VAE: stock, one image).
 Real-size = the diffusers default config of each class (the released architecture; Flux: its released config in
 loraflow/pipelines/released/flux.vae.json) with random weights, bf16, on CUDA. Peak = torch.cuda.max_memory_allocated during the encode minus what was allocated before it (weights,
 input). A mode that runs out of memory is recorded as "oom". Exact modes run first: the others record their
-max abs difference from the first exact latent.
+max abs difference from the first exact latent; every mode records its latent's largest magnitude (`max_abs`), the
+scale of that difference.
 
 Modes
   stock        diffusers defaults (HV: use_framewise_encoding=True -> approximate temporal tiles > 16 frames)
@@ -115,7 +116,7 @@ def measure(work: Path, smoke: bool, vae: str, size: tuple[int, int], frames: in
                                "tile": tile if "tiling" in mode else None}
         try:
             latent, seconds, peak, reserved = encode(model, x)
-            row.update(seconds=round(seconds, 2), latent=list(latent.shape),
+            row.update(seconds=round(seconds, 2), latent=list(latent.shape), max_abs=latent.abs().max().item(),
                        peak_gib=None if peak is None else round(peak, 2),
                        max_reserved_gib=None if reserved is None else round(reserved, 2))
             if exact is None and is_exact(mode):

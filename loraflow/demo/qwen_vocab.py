@@ -58,7 +58,8 @@ MODEL_MAX_LENGTH = 131_072  # Qwen2.5-VL's tokenizer_config
 
 
 class VocabularyUnavailable(RuntimeError):
-    """The dashscope wheel could not be downloaded (no index reachable): tests that need the vocabulary skip."""
+    """The dashscope wheel could not be downloaded (no index reachable): tests that need the vocabulary skip (fail
+    under CI)."""
 
 
 def read_ranks(path: str | Path) -> dict[bytes, int]:
@@ -128,11 +129,11 @@ def load_tokenizer(folder: Path = DEFAULT_DIR) -> Qwen2Tokenizer:
 
 
 def main(argv: list[str]) -> None:
-    """Setup's step: offline, say so and go on (only the real-tokenizer tests need it, and they skip)."""
+    """Setup's step: offline, say so and go on (only the real-tokenizer tests need it: they skip, or fail under CI)."""
     try:
         print(ensure_tokenizer(Path(argv[0]) if argv else DEFAULT_DIR))
     except VocabularyUnavailable as error:
-        print(f"warning: no real Qwen2 tokenizer, its tests will skip: {error}", file=sys.stderr)
+        print(f"warning: no real Qwen2 tokenizer, its tests will skip (fail under CI): {error}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -131,13 +131,12 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie has exited
 
 
-def kill_and_time_its_step(process: subprocess.Popen, step_pid: int) -> float:
-    """SIGKILL the run's process alone (its step worker is left to itself); seconds until that worker is gone."""
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    killed = time.monotonic()
-    wait_until(f"step worker {step_pid} gone after its run was killed", lambda: not alive(step_pid), RUN_S)
-    return time.monotonic() - killed
+def stop_step_kill_run(process_pid: int, step_pid: int) -> None:
+    """SIGSTOP the step worker, SIGKILL the run's process alone, and wait for the worker to be gone: stopped, it can
+    neither finish its step nor report, so only the signal its run's death sends it (`die_with_run`) ends it."""
+    os.kill(step_pid, signal.SIGSTOP)
+    os.kill(process_pid, signal.SIGKILL)
+    wait_until(f"step worker {step_pid} (stopped) gone after its run was killed", lambda: not alive(step_pid), RUN_S)
 
 
 def finished(process: subprocess.Popen, timeout_s: float) -> float:
@@ -248,15 +247,14 @@ def test_a_killed_cli_run_frees_its_slot_and_its_step_dies_with_it(cached, spawn
     forget_latents(cached[1])
     with instance_of(cached) as instance:
         killed, run_id, step_pid = running_latents(instance, spawn, "killed")
-        step_gone_s = kill_and_time_its_step(killed, step_pid)
-        assert step_gone_s < 3, f"the killed run's step worker lived on for {step_gone_s:.1f} s"
-        assert materializations(instance, run_id) == []  # it died before reporting, not after its run ended
+        stop_step_kill_run(killed.pid, step_pid)
+        killed.wait()
+        assert materializations(instance, run_id) == []  # stopped mid-step, then gone: nothing reported
         # Loading the definitions reaps before returning, so before a CLI run's step asks for the slot.
         finished(spawn("load", sys.executable, "-c", "import loraflow.definitions"), RUN_S)
         assert instance.get_run_by_id(run_id).status == DagsterRunStatus.FAILURE
         assert gpu_claims(instance) == []
-        again_s = finished(materialize_latents(spawn, "again"), RUN_S)
-        print(f"step worker gone {step_gone_s:.2f} s after the kill; the next run finished in {again_s:.1f} s")
+        print(f"the next run finished in {finished(materialize_latents(spawn, 'again'), RUN_S):.1f} s")
         assert instance.get_run_by_id(run_id).status == DagsterRunStatus.FAILURE  # reported by the next process
         assert_nothing_missing(instance, cached[1])
 
@@ -273,7 +271,7 @@ def test_a_run_waiting_for_the_slot_of_a_killed_run_goes_on(cached, spawn) -> No
                                    waiting.log_path)
         wait_until("the waiting run blocked by the gpu pool", lambda: blocked(instance, waiting_id), RUN_S,
                    waiting.log_path)
-        kill_and_time_its_step(killed, step_pid)
+        stop_step_kill_run(killed.pid, step_pid)
         # its guard looks again within WATCH_INTERVAL_S, and its step asks for the slot again within CLAIM_RETRY_S
         waiting_s = finished(waiting, WATCH_INTERVAL_S + CLAIM_RETRY_S + RUN_S)
         print(f"the waiting run finished {waiting_s:.1f} s after the kill")
@@ -302,17 +300,14 @@ def test_under_dagster_dev_a_killed_run_worker_frees_the_slot_and_the_queued_run
 
         step_pid = wait_until("the first run's latents step started", first_in_latents_second_queued, RUN_S)
         killed = time.monotonic()
-        os.kill(executor_pid(instance, first), signal.SIGKILL)  # the run worker, started by the code server
-        wait_until("the killed run's step worker gone", lambda: not alive(step_pid), RUN_S)
-        step_gone_s = time.monotonic() - killed
+        stop_step_kill_run(executor_pid(instance, first), step_pid)  # the run worker, started by the code server
         wait_until("the killed run reported failed", lambda: status(instance, first) == DagsterRunStatus.FAILURE, 30)
         # the daemon looks every poll_interval_seconds (10 s) for runs ended free_slots_after_run_end_seconds (5) ago
         wait_until("its gpu slot freed", lambda: not gpu_claims(instance), 60)
         slot_s = time.monotonic() - killed
         wait_until("the queued run finished", lambda: status(instance, second) in FINISHED, RUN_S)
-        print(f"dagster dev: step worker gone {step_gone_s:.2f} s, slot free {slot_s:.1f} s, queued run done "
-              f"{time.monotonic() - killed:.1f} s after the kill")
-        assert step_gone_s < 3, f"the killed run's step worker lived on for {step_gone_s:.1f} s"
+        done_s = time.monotonic() - killed
+        print(f"dagster dev: slot free {slot_s:.1f} s, queued run done {done_s:.1f} s after the kill")
         assert [e.asset_key.path[-1] for e in materialization_keys(instance, first)] == ["clips"]  # no latents
         assert status(instance, second) == DagsterRunStatus.SUCCESS
         assert_nothing_missing(instance, cached[1])
@@ -352,42 +347,40 @@ FIELD_KILL_S = (4.0, 25.0)  # the field's kills: this long after the command sta
 IN_STEP_KILL_S = (0.0, 5.0)  # the others: this long after the run's latents step started, so with the slot held
 # The last run encodes every clip the killed ones left and runs the checks: 273 s on 2 cores at load 14
 LAST_RUN_S = 2 * RUN_S
-# Dagster frees a slot and assigns it to a waiting step in three SQL statements; a step seen waiting with the slot
-# free this long is stranded (the bug: it waits for good)
-STRANDED_S = 2.0
 
 
-def stranded(instance: DagsterInstance) -> set[tuple[str, str]]:
-    """(run id, step) of each step waiting for the `gpu` pool while a slot of it is free."""
+def holders_when_asked(instance: DagsterInstance, run_id: str) -> set[str] | None:
+    """Once `run_id`'s step is in the `gpu` pool (waiting for the slot or holding it): the other runs holding a slot
+    of it; None before."""
     info = instance.event_log_storage.get_concurrency_info("gpu")
-    if info.slot_count <= len(info.claimed_slots):
-        return set()
-    return {(s.run_id, s.step_key) for s in info.pending_steps if s.assigned_timestamp is None}
+    holders = {s.run_id for s in info.claimed_slots}
+    if run_id not in holders | {s.run_id for s in info.pending_steps}:
+        return None
+    return holders - {run_id}
 
 
 @pytest.mark.soak
 def test_reruns_after_many_kills_at_random_moments_always_get_the_slot(cached, spawn) -> None:
     """The field's soak: `dagster asset materialize --select latents` again and again, each process group SIGKILLed at
     a random moment (seeded): half at 4-25 s after the command started, as in the field, half 0-5 s into its latents
-    step (the `gpu` slot held, whatever the machine's speed). No step may wait with the slot free (STRANDED_S), and
-    a run's latents step must start within RUN_S. After SOAK_KILLS kills, a last run must finish with every clip's
-    latent listed."""
+    step (the `gpu` slot held, whatever the machine's speed). Each run's step asks for the slot only after the runs
+    killed before it were reaped (its guard's first pass comes first: no slot held when it asks), and a run's latents
+    step must start within RUN_S. After SOAK_KILLS kills, a last run must finish with every clip's latent listed."""
     rng = random.Random(SOAK_SEED)
     forget_latents(cached[1])
-    kills, to_step, waiting_since = {"field": 0, "in step": 0}, [], {}
+    kills, to_step = {"field": 0, "in step": 0}, []
     with instance_of(cached) as instance:
 
         def step_started(name: str, before: set[str], started: float) -> float | None:
-            """Seconds from the command's start to its latents step's start, once started; fails on a stranded step."""
+            """Seconds from the command's start to its latents step's start, once started; fails if its step asked for
+            the slot while a killed run held it."""
             now = time.monotonic()
-            waiting = stranded(instance)
-            for step in set(waiting_since) - waiting:
-                del waiting_since[step]
-            for step in waiting:
-                waited = now - waiting_since.setdefault(step, now)
-                assert waited < STRANDED_S, f"{name}: {step} waited {waited:.1f} s for the gpu pool, a slot free"
             run_ids = new_runs(instance, before)
-            return now - started if run_ids and step_worker(instance, run_ids[0], "latents") else None
+            if not run_ids:
+                return None
+            holders = holders_when_asked(instance, run_ids[0])
+            assert not holders, f"{name}: its latents step asked for the gpu slot while dead runs {holders} held it"
+            return now - started if step_worker(instance, run_ids[0], "latents") else None
 
         while sum(kills.values()) < SOAK_KILLS:
             mode = rng.choice(sorted(kills))

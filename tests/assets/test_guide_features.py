@@ -98,9 +98,9 @@ def test_crepa_trains_a_projector_and_logs_its_term_apart(caches: dict[str, Path
 
 
 def test_rollout_and_crepa_resume_exactly(caches: dict[str, Path]) -> None:
-    """A finished run with its adapter removed resumes from the step-2 checkpoint and recomputes steps 3-4: the same
-    bits, so every draw of scheduled sampling (a ramped probability) and the projector come back from the seed and
-    the checkpoint."""
+    """A finished run with its adapter and projector removed resumes from the step-2 checkpoint and recomputes steps
+    3-4: the same bits, so every draw of scheduled sampling (a ramped probability) and the projector come back from
+    the seed and the checkpoint."""
     settings = {**ROLLOUT, "scheduled_sampling_ramp_steps": 4, "scheduled_sampling_prob_start": 0.0,
                 **crepa(caches), "max_train_steps": 4, "checkpointing_steps": 2, "checkpoints_total_limit": None}
     config = make_config(caches, caches["root"] / "resume" / "out", **settings)
@@ -108,6 +108,7 @@ def test_rollout_and_crepa_resume_exactly(caches: dict[str, Path]) -> None:
     run = Path(first.run_dir)
     whole, projector = load_file(run / T.LORA_FILE), load_file(run / PROJECTOR_FILE)
     (run / T.LORA_FILE).unlink()
+    (run / PROJECTOR_FILE).unlink()  # else the resumed run's projector would be compared with the first run's file
     resumed = T.train_lora(config, _family(config), model_source(config), _store(config))
     assert resumed.resumed_at_step == 2 and resumed.computed == 2
     assert same(load_file(run / T.LORA_FILE), whole) and same(load_file(run / PROJECTOR_FILE), projector)

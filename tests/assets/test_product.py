@@ -1,4 +1,4 @@
-"""The Dagster product around the five assets: checks, the dataset partitions and sensor, the recache schedule,
+"""The Dagster product around the six assets: checks, the dataset partitions and sensor, the recache schedule,
 retries."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Dagster UI on a materialized demo, in headless Chromium: what a user sees after `make demo && make dev`.
 
 `dagster dev` runs on a free loopback port against a DAGSTER_HOME where every asset (and check) was
-materialized; the browser must find the five assets (clips and latents with their one dataset partition), the
+materialized; the browser must find the six assets (clips and latents with their one dataset partition), the
 clips bucket table, the loss in words, and every picture (clips, loss curve, validation renders: an animation that
 plays and a labelled sheet) decoded and whole inside the window. Screenshots go to the test's tmp dir; with
 LORAFLOW_SAVE_SCREENSHOT=1 the validation preview's is copied to docs/ui.png. Skipped only where Chromium is
@@ -10,7 +10,6 @@ missing and CI is not set.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from dagster import DagsterInstance
 from loraflow.assets.jobs import materialize_everything
 from loraflow.assets.resources import LoraflowResource
 from loraflow.keys import env_flag
-from tests.conftest import REPO, demo_dict, write_config
+from tests.conftest import REPO, demo_dict, missing_input, write_config
 from tests.dagster_dev import dagster_dev
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -31,9 +30,13 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 ASSETS = ("clips", "latents", "text_embeds", "teacher_features", "lora", "validation")
 WAIT_MS = 30_000  # the UI fetches over GraphQL after the page loads; 2 CPU cores are slow
 
-if not CHROMIUM.exists() and not os.environ.get("CI"):
-    pytest.skip("headless Chromium is not installed at /usr/bin/chromium (apt-get install chromium); "
-                "under CI this test runs and fails instead", allow_module_level=True)
+
+@pytest.fixture(scope="session", autouse=True)
+def chromium() -> None:
+    """This module's first fixture (session-scoped and autouse: before tiny_world), so that no demo is pre-trained or
+    materialized for a browser that is not here."""
+    if not CHROMIUM.exists():
+        missing_input(f"headless Chromium is not installed at {CHROMIUM} (apt-get install chromium; .ci/run does)")
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +120,7 @@ def _close(page) -> None:
     page.get_by_role("dialog").wait_for(state="detached")
 
 
-def test_catalog_lists_the_five_assets_and_the_dataset_partitions(page, server: str, materialized) -> None:
+def test_catalog_lists_the_six_assets_and_the_dataset_partitions(page, server: str, materialized) -> None:
     from playwright.sync_api import expect
 
     page.goto(f"{server}/assets")

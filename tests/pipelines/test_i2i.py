@@ -102,7 +102,9 @@ def test_the_source_latent_is_cached_beside_the_target_latent(cached) -> None:
     config, _ = cached
     store, family = Store(config.cache_dir), get_family(config)
     vae = load_component(config.pretrained_model_name_or_path, "vae")
-    for row in store.read_manifest("latents"):
+    rows = store.read_manifest("latents")
+    assert len(rows) == 4  # the four edit pairs (the orphan target was quarantined)
+    for row in rows:
         cached_row = store.get("latents", [row["key"]])[row["key"]]
         source = np.array(condition_frame(store, row["clip_key"]))  # uint8 (H, W, 3)
         expected = family.image_condition(vae, [], {"condition_frames": [source]})["image_latent"]

@@ -38,6 +38,7 @@ from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
 
 from loraflow.demo import qwen_vocab
 from loraflow.demo.tiny import hunyuan_video15_vae
+from tests.conftest import missing_input
 
 # The original repository's crop_start per type_of_content (kandinsky/models/text_embedders.py, PROMPT_TEMPLATE).
 ORIGINAL_CROPS = {"video": 129, "image": 41, "image_edit": 55}
@@ -50,7 +51,7 @@ def qwen() -> Any:
     try:
         return qwen_vocab.load_tokenizer()
     except qwen_vocab.VocabularyUnavailable as error:
-        pytest.skip(f"the real Qwen2 vocabulary cannot be had here (no package index reachable): {error}")
+        missing_input(f"the real Qwen2 vocabulary cannot be had here (no package index reachable): {error}")
 
 
 def count(tokenizer: Any, text: str) -> int:

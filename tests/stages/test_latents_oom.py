@@ -3,7 +3,9 @@ tiled key and listed as approximate, and a later run that has the memory encodes
 
 A CUDA out-of-memory error cannot happen on a CPU (and a CPU allocation failure is a plain RuntimeError), so the
 test plays the GPU's part: a forward pre-hook on the real VAE's encoder raises torch's own OutOfMemoryError
-whenever the VAE is not tiling, as a VAE too large for its card does until tiling shrinks what it holds at once.
+whenever the VAE is not tiling, as a VAE too large for its card does until tiling shrinks what it holds at once, and
+its tiles are ones that small card holds (32 px: the demo's clips are smaller than diffusers' 256 px, so with those
+tiling would change no number). The redone latents are compared with a run that never ran short, bit for bit.
 Everything else is real: clips from real videos, the tiny real VAE through `from_pretrained`, the real store.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +25,7 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
+from tests.stages.test_caching import uninterrupted_latents
 
 
 def out_of_memory_unless_tiling(vae: torch.nn.Module) -> None:
@@ -39,6 +43,8 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
     build_clips(config, family, model_source(config), store)
     exact = {r.clip_key: r for r in L.latent_rows(config, get_family(config), model_source(config), store)}
     assert all(r.key != r.tiled_key for r in exact.values())  # tiling is off in the demo config
+    keys = [r.key for r in exact.values()]
+    reference = uninterrupted_latents(tiny_k5, demo_data, tmp_path / "reference", keys)
 
     load = L.load_component
 
@@ -46,6 +52,9 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
         component = load(path, name, *args, **kwargs)
         if name == "vae":
             out_of_memory_unless_tiling(component)
+            # the tiles a small card holds: diffusers' (256 px) are larger than the demo's clips, which would not tile
+            component.tile_sample_min_height = component.tile_sample_min_width = 32
+            component.tile_sample_stride_height = component.tile_sample_stride_width = 24
         return component
 
     monkeypatch.setattr(L, "load_component", small_card)
@@ -56,9 +65,13 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
     stored = store.keys("latents")
     assert not stored & {r.key for r in exact.values()}  # nothing approximate under an exact key
     assert clips_without_latents(list(exact.values()), store) == []  # the blocking check counts them
+    tiled = store.get("latents", [r.tiled_key for r in exact.values()])  # approximate indeed: other numbers
+    assert all(not np.array_equal(tiled[r.tiled_key]["latent"], reference[r.key]) for r in exact.values())
 
     monkeypatch.setattr(L, "load_component", load)  # a card with the memory: the next run redoes them exactly
     again = L.encode_latents(config, family, model_source(config), store)
     assert again.computed == len(exact) and again.oom_fallbacks == ()
     listed = store.read_manifest("latents")
     assert all(not r["approximate"] and r["key"] == exact[r["clip_key"]].key for r in listed)
+    for key, row in store.get("latents", keys).items():  # exactly: the bits of a run that never ran short
+        assert np.array_equal(row["latent"], reference[key]), key

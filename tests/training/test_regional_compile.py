@@ -1,8 +1,8 @@
 """`dynamo_use_regional_compilation`: the tiny Kandinsky 5 Video's blocks compiled by torch.compile (inductor, which
 on the CPU builds C++ kernels with the system compiler) give the LoRA gradients of eager within rounding.
 
-Marked `compile`, outside `make test` (`pytest -m compile` runs it): inductor's CPU compile of the three block
-classes took 270 s on the suite's 2 shared cores (one step eager: 1.4 s).
+Marked `compile`, outside `make test`; `make test-compile` (which .ci/run runs) runs it: inductor's CPU compile of
+the three block classes took 270 s on the suite's 2 shared cores (one step eager: 1.4 s).
 
 The bound, from arithmetic: inductor fuses ops and sums in its own order; an fp32 sum of K terms in another order
 differs by at most K * 2^-24 of the sum of the terms' magnitudes (Higham's gamma_K). The tiny model's longest
