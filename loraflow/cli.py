@@ -59,8 +59,9 @@ def run_demo(config_path: str) -> int:
 
 
 def demo_summary(results: list) -> list[str]:
-    """One line per materialization (computed / reused), then where the LoRA, the video and its contact sheet (base
-    frames over LoRA frames: the quickest look at what training did) are."""
+    """One line per materialization (computed / reused), then where the LoRA (the diffusers file, and the ComfyUI file
+    for ComfyUI's models/loras), the video and its contact sheet (base frames over LoRA frames: the quickest look at
+    what training did) are."""
     lines, paths = [], []
     for result in results:
         for event in result.get_asset_materialization_events():
@@ -68,7 +69,8 @@ def demo_summary(results: list) -> list[str]:
             where = f"[{event.partition}]" if event.partition else ""
             counts = {k: meta[k].value for k in ("computed", "reused") if k in meta}
             lines.append(f"{stage + where:>26}  computed {counts.get('computed', '-')}, reused {counts.get('reused', '-')}")
-            paths += [f"{name}: {meta[name].value}" for name in ("lora_path", "video") if name in meta]
+            paths += [f"{name}: {meta[name].value}" for name in ("lora_path", "comfyui_lora_path", "video")
+                      if name in meta]
             if "video" in meta:  # validate() writes the sheet beside the renders
                 paths.append(f"contact_sheet: {Path(meta['video'].value).with_name('contact_sheet.png')}")
     return lines + paths
@@ -317,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     importer.add_argument("backend_json", nargs="?", help="default: the file its data_backend_config names")
     importer.add_argument("-o", "--output", help="YAML file to write (default: standard output)")
     importer.add_argument("--force", action="store_true", help="replace the -o file if it exists")
-    averager = sub.add_parser("post-hoc-ema", help="the EMA of saved LoRA files (checkpoints' lora.safetensors), "
-                              "given in step order (musubi-tuner's post-hoc EMA)")
+    averager = sub.add_parser("post-hoc-ema", help="the EMA of saved LoRA files (the checkpoints' "
+                              "pytorch_lora_weights.safetensors), given in step order (musubi-tuner's post-hoc EMA)")
     averager.add_argument("files", nargs="+")
     averager.add_argument("--decay", type=float, required=True, help="ema <- decay * ema + (1 - decay) * file")
     averager.add_argument("-o", "--output", required=True, help="the averaged .safetensors to write")

@@ -65,6 +65,15 @@ def test_first_screen_is_the_two_commands_then_a_quick_start_for_your_own_videos
     later = "\n".join(lines[heading[0]:])
     for step in ("```yaml", "loraflow check", "loraflow partitions", "-j cache_dataset", "-j train_and_validate"):
         assert step in later, f"the quick start's {step!r} is not on the first screen"
+    # which LoRA file goes where, before the quick start: diffusers' loader, ComfyUI's models/loras
+    from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
+    from loraflow.training.checkpoints import LORA_FILE
+
+    before = "\n".join(lines[:heading[0]])
+    for name in (LORA_FILE, "load_lora_weights", COMFYUI_LORA_FILE, "models/loras"):
+        assert name in before, f"the first screen does not say {name!r}"
+    assert before.index(LORA_FILE) < before.index("load_lora_weights") < before.index(COMFYUI_LORA_FILE) < \
+        before.index("models/loras")
 
 
 def test_every_relative_link_of_readme_and_docs_resolves() -> None:
@@ -183,13 +192,14 @@ def test_the_quick_starts_paths_and_loaders_are_the_codes(tmp_path: Path) -> Non
 def test_the_quick_starts_diffusers_snippet_loads_a_lora_written_as_training_writes_it(tiny_k5: Path,
                                                                                         tmp_path: Path) -> None:
     """The README's Python, run as written, with the tiny checkpoint for the released one and a run folder holding an
-    adapter saved by the family's `save_lora` (what training exports): the pipeline ends up with those LoRA weights."""
+    adapter written as training writes it (`export_lora`: at unit scale): the pipeline ends up with those LoRA
+    weights, lora_alpha / r = 8 / 4 in lora_B."""
     import torch
     from diffusers import Kandinsky5Transformer3DModel
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from loraflow.training.checkpoints import adapter_config
     from loraflow.pipelines import load_family
+    from loraflow.training.checkpoints import LoraExport, adapter_config, export_lora
 
     config = snippet()
     family = load_family(config["model_family"], config["model_flavour"])
@@ -200,7 +210,8 @@ def test_the_quick_starts_diffusers_snippet_loads_a_lora_written_as_training_wri
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(0)))
     run = tmp_path / "runs" / "key"
-    family.save_lora(get_peft_model_state_dict(trained), run, adapter_config(trained))
+    run.mkdir(parents=True)
+    export_lora(run, get_peft_model_state_dict(trained), LoraExport(adapter_config(trained), family, True))
     (python,) = fenced(quick_start(), "python")
     python = python.replace(f'"{config["pretrained_model_name_or_path"]}"', repr(str(tiny_k5)))
     python = python.replace(f'"{config["output_dir"]}/runs/<key>"', repr(str(run)))
@@ -208,12 +219,12 @@ def test_the_quick_starts_diffusers_snippet_loads_a_lora_written_as_training_wri
     exec(compile(python, "README.md", "exec"), scope)  # noqa: S102: the README's own code, paths substituted
     loaded = scope["pipe"].transformer
     ((adapter, lora_config),) = loaded.peft_config.items()
-    assert lora_config.lora_alpha == 8  # the header's LoraConfig, not alpha = rank
+    assert lora_config.lora_alpha == lora_config.r == 4  # the header's LoraConfig: unit scale
     weights = get_peft_model_state_dict(loaded, adapter_name=adapter)
     assert weights.keys() == get_peft_model_state_dict(trained).keys()
     for name, param in get_peft_model_state_dict(trained).items():
-        # the pipeline's copy of each trained weight in its dtype: one rounding of the fp32 value, exactly
-        assert torch.equal(weights[name], param.to(loaded.dtype)), name
+        # the pipeline's copy of each trained weight (lora_B times the scale 2, exact) in its dtype: one rounding
+        assert torch.equal(weights[name], (param * (2 if "lora_B" in name else 1)).to(loaded.dtype)), name
 
 
 def test_the_flavour_table_is_the_flavours() -> None:

@@ -85,10 +85,11 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     max_grad_norm: float = setting(1.0, run_key="always", gt=0)
     lora_dropout: float = setting(0.0, run_key="always", ge=0, lt=1)
     lora_include_ffn: bool = setting(False, run_key="always", description="also adapt the feed-forward layers")
-    # an export format, not part of the run: a finished run converts its file (`export_comfyui`)
-    lora_format: Literal["diffusers", "comfyui"] = setting(
-        "diffusers", run_key="never", description="diffusers: the diffusers/peft file only (what validation loads); "
-        "comfyui: also a ComfyUI file (diffusion_model.* names, lora_up/lora_down, alpha) beside it")
+    # export formats, not part of the run: a finished run converts its file on reuse (training/checkpoints.py)
+    lora_format: Literal["diffusers", "comfyui"] | None = setting(
+        None, run_key="never", description="unset: the diffusers file and, for every adapter kind ComfyUI applies as "
+        "peft does (not DoRA; not LoKr/LoHa on HunyuanVideo 1.5), the ComfyUI file beside it; diffusers: the "
+        "diffusers file only; comfyui: both, an error where ComfyUI cannot apply the adapter")
     # Tencent-Hunyuan/HunyuanVideo-1.5 train.py's `i2v_prob` (its default 0.3); unset keeps runs from before it
     i2v_prob: float | None = setting(
         None, run_key="when_set", ge=0, le=1, description="HunyuanVideo 1.5 i2v flavours: train each micro-batch "

@@ -149,7 +149,7 @@ class LoraReport(StageReport):
     resumed_at_step: int
     samples_per_s: float  # median over the steps
     peak_gib: float
-    comfyui_lora_path: str | None = None  # lora_format: comfyui
+    comfyui_lora_path: str | None = None  # where the ComfyUI file was written
 
     @property
     def final_loss(self) -> float | None:

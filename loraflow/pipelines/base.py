@@ -41,7 +41,7 @@ class ModelFamily(Protocol):
     text_signature: str  # hash of template, token limits: part of every text key
     max_text_tokens: int  # the first text encoder keeps at most this many caption tokens (more: truncated)
     tread_layout: TokenLayout  # where the transformer keeps its visual tokens, for TREAD routing
-    comfyui_names: tuple[ComfyRule, ...]  # diffusers module -> ComfyUI module (lora_format: comfyui)
+    comfyui_names: tuple[ComfyRule, ...]  # diffusers module -> ComfyUI module (the ComfyUI file)
     # components the latents stage loads beside the VAE for `image_condition` (HV1.5 i2v's SigLIP); ()
     image_condition_components: tuple[str, ...]
     # what `image_condition` caches ("" nothing), for the latent key where it has no components, whose fingerprints

@@ -1,12 +1,27 @@
-"""ComfyUI LoRA files from a peft/diffusers adapter: ComfyUI's module names, lora_up/lora_down, one alpha per module.
+"""ComfyUI LoRA files from a peft/diffusers adapter, and the unit scale that lets alpha-blind readers apply it.
 
-How ComfyUI reads such a file (comfyanonymous/ComfyUI, read at the revisions in the index):
-- comfy/lora.py `model_lora_keys_unet`: for every model weight `diffusion_model.<name>.weight` the LoRA key
-  `diffusion_model.<name>` is accepted ("generic lora format"), whatever the model family.
-- comfy/lora.py `load_lora`: `<key>.lora_up.weight`, `<key>.lora_down.weight` and an optional `<key>.alpha`; keys
-  it cannot map are only logged ("lora key not loaded"), so a wrong name fails silently there (tests pin the names).
+How ComfyUI reads a LoRA file (Comfy-Org/ComfyUI, each file read at the commit named: comfy/sd.py
+`load_lora_for_models` at a125cd84, comfy/lora_convert.py at 2bffe2f4, comfy/lora.py at ec93dcac,
+comfy/weight_adapter/lora.py at 6f98b150):
+- comfy/lora_convert.py `convert_lora` renames only a few foreign layouts (BFL control, Wan Fun, USO, fused to_qkv);
+  none of them matches loraflow's files, which reach the key map as written.
+- comfy/lora.py `model_lora_keys_unet`, the key map: for every model weight `diffusion_model.<name>.weight` the keys
+  `diffusion_model.<name>` and `lora_unet_<name with _>` ("generic lora format"), whatever the family; for
+  `Kandinsky5` also `<name>` and `transformer.<name>` (its module names are diffusers', so the diffusers file maps);
+  for `HunyuanVideo` models `transformer.<name>` / `diffusion_model.<name>` in diffusion-pipe's spelling
+  (`img_attn_qkv`, `img_mlp.fc1`). Every entry names a ComfyUI module (`double_blocks.N.img_attn.qkv`), none
+  diffusers' `transformer_blocks.N.attn.to_q`, so a diffusers-format HunyuanVideo 1.5 file loads no key there.
+- comfy/lora.py `load_lora`: per mapped key `x`, `x.lora_up.weight` + `x.lora_down.weight` or diffusers'
+  `x.lora_B.weight` + `x.lora_A.weight` (comfy/weight_adapter/lora.py `LoRAAdapter.load`), and the alpha from
+  `x.alpha` only (diffusers' header is not read); keys it cannot map are only logged ("lora key not loaded").
 - comfy/weight_adapter/lora.py `calculate_weight`: W += strength * (alpha / rank) * up @ down, rank = down.shape[0];
-  without `.alpha` the factor is 1, which is why a peft file with lora_alpha != r renders at the wrong strength.
+  without `x.alpha` the factor is 1.
+
+So a file whose alpha is not where ComfyUI looks renders at the wrong strength there whenever peft's scale is not 1.
+diffusers' Kandinsky 5 loader refuses `.alpha` keys (0.42.1 `load_lora_weights`: "Invalid LoRA checkpoint. Make sure
+all LoRA param names contain `'lora'` substring"), so the diffusers file cannot carry them: it is written at unit
+scale instead (`at_unit_scale`: peft's scale multiplied into lora_B, the header's alpha set to the rank), which
+diffusers (reading the header), ComfyUI (reading no alpha) and any alpha-blind reader apply at training strength.
 
 Where ComfyUI fuses projections that diffusers keeps apart (HunyuanVideo 1.5's q/k/v), the parts' LoRAs become one
 LoRA of the fused weight: down = cat(A_1..A_n) (n*r, in), up = block_diag(B_1..B_n) (n*out, n*r), so
@@ -56,13 +71,62 @@ def comfyui_name(rules: Sequence[ComfyRule], module: str) -> tuple[str, int, int
     raise ValueError(f"no ComfyUI name for LoRA module {module!r}; the family's COMFYUI_NAMES table lacks a rule for it")
 
 
-def peft_scale(adapter_config: Mapping | None, rank: int) -> float:
-    """peft's scaling for a module of this rank: lora_alpha / r (or / sqrt(r) with rsLoRA); alpha = r without config."""
-    config = adapter_config or {}
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise NotImplementedError("per-module rank_pattern/alpha_pattern adapters are not converted to ComfyUI")
-    alpha = config.get("lora_alpha", rank)
-    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+def alpha_and_rank(adapter_config: Mapping, module: str, rank: int | None = None) -> tuple[float, int]:
+    """peft's alpha (LoRA's `lora_alpha`, LoKr/LoHa's `alpha`) and rank of `module`, each from its `alpha_pattern` /
+    `rank_pattern` entry where one matches, by peft's own rule; `rank`, where the caller has the tensors, is used as
+    it is."""
+    from peft.utils.other import get_pattern_key
+
+    ranks, alphas = adapter_config.get("rank_pattern") or {}, adapter_config.get("alpha_pattern") or {}
+    alpha = adapter_config["lora_alpha"] if "lora_alpha" in adapter_config else adapter_config["alpha"]
+    if rank is None:
+        rank = ranks.get(get_pattern_key(ranks.keys(), module), adapter_config["r"])
+    return alphas.get(get_pattern_key(alphas.keys(), module), alpha), rank
+
+
+def module_scale(adapter_config: Mapping | None, module: str, rank: int | None = None) -> float:
+    """What peft multiplies `module`'s update by: alpha / r (alpha / sqrt(r) with rsLoRA); 1 without a config (a
+    loader then assumes alpha = rank)."""
+    if not adapter_config:
+        return 1.0
+    alpha, rank = alpha_and_rank(adapter_config, module, rank)
+    return alpha / math.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank
+
+
+# the factor of each adapter kind's update that peft's scale can move into: kron(s * w1, w2), (s * w1_a @ w1_b) * ...
+SCALED_FACTOR = re.compile(r"(?:transformer\.)?(.+)\.(lora_B\.weight|lokr_w1|lokr_w1_a|hada_w1_a)")
+
+
+def at_unit_scale(state_dict: Mapping[str, torch.Tensor],
+                  adapter_config: dict | None) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """The same adapter with every module at scale 1: each module's scale multiplied into its scaled factor (lora_B,
+    LoKr's w1 or w1_a, LoHa's w1_a), the config's alpha (and every alpha_pattern entry) set to the rank, rsLoRA off.
+    Exact where the scale is a power of two; DoRA's magnitude sees the same W + scale * B @ A. Unchanged at scale 1."""
+    if not adapter_config:
+        return dict(state_dict), adapter_config
+    folded = {}
+    for key, tensor in state_dict.items():
+        match = SCALED_FACTOR.fullmatch(key)
+        scale = module_scale(adapter_config, match[1]) if match else 1.0
+        folded[key] = tensor if scale == 1.0 else tensor * scale
+    alpha = "lora_alpha" if "lora_alpha" in adapter_config else "alpha"
+    ranks = dict(adapter_config.get("rank_pattern") or {})
+    unit = {**adapter_config, alpha: adapter_config["r"], "alpha_pattern": ranks}  # alpha = rank everywhere
+    if "use_rslora" in unit:
+        unit["use_rslora"] = False
+    return folded, unit
+
+
+def comfyui_refusal(rules: Sequence[ComfyRule], use_dora: bool, lycoris: bool) -> str | None:
+    """Why ComfyUI cannot apply this adapter kind as peft does on a family with these names; None where it can."""
+    if use_dora:
+        return ("DoRA: ComfyUI's weight_decompose normalises the magnitude over the input axis (comfyanonymous/ComfyUI "
+                "comfy/weight_adapter/base.py at 14c20852), peft over the output axis, and ComfyUI reads "
+                "`dora_scale`, not peft's `lora_magnitude_vector`")
+    if lycoris and any(rule.parts > 1 for rule in rules):
+        return ("LoKr/LoHa where ComfyUI fuses projections (HunyuanVideo 1.5's q/k/v): a Kronecker or Hadamard "
+                "product of the parts is not one of the fused weight")
+    return None
 
 
 def _modules(state_dict: Mapping[str, torch.Tensor], adapter_config: Mapping | None) -> dict[str, _Lora]:
@@ -77,7 +141,7 @@ def _modules(state_dict: Mapping[str, torch.Tensor], adapter_config: Mapping | N
     for name, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA module {name!r} has only lora_{''.join(pair)}")
-        modules[name] = _Lora(pair["A"], pair["B"], peft_scale(adapter_config, pair["A"].shape[0]))
+        modules[name] = _Lora(pair["A"], pair["B"], module_scale(adapter_config, name, pair["A"].shape[0]))
     return modules
 
 

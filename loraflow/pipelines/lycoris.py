@@ -20,14 +20,14 @@ divides by the rank; a module kept whole is at scale 1 in both (training/adapter
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from loraflow.pipelines.comfyui import PREFIX, ComfyRule, comfyui_name
+from loraflow.pipelines.comfyui import PREFIX, ComfyRule, alpha_and_rank, comfyui_name
+from loraflow.store import write_atomic
 
 LYCORIS_NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b",
                  "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
@@ -71,7 +71,8 @@ def lycoris_to_comfyui(state_dict: Mapping[str, torch.Tensor], adapter_config: M
         if count != 1:
             raise ValueError(f"LoRA module {module!r} is part of ComfyUI's fused {name!r}: a Kronecker or Hadamard "
                              "product of parts is not one of the fused weight; use lora_format diffusers")
-        scale, alpha = _peft_scale(adapter_config, module)
+        alpha, rank = alpha_and_rank(adapter_config, module)
+        scale = alpha / rank
         decomposed = "lokr_w2_a" in parts or "lokr_w1_a" in parts or "hada_w1_a" in parts
         if not decomposed and scale != 1.0:  # loraflow trains these at scale 1 (training/adapters.py), as LyCORIS
             raise ValueError(f"LoKr module {module!r} keeps both factors whole at peft scale {scale}; ComfyUI "
@@ -79,28 +80,14 @@ def lycoris_to_comfyui(state_dict: Mapping[str, torch.Tensor], adapter_config: M
         for part, tensor in parts.items():
             tensors[f"{PREFIX}{name}.{part}"] = tensor.contiguous()
         if decomposed:
-            tensors[f"{PREFIX}{name}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
+            tensors[f"{PREFIX}{name}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
     return tensors
-
-
-def _peft_scale(config: Mapping, module: str) -> tuple[float, float]:
-    """(peft's scale alpha / r, alpha) for `module`, its `alpha_pattern` / `rank_pattern` entry if any, matched by
-    peft's own rule."""
-    from peft.utils.other import get_pattern_key
-
-    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    rank = ranks.get(get_pattern_key(ranks.keys(), module), config["r"])
-    alpha = alphas.get(get_pattern_key(alphas.keys(), module), config["alpha"])
-    return alpha / rank, float(alpha)
 
 
 def save_comfyui_lycoris(state_dict: Mapping[str, torch.Tensor], adapter_config: Mapping,
                          rules: Sequence[ComfyRule], path: str | Path) -> Path:
     """Write `lycoris_to_comfyui(...)` to `path` (tmp + rename), the peft config in the header for the record."""
-    path = Path(path)
     metadata = {"format": "pt", "loraflow_source_format": "peft",
                 "lora_adapter_config": json.dumps(dict(adapter_config), sort_keys=True, default=str)}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(lycoris_to_comfyui(state_dict, adapter_config, rules), tmp, metadata=metadata)
-    os.replace(tmp, path)
-    return path
+    tensors = lycoris_to_comfyui(state_dict, adapter_config, rules)
+    return write_atomic(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))

@@ -11,15 +11,18 @@ Start: a checkpoint (resume), else `init_lora` (an existing LoRA file), else pef
 
 `init_lora` reads the files users have: diffusers/peft key names (`transformer.<module>.lora_A.weight`, with or
 without the prefix; what loraflow writes) or ComfyUI's (`diffusion_model.<module>.lora_down.weight` / `lora_up` /
-`alpha`, what `lora_format: comfyui` writes, pipelines/comfyui.py). The file must hold exactly the adapter being
-trained (same modules, same rank): anything else is refused, naming the keys, never loaded in part. A ComfyUI
-module fused from several diffusers linears (HunyuanVideo 1.5's q/k/v) is split back into its parts' blocks, and
-ComfyUI's scale (alpha / rank, 1 without alpha) is moved into lora_B where it differs from peft's, so the adapter
-applies the same update. The file's content hash is one of the run's inputs (`init_lora_version`).
+`alpha`, loraflow's ComfyUI file, pipelines/comfyui.py). The file must hold exactly the adapter being trained
+(same modules, same rank): anything else is refused, naming the keys, never loaded in part. A ComfyUI module fused
+from several diffusers linears (HunyuanVideo 1.5's q/k/v) is split back into its parts' blocks. The file's scale
+(ComfyUI's alpha / rank, 1 without alpha; a diffusers file's header LoraConfig, which loraflow writes at unit
+scale) is moved into the scaled factor (lora_B, LoKr's w1, LoHa's w1_a) where it differs from this config's, so
+the adapter applies the same update; a diffusers-named file without a header (a checkpoint's lora.safetensors) is
+taken at this config's scale. The file's content hash is one of the run's inputs (`init_lora_version`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loraflow.pipelines.base import ModelFamily
-from loraflow.pipelines.comfyui import PREFIX, comfyui_name, peft_scale
+from loraflow.pipelines.comfyui import PREFIX, SCALED_FACTOR, comfyui_name, module_scale
 
 if TYPE_CHECKING:
     from loraflow.config.adapter_kinds import LycorisConfig
@@ -94,12 +97,12 @@ def load_init_lora(path: str, transformer: torch.nn.Module, family: ModelFamily)
 
     from loraflow.training.checkpoints import adapter_config
 
-    wanted = get_peft_model_state_dict(transformer)
+    wanted, config = get_peft_model_state_dict(transformer), adapter_config(transformer)
     found = load_file(path)
     if any(k.startswith(PREFIX) for k in found):
-        state = _from_comfyui(found, wanted, adapter_config(transformer), family, path)
+        state = _from_comfyui(found, wanted, config, family, path)
     else:
-        state = {k.removeprefix("transformer."): v for k, v in found.items()}
+        state = _from_diffusers(found, _header_config(path), config)
     missing, extra = sorted(set(wanted) - set(state)), sorted(set(state) - set(wanted))
     if missing or extra:
         raise ValueError(f"`init_lora` {path} does not hold the adapter this config trains ({len(missing)} of its "
@@ -111,6 +114,28 @@ def load_init_lora(path: str, transformer: torch.nn.Module, family: ModelFamily)
             raise ValueError(f"`init_lora` {path}: {key} has shape {tuple(tensor.shape)}, this config's adapter "
                              f"{tuple(wanted[key].shape)}: set lora_rank to the file's rank")
     set_peft_model_state_dict(transformer, {k: v.to(wanted[k].dtype) for k, v in state.items()})
+
+
+def _header_config(path: str) -> dict | None:
+    """The LoraConfig a diffusers-format file carries in its header (diffusers' `lora_adapter_metadata`), if any."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        header = json.loads((f.metadata() or {}).get("lora_adapter_metadata") or "{}")
+    return {k.removeprefix("transformer."): v for k, v in header.items()} or None
+
+
+def _from_diffusers(found: dict[str, torch.Tensor], file_config: dict | None,
+                    config: dict) -> dict[str, torch.Tensor]:
+    """peft tensors from diffusers/peft names, each module's file scale moved into its scaled factor where it
+    differs from this config's (none without a header)."""
+    state = {}
+    for key, tensor in found.items():
+        key = key.removeprefix("transformer.")
+        match = SCALED_FACTOR.fullmatch(key)
+        ratio = module_scale(file_config, match[1]) / module_scale(config, match[1]) if match and file_config else 1.0
+        state[key] = tensor if ratio == 1.0 else tensor * ratio
+    return state
 
 
 def _from_comfyui(found: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor], config: dict,
@@ -131,7 +156,7 @@ def _from_comfyui(found: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor
         a = down[part * rank:(part + 1) * rank]
         b = up[part * out:(part + 1) * out, part * rank:(part + 1) * rank] if parts > 1 else up
         file_scale = float(found[alpha_key]) / down.shape[0] if alpha_key in found else 1.0
-        ratio = file_scale / peft_scale(config, rank)
+        ratio = file_scale / module_scale(config, module, rank)
         state[key], state[f"{module}.lora_B.weight"] = a, b if ratio == 1.0 else b * ratio
         used |= {down_key, up_key, alpha_key}
     unused = sorted(set(found) - used)

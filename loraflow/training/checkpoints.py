@@ -1,10 +1,18 @@
-"""Training checkpoints: safetensors + JSON in a folder written as `<name>.tmp` and renamed when complete.
+"""Training checkpoints, and the LoRA files users load: safetensors + JSON, written under a temporary name and renamed.
 
-    <run>/checkpoints/step-NNNNNNN/lora.safetensors       the peft state dict of the adapter (fp32)
+    <run>/checkpoints/step-NNNNNNN/lora.safetensors       the peft state dict of the adapter (fp32), to resume
+                                                          from (no alpha in it: not a file for diffusers/ComfyUI)
                                   /optimizer.safetensors  the optimizer's tensors, keyed "<param index>.<name>"
                                   /state.json             step, its param_groups (and plain numbers of its
                                                           state, e.g. Prodigy's step count), the history so far
+                                  /pytorch_lora_weights.safetensors (+ _comfyui)  the adapter at this step for
+                                                          users, as the run's own files (`export_lora`)
 A killed save leaves only the .tmp folder, which nothing reads and the next save replaces. No pickle anywhere.
+
+The files for users (`export_lora`): `pytorch_lora_weights.safetensors`, the family's diffusers format at unit scale
+(pipelines/comfyui.py `at_unit_scale`), and beside it, unless `lora_format: diffusers` or where ComfyUI cannot
+apply the adapter kind, `..._comfyui.safetensors` in ComfyUI's names. Both are outputs, not computation: neither
+is in the run key, and a finished run without its ComfyUI file gets it converted on reuse (`export_comfyui`).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
@@ -23,24 +31,40 @@ from safetensors.torch import load_file, save_file
 
 from loraflow.training.distributed import gathered, shard_like
 from loraflow.pipelines.base import ModelFamily
-from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE, save_comfyui_lora
+from loraflow.pipelines.comfyui import at_unit_scale, comfyui_refusal, save_comfyui_lora
 from loraflow.pipelines.lycoris import is_lycoris, save_comfyui_lycoris
 from loraflow.store import write_json
+
+if TYPE_CHECKING:
+    from loraflow.config import LoraflowConfig
 
 log = logging.getLogger(__name__)
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
+class LoraExport(NamedTuple):
+    """How to write an adapter's files for users: its LoraConfig (`adapter_config`), the family's writer and names,
+    and whether the ComfyUI file goes beside the diffusers one (`writes_comfyui`)."""
+
+    adapter_config: dict
+    family: ModelFamily
+    comfyui: bool
+
+
 def save_checkpoint(out: Path, step: int, lora: dict[str, torch.Tensor],
                     optimizer: tuple[dict[str, torch.Tensor], dict[str, Any]], history: list[dict],
-                    total_limit: int | None, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+                    total_limit: int | None, extra: dict[str, dict[str, torch.Tensor]] | None = None,
+                    export: LoraExport | None = None) -> Path:
     """`lora` and `optimizer` as `lora_state` and `optimizer_state` return them (gathered on every rank under FSDP);
-    `extra`: more {file name: tensors} the run resumes from (CREPA's projector)."""
+    `extra`: more {file name: tensors} the run resumes from (CREPA's projector); `export`: also the adapter's files
+    for users, as the run writes its own."""
     final = out / "checkpoints" / f"step-{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(lora, tmp / "lora.safetensors")
+    if export is not None:
+        export_lora(tmp, lora, export)
     for name, tensors in (extra or {}).items():
         save_file(tensors, tmp / name)
     tensors, scalars = optimizer
@@ -117,32 +141,54 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], scalars: dict[str, An
     return {"state": state, "param_groups": scalars["param_groups"]}
 
 
-def export_lora(out: Path, lora: dict[str, torch.Tensor], config: dict, family: ModelFamily,
-                lora_format: str = "diffusers") -> None:
-    """diffusers format through the family's own writer, renamed into place (the file that marks a run finished);
-    with `lora_format: comfyui` also the ComfyUI file, converted from it."""
-    tmp = out / "export.tmp"
+def writes_comfyui(config: LoraflowConfig, family: ModelFamily) -> bool:
+    """`lora_format`: unset, the ComfyUI file wherever ComfyUI applies the adapter kind as peft does (a log line says
+    why not elsewhere); `comfyui`, required: an error before any training where it cannot be; `diffusers`, never."""
+    if config.lora_format == "diffusers":
+        return False
+    refusal = comfyui_refusal(family.comfyui_names, config.use_dora, config.lycoris_config is not None)
+    if refusal is not None and config.lora_format == "comfyui":
+        raise ValueError(f"`lora_format: comfyui` cannot be written for this adapter: {refusal}; use lora_format "
+                         "diffusers (the diffusers file only), or another adapter kind")
+    if refusal is not None:
+        log.info("no ComfyUI file for this adapter (%s): the diffusers file only", refusal)
+    return refusal is None
+
+
+def comfyui_twin(lora_file: Path) -> Path:
+    """The ComfyUI file beside a diffusers one: pytorch_lora_weights[_ema]_comfyui.safetensors."""
+    return lora_file.with_name(f"{lora_file.stem}_comfyui{lora_file.suffix}")
+
+
+def export_lora(folder: Path, lora: dict[str, torch.Tensor], export: LoraExport, name: str = LORA_FILE) -> Path:
+    """`folder/name`: the diffusers file through the family's own writer, at unit scale (`at_unit_scale`: diffusers,
+    ComfyUI and any reader that ignores alpha apply it at training strength), and with `export.comfyui` its ComfyUI
+    twin, converted from it. The twin is renamed into place first: the diffusers file marks a run finished."""
+    tmp = folder / f"{Path(name).stem}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    family.save_lora(lora, tmp, config)
-    _fsync(tmp / LORA_FILE)  # this file says "finished": never an empty one under its name after a power cut
-    (tmp / LORA_FILE).rename(out / LORA_FILE)
+    state, config = at_unit_scale(lora, export.adapter_config)
+    export.family.save_lora(state, tmp, config)
+    written = tmp / LORA_FILE
+    if export.comfyui:
+        export_comfyui(written, export.family).replace(comfyui_twin(folder / name))
+    _fsync(written)  # never an empty file under the name that says "finished" after a power cut
+    written.replace(folder / name)
     shutil.rmtree(tmp)
-    if lora_format == "comfyui":
-        export_comfyui(out, family)
+    return folder / name
 
 
-def export_comfyui(out: Path, family: ModelFamily) -> Path:
-    """The ComfyUI file from the run's diffusers file (tensors + the LoraConfig in its header): a finished run
-    switched to `lora_format: comfyui` is converted, never retrained."""
+def export_comfyui(lora_file: Path, family: ModelFamily) -> Path:
+    """The ComfyUI twin of a diffusers file, from its tensors and the LoraConfig in its header (so a finished run
+    written without it gets it on reuse, never retrained)."""
     from safetensors import safe_open
 
-    with safe_open(str(out / LORA_FILE), "pt") as f:
+    with safe_open(str(lora_file), "pt") as f:
         state = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
         header = json.loads((f.metadata() or {}).get("lora_adapter_metadata") or "{}")
     config = {k.removeprefix("transformer."): v for k, v in header.items()}
     if is_lycoris(list(state)):
-        return save_comfyui_lycoris(state, config, family.comfyui_names, out / COMFYUI_LORA_FILE)
-    return save_comfyui_lora(state, config or None, family.comfyui_names, out / COMFYUI_LORA_FILE)
+        return save_comfyui_lycoris(state, config, family.comfyui_names, comfyui_twin(lora_file))
+    return save_comfyui_lora(state, config or None, family.comfyui_names, comfyui_twin(lora_file))
 
 
 def _fsync(path: Path) -> None:

@@ -8,15 +8,16 @@ checks it in float64) and the update needs no counter: resuming from a checkpoin
 bit for bit. It never feeds back into training: the LoRA trained with or without it is the same.
 
     <run>/checkpoints/step-NNNNNNN/ema.safetensors      the shadow at that step
-    <run>/pytorch_lora_weights_ema.safetensors          the EMA adapter, diffusers format (the family's writer),
-                                                        written before the LoRA file that marks the run finished
+    <run>/pytorch_lora_weights_ema.safetensors          the EMA adapter, written as the LoRA's own files are
+                                                        (checkpoints.export_lora: diffusers format at unit scale,
+                                                        `..._ema_comfyui.safetensors` beside it), before the LoRA
+                                                        file that marks the run finished
 
 `post_hoc_ema` is musubi-tuner's post-hoc EMA over saved LoRA files: the same closed form over files in step order.
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,11 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraflow.training.checkpoints import LORA_FILE
-
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
-    from loraflow.pipelines.base import ModelFamily
 
 EMA_LORA_FILE = "pytorch_lora_weights_ema.safetensors"
 EMA_CHECKPOINT_FILE = "ema.safetensors"
@@ -77,16 +75,6 @@ def make_ema(config: LoraflowConfig, transformer: torch.nn.Module, checkpoint: P
     if checkpoint is not None:
         ema.resume(checkpoint)
     return ema
-
-
-def export_ema(out: Path, state: dict[str, torch.Tensor], adapter_config: dict, family: ModelFamily) -> Path:
-    """The EMA adapter through the family's own writer (the LoRA file's format), renamed into place."""
-    tmp = out / "export_ema.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    family.save_lora(state, tmp, adapter_config)
-    final = (tmp / LORA_FILE).replace(out / EMA_LORA_FILE)
-    shutil.rmtree(tmp)
-    return final
 
 
 def trained_adapters(config: LoraflowConfig, lora_path: str) -> dict[str, str]:

@@ -44,8 +44,8 @@ from loraflow.kernels.tread import resolve_routes, tread_routing
 from loraflow.training.row_cache import RowCache, prefetched
 from loraflow.training.adapters import ADAPTER_PARAMETERS, add_adapter, init_lora_version, start_adapter
 from loraflow.training.checkpoints import (
-    LORA_FILE, adapter_config, export_comfyui, export_lora, latest_checkpoint, lora_state, optimizer_state,
-    resume_optimizer, save_checkpoint,
+    LORA_FILE, LoraExport, adapter_config, comfyui_twin, export_comfyui, export_lora, latest_checkpoint, lora_state,
+    optimizer_state, resume_optimizer, save_checkpoint, writes_comfyui,
 )
 from loraflow.store import write_json
 from loraflow.contracts.clip_rows import read_clips
@@ -63,12 +63,11 @@ from loraflow.kernels.quantize import INT8_PRECISIONS, quantize_base_int8
 from loraflow.contracts.reports import LoraReport, TrainStep
 from loraflow.training.tracking import open_sink
 from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load_micro_batch, step_seed, training_texts
-from loraflow.training.ema import EMA_CHECKPOINT_FILE, AdapterEma, export_ema, make_ema
+from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, AdapterEma, make_ema
 from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.pipelines.base import (
     ModelFamily, load_component, set_flavour_config,
 )
-from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
@@ -305,9 +304,12 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
     out = run_dir(config, upstream)
     finished = (out / LORA_FILE).is_file()
     check_same_everywhere("the run folder", lambda: content_key(run=out.name, finished=finished), world, device)
+    comfyui = writes_comfyui(config, family)  # `lora_format: comfyui` that cannot be: an error before any training
     if finished:
-        if config.lora_format == "comfyui" and world.main and not (out / COMFYUI_LORA_FILE).is_file():
-            export_comfyui(out, family)
+        if comfyui and world.main:  # a run finished without its ComfyUI files gets them, converted (no retraining)
+            for lora_file in (out / LORA_FILE, out / EMA_LORA_FILE):
+                if lora_file.is_file() and not comfyui_twin(lora_file).is_file():
+                    export_comfyui(lora_file, family)
         return lora_report(out, upstream, computed=0)
     samples = build_samples(config, store)
     check_same_everywhere("the samples", lambda: content_key(samples=[(s.latent_key, s.text_key) for s in samples]),
@@ -332,8 +334,9 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
     start, rows = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
     history = [TrainStep(**row) for row in rows]
     # 3. steps
+    export = LoraExport(adapter_config(transformer), family, comfyui)  # users' files: in checkpoints, at the end
     history = run_steps(config, family, model, store, plan, transformer, trainable, optimizer, start, history, out,
-                        world, crepa, ema)
+                        world, crepa, ema, export)
     check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, [gathered(p) for p in params]),
                           world, device)
     # 4. rank 0 writes the history, then the adapter: the adapter's presence marks the run done
@@ -344,8 +347,8 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
         for name, tensors in projector_state(crepa).items():  # beside the adapter, before it marks the run done
             save_file(tensors, out / name)
         if ema is not None:
-            export_ema(out, ema.state(), adapter_config(transformer), family)
-        export_lora(out, lora, adapter_config(transformer), family, config.lora_format)
+            export_lora(out, ema.state(), export, EMA_LORA_FILE)
+        export_lora(out, lora, export)
     barrier(world)  # every rank returns once the run is done
     del transformer, trainable, optimizer, params, crepa, ema  # the last references: free_models can free the weights
     free_models()
@@ -356,9 +359,10 @@ def run_steps(
     config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store, plan: BatchPlan,
     transformer: torch.nn.Module, trainable: Trainable, optimizer: torch.optim.Optimizer, start: int,
     history: list[TrainStep], out: Path, world: World = World(), crepa: Crepa | None = None,
-    ema: AdapterEma | None = None,
+    ema: AdapterEma | None = None, export: LoraExport | None = None,
 ) -> list[TrainStep]:
-    """Optimizer steps start..max_train_steps: set lr, micro-steps, average over ranks, clip + step, log, checkpoint.
+    """Optimizer steps start..max_train_steps: set lr, micro-steps, average over ranks, clip + step, log, checkpoint
+    (with `export`, each checkpoint also holds the adapter's files for users).
 
     Local micro-step j of this rank is global micro-step world.micro_step(j): its batch and its random draws.
     """
@@ -409,7 +413,7 @@ def run_steps(
                 history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
                                          time.perf_counter() - began, seen, device, sink, extra))
             if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
-                save_step(out, step + 1, transformer, optimizer, history, config, world, crepa, ema)
+                save_step(out, step + 1, transformer, optimizer, history, config, world, crepa, ema, export)
             due = renders.every and (step + 1) % renders.every == 0
             with averaged_weights(optimizer) if due else nullcontext():  # schedule-free renders x
                 renders.after_step(step + 1)
@@ -422,13 +426,14 @@ def run_steps(
 
 def save_step(out: Path, step: int, transformer: torch.nn.Module, optimizer: torch.optim.Optimizer,
               history: list[TrainStep], config: LoraflowConfig, world: World, crepa: Crepa | None,
-              ema: AdapterEma | None = None) -> None:
-    """Every rank takes the state (under FSDP: gathers the shards), rank 0 writes it."""
+              ema: AdapterEma | None = None, export: LoraExport | None = None) -> None:
+    """Every rank takes the state (under FSDP: gathers the shards), rank 0 writes it (with `export`, also the
+    adapter's files for users, as the run's end writes them)."""
     lora, moments = lora_state(transformer), optimizer_state(optimizer)
     if world.main:
         extra = projector_state(crepa) | ({} if ema is None else {EMA_CHECKPOINT_FILE: ema.state()})
         save_checkpoint(out, step, lora, moments, [row.json_row() for row in history], config.checkpoints_total_limit,
-                        extra)
+                        extra, export)
     barrier(world)  # no rank runs ahead of the newest checkpoint
 
 
@@ -451,7 +456,7 @@ def lora_report(out: Path, upstream: dict[str, str], computed: int, resumed_at: 
     rows = json.loads((out / "history.json").read_text())  # written before the adapter: always there
     history = tuple(TrainStep(**row) for row in rows)
     speeds = [row.samples_per_s for row in history if row.samples_per_s is not None]
-    comfyui = out / COMFYUI_LORA_FILE
+    comfyui = comfyui_twin(out / LORA_FILE)
     return LoraReport(data_version=out.name, computed=computed, reused=0 if computed else 1, history=history,
                       lora_path=str(out / LORA_FILE), run_dir=str(out), inputs=upstream, resumed_at_step=resumed_at,
                       samples_per_s=float(np.median(speeds)) if speeds else 0.0,

@@ -49,7 +49,7 @@ def demo_run(tiny_world: Path, demo_data: Path, tmp_path_factory: pytest.TempPat
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     [results] = (root / "output" / "validation").glob("*/results.json")
-    return json.loads(results.read_text())
+    return {**json.loads(results.read_text()), "runs": root / "output" / "runs"}
 
 
 def rightward_shift(video: np.ndarray) -> float:
@@ -81,3 +81,14 @@ def test_the_lora_fits_the_held_out_clip_better(demo_run: dict) -> None:
     rows = demo_run["eval_loss"]
     base, lora = np.mean([r["base"] for r in rows]), np.mean([r["lora"] for r in rows])
     assert (lora - base) / base <= -MIN_EVAL_LOSS_DROP, (base, lora)
+
+
+def test_the_run_folder_holds_the_lora_for_diffusers_and_for_comfyui(demo_run: dict) -> None:
+    """The README's first screen: `pytorch_lora_weights.safetensors` for diffusers, the ComfyUI file beside it."""
+    from safetensors.torch import load_file
+
+    [run] = [p for p in demo_run["runs"].iterdir() if p.is_dir()]
+    diffusers, comfyui = (load_file(run / name) for name in ("pytorch_lora_weights.safetensors",
+                                                             "pytorch_lora_weights_comfyui.safetensors"))
+    assert all(k.startswith("transformer.") for k in diffusers)
+    assert all(k.startswith("diffusion_model.") for k in comfyui) and len(comfyui) == 3 * len(diffusers) // 2

@@ -34,8 +34,9 @@ from diffusers import (
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from peft import LoraConfig, get_peft_model_state_dict
+from safetensors.torch import load_file
 
-from loraflow.training.checkpoints import adapter_config
+from loraflow.training.checkpoints import LoraExport, adapter_config, export_lora
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
 from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
@@ -267,12 +268,14 @@ def _probe(loaded: Loaded, transformer: torch.nn.Module) -> torch.Tensor:
 
 
 def test_saved_lora_loads_with_diffusers_loaders(loaded: Loaded, tmp_path: Path) -> None:
-    """lora_alpha = 4 * rank: a loader that lost the alpha (scale 1 instead of 4) renders a weaker LoRA."""
+    """The file the lora stage writes (`export_lora`: at unit scale), lora_alpha = 4 * rank: a loader that lost the
+    scale (1 instead of 4) renders a weaker LoRA. Read by path (the header's LoraConfig), by validation, and as a bare
+    state dict (diffusers then assumes alpha = rank, as ComfyUI does without `.alpha` keys)."""
     family = loaded.family
     trained = _randomised_lora(loaded, rank=4, alpha=16)
-    family.save_lora(get_peft_model_state_dict(trained), tmp_path, adapter_config(trained))
+    export_lora(tmp_path, get_peft_model_state_dict(trained), LoraExport(adapter_config(trained), family, False))
     lora_file = tmp_path / "pytorch_lora_weights.safetensors"
-    assert lora_file.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lora_file.name]
     expected = _probe(loaded, trained)
     base = _probe(loaded, load_component(loaded.path, "transformer"))
     # 1. the public diffusers loader a user would call
@@ -286,7 +289,10 @@ def test_saved_lora_loads_with_diffusers_loaders(loaded: Loaded, tmp_path: Path)
         public = pipe.transformer
     # 2. what validation loads
     renderer = family.load_renderer(str(loaded.path), str(lora_file), torch.device("cpu"))
-    for transformer in (public, renderer.transformer):  # bit for bit: the same LoRA weights and scale, same ops
+    # 3. the tensors alone, no header
+    bare = load_component(loaded.path, "transformer")
+    bare.load_lora_adapter(load_file(lora_file), prefix="transformer")
+    for transformer in (public, renderer.transformer, bare):  # bit for bit: the same update, scale 4 = 2^2 exact
         assert torch.equal(_probe(loaded, transformer), expected)
     assert (expected - base).abs().max() > 1e-3, "the randomised LoRA should change the output"
 

@@ -34,6 +34,10 @@ def peft_names(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("transformer."): v for k, v in load_file(path).items()}
 
 
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def closed_form(start: dict[str, torch.Tensor], updates: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """decay^n w_0 + sum_i (1 - decay) decay^(n - i) w_(t_i), in float64."""
     n = len(updates)
@@ -88,6 +92,11 @@ def test_ema_equals_its_closed_form_leaves_the_lora_alone_and_resumes_exactly(
     assert_ema_is(ema, start, [steps[2], steps[4]])
     assert_ema_is(load_file(run / "checkpoints" / "step-0000002" / EMA_CHECKPOINT_FILE), start, [steps[2]])
     assert any(not torch.equal(ema[k], steps[STEPS][k]) for k in ema)  # an average, not a copy
+    # the users' files: the EMA's ComfyUI twin, and each checkpoint's adapter as the run writes its own
+    assert (run / "pytorch_lora_weights_ema_comfyui.safetensors").is_file()
+    for step in range(1, STEPS):  # at lora_alpha = rank the unit scale changes no bit
+        folder = run / "checkpoints" / f"step-{step:07d}"
+        assert same_tensors(peft_names(folder / T.LORA_FILE), steps[step]) and (folder / COMFYUI_LORA_FILE).is_file()
     plain = train(make_config(caches, tmp_path / "plain", **EVERY_STEP))  # EMA off: the same LoRA, no EMA file
     assert plain.run_dir != str(run) and not (Path(plain.run_dir) / EMA_LORA_FILE).exists()
     assert same_lora_file(Path(plain.lora_path), run / T.LORA_FILE)
@@ -123,12 +132,14 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
         loaded = get_peft_model_state_dict(transformer)
         assert sorted(loaded) == sorted(trained)
         assert all(torch.equal(loaded[k], trained[k]) for k in trained), source.name
-    # ComfyUI's scale (alpha / rank = 1 here) moves into lora_B where this config's peft scale differs (8 / 4 = 2)
-    doubled = make_config(caches, tmp_path / "init", init_lora=str(run / COMFYUI_LORA_FILE), lora_alpha=8)
-    transformer, _ = T.load_transformer(doubled, family, model_source(doubled), CPU)
-    start_adapter(transformer, None, doubled.init_lora, family)
-    loaded = get_peft_model_state_dict(transformer)
-    assert all(torch.equal(loaded[k] * (2 if "lora_B" in k else 1), trained[k]) for k in trained)
+    # the file's scale (1 here: ComfyUI's alpha / rank, the diffusers header's lora_alpha / r) moves into lora_B
+    # where this config's peft scale differs (8 / 4 = 2): the adapter starts with the file's update
+    for source in (run / T.LORA_FILE, run / COMFYUI_LORA_FILE):
+        doubled = make_config(caches, tmp_path / "init", init_lora=str(source), lora_alpha=8)
+        transformer, _ = T.load_transformer(doubled, family, model_source(doubled), CPU)
+        start_adapter(transformer, None, doubled.init_lora, family)
+        loaded = get_peft_model_state_dict(transformer)
+        assert all(torch.equal(loaded[k] * (2 if "lora_B" in k else 1), trained[k]) for k in trained), source.name
     store = Store(config.cache_dir)
     key = T.run_dir(config, T.upstream_versions(store, config))
     copied = tmp_path / "copy.safetensors"
@@ -149,16 +160,16 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
         start_adapter(transformer, None, wrong_rank.init_lora, family)
 
 
-def comfyui_delta(comfy: dict[str, torch.Tensor], module: str) -> torch.Tensor:
-    """ComfyUI's weight change for one module, float64, as its readers compute it at strength 1:
-    comfy/weight_adapter/lokr.py `LoKrAdapter.calculate_weight` (kron(w1, w2) * alpha / dim, dim the rank of a
-    decomposed factor, 1 without one) and comfy/weight_adapter/loha.py `LoHaAdapter.calculate_weight`
-    ((w1_a @ w1_b) * (w2_a @ w2_b) * alpha / w1_b.shape[0])."""
-    t = {k.removeprefix(f"diffusion_model.{module}."): v.double() for k, v in comfy.items()
-         if k.startswith(f"diffusion_model.{module}.")}
+def comfyui_delta(file: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """ComfyUI's weight change for the module it maps LoRA key `key` to (`diffusion_model.<name>` in the ComfyUI file,
+    `transformer.<name>` in the diffusers file: Kandinsky5's key map), float64, as its readers compute it at
+    strength 1: comfy/weight_adapter/lokr.py `LoKrAdapter.calculate_weight` (kron(w1, w2) * alpha / dim, dim the rank
+    of a decomposed factor, 1 without one or without alpha) and comfy/weight_adapter/loha.py
+    `LoHaAdapter.calculate_weight` ((w1_a @ w1_b) * (w2_a @ w2_b) * alpha / w1_b.shape[0], 1 without alpha)."""
+    t = {k.removeprefix(f"{key}."): v.double() for k, v in file.items() if k.startswith(f"{key}.")}
     if "hada_w1_a" in t:
         hadamard = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"])
-        return hadamard * t["alpha"] / t["hada_w1_b"].shape[0]
+        return hadamard * (t["alpha"] / t["hada_w1_b"].shape[0] if "alpha" in t else 1.0)
     dim = None
     w1 = t.get("lokr_w1")
     if w1 is None:
@@ -178,34 +189,43 @@ KINDS = {  # name: (config, the key names' prefix, peft's scale of every module)
 
 def test_lycoris_adapters_train_and_load_in_peft_and_as_comfyuis_readers_compute(
         caches: dict[str, Path], tmp_path: Path) -> None:
-    """LoKr (both factors whole: LyCORIS's scale 1 whatever linear_alpha; w2 decomposed: alpha / r) and LoHa, one
-    step each: the file loads back through peft (validation's `load_lora_file`) tensor for tensor, and every
-    module's ComfyUI weight change equals the one peft applies."""
+    """LoKr (both factors whole: LyCORIS's scale 1 whatever linear_alpha; w2 decomposed: alpha / r) and LoHa, two
+    steps each: the file is written at unit scale (the step-1 checkpoint's users' file is its raw state with the
+    scale in the first factor), loads back through peft (validation's `load_lora_file`) tensor for tensor, and every
+    module's weight change, as ComfyUI computes it from the ComfyUI file and from the diffusers file (Kandinsky 5's
+    key map takes its names), equals the one peft applies."""
     from diffusers import Kandinsky5Transformer3DModel
 
     from loraflow.pipelines.base import LORA_ADAPTER, load_lora_file
 
     for name, (lycoris, prefix, scale) in KINDS.items():
-        config = make_config(caches, tmp_path / name, lora_format="comfyui", lora_type="lycoris",
-                             lycoris_config=lycoris, max_train_steps=1)
+        config = make_config(caches, tmp_path / name, lora_type="lycoris", lycoris_config=lycoris,
+                             max_train_steps=2, checkpointing_steps=1)
         assert adapter_summary(config)["kind"] == {"lokr_": "LoKr", "hada_": "LoHa"}[prefix]  # the asset's metadata
         report = train(config)
+        step1 = Path(report.run_dir) / "checkpoints" / "step-0000001"
+        raw, users = load_file(step1 / "lora.safetensors"), peft_names(step1 / T.LORA_FILE)
+        assert sorted(users) == sorted(raw) and (step1 / COMFYUI_LORA_FILE).is_file()
+        for key, tensor in raw.items():  # the first factor carries peft's scale, exactly (a power of two)
+            first = key.rsplit(".", 1)[-1] in ("lokr_w1", "lokr_w1_a", "hada_w1_a")
+            assert torch.equal(users[key], tensor * scale if first else tensor), key
         trained = peft_names(Path(report.lora_path))
         assert all(k.rsplit(".", 1)[-1].startswith(prefix) for k in trained)
         transformer = Kandinsky5Transformer3DModel.from_pretrained(caches["model"] / "transformer")
         load_lora_file(transformer, report.lora_path)
         loaded = get_peft_model_state_dict(transformer, adapter_name=LORA_ADAPTER)
         assert sorted(loaded) == sorted(trained) and all(torch.equal(loaded[k], trained[k]) for k in trained)
-        comfy = load_file(report.comfyui_lora_path)
+        comfy, diffusers = load_file(report.comfyui_lora_path), load_file(report.lora_path)
         layers = {n: m for n, m in transformer.named_modules() if hasattr(m, "get_delta_weight")}
         assert len(layers) == 20 and len({k.rsplit(".", 1)[0] for k in comfy}) == 20
-        assert {m.scaling[LORA_ADAPTER] for m in layers.values()} == {scale}, name
+        assert {m.scaling[LORA_ADAPTER] for m in layers.values()} == {1.0}, name  # unit scale: no alpha needed
         for module, layer in layers.items():
             peft_delta = layer.get_delta_weight(LORA_ADAPTER).double()
             assert peft_delta.abs().max() > 0, module  # trained: not the zero init
             # float32 products summed over a rank (or a Kronecker entry): a few ulps of the largest entry
             bound = 8 * torch.finfo(torch.float32).eps * peft_delta.abs().max().item()
-            assert (comfyui_delta(comfy, module) - peft_delta).abs().max().item() <= bound, (name, module)
+            for file, key in ((comfy, f"diffusion_model.{module}"), (diffusers, f"transformer.{module}")):
+                assert (comfyui_delta(file, key) - peft_delta).abs().max().item() <= bound, (name, module, key)
 
 
 def test_dora_trains_a_magnitude_loads_back_through_diffusers_and_resumes_exactly(

@@ -198,23 +198,28 @@ def test_a_config_change_starts_a_new_run_and_a_rerun_computes_nothing(baseline,
     report = train(changed)
     assert report.computed == 2 and report.run_dir != first.run_dir
     assert {v.shape[0] for k, v in load_file(report.lora_path).items() if "lora_A" in k} == {2}
-    with safe_open(report.lora_path, "pt") as f:  # alpha travels with the file: loaders scale by 8/2
+    with safe_open(report.lora_path, "pt") as f:  # unit scale: 8/2 is in lora_B, the header says alpha = rank
         header = json.loads(f.metadata()["lora_adapter_metadata"])
-    assert header["transformer.r"] == 2 and header["transformer.lora_alpha"] == 8
+    assert header["transformer.r"] == 2 and header["transformer.lora_alpha"] == 2
 
 
-def test_switching_to_comfyui_converts_the_finished_run_without_retraining(baseline, caches: dict[str, Path]) -> None:
+def test_a_finished_run_without_its_comfyui_file_gets_it_on_reuse(baseline, caches: dict[str, Path]) -> None:
+    """A run finished before the ComfyUI file was written by default (or under `lora_format: diffusers`): reused with
+    the default, its ComfyUI file is converted from the diffusers file, nothing retrained."""
     from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 
     config, first = baseline
     run = Path(first.run_dir)
-    (run / COMFYUI_LORA_FILE).unlink(missing_ok=True)
-    again = train(make_config(caches, Path(config.output_dir), lora_format="comfyui"))
+    assert config.lora_format is None and first.comfyui_lora_path == str(run / COMFYUI_LORA_FILE)
+    (run / COMFYUI_LORA_FILE).unlink()
+    one_file = train(make_config(caches, Path(config.output_dir), lora_format="diffusers"))  # the opt-out
+    assert one_file.computed == 0 and one_file.comfyui_lora_path is None
+    again = train(config)
     assert again.computed == 0 and again.run_dir == str(run)
     comfy = load_file(again.comfyui_lora_path)
     ranks = {v.shape[0] for k, v in comfy.items() if k.endswith("lora_down.weight")}
     alphas = {float(v) for k, v in comfy.items() if k.endswith(".alpha")}
-    assert ranks == {config.lora_rank} and alphas == {float(config.lora_alpha or config.lora_rank)}
+    assert ranks == {config.lora_rank} and alphas == {float(config.lora_rank)}  # unit scale
     diffusers = load_file(first.lora_path)
     assert len(comfy) == 3 * len(diffusers) // 2  # down, up, alpha per adapted module
 

@@ -126,7 +126,7 @@ class HunyuanVideo15:
     max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
     # block(hidden, context, temb, context_mask, (cos, sin) per token) -> (hidden, context): see kernels/tread.py
     tread_layout: TokenLayout = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0)
-    comfyui_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_COMFYUI_NAMES  # lora_format: comfyui
+    comfyui_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_COMFYUI_NAMES  # the ComfyUI file
 
     @property
     def image_condition_components(self) -> tuple[str, ...]:

@@ -79,7 +79,7 @@ class Kandinsky5Video(Kandinsky5Shared):
     # text_signature, max_text_tokens: Kandinsky5Shared (the template, the flavour's 256 tokens)
     # TREAD: visual blocks are called block(visual_embed (B, N, D), text, time, rope (B, N, 1, d/2, 2, 2), sparse)
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
-    comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # lora_format: comfyui
+    comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # the ComfyUI file
     image_condition_components: tuple[str, ...] = ()  # the image condition is latent frame 0 itself
     image_condition_name: str = ""  # i2v gives its image as latent frame 0 (`conditioning_frames`), nothing beside
 
