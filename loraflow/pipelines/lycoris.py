@@ -42,6 +42,8 @@ def load_lycoris_file(transformer: torch.nn.Module, path: str | Path, adapter_na
     from peft import PeftConfig, set_peft_model_state_dict
     from safetensors import safe_open
 
+    from loraflow.pipelines.base import adapter_in_fp32
+
     with safe_open(str(path), "pt") as f:
         state = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
         header = json.loads((f.metadata() or {}).get("lora_adapter_metadata") or "{}")
@@ -50,6 +52,7 @@ def load_lycoris_file(transformer: torch.nn.Module, path: str | Path, adapter_na
                          "files its lora stage writes (the config says the factorization and alpha)")
     config = PeftConfig.from_peft_type(**{k.removeprefix("transformer."): v for k, v in header.items()})
     transformer.add_adapter(config, adapter_name=adapter_name)  # diffusers' bookkeeping: set_adapters weighs it
+    adapter_in_fp32(transformer, adapter_name)  # before its values are set: the file's, not rounded to the base's
     result = set_peft_model_state_dict(transformer, state, adapter_name=adapter_name)
     if result.unexpected_keys:
         raise ValueError(f"{path}: {len(result.unexpected_keys)} tensors fit no adapted module "
