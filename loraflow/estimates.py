@@ -7,9 +7,10 @@ shapes only, so the real code (the family's `velocity`, the flow-matching loss, 
 checkpointing) runs at released size in seconds and allocates nothing. Each number is then computed so:
 
 - weights, LoRA: the bytes of the fake model's own tensors, in the configured precision (`_keep_in_fp32_modules`
-  stay fp32, as from_pretrained keeps them; fp8-layerwise stores the layers diffusers casts in 1 byte); group
-  offloading keeps only the non-block modules and the groups on the accelerator (one group, two with streams:
-  the next is prefetched).
+  as `fp32_modules_storage` stores them: fp32 as from_pretrained keeps them, bf16 or fp8; fp8-layerwise stores the
+  layers diffusers casts in 1 byte); group offloading keeps only the non-block modules and the groups on the
+  accelerator (one group, two with streams: the next is prefetched); `blocks_to_swap` N takes the last N blocks off
+  but the one computing (`offloaded`).
 - LoRA: every parameter the configured adapter trains, built by training's own `add_adapter` (LoRA, DoRA's
   magnitude vectors, LoKr, LoHa: what peft leaves requiring grad, not a name prefix).
 - optimizer: AdamW's two moments per LoRA parameter, fp32 (8 bytes per parameter) or bf16 with adamw_bf16 (4).
@@ -36,10 +37,17 @@ checkpointing) runs at released size in seconds and allocates nothing. Each numb
   latent, HunyuanVideo 1.5's SigLIP tokens), and the family's `velocity` builds the condition channels (latent,
   mask) and the image stream from it, so they are counted as any other tensor. The latents stage's image encoder
   (SigLIP) is left out of its row.
+- validation: one render as the validation stage runs it (`render_phases`, `render_plan`): the transformer in the
+  training precision, one no-grad denoise call and the VAE decode (in the transformer's dtype) of its latent,
+  whole and tiled with diffusers' tiling (each tile's decoder run once per tile shape: `fake_tensors.measured_once`);
+  then the plan for the card (`gpu_memory_gb`, else the GPU present): the least of parking (the transformer and the
+  VAE take turns on the card), tiling, blocks swapped, every block streamed that fits it. Without a card, what the
+  config asks. The pipeline's own small tensors (latents, the two guidance predictions) are left out.
 
 The fake step runs on the CPU: with bf16 autocast where a CUDA run uses it (`training.loop.uses_autocast`), so the
 activation dtypes are those of a GPU run. What is left out is said where it is: allocator rounding and
-fragmentation (CUDA rounds to 512 bytes), CUDA/cuDNN workspaces and the CUDA context (about 0.5 GiB per process).
+fragmentation (CUDA rounds to 512 bytes), CUDA/cuDNN workspaces and the CUDA context (about 0.5 GiB per process):
+a stage fits a card when its peak and CUDA_CONTEXT are under FIT_SHARE (90%) of it, which keeps room for them.
 """
 
 from __future__ import annotations

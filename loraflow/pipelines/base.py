@@ -255,7 +255,7 @@ def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path, adapter_
     """
     from safetensors import safe_open
 
-    from loraflow.pipelines.lycoris import is_lycoris, load_lycoris_file
+    from loraflow.pipelines.lycoris import adapter_in_fp32, is_lycoris, load_lycoris_file
 
     path = Path(lora_path)
     with safe_open(str(path), "pt") as f:
@@ -269,26 +269,6 @@ def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path, adapter_
     load()
     if adapter_in_fp32(transformer, adapter_name):  # peft made it in the base's bf16/fp8: its values again, exact
         load(hotswap=True)
-
-
-def adapter_in_fp32(transformer: torch.nn.Module, adapter_name: str) -> bool:
-    """The adapter's tensors in fp32, as training keeps them; True if any was not. peft makes an adapter in its base
-    layer's dtype (`_move_adapter_to_device_of_base_layer`): bf16, or fp8 under layerwise casting, which would
-    round the file's values before a render computes with them."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    cast = False
-    for module in transformer.modules():
-        if not isinstance(module, BaseTunerLayer):
-            continue
-        for name in (*module.adapter_layer_names, *module.other_param_names):
-            tensors = getattr(module, name, None)
-            if isinstance(tensors, (torch.nn.ModuleDict, torch.nn.ParameterDict)) and adapter_name in tensors:
-                for p in tensors[adapter_name].parameters() if isinstance(tensors, torch.nn.ModuleDict) \
-                        else [tensors[adapter_name]]:
-                    if p.is_floating_point() and p.dtype != torch.float32:
-                        p.data, cast = p.data.float(), True
-    return cast
 
 
 def set_lora_scale(transformer: torch.nn.Module, scale: float | None) -> None:

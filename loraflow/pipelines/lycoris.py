@@ -4,7 +4,8 @@ diffusers/peft: the family's `save_lora` writes the peft state dict (`<module>.l
 `.lokr_w2_a`/`.lokr_w2_b`, ...; `.hada_w1_a` ... for LoHa) with the peft config in its header; diffusers'
 `load_lora_adapter` builds a LoraConfig only, so `load_lycoris_file` adds the header's own peft config
 (`add_adapter`, which injects it with peft) and loads the tensors with `set_peft_model_state_dict`, as peft reads
-its files.
+its files. Either way peft makes the adapter in its base layer's dtype; `adapter_in_fp32` makes it fp32 again, as
+training holds it (base.load_lora_file, for renders of a bf16/fp8 base).
 
 ComfyUI (comfyanonymous/ComfyUI, read at the revisions in the index):
 - comfy/weight_adapter/lokr.py `LoKrAdapter.load`: `<key>.lokr_w1` | `.lokr_w1_a` + `.lokr_w1_b`, `.lokr_w2` |
@@ -41,8 +42,6 @@ def load_lycoris_file(transformer: torch.nn.Module, path: str | Path, adapter_na
     """A LoKr/LoHa file (diffusers format, its peft config in the header) as adapter `adapter_name`."""
     from peft import PeftConfig, set_peft_model_state_dict
     from safetensors import safe_open
-
-    from loraflow.pipelines.base import adapter_in_fp32
 
     with safe_open(str(path), "pt") as f:
         state = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
@@ -84,6 +83,26 @@ def lycoris_to_comfyui(state_dict: Mapping[str, torch.Tensor], adapter_config: M
         if decomposed:
             tensors[f"{PREFIX}{name}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
     return tensors
+
+
+def adapter_in_fp32(transformer: torch.nn.Module, adapter_name: str) -> bool:
+    """The adapter's tensors in fp32, as training keeps them; True if any was not. peft makes an adapter in its base
+    layer's dtype (`_move_adapter_to_device_of_base_layer`): bf16, or fp8 under layerwise casting, which would
+    round the file's values before a render computes with them."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    cast = False
+    for module in transformer.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for name in (*module.adapter_layer_names, *module.other_param_names):
+            tensors = getattr(module, name, None)
+            if isinstance(tensors, (torch.nn.ModuleDict, torch.nn.ParameterDict)) and adapter_name in tensors:
+                for p in tensors[adapter_name].parameters() if isinstance(tensors, torch.nn.ModuleDict) \
+                        else [tensors[adapter_name]]:
+                    if p.is_floating_point() and p.dtype != torch.float32:
+                        p.data, cast = p.data.float(), True
+    return cast
 
 
 def _peft_scale(config: Mapping, module: str) -> tuple[float, float]:
