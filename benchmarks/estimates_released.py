@@ -8,10 +8,15 @@ gpu/train.py that change memory and activation offload (`gradient_checkpointing_
 (Kandinsky 5 Lite i2v, HunyuanVideo 1.5 i2v 480p: the released transformer config, the conditioning latent and
 SigLIP tokens in the fake batch) at the same size with checkpointing, without and with activation offload.
 Estimates only, made on the CPU: gpu/train.py measures the t2v variants on a GPU (a later issue compares the two).
-Last, the seed guides' imports (one guide per model, imported as tests/test_seed_guides.py combines them) at
+Then the seed guides' imports (one guide per model, imported as tests/test_seed_guides.py combines them) at
 the bucket their datasets ask for, from the released configs, as `loraflow check` estimates them before download:
 the lora stage with `gradient_checkpointing: true`, then with `gradient_checkpointing_cpu_offload: true` too
 (docs/benchmarks.md's seed-guide table).
+Last, one validation render of each released size users render at (issue 43), `base_model_precision: fp8-layerwise`
+and `gpu_memory_gb: 24` as `loraflow check` estimates it now (`estimates.render_plan`: the plan the validation stage
+renders with on that card), beside what check estimated before (`RENDERS_BEFORE`: the same configs on commit
+758bf7d, which rendered in fp32 with nothing offloaded or tiled); and Kandinsky 5 Pro i2v's training at
+256x256x73, fp8, rank 32, on 24 GB: the `blocks_to_swap` check proposes (`estimates.swap_to_fit`).
 
     python benchmarks/estimates_released.py       # writes benchmarks/results/estimates_released.json
 """
@@ -40,6 +45,14 @@ VARIANTS = {
 I2V = {"kandinsky5-video": "i2v-lite-5s", "hunyuanvideo-1.5": "i2v-480p"}  # each family's i2v flavour
 I2V_VARIANTS = ("bf16+checkpointing", "bf16+checkpointing+activation offload")
 SEED_GUIDES = ("000", "002", "004")  # Kandinsky 5 Video Lite, Kandinsky 5 Image, HunyuanVideo 1.5 (/work/shared/seeds)
+# (family, flavour, WIDTHxHEIGHT, frames): the renders issue 43 measured, each at 121 frames
+RENDERS = [("hunyuanvideo-1.5", "t2v-720p", "1280x720", 121), ("hunyuanvideo-1.5", "t2v-480p", "768x512", 121),
+           ("hunyuanvideo-1.5", "i2v-480p", "848x480", 121), ("kandinsky5-video", "t2v-lite-sft-5s", "768x512", 121),
+           ("kandinsky5-video", "t2v-pro-sft-5s-hd", "768x512", 121)]
+# GiB: `estimates.estimate(..., stages=("validation",))` for these configs on commit 758bf7d (run 2026-11-28 on this
+# machine; then every render was the fp32 transformer and VAE, the whole latent decoded at once, nothing offloaded)
+RENDERS_BEFORE = {"t2v-720p 1280x720@121": 354.88, "t2v-480p 768x512@121": 171.95, "i2v-480p 848x480@121": 176.74,
+                  "t2v-lite-sft-5s 768x512@121": 37.89, "t2v-pro-sft-5s-hd 768x512@121": 102.54}
 
 
 def main() -> None:
@@ -74,8 +87,60 @@ def main() -> None:
                      "parts_gib": {k: round(v / 2**30, 3) for k, v in estimate.parts.items()},
                      **({"host_gib": round(estimate.host / 2**30, 3)} if estimate.host else {})})
         print(rows[-1], flush=True)
-    RESULTS.write_text(json.dumps({"device": "CPU (fake tensors)", "rows": rows, "seed_guides": seed_rows()},
-                                  indent=1) + "\n")
+    RESULTS.write_text(json.dumps({"device": "CPU (fake tensors)", "rows": rows, "seed_guides": seed_rows(),
+                                   "renders": render_rows(), "swap": swap_row()}, indent=1) + "\n")
+
+
+def released(family_name: str, flavour: str, **settings: object) -> tuple:
+    """A config of the released checkpoint (its configs read from loraflow/pipelines/released/), its family, and the
+    component configs."""
+    from loraflow.config import parse_config
+    from loraflow.pipelines import get_family
+    from loraflow.pipelines.released import released_config
+
+    config = parse_config({"model_family": family_name, "model_flavour": flavour,
+                           "pretrained_model_name_or_path": str(ROOT),  # unused: configs are given
+                           "datasets": [{"id": "d", "instance_data_dir": str(ROOT / "configs")}], **settings})
+    components = [c for c in config.flavour.components if c in ("transformer", "vae", "image_encoder")]
+    return config, get_family(config), {c: released_config(flavour, c) for c in components}
+
+
+def render_rows() -> list[dict]:
+    """One validation render per RENDERS row on a 24 GB card, fp8 base: the estimate, its parts and plan."""
+    from loraflow import estimates
+
+    rows = []
+    for family_name, flavour, size, frames in RENDERS:
+        config, family, configs = released(family_name, flavour, validation_resolution=size, gpu_memory_gb=24,
+                                           validation_num_video_frames=frames, base_model_precision="fp8-layerwise")
+        began = time.perf_counter()
+        (estimate,) = estimates.estimate(config, family, configs, (frames, 64, 64), stages=("validation",))
+        rows.append({"flavour": flavour, "render": f"{size}@{frames}", "card_gb": 24,
+                     "before_gib": RENDERS_BEFORE.get(f"{flavour} {size}@{frames}"),
+                     "peak_gib": round(estimate.peak_gib, 2), "mark_24gb": estimate.mark(24),
+                     "parts_gib": {k: round(v / 2**30, 3) for k, v in estimate.parts.items()},
+                     "plan": estimate.note, "estimate_s": round(time.perf_counter() - began, 1)})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def swap_row() -> dict:
+    """Kandinsky 5 Pro i2v training at 256x256x73, fp8, rank 32, checkpointing, on 24 GB: as configured, and the
+    smallest `blocks_to_swap` that fits (what check proposes)."""
+    from loraflow import estimates
+    from loraflow.stages.clips.buckets import vae_geometry
+
+    config, family, configs = released("kandinsky5-video", "i2v-pro-sft-5s", base_model_precision="fp8-layerwise",
+                                       lora_rank=32, gradient_checkpointing=True, gpu_memory_gb=24)
+    began = time.perf_counter()
+    latent = vae_geometry(configs["vae"], family).shape(73, 256, 256)
+    now = estimates.training_step(config, family, configs["transformer"], latent)
+    label, swapped = estimates.swap_to_fit(config, family, configs["transformer"], now, 24)
+    row = {"flavour": "i2v-pro-sft-5s", "bucket": "256x256@73", "card_gb": 24, "as_configured_gib":
+           round(now.peak_gib, 2), "proposed": label, "with_it_gib": round(swapped.peak_gib, 2),
+           "estimate_s": round(time.perf_counter() - began, 1)}
+    print(row, flush=True)
+    return row
 
 
 def seed_rows() -> list[dict]:

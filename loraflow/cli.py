@@ -177,20 +177,34 @@ def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets:
     print(f"  largest bucket {width}x{height}@{frames}, batch {config.train_batch_size}, "
           f"{family.max_text_tokens} text tokens; GiB peak on the accelerator, TFLOP of one step (lora: forward + "
           "backward; latents: one clip; validation: one denoise call)")
+    print(f"  fit: {estimates.FIT_MARKS}")
     print(table(estimates.estimate_rows(stages),
                 ("stage", "peak GiB", "TFLOP", *(f"{gb}GB" for gb in estimates.CARDS_GB), "note")))
     card, named = estimates.card_gb(config)
-    lora = next(e for e in stages if e.stage == "lora")
-    if card is None or not lora.parts:
+    if card is None:
         return
-    if lora.fits(card):
-        print(f"  training fits {card:.3g} GB ({named}): {lora.peak_gib:.3g} GiB")
-        return
-    print(f"  training needs {lora.peak_gib:.3g} GiB; {card:.3g} GB ({named}) is short. Switches, each with its "
-          "estimated peak (smaller buckets: `resolution` of the dataset):")
-    for label, changed in estimates.switches(config, family, configs, bucket):
-        host = f" (+ {changed.host / estimates.GIB:.3g} GiB of CPU memory)" if changed.host else ""
-        print(f"    {label:<40} {changed.peak_gib:.3g} GiB{host} {'fits' if changed.fits(card) else 'does not fit'}")
+    for stage in stages:
+        if not stage.parts:
+            continue
+        if stage.fits(card):
+            print(f"  {stage.stage} fits {card:.3g} GB ({named}): {stage.peak_gib:.3g} GiB")
+            continue
+        print(f"  {stage.stage} needs {stage.peak_gib:.3g} GiB; {card:.3g} GB ({named}) is short. Switches, each with "
+              f"its estimated peak{SMALLER.get(stage.stage, '')}:")
+        rows = estimates.switches(config, family, configs, bucket, stage.stage, now=stage)
+        for label, changed in rows:
+            host = f" (+ {changed.host / estimates.GIB:.3g} GiB of CPU memory)" if changed.host else ""
+            fits = "fits" if changed.fits(card) else "tight" if changed.mark(card) == "tight" else "does not fit"
+            print(f"    {label:<40} {changed.peak_gib:.3g} GiB{host} {fits}")
+        if not rows:
+            print("    none left to switch")
+
+
+# what else lowers a stage's peak, beside its switches
+SMALLER = {"latents": " (smaller buckets: `resolution` of the dataset)",
+           "lora": " (smaller buckets: `resolution` of the dataset)",
+           "validation": " (the render's own offload and tiling are already chosen for the card; smaller renders: "
+                         "`validation_resolution`, `validation_num_video_frames`)"}
 
 
 def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str], ModelSource | None,

@@ -7,9 +7,10 @@ shapes only, so the real code (the family's `velocity`, the flow-matching loss, 
 checkpointing) runs at released size in seconds and allocates nothing. Each number is then computed so:
 
 - weights, LoRA: the bytes of the fake model's own tensors, in the configured precision (`_keep_in_fp32_modules`
-  stay fp32, as from_pretrained keeps them; fp8-layerwise stores the layers diffusers casts in 1 byte); group
-  offloading keeps only the non-block modules and the groups on the accelerator (one group, two with streams:
-  the next is prefetched).
+  as `fp32_modules_storage` stores them: fp32 as from_pretrained keeps them, bf16 or fp8; fp8-layerwise stores the
+  layers diffusers casts in 1 byte); group offloading keeps only the non-block modules and the groups on the
+  accelerator (one group, two with streams: the next is prefetched); `blocks_to_swap` N takes the last N blocks off
+  but the one computing (`offloaded`).
 - LoRA: every parameter the configured adapter trains, built by training's own `add_adapter` (LoRA, DoRA's
   magnitude vectors, LoKr, LoHa: what peft leaves requiring grad, not a name prefix).
 - optimizer: AdamW's two moments per LoRA parameter, fp32 (8 bytes per parameter) or bf16 with adamw_bf16 (4).
@@ -37,16 +38,24 @@ checkpointing) runs at released size in seconds and allocates nothing. Each numb
   latent, HunyuanVideo 1.5's SigLIP tokens), and the family's `velocity` builds the condition channels (latent,
   mask) and the image stream from it, so they are counted as any other tensor. The latents stage's image encoder
   (SigLIP) is left out of its row.
+- validation: one render as the validation stage runs it (`render_phases`, `render_plan`): the transformer in the
+  training precision, one no-grad denoise call and the VAE decode (in the transformer's dtype) of its latent,
+  whole and tiled with diffusers' tiling (each tile's decoder run once per tile shape: `fake_tensors.measured_once`);
+  then the plan for the card (`gpu_memory_gb`, else the GPU present): the least of parking (the transformer and the
+  VAE take turns on the card), tiling, blocks swapped, every block streamed that fits it. Without a card, what the
+  config asks. The pipeline's own small tensors (latents, the two guidance predictions) are left out.
 
 The fake step runs on the CPU: with bf16 autocast where a CUDA run uses it (`training.loop.uses_autocast`), so the
 activation dtypes are those of a GPU run. What is left out is said where it is: allocator rounding and
-fragmentation (CUDA rounds to 512 bytes), CUDA/cuDNN workspaces and the CUDA context (about 0.5 GiB per process).
+fragmentation (CUDA rounds to 512 bytes), CUDA/cuDNN workspaces and the CUDA context (about 0.5 GiB per process):
+a stage fits a card when its peak and CUDA_CONTEXT are under FIT_SHARE (90%) of it, which keeps room for them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,11 +68,20 @@ if TYPE_CHECKING:
 
     from loraflow.config import LoraflowConfig
     from loraflow.pipelines.base import ModelFamily
+    from loraflow.pipelines.render_memory import RenderPlan
     from loraflow.pipelines.sources import ModelSource
 
 GIB = 2**30
 CARDS_GB = (16, 24, 32, 48, 80, 141)  # common accelerator sizes; a card's "GB" is counted as GiB here
 STAGES = ("latents", "text_embeds", "lora", "validation")
+# What a card holds besides the estimate: the CUDA context of the process (0.5-1 GiB: CUDA's own state, cuBLAS and
+# cuDNN handles) outside the allocator, and within it the cache and fragmentation the caching allocator keeps
+# (5-10% of what it serves): a stage fits a card when its peak plus CUDA_CONTEXT is under FIT_SHARE of the card,
+# and is "tight" up to all of it (a run may fit, or may not).
+CUDA_CONTEXT = GIB // 2
+FIT_SHARE = 0.9
+FIT_MARKS = (f"✓: the peak + {CUDA_CONTEXT / GIB:.2g} GiB of CUDA context is under {FIT_SHARE:.0%} of the card; "
+             "tight: under all of it; ✗: over it")
 
 
 @dataclass(frozen=True)
@@ -87,7 +105,20 @@ class StageEstimate:
         return self.peak_bytes / GIB
 
     def fits(self, card_gb: float) -> bool:
-        return self.peak_bytes <= card_gb * GIB
+        """Fits with the margin: peak + CUDA_CONTEXT under FIT_SHARE of the card."""
+        return usable_bytes(card_gb) >= self.peak_bytes
+
+    def mark(self, card_gb: float) -> str:
+        """`check`'s table cell: ✓ (fits with the margin), tight (the peak and the context fit the whole card, not
+        the margin) or ✗."""
+        if self.fits(card_gb):
+            return "✓"
+        return "tight" if self.peak_bytes + CUDA_CONTEXT <= card_gb * GIB else "✗"
+
+
+def usable_bytes(card_gb: float) -> int:
+    """What an estimate may take of a card and still fit: FIT_SHARE of it, less the CUDA context."""
+    return int(FIT_SHARE * card_gb * GIB) - CUDA_CONTEXT
 
 
 # the stages -----------------------------------------------------------------------------------------------
@@ -110,14 +141,30 @@ def weights_bytes(model: torch.nn.Module) -> int:
 
 
 def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> int:
-    """Frozen block weights group offloading keeps off the accelerator. block_level: all but the group computing
-    now and, with streams, the next one (prefetched); leaf_level: every block but one leaf at a time, counted as
-    one block. The LoRA stays resident (`training.loop.Trainable`)."""
-    blocks = list(getattr(transformer, family.tread_layout.blocks))
-    per_block = [weights_bytes(b) for b in blocks]
-    group = config.group_offload_blocks_per_group if config.group_offload_type == "block_level" else 1
-    resident = group * (2 if config.group_offload_use_stream else 1)
-    return sum(per_block) - sum(sorted(per_block, reverse=True)[:resident])
+    """Frozen block weights kept off the accelerator (`block_bytes`, then `offloaded`)."""
+    return offloaded(block_bytes(transformer, family), config.enable_group_offload, config.blocks_to_swap,
+                     config.group_offload_blocks_per_group if config.group_offload_type == "block_level" else 1,
+                     config.group_offload_use_stream)
+
+
+def block_bytes(transformer: torch.nn.Module, family: ModelFamily) -> list[int]:
+    """Each block's frozen weights, in the order the transformer holds them."""
+    return [weights_bytes(b) for b in getattr(transformer, family.tread_layout.blocks)]
+
+
+def offloaded(blocks: list[int], every_block: bool, blocks_to_swap: int, per_group: int = 1,
+              stream: bool = False) -> int:
+    """Of these blocks' bytes, those kept off the accelerator. Every block (group offloading) block_level: all but the
+    group computing now and, with streams, the next one (prefetched); leaf_level (`per_group` 1): every block but
+    one leaf at a time, counted as one block. `blocks_to_swap` N: the last N but the one computing now
+    (`kernels/offload.py`: one diffusers group each, no prefetch). The LoRA stays resident
+    (`training.loop.Trainable`)."""
+    from loraflow.kernels.offload import swapped
+
+    if every_block:
+        return sum(blocks) - sum(sorted(blocks, reverse=True)[:per_group * (2 if stream else 1)])
+    gone = [blocks[i] for i in swapped(len(blocks), blocks_to_swap)]
+    return sum(gone) - max(gone, default=0)
 
 
 def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
@@ -135,11 +182,22 @@ def _transformer(config: LoraflowConfig, family: ModelFamily, transformer_config
         with torch.random.fork_rng(devices=[]):  # add_adapter seeds torch's generator: the caller's is left as it was
             add_adapter(model, config, family.lora_targets(config.lora_include_ffn))
 
-    one_byte = precision in ("fp8-layerwise", "int8-torchao", "int8-quanto")
     transformer = fake_model(meta_model(transformer_config, _dtype(precision), adapter), mode)
-    stored = meta_model(transformer_config, _dtype(precision), fp8=True) if one_byte else transformer
     lora = [p for p in transformer.parameters() if p.requires_grad]
-    return transformer, lora, stored
+    return transformer, lora, stored_model(transformer_config, precision, config.fp32_modules_storage)
+
+
+def stored_model(transformer_config: Mapping[str, Any], precision: str, kept: str) -> torch.nn.Module:
+    """The transformer on the meta device with its frozen weights in the dtypes `base_model_precision` stores them
+    in (fp8 and int8: 1 byte where diffusers' layerwise casting casts), its fp32-kept modules as `kept` says
+    (`fp32_modules_storage`, kernels/quantize.py `store_kept`)."""
+    from loraflow.kernels.quantize import store_kept
+
+    one_byte = precision in ("fp8-layerwise", "int8-torchao", "int8-quanto")
+    stored = meta_model(transformer_config, _dtype(precision), fp8=one_byte)
+    if precision != "no_change":
+        store_kept(stored, kept)
+    return stored
 
 
 def _velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shape: tuple[int, ...], batch: int,
@@ -265,7 +323,7 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     except NotFakeable as exc:
         return StageEstimate("lora", note=str(exc))
     weights = weights_bytes(stored)
-    if config.enable_group_offload:  # the blocks as stored: 1 byte per weight with fp8/int8, not the bf16 compute
+    if config.enable_group_offload or config.blocks_to_swap:  # the blocks as stored: 1 byte per weight with fp8/int8
         weights -= offloaded_bytes(stored, config, family)
     moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
     return StageEstimate("lora", {"weights": weights, "lora": tensor_bytes(lora), "optimizer": moments,
@@ -297,44 +355,176 @@ def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[
 
 def text_encoders(config: LoraflowConfig, family: ModelFamily,
                   component_configs: Mapping[str, Mapping[str, Any]]) -> StageEstimate:
-    """The text_embeds stage: the text encoders' weights (the first in `text_encoder_1_precision`: bf16 2 bytes,
-    int8 counted as bf16, fp32 4), all on the accelerator at once unless offload_during_startup (then the largest
+    """The text_embeds stage: the text encoders' weights (the first in `text_encoder_1_precision`: fp32 4 bytes, bf16
+    2, int8-torchao `int8_bytes`), all on the accelerator at once unless offload_during_startup (then the largest
     alone). Their activations (one prompt, no grad) are left out."""
     encoders = [c for c in family.text_components if c in component_configs]
     sizes = []
     for name in encoders:
         precision = config.text_encoder_1_precision if name == "text_encoder" else "fp32"
-        sizes.append(weights_bytes(meta_model(component_configs[name], _dtype(precision))))
+        model = meta_model(component_configs[name], _dtype(precision))
+        sizes.append(int8_bytes(model) if precision == "int8-torchao" else weights_bytes(model))
     weights = max(sizes, default=0) if config.offload_during_startup else sum(sizes)
     return StageEstimate("text_embeds", {"weights": weights}, None, "weights only")
 
 
-def validation(config: LoraflowConfig, family: ModelFamily, component_configs: Mapping[str, Mapping[str, Any]],
-               latent_shape: tuple[int, int, int, int], device_type: str = "cuda") -> StageEstimate:
-    """One validation render: the fp32 transformer with its LoRA and the VAE (as `load_renderer` loads them) + the
-    larger of one no-grad denoise call at the validation size and the VAE decode of its latent."""
+def int8_bytes(model: torch.nn.Module) -> int:
+    """A bf16 model's bytes with every linear weight stored as `kernels/quantize.py` stores it: 1 byte per weight,
+    and per output row an fp32 scale and an int8 zero point; the rest (embeddings, norms, biases) bf16."""
     import torch
 
+    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    quantized = sum(w.numel() + 5 * w.shape[0] for w in linear)
+    return weights_bytes(model) - tensor_bytes(linear) + quantized
+
+
+@dataclass(frozen=True)
+class RenderPhases:
+    """What one validation render holds on the accelerator, from which the bytes of any `RenderPlan` follow: the
+    transformer as stored in the training precision (its blocks apart), its LoRA, the parts that move with the VAE
+    (the VAE, HunyuanVideo 1.5 i2v's image encoder), and the activation peaks of one no-grad denoise call and of the
+    VAE decode, whole and tiled (None: the VAE has no tiling)."""
+
+    transformer: int
+    blocks: list[int]
+    lora: int
+    vae: int
+    denoise: int
+    decode: int
+    decode_tiled: int | None
+    tflop: float
+    nabla: int = 0  # NABLA's block masks during the denoise (`_attention_stand_in`)
+    note: str = ""
+
+    def resident(self, plan: RenderPlan) -> int:
+        """The transformer's bytes on the accelerator while it denoises (the LoRA apart)."""
+        return self.transformer - offloaded(self.blocks, plan.offload_all, plan.blocks_to_swap, 1, plan.offload_all)
+
+    def phases(self, plan: RenderPlan) -> dict[str, dict[str, int]]:
+        """{"denoise": parts, "decode": parts}. Parked: the VAE is off the accelerator while the transformer runs, and
+        the transformer (all of it that is resident) while the VAE runs; every block streamed leaves nothing of the
+        transformer behind either."""
+        transformer = self.resident(plan) + self.lora
+        left = 0 if plan.park or plan.offload_all else transformer
+        decode = self.decode_tiled if plan.vae_tiling and self.decode_tiled is not None else self.decode
+        nabla = {"nabla masks": self.nabla} if self.nabla else {}
+        return {"denoise": {"weights": transformer - self.lora + (0 if plan.park else self.vae), "lora": self.lora,
+                            "activations": self.denoise, **nabla},
+                "decode": {"weights": self.vae + left, "activations": decode}}
+
+    def estimate(self, plan: RenderPlan) -> StageEstimate:
+        """The larger phase's parts, and the plan in the note."""
+        phases = self.phases(plan)
+        phase = max(phases, key=lambda name: sum(phases[name].values()))
+        note = "; ".join(n for n in (f"{plan.describe()}; peak in the {phase}", self.note) if n)
+        return StageEstimate("validation", phases[phase], self.tflop, note)
+
+
+def render_phases(config: LoraflowConfig, family: ModelFamily, component_configs: Mapping[str, Mapping[str, Any]],
+                  latent_shape: tuple[int, int, int, int], device_type: str = "cuda") -> RenderPhases | StageEstimate:
+    """The phases of a render at this latent size with the transformer stored in the training precision (what
+    `load_renderer` does with a `RenderPlan`): a fake no-grad denoise call (bf16 compute unless fp32), and the fake
+    VAE decode of its latent, whole and with diffusers' tiling. A StageEstimate with the reason where it cannot be
+    estimated."""
+    import torch
+
+    from loraflow.kernels.quantize import frozen_dtype
+
+    if (skipped := _not_modelled("validation", family, component_configs["transformer"])) is not None:
+        return skipped
     transformer_config, nabla, note = _attention_stand_in(None, component_configs["transformer"], latent_shape, 1,
                                                           device_type)
     mode = _fake_mode()
-    transformer, lora, stored = _transformer(config, family, transformer_config, mode, "no_change")
-    denoise = _velocity_call(family, transformer, latent_shape, 1, False, None)
+    precision = config.base_model_precision
+    transformer, lora, stored = _transformer(config, family, transformer_config, mode, precision)
+    denoise = _velocity_call(family, transformer, latent_shape, 1, precision != "no_change", None)
     try:
         denoise_peak, tflop, _ = measured_step(denoise, mode, transformer, device_type)
     except NotFakeable as exc:
         return StageEstimate("validation", note=str(exc))
-    vae = fake_model(meta_model(component_configs["vae"], torch.float32), mode)
+    dtype = frozen_dtype(precision)  # the VAE computes in the transformer's dtype (`load_pipeline`)
+    vae = fake_model(meta_model(component_configs["vae"], dtype), mode)
+    moved = weights_bytes(vae) + sum(weights_bytes(meta_model(component_configs[c], torch.float32))
+                                     for c in family.image_condition_components if c in component_configs)
 
     def decode() -> None:
-        latent = torch.zeros((1, *latent_shape))
-        with torch.no_grad():  # an image family's VAE (Flux) is 2D: its pipeline decodes (B, C, h, w)
-            vae.decode(latent[:, :, 0] if family.flavour.num_frames == 1 else latent)
+        latent = torch.zeros((1, *latent_shape), dtype=dtype)
+        with torch.no_grad(), blends_in_place(vae):  # an image family's VAE (Flux) is 2D: its pipeline decodes
+            vae.decode(latent[:, :, 0] if family.flavour.num_frames == 1 else latent)  # (B, C, h, w)
 
     decode_peak, _, _ = measured_step(decode, mode, vae, device_type)
-    return StageEstimate("validation", {"weights": weights_bytes(stored) + weights_bytes(vae),
-                                        "lora": tensor_bytes(lora), "activations": max(denoise_peak, decode_peak),
-                                        **nabla}, tflop, note)
+    tiled = None
+    if hasattr(vae, "enable_tiling"):
+        vae.enable_tiling()  # the decoder runs once per tile shape (`measured_once`): dozens of tiles at 720p
+        tiled, _, _ = measured_step(decode, mode, vae, device_type, repeated=[vae.decoder])
+    return RenderPhases(weights_bytes(stored), block_bytes(stored, family), tensor_bytes(lora), moved, denoise_peak,
+                        decode_peak, tiled, tflop, sum(nabla.values()), note)
+
+
+@contextmanager
+def blends_in_place(vae: torch.nn.Module) -> Iterator[None]:
+    """The tiled decode's seam blending (`blend_v`, `blend_h`, `blend_t` of diffusers' video and image VAEs) as the
+    identity while estimating: each writes one pixel row of the next tile in place per step, a Python loop of
+    thousands of ops on fake tensors at released size, holding a row's temporaries (a few MB: left out)."""
+    names = [n for n in ("blend_v", "blend_h", "blend_t") if hasattr(vae, n)]
+    for name in names:
+        setattr(vae, name, lambda a, b, extent: b)
+    try:
+        yield
+    finally:
+        for name in names:
+            delattr(vae, name)
+
+
+def render_plan(config: LoraflowConfig, phases: RenderPhases | None, card_gb: float | None) -> RenderPlan:
+    """How a render holds its models: what the config asks (`base_model_precision`, `vae_enable_tiling`,
+    `enable_group_offload`, `blocks_to_swap`) and, for a known card, the least added that fits it with the margin
+    (`usable_bytes`): nothing, then the transformer and the VAE taking turns (parked), tiling (approximate), both; then
+    each of these with 1, 2, ... blocks swapped, then every block streamed. None fits: the last (the least memory)."""
+    from dataclasses import replace
+
+    from loraflow.pipelines.render_memory import RenderPlan
+
+    asked = RenderPlan(precision=config.base_model_precision, kept=config.fp32_modules_storage,
+                       blocks_to_swap=config.blocks_to_swap,
+                       offload_all=config.enable_group_offload, vae_tiling=config.vae_enable_tiling)
+    if card_gb is None or phases is None:
+        return asked
+    turns = [(False, False), (True, False), (False, True), (True, True)] if phases.decode_tiled is not None else \
+        [(False, False), (True, False)]
+    swaps = [asked] if asked.offload_all else \
+        [replace(asked, blocks_to_swap=n) for n in range(asked.blocks_to_swap, len(phases.blocks) + 1)] + \
+        [replace(asked, blocks_to_swap=0, offload_all=True)]
+    plans = [replace(p, park=park, vae_tiling=p.vae_tiling or tiled) for p in swaps for park, tiled in turns]
+    usable = usable_bytes(card_gb)
+    return next((p for p in plans if phases.estimate(p).peak_bytes <= usable), plans[-1])
+
+
+def validation_plan(config: LoraflowConfig, family: ModelFamily, model: ModelSource, frames: int, height: int,
+                    width: int) -> RenderPlan:
+    """The plan the validation stage renders with at this size: `render_plan` for the card (`card_gb`) from the
+    model's config files; without a card, or where the render cannot be estimated, what the config asks."""
+    from loraflow.stages.clips.buckets import vae_geometry
+
+    card, _ = card_gb(config)
+    configs = component_configs({c: model.folder(c) for c in config.flavour.components}) if card else {}
+    phases = None
+    if configs:
+        latent = vae_geometry(dict(configs["vae"]), family).shape(frames, height, width)
+        configs = {**configs, "transformer": family.flavour.configured(configs["transformer"])}  # Pro's SD/HD mode
+        phases = render_phases(config, family, configs, latent, "cuda")
+    return render_plan(config, phases if isinstance(phases, RenderPhases) else None, card)
+
+
+def validation(config: LoraflowConfig, family: ModelFamily, component_configs: Mapping[str, Mapping[str, Any]],
+               latent_shape: tuple[int, int, int, int], device_type: str = "cuda",
+               card: float | None = None) -> StageEstimate:
+    """One validation render as the validation stage runs it: `render_phases` under the `render_plan` it chooses for
+    `card` (GiB; None: what the config asks)."""
+    phases = render_phases(config, family, component_configs, latent_shape, device_type)
+    if isinstance(phases, StageEstimate):
+        return phases
+    return phases.estimate(render_plan(config, phases, card))
 
 
 # 3. a config's table, and what would make it fit ------------------------------------------------------------
@@ -406,36 +596,82 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
     run = {"latents": lambda: vae_encode(config, family, configs["vae"], frames, height, width, device_type),
            "text_embeds": lambda: text_encoders(config, family, configs),
            "lora": lambda: training_step(config, family, configs["transformer"], latent, device_type),
-           "validation": lambda: validation(config, family, configs,
-                                            geometry.shape(val_frames, val_height, val_width), device_type)}
+           "validation": lambda: validation(config, family, configs, geometry.shape(val_frames, val_height, val_width),
+                                            device_type, card_gb(config)[0])}
     return [run[stage]() for stage in stages]
 
 
-# each switch alone, then together: the settings that lower the training peak, by name as the config takes them
-SWITCHES: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("gradient_checkpointing: true", {"gradient_checkpointing": True}),
-    ("gradient_checkpointing_cpu_offload: true", {"gradient_checkpointing": True,
-                                                  "gradient_checkpointing_cpu_offload": True}),
-    ("base_model_precision: fp8-layerwise", {"base_model_precision": "fp8-layerwise"}),
-    ("enable_group_offload: true", {"enable_group_offload": True}),
-    ("optimizer: adamw_bf16", {"optimizer": "adamw_bf16"}),
-    ("train_batch_size: 1", {"train_batch_size": 1}),
-)
+KEPT = {"fp32_modules_storage": "bf16"}  # what a config that switches to a bf16/fp8 base gets (its validator)
+# Per stage, the settings that lower its peak, by name as the config takes them: each alone, then all together.
+# Validation renders in training's precision and chooses its offload and tiling itself (`render_plan`); what is left
+# to switch is the precision, which training shares.
+SWITCHES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    "latents": (
+        ("vae_enable_tiling: true", {"vae_enable_tiling": True}),
+        ("vae_enable_patch_conv: true", {"vae_enable_patch_conv": True}),
+    ),
+    "text_embeds": (
+        ("text_encoder_1_precision: bf16", {"text_encoder_1_precision": "bf16"}),
+        ("text_encoder_1_precision: int8-torchao", {"text_encoder_1_precision": "int8-torchao"}),
+        ("offload_during_startup: true", {"offload_during_startup": True}),
+    ),
+    "lora": (
+        ("gradient_checkpointing: true", {"gradient_checkpointing": True}),
+        ("gradient_checkpointing_cpu_offload: true", {"gradient_checkpointing": True,
+                                                      "gradient_checkpointing_cpu_offload": True}),
+        ("base_model_precision: fp8-layerwise", {"base_model_precision": "fp8-layerwise", **KEPT}),
+        ("enable_group_offload: true", {"enable_group_offload": True, "blocks_to_swap": 0}),
+        ("optimizer: adamw_bf16", {"optimizer": "adamw_bf16"}),
+        ("train_batch_size: 1", {"train_batch_size": 1}),
+    ),
+    "validation": (
+        ("base_model_precision: bf16", {"base_model_precision": "bf16", **KEPT}),
+        ("base_model_precision: fp8-layerwise", {"base_model_precision": "fp8-layerwise", **KEPT}),
+    ),
+}
 
 
 def switches(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, Mapping[str, Any]],
-             bucket: tuple[int, int, int], device_type: str = "cuda") -> list[tuple[str, StageEstimate]]:
-    """The training estimate with each switch the config does not use yet, then with all of them."""
-    from loraflow.stages.clips.buckets import vae_geometry
-
-    latent = vae_geometry(dict(configs["vae"]), family).shape(*bucket)
-    transformer_config = family.flavour.configured(configs["transformer"])  # Pro's SD/HD mode
-    unused = [(label, change) for label, change in SWITCHES
+             bucket: tuple[int, int, int], stage: str = "lora", device_type: str = "cuda",
+             now: StageEstimate | None = None) -> list[tuple[str, StageEstimate]]:
+    """The stage's estimate with each of its SWITCHES the config does not use yet, then with all of them; for the
+    lora stage with a card (`card_gb`) also the smallest `blocks_to_swap` that fits it (on top of the config, else
+    of gradient checkpointing), from `now` (the stage's estimate as configured) where given."""
+    unused = [(label, change) for label, change in SWITCHES[stage]
               if any(getattr(config, k) != v for k, v in change.items())]
     if len(unused) > 1:
         unused.append(("all of the above", {k: v for _, change in unused for k, v in change.items()}))
-    return [(label, training_step(config.model_copy(update=change), family, transformer_config, latent,
-                                  device_type)) for label, change in unused]
+    rows = [(label, next(iter(estimate(config.model_copy(update=change), family, configs, bucket, device_type,
+                                       (stage,))))) for label, change in unused]
+    card, _ = card_gb(config)
+    if stage == "lora" and card is not None and not config.enable_group_offload:
+        now = now or next(iter(estimate(config, family, configs, bucket, device_type, ("lora",))))
+        checkpointed = dict(rows).get("gradient_checkpointing: true")
+        for prefix, base in (("", now), ("gradient_checkpointing: true + ", checkpointed)):
+            swap = swap_to_fit(config, family, configs["transformer"], base, card) if base else None
+            if swap is not None:
+                rows.append((f"{prefix}{swap[0]}", swap[1]))
+                break
+    return rows
+
+
+def swap_to_fit(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
+                now: StageEstimate, card: float) -> tuple[str, StageEstimate] | None:
+    """`blocks_to_swap: N`, the smallest N that makes `now` (a training estimate of `config`) fit `card`, with its
+    estimate: the weights it takes off the accelerator (`offloaded`, the blocks as stored), the rest unchanged."""
+    from dataclasses import replace
+
+    if not now.parts:
+        return None
+    stored = stored_model(transformer_config, config.base_model_precision, config.fp32_modules_storage)
+    blocks = block_bytes(stored, family)
+    before = offloaded(blocks, False, config.blocks_to_swap)
+    for n in range(config.blocks_to_swap + 1, len(blocks) + 1):
+        parts = {**now.parts, "weights": now.parts["weights"] - (offloaded(blocks, False, n) - before)}
+        swapped = replace(now, parts=parts)
+        if swapped.fits(card):
+            return f"blocks_to_swap: {n} (of {len(blocks)})", swapped
+    return None
 
 
 def card_gb(config: LoraflowConfig) -> tuple[float | None, str]:
@@ -451,15 +687,15 @@ def card_gb(config: LoraflowConfig) -> tuple[float | None, str]:
 
 
 def estimate_rows(estimates: list[StageEstimate]) -> list[tuple[str, ...]]:
-    """`loraflow check`'s table: stage, peak GiB, TFLOP, then ✓/✗ per card of CARDS_GB; below a stage that holds
-    host memory, a "(host)" row with its GiB."""
+    """`loraflow check`'s table: stage, peak GiB, TFLOP, then ✓ / tight / ✗ per card of CARDS_GB (`StageEstimate.mark`,
+    FIT_MARKS); below a stage that holds host memory, a "(host)" row with its GiB."""
     rows = []
     for e in estimates:
         if not e.parts:
             rows.append((e.stage, "-", "-", *("-" for _ in CARDS_GB), e.note))
             continue
         tflop = "-" if e.tflop is None else f"{e.tflop:.4g}"
-        rows.append((e.stage, f"{e.peak_gib:.3g}", tflop, *("✓" if e.fits(gb) else "✗" for gb in CARDS_GB), e.note))
+        rows.append((e.stage, f"{e.peak_gib:.3g}", tflop, *(e.mark(gb) for gb in CARDS_GB), e.note))
         if e.host:
             rows.append((f"{e.stage} (host)", f"{e.host / GIB:.3g}", "-", *("-" for _ in CARDS_GB),
                          "CPU memory, not the accelerator's: activation offload's copies of the blocks' inputs"))

@@ -73,7 +73,7 @@ ADAPTER_MODE_WHY = ("loraflow's validation renders the base, the trained LoRA an
 # SimpleTuner's rollout samplers -> loraflow's (Euler only: kernels/scheduled_sampling.py)
 ROLLOUT_SAMPLERS = {"euler": "euler", "unipc": "euler"}
 # musubi-tuner's block swap (SimpleTuner's name, musubi's own): the last N blocks live on the CPU, each moved to the GPU
-# for its forward and backward; loraflow's one mechanism for it is diffusers' group offloading
+# for its forward and backward; loraflow's `blocks_to_swap` (kernels/offload.py: diffusers' group offloading of those)
 BLOCK_SWAP = ("musubi_blocks_to_swap", "blocks_to_swap")
 
 
@@ -161,7 +161,7 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
             out.skip(key, value, "the first text encoder runs in fp32, bf16 or int8-torchao (int8 weight-only); "
                                  "other quantisations are not supported")
         elif key in BLOCK_SWAP:
-            _block_swap(key, value, out)
+            _block_swap(key, value, out, settings)
         elif key == "lycoris_config":
             out.config[key] = _lycoris(value, base_dir, out)
         elif key == "validation_adapter_mode":
@@ -182,15 +182,18 @@ def import_simpletuner(config: dict[str, Any], backends: list[dict[str, Any]] | 
     return out
 
 
-def _block_swap(key: str, value: Any, out: Imported) -> None:
-    """musubi-tuner's block swap as loraflow's group offload (`BLOCK_SWAP`); 0 is off."""
+def _block_swap(key: str, value: Any, out: Imported, settings: dict[str, Any]) -> None:
+    """musubi-tuner's block swap (`BLOCK_SWAP`) as loraflow's `blocks_to_swap`; 0 is off. With SimpleTuner's
+    `enable_group_offload` as well, every block is streamed already: that one stays."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         out.skip(key, value, "the number of transformer blocks to swap, 0 or more")
+    elif value and _truthy(settings.get("enable_group_offload")):
+        out.skip(key, value, "enable_group_offload streams every block already (set it false to swap only these)")
     elif value:
-        out.config.update(enable_group_offload=True, group_offload_type="block_level", group_offload_blocks_per_group=1)
-        out.notes.append(f"{key} {value} became enable_group_offload (block_level, one block per group): every "
-                         f"block waits on the CPU, not only the last {value}, so the GPU holds less and each step "
-                         "moves more; group_offload_use_stream: true overlaps the moves on CUDA")
+        out.config["blocks_to_swap"] = value
+        if key != "blocks_to_swap":
+            out.notes.append(f"{key} {value} became blocks_to_swap {value}: the last {value} transformer blocks wait "
+                             "on the CPU, each moved to the GPU for its forward and backward, the rest stay on it")
 
 
 def _static_and_auto_shift(settings: dict[str, Any]) -> bool:

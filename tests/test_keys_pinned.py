@@ -61,8 +61,10 @@ PINNED: dict[str, tuple[str, str, str, str, str]] = {
     "hunyuanvideo15_crepa.yaml": ("db78e4022169dce9f385b59e8686c9fe", "219c8afa4df85c88dc7cca29f5031d08",
                                   "b69ab6de8dae3cc1a51a2060dc31ee0b", "e4a46b15ca1503b15648cfd8ef97ad79",
                                   "6b14d68d6d021695b5393b14b4bbc527"),
-    "kandinsky5_image_crepa.yaml": ("9ffa53f4400d3bba9d1a18bac9c8e20a", "b6eed4b4f1ea0d68703f260e38c7e849",
-                                    "529dbb9a0442a61abb8175182e66c503", "e4a46b15ca1503b15648cfd8ef97ad79",
+    # run key re-pinned on purpose (issue 43): its int8 base now stores Kandinsky 5's fp32-kept modules in bf16
+    # (`fp32_modules_storage`, a new number); with `fp32_modules_storage: fp32` the old key comes back
+    "kandinsky5_image_crepa.yaml": ("cc12e7f7f1122cfe7d673e2f754d8c66", "d78758be2ea0b657ac32810d5081ddae",
+                                    "176446c9c8885094f32140322e03d01b", "e4a46b15ca1503b15648cfd8ef97ad79",
                                     "6b14d68d6d021695b5393b14b4bbc527"),
     "kandinsky5_video_crepa.yaml": ("56fac558f645d966bc2d9e1cf6e65e80", "586458496e209afb6176b863653f51d5",
                                     "c0c8a2364c23d612dcfe2daa9e746597", "e4a46b15ca1503b15648cfd8ef97ad79",
@@ -129,3 +131,14 @@ def test_the_image_renders_start_from_is_that_of_before(name: str) -> None:
     family, dataset = get_family(config), config.datasets[0].id
     clips = _Clips([clip_row(f"clip-{i}", dataset, source=f"s{i}.mp4").to_row() for i in range(3)])
     assert prompt_image(config, family, clips, render_settings(config, family, model_source(config))) == RENDER_FROM.get(name, (None, ""))
+
+
+def test_kept_modules_stored_in_fp32_keep_the_run_key_of_before() -> None:
+    """`fp32_modules_storage` (issue 43) is bf16 under a bf16/fp8/int8 base unless the config says: a config that
+    asks fp32, what every run computed before the option, has the run key it had (kandinsky5_image_crepa.yaml's,
+    pinned on e55ad30)."""
+    config = load_config(REPO / "configs" / "kandinsky5_image_crepa.yaml")
+    assert config.fp32_modules_storage == "bf16"
+    before = config.model_copy(update={"fp32_modules_storage": "fp32"})
+    assert T.run_dir(before, UPSTREAM).name == "9ffa53f4400d3bba9d1a18bac9c8e20a"
+    assert T.run_dir(config, UPSTREAM).name == PINNED["kandinsky5_image_crepa.yaml"][0]

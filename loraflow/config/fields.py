@@ -213,10 +213,16 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     enable_group_offload: bool = setting(
         False, run_key="never", description="keep transformer blocks on the CPU, each moved to the GPU only for its "
         "forward (diffusers group offloading); LoRA stays on the GPU")
+    blocks_to_swap: int = setting(
+        0, run_key="never", ge=0, description="keep the last N of the transformer's blocks on the CPU, each moved to "
+        "the GPU for its forward (and backward), the rest resident (musubi-tuner's name; diffusers' group offloading "
+        "of those N blocks): the same numbers, less GPU memory than none, faster than `enable_group_offload` (every "
+        "block). Renders (validation, progress renders) swap at least as many. `loraflow check` proposes the "
+        "smallest N that fits `gpu_memory_gb`; 0: off")
     gpu_memory_gb: float | None = setting(
         None, run_key="never", gt=0, description="memory of the GPU this config must fit, in GB (counted as GiB): "
-        "`loraflow check` names the switches that would make training fit it; default: the CUDA GPU of the machine "
-        "running check, if any")
+        "`loraflow check` names, for each stage that does not fit it, the switches that would; validation chooses its "
+        "render's offload and VAE tiling to fit it; default: the CUDA GPU of the machine running, if any")
     group_offload_type: Literal["block_level", "leaf_level"] = setting("block_level", run_key="never")
     group_offload_blocks_per_group: int = setting(
         1, run_key="never", ge=1, description="block_level: blocks moved together")
@@ -227,6 +233,13 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         "(modules diffusers keeps in fp32 stay fp32); fp8-layerwise = stored float8_e4m3fn, computed in bf16 per "
         "layer (diffusers layerwise casting); int8-torchao = int8 weight-only (torchao), computed in bf16; "
         "int8-quanto runs as int8-torchao (kernels/quantize.py). LoRA parameters are always fp32")
+    fp32_modules_storage: Literal["fp32", "bf16", "fp8"] = setting(
+        "fp32", run_key="when_set", description="how the modules diffusers keeps in fp32 are stored when "
+        "base_model_precision is bf16, fp8 or int8 (Kandinsky 5's time embeddings and modulations: 2.38B parameters, "
+        "8.9 GiB on Pro, 1 GiB on Lite; HunyuanVideo 1.5 has none): fp32, bf16 or fp8 (float8_e4m3fn), computing in "
+        "fp32 either way (diffusers' layerwise casting). Default with such a base: bf16, which changes the tiny model's "
+        "velocity no more than the bf16 base itself does (docs/families.md); fp8 doubles that change and saves as "
+        "much again")
     mixed_precision: Literal["auto", "no", "bf16"] = setting(
         "auto", run_key="always", description="bf16 autocast of the forward: auto = on CUDA, or when "
         "base_model_precision is not no_change; no = fp32 compute (needs base_model_precision no_change)")

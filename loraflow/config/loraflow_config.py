@@ -38,6 +38,17 @@ class LoraflowConfig(ConfigFields):
     """A whole run: model, data, training and validation. Units are in each field's description."""
 
     # The keys are ConfigFields' (fields.py); here, the checks across keys and what the stages read from a config.
+    @model_validator(mode="before")
+    @classmethod
+    def _kept_storage(cls, data: Any) -> Any:
+        """`fp32_modules_storage` left out under a bf16/fp8/int8 base is bf16 (its field's default, fp32, is what an
+        fp32 base keeps anyway): so a run key changes with what the run computes (keys say the fields that differ
+        from their defaults), and one that asks fp32 keeps the key it had before the option."""
+        if isinstance(data, dict) and "fp32_modules_storage" not in data and \
+                data.get("base_model_precision", "no_change") != "no_change":
+            return {**data, "fp32_modules_storage": "bf16"}
+        return data
+
     @model_validator(mode="after")
     def _adapter_kind(self) -> LoraflowConfig:
         if (self.lora_type == "lycoris") != (self.lycoris_config is not None):
@@ -237,6 +248,9 @@ class LoraflowConfig(ConfigFields):
     def _training_memory(self) -> LoraflowConfig:
         if self.group_offload_use_stream and not self.enable_group_offload:
             raise ValueError("`group_offload_use_stream` needs `enable_group_offload: true`; set both or neither")
+        if self.blocks_to_swap and self.enable_group_offload:
+            raise ValueError(f"`blocks_to_swap` {self.blocks_to_swap} streams the last blocks, `enable_group_offload` "
+                             "every block: set one (blocks_to_swap: 0, or enable_group_offload: false)")
         if self.mixed_precision == "no" and self.base_model_precision != "no_change":
             raise ValueError(f"`base_model_precision` {self.base_model_precision} computes in bf16: set "
                              "`mixed_precision` to auto or bf16 (or base_model_precision to no_change)")
@@ -250,7 +264,7 @@ class LoraflowConfig(ConfigFields):
             raise ValueError(f"`fsdp: true` shards the model over the training processes but num_processes is "
                              f"{self.num_processes}: set num_processes: N (one per GPU, N > 1) or fsdp: false")
         # Each of these runs the sharded transformer (or its LoRA) on rank 0 alone or beside FSDP's own hooks
-        for key in ("enable_group_offload", "crepa_enabled", "validation_steps", "use_ema", "lycoris_config",
+        for key in ("enable_group_offload", "blocks_to_swap", "crepa_enabled", "validation_steps", "use_ema", "lycoris_config",
                     "validation_on_startup"):
             if getattr(self, key):
                 raise ValueError(f"`{key}` is not supported with `fsdp: true` (untested together): remove `{key}` "

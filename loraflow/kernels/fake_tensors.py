@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -197,23 +198,71 @@ class NotFakeable(Exception):
     weights), which fake tensors do not have."""
 
 
-def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module,
-                  device_type: str = "cuda") -> tuple[int, float, int]:
+def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module, device_type: str = "cuda",
+                  repeated: Iterable[torch.nn.Module] = ()) -> tuple[int, float, int]:
     """Run `fn` under the fake `mode`: (peak bytes of the tensors it makes and of the attention backward's
     workspace on `device_type`, `model`'s own tensors not counted; TFLOP; peak bytes it holds in host memory:
-    on the meta device)."""
+    on the meta device). Each module of `repeated` runs once per distinct input shape (`measured_once`)."""
+    from contextlib import ExitStack
+
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     counter = _counter_mode()([*model.parameters(), *model.buffers()], device_type)
     try:
         # known_values answers from the batch `fn` builds what a forward asks of values (HV1.5: its image and
         # text masks); innermost, so the counter counts what it returns as any op's output
-        with mode, counter, known_values():
+        with mode, counter, known_values(), ExitStack() as once:
+            for module in repeated:
+                once.enter_context(measured_once(module, counter))
             fn()
     except DataDependentOutputException as exc:
         raise NotFakeable(f"not estimated yet: {type(model).__name__}'s forward reads tensor values ({exc.func}), "
                           "which fake tensors do not have") from None
     return counter.peak, counter.flops / 1e12, counter.host_peak
+
+
+class _Shape:
+    """A tensor's shape, dtype and device: a pytree leaf (a named tuple would be a node)."""
+
+    def __init__(self, shape: Any, dtype: Any, device: Any) -> None:
+        self.shape, self.dtype, self.device = shape, dtype, device
+
+
+@contextmanager
+def measured_once(module: torch.nn.Module, counter: Any) -> Iterator[None]:
+    """While inside, `module` runs for real once per distinct input (shapes and dtypes of its tensor arguments), its
+    peak above the bytes alive when it was called is kept, and a later call with the same input adds that peak to
+    the bytes alive then and returns new empty tensors of the outputs' shapes. Exact for a module whose allocations
+    depend on its input's shapes alone (a VAE decoder on one tile): a tiled decode calls it once per tile, dozens of
+    times at released size, each call minutes of Python on fake tensors. FLOPs of the skipped calls are not
+    counted."""
+    import torch
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    original, seen = module.forward, {}
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+                    for t in tree_flatten((args, kwargs))[0])
+        if key in seen:
+            inner, shapes = seen[key]
+            counter.peak = max(counter.peak, counter.current + inner)
+            return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                            if isinstance(t, _Shape) else t, shapes)
+        entry, outer_peak = counter.current, counter.peak
+        counter.peak = entry
+        out = original(*args, **kwargs)
+        # shapes only: keeping the output itself would keep its bytes alive in the count
+        seen[key] = counter.peak - entry, tree_map(
+            lambda t: _Shape(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t, out)
+        counter.peak = max(outer_peak, counter.peak)
+        return out
+
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward  # the class's forward again
 
 
 def model_from_config(config: dict[str, Any]) -> Any:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import importlib
 import json
 import math
+from functools import partial
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.sources import ModelSource, as_source, model_index
+
+if TYPE_CHECKING:
+    from loraflow.pipelines.render_memory import RenderPlan
 
 TextRow = dict[str, np.ndarray]
 
@@ -117,13 +121,15 @@ class ModelFamily(Protocol):
 
     def load_renderer(
         self, model: ModelSource | str | Path, lora_path: str | None, device: torch.device,
-        transformer: torch.nn.Module | None = None,
+        transformer: torch.nn.Module | None = None, plan: RenderPlan | None = None,
     ) -> Any:
         """The family's diffusers pipeline without text encoders, loaded once per validation run.
 
         `lora_path` (the diffusers-format .safetensors the lora stage wrote) is loaded into `.transformer` as
         adapter LORA_ADAPTER (`load_lora_file`); eval loss runs that same `.transformer`. A given `transformer`
-        (training's, with its adapter) is used as it is, where it is, instead of loading another copy.
+        (training's, with its adapter) is used as it is, where it is, instead of loading another copy. `plan`: the
+        transformer's precision, offload and the VAE's tiling (`render_memory.RenderPlan`; default: fp32, all on
+        `device`), applied by `load_pipeline`.
         """
 
     def render(
@@ -210,24 +216,34 @@ def compute_dtype(transformer: torch.nn.Module) -> torch.dtype:
 
 
 def load_pipeline(pipeline: type, model: ModelSource | str | Path, lora_path: str | Path | None,
-                  device: torch.device, transformer: torch.nn.Module | None = None) -> Any:
+                  device: torch.device, transformer: torch.nn.Module | None = None, plan: RenderPlan | None = None,
+                  blocks: str = "") -> Any:
     """A family's diffusers pipeline without text encoders (renders read cached embeddings), the LoRA file in its
-    transformer, the components on `device`: all of them, or all but a given (training) transformer, which is
-    used as it is and stays where training keeps it. Components from other folders (`vae_path`, ...) are loaded
-    from there."""
+    transformer, placed on `device` as `plan` says (`render_memory.place`: precision, offload, tiling; default: fp32,
+    everything on the device), `blocks` naming the transformer's block list. A given (training) transformer is used
+    as it is and stays where training keeps it. Components from other folders (`vae_path`, ...) are loaded from
+    there."""
+    from loraflow.kernels.quantize import frozen_dtype, store_frozen
+    from loraflow.pipelines.render_memory import RenderPlan, place
+
+    plan = plan or RenderPlan()
     source = as_source(model)
     unused = dict(text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
     components = {c: load_component(source, c) for c, _ in source.folders if c not in unused}
-    if transformer is not None:
-        components["transformer"] = transformer
-    pipe = pipeline.from_pretrained(source.root, use_safetensors=True, **unused, **components)
+    # the VAE computes in the transformer's dtype, as the pipelines expect (Kandinsky5I2VPipeline encodes its image in
+    # `transformer.dtype`) and as diffusers' own examples load them (`torch_dtype=torch.bfloat16`)
+    components["vae"] = load_component(source, "vae", frozen_dtype(plan.precision))
+    if transformer is None:
+        transformer = load_component(source, "transformer", frozen_dtype(plan.precision))
+        store_frozen(transformer, plan.precision, plan.kept)  # before the adapter, as training stores it
+        own = True
+    else:
+        own = False
+    pipe = pipeline.from_pretrained(source.root, use_safetensors=True, **unused, **components,
+                                    transformer=transformer)
     if lora_path is not None:
         load_lora_file(pipe.transformer, lora_path)
-    if transformer is None:
-        return pipe.to(device)
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module) and component is not transformer:
-            component.to(device)
+    place(pipe, plan, blocks, device, own_transformer=own)
     return pipe
 
 
@@ -239,7 +255,7 @@ def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path, adapter_
     """
     from safetensors import safe_open
 
-    from loraflow.pipelines.lycoris import is_lycoris, load_lycoris_file
+    from loraflow.pipelines.lycoris import adapter_in_fp32, is_lycoris, load_lycoris_file
 
     path = Path(lora_path)
     with safe_open(str(path), "pt") as f:
@@ -248,7 +264,11 @@ def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path, adapter_
         load_lycoris_file(transformer, path, adapter_name)
         return
     prefix = "transformer" if all(k.startswith("transformer.") for k in keys) else None
-    transformer.load_lora_adapter(str(path.parent), weight_name=path.name, prefix=prefix, adapter_name=adapter_name)
+    load = partial(transformer.load_lora_adapter, str(path.parent), weight_name=path.name, prefix=prefix,
+                   adapter_name=adapter_name)
+    load()
+    if adapter_in_fp32(transformer, adapter_name):  # peft made it in the base's bf16/fp8: its values again, exact
+        load(hotswap=True)
 
 
 def set_lora_scale(transformer: torch.nn.Module, scale: float | None) -> None:

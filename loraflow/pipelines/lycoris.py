@@ -4,7 +4,8 @@ diffusers/peft: the family's `save_lora` writes the peft state dict (`<module>.l
 `.lokr_w2_a`/`.lokr_w2_b`, ...; `.hada_w1_a` ... for LoHa) with the peft config in its header; diffusers'
 `load_lora_adapter` builds a LoraConfig only, so `load_lycoris_file` adds the header's own peft config
 (`add_adapter`, which injects it with peft) and loads the tensors with `set_peft_model_state_dict`, as peft reads
-its files.
+its files. Either way peft makes the adapter in its base layer's dtype; `adapter_in_fp32` makes it fp32 again, as
+training holds it (base.load_lora_file, for renders of a bf16/fp8 base).
 
 ComfyUI (comfyanonymous/ComfyUI, read at the revisions in the index):
 - comfy/weight_adapter/lokr.py `LoKrAdapter.load`: `<key>.lokr_w1` | `.lokr_w1_a` + `.lokr_w1_b`, `.lokr_w2` |
@@ -50,6 +51,7 @@ def load_lycoris_file(transformer: torch.nn.Module, path: str | Path, adapter_na
                          "files its lora stage writes (the config says the factorization and alpha)")
     config = PeftConfig.from_peft_type(**{k.removeprefix("transformer."): v for k, v in header.items()})
     transformer.add_adapter(config, adapter_name=adapter_name)  # diffusers' bookkeeping: set_adapters weighs it
+    adapter_in_fp32(transformer, adapter_name)  # before its values are set: the file's, not rounded to the base's
     result = set_peft_model_state_dict(transformer, state, adapter_name=adapter_name)
     if result.unexpected_keys:
         raise ValueError(f"{path}: {len(result.unexpected_keys)} tensors fit no adapted module "
@@ -82,6 +84,37 @@ def lycoris_to_comfyui(state_dict: Mapping[str, torch.Tensor], adapter_config: M
         if decomposed:
             tensors[f"{PREFIX}{name}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
     return tensors
+
+
+def adapter_in_fp32(transformer: torch.nn.Module, adapter_name: str) -> bool:
+    """The adapter's tensors in fp32, as training keeps them; True if any was not. peft makes an adapter in its base
+    layer's dtype (`_move_adapter_to_device_of_base_layer`): bf16, or fp8 under layerwise casting, which would
+    round the file's values before a render computes with them."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    cast = False
+    for module in transformer.modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for name in (*module.adapter_layer_names, *module.other_param_names):
+            tensors = getattr(module, name, None)
+            if isinstance(tensors, (torch.nn.ModuleDict, torch.nn.ParameterDict)) and adapter_name in tensors:
+                for p in tensors[adapter_name].parameters() if isinstance(tensors, torch.nn.ModuleDict) \
+                        else [tensors[adapter_name]]:
+                    if p.is_floating_point() and p.dtype != torch.float32:
+                        p.data, cast = p.data.float(), True
+    return cast
+
+
+def _peft_scale(config: Mapping, module: str) -> tuple[float, float]:
+    """(peft's scale alpha / r, alpha) for `module`, its `alpha_pattern` / `rank_pattern` entry if any, matched by
+    peft's own rule."""
+    from peft.utils.other import get_pattern_key
+
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    rank = ranks.get(get_pattern_key(ranks.keys(), module), config["r"])
+    alpha = alphas.get(get_pattern_key(alphas.keys(), module), config["alpha"])
+    return alpha / rank, float(alpha)
 
 
 def save_comfyui_lycoris(state_dict: Mapping[str, torch.Tensor], adapter_config: Mapping,

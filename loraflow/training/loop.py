@@ -38,6 +38,7 @@ from loraflow.config.dataset import run_key_settings
 from loraflow.keys import content_key, data_version, tensors_fingerprint
 from loraflow.kernels.checkpointing import enable_checkpointing
 from loraflow.kernels.flow_matching import flow_mse, lr_at, noisy_sample
+from loraflow.kernels.offload import swap_blocks
 from loraflow.kernels.losses import LossType
 from loraflow.kernels.scheduled_sampling import roll_out
 from loraflow.kernels.tread import resolve_routes, tread_routing
@@ -59,7 +60,7 @@ from loraflow.training.distributed import (
 )
 from loraflow.contracts.text_set import text_lookup
 from loraflow.training.progress_renders import ProgressRenders
-from loraflow.kernels.quantize import INT8_PRECISIONS, quantize_base_int8
+from loraflow.kernels.quantize import frozen_dtype, store_frozen
 from loraflow.contracts.reports import LoraReport, TrainStep
 from loraflow.training.tracking import open_sink
 from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load_micro_batch, step_seed, training_texts
@@ -124,14 +125,15 @@ def load_transformer(config: LoraflowConfig, family: ModelFamily, model: ModelSo
     if config.group_offload_use_stream and device.type != "cuda":
         raise ValueError(f"`group_offload_use_stream` needs a CUDA device; this run is on {device.type}: set "
                          "group_offload_use_stream: false (group offloading itself works without it)")
-    where = "cpu" if config.enable_group_offload else str(device)  # group offloading moves the blocks itself
+    # group offloading moves the blocks itself; block swap moves the rest (`enable_offload`)
+    where = "cpu" if config.enable_group_offload or config.blocks_to_swap else str(device)
     transformer = set_flavour_config(load_component(model, "transformer", base_dtype(config), where), family.flavour)
     return prepare_transformer(transformer, config, family)
 
 
 def base_dtype(config: LoraflowConfig) -> torch.dtype:
     """The dtype the frozen transformer is loaded in (fp8 and int8 start from bf16)."""
-    return torch.float32 if config.base_model_precision == "no_change" else torch.bfloat16
+    return frozen_dtype(config.base_model_precision)
 
 
 def prepare_transformer(transformer: torch.nn.Module, config: LoraflowConfig,
@@ -139,11 +141,8 @@ def prepare_transformer(transformer: torch.nn.Module, config: LoraflowConfig,
     """A loaded frozen transformer (in `base_dtype`) made ready to train: quantized storage, fp32 LoRA, gradient
     checkpointing; TREAD's routes checked. The real-size dry runs hand in released-config models built on fake
     tensors (tests/pipelines/test_released_dry_runs.py)."""
-    if config.base_model_precision in INT8_PRECISIONS:
-        quantize_base_int8(transformer)  # before the adapter: peft wraps the int8 layers, LoRA stays fp32
-    if config.base_model_precision == "fp8-layerwise":
-        # Before the adapter: the casting hooks then sit on the base layers only, and LoRA stays fp32.
-        transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    # before the adapter: peft wraps the int8 layers, the casting hooks sit on the base layers only; LoRA stays fp32
+    store_frozen(transformer, config.base_model_precision, config.fp32_modules_storage)
     if config.tread_config is not None:  # fail before the first step, naming the route
         if transformer.config.get("attention_type") == "nabla":  # Kandinsky 5's 10 s checkpoints
             raise ValueError("tread_config: this transformer uses NABLA attention, whose block mask covers every "
@@ -157,7 +156,11 @@ def prepare_transformer(transformer: torch.nn.Module, config: LoraflowConfig,
     return transformer, params
 
 
-def enable_offload(transformer: torch.nn.Module, config: LoraflowConfig, device: torch.device) -> None:
+def enable_offload(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily,
+                   device: torch.device) -> None:
+    """`enable_group_offload` (every block streamed) or `blocks_to_swap` (the last N: kernels/offload.py)."""
+    if config.blocks_to_swap:
+        swap_blocks(transformer, family.tread_layout.blocks, config.blocks_to_swap, device)
     if not config.enable_group_offload:
         return
     block_level = config.group_offload_type == "block_level"
@@ -321,7 +324,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
     checkpoint = latest_checkpoint(out)
     start_adapter(transformer, checkpoint, config.init_lora, family)
     ema = make_ema(config, transformer, checkpoint, device)  # use_ema; from the weights just loaded
-    enable_offload(transformer, config, device)
+    enable_offload(transformer, config, family, device)
     crepa = make_crepa(config, family, transformer, store, checkpoint, device)
     params = params + ([] if crepa is None else list(crepa.projector.parameters()))  # trained with the LoRA
     trainable = Trainable(transformer, params, device)

@@ -40,6 +40,7 @@ from loraflow.media.previews import contact_sheet
 from loraflow.media.writers import read_media, save_png, slug, write_media
 from loraflow.training.adapters import ADAPTER_PARAMETERS
 from loraflow.pipelines.base import ModelFamily
+from loraflow.pipelines.render_memory import RenderPlan
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
@@ -62,6 +63,10 @@ class ProgressRenders:
         self.family, self.model, self.transformer, self.world = family, model, transformer, world
         self.folder = out / "validation"
         self.pipe: Any = None  # loaded at the first render
+        # the VAE in the transformer's dtype (as the pipelines expect), tiled if the config says so; the transformer
+        # stays as training holds it
+        self.plan = RenderPlan(precision=config.base_model_precision, kept=config.fp32_modules_storage,
+                               vae_tiling=config.vae_enable_tiling)
         if not self.every and not self.on_startup:
             return
         self.settings = render_settings(config, family, model, store)
@@ -113,8 +118,8 @@ class ProgressRenders:
         """
         device = _device_of(self.transformer)
         if self.pipe is None:
-            self.pipe = self.family.load_renderer(self.model, None,
-                                                  torch.device("cpu"), transformer=self.transformer)
+            self.pipe = self.family.load_renderer(self.model, None, torch.device("cpu"), transformer=self.transformer,
+                                                  plan=self.plan)
             self.pipe.set_progress_bar_config(disable=True)
         self.pipe.vae.to(device)
         return self.pipe

@@ -20,6 +20,7 @@ center-cropped and resized to the validation size (`conditioning_image`).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import numpy as np
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
+from loraflow.estimates import validation_plan
 from loraflow.keys import content_key, safetensors_sha256
 from loraflow.kernels.devices import free_models, pick_device
 from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, loss_summary
@@ -43,6 +45,7 @@ from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, compon
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
+log = logging.getLogger(__name__)
 CODE_VERSION = "validation-3"  # 3: labelled, wrapped contact sheets and preview.webp
 RESULTS = "results.json"
 
@@ -52,6 +55,8 @@ def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, st
     """Render every validation prompt (base and LoRA) and measure eval loss; reuse a finished run."""
     # 1. plan: settings, prompts, eval clips, and the run's key
     settings = render_settings(config, family, model, store)
+    # precision, offload and tiling for the card (estimates.py): what changes numbers is part of the key
+    plan = validation_plan(config, family, model, settings.num_frames, settings.height, settings.width)
     prompts, negative = config.validation_prompts, negative_prompt(config, family)
     items = eval_items(config, family, store) if evaluates(config) else []
     if not prompts and not items:
@@ -65,7 +70,8 @@ def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, st
         family=family.name, flavour=family.flavour.name, fps=family.flavour.fps, settings=asdict(settings),
         prompts=prompts, negative=negative, eval=[asdict(i) for i in items], sigmas=EVAL_SIGMAS, code=CODE_VERSION,
         **({"condition": condition} if condition else {}), **adapter_keys(adapters),  # t2v keys stay as they were
-        **({"last_frame": True} if family.flavour.last_frame_given else {}))  # so do i2v_mode first keys
+        **({"last_frame": True} if family.flavour.last_frame_given else {}),  # so do i2v_mode first keys
+        **plan.numbers())  # and fp32 untiled renders
     if (out / RESULTS).is_file():
         return _report(out, computed=0)
     # 2. render what a killed run left undone, then eval loss, with one pipeline load
@@ -77,7 +83,8 @@ def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, st
         save_png(Image.fromarray(np.concatenate(list(image), axis=1) if image.ndim == 4 else image),
                  out / "condition.png")
     device = pick_device()
-    pipe = family.load_renderer(model, lora_path, device)
+    log.info("validation renders with %s", plan.describe())
+    pipe = family.load_renderer(model, lora_path, device, plan=plan)
     load_adapters(pipe.transformer, adapters)
     pipe.transformer.eval()  # peft adds the adapter's layers in train mode: lora_dropout would drop at random
     for name in todo:

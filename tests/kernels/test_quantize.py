@@ -97,3 +97,26 @@ def test_lora_attaches_in_fp32_and_trains(int8_k5: torch.nn.Module) -> None:
     optimizer.step()
     assert all(p.dtype == torch.float32 for p in lora.values())
     assert any(not torch.equal(before[n], p) for n, p in lora.items())
+
+
+@pytest.mark.parametrize("kept", ["bf16", "fp8"])
+def test_kept_modules_are_stored_small_and_compute_in_fp32(tiny_k5: Path, kept: str) -> None:
+    """`fp32_modules_storage`: Kandinsky 5's time embeddings and modulations stored in bf16 / fp8 under a bf16 base;
+    the model still reads as bf16 (`dtype`, what its pipelines cast their inputs to), and the kept layers compute
+    in fp32 (their fp32 inputs would not meet a bf16 weight)."""
+    from loraflow.config import parse_config
+    from loraflow.kernels.quantize import KEPT_STORAGE, store_frozen
+    from loraflow.pipelines import get_family
+
+    transformer = load_component(tiny_k5, "transformer", torch.bfloat16)
+    store_frozen(transformer, "bf16", kept)
+    keep = set(type(transformer)._keep_in_fp32_modules)
+    stored = {n: p.dtype for n, p in transformer.named_parameters() if keep & set(n.split(".")) and "weight" in n}
+    assert stored and set(stored.values()) == {KEPT_STORAGE[kept]}
+    assert transformer.dtype == torch.bfloat16
+    family = get_family(parse_config({"model_family": "kandinsky5-video", "pretrained_model_name_or_path": "m",
+                                      "datasets": [{"id": "d", "instance_data_dir": "x"}]}))
+    text = {k: torch.ones(1, *v.shape) for k, v in family.example_text_row(transformer.config, 4).items()}
+    with torch.no_grad():
+        velocity = family.velocity(transformer, torch.ones(1, 16, 2, 4, 4), torch.full((1,), 0.5), text)
+    assert velocity.isfinite().all() and set(stored.values()) == {KEPT_STORAGE[kept]}  # stored small again after

@@ -17,7 +17,9 @@ fp8-layerwise training, and a validation render, on the released configs built o
 - Validation: `family.render` on the family's real diffusers pipeline class, built from the fake transformer and
   VAE with a real scheduler, one denoising step with classifier-free guidance, then the VAE decode at the
   flavour's validation size, up to the pipeline's numpy conversion, which fake tensors cannot make: the video it
-  was handed is read from that frame of the error's traceback.
+  was handed is read from that frame of the error's traceback. Twice: as an fp32 render, and as one on a small card
+  (`SMALL_CARD`: fp8 storage, blocks swapped, the transformer and the VAE taking turns, the VAE tiled, as
+  `load_pipeline` places them for that plan), with HunyuanVideo 1.5's key-mask attention in both.
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ from loraflow.training import loop as T
 from loraflow.training.batches import MicroBatch
 from loraflow.pipelines import get_family
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
+from loraflow.kernels.quantize import frozen_dtype, store_frozen
 from loraflow.pipelines.base import RenderSettings
+from loraflow.pipelines.kandinsky5.video import I2V_MIN_FRAMES
+from loraflow.pipelines.render_memory import RenderPlan, place
 from loraflow.pipelines.released import released_config, released_model
 from tests.pipelines.test_released_dry_runs import (
-    Case, as_loaded, depth, dry_config, latent_shape, released_batch, released_transformer, text_batch,
+    DEPTH, Case, as_loaded, depth, dry_config, latent_shape, released_batch, released_transformer, text_batch,
 )
 
 pytestmark = pytest.mark.released
@@ -112,38 +117,67 @@ RENDERS = [Case("kandinsky5-video", "i2v-lite-5s", ""),
            Case("kandinsky5-image", "t2i-lite-sft", ""), Case("hunyuanvideo-1.5", "t2v-480p", "")]
 
 
-def fake_pipeline(family: Any, flavour: str) -> Any:
-    """The family's diffusers render pipeline from the released transformer (fp32, as `load_renderer` loads it) and
-    VAE on fake tensors, a real scheduler and, for HunyuanVideo 1.5, its real guider; no text encoders (renders read
-    cached embeddings: `load_pipeline` leaves them out too)."""
+def fake_pipeline(family: Any, flavour: str, plan: RenderPlan = RenderPlan(), mode: Any = None) -> Any:
+    """The family's diffusers render pipeline from the released transformer and VAE on fake tensors, a real scheduler
+    and, for HunyuanVideo 1.5, its real guider; no text encoders (renders read cached embeddings: `load_pipeline`
+    leaves them out too). As `load_pipeline` makes it for `plan`: both in the plan's dtype, the transformer stored
+    in its precision (`store_frozen`), then placed (`render_memory.place`: offload, parking, tiling). `mode`: the fake
+    mode the render will run in (a fake parameter moved by `Module.to` must be that mode's own)."""
     from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
 
     released = released_config(flavour, "transformer")
     hv15 = family.name == "hunyuanvideo-1.5"
     real = {"scheduler": FlowMatchEulerDiscreteScheduler(),  # real: set_timesteps computes in numpy
             **({"guider": ClassifierFreeGuidance()} if hv15 else {})}
-    with fake_mode():
-        transformer = as_loaded(released_model(flavour, "transformer", **depth(released)), torch.float32)
-        vae = as_loaded(released_model(flavour, "vae"), torch.float32)
+    dtype = frozen_dtype(plan.precision)
     pipeline = HunyuanVideo15Pipeline if hv15 else family.pipeline_class
-    return pipeline(transformer=transformer, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
-                    tokenizer_2=None, **real)
+    with mode or fake_mode():
+        transformer = as_loaded(released_model(flavour, "transformer", **depth(released)), dtype)
+        store_frozen(transformer, plan.precision, plan.kept)
+        vae = as_loaded(released_model(flavour, "vae"), dtype)
+        pipe = pipeline(transformer=transformer, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                        tokenizer_2=None, **real)
+        place(pipe, plan, family.tread_layout.blocks, torch.device("cpu"))
+    return pipe
 
 
+# the render on a small card (render_memory.RenderPlan): fp8 storage (Kandinsky 5's kept modules in bf16), the last
+# blocks swapped, the transformer and the VAE taking turns on the device, the VAE in bf16 and tiled
+SMALL_CARD = RenderPlan(precision="fp8-layerwise", kept="bf16", blocks_to_swap=DEPTH - 1, vae_tiling=True, park=True)
+
+
+@pytest.mark.parametrize("plan", [RenderPlan(), SMALL_CARD], ids=["fp32", "small-card"])
 @pytest.mark.parametrize("case", RENDERS, ids=lambda c: c.flavour)
-def test_validation_render_at_released_size(case: Case) -> None:
+def test_validation_render_at_released_size(case: Case, plan: RenderPlan) -> None:
     family = get_family(dry_config(case))
     height, width = family.flavour.size
-    settings = RenderSettings(height=height, width=width, num_frames=family.flavour.num_frames,
+    # the small card's video renders at Kandinsky 5 i2v's fewest frames: the tiled decode's seam blending is a Python
+    # loop over pixel rows, minutes on fake tensors at the flavour's own length
+    frames = family.flavour.num_frames if plan == RenderPlan() or family.flavour.num_frames == 1 else I2V_MIN_FRAMES
+    settings = RenderSettings(height=height, width=width, num_frames=frames,
                               num_inference_steps=1, guidance=5.0, seed=0, flow_shift=5.0)
-    pipe = fake_pipeline(family, case.flavour)
+    mode = fake_mode()
+    pipe = fake_pipeline(family, case.flavour, plan, mode)
     row = family.example_text_row(pipe.transformer.config, 512)
     image = {"image": np.zeros((height, width, 3), np.uint8)} if family.flavour.conditioning_frames else {}
     # the pipeline asks values of the conditioning image it preprocesses (is it in [0, 1]): known up to its size
-    with fake_mode(), recorded_calls(pipe.transformer) as calls, known_values(limit=height * width * 3):
+    with mode, recorded_calls(pipe.transformer) as calls, known_values(limit=height * width * 3):
         with pytest.raises(RuntimeError, match=r"\.numpy\(\) is not supported for tensor subclasses") as error:
             family.render(pipe, row, row, settings, lora_scale=None, **image)
     # the pipeline's numpy conversion (diffusers' pt_to_numpy) was handed the decoded (F, 3, H, W) video
     decoded = error.traceback[-1].frame.f_locals["images"]
-    assert tuple(decoded.shape) == (family.flavour.num_frames, 3, height, width)
+    assert tuple(decoded.shape) == (frames, 3, height, width)
     assert len(calls) == 2  # one step: with the prompt and with the negative
+    assert pipe.vae.use_tiling == plan.vae_tiling and pipe.vae.dtype == frozen_dtype(plan.precision)
+    query = pipe.transformer.get_submodule(QUERY[family.name])
+    assert query.weight.dtype == (torch.float8_e4m3fn if plan.precision == "fp8-layerwise" else torch.float32)
+    blocks = getattr(pipe.transformer, family.tread_layout.blocks)
+    assert [hasattr(b, "_diffusers_hook") and b._diffusers_hook.get_hook("group_offloading") is not None
+            for b in blocks] == [i >= DEPTH - plan.blocks_to_swap for i in range(DEPTH)]
+    assert hasattr(pipe.vae, "_hf_hook") == plan.park
+
+
+QUERY = {"kandinsky5-video": "visual_transformer_blocks.0.self_attention.to_query",
+         "kandinsky5-image": "visual_transformer_blocks.0.self_attention.to_query",
+         "hunyuanvideo-1.5": "transformer_blocks.0.attn.to_q"}
+

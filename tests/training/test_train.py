@@ -266,7 +266,7 @@ def test_tread_with_ratio_zero_trains_exactly_like_no_tread(baseline, caches: di
 def loss_and_grads(config: LoraflowConfig, batch: D.MicroBatch) -> tuple[float, torch.Tensor]:
     family = get_family(config)
     transformer, params = T.load_transformer(config, family, model_source(config), CPU)
-    T.enable_offload(transformer, config, CPU)
+    T.enable_offload(transformer, config, family, CPU)
     trainable = T.Trainable(transformer, params, CPU)
     for p in params:  # non-zero B, so every LoRA matrix gets a gradient
         if p.shape[1] == config.lora_rank:
@@ -274,7 +274,7 @@ def loss_and_grads(config: LoraflowConfig, batch: D.MicroBatch) -> tuple[float, 
     loss = T.flow_loss(transformer, family, batch, CPU, autocast=False)
     loss.backward()
     trainable.collect()
-    assert trainable.offloaded == config.enable_group_offload
+    assert trainable.offloaded == (config.enable_group_offload or config.blocks_to_swap > 0)
     return loss.item(), torch.cat([g.flatten() for g in trainable.gradients()])
 
 
@@ -283,7 +283,8 @@ def loss_and_grads(config: LoraflowConfig, batch: D.MicroBatch) -> tuple[float, 
     {"enable_group_offload": True, "group_offload_type": "block_level"},
     {"enable_group_offload": True, "group_offload_type": "leaf_level", "gradient_checkpointing": True},
     {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2, "gradient_checkpointing_cpu_offload": True},
-], ids=["checkpointing", "block-offload", "leaf-offload+checkpointing", "interval+activation-offload"])
+    {"blocks_to_swap": 1, "gradient_checkpointing": True},
+], ids=["checkpointing", "block-offload", "leaf-offload+checkpointing", "interval+activation-offload", "block-swap"])
 def test_memory_features_change_no_number(caches: dict[str, Path], tmp_path: Path, memory: dict) -> None:
     """Bit for bit, by construction: checkpointing recomputes each block's forward with the same ops on the same
     shapes, and backward still visits the blocks in reverse order, so every gradient adds the same terms in the same

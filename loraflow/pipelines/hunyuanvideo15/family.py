@@ -36,10 +36,12 @@ from loraflow.pipelines.base import (
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
+from loraflow.pipelines.hunyuanvideo15.attention import key_mask_attention
 from loraflow.pipelines.hunyuanvideo15.spec import SPEC, TEXT_TOKENS
 from loraflow.pipelines.sources import ModelSource
 
 if TYPE_CHECKING:
+    from loraflow.pipelines.render_memory import RenderPlan
     from loraflow.demo.tiny import TinyPipeline
 
 # The pipeline's system turn (HV:227-232), byte for byte: its backslash continuations keep the
@@ -261,6 +263,7 @@ class HunyuanVideo15:
         """The pipeline's denoiser call (HV:737-785): t2v with zero condition latents, zero mask, zero image; i2v
         (HVI:851-909) with `text["image_latent"]` (B, 32, 1, h, w) in frame 0 of the condition channels, mask 1 on
         frame 0 and `text["image_embeds"]` (B, 729, D), as cached by the latents stage."""
+        key_mask_attention(transformer)
         cond, mask, image_embeds = self._condition(transformer, noisy, text)
         dtype = compute_dtype(transformer)
         timestep = (sigma * 1000).to(dtype)
@@ -319,11 +322,11 @@ class HunyuanVideo15:
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(
         self, model: ModelSource | str, lora_path: str | None, device: torch.device,
-        transformer: torch.nn.Module | None = None,
+        transformer: torch.nn.Module | None = None, plan: RenderPlan | None = None,
     ) -> HunyuanVideo15Pipeline:
         """The t2v pipeline, or for i2v the image-to-video one (which also loads image_encoder, feature_extractor)."""
         pipeline = HunyuanVideo15ImageToVideoPipeline if self.flavour.image_is_first_frame else HunyuanVideo15Pipeline
-        return load_pipeline(pipeline, model, lora_path, device, transformer)
+        return load_pipeline(pipeline, model, lora_path, device, transformer, plan, self.tread_layout.blocks)
 
     @torch.no_grad()
     def render(
@@ -335,7 +338,8 @@ class HunyuanVideo15:
         pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
         pipe.guider = pipe.guider.new(guidance_scale=settings.guidance)  # __call__ has no guidance argument
         set_lora_scale(pipe.transformer, lora_scale)
-        pos, neg = self.collate_text([prompt], pipe.device), self.collate_text([negative], pipe.device)
+        key_mask_attention(pipe.transformer)
+        pos, neg = self.collate_text([prompt], pipe._execution_device), self.collate_text([negative], pipe._execution_device)
         video = pipe(
             **inputs,
             prompt_embeds=pos["text_embeds"],

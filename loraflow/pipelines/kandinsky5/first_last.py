@@ -29,10 +29,10 @@ def first_last_inputs(pipe: Any, first: Image.Image, last: np.ndarray, settings:
                          f"got {last.dtype} {last.shape}")
     channels = pipe.transformer.config.in_visual_dim
     latents = pipe.prepare_latents(first, 1, channels, settings.height, settings.width, settings.num_frames,
-                                   torch.float32, pipe.device, generator)
+                                   pipe.transformer.dtype, pipe._execution_device, generator)
     pixels = pipe.video_processor.preprocess(Image.fromarray(last), height=settings.height, width=settings.width)
     with torch.no_grad():
-        encoded = pipe.vae.encode(pixels.to(pipe.device, torch.float32).unsqueeze(2)).latent_dist
+        encoded = pipe.vae.encode(pixels.to(pipe._execution_device, pipe.vae.dtype).unsqueeze(2)).latent_dist
     clean = (encoded.sample(generator=generator) * pipe.vae.config.scaling_factor).permute(0, 2, 3, 4, 1)  # 1,1,h,w,C
     latents[:, -1:, :, :, :channels] = clean
     latents[:, -1, :, :, -1] = 1  # the mask channel (visual_cond checkpoints; velocity refuses others)

@@ -41,6 +41,7 @@ from loraflow.pipelines.kandinsky5.common import CLIP_TOKENS, KANDINSKY5_COMFYUI
 from loraflow.pipelines.kandinsky5.image_spec import I2I_TEXT_TOKENS, SPEC
 
 if TYPE_CHECKING:
+    from loraflow.pipelines.render_memory import RenderPlan
     from loraflow.demo.tiny import TinyPipeline
 
 log = logging.getLogger(__name__)
@@ -155,9 +156,10 @@ class Kandinsky5Image(Kandinsky5Shared):
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(
         self, model: ModelSource | str, lora_path: str | None, device: torch.device,
-        transformer: torch.nn.Module | None = None,
+        transformer: torch.nn.Module | None = None, plan: RenderPlan | None = None,
     ) -> Kandinsky5T2IPipeline | Kandinsky5I2IPipeline:
-        return load_pipeline(self.pipeline_class, model, lora_path, device, transformer)
+        return load_pipeline(self.pipeline_class, model, lora_path, device, transformer, plan,
+                             self.tread_layout.blocks)
 
     @torch.no_grad()
     def render(
@@ -166,7 +168,7 @@ class Kandinsky5Image(Kandinsky5Shared):
     ) -> np.ndarray:
         if image is not None:
             raise ValueError(f"flavour '{self.flavour.name}' is text-to-image: it takes no source image")
-        return _render(pipe, self.prompt_embeds(prompt, negative, pipe.device), settings, lora_scale, self.name)
+        return _render(pipe, self.prompt_embeds(prompt, negative, pipe._execution_device), settings, lora_scale, self.name)
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,7 @@ class Kandinsky5ImageI2I(Kandinsky5Image):
             # The pipeline would resize (stretch) it silently; the caller crops to the render size instead.
             raise ValueError(f"the source image must be uint8 {(settings.height, settings.width, 3)}; "
                              f"got {image.dtype} {image.shape}")
-        embeds = self.prompt_embeds(prompt, negative, pipe.device)
+        embeds = self.prompt_embeds(prompt, negative, pipe._execution_device)
         return _render(pipe, embeds | {"image": Image.fromarray(image)}, settings, lora_scale, self.name)
 
 

@@ -32,6 +32,7 @@ from loraflow.pipelines.kandinsky5.common import KANDINSKY5_COMFYUI_NAMES, Kandi
 from loraflow.pipelines.kandinsky5.video_spec import SPEC
 
 if TYPE_CHECKING:
+    from loraflow.pipelines.render_memory import RenderPlan
     from loraflow.demo.tiny import TinyPipeline
 
 # diffusers 0.42.1's system prompt (Kandinsky5T2VPipeline/I2VPipeline `prompt_template`); we crop the hidden
@@ -120,11 +121,12 @@ class Kandinsky5Video(Kandinsky5Shared):
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(
         self, model: ModelSource | str, lora_path: str | None, device: torch.device,
-        transformer: torch.nn.Module | None = None,
+        transformer: torch.nn.Module | None = None, plan: RenderPlan | None = None,
     ) -> Kandinsky5T2VPipeline:
         """The t2v or i2v pipeline (one checkpoint layout: the class differs only in how it prepares latents), its
         transformer in the flavour's mode (Pro SD or HD attention: `set_flavour_config`)."""
-        pipe = load_pipeline(self.pipeline_class, model, lora_path, device, transformer)
+        pipe = load_pipeline(self.pipeline_class, model, lora_path, device, transformer, plan,
+                             self.tread_layout.blocks)
         set_flavour_config(pipe.transformer, self.flavour)
         if kandinsky5.uses_nabla(pipe.transformer):  # the pipeline builds NABLA's mask itself; it needs flex to run
             kandinsky5.use_flex_attention(pipe.transformer)
@@ -152,7 +154,7 @@ class Kandinsky5Video(Kandinsky5Shared):
         set_lora_scale(pipe.transformer, lora_scale)
         video = pipe(
             **inputs,
-            **self.prompt_embeds(prompt, negative, pipe.device),
+            **self.prompt_embeds(prompt, negative, pipe._execution_device),
             height=settings.height,
             width=settings.width,
             num_frames=settings.num_frames,

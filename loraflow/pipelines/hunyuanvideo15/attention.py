@@ -1,0 +1,87 @@
+"""HunyuanVideo 1.5's joint attention with its text mask as a key mask: the memory of the mask grows with the tokens,
+not with their square.
+
+diffusers 0.42.1's `HunyuanVideo15AttnProcessor2_0` (models/transformers/transformer_hunyuan_video15.py) builds from
+the (B, L_text) mask a (B, 1, L, L) boolean mask, L = every video and text token: query i may see key j when both
+are valid. Two L x L tensors are alive while it is built (a repeat, then the `&`), and SDPA on CUDA turns a boolean
+mask into an additive one of the same shape: 2-3 bytes per token pair in every block. At 720p x 121 frames
+(111,600 video tokens) that is 25-38 GiB, the largest part of a render (a released-size estimate: 51 GiB of
+activations in one denoise call of which 12.6 GiB per mask tensor). The transformer puts the valid text tokens first
+and pads after them (`HunyuanVideo15Transformer3DModel.forward`, "valid tokens first, then padding"), so every valid
+query's row of that mask is the key mask itself; the rows of the padded (invalid) queries are all false.
+
+`KeyMaskProcessor` runs the same steps as diffusers' processor (projections, QK norm, rotary embedding of the video
+tokens, the text stream's projections and norm, attention through diffusers' `dispatch_attention_fn`, output
+projections) with the mask passed as (B, 1, 1, L): broadcast over the queries, L bytes. A valid query's row is the
+same, so its output is the same kernel's on the same numbers; a padded query now sees the valid keys instead of
+nothing, and its output, as before, reaches nothing: the padded tokens are masked as keys in every block and
+dropped after the last (tests/pipelines/test_hv_attention.py: the video tokens' output and the LoRA gradients equal
+diffusers' processor's, bit for bit, on the tiny model with padded text).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.embeddings import apply_rotary_emb
+
+
+class KeyMaskProcessor:
+    """A drop-in for the main blocks' `HunyuanVideo15AttnProcessor2_0` (`set_attention_backend` sets its backend)."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None,
+                 image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.unflatten(2, (attn.heads, -1))  # (B, N, heads, head_dim)
+
+        query = attn.norm_q(heads(attn.to_q(hidden_states)))
+        key = attn.norm_k(heads(attn.to_k(hidden_states)))
+        value = heads(attn.to_v(hidden_states))
+        if image_rotary_emb is not None:  # the video tokens only
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        if encoder_hidden_states is not None:
+            text_query = heads(attn.add_q_proj(encoder_hidden_states))
+            text_key = heads(attn.add_k_proj(encoder_hidden_states))
+            if attn.norm_added_q is not None:
+                text_query = attn.norm_added_q(text_query)
+            if attn.norm_added_k is not None:
+                text_key = attn.norm_added_k(text_key)
+            query = torch.cat([query, text_query], dim=1)
+            key = torch.cat([key, text_key], dim=1)
+            value = torch.cat([value, heads(attn.add_v_proj(encoder_hidden_states))], dim=1)
+        batch, tokens = query.shape[:2]
+        mask = None
+        if attention_mask is not None:  # (B, L_text) -> every video token valid, then the text's: (B, 1, 1, L)
+            valid = torch.nn.functional.pad(attention_mask, (tokens - attention_mask.shape[1], 0), value=True)
+            mask = valid.bool().view(batch, 1, 1, tokens)
+        out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
+                                    backend=self._attention_backend, parallel_config=self._parallel_config)
+        out = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out, None
+        text_tokens = encoder_hidden_states.shape[1]
+        video, text = out[:, :-text_tokens], out[:, -text_tokens:]
+        if getattr(attn, "to_out", None) is not None:
+            video = attn.to_out[1](attn.to_out[0](video))
+        if getattr(attn, "to_add_out", None) is not None:
+            text = attn.to_add_out(text)
+        return video, text
+
+
+def key_mask_attention(transformer: torch.nn.Module) -> None:
+    """Every main block's attention runs `KeyMaskProcessor` (once per model: the mark is the model's)."""
+    if transformer.__dict__.get("_loraflow_key_mask"):
+        return
+    for block in transformer.transformer_blocks:
+        processor = KeyMaskProcessor()
+        processor._attention_backend = block.attn.processor._attention_backend  # a backend set before stays
+        block.attn.set_processor(processor)
+    transformer.__dict__["_loraflow_key_mask"] = True
