@@ -430,8 +430,6 @@ def render_phases(config: LoraflowConfig, family: ModelFamily, component_configs
 
     from loraflow.kernels.quantize import frozen_dtype
 
-    if (skipped := _not_modelled("validation", family, component_configs["transformer"])) is not None:
-        return skipped
     transformer_config, nabla, note = _attention_stand_in(None, component_configs["transformer"], latent_shape, 1,
                                                           device_type)
     mode = _fake_mode()

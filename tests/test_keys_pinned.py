@@ -62,9 +62,10 @@ PINNED: dict[str, tuple[str, str, str, str, str]] = {
                                   "b69ab6de8dae3cc1a51a2060dc31ee0b", "e4a46b15ca1503b15648cfd8ef97ad79",
                                   "6b14d68d6d021695b5393b14b4bbc527"),
     # run key re-pinned on purpose (issue 43): its int8 base now stores Kandinsky 5's fp32-kept modules in bf16
-    # (`fp32_modules_storage`, a new number); with `fp32_modules_storage: fp32` the old key comes back
-    "kandinsky5_image_crepa.yaml": ("cc12e7f7f1122cfe7d673e2f754d8c66", "d78758be2ea0b657ac32810d5081ddae",
-                                    "176446c9c8885094f32140322e03d01b", "e4a46b15ca1503b15648cfd8ef97ad79",
+    # (`fp32_modules_storage`, a new number); with `fp32_modules_storage: fp32` the old key comes back. Its text keys
+    # are issue 44's (the original Kandinsky 5 template)
+    "kandinsky5_image_crepa.yaml": ("cc12e7f7f1122cfe7d673e2f754d8c66", "b6eed4b4f1ea0d68703f260e38c7e849",
+                                    "529dbb9a0442a61abb8175182e66c503", "e4a46b15ca1503b15648cfd8ef97ad79",
                                     "6b14d68d6d021695b5393b14b4bbc527"),
     "kandinsky5_video_crepa.yaml": ("56fac558f645d966bc2d9e1cf6e65e80", "586458496e209afb6176b863653f51d5",
                                     "c0c8a2364c23d612dcfe2daa9e746597", "e4a46b15ca1503b15648cfd8ef97ad79",
