@@ -87,9 +87,17 @@ def transformer_config(model: str) -> dict[str, Any]:
 
 
 def write_checkpoint(model: str, folder: Path) -> None:
-    """A diffusers folder holding only the transformer: random N(0, 0.02) matrices, unit norms, zero biases; bf16."""
+    """A diffusers folder holding only the transformer: random N(0, 0.02) matrices, unit norms, zero biases; bf16.
+    One released-size checkpoint at a time: the others in the work folder are removed first (Pro's is 38 GB, the
+    machine's disk 64 GiB)."""
+    import shutil
+
     import diffusers
     import torch
+
+    for other in MODELS:
+        if other != model:
+            shutil.rmtree(folder.parent / other, ignore_errors=True)
 
     config = transformer_config(model)
     cls = getattr(diffusers, config["_class_name"])
