@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,8 @@ def stage(work: Path, smoke: bool, size: tuple[int, int], frames: int, clips: in
     from loraflow.stages.latents.latents import encode_latents
     from loraflow.store import Store
 
-    root = work / "latents-stage"
+    # the stage refuses output under system folders such as /dev: device.sh's work folder may be /dev/shm
+    root = (work if not str(work.resolve()).startswith("/dev/") else Path(tempfile.mkdtemp())) / "latents-stage"
     shutil.rmtree(root, ignore_errors=True)
     folder, data = root / "model", root / "data"
     build_tiny(HV15, folder)

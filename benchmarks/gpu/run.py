@@ -78,7 +78,8 @@ REGISTRY: list[Measurement] = [  # issue 40's order: what is measured first surv
     Measurement("offload_startup", "offload", cap_s=120),
 ]
 ESTIMATES = ROOT / "benchmarks" / "results" / "gpu_estimates.json"  # run.py --estimate-only
-SMOKE_CAP_S = 600.0  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
+SMOKE_CAP_S = 600.0
+PROGRESS = re.compile(r"\d+%\|.*\||\d+/\d+ \[")  # a tqdm line: "clips:   0%|          | 0/6 [00:00<?, ?clip/s]"  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
 
 
 def estimate_for(measurement: Measurement, work: Path, smoke: bool) -> dict | None:
@@ -167,7 +168,9 @@ def run_one(measurement: Measurement, timeout: float, work: Path, smoke: bool) -
     seconds = round(time.perf_counter() - began, 1)
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if process.returncode or not lines:
-        last = stderr.strip().splitlines()[-1:] or ["no output"]
+        # the last line that is not a progress bar (tqdm redraws with carriage returns and ends on '|' or ']')
+        said = [ln for ln in stderr.replace("\r", "\n").splitlines() if ln.strip() and not PROGRESS.search(ln)]
+        last = said[-1:] or stderr.strip().splitlines()[-1:] or ["no output"]
         return {"status": "error", "error": f"exit {process.returncode}: {last[0]}", "wall_s": seconds}
     return {"status": "ok", "wall_s": seconds, **json.loads(lines[-1].removeprefix("RESULT "))}
 
