@@ -191,9 +191,9 @@ def stored_model(transformer_config: Mapping[str, Any], precision: str, kept: st
     """The transformer on the meta device with its frozen weights in the dtypes `base_model_precision` stores them
     in (fp8 and int8: 1 byte where diffusers' layerwise casting casts), its fp32-kept modules as `kept` says
     (`fp32_modules_storage`, kernels/quantize.py `store_kept`)."""
-    from loraflow.kernels.quantize import store_kept
+    from loraflow.kernels.quantize import ONE_BYTE_PRECISIONS, store_kept
 
-    one_byte = precision in ("fp8-layerwise", "int8-torchao", "int8-quanto")
+    one_byte = precision in ONE_BYTE_PRECISIONS
     stored = meta_model(transformer_config, _dtype(precision), fp8=one_byte)
     if precision != "no_change":
         store_kept(stored, kept)

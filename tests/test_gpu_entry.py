@@ -47,7 +47,10 @@ def test_every_measurement_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None
     assert {k: r for k, r in results.items() if r["status"] != "ok"} == {}
     # loraflow/estimates.py's training step beside each training measurement (tiny configs, the smoke size)
     trained = {k for k in results if k.startswith("train_") and k != "train_resume"}
-    assert all(r["estimate"] is None for k, r in results.items() if k not in trained)
+    # and beside the VAE encodes, the latents stage and the render (their own modules' `estimate`)
+    estimated = trained | {k for k in results if k.startswith(("vae_encode_", "latents_stage_", "render_"))}
+    assert all(r["estimate"] is None for k, r in results.items() if k not in estimated)
+    assert all("error" not in results[k]["estimate"] and results[k]["estimate"] for k in estimated)
     for name in trained:  # HunyuanVideo 1.5 too: `known_values` answers what its forward asks of the batch
         estimate = results[name]["estimate"]
         assert estimate["peak_allocated_gib"] > 0 and estimate["flops_per_step"] > 0, name
@@ -60,6 +63,10 @@ def test_every_measurement_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None
         assert all(math.isfinite(v) for v in train["losses"]), name
     # group offload without streams (the CPU) runs the same arithmetic as checkpointing alone
     assert results["train_k5_offload_streams"]["lora_max_abs_diff_vs_checkpointing"] == 0.0
+    render = results["render_hv15_720p"]
+    assert render["denoise_s"] > 0 and render["decode_s"] > 0 and render["decode_tiled_s"] > 0
+    assert results["latents_stage_hv15_768x81"]["computed"] == 6
+    assert results["vae_encode_hv15_768x81"]["latent"][1] == 4  # the tiny VAE's latent channels
     resume = results["train_resume"]
     assert resume["killed_at_checkpoint"] == "step-0000002" and resume["resumed_at_step"] == 2
     assert resume["same_lora_bits"] is True

@@ -39,7 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -54,37 +54,44 @@ class Measurement:
     cap_s: float = 120.0  # its own limit on a GPU; the time left of the budget may give it less
 
 
-K5, HV15 = "kandinsky5-video", "hunyuanvideo-1.5"
-REGISTRY: list[Measurement] = [
-    Measurement("matmul_peak", "matmul", cap_s=30),
-    Measurement("train_k5_plain", "train", {"family": K5, "variant": "plain"}, cap_s=150),  # writes the checkpoint
-    Measurement("train_k5_checkpointing", "train", {"family": K5, "variant": "checkpointing"}),
-    Measurement("train_k5_tread0.5", "train", {"family": K5, "variant": "checkpointing+tread0.5"}),
-    Measurement("train_k5_fp8", "train", {"family": K5, "variant": "checkpointing+fp8"}),
-    Measurement("train_k5_offload_streams", "train", {"family": K5, "variant": "checkpointing+offload"}),
-    Measurement("train_hv15_checkpointing", "train", {"family": HV15, "variant": "checkpointing"}, cap_s=240),
-    Measurement("train_resume", "resume", cap_s=180),
+K5_LITE = {"model": "k5-lite"}
+REGISTRY: list[Measurement] = [  # issue 40's order: what is measured first survives a run cut short
+    Measurement("matmul_peak", "matmul", cap_s=25),
+    Measurement("vae_encode_hv15_256x73", "latents", {"size": (256, 256), "frames": 73}, cap_s=60),
+    Measurement("vae_encode_hv15_768x81", "latents", {"size": (768, 768), "frames": 81}, cap_s=75),
+    Measurement("train_k5_plain", "train", {**K5_LITE, "variant": "plain"}, cap_s=120),  # writes the checkpoint
+    Measurement("train_k5_checkpointing", "train", {**K5_LITE, "variant": "checkpointing"}, cap_s=60),
+    Measurement("train_k5_tread0.5", "train", {**K5_LITE, "variant": "checkpointing+tread0.5"}, cap_s=60),
+    Measurement("train_hv15_720p_fp8", "train", {"model": "hv15-720p", "variant": "checkpointing+fp8"}, cap_s=150),
+    Measurement("render_hv15_720p", "render", {"model": "hv15-720p", "size": (720, 1280), "frames": 121},
+                cap_s=150),
+    Measurement("train_k5_pro_fp8", "train", {"model": "k5-pro", "variant": "checkpointing+fp8"}, cap_s=180),
+    Measurement("latents_stage_hv15_768x81", "latents", {"size": (768, 768), "frames": 81, "clips": 6}, cap_s=120),
+    Measurement("train_resume", "resume", cap_s=120),
+    Measurement("train_k5_fp8", "train", {**K5_LITE, "variant": "checkpointing+fp8"}),
+    Measurement("train_k5_offload_streams", "train", {**K5_LITE, "variant": "checkpointing+offload"}),
+    Measurement("train_hv15_checkpointing", "train", {"model": "hv15-480p", "variant": "checkpointing"}, cap_s=240),
     Measurement("vae_hv15_720p", "vae", {"vae": "hv15", "size": (720, 1280), "frames": 121,
                                          "modes": ("stock", "patch")}, cap_s=180),
     Measurement("vae_flux_1024", "vae", {"vae": "flux", "size": (1024, 1024), "frames": 1, "modes": ("stock",)},
                 cap_s=60),
     Measurement("offload_startup", "offload", cap_s=120),
 ]
-SMOKE_CAP_S = 600.0  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
+ESTIMATES = ROOT / "benchmarks" / "results" / "gpu_estimates.json"  # run.py --estimate-only
+SMOKE_CAP_S = 600.0
+PROGRESS = re.compile(r"\d+%\|.*\||\d+/\d+ \[")  # a tqdm line: "clips:   0%|          | 0/6 [00:00<?, ?clip/s]"  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
 
 
 def estimate_for(measurement: Measurement, work: Path, smoke: bool) -> dict | None:
-    """loraflow/estimates.py's numbers for a training measurement (train.py's `estimate`: the same config, latent
-    and caption length on fake tensors, on the CPU); None for the others. Its keys beside the measured ones
-    (`peak_allocated_gib`, `flops_per_step`) are compared by `compared`; a failed estimate records its error and
-    the run goes on."""
-    if measurement.module != "train":
+    """loraflow/estimates.py's numbers for a measurement (its module's `estimate`: the same config and sizes on fake
+    tensors, on the CPU); None where the module has none. Its keys beside the measured ones (`peak_allocated_gib`,
+    `flops_per_step`, ...) are compared by `compared`; a failed estimate records its error and the run goes on."""
+    module = importlib.import_module(measurement.module)
+    if not hasattr(module, "estimate"):
         return None
-    import train
-
     try:
-        return train.estimate(work, smoke, **measurement.kwargs)
-    except Exception as exc:  # noqa: BLE001 - an estimate must not cost the GPU measurements after it
+        return module.estimate(work, smoke, **measurement.kwargs)
+    except Exception as exc:  # noqa: BLE001 - an estimate must not cost the measurements after it
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
@@ -94,6 +101,33 @@ def compared(result: dict[str, Any], estimate: dict[str, Any] | None) -> dict[st
         return {}
     both = [k for k, v in estimate.items() if isinstance(v, (int, float)) and isinstance(result.get(k), (int, float))]
     return {k: round(result[k] / estimate[k], 3) for k in both if estimate[k]}
+
+
+def write_estimates(path: Path, measurements: list[Measurement], smoke: bool, write_json: Any) -> None:
+    """Every measurement's estimate, computed here on the CPU (fake tensors: minutes at released size) so that a GPU
+    run spends none of its time on them; the commit they were made on beside them."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    report: dict[str, Any] = {"commit": commit.stdout.strip(), "smoke": smoke, "estimates": {}}
+    with tempfile.TemporaryDirectory() as work:
+        if smoke:
+            build_smoke_models(Path(work), measurements)
+        for measurement in measurements:
+            began = time.perf_counter()
+            estimate = estimate_for(measurement, Path(work), smoke)
+            if estimate is not None:
+                report["estimates"][measurement.name] = estimate
+                print(f"{measurement.name}: {time.perf_counter() - began:.0f} s {json.dumps(estimate)}", flush=True)
+                write_json(path, report)
+    print(f"wrote {path}")
+
+
+def build_smoke_models(work: Path, measurements: list[Measurement]) -> None:
+    """The tiny checkpoints the smoke estimates read (their configs); the children then find them built."""
+    from loraflow.demo.tiny import build_tiny
+    from train import MODELS
+
+    for family in {MODELS[m.kwargs["model"]]["family"] for m in measurements if m.module in ("train", "render")}:
+        build_tiny(family, work / family)
 
 
 def device_name(smoke: bool) -> str:
@@ -126,12 +160,17 @@ def run_one(measurement: Measurement, timeout: float, work: Path, smoke: bool) -
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        return {"status": "timeout", "timeout_s": round(timeout, 1)}
+        stdout, _ = process.communicate()
+        # a measurement of several parts prints a RESULT after each: what it finished is kept
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        partial = json.loads(lines[-1].removeprefix("RESULT ")) if lines else {}
+        return {"status": "timeout", "timeout_s": round(timeout, 1), **partial}
     seconds = round(time.perf_counter() - began, 1)
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if process.returncode or not lines:
-        last = stderr.strip().splitlines()[-1:] or ["no output"]
+        # the last line that is not a progress bar (tqdm redraws with carriage returns and ends on '|' or ']')
+        said = [ln for ln in stderr.replace("\r", "\n").splitlines() if ln.strip() and not PROGRESS.search(ln)]
+        last = said[-1:] or stderr.strip().splitlines()[-1:] or ["no output"]
         return {"status": "error", "error": f"exit {process.returncode}: {last[0]}", "wall_s": seconds}
     return {"status": "ok", "wall_s": seconds, **json.loads(lines[-1].removeprefix("RESULT "))}
 
@@ -141,8 +180,13 @@ def child(name: str, work: Path, smoke: bool) -> None:
 
     die_with_parent()  # in a session of its own: a killed run.py must not leave it holding the GPU
     (measurement,) = [m for m in REGISTRY if m.name == name]
-    result = importlib.import_module(measurement.module).measure(work, smoke, **measurement.kwargs)
-    print("RESULT " + json.dumps(result), flush=True)
+    for result in parts(importlib.import_module(measurement.module).measure(work, smoke, **measurement.kwargs)):
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def parts(result: dict[str, Any] | Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """A measurement's result, or each of the growing results a measurement of several parts yields."""
+    yield from [result] if isinstance(result, dict) else result
 
 
 def main() -> None:
@@ -156,6 +200,11 @@ def main() -> None:
                         "gpu_<device>.json; smoke: a temporary file)")
     parser.add_argument("--work", type=Path, default=None, help="folder for checkpoints and caches, kept between "
                         "runs (default: a temporary one, removed at the end)")
+    parser.add_argument("--estimates", type=Path, default=ESTIMATES,
+                        help="the estimates written by --estimate-only (on the CPU, before a GPU run), used where "
+                        "they name a measurement; the others are computed beside the measurement")
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="write loraflow's estimate of each chosen measurement to --estimates and stop (no GPU)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -171,6 +220,10 @@ def main() -> None:
         sys.exit(f"unknown measurement {', '.join(unknown)}: choose among {', '.join(names)}")
     from loraflow.training.checkpoints import write_json  # atomic: a run killed mid-write leaves the previous JSON
 
+    if args.estimate_only:
+        return write_estimates(args.estimates, [m for m in REGISTRY if m.name in chosen], args.smoke, write_json)
+    ready = json.loads(args.estimates.read_text())["estimates"] if args.estimates.is_file() and not args.smoke \
+        else {}
     device = device_name(args.smoke)
     out = args.out or (Path(tempfile.gettempdir()) / "gpu_cpu-smoke.json" if args.smoke else
                        ROOT / "benchmarks" / "results" / f"gpu_{re.sub(r'[^a-z0-9]+', '-', device.lower())}.json")
@@ -180,14 +233,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(1) as estimates:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        if args.smoke:  # the estimates read the tiny configs; the children then find them built
-            from loraflow.demo.tiny import build_tiny
-
-            for family in {m.kwargs["family"] for m in REGISTRY if m.name in chosen and m.module == "train"}:
-                build_tiny(family, work / family)
+        if args.smoke:
+            build_smoke_models(work, [m for m in REGISTRY if m.name in chosen])
         for measurement in (m for m in REGISTRY if m.name in chosen):
             # on the CPU while the child measures: no GPU time
-            estimating = estimates.submit(estimate_for, measurement, work, args.smoke)
+            estimating = estimates.submit(lambda m=measurement: ready.get(m.name) or estimate_for(m, work, args.smoke))
             left = deadline - time.monotonic()
             cap = float(caps.get(measurement.name, SMOKE_CAP_S if args.smoke else measurement.cap_s))
             if left < 1:

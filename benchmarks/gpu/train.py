@@ -1,15 +1,17 @@
 """Seconds per LoRA training step, peak memory and counted FLOPs of real-size transformers (random weights).
 
-- Kandinsky 5 Video Lite: the released config (2.01B), 512x768, 61 frames -> 24,576 visual tokens;
-- HunyuanVideo 1.5: diffusers' default config, which is the released architecture (8.33B), 480x848, 61 frames
-  -> 25,440 visual tokens.
-bf16 weights (`base_model_precision: bf16`), bf16 autocast, fp32 LoRA rank 16 on attention, AdamW, batch 1,
-through the pieces `train_lora` itself runs (load_transformer, enable_offload, Trainable, routing, flow_loss).
-run.py runs each variant in a fresh process; the checkpoint is written once into its work folder. A run that does
-not fit records `oom`. Group offload with streams must train the same LoRA as checkpointing alone: its
-measurement compares the two LoRAs (when both ran), which checks that offloading keeps the updates.
-`flops_per_step`: torch's FlopCounterMode over one more step (matmuls, convolutions and attention, recomputation
-under checkpointing included), the numerator of run.py's MFU.
+Each transformer is its released config (loraflow/pipelines/released, cited there) at the size issue 40 names:
+- `k5-lite`: Kandinsky 5 Video Lite t2v (2.01B), 512x768, 61 frames -> 24,576 visual tokens, rank 16;
+- `hv15-480p`: HunyuanVideo 1.5 t2v 480p (8.33B), 480x848, 61 frames -> 25,440 visual tokens, rank 16;
+- `hv15-720p`: HunyuanVideo 1.5 t2v 720p, 512x512, 81 frames -> 21,504 visual tokens, rank 32;
+- `k5-pro`: Kandinsky 5 Video Pro t2v in its SD mode (19B), 256x256, 17 frames -> 1,280 visual tokens, rank 32.
+bf16 weights unless the variant says fp8 (`base_model_precision`), bf16 autocast, fp32 LoRA on the family's
+targets, AdamW, batch 1, through the pieces `train_lora` itself runs (load_transformer, enable_offload, Trainable,
+routing, flow_loss). run.py runs each variant in a fresh process; the checkpoint is written once into its work
+folder. A run that does not fit records `oom`. Group offload with streams must train the same LoRA as
+checkpointing alone: its measurement compares the two LoRAs (when both ran), which checks that offloading keeps the
+updates. `flops_per_step`: torch's FlopCounterMode over one more step (matmuls, convolutions and attention,
+recomputation under checkpointing included), the numerator of run.py's MFU.
 
 `--smoke` (run.py): the same code path on the CPU with the tiny checkpoints; streams and the real sizes are left
 out.
@@ -24,14 +26,17 @@ from pathlib import Path
 from typing import Any
 from loraflow.pipelines.sources import model_source
 
-K5_LITE = dict(in_visual_dim=16, out_visual_dim=16, time_dim=512, patch_size=(1, 2, 2), model_dim=1792, ff_dim=7168,
-               num_text_blocks=2, num_visual_blocks=32, axes_dims=(16, 24, 24), visual_cond=True, in_text_dim=3584,
-               in_text_dim2=768)
+K5, HV15 = "kandinsky5-video", "hunyuanvideo-1.5"
+VAE = {K5: (16, 8), HV15: (32, 16)}  # latent channels, spatial factor
 MODELS: dict[str, dict[str, Any]] = {
-    "kandinsky5-video": {"class": "Kandinsky5Transformer3DModel", "config": K5_LITE, "flavour": "t2v-lite-sft-5s",
-                         "size": (512, 768), "frames": 61, "vae": (16, 8), "text_tokens": 128},
-    "hunyuanvideo-1.5": {"class": "HunyuanVideo15Transformer3DModel", "config": {}, "flavour": "t2v-480p",
-                         "size": (480, 848), "frames": 61, "vae": (32, 16), "text_tokens": 128},
+    "k5-lite": {"family": K5, "flavour": "t2v-lite-sft-5s", "size": (512, 768), "frames": 61, "rank": 16,
+                "text_tokens": 128},
+    "hv15-480p": {"family": HV15, "flavour": "t2v-480p", "size": (480, 848), "frames": 61, "rank": 16,
+                  "text_tokens": 128},
+    "hv15-720p": {"family": HV15, "flavour": "t2v-720p", "size": (512, 512), "frames": 81, "rank": 32,
+                  "text_tokens": 128},
+    "k5-pro": {"family": K5, "flavour": "t2v-pro-sft-5s-sd", "size": (256, 256), "frames": 17, "rank": 32,
+               "text_tokens": 128},
 }
 SMOKE_SIZE = {"size": (64, 96), "frames": 17, "text_tokens": 8}
 TREAD = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]}
@@ -46,52 +51,73 @@ VARIANTS: dict[str, dict[str, Any]] = {
 SAME_NUMBERS = {"checkpointing+offload": "checkpointing"}  # exact features: their LoRAs must agree
 
 
-def measure(work: Path, smoke: bool, family: str, variant: str, steps: int = 6, warmup: int = 2) -> dict[str, Any]:
+def measure(work: Path, smoke: bool, model: str, variant: str, steps: int = 6, warmup: int = 2) -> dict[str, Any]:
     """One variant: the median of `steps` timed steps after `warmup` (smoke: 1, no warm-up), peaks, counted FLOPs."""
     import torch
 
-    model = work / family
+    folder = checkpoint_folder(work, model, smoke)
     if smoke:
         from loraflow.demo.tiny import build_tiny
 
-        build_tiny(family, model)  # idempotent: the first variant builds it
+        build_tiny(MODELS[model]["family"], folder)  # idempotent: the first variant builds it
         steps, warmup = 1, 0
-    elif not (model / "model_index.json").is_file():  # written last: a complete checkpoint
-        write_checkpoint(family, model)
+    elif not (folder / "model_index.json").is_file():  # written last: a complete checkpoint
+        write_checkpoint(model, folder)
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # the peak of training, not of writing the checkpoint
-    lora = work / f"{family}-{variant}.safetensors"
-    result = run_variant(family, str(model), variant, steps, warmup, smoke, str(lora))
+    lora = work / f"{model}-{variant}.safetensors"
+    result = run_variant(model, str(folder), variant, steps, warmup, smoke, str(lora))
     if variant in SAME_NUMBERS:
         result["lora_max_abs_diff_vs_" + SAME_NUMBERS[variant]] = compare_loras(
-            [lora, work / f"{family}-{SAME_NUMBERS[variant]}.safetensors"])
+            [lora, work / f"{model}-{SAME_NUMBERS[variant]}.safetensors"])
     return result
 
 
-def write_checkpoint(family: str, folder: Path) -> None:
-    """A diffusers folder holding only the transformer: random N(0, 0.02) matrices, unit norms, zero biases; bf16."""
+def checkpoint_folder(work: Path, model: str, smoke: bool) -> Path:
+    """Where `model`'s checkpoint is written (smoke: the family's tiny one, shared by its models)."""
+    return work / (MODELS[model]["family"] if smoke else model)
+
+
+def transformer_config(model: str) -> dict[str, Any]:
+    """The released transformer config of `model`'s flavour (loraflow/pipelines/released)."""
+    from loraflow.pipelines.released import released_config
+
+    return released_config(MODELS[model]["flavour"], "transformer")
+
+
+def write_checkpoint(model: str, folder: Path) -> None:
+    """A diffusers folder holding only the transformer: random N(0, 0.02) matrices, unit norms, zero biases; bf16.
+    One released-size checkpoint at a time: the others in the work folder are removed first (Pro's is 38 GB, the
+    machine's disk 64 GiB)."""
+    import shutil
+
     import diffusers
     import torch
 
-    spec = MODELS[family]
-    cls = getattr(diffusers, spec["class"])
+    for other in MODELS:
+        if other != model:
+            shutil.rmtree(folder.parent / other, ignore_errors=True)
+
+    config = transformer_config(model)
+    cls = getattr(diffusers, config["_class_name"])
     with torch.device("meta"):
-        model = cls(**spec["config"])
-    model = model.to_empty(device="cuda").to(torch.bfloat16)
+        model_ = cls.from_config(config)
+    model_ = model_.to_empty(device="cuda").to(torch.bfloat16)
     generator = torch.Generator("cuda").manual_seed(0)
     with torch.no_grad():  # to_empty leaves garbage: set every parameter (random modulations: no identity blocks)
-        for name, p in model.named_parameters():
+        for name, p in model_.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.02, generator=generator)
             else:
                 p.fill_(1.0 if "norm" in name else 0.0)
-    model.save_pretrained(folder / "transformer")
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": "bench", "transformer": ["diffusers",
-                                                                                                 spec["class"]]}))
+    model_.save_pretrained(folder / "transformer")
+    del model_
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "bench", "transformer": [
+        "diffusers", config["_class_name"]]}))
 
 
-def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: int, smoke: bool,
+def run_variant(model: str, model_path: str, variant: str, steps: int, warmup: int, smoke: bool,
                 lora_out: str) -> dict[str, Any]:
     import torch
 
@@ -101,15 +127,15 @@ def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: 
     from loraflow.pipelines import get_family
     from safetensors.torch import save_file
 
-    config = variant_config(family, model_path, variant, smoke)
+    config = variant_config(model, model_path, variant, smoke)
     device = torch.device("cpu" if smoke else "cuda")
     family_obj = get_family(config)
     try:
         transformer, params = T.load_transformer(config, family_obj, model_source(config), device)
-        T.enable_offload(transformer, config, device)
+        T.enable_offload(transformer, config, family_obj, device)
         trainable = T.Trainable(transformer, params, device)
         optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=WEIGHT_DECAY)
-        batch = random_batch(family, transformer.config, smoke)
+        batch = random_batch(model, transformer.config, smoke)
         autocast = T.uses_autocast(config, device)
         times, losses = [], []
         for k in range(warmup + steps):
@@ -129,11 +155,11 @@ def run_variant(family: str, model_path: str, variant: str, steps: int, warmup: 
     save_file(lora_state(transformer), lora_out)
     timed = sorted(times[warmup:])
     return {"seconds_per_step": round(timed[len(timed) // 2], 4), "steps_timed": len(timed), **peaks,
-            "flops_per_step": flops, "visual_tokens": visual_tokens(batch, family),
+            "flops_per_step": flops, "visual_tokens": visual_tokens(batch, MODELS[model]["family"]),
             "losses": [round(v, 5) for v in losses]}
 
 
-def variant_config(family: str, model_path: str, variant: str, smoke: bool) -> Any:
+def variant_config(model: str, model_path: str, variant: str, smoke: bool) -> Any:
     """The loraflow config a variant trains with."""
     from loraflow.config import parse_config
 
@@ -142,31 +168,28 @@ def variant_config(family: str, model_path: str, variant: str, smoke: bool) -> A
         keys.pop("group_offload_use_stream", None)
         keys = {**keys, "tread_config": {"routes": [{**TREAD["routes"][0], "start_layer_idx": 0,
                                                      "end_layer_idx": -1}]}} if "tread_config" in keys else keys
+    spec = MODELS[model]
     return parse_config({
-        "model_family": family, "model_flavour": MODELS[family]["flavour"], "pretrained_model_name_or_path": model_path,
-        "datasets": [{"id": "bench", "instance_data_dir": "unused"}], "lora_rank": 16,
+        "model_family": spec["family"], "model_flavour": spec["flavour"], "pretrained_model_name_or_path": model_path,
+        "datasets": [{"id": "bench", "instance_data_dir": "unused"}], "lora_rank": spec["rank"],
         "base_model_precision": "bf16", **keys})
 
 
-def estimate(work: Path, smoke: bool, family: str, variant: str) -> dict[str, Any]:
+def estimate(work: Path, smoke: bool, model: str, variant: str) -> dict[str, Any]:
     """loraflow/estimates.py's training step for the same config, transformer config, latent and caption length
-    as `measure`, on fake tensors (CPU only, no weights read): run.py computes it while the child measures."""
-    import diffusers
-    import torch
-
+    as `measure`, on fake tensors (CPU only, no weights read): run.py --estimate writes them before a GPU run."""
     from loraflow import estimates
     from loraflow.pipelines import get_family
 
-    model = work / family
-    spec = {**MODELS[family], **(SMOKE_SIZE if smoke else {})}
+    folder = checkpoint_folder(work, model, smoke)
+    spec = {**MODELS[model], **(SMOKE_SIZE if smoke else {})}
     if smoke:  # the tiny checkpoint's config; run.py builds it before the child starts
-        transformer_config = json.loads((model / "transformer" / "config.json").read_text())
+        configured = json.loads((folder / "transformer" / "config.json").read_text())
     else:  # the config write_checkpoint saves
-        with torch.device("meta"):
-            transformer_config = {**getattr(diffusers, spec["class"])(**spec["config"]).config,
-                                  "_class_name": spec["class"]}
-    config = variant_config(family, str(model), variant, smoke)
-    step = estimates.training_step(config, get_family(config), transformer_config, latent_shape(spec),
+        configured = transformer_config(model)
+    config = variant_config(model, str(folder), variant, smoke)
+    family = get_family(config)
+    step = estimates.training_step(config, family, family.flavour.configured(configured), latent_shape(spec),
                                    text_tokens=spec["text_tokens"])
     if not step.parts:
         return {"peak_allocated_gib": None, "flops_per_step": None, "note": step.note}
@@ -175,8 +198,8 @@ def estimate(work: Path, smoke: bool, family: str, variant: str) -> dict[str, An
 
 
 def latent_shape(spec: dict[str, Any]) -> tuple[int, int, int, int]:
-    """(C, T, h, w) of the benchmark's latent: `spec` is MODELS[family], with SMOKE_SIZE over it in smoke mode."""
-    channels, factor = spec["vae"]
+    """(C, T, h, w) of the benchmark's latent: `spec` is MODELS[model], with SMOKE_SIZE over it in smoke mode."""
+    channels, factor = VAE[spec["family"]]
     (height, width), frames = spec["size"], spec["frames"]
     return channels, (frames - 1) // 4 + 1, height // factor, width // factor
 
@@ -211,7 +234,7 @@ def peak_memory(device: Any) -> dict[str, float | None]:
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
 
 
-def random_batch(family: str, dims: Any, smoke: bool) -> Any:
+def random_batch(model: str, dims: Any, smoke: bool) -> Any:
     """Latents and text of the benchmark size, with the family's text row layout (what text_embeds stores)."""
     import numpy as np
     import torch
@@ -220,8 +243,8 @@ def random_batch(family: str, dims: Any, smoke: bool) -> Any:
     from loraflow.pipelines import get_family
     from loraflow.config import parse_config
 
-    spec = {**MODELS[family], **(SMOKE_SIZE if smoke else {})}
-    tokens = spec["text_tokens"]
+    spec = {**MODELS[model], **(SMOKE_SIZE if smoke else {})}
+    family, tokens = spec["family"], spec["text_tokens"]
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(1, *latent_shape(spec), generator=g)
     rng = np.random.default_rng(0)

@@ -17,6 +17,8 @@ import torch
 
 # base_model_precision values that store the transformer in int8 -> the implementation that runs
 INT8_PRECISIONS = {"int8-torchao": "int8-torchao", "int8-quanto": "int8-torchao"}
+# stored in one byte per weight (from a bf16 load): `store_frozen` casts them
+ONE_BYTE_PRECISIONS = ("fp8-layerwise", *INT8_PRECISIONS)
 
 
 def quantize_int8(model: torch.nn.Module, key: str, keep: Collection[str] = ()) -> None:

@@ -60,7 +60,7 @@ from loraflow.training.distributed import (
 )
 from loraflow.contracts.text_set import text_lookup
 from loraflow.training.progress_renders import ProgressRenders
-from loraflow.kernels.quantize import frozen_dtype, store_frozen
+from loraflow.kernels.quantize import ONE_BYTE_PRECISIONS, frozen_dtype, store_frozen
 from loraflow.contracts.reports import LoraReport, TrainStep
 from loraflow.training.tracking import open_sink
 from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load_micro_batch, step_seed, training_texts
@@ -125,10 +125,21 @@ def load_transformer(config: LoraflowConfig, family: ModelFamily, model: ModelSo
     if config.group_offload_use_stream and device.type != "cuda":
         raise ValueError(f"`group_offload_use_stream` needs a CUDA device; this run is on {device.type}: set "
                          "group_offload_use_stream: false (group offloading itself works without it)")
-    # group offloading moves the blocks itself; block swap moves the rest (`enable_offload`)
-    where = "cpu" if config.enable_group_offload or config.blocks_to_swap else str(device)
+    # group offloading moves the blocks itself; block swap moves the rest (`enable_offload`). fp8 and int8 load in
+    # bf16 and are cast on the CPU before the model moves: loaded on the GPU, Kandinsky 5 Pro fp8 peaked at 40.4 GiB
+    # while loading and held 20.7 after (an H200, benchmarks/results/gpu_nvidia-h200.json), past any 24 GB card
+    offloaded = config.enable_group_offload or config.blocks_to_swap
+    cast_first = config.base_model_precision in ONE_BYTE_PRECISIONS
+    where = "cpu" if offloaded or cast_first else str(device)
     transformer = set_flavour_config(load_component(model, "transformer", base_dtype(config), where), family.flavour)
-    return prepare_transformer(transformer, config, family)
+    transformer, params = prepare_transformer(transformer, config, family)
+    if cast_first and not offloaded:
+        names = {id(p): n for n, p in transformer.named_parameters()}
+        order = [names[id(p)] for p in params]
+        transformer.to(device)  # may make new Parameter objects (a device of another tensor type): found by name
+        moved = dict(transformer.named_parameters())
+        params = [moved[n] for n in order]
+    return transformer, params
 
 
 def base_dtype(config: LoraflowConfig) -> torch.dtype:

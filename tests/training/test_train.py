@@ -312,6 +312,27 @@ def test_streams_need_cuda_and_fp8_keeps_lora_fp32(caches: dict[str, Path], tmp_
     assert report.computed == 2 and np.isfinite(report.history[-1].loss)
 
 
+@pytest.mark.parametrize("precision", ["fp8-layerwise", "int8-torchao"])
+def test_a_one_byte_base_is_cast_on_the_cpu_before_it_moves_to_the_accelerator(
+        caches: dict[str, Path], tmp_path: Path, precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40's H200 run: Kandinsky 5 Pro fp8 loaded in bf16 onto the GPU peaked at 40.4 GiB while loading and
+    held 20.7 after. The bf16 load happens on the CPU and the model moves once stored in one byte: here the
+    accelerator is the meta device, which the real loader records (`load_component`, called through)."""
+    loads = []
+
+    def recorded(model: Any, name: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+        loads.append((name, dtype, str(device)))
+        return load_component(model, name, dtype, device)
+
+    from loraflow.pipelines.base import load_component
+    monkeypatch.setattr(T, "load_component", recorded)
+    config = make_config(caches, tmp_path / precision, base_model_precision=precision)
+    transformer, params = T.load_transformer(config, get_family(config), model_source(config), torch.device("meta"))
+    assert loads == [("transformer", torch.bfloat16, "cpu")]
+    assert {p.device.type for p in (*transformer.parameters(), *transformer.buffers())} == {"meta"}
+    assert params and {(p.device.type, p.dtype) for p in params} == {("meta", torch.float32)}
+
+
 def test_a_new_validation_prompt_encodes_one_text_and_retrains_nothing(baseline, caches: dict[str, Path],
                                                                        tmp_path: Path) -> None:
     config, first = baseline
