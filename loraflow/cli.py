@@ -173,14 +173,19 @@ def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets:
               f"({', '.join(labels)}: a square source at `resolution`, `video.num_frames` frames)")
     bucket = estimates.largest_bucket(labels)
     frames, height, width = bucket
-    stages = estimates.estimate(config, family, configs, bucket)
+    card, named = estimates.card_gb(config)
+    inputs = {"configs": configs, "bucket": bucket, "card": card}
+    stages, reused = estimates.remembered(config, "stages", inputs,
+                                          lambda: estimates.estimate(config, family, configs, bucket))
+    if reused is not None:
+        print(f"  reused from {reused}: this config, model configs, bucket and card, with this loraflow, were "
+              "estimated before (delete the file to estimate again)")
     print(f"  largest bucket {width}x{height}@{frames}, batch {config.train_batch_size}, "
           f"{family.max_text_tokens} text tokens; GiB peak on the accelerator, TFLOP of one step (lora: forward + "
           "backward; latents: one clip; validation: one denoise call)")
     print(f"  fit: {estimates.FIT_MARKS}")
     print(table(estimates.estimate_rows(stages),
                 ("stage", "peak GiB", "TFLOP", *(f"{gb}GB" for gb in estimates.CARDS_GB), "note")))
-    card, named = estimates.card_gb(config)
     if card is None:
         return
     for stage in stages:
@@ -191,7 +196,8 @@ def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets:
             continue
         print(f"  {stage.stage} needs {stage.peak_gib:.3g} GiB; {card:.3g} GB ({named}) is short. Switches, each with "
               f"its estimated peak{SMALLER.get(stage.stage, '')}:")
-        rows = estimates.switches(config, family, configs, bucket, stage.stage, now=stage)
+        rows, _ = estimates.remembered(config, f"switches-{stage.stage}", inputs, lambda: estimates.switches(
+            config, family, configs, bucket, stage.stage, now=stage))
         for label, changed in rows:
             host = f" (+ {changed.host / estimates.GIB:.3g} GiB of CPU memory)" if changed.host else ""
             fits = "fits" if changed.fits(card) else "tight" if changed.mark(card) == "tight" else "does not fit"

@@ -57,6 +57,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -670,6 +671,54 @@ def swap_to_fit(config: LoraflowConfig, family: ModelFamily, transformer_config:
         if swapped.fits(card):
             return f"blocks_to_swap: {n} (of {len(blocks)})", swapped
     return None
+
+
+# 4. remembered: a check of an unchanged config answers from its last estimate ----------------------------------
+
+@cache
+def code_version() -> str:
+    """What the estimates' numbers depend on besides their inputs: the loraflow package's source and the versions of
+    the libraries that build and trace the models."""
+    import hashlib
+    from importlib.metadata import version
+
+    digest = hashlib.sha256()
+    package = Path(__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    for library in ("torch", "diffusers", "transformers", "peft"):
+        digest.update(f"{library}=={version(library)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def remembered(config: LoraflowConfig, what: str, inputs: Mapping[str, Any],
+               compute: Callable[[], list]) -> tuple[list, Path | None]:
+    """`compute()` (a list of StageEstimates, or of (label, StageEstimate)), or the list a call with the same config,
+    `inputs` and `code_version` stored in `cache_dir`/estimates/ (JSON, written atomically); and the file it was
+    read from (None: computed now). The fake-tensor traces take minutes at released size: a second `check` of an
+    unchanged config takes seconds."""
+    from dataclasses import asdict
+
+    from loraflow.keys import content_key
+    from loraflow.store import write_json
+
+    key = content_key(what=what, config=config.model_dump(mode="json"), inputs=inputs, code=code_version())
+    path = Path(config.cache_dir) / "estimates" / f"{what}-{key}.json"
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError):
+        rows = None
+    if isinstance(rows, list):
+        return [(label, StageEstimate(**row)) if label is not None else StageEstimate(**row) for label, row in rows], \
+            path
+    result = compute()
+    rows = [[item[0], asdict(item[1])] if isinstance(item, tuple) else [None, asdict(item)] for item in result]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, rows)
+    except OSError:  # a read-only cache folder: the estimate stands, unremembered
+        pass
+    return result, None
 
 
 def card_gb(config: LoraflowConfig) -> tuple[float | None, str]:

@@ -130,6 +130,28 @@ def test_check_prints_the_estimates_and_the_switch_that_fits_the_named_card(
     assert switches["gradient_checkpointing"] == "fits" and switches["optimizer"] != "fits"
 
 
+def test_a_second_check_of_an_unchanged_config_reuses_its_estimates_and_a_changed_one_does_not(
+        tiny_k5: Path, demo_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """check's fake-tensor traces take minutes at released size (issue 41): the estimate and its switch list are
+    kept in the cache folder under a key of the config, the model configs, the bucket, the card and loraflow's
+    code, and read back by the next check of the same config: the same table. Another rank is estimated anew."""
+    card = (0.0012 * 2**30 + CUDA_CONTEXT) / FIT_SHARE / 2**30  # short for training: the switches are listed too
+    settings = demo_dict(tiny_k5, demo_data, tmp_path, gpu_memory_gb=card)
+    config = write_config(tmp_path / "config.yaml", settings)
+    outputs = []
+    for _ in range(2):
+        assert main(["check", str(config)]) == 0
+        outputs.append(capsys.readouterr().out.split("estimates (no model loads")[1])
+    first, second = outputs
+    assert "reused from" not in first and "reused from" in second
+    remembered = {p.name.split("-")[0] for p in (tmp_path / "cache" / "estimates").iterdir()}
+    assert remembered == {"stages", "switches"}
+    assert [ln for ln in second.splitlines() if "reused from" not in ln] == first.splitlines()
+    other = write_config(tmp_path / "other.yaml", {**settings, "lora_rank": settings.get("lora_rank", 8) * 2})
+    assert main(["check", str(other)]) == 0
+    assert "reused from" not in capsys.readouterr().out
+
+
 def test_check_estimates_an_imported_seed_guide_from_the_released_configs_before_download_or_data(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The Kandinsky 5 Video guide imported as its reader would (no model downloaded, no clips yet): check
