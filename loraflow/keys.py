@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
+from urllib.parse import quote
 
 if TYPE_CHECKING:  # annotations only: keys stay free of torch at import
     import torch
@@ -22,6 +23,16 @@ def content_key(**fields: Any) -> str:
     """sha256 of canonical JSON (sorted keys, no whitespace); 32 hex chars is plenty for a cache."""
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+# A dataset id names files (the store's manifest part and lock of that dataset): file systems allow 255 bytes per name,
+# and the store adds at most 45 to the stem (".parquet", then an atomic write's ".tmp-<32 hex digits>").
+PART_STEM_LIMIT = 255 - 45
+
+
+def part_file_stem(part: str) -> str:
+    """A store part's name (a dataset id) as the stem of its files: any id, reversibly (`unquote`)."""
+    return quote(part, safe="")
 
 
 def hash_seed(**fields: Any) -> int:

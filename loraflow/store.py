@@ -33,12 +33,14 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from loraflow.keys import part_file_stem
 
 SHAPE_SUFFIX = "__shape"
 ROW_GROUP_BYTES = 4 << 20  # a training batch reads a few rows of a shard: groups small enough to skip the rest
@@ -293,7 +295,7 @@ class Store:
 
         folder = self._lock_folder()
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"{quote(part, safe='')}.lock", "a") as f:  # released when the file is closed
+        with open(folder / f"{part_file_stem(part)}.lock", "a") as f:  # released when the file is closed
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -322,7 +324,7 @@ class Store:
     def _manifest_path(self, stage: str, part: str | None = None) -> str:
         if part is None:
             return f"{self._dir(stage)}/manifest.parquet"
-        return f"{self._dir(stage)}/manifest/{quote(part, safe='')}.parquet"  # any dataset id is a file name
+        return f"{self._dir(stage)}/manifest/{part_file_stem(part)}.parquet"  # any dataset id is a file name
 
     def _read_table(self, stage: str, path: str) -> list[dict[str, Any]]:
         if not self.fs.exists(path):

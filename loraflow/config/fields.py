@@ -344,6 +344,10 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     def _datasets(cls, v: tuple[DatasetConfig, ...]) -> tuple[DatasetConfig, ...]:
         if not any(d.dataset_type in ("video", "image") and not d.disabled for d in v):
             raise ValueError("no enabled video/image dataset: add one under `datasets`")
+        ids = [d.id for d in v]
+        shared = sorted({i for i in ids if ids.count(i) > 1})  # an id is one Dagster partition, one cache part
+        if shared:
+            raise ValueError(f"id {shared[0]!r} names {ids.count(shared[0])} datasets: give each dataset its own `id`")
         return v
 
 
