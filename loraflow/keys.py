@@ -69,8 +69,11 @@ def safetensors_sha256(path: str | Path) -> str:
     """sha256 of what a safetensors file holds: its header as canonical JSON, then the tensor bytes. Not of the file's
     bytes: safetensors writes the header's `__metadata__` map in a Rust HashMap's order, which is new per process, so
     the same LoRA exported twice differs in bytes (and validation rendered again for nothing)."""
+    from loraflow.safetensors_header import read_header
+
+    header = read_header(path)  # a file that is no safetensors fails here, naming it
     with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        f.seek(8 + int.from_bytes(f.read(8), "little"))
         return _rest_sha256(f, hashlib.sha256(json.dumps(header, sort_keys=True, separators=(",", ":")).encode()))
 
 

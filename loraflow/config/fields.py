@@ -18,6 +18,7 @@ from loraflow.config.guide_features import GuideFeatures
 from loraflow.config.training_options import TrainingOptions
 from loraflow.config.validation_adapters import ValidationAdapter, read_adapter_config
 from loraflow.pipelines import describe_families, family_names, family_spec, flavour_names, known_flavour
+from loraflow.safetensors_header import read_adapter_header
 
 
 class TreadRoute(StrictModel):
@@ -288,6 +289,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         if v is not None and not (v.endswith(".safetensors") and Path(v).is_file()):
             raise ValueError(f"`init_lora` {v!r} is not a .safetensors file: give the path of the LoRA file to start "
                              "from (diffusers/peft or ComfyUI key names), or remove init_lora")
+        if v is not None:
+            read_adapter_header(v, "init_lora")
         return v
 
     @field_validator("validation_num_video_frames")
