@@ -193,7 +193,7 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
     problems, the model when it is on disk, and its VAE geometry (None: unknown until downloaded)."""
     from loraflow.stages.clips.bucket_plan import human_bytes
     from loraflow.stages.clips.buckets import latent_geometry
-    from loraflow.pipelines.sources import check_layout, component_status, model_source
+    from loraflow.pipelines.sources import ModelRefused, check_layout, component_status, model_source
 
     try:
         statuses = component_status(config)
@@ -209,10 +209,12 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
         return [], None, None
     try:
         source = model_source(config, download=False)
-        check_layout(source, family.flavour)
-        return [], source, latent_geometry(source, family)
+        check_layout(source, family.flavour)  # components there, of the classes the flavour loads, readable
+    except ModelRefused as exc:
+        return exc.problems, None, None
     except FileNotFoundError as exc:
         return [str(exc)], None, None
+    return [], source, latent_geometry(source, family)
 
 
 def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> int:

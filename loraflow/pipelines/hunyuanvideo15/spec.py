@@ -11,13 +11,30 @@ from __future__ import annotations
 
 import json
 
-from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.flavours import QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
 from loraflow.pipelines.sources import ModelSource
 
 _SIGLIP_PARTS = ("image_encoder", "feature_extractor")
 # The guide's environment variables; read as diffusers component folders, not the original release's
 # text_encoder/llm or vision_encoder/siglip tree SimpleTuner points them at.
 _GUIDE_FOLDERS = (("text_encoder", "HUNYUANVIDEO_TEXT_ENCODER_PATH"), ("image_encoder", "HUNYUANVIDEO_VISION_ENCODER_PATH"))
+
+
+# The classes a HunyuanVideo 1.5 checkpoint's model_index.json may name (`Flavour.classes`): what diffusers'
+# HunyuanVideo15Pipeline and HunyuanVideo15ImageToVideoPipeline annotate (tests/pipelines/test_families.py reads
+# them), and the SigLIP processor's other backends (Pil: what the tiny checkpoints save; Fast: torchvision's).
+CLASSES = {
+    "transformer": ("diffusers.HunyuanVideo15Transformer3DModel",),
+    "vae": ("diffusers.AutoencoderKLHunyuanVideo15",),
+    "text_encoder": ("transformers.Qwen2_5_VLTextModel",),
+    "tokenizer": QWEN_TOKENIZERS,
+    "text_encoder_2": ("transformers.T5EncoderModel",),
+    "tokenizer_2": ("transformers.ByT5Tokenizer",),
+    "scheduler": ("diffusers.FlowMatchEulerDiscreteScheduler",),
+    "guider": ("diffusers.ClassifierFreeGuidance",),
+    "image_encoder": ("transformers.SiglipVisionModel",),
+    "feature_extractor": tuple(f"transformers.SiglipImageProcessor{kind}" for kind in ("", "Pil", "Fast")),
+}
 
 
 def _flavour(name: str, shift: float, steps: int = 30) -> Flavour:
@@ -29,7 +46,7 @@ def _flavour(name: str, shift: float, steps: int = 30) -> Flavour:
     # conditioning_frames 0 for i2v too: HunyuanVideo15ImageToVideoPipeline steps every latent frame (HVI:931)
     return Flavour(name, task, 24.0, 121, size, shift, 1.0 if distilled else 6.0, parts,
                    repo=f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{folder}",
-                   folder_variables=_GUIDE_FOLDERS, steps=steps)
+                   folder_variables=_GUIDE_FOLDERS, steps=steps, classes=CLASSES)
 
 
 def render_size(flavour: Flavour, model: ModelSource, height: int, width: int) -> tuple[int, int] | None:

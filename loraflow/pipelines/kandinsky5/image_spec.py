@@ -7,12 +7,15 @@ kandinskylab "Diffusers" collection."""
 from __future__ import annotations
 
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.kandinsky5.video_spec import KANDINSKY5_CLASSES
+
+IMAGE_CLASSES = {**KANDINSKY5_CLASSES, "vae": ("diffusers.AutoencoderKL",)}  # Flux's 2D VAE
 
 
 def _flavour(name: str, repo: str) -> Flavour:
     # One frame; fps only matters when frames are sampled from videos. Shift 1.0 is the seed doc's default.
     return Flavour(name, name.split("-")[0], 24.0, 1, (1024, 1024), 1.0, 5.0, TWO_ENCODER_PARTS,
-                   repo=f"kandinskylab/Kandinsky-5.0-{repo}-Diffusers")
+                   repo=f"kandinskylab/Kandinsky-5.0-{repo}-Diffusers", classes=IMAGE_CLASSES)
 
 
 SPEC = FamilySpec(

@@ -11,7 +11,21 @@ transformers the Lite sft ones' (same dit_params). `peer_names` are musubi-tuner
 
 from __future__ import annotations
 
-from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.flavours import CLIP_TOKENIZERS, QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
+
+# The classes a Kandinsky 5 checkpoint's model_index.json may name (`Flavour.classes`): what diffusers'
+# Kandinsky5{T2V,I2V,T2I,I2I}Pipeline annotate (tests/pipelines/test_families.py reads them); the Video VAE here,
+# the Image one in image_spec. The tokenizer is annotated as the Qwen2-VL processor; the tiny checkpoints save the
+# plain tokenizer the processor wraps (REFERENCE.md: the processor needs torchvision).
+KANDINSKY5_CLASSES = {
+    "transformer": ("diffusers.Kandinsky5Transformer3DModel",),
+    "text_encoder": ("transformers.Qwen2_5_VLForConditionalGeneration",),
+    "tokenizer": ("transformers.Qwen2VLProcessor", *QWEN_TOKENIZERS),
+    "text_encoder_2": ("transformers.CLIPTextModel",),
+    "tokenizer_2": CLIP_TOKENIZERS,
+    "scheduler": ("diffusers.FlowMatchEulerDiscreteScheduler",),
+}
+VIDEO_CLASSES = {**KANDINSKY5_CLASSES, "vae": ("diffusers.AutoencoderKLHunyuanVideo",)}
 
 
 def _flavour(name: str, seconds: int, shift: float, repo: str | None, musubi: str = "", steps: int = 30,
@@ -20,7 +34,7 @@ def _flavour(name: str, seconds: int, shift: float, repo: str | None, musubi: st
     # i2v: the image's latent replaces latent frame 0 (Kandinsky5I2VPipeline.prepare_latents), one clean frame
     return Flavour(name, task, 24.0, 24 * seconds + 1, (512, 768), shift, guidance, TWO_ENCODER_PARTS,
                    int(task == "i2v"), repo and f"kandinskylab/Kandinsky-5.0-{repo}-Diffusers", steps=steps,
-                   peer_names=(f"k5-{musubi}",) if musubi else ())
+                   peer_names=(f"k5-{musubi}",) if musubi else (), classes=VIDEO_CLASSES)
 
 
 def _distilled(kind: str, seconds: int, steps: int) -> Flavour:
