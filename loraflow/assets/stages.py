@@ -136,7 +136,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
     from loraflow.contracts.masks import masked_loss_metadata
     from loraflow.pipelines import get_family
 
-    config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
+    config = loraflow.load()  # in-process on one CPU; launched processes under Pipes for N processes or CUDA
     store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)
     report = run_training(context, config, family, model, loraflow.config_path, store)
     sheet = progress_sheet_path(report.run_dir)  # validation_steps: renders during training

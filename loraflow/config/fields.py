@@ -113,7 +113,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     # N processes see N times the samples per step; one keeps the keys of runs from before it existed
     num_processes: int = setting(
         1, run_key="when_set", ge=1, description="data-parallel training processes (one per GPU), each taking "
-        "train_batch_size samples per micro-step; > 1, or any CUDA run, trains under `accelerate launch`")
+        "train_batch_size samples per micro-step; > 1, or any CUDA run, trains in launched processes (torchrun's "
+        "launcher, its rendezvous on loopback)")
     fsdp: bool = setting(
         False, run_key="when_set", description="FSDP2: shard the frozen transformer, the LoRA and AdamW's state over "
         "the num_processes ranks (`fully_shard` per block, then the root); needs num_processes > 1")

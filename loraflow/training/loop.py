@@ -14,7 +14,7 @@ Gradient checkpointing and group offloading are exact (not in the key: turning t
 run); TREAD is not. base_model_precision stores frozen weights in bf16, fp8 (layerwise casting) or int8 (torchao,
 kernels/quantize.py); the forward runs under bf16 autocast on CUDA; LoRA weights and gradients are always fp32, AdamW's
 moments too unless `optimizer: adamw_bf16`.
-Under `accelerate launch` (num_processes > 1) each rank trains its share of every step and only rank 0 writes
+Under a launcher (num_processes > 1) each rank trains its share of every step and only rank 0 writes
 (loraflow/training/distributed.py; loraflow/train_main.py is the launched entry point).
 """
 
