@@ -318,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from loraflow.store import DiskFull
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("loraflow").setLevel(logging.INFO)  # our progress, not every library's INFO chatter
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # every problem, each naming its key: no traceback for a bad config
         print(exc, file=sys.stderr)
         return 2
-    except HubUnreachable as exc:  # no network: what to do instead, no traceback from inside huggingface_hub
+    except (HubUnreachable, DiskFull) as exc:  # no network, no space: what to do, no traceback from inside a library
         print(f"loraflow {args.command}: {exc}", file=sys.stderr)
         return 1
 

@@ -20,7 +20,6 @@ divides by the rank; a module kept whole is at scale 1 in both (training/adapter
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from loraflow.pipelines.comfyui import PREFIX, ComfyRule, comfyui_name
+from loraflow.store import write_atomic
 
 LYCORIS_NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b",
                  "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
@@ -96,11 +96,9 @@ def _peft_scale(config: Mapping, module: str) -> tuple[float, float]:
 
 def save_comfyui_lycoris(state_dict: Mapping[str, torch.Tensor], adapter_config: Mapping,
                          rules: Sequence[ComfyRule], path: str | Path) -> Path:
-    """Write `lycoris_to_comfyui(...)` to `path` (tmp + rename), the peft config in the header for the record."""
+    """Write `lycoris_to_comfyui(...)` to `path` (`write_atomic`), the peft config in the header for the record."""
     path = Path(path)
     metadata = {"format": "pt", "loraflow_source_format": "peft",
                 "lora_adapter_config": json.dumps(dict(adapter_config), sort_keys=True, default=str)}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(lycoris_to_comfyui(state_dict, adapter_config, rules), tmp, metadata=metadata)
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, lambda tmp: save_file(lycoris_to_comfyui(state_dict, adapter_config, rules), tmp,
+                                                    metadata=metadata))

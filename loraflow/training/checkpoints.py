@@ -4,7 +4,8 @@
                                   /optimizer.safetensors  the optimizer's tensors, keyed "<param index>.<name>"
                                   /state.json             step, its param_groups (and plain numbers of its
                                                           state, e.g. Prodigy's step count), the history so far
-A killed save leaves only the .tmp folder, which nothing reads and the next save replaces. No pickle anywhere.
+A killed save leaves only the .tmp folder, which nothing reads and the next save removes; a failed one (a full disk)
+removes it itself. No pickle anywhere.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from loraflow.training.distributed import gathered, shard_like
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE, save_comfyui_lora
 from loraflow.pipelines.lycoris import is_lycoris, save_comfyui_lycoris
-from loraflow.store import write_json
+from loraflow.store import temporary_folder, write_json
 
 log = logging.getLogger(__name__)
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -37,18 +38,18 @@ def save_checkpoint(out: Path, step: int, lora: dict[str, torch.Tensor],
     """`lora` and `optimizer` as `lora_state` and `optimizer_state` return them (gathered on every rank under FSDP);
     `extra`: more {file name: tensors} the run resumes from (CREPA's projector)."""
     final = out / "checkpoints" / f"step-{step:07d}"
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(lora, tmp / "lora.safetensors")
-    for name, tensors in (extra or {}).items():
-        save_file(tensors, tmp / name)
-    tensors, scalars = optimizer
-    save_file(tensors, tmp / "optimizer.safetensors")
-    write_json(tmp / "state.json", {"step": step, "optimizer": scalars, "history": history})
-    for path in (*tmp.iterdir(), tmp):  # on disk before the rename publishes them (a power cut, not only a kill)
-        _fsync(path)
-    tmp.rename(final)
+    for killed in final.parent.glob("step-???????.tmp"):  # saves a kill interrupted (one writer per run: rank 0)
+        shutil.rmtree(killed)
+    with temporary_folder(final.with_name(final.name + ".tmp")) as tmp:
+        save_file(lora, tmp / "lora.safetensors")
+        for name, tensors in (extra or {}).items():
+            save_file(tensors, tmp / name)
+        tensors, scalars = optimizer
+        save_file(tensors, tmp / "optimizer.safetensors")
+        write_json(tmp / "state.json", {"step": step, "optimizer": scalars, "history": history})
+        for path in (*tmp.iterdir(), tmp):  # on disk before the rename publishes them (a power cut, not only a kill)
+            _fsync(path)
+        tmp.rename(final)
     # None keeps every checkpoint (a [:None] slice would delete them all, the new one included)
     for old in sorted((out / "checkpoints").glob("step-???????"))[: -total_limit if total_limit else 0]:
         shutil.rmtree(old)
@@ -121,11 +122,10 @@ def export_lora(out: Path, lora: dict[str, torch.Tensor], config: dict, family: 
                 lora_format: str = "diffusers") -> None:
     """diffusers format through the family's own writer, renamed into place (the file that marks a run finished);
     with `lora_format: comfyui` also the ComfyUI file, converted from it."""
-    tmp = out / "export.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    family.save_lora(lora, tmp, config)
-    _fsync(tmp / LORA_FILE)  # this file says "finished": never an empty one under its name after a power cut
-    (tmp / LORA_FILE).rename(out / LORA_FILE)
+    with temporary_folder(out / "export.tmp") as tmp:
+        family.save_lora(lora, tmp, config)
+        _fsync(tmp / LORA_FILE)  # this file says "finished": never an empty one under its name after a power cut
+        (tmp / LORA_FILE).rename(out / LORA_FILE)
     shutil.rmtree(tmp)
     if lora_format == "comfyui":
         export_comfyui(out, family)

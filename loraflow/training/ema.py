@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from loraflow.store import temporary_folder, write_atomic
 from loraflow.training.checkpoints import LORA_FILE
 
 if TYPE_CHECKING:
@@ -81,10 +82,9 @@ def make_ema(config: LoraflowConfig, transformer: torch.nn.Module, checkpoint: P
 
 def export_ema(out: Path, state: dict[str, torch.Tensor], adapter_config: dict, family: ModelFamily) -> Path:
     """The EMA adapter through the family's own writer (the LoRA file's format), renamed into place."""
-    tmp = out / "export_ema.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    family.save_lora(state, tmp, adapter_config)
-    final = (tmp / LORA_FILE).replace(out / EMA_LORA_FILE)
+    with temporary_folder(out / "export_ema.tmp") as tmp:
+        family.save_lora(state, tmp, adapter_config)
+        final = (tmp / LORA_FILE).replace(out / EMA_LORA_FILE)
     shutil.rmtree(tmp)
     return final
 
@@ -100,7 +100,7 @@ def trained_adapters(config: LoraflowConfig, lora_path: str) -> dict[str, str]:
 
 def post_hoc_ema(paths: Sequence[str | Path], decay: float, out: str | Path) -> Path:
     """musubi-tuner's post-hoc EMA: the EMA over LoRA files given in step order (the first starts it), written to
-    `out` (tmp + rename) with the first file's header. Every file must hold the same tensor names and shapes."""
+    `out` (`write_atomic`) with the first file's header. Every file must hold the same tensor names and shapes."""
     from safetensors import safe_open
     from torch.optim.swa_utils import get_ema_multi_avg_fn
 
@@ -117,8 +117,4 @@ def post_hoc_ema(paths: Sequence[str | Path], decay: float, out: str | Path) -> 
         update(shadow, [state[n].float() for n in names], None)
     with safe_open(str(paths[0]), "pt") as f:
         metadata = f.metadata()
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(dict(zip(names, shadow)), tmp, metadata=metadata)
-    tmp.replace(out)
-    return out
+    return write_atomic(Path(out), lambda tmp: save_file(dict(zip(names, shadow)), tmp, metadata=metadata))
