@@ -101,9 +101,10 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
 def check(config_path: str, estimate: bool = True) -> int:
     """Validate the config (every problem at once), say where each model component is and what a run would
     download, then plan buckets without loading a model."""
+    from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
+    from loraflow.pipelines import nabla_note, plan_family
     from loraflow.stages.clips.bucket_plan import human_bytes, plan_buckets
-    from loraflow.pipelines import nabla_note
-    from loraflow.pipelines import plan_family
+    from loraflow.store import Store
 
     config = load_config(config_path)
     print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
@@ -131,6 +132,9 @@ def check(config_path: str, estimate: bool = True) -> int:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
                     ("dataset", "file", "reason", "detail")))
+    changed = changed_sources(Store(config.cache_dir), config.dataset_folders)
+    if changed:  # a warning, not a problem: training on the caches as they are is allowed
+        print(f"\nwarning: {changed_sources_warning(changed)}")
     if problems:
         print(f"\n{len(problems)} problem(s):", file=sys.stderr)
         print("\n".join(f"  - {p}" for p in problems), file=sys.stderr)

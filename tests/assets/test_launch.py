@@ -1,4 +1,4 @@
-"""The `lora` asset with num_processes 2: two CPU ranks launched (local_launch) under Dagster Pipes (real subprocess)."""
+"""The `lora` asset with num_processes 2: two CPU ranks (local_launch) under Dagster Pipes (real subprocesses)."""
 
 from __future__ import annotations
 

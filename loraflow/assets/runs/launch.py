@@ -2,9 +2,10 @@
 
 One CPU process (the default) trains in-process, as every other stage does. Any CUDA run, or `num_processes > 1`,
 starts `python -m loraflow.train_main CONFIG` (one process) or `python -m loraflow.training.local_launch N -m
-loraflow.train_main CONFIG` (torchrun's launcher, every socket on loopback) through PipesSubprocessClient: the
-GPUs' memory is the launched processes' alone and is given back when they exit, every rank trains, and rank 0 streams its log lines and reports the materialization,
-which becomes this asset's (see loraflow/train_main.py). Trainers die with the process that started them.
+loraflow.train_main CONFIG` (torchrun's launcher, every socket on loopback) through PipesSubprocessClient: the GPUs'
+memory is the launched processes' alone and is given back when they exit, every rank trains, and rank 0 streams its
+log lines and reports the materialization, which becomes this asset's (see loraflow/train_main.py). Trainers die
+with the process that started them.
 """
 
 from __future__ import annotations
