@@ -103,9 +103,10 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
 def check(config_path: str, estimate: bool = True) -> int:
     """Validate the config (every problem at once), say where each model component is and what a run would
     download, then plan buckets without loading a model."""
+    from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
+    from loraflow.pipelines import nabla_note, plan_family
     from loraflow.stages.clips.bucket_plan import human_bytes, plan_buckets
-    from loraflow.pipelines import nabla_note
-    from loraflow.pipelines import plan_family
+    from loraflow.store import Store
 
     config = load_config(config_path)
     print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
@@ -137,6 +138,9 @@ def check(config_path: str, estimate: bool = True) -> int:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
                     ("dataset", "file", "reason", "detail")))
+    changed = changed_sources(Store(config.cache_dir), config.dataset_folders)
+    if changed:  # a warning, not a problem: training on the caches as they are is allowed
+        print(f"\nwarning: {changed_sources_warning(changed)}")
     if problems:
         print(f"\n{len(problems)} problem(s):", file=sys.stderr)
         print("\n".join(f"  - {p}" for p in problems), file=sys.stderr)
@@ -219,7 +223,7 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
     problems, the model when it is on disk, and its VAE geometry (None: unknown until downloaded)."""
     from loraflow.stages.clips.bucket_plan import human_bytes
     from loraflow.stages.clips.buckets import latent_geometry
-    from loraflow.pipelines.sources import check_layout, component_status, model_source
+    from loraflow.pipelines.sources import ModelRefused, check_layout, component_status, model_source
 
     try:
         statuses = component_status(config)
@@ -235,10 +239,12 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
         return [], None, None
     try:
         source = model_source(config, download=False)
-        check_layout(source, family.flavour)
-        return [], source, latent_geometry(source, family)
+        check_layout(source, family.flavour)  # components there, of the classes the flavour loads, readable
+    except ModelRefused as exc:
+        return exc.problems, None, None
     except FileNotFoundError as exc:
         return [str(exc)], None, None
+    return [], source, latent_geometry(source, family)
 
 
 def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> int:
@@ -348,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from loraflow.store import DiskFull
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("loraflow").setLevel(logging.INFO)  # our progress, not every library's INFO chatter
@@ -366,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # every problem, each naming its key: no traceback for a bad config
         print(exc, file=sys.stderr)
         return 2
-    except HubUnreachable as exc:  # no network: what to do instead, no traceback from inside huggingface_hub
+    except (HubUnreachable, DiskFull) as exc:  # no network, no space: what to do, no traceback from inside a library
         print(f"loraflow {args.command}: {exc}", file=sys.stderr)
         return 1
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
+from urllib.parse import quote
 
 if TYPE_CHECKING:  # annotations only: keys stay free of torch at import
     import torch
@@ -22,6 +23,17 @@ def content_key(**fields: Any) -> str:
     """sha256 of canonical JSON (sorted keys, no whitespace); 32 hex chars is plenty for a cache."""
     blob = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+# A dataset id names files (the store's manifest part and lock of that dataset): file systems allow 255 bytes per name,
+# and the store adds at most 45 to the stem (".parquet", then an atomic write's ".tmp-<host>-<pid>-<random>", at
+# most 32: store.tmp_name).
+PART_STEM_LIMIT = 255 - 45
+
+
+def part_file_stem(part: str) -> str:
+    """A store part's name (a dataset id) as the stem of its files: any id, reversibly (`unquote`)."""
+    return quote(part, safe="")
 
 
 def hash_seed(**fields: Any) -> int:
@@ -58,8 +70,11 @@ def safetensors_sha256(path: str | Path) -> str:
     """sha256 of what a safetensors file holds: its header as canonical JSON, then the tensor bytes. Not of the file's
     bytes: safetensors writes the header's `__metadata__` map in a Rust HashMap's order, which is new per process, so
     the same LoRA exported twice differs in bytes (and validation rendered again for nothing)."""
+    from loraflow.safetensors_header import read_header
+
+    header = read_header(path)  # a file that is no safetensors fails here, naming it
     with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        f.seek(8 + int.from_bytes(f.read(8), "little"))
         return _rest_sha256(f, hashlib.sha256(json.dumps(header, sort_keys=True, separators=(",", ":")).encode()))
 
 

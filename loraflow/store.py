@@ -7,10 +7,14 @@ Layout under the root:
                                       two datasets cached at once never replace each other's list
 
 A shard is written to a temporary name and renamed into place, so a reader never sees half a shard: the
-set of keys in committed shards is the resume point of a killed run. A tensor column whose rows share one shape (a
-bucket's latents or frames) holds each tensor's raw bytes in one cell, its dtype and shape in the column's field
-metadata (TENSOR_META); a batch reads each cell as a numpy view without decoding. Tensors of different shapes (text
-embeddings of different token counts) are flat lists with a shape column. Shards written before raw-bytes cells hold
+set of keys in committed shards is the resume point of a killed run. A write that fails removes its temporary file
+(a full disk raises `DiskFull`, naming the folder and the key that moves it); one whose process was killed leaves
+it, and the next write into that folder from this machine removes it (`tmp_name` records which process wrote it).
+
+A tensor column whose rows share one shape (a bucket's latents or frames) holds each tensor's raw bytes in one cell,
+its dtype and shape in the column's field metadata (TENSOR_META); a batch reads each cell as a numpy view without
+decoding. Tensors of different shapes (text embeddings of different token counts) are flat lists with a shape
+column. Shards written before raw-bytes cells hold
 Arrow fixed-shape tensor columns; they are read as they were written (nothing to re-encode).
 
 Reads fetch only the row groups holding the wanted keys: a shard's rows are grouped by about ROW_GROUP_BYTES
@@ -24,21 +28,27 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import hashlib
 import io
 import json
 import os
+import re
+import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from loraflow.keys import part_file_stem
 
 SHAPE_SUFFIX = "__shape"
 ROW_GROUP_BYTES = 4 << 20  # a training batch reads a few rows of a shard: groups small enough to skip the rest
@@ -137,6 +147,7 @@ class Store:
         self._index: dict[str, list[list[str]]] = {}  # shard path -> its keys, per row group
         self._footers: dict[str, pq.FileMetaData] = {}  # shard path -> its Parquet footer
         self._where: dict[str, dict[str, tuple[str, int]]] = {}  # stage -> key -> (shard, row group) holding it
+        self._swept: set[str] = set()  # folders whose temporary files of dead writers are gone
 
     def _dir(self, stage: str) -> str:
         return f"{self.root.rstrip('/')}/{stage}"
@@ -154,18 +165,29 @@ class Store:
         return sorted(n for n in names if n.endswith(".parquet"))  # never a .tmp-* file being written
 
     def _write_atomic(self, table: pa.Table, path: str) -> None:
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        folder = path.rsplit("/", 1)[0]
+        tmp = f"{path}.{tmp_name()}"
+        self.fs.makedirs(folder, exist_ok=True)
+        if folder not in self._swept:  # once per folder: what killed writers of this machine left there
+            self._swept.add(folder)
+            with contextlib.suppress(FileNotFoundError):  # an object store has no empty folders
+                for name in self.fs.ls(folder, detail=False):
+                    if left_by_dead_writer(name):
+                        self._remove(name)
         rows_per_group = max(1, int(ROW_GROUP_BYTES * table.num_rows // max(table.nbytes, 1)))
-        with self.fs.open(tmp, "wb") as f:
-            # no dictionary pages or statistics for tensor columns: float values rarely repeat, and the dictionary
-            # costs more than it saves (text_embeds shards: about a third smaller without it)
-            plain = [n for n in table.column_names if not _is_tensor(table, n) and not n.endswith(SHAPE_SUFFIX)]
-            compression = {n: _compression(table, n) for n in table.column_names}
-            pq.write_table(table, f, compression=compression, use_dictionary=plain, write_statistics=plain,
-                           row_group_size=rows_per_group)
-            _fsync_local(f)
-        self.fs.mv(tmp, path)
+        try:
+            with disk_full_named(folder, "cache_dir"), self.fs.open(tmp, "wb") as f:
+                # no dictionary pages or statistics for tensor columns: float values rarely repeat, and the dictionary
+                # costs more than it saves (text_embeds shards: about a third smaller without it)
+                plain = [n for n in table.column_names if not _is_tensor(table, n) and not n.endswith(SHAPE_SUFFIX)]
+                compression = {n: _compression(table, n) for n in table.column_names}
+                pq.write_table(table, f, compression=compression, use_dictionary=plain, write_statistics=plain,
+                               row_group_size=rows_per_group)
+                _fsync_local(f)
+            self.fs.mv(tmp, path)
+        except BaseException:
+            self._remove(tmp)  # the partial file
+            raise
 
     def _shard_keys(self, stage: str, shard: str) -> list[list[str]]:
         """The shard's keys, one list per row group (read once: a committed shard never changes)."""
@@ -293,7 +315,7 @@ class Store:
 
         folder = self._lock_folder()
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"{quote(part, safe='')}.lock", "a") as f:  # released when the file is closed
+        with open(folder / f"{part_file_stem(part)}.lock", "a") as f:  # released when the file is closed
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -322,7 +344,7 @@ class Store:
     def _manifest_path(self, stage: str, part: str | None = None) -> str:
         if part is None:
             return f"{self._dir(stage)}/manifest.parquet"
-        return f"{self._dir(stage)}/manifest/{quote(part, safe='')}.parquet"  # any dataset id is a file name
+        return f"{self._dir(stage)}/manifest/{part_file_stem(part)}.parquet"  # any dataset id is a file name
 
     def _read_table(self, stage: str, path: str) -> list[dict[str, Any]]:
         if not self.fs.exists(path):
@@ -372,17 +394,93 @@ def _digest(url: str) -> str:
 def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     """The one atomic write of a local file: `write(tmp)` fills a hidden name beside `path` (same suffix, so writers
     that pick the format by extension still do), its bytes reach the disk, then a rename publishes it. A kill or a
-    power cut leaves the old file or none under `path`, never a half one."""
+    power cut leaves the old file or none under `path`, never a half one; a failed write leaves no temporary file (a
+    full disk: `DiskFull`), a killed one's goes at the next write into that folder."""
     path = Path(path)
-    tmp = path.with_name(f".tmp-{uuid.uuid4().hex[:8]}-{path.name}")
+    tmp = path.with_name(f".{tmp_name()}-{path.name}")
+    for name in os.listdir(path.parent):
+        if left_by_dead_writer(name):
+            (path.parent / name).unlink(missing_ok=True)
     try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            _fsync_local(f)
+        with disk_full_named(path.parent):
+            write(tmp)
+            with open(tmp, "rb") as f:
+                _fsync_local(f)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def temporary_folder(tmp: Path) -> Iterator[Path]:
+    """An empty folder `tmp` a write fills before publishing (a checkpoint renamed into place, an export): removed
+    when the write fails (a full disk: `DiskFull`). Whatever a killed write left under that name goes first."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with disk_full_named(tmp.parent):
+            yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# -- a full disk, and what failed writes leave ----------------------------------------------------------------
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)  # no space left, over quota
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_TMP_NAME = re.compile(r"tmp-([0-9a-f]{8})-([0-9a-f]+)-[0-9a-f]{8}")
+
+
+class DiskFull(OSError):
+    """A write that found its disk full or its quota used: the message names the folder, the space left there and
+    the config key that moves it. The write's temporary file is gone."""
+
+
+@contextlib.contextmanager
+def disk_full_named(folder: str | Path, key: str | None = None) -> Iterator[None]:
+    """A full disk met inside becomes `DiskFull`; every other error passes as it is. `key`: the config key that
+    places `folder`, where the writer knows it (the store: cache_dir)."""
+    try:
+        yield
+    except Exception as exc:
+        code = _errno(exc)
+        if code not in FULL_DISK or isinstance(exc, DiskFull):
+            raise
+        free = ""
+        with contextlib.suppress(OSError):
+            free = f" ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free)"
+        keys = f"`{key}`" if key else "the config key that places it (`output_dir`: runs, renders; `cache_dir`: caches)"
+        raise DiskFull(code, f"the disk holding {folder} is full{free} ({os.strerror(code)}): free space "
+                       f"there, or set {keys} to a folder on a disk with room; nothing half-written was kept, so "
+                       "running again resumes") from None
+
+
+def _errno(exc: Exception) -> int | None:
+    """An OSError's errno, or that of a Rust io::Error safetensors wraps ("... (os error 28)")."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    match = re.search(r"\(os error (\d+)\)", str(exc))
+    return int(match[1]) if match else None
+
+
+def tmp_name() -> str:
+    """A temporary name's tag: this machine (a hash of its host name), this process, a random part."""
+    return f"tmp-{_HOST}-{os.getpid():x}-{uuid.uuid4().hex[:8]}"
+
+
+def left_by_dead_writer(name: str) -> bool:
+    """A temporary file that a process of this machine, no longer running, was writing (a kill, a power cut)."""
+    match = _TMP_NAME.search(name.rsplit("/", 1)[-1])
+    if match is None or match[1] != _HOST:
+        return False
+    try:
+        os.kill(int(match[2], 16), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    return False
 
 
 def write_json(path: Path, data: Any) -> None:

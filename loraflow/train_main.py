@@ -1,7 +1,7 @@
-"""The lora stage as a process of its own: what `accelerate launch` / `torchrun` start, one per GPU.
+"""The lora stage as a process of its own, one per GPU: what a launcher starts (local_launch, torchrun, accelerate).
 
-    accelerate launch --multi_gpu --num_processes 2 -m loraflow.train_main CONFIG   # num_processes: 2
-    python -m loraflow.train_main CONFIG                                            # one process
+    python -m loraflow.training.local_launch 2 -m loraflow.train_main CONFIG   # num_processes: 2, on loopback
+    python -m loraflow.train_main CONFIG                                       # one process
 
 Every rank trains. Rank 0 alone logs; when Dagster started the launch (Pipes environment variables set) it streams
 its log lines to Dagster and reports the materialization: the summary below and the run's data version. Without
@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loraflow.train_main", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the YAML/JSON config of the run")
     args = parser.parse_args(argv)
-    # SIGTERM when the Dagster step (or accelerate's launcher) dies: a killed step leaves no trainer holding the GPU
+    # SIGTERM when the Dagster step (or the launcher) dies: a killed step leaves no trainer holding the GPU
     # and writing into a run folder a resumed run also writes to
     die_with_parent()
     world = world_from_env()

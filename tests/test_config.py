@@ -216,3 +216,37 @@ def test_the_peers_options_that_exclude_each_other_are_named(settings: dict, nam
     data.update(settings)
     (problem,) = problems(data)
     assert named in problem
+
+
+def test_two_datasets_with_one_id_are_refused() -> None:
+    """`loraflow partitions` crashed on them (sqlite IntegrityError: one partition per id)."""
+    data = demo()
+    data["datasets"].insert(1, {**data["datasets"][0], "instance_data_dir": "elsewhere"})
+    (problem,) = problems(data)
+    assert problem.startswith("datasets:") and "'demo-videos' names 2 datasets" in problem
+
+
+@pytest.mark.parametrize("long_id", ["v" * 300, "猫" * 30])  # a CJK character is 9 characters of its file name
+def test_a_dataset_id_too_long_for_a_file_name_is_refused(long_id: str) -> None:
+    """It failed after minutes of caching (File name too long) when the store wrote the dataset's manifest part."""
+    data = demo()
+    data["datasets"][0]["id"] = long_id
+    (problem,) = problems(data)
+    assert problem.startswith("datasets[0].id:") and "file name" in problem
+
+
+def test_the_longest_dataset_id_accepted_names_files_the_store_can_write(tmp_path: Path) -> None:
+    from loraflow.keys import PART_STEM_LIMIT
+    from loraflow.store import Store
+
+    data = demo()
+    longest = "v" * PART_STEM_LIMIT
+    data["datasets"][0]["id"] = longest
+    parse_config(data)
+    store = Store(str(tmp_path))  # its atomic write adds the longest suffix to the part's file name
+    store.write_manifest("clips", [{"key": "a"}], part=longest)
+    with store.part_lock(longest):
+        assert store.read_manifest("clips", parts=[longest]) == [{"key": "a"}]
+    data["datasets"][0]["id"] = longest + "v"
+    (problem,) = problems(data)
+    assert f"{PART_STEM_LIMIT + 1} characters" in problem

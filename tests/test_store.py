@@ -1,3 +1,5 @@
+import json
+import os
 import uuid
 from pathlib import Path
 
@@ -235,3 +237,83 @@ def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path: Path) ->
         write_atomic(path, dies)
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+# Runs inside its own mount namespace, on a 1 MiB tmpfs mounted there (argv[1]): a real full disk, ENOSPC from the
+# kernel, nothing mounted outside. Prints what each writer raised and what it left on the disk.
+DISK_FULL = r'''
+import json, os, signal, subprocess, sys
+from pathlib import Path
+import numpy as np, torch
+from loraflow.store import Store, write_atomic
+from loraflow.training.checkpoints import save_checkpoint
+
+root = Path(sys.argv[1])
+big = np.zeros(2 << 18, np.float32)  # 2 MiB: more than the disk holds
+report = {}
+
+def attempt(name, write):
+    try:
+        write()
+        report[name] = None
+    except OSError as exc:
+        report[name] = [type(exc).__name__, str(exc)]
+    report[name + " left"] = sorted(str(p.relative_to(root)) for p in root.rglob("*") if "tmp" in p.name)
+
+store = Store(str(root / "cache"))
+store.put("latents", [{"key": "small", "x": np.zeros(4, np.float32)}])
+killed = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom loraflow.store import tmp_name\n"
+                           "open(f'{sys.argv[1]}.{tmp_name()}', 'wb').write(b'half a shard')\nprint(flush=True)\n"
+                           "time.sleep(60)\n", str(root / "cache" / "latents" / "shards" / "killed.parquet")],
+                          stdout=subprocess.PIPE)
+killed.stdout.readline()
+killed.send_signal(signal.SIGKILL)
+killed.wait()
+report["killed writer left"] = sorted(p.name for p in (root / "cache" / "latents" / "shards").iterdir()
+                                      if "tmp" in p.name)
+attempt("shard", lambda: Store(str(root / "cache")).put("latents", [{"key": "big", "x": big}]))
+attempt("small shard after", lambda: Store(str(root / "cache")).put("latents", [{"key": "b", "x": big[:4]}]))
+attempt("file", lambda: write_atomic(root / "out" / "history.json", lambda tmp: tmp.write_bytes(big.tobytes()))
+        if (root / "out").mkdir() is None else None)
+(root / "run" / "checkpoints" / "step-0000001.tmp").mkdir(parents=True)  # a save a kill interrupted
+attempt("checkpoint", lambda: save_checkpoint(root / "run", 2, {"a": torch.from_numpy(big)}, ({}, {}), [], 2))
+attempt("small checkpoint after", lambda: save_checkpoint(root / "run", 3, {"a": torch.zeros(4)}, ({}, {}), [], 2))
+print(json.dumps(report))
+'''
+
+
+def test_a_full_disk_is_one_message_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    """Each writer (a store shard, an atomic file, a checkpoint) on a full disk raises one message naming the folder
+    and what to do, and leaves nothing half-written; what a killed writer left is removed by the next write there.
+    Before: a raw OSError, and the shard's .tmp file stayed, filling the disk for every write after it."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--mount", "--map-root-user", "true"]).returncode:
+        pytest.skip("needs a mount namespace (unshare) for a private tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (tmp_path / "full.py").write_text(DISK_FULL)
+    done = subprocess.run([unshare, "--mount", "--map-root-user", "sh", "-c",
+                           'mount -t tmpfs -o size=1m tmpfs "$1" && exec "$2" "$3" "$1"', "sh", str(disk),
+                           sys.executable, str(tmp_path / "full.py")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert len(report["killed writer left"]) == 1  # the kill left its temporary shard
+    kind, message = report["shard"]
+    assert kind == "DiskFull" and f"the disk holding {disk}/cache/latents/shards is full" in message
+    assert "set `cache_dir` to a folder on a disk with room" in message
+    assert report["shard left"] == []  # its own partial file, and the killed writer's
+    assert report["small shard after"] is None  # the space the failed write took is free again
+    kind, message = report["file"]
+    assert kind == "DiskFull" and f"the disk holding {disk}/out is full" in message and "`output_dir`" in message
+    assert report["file left"] == []
+    kind, message = report["checkpoint"]
+    assert kind == "DiskFull" and f"{disk}/run/checkpoints is full" in message
+    assert report["checkpoint left"] == []
+    assert report["small checkpoint after"] is None and report["small checkpoint after left"] == []

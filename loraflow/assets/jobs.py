@@ -27,12 +27,16 @@ from loraflow.lifetime import keep_signal_handlers
 # Failure(allow_retries=False) in LoraflowResource.load and is not. Retries resume from committed shards.
 TRANSIENT = RetryPolicy(max_retries=2, delay=10, backoff=Backoff.EXPONENTIAL)
 
+# Each job observes `dataset_files` first: the folder version a cache run caches, and whether a training run's
+# caches are stale (assets/dataset_files.py).
 cache_dataset = define_asset_job(
-    "cache_dataset", AssetSelection.assets("clips", "latents"), op_retry_policy=TRANSIENT,  # partitioned like them
-    description="One dataset (the partition): clips and latents, and their checks")
+    "cache_dataset", AssetSelection.assets("dataset_files", "clips", "latents"), op_retry_policy=TRANSIENT,
+    description="One dataset (the partition): its folder observed, clips and latents, and their checks")
 train_and_validate = define_asset_job(
-    "train_and_validate", AssetSelection.assets("text_embeds", "teacher_features", "lora", "validation"),
-    description="Every dataset's captions embedded (and CREPA's teacher features), then LoRA training and validation")
+    "train_and_validate",
+    AssetSelection.assets("dataset_files", "text_embeds", "teacher_features", "lora", "validation"),
+    description="Every dataset's folder observed and captions embedded (and CREPA's teacher features), then LoRA "
+                "training and validation")
 JOBS = [cache_dataset, train_and_validate]
 
 

@@ -7,7 +7,7 @@ import os
 from dagster import ConfigurableResource, Failure, InitResourceContext
 
 from loraflow.config import ConfigError, LoraflowConfig, load_config
-from loraflow.pipelines.sources import HubUnreachable, ModelSource, model_source
+from loraflow.pipelines.sources import HubUnreachable, ModelRefused, ModelSource, model_source
 from loraflow.store import Store
 
 DEFAULT_CONFIG = "configs/demo.yaml"
@@ -36,10 +36,11 @@ class LoraflowResource(ConfigurableResource):
     def model(self, config: LoraflowConfig) -> ModelSource:
         """The config's model, resolved once per step and handed to the stage (a repository is downloaded into the
         Hugging Face cache first). A Hub that cannot be reached fails the step without retries, in one message
-        naming the Hub and the two ways out, not huggingface_hub's traceback: retrying cannot bring the network."""
+        naming the Hub and the two ways out, not huggingface_hub's traceback: retrying cannot bring the network. A model
+        whose components loraflow will not load fails the same way, naming each (retrying reads the same files)."""
         try:
             return model_source(config)
-        except HubUnreachable as exc:
+        except (HubUnreachable, ModelRefused) as exc:
             raise Failure(description=str(exc), metadata={"config": self.config_path}, allow_retries=False) from None
 
     def store(self, config: LoraflowConfig) -> Store:

@@ -1,5 +1,5 @@
-"""The six assets, in the order one video travels: file -> clips -> latents + text_embeds (+ teacher_features, for
-CREPA) -> lora -> validation.
+"""The six assets, in the order one video travels: file (`dataset_files`, observed) -> clips -> latents + text_embeds
+(+ teacher_features, for CREPA) -> lora -> validation.
 
 Each asset: load the config, call its op (heavy imports happen there, not at code-location load), and return
 a MaterializeResult whose data version is a hash of the content it stands for.
@@ -17,6 +17,7 @@ from pathlib import Path
 from dagster import AssetExecutionContext, AutomationCondition, DataVersion, MaterializeResult, MetadataValue, asset
 
 from loraflow.assets import metadata as md
+from loraflow.assets.dataset_files import dataset_files
 from loraflow.assets.partitions import DATASETS
 from loraflow.assets.resources import LoraflowResource
 
@@ -32,7 +33,7 @@ def _log_waiting(context: AssetExecutionContext, dataset: str) -> None:
     context.log.info(f"waiting for another process writing dataset '{dataset}' to this store")
 
 
-@asset(partitions_def=DATASETS, group_name="loraflow",
+@asset(deps=[dataset_files], partitions_def=DATASETS, group_name="loraflow",
        description="One dataset: probe videos/images, choose clips, bucket, decode only the kept frames.")
 def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.stages.clips.bucket_plan import human_bytes
@@ -133,11 +134,15 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
     from loraflow.media.previews import loss_plot
     from loraflow.training.progress_renders import progress_sheet_path
     from loraflow.config.training_options import trained_with
+    from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
     from loraflow.contracts.masks import masked_loss_metadata
     from loraflow.pipelines import get_family
 
-    config = loraflow.load()  # in-process on one CPU; `accelerate launch` under Pipes for N processes or CUDA
+    config = loraflow.load()  # in-process on one CPU; launched processes under Pipes for N processes or CUDA
     store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)
+    changed = changed_sources(store, config.dataset_folders)  # trained on as cached, said here and in metadata
+    if changed:
+        context.log.warning(changed_sources_warning(changed))
     report = run_training(context, config, family, model, loraflow.config_path, store)
     sheet = progress_sheet_path(report.run_dir)  # validation_steps: renders during training
     history = [asdict(step) for step in report.history]
@@ -156,6 +161,9 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
             "loss_curve": md.md_image(loss_plot(history), "training loss per step"),
             "history": MetadataValue.path(str(Path(report.run_dir) / "history.json")),  # every digit
             "inputs": MetadataValue.json(report.inputs),
+            # source files replaced or deleted after caching: the run trained on their old clips
+            "changed_sources": len(changed),
+            "changed_sources_table": md.md_table(changed),
             "adapter": MetadataValue.json(adapter_summary(config)),  # kind, size, init_lora, EMA
             **trained_with(config),  # which optimizer and loss trained it
             **({"renders_during_training": md.md_image(sheet, "first validation prompt, per step")} if sheet else {}),
@@ -204,4 +212,4 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     return MaterializeResult(data_version=DataVersion(report.data_version), metadata={**metadata, **md.readable(facts)})
 
 
-ALL_ASSETS = [clips, latents, text_embeds, teacher_features, lora, validation]
+ALL_ASSETS = [dataset_files, clips, latents, text_embeds, teacher_features, lora, validation]

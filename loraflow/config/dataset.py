@@ -12,6 +12,8 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import to_jsonable_python
 
+from loraflow.keys import PART_STEM_LIMIT, part_file_stem
+
 # What a field does to a training run's key (`run_key_settings`), declared by every field of the config:
 #   always:   part of every run's key
 #   never:    how a run computes or what validation renders, never what training computes: changing it keeps the run
@@ -188,6 +190,11 @@ class DatasetConfig(StrictModel):
         if not v.strip() or "..." in v or any(ord(c) < 32 for c in v):
             raise ValueError(f"id {v!r} must be non-empty, without '...' or control characters (it names the "
                              "dataset's Dagster partition)")
+        stem = part_file_stem(v)
+        if len(stem) > PART_STEM_LIMIT:
+            raise ValueError(f"id {v[:40]!r}... is {len(stem)} characters as a file name (it names the dataset's "
+                             f"cached manifest); at most {PART_STEM_LIMIT} fit: shorten it (a character outside "
+                             "ASCII letters, digits and _.-~ takes 3 to 12)")
         return v
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ from loraflow.config.guide_features import GuideFeatures
 from loraflow.config.training_options import TrainingOptions
 from loraflow.config.validation_adapters import ValidationAdapter, read_adapter_config
 from loraflow.pipelines import describe_families, family_names, family_spec, flavour_names, known_flavour
+from loraflow.safetensors_header import read_adapter_header
 
 
 class TreadRoute(StrictModel):
@@ -120,7 +121,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     # N processes see N times the samples per step; one keeps the keys of runs from before it existed
     num_processes: int = setting(
         1, run_key="when_set", ge=1, description="data-parallel training processes (one per GPU), each taking "
-        "train_batch_size samples per micro-step; > 1, or any CUDA run, trains under `accelerate launch`")
+        "train_batch_size samples per micro-step; > 1, or any CUDA run, trains in launched processes (torchrun's "
+        "launcher, its rendezvous on loopback)")
     fsdp: bool = setting(
         False, run_key="when_set", description="FSDP2: shard the frozen transformer, the LoRA and AdamW's state over "
         "the num_processes ranks (`fully_shard` per block, then the root); needs num_processes > 1")
@@ -310,6 +312,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         if v is not None and not (v.endswith(".safetensors") and Path(v).is_file()):
             raise ValueError(f"`init_lora` {v!r} is not a .safetensors file: give the path of the LoRA file to start "
                              "from (diffusers/peft or ComfyUI key names), or remove init_lora")
+        if v is not None:
+            read_adapter_header(v, "init_lora")
         return v
 
     @field_validator("validation_num_video_frames")
@@ -366,6 +370,10 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     def _datasets(cls, v: tuple[DatasetConfig, ...]) -> tuple[DatasetConfig, ...]:
         if not any(d.dataset_type in ("video", "image") and not d.disabled for d in v):
             raise ValueError("no enabled video/image dataset: add one under `datasets`")
+        ids = [d.id for d in v]
+        shared = sorted({i for i in ids if ids.count(i) > 1})  # an id is one Dagster partition, one cache part
+        if shared:
+            raise ValueError(f"id {shared[0]!r} names {ids.count(shared[0])} datasets: give each dataset its own `id`")
         return v
 
 

@@ -304,6 +304,11 @@ class LoraflowConfig(ConfigFields):
     def training_datasets(self) -> tuple[DatasetConfig, ...]:
         return tuple(d for d in self.datasets if d.dataset_type in ("video", "image") and not d.disabled)
 
+    @property
+    def dataset_folders(self) -> dict[str, str]:
+        """Each training dataset's id -> its folder (`instance_data_dir`, required of every one)."""
+        return {d.id: d.instance_data_dir or "" for d in self.training_datasets}
+
     def source_images(self, dataset: DatasetConfig) -> DatasetConfig | None:
         """The conditioning dataset i2i pairs `dataset`'s images with (its `conditioning_data`), if any."""
         return next((d for d in self.datasets if d.id == dataset.conditioning_data), None)

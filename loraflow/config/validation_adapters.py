@@ -17,6 +17,7 @@ from typing import Any
 
 from loraflow.config.config_files import read_json_file
 from loraflow.config.dataset import StrictModel, setting
+from loraflow.safetensors_header import read_adapter_header
 
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # SimpleTuner's default file in a folder, and loraflow's
 RESERVED_NAMES = ("base", "lora")  # the validation stage's own renders
@@ -64,11 +65,11 @@ def adapter_file(key: str, path: str) -> Path:
 
 
 def check_adapters(key: str, adapters: tuple[ValidationAdapter, ...]) -> None:
-    """Files exist and names are distinct and free (base, LoRA: the stage's own renders), checked at load; `key`
-    is the config key that gave them."""
+    """Files exist and are LoRA safetensors (`read_adapter_header`), names are distinct and free (base, LoRA: the
+    stage's own renders), checked at load; `key` is the config key that gave them."""
     names = [a.name.lower() for a in adapters]
     for adapter in adapters:
-        adapter_file(key, adapter.path)
+        read_adapter_header(adapter_file(key, adapter.path), key)  # safetensors of float tensors, header only
         if adapter.name.lower() in RESERVED_NAMES:
             raise ValueError(f"validation adapter name {adapter.name!r} is taken by validation's own renders "
                              f"({', '.join(RESERVED_NAMES)}): give it another `label`")

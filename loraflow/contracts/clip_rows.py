@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from loraflow.keys import content_key, file_identity
 
 if TYPE_CHECKING:  # annotations only: contracts stay free of the store's imports
     from loraflow.store import Store
@@ -49,6 +52,8 @@ class ClipRow:
     box: tuple[int, int, int, int]
     captions: tuple[str, ...]
     repeats: int
+    # `source_version` of the file when it was cached ("": a manifest written before it was recorded)
+    source_version: str = ""
     condition: PairedImage | None = None
     mask: PairedImage | None = None
 
@@ -63,7 +68,7 @@ class ClipRow:
             "key": self.key, "dataset": self.dataset, "source": self.source, "path": self.path,
             "bucket": self.bucket, "height": self.height, "width": self.width, "num_frames": self.num_frames,
             "indices": list(self.indices), "resize": list(self.resize), "box": list(self.box),
-            "captions": list(self.captions), "repeats": self.repeats,
+            "captions": list(self.captions), "repeats": self.repeats, "source_version": self.source_version,
         }
         for column in PAIRED_COLUMNS:
             image = getattr(self, column)
@@ -80,12 +85,61 @@ class ClipRow:
         return cls(key=row["key"], dataset=row["dataset"], source=row["source"], path=row["path"],
                    bucket=row["bucket"], height=row["height"], width=row["width"], num_frames=row["num_frames"],
                    indices=tuple(row["indices"]), resize=tuple(row["resize"]), box=tuple(row["box"]),
-                   captions=tuple(row["captions"]), repeats=row["repeats"], **paired)
+                   captions=tuple(row["captions"]), repeats=row["repeats"],
+                   source_version=row.get("source_version") or "", **paired)
 
 
 def read_clips(store: Store, parts: Iterable[str] | None = None) -> list[ClipRow]:
     """The current clips (of the datasets `parts`; None: every dataset) as the stage wrote them."""
     return [ClipRow.from_row(row) for row in store.read_manifest("clips", parts=parts)]
+
+
+def source_version(identity: Mapping[str, Any]) -> str:
+    """What a clip row records of its source file, from `keys.file_identity` (dataset-relative path, size, mtime):
+    replacing or touching the file changes it."""
+    return content_key(source=identity)
+
+
+@dataclass(frozen=True)
+class ChangedSource:
+    """A clip source whose file is no longer the one its cached clips were cut from."""
+
+    dataset: str
+    source: str  # the dataset-relative path
+    change: str  # "changed" (another size or mtime) or "deleted"
+
+
+def changed_sources(store: Store, folders: Mapping[str, str]) -> list[ChangedSource]:
+    """The cached clips' sources (of the datasets in `folders`: id -> instance_data_dir) that changed or went away
+    since they were cached: one stat per source file, nothing read. Nothing cached yet: []."""
+    try:
+        clips = read_clips(store, parts=[p for p in folders if p in store.manifest_parts("clips")])
+    except FileNotFoundError:
+        return []
+    judged: dict[tuple[str, str], str] = {}
+    for clip in clips:
+        if not clip.source_version or (clip.dataset, clip.source) in judged:
+            continue  # cached before versions were recorded: not judged
+        folder = folders[clip.dataset]
+        try:
+            now = source_version(file_identity(Path(folder) / clip.source, folder))
+        except FileNotFoundError:
+            judged[(clip.dataset, clip.source)] = "deleted"
+            continue
+        judged[(clip.dataset, clip.source)] = "" if now == clip.source_version else "changed"
+    return [ChangedSource(dataset, source, change) for (dataset, source), change in judged.items() if change]
+
+
+def changed_sources_warning(changed: list[ChangedSource]) -> str:
+    """One warning for the run, `loraflow check` and the UI: the files per dataset and what refreshes them."""
+    lines = []
+    for dataset in sorted({c.dataset for c in changed}):
+        files = [f"{c.source} ({c.change})" for c in changed if c.dataset == dataset]
+        shown = ", ".join(files[:10]) + (f" and {len(files) - 10} more" if len(files) > 10 else "")
+        lines.append(f"dataset '{dataset}': {len(files)} source file(s) changed since it was cached: {shown}. "
+                     f"Training reads the clips cached before; re-cache it with the `cache_dataset` job (partition "
+                     f"'{dataset}'; `loraflow cache CONFIG --dataset {dataset}`), then run `train_and_validate`")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)

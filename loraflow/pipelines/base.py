@@ -25,12 +25,14 @@ import torch
 from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
-from loraflow.pipelines.sources import ModelSource, as_source, model_index
+from loraflow.pipelines.sources import ModelRefused, ModelSource, as_source, model_index
+from loraflow.safetensors_header import read_header
 
 if TYPE_CHECKING:
     from loraflow.pipelines.render_memory import RenderPlan
 
 TextRow = dict[str, np.ndarray]
+LOADED_LIBRARIES = ("diffusers", "transformers")  # what model_index.json may name as a component's library
 
 
 class ModelFamily(Protocol):
@@ -258,6 +260,7 @@ def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path, adapter_
     from loraflow.pipelines.lycoris import adapter_in_fp32, is_lycoris, load_lycoris_file
 
     path = Path(lora_path)
+    read_header(path)  # a corrupt file fails naming itself, not inside safetensors or peft
     with safe_open(str(path), "pt") as f:
         keys = list(f.keys())
     if is_lycoris(keys):  # LoKr/LoHa: diffusers builds LoRA configs only
@@ -310,11 +313,16 @@ def load_component(model: ModelSource | str | Path, name: str, dtype: torch.dtyp
     """
     source = as_source(model)
     library, class_name = model_index(source)[name]
+    if library not in LOADED_LIBRARIES:  # model_source checked the classes; a bare folder gets this much
+        raise ModelRefused([f"{source} {name}: model_index.json names library {library!r}; loraflow loads "
+                            f"components from {' and '.join(LOADED_LIBRARIES)} only"])
+    folder = source.folder(name)
+    for file in folder.glob("*.safetensors"):  # a corrupt header fails here, naming the file, not in a loader
+        read_header(file)
     cls = getattr(importlib.import_module(library), class_name)
-    folder = str(source.folder(name))
     if not hasattr(cls, "to"):  # tokenizers, schedulers, processors
-        return cls.from_pretrained(folder)
-    model = cls.from_pretrained(folder, torch_dtype=dtype, use_safetensors=True)
+        return cls.from_pretrained(str(folder))
+    model = cls.from_pretrained(str(folder), torch_dtype=dtype, use_safetensors=True)
     return model.to(device).eval().requires_grad_(False)
 
 

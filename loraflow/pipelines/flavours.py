@@ -18,12 +18,16 @@ docs/families.md shows them), and `transformer_config` is the mode a flavour set
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 Task = Literal["t2v", "i2v", "t2i", "i2i"]
 # The components of a diffusers pipeline with two text encoders (Kandinsky 5, HunyuanVideo 1.5 and its guider)
 TWO_ENCODER_PARTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+# Tokenizer classes that read the same files: transformers 5's, and transformers 4's fast one (what conversion
+# scripts run under 4.x wrote into model_index.json).
+QWEN_TOKENIZERS = ("transformers.Qwen2Tokenizer", "transformers.Qwen2TokenizerFast")
+CLIP_TOKENIZERS = ("transformers.CLIPTokenizer", "transformers.CLIPTokenizerFast")
 # Hugging Face repositories that are not in the diffusers layout, refused before any work with the flavour's repo
 # named instead. tencent/HunyuanVideo-1.5 (the HunyuanVideo 1.5 guide's id, 338 GB) holds transformer/<res>_<task>/
 # folders, vae/ and scheduler/ but no model_index.json, tokenizers or text/vision encoders (separate downloads):
@@ -71,6 +75,9 @@ class Flavour:
     transformer_config: tuple[tuple[str, Any], ...] = ()
     # (field, citation) for each number above: loraflow/pipelines/citations.py
     sources: tuple[tuple[str, str], ...] = ()
+    # component -> the classes its model_index.json entry may name, "library.Class" (`sources.component_problems`):
+    # that entry picks the Python class from_pretrained imports, so nothing but these is ever imported.
+    classes: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.task not in get_args(Task):

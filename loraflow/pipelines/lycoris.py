@@ -119,7 +119,7 @@ def _peft_scale(config: Mapping, module: str) -> tuple[float, float]:
 
 def save_comfyui_lycoris(state_dict: Mapping[str, torch.Tensor], adapter_config: Mapping,
                          rules: Sequence[ComfyRule], path: str | Path) -> Path:
-    """Write `lycoris_to_comfyui(...)` to `path` (tmp + rename), the peft config in the header for the record."""
+    """Write `lycoris_to_comfyui(...)` to `path` (`write_atomic`), the peft config in the header for the record."""
     metadata = {"format": "pt", "loraflow_source_format": "peft",
                 "lora_adapter_config": json.dumps(dict(adapter_config), sort_keys=True, default=str)}
     tensors = lycoris_to_comfyui(state_dict, adapter_config, rules)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from loraflow.keys import content_key, directory_fingerprint
 from loraflow.pipelines.flavours import Flavour
+from loraflow.safetensors_header import UnreadableSafetensors, read_header
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 # What a component folder is fetched with: configs, tokenizer files (vocab, merges, sentencepiece, chat template),
@@ -85,21 +86,25 @@ def is_hub_id(spec: str) -> bool:
 
 def model_source(choice: ModelChoice, download: bool = True) -> ModelSource:
     """The config's model; a repository is first downloaded into the HF cache (offline, or without `download`: only
-    read from it)."""
+    read from it). Checked before any stage imports or reads a component of it (`check_layout`)."""
     flavour = choice.flavour
     folders = component_folders(choice, flavour)
     spec, revision = choice.pretrained_model_name_or_path, choice.revision
     if not is_hub_id(spec):
-        return ModelSource(Path(spec), folders=tuple(folders.items()))
-    wanted = tuple(c for c in flavour.components if c not in folders)
-    if download and not hub_offline():
-        root = _download(spec, revision, wanted, flavour.repo, hub_cache())
+        source = ModelSource(Path(spec), folders=tuple(folders.items()))
     else:
-        root = _cached_snapshot(spec, revision, wanted, hub_cache())
-    problem = layout_problem(_named(spec, revision), _relative_files(root), wanted, flavour.repo)
-    if problem:
-        raise FileNotFoundError(problem)
-    return ModelSource(root, spec, root.name, tuple(folders.items()))
+        wanted = tuple(c for c in flavour.components if c not in folders)
+        if download and not hub_offline():
+            root = _download(spec, revision, wanted, flavour.repo, hub_cache())
+        else:
+            root = _cached_snapshot(spec, revision, wanted, hub_cache())
+        problem = layout_problem(_named(spec, revision), _relative_files(root), wanted, flavour.repo)
+        if problem:
+            raise FileNotFoundError(problem)
+        source = ModelSource(root, spec, root.name, tuple(folders.items()))
+    if (source.root / "model_index.json").is_file():  # else there is nothing to load (model_index() says so)
+        check_layout(source, flavour)
+    return source
 
 
 @dataclass(frozen=True)
@@ -330,8 +335,17 @@ def model_index(model: ModelSource | str | Path) -> dict[str, Any]:
     return json.loads(index.read_text())
 
 
+class ModelRefused(ValueError):
+    """A model whose components loraflow will not load; `problems` names each, with what to do."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
 def check_layout(model: ModelSource | str | Path, flavour: Flavour) -> None:
-    """Fail early, naming what is missing, when a checkpoint does not hold what the flavour needs."""
+    """Fail before anything is imported or read, naming every problem: a component the flavour needs is missing
+    (FileNotFoundError), or one cannot be loaded (`ModelRefused`, `component_problems`)."""
     source = as_source(model)
     index = model_index(source)
     missing = [c for c in flavour.components if not source.folder(c).is_dir() or index.get(c, [None])[0] is None]
@@ -340,3 +354,31 @@ def check_layout(model: ModelSource | str | Path, flavour: Flavour) -> None:
             f"{source} lacks component(s) {', '.join(missing)} that flavour '{flavour.name}' needs "
             f"(expected sub-folders: {', '.join(flavour.components)})"
         )
+    problems = [p for c in flavour.components for p in component_problems(source, c, index[c], flavour)]
+    if problems:
+        raise ModelRefused(problems)
+
+
+def component_problems(source: ModelSource, component: str, entry: Any, flavour: Flavour) -> list[str]:
+    """Why one component cannot be loaded ([] when it can): its model_index.json entry names a class the flavour
+    does not load (the entry picks the Python module and class from_pretrained imports: nothing else is imported);
+    its folder holds weights only as pickles; a .safetensors header does not describe its file."""
+    found = ".".join(entry) if isinstance(entry, list) and all(isinstance(e, str) for e in entry) else repr(entry)
+    expected = flavour.classes.get(component, ())
+    if found not in expected:
+        return [f"{source} {component}: model_index.json names {found}; flavour '{flavour.name}' loads "
+                f"{' or '.join(expected) or 'no class declared for it'} (that entry picks the Python class loraflow "
+                "imports, so no other is imported): point `pretrained_model_name_or_path` at a checkpoint of this "
+                "family, or set `model_family` to the one the checkpoint is for"]
+    files = _files(source.folder(component))
+    problem = weights_problem(f"{source} {component}/", [f.name for f in files])
+    if problem:
+        return [problem]
+    problems = []
+    for file in files:
+        if file.suffix == ".safetensors":
+            try:
+                read_header(file)
+            except UnreadableSafetensors as exc:
+                problems.append(str(exc))
+    return problems

@@ -7,7 +7,8 @@
                                                           state, e.g. Prodigy's step count), the history so far
                                   /pytorch_lora_weights.safetensors (+ _comfyui)  the adapter at this step for
                                                           users, as the run's own files (`export_lora`)
-A killed save leaves only the .tmp folder, which nothing reads and the next save replaces. No pickle anywhere.
+A killed save leaves only the .tmp folder, which nothing reads and the next save removes; a failed one (a full disk)
+removes it itself. No pickle anywhere.
 
 The files for users (`export_lora`): `pytorch_lora_weights.safetensors`, the family's diffusers format at unit scale
 (pipelines/comfyui.py `at_unit_scale`), and beside it, unless `lora_format: diffusers` or where ComfyUI cannot
@@ -33,7 +34,7 @@ from loraflow.training.distributed import gathered, shard_like
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import at_unit_scale, comfyui_refusal, save_comfyui_lora
 from loraflow.pipelines.lycoris import is_lycoris, save_comfyui_lycoris
-from loraflow.store import write_json
+from loraflow.store import temporary_folder, write_json
 
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
@@ -59,20 +60,20 @@ def save_checkpoint(out: Path, step: int, lora: dict[str, torch.Tensor],
     `extra`: more {file name: tensors} the run resumes from (CREPA's projector); `export`: also the adapter's files
     for users, as the run writes its own."""
     final = out / "checkpoints" / f"step-{step:07d}"
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(lora, tmp / "lora.safetensors")
-    if export is not None:
-        export_lora(tmp, lora, export)
-    for name, tensors in (extra or {}).items():
-        save_file(tensors, tmp / name)
-    tensors, scalars = optimizer
-    save_file(tensors, tmp / "optimizer.safetensors")
-    write_json(tmp / "state.json", {"step": step, "optimizer": scalars, "history": history})
-    for path in (*tmp.iterdir(), tmp):  # on disk before the rename publishes them (a power cut, not only a kill)
-        _fsync(path)
-    tmp.rename(final)
+    for killed in final.parent.glob("step-???????.tmp"):  # saves a kill interrupted (one writer per run: rank 0)
+        shutil.rmtree(killed)
+    with temporary_folder(final.with_name(final.name + ".tmp")) as tmp:
+        save_file(lora, tmp / "lora.safetensors")
+        if export is not None:
+            export_lora(tmp, lora, export)
+        for name, tensors in (extra or {}).items():
+            save_file(tensors, tmp / name)
+        tensors, scalars = optimizer
+        save_file(tensors, tmp / "optimizer.safetensors")
+        write_json(tmp / "state.json", {"step": step, "optimizer": scalars, "history": history})
+        for path in (*tmp.iterdir(), tmp):  # on disk before the rename publishes them (a power cut, not only a kill)
+            _fsync(path)
+        tmp.rename(final)
     # None keeps every checkpoint (a [:None] slice would delete them all, the new one included)
     for old in sorted((out / "checkpoints").glob("step-???????"))[: -total_limit if total_limit else 0]:
         shutil.rmtree(old)
@@ -163,16 +164,16 @@ def comfyui_twin(lora_file: Path) -> Path:
 def export_lora(folder: Path, lora: dict[str, torch.Tensor], export: LoraExport, name: str = LORA_FILE) -> Path:
     """`folder/name`: the diffusers file through the family's own writer, at unit scale (`at_unit_scale`: diffusers,
     ComfyUI and any reader that ignores alpha apply it at training strength), and with `export.comfyui` its ComfyUI
-    twin, converted from it. The twin is renamed into place first: the diffusers file marks a run finished."""
-    tmp = folder / f"{Path(name).stem}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    twin, converted from it. Written in a `temporary_folder` (a full disk removes it); the twin is renamed into place
+    first: the diffusers file marks a run finished."""
     state, config = at_unit_scale(lora, export.adapter_config)
-    export.family.save_lora(state, tmp, config)
-    written = tmp / LORA_FILE
-    if export.comfyui:
-        export_comfyui(written, export.family).replace(comfyui_twin(folder / name))
-    _fsync(written)  # never an empty file under the name that says "finished" after a power cut
-    written.replace(folder / name)
+    with temporary_folder(folder / f"{Path(name).stem}.tmp") as tmp:
+        export.family.save_lora(state, tmp, config)
+        written = tmp / LORA_FILE
+        if export.comfyui:
+            export_comfyui(written, export.family).replace(comfyui_twin(folder / name))
+        _fsync(written)  # never an empty file under the name that says "finished" after a power cut
+        written.replace(folder / name)
     shutil.rmtree(tmp)
     return folder / name
 

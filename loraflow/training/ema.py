@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
+from loraflow.store import write_atomic
+
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
 
@@ -88,7 +90,7 @@ def trained_adapters(config: LoraflowConfig, lora_path: str) -> dict[str, str]:
 
 def post_hoc_ema(paths: Sequence[str | Path], decay: float, out: str | Path) -> Path:
     """musubi-tuner's post-hoc EMA: the EMA over LoRA files given in step order (the first starts it), written to
-    `out` (tmp + rename) with the first file's header. Every file must hold the same tensor names and shapes."""
+    `out` (`write_atomic`) with the first file's header. Every file must hold the same tensor names and shapes."""
     from safetensors import safe_open
     from torch.optim.swa_utils import get_ema_multi_avg_fn
 
@@ -105,8 +107,4 @@ def post_hoc_ema(paths: Sequence[str | Path], decay: float, out: str | Path) -> 
         update(shadow, [state[n].float() for n in names], None)
     with safe_open(str(paths[0]), "pt") as f:
         metadata = f.metadata()
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file(dict(zip(names, shadow)), tmp, metadata=metadata)
-    tmp.replace(out)
-    return out
+    return write_atomic(Path(out), lambda tmp: save_file(dict(zip(names, shadow)), tmp, metadata=metadata))

@@ -14,7 +14,7 @@ Gradient checkpointing and group offloading are exact (not in the key: turning t
 run); TREAD is not. base_model_precision stores frozen weights in bf16, fp8 (layerwise casting) or int8 (torchao,
 kernels/quantize.py); the forward runs under bf16 autocast on CUDA; LoRA weights and gradients are always fp32, AdamW's
 moments too unless `optimizer: adamw_bf16`.
-Under `accelerate launch` (num_processes > 1) each rank trains its share of every step and only rank 0 writes
+Under a launcher (num_processes > 1) each rank trains its share of every step and only rank 0 writes
 (loraflow/training/distributed.py; loraflow/train_main.py is the launched entry point).
 """
 
@@ -49,7 +49,7 @@ from loraflow.training.checkpoints import (
     optimizer_state, resume_optimizer, save_checkpoint, writes_comfyui,
 )
 from loraflow.store import write_json
-from loraflow.contracts.clip_rows import read_clips
+from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning, read_clips
 from loraflow.contracts.latent_rows import read_latent_rows
 from loraflow.contracts.teacher_features import teacher_keys, teacher_version
 from loraflow.stages.teacher.teacher_features import cache_teacher_features
@@ -311,6 +311,9 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
     """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
     # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
     world, device = join(config.num_processes, config.fsdp)
+    changed = changed_sources(store, config.dataset_folders) if world.main else []
+    if changed:  # the caches are what they are: trained on as they are, with a warning naming the files
+        log.warning(changed_sources_warning(changed))
     if config.crepa_enabled and world.main:  # the teacher_features stage: computes what the store lacks
         cache_teacher_features(config, family, store)
     barrier(world)

@@ -1,4 +1,4 @@
-"""The `lora` asset with num_processes 2: `accelerate launch` of two CPU ranks under Dagster Pipes (real subprocess)."""
+"""The `lora` asset with num_processes 2: two CPU ranks (local_launch) under Dagster Pipes (real subprocesses)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_one_process_is_started_directly_so_stopping_the_run_stops_the_trainer(t
     from loraflow.assets.runs.launch import launch_command
 
     command = launch_command(str(tmp_path / "c.yaml"), 1)
-    assert command == [sys.executable, "-m", "loraflow.train_main", str(tmp_path / "c.yaml")]  # no accelerate
+    assert command == [sys.executable, "-m", "loraflow.train_main", str(tmp_path / "c.yaml")]  # no launcher
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")

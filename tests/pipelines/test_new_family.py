@@ -31,6 +31,7 @@ from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import FAMILIES, describe_families, get_family
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
 from loraflow.pipelines.kandinsky5.video import Kandinsky5Video
+from loraflow.pipelines.kandinsky5.video_spec import VIDEO_CLASSES
 from loraflow.pipelines.sources import model_source
 from loraflow.demo.tiny import TinyPipeline, build_tiny, hunyuan_video_vae, kandinsky5_pipeline, recipe_name
 from loraflow.store import Store
@@ -42,7 +43,7 @@ NAME = "kandinsky5-mini"
 SPEC = FamilySpec(
     name=NAME,
     description="Kandinsky 5 Video under another name and prompt, to show a family is one module",
-    flavours=(Flavour("t2v-mini", "t2v", 24.0, 17, (64, 64), 3.0, 4.0, TWO_ENCODER_PARTS),),
+    flavours=(Flavour("t2v-mini", "t2v", 24.0, 17, (64, 64), 3.0, 4.0, TWO_ENCODER_PARTS, classes=VIDEO_CLASSES),),
     default_flavour="t2v-mini",
     spatial_multiple=16,
     vae_temporal_factor=4,

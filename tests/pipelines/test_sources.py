@@ -6,6 +6,7 @@ with HF_HUB_OFFLINE=1; an unreachable Hub is a loopback port that refuses connec
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -228,3 +229,90 @@ def test_an_unreachable_hub_fails_at_once_with_what_to_do_and_no_traceback(
     assert f"`hf download {DEFAULT_REPO}` with --include for transformer, vae" in done.stderr
     assert f"into the Hugging Face cache ({tmp_path / 'hf'}" in done.stderr
     assert "run with HF_HUB_OFFLINE=1; or set `pretrained_model_name_or_path` to a local diffusers" in done.stderr
+
+
+def tampered(tiny_k5: Path, folder: Path, **entries: list) -> Path:
+    """A copy of the tiny checkpoint whose model_index.json names `entries` for those components."""
+    shutil.copytree(tiny_k5, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, **entries}))
+    return folder
+
+
+def test_a_model_index_naming_another_module_is_refused_by_check_and_the_stage_before_any_import(
+        tiny_k5: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """model_index.json picked the module `load_component` imported (`["this", ...]` printed the Zen of Python): a
+    module planted on the import path must never run."""
+    ran = tmp_path / "planted-module-ran"
+    (tmp_path / "planted_by_the_model.py").write_text(f"open({str(ran)!r}, 'w').close()\nclass AutoencoderKL: ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = tampered(tiny_k5, tmp_path / "model", vae=["planted_by_the_model", "AutoencoderKL"])
+    config = write_config(tmp_path / "config.yaml", settings(tmp_path, pretrained_model_name_or_path=str(model)))
+    assert main(["check", str(config), "--no-estimates"]) == 2
+    err = capsys.readouterr().err
+    assert (f"{model} vae: model_index.json names planted_by_the_model.AutoencoderKL; flavour 't2v-lite-sft-5s' "
+            "loads diffusers.AutoencoderKLHunyuanVideo") in err
+    with pytest.raises(ValueError, match="names planted_by_the_model.AutoencoderKL"):
+        model_source(parse_config(settings(tmp_path, pretrained_model_name_or_path=str(model))))  # every stage's
+    with pytest.raises(ValueError, match="names library 'planted_by_the_model'; loraflow loads components from"):
+        load_component(model, "vae")  # a bare folder, as the tests load them
+    assert not ran.exists()
+
+
+def test_a_checkpoint_of_another_family_is_refused_by_check_naming_component_found_and_expected(
+        tiny_k5: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tampered(tiny_k5, tmp_path / "model", vae=["diffusers", "AutoencoderKLHunyuanVideo15"],
+                     transformer=["diffusers", "HunyuanVideo15Transformer3DModel"])
+    config = write_config(tmp_path / "config.yaml", settings(tmp_path, pretrained_model_name_or_path=str(model)))
+    assert main(["check", str(config), "--no-estimates"]) == 2
+    err = capsys.readouterr().err
+    assert "3 problem(s)" in err  # the third: the data folder is empty
+    assert (f"{model} transformer: model_index.json names diffusers.HunyuanVideo15Transformer3DModel; flavour "
+            "'t2v-lite-sft-5s' loads diffusers.Kandinsky5Transformer3DModel") in err
+    assert "vae: model_index.json names diffusers.AutoencoderKLHunyuanVideo15" in err
+
+
+def test_a_local_checkpoint_with_only_pickled_weights_is_refused_by_check(
+        tiny_k5: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_k5, model)
+    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.rename(weights.with_suffix(".bin"))
+    config = write_config(tmp_path / "config.yaml", settings(tmp_path, pretrained_model_name_or_path=str(model)))
+    assert main(["check", str(config), "--no-estimates"]) == 2
+    assert (f"{model} transformer/ holds weights only as diffusion_pytorch_model.bin: loraflow reads safetensors "
+            "only") in capsys.readouterr().err
+
+
+def test_a_corrupt_safetensors_header_in_the_model_is_named_by_check_and_by_the_loader(
+        tiny_k5: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(tiny_k5, model)
+    weights = model / "vae" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes((1 << 40).to_bytes(8, "little") + weights.read_bytes()[8:])  # a header length of 2^40
+    config = write_config(tmp_path / "config.yaml", settings(tmp_path, pretrained_model_name_or_path=str(model)))
+    assert main(["check", str(config), "--no-estimates"]) == 2
+    named = f"{weights} is not a readable safetensors file: its header length says 1099511627776 bytes"
+    assert named in capsys.readouterr().err
+    with pytest.raises(ValueError, match="is not a readable safetensors file") as info:
+        load_component(model, "vae")
+    assert named in str(info.value)
+
+
+def test_the_family_tables_accept_the_classes_diffusers_pipelines_declare() -> None:
+    """Each flavour's `Flavour.classes` holds what its family's diffusers pipelines annotate for each component it
+    loads (diffusers' own declaration, `DiffusionPipeline._get_signature_types`)."""
+    import diffusers
+
+    from loraflow.pipelines import family_spec
+
+    pipelines = {"kandinsky5-video": ("Kandinsky5T2VPipeline", "Kandinsky5I2VPipeline"),
+                 "kandinsky5-image": ("Kandinsky5T2IPipeline", "Kandinsky5I2IPipeline"),
+                 "hunyuanvideo-1.5": ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")}
+    for family, names in pipelines.items():
+        for name in names:
+            for component, types in getattr(diffusers, name)._get_signature_types().items():
+                declared = {f"{t.__module__.split('.')[0]}.{t.__name__}" for t in types}
+                for flavour in family_spec(family).flavours:
+                    if component in flavour.components:
+                        assert declared & set(flavour.classes[component]), (flavour.name, name, component, declared)

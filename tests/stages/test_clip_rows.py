@@ -22,7 +22,8 @@ from tests.media_factory import write_h264
 INTS = "list<element: int64>"
 CLIP_COLUMNS = {"key": "string", "dataset": "string", "source": "string", "path": "string", "bucket": "string",
                 "height": "int64", "width": "int64", "num_frames": "int64", "indices": INTS, "resize": INTS,
-                "box": INTS, "captions": "list<element: string>", "repeats": "int64"}
+                "box": INTS, "captions": "list<element: string>", "repeats": "int64",
+                "source_version": "string"}  # added by issue 42 (a manifest without it reads as before)
 MASK_COLUMNS = {"mask": "string", "mask_path": "string", "mask_resize": INTS, "mask_box": INTS}
 QUARANTINE_COLUMNS = {"dataset": "string", "file": "string", "reason": "string", "detail": "string"}
 
@@ -62,3 +63,11 @@ def test_the_typed_rows_are_the_manifest_columns(tiny_k5: Path, tmp_path: Path) 
     assert columns(quarantine) == QUARANTINE_COLUMNS == {f.name: "string" for f in fields(DroppedFile)}
     assert store.read_manifest("quarantine") == [q.to_row() for q in report.quarantined]
     assert [q.reason for q in report.quarantined] == ["missing_mask"]
+
+
+def test_a_manifest_written_before_source_versions_reads_without_one() -> None:
+    from tests.clip_factory import clip_row
+
+    row = clip_row("k", "v").to_row()
+    del row["source_version"]  # the manifests of every run before issue 42
+    assert ClipRow.from_row(row).source_version == ""  # not judged by changed_sources

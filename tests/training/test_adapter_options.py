@@ -160,6 +160,21 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
         start_adapter(transformer, None, wrong_rank.init_lora, family)
 
 
+def test_an_init_lora_holding_nan_is_refused_naming_the_file_not_the_learning_rate(
+        ema_run, caches: dict[str, Path], tmp_path: Path) -> None:
+    """A broken file used to start training, whose first loss was NaN: "Lower learning_rate" blamed the wrong key."""
+    _, run, _ = ema_run
+    broken = tmp_path / "nan.safetensors"
+    tensors = load_file(run / T.LORA_FILE)
+    name = sorted(tensors)[0]
+    save_file({**tensors, name: torch.full_like(tensors[name], float("nan"))}, broken)
+    with pytest.raises(ValueError) as info:
+        train(make_config(caches, tmp_path / "nan", init_lora=str(broken), max_train_steps=1))
+    message = str(info.value)
+    assert f"`init_lora` {broken}: 1 tensor(s) hold NaN or infinite values" in message
+    assert name.removeprefix("transformer.") in message and "learning_rate" not in message
+
+
 def comfyui_delta(file: dict[str, torch.Tensor], key: str) -> torch.Tensor:
     """ComfyUI's weight change for the module it maps LoRA key `key` to (`diffusion_model.<name>` in the ComfyUI file,
     `transformer.<name>` in the diffusers file: Kandinsky5's key map), float64, as its readers compute it at

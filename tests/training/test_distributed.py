@@ -1,4 +1,5 @@
-"""Two CPU processes (gloo) under `accelerate launch` train the tiny real Kandinsky 5 Video from real caches.
+"""Two CPU processes (gloo), launched as the `lora` asset launches them, train the tiny real Kandinsky 5 Video from
+real caches.
 
 The honest check: with one sample per rank and micro-step, two processes compute what one process computes with
 gradient_accumulation_steps 2 (the same batches and random draws), bit for bit. That holds by construction, not by
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -77,7 +79,7 @@ def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFact
 
 
 def launch(config_path: Path, *program: str) -> subprocess.CompletedProcess:
-    """`accelerate launch` of two processes, as the lora asset builds it, with `program` instead of train_main."""
+    """The launch of two processes the lora asset builds, with `program` instead of train_main."""
     command = launch_command(str(config_path), 2)
     assert command[-3:-1] == ["-m", "loraflow.train_main"]
     if program:
@@ -194,3 +196,68 @@ def test_ranks_that_disagree_fail_together(tmp_path: Path) -> None:
         "leave()\n")
     launch(tmp_path / "unused.yaml", str(script), str(tmp_path))
     assert all("the ranks disagree on the samples" in (tmp_path / f"rank{r}").read_text() for r in (0, 1))
+
+
+def listening_sockets(root: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in the process tree under `root`, from /proc: the kernel's view
+    (IPv4 and IPv6; an address of zeros is every interface)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:  # exited meanwhile
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    sockets = set()
+    for pid in tree:
+        try:
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        sockets |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in sockets:  # state LISTEN, owned by the tree
+                address, port = fields[1].split(":")
+                found.append((address, int(port, 16)))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from Linux's /proc")
+def test_the_launched_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
+    """Two ranks as the `lora` asset launches them: while they are joined, every socket their launch listens on
+    (the rendezvous store, the collectives') is on 127.0.0.1. Under `accelerate launch` the store listened on `::`
+    (every interface) for the whole run."""
+    script = tmp_path / "joined.py"
+    script.write_text(
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from loraflow.training.distributed import barrier, join, leave\n"
+        "world, device = join(2)\n"
+        "barrier(world)\n"
+        "Path(sys.argv[1], f'rank{world.rank}').touch()\n"
+        "while not Path(sys.argv[1], 'done').exists():\n"
+        "    time.sleep(0.1)\n"
+        "leave()\n")
+    command = launch_command(str(tmp_path / "unused.yaml"), 2)
+    launched = subprocess.Popen([*command[:-3], str(script), str(tmp_path)], cwd=REPO,
+                                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
+            assert launched.poll() is None and time.monotonic() < deadline, "the ranks did not join"
+            time.sleep(0.2)
+        sockets = listening_sockets(launched.pid)
+    finally:
+        (tmp_path / "done").touch()
+        assert launched.wait(timeout=120) == 0
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc writes them
+    assert len(sockets) >= 3  # the store, and each rank's own
+    assert all(address in loopback for address, _ in sockets), sockets

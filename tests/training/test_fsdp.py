@@ -22,10 +22,11 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from loraflow.assets.runs.launch import free_port, launch_command
+from loraflow.assets.runs.launch import launch_command
 from loraflow.training import loop as T
 from loraflow.store import Store
 from tests.conftest import REPO
+from tests.servers import free_port
 from tests.training.test_distributed import SETTINGS, run_ranks
 from tests.training.test_train import build_caches, make_config, same_lora_file, train
 
@@ -184,7 +185,7 @@ def assert_trained_the_same(run: Path, reference: Path) -> None:
 
 def test_the_lora_assets_launch_trains_the_torchrun_bits(sharded: dict, caches: dict[str, Path],
                                                            tmp_path: Path) -> None:
-    """The `lora` asset's launch of an fsdp config (launch_command: `accelerate launch --multi_gpu`, no accelerate
+    """The `lora` asset's launch of an fsdp config (launch_command: torchrun's launcher on loopback, no accelerate
     file, README: "Launch it as data-parallel runs are launched") shards as torchrun and the README's file do: the
     same bits. A launch that trained unsharded would differ in the text block's last bits (the module docstring)."""
     config = make_config(caches, tmp_path / "asset", num_processes=2, fsdp=True, **SETTINGS)

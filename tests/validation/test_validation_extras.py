@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from loraflow.training import progress_renders as PR
 from loraflow.training import loop as T
@@ -28,6 +30,11 @@ from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store
 from tests.conftest import demo_dict
 from tests.training.test_train import make_config, same_lora_file, train
+
+def save_lora_header(path: Path) -> None:
+    """A LoRA file whose header passes load; its one tensor renders nothing here."""
+    save_file({"transformer.blocks.0.attn.to_q.lora_A.weight": torch.zeros(1, 1)}, path)
+
 
 RENDERS = {"validation_resolution": "64x48", "validation_num_video_frames": 5, "validation_num_inference_steps": 2}
 
@@ -89,7 +96,7 @@ def test_validation_renders_other_adapters_beside_the_trained_one(
 
 def test_bad_validation_adapters_are_named_at_load(tmp_path: Path) -> None:
     lora = tmp_path / "other.safetensors"
-    lora.write_bytes(b"")  # existence is what load checks; the content is read by validation
+    save_lora_header(lora)  # load reads its header; validation reads the tensors
     data = demo_dict(tmp_path / "model", tmp_path / "data", tmp_path)
     cases = {"either `validation_adapter_path`": {"validation_adapter_path": str(lora),
                                                   "validation_adapter_config": [{"path": str(lora)}]},
@@ -109,7 +116,7 @@ def test_bad_validation_adapters_are_named_at_load(tmp_path: Path) -> None:
 
 def test_the_validation_options_import_under_simpletuners_names(tmp_path: Path) -> None:
     lora = tmp_path / "turbo.safetensors"
-    lora.write_bytes(b"")
+    save_lora_header(lora)
     single = {"model_family": "kandinsky5-video", "validation_prompt": "a cat", "validation_on_startup": True,
               "validation_adapter_path": str(lora), "validation_adapter_name": "turbo",
               "validation_adapter_strength": 0.8, "validation_adapter_mode": "comparison"}

@@ -1,15 +1,15 @@
-"""How the `lora` asset trains: in the Dagster process on the CPU, or as `accelerate launch` under Dagster Pipes.
+"""How the `lora` asset trains: in the Dagster process on the CPU, or as launched processes under Dagster Pipes.
 
 One CPU process (the default) trains in-process, as every other stage does. Any CUDA run, or `num_processes > 1`,
-starts `python -m loraflow.train_main CONFIG` (one process) or `accelerate launch --multi_gpu ... -m
-loraflow.train_main CONFIG` through PipesSubprocessClient: the GPUs' memory is the launched processes' alone and is
-given back when they exit, every rank trains, and rank 0 streams its log lines and reports the materialization,
-which becomes this asset's (see loraflow/train_main.py). Trainers die with the process that started them.
+starts `python -m loraflow.train_main CONFIG` (one process) or `python -m loraflow.training.local_launch N -m
+loraflow.train_main CONFIG` (torchrun's launcher, every socket on loopback) through PipesSubprocessClient: the GPUs'
+memory is the launched processes' alone and is given back when they exit, every rank trains, and rank 0 streams its
+log lines and reports the materialization, which becomes this asset's (see loraflow/train_main.py). Trainers die
+with the process that started them.
 """
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,25 +30,16 @@ def needs_launch(config: LoraflowConfig) -> bool:
     return config.num_processes > 1 or torch.cuda.is_available()
 
 
-def launch_command(config_path: str, num_processes: int, port: int | None = None) -> list[str]:
+def launch_command(config_path: str, num_processes: int) -> list[str]:
     """The training entry point: one process runs it directly (the process Pipes starts is the trainer, so stopping
-    the run stops it); more go through `accelerate launch --multi_gpu` (torchrun underneath, on CPUs as well), with
-    `fsdp: true` too: loraflow shards the model itself, so the README's accelerate FSDP file would change nothing
-    (tests/training/test_fsdp.py: the same bits)."""
+    the run stops it); more go through torchrun's launcher with its rendezvous on loopback
+    (`loraflow.training.local_launch`: plain torchrun and `accelerate launch` listen on every interface), on CPUs as
+    well, with `fsdp: true` too: loraflow shards the model itself (tests/training/test_fsdp.py: the same bits as
+    `accelerate launch` with the README's FSDP file)."""
     entry = ["-m", "loraflow.train_main", str(Path(config_path).resolve())]
     if num_processes == 1:
         return [sys.executable, *entry]
-    # Explicit defaults: without an accelerate config file, launch would warn about each one.
-    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--main_process_port",
-            str(port or free_port()), "--num_processes", str(num_processes), "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", *entry]
-
-
-def free_port() -> int:
-    """A free loopback port for the ranks' rendezvous (two launches on one machine must not share one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return [sys.executable, "-m", "loraflow.training.local_launch", str(num_processes), *entry]
 
 
 def run_training(context: AssetExecutionContext, config: LoraflowConfig, family: ModelFamily, model: ModelSource,

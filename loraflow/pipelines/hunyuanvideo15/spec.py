@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from loraflow.pipelines.citations import cite
-from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.flavours import QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
 from loraflow.pipelines.sources import ModelSource
 
 _SIGLIP_PARTS = ("image_encoder", "feature_extractor")
@@ -24,6 +24,23 @@ _SIGLIP_PARTS = ("image_encoder", "feature_extractor")
 _GUIDE_FOLDERS = (("text_encoder", "HUNYUANVIDEO_TEXT_ENCODER_PATH"), ("image_encoder", "HUNYUANVIDEO_VISION_ENCODER_PATH"))
 TEXT_TOKENS = 1000  # the pipelines' tokenizer_max_length, after the template's crop
 _CONVERT = "scripts/convert_hunyuan_video1_5_to_diffusers.py"
+
+
+# The classes a HunyuanVideo 1.5 checkpoint's model_index.json may name (`Flavour.classes`): what diffusers'
+# HunyuanVideo15Pipeline and HunyuanVideo15ImageToVideoPipeline annotate (tests/pipelines/test_families.py reads
+# them), and the SigLIP processor's other backends (Pil: what the tiny checkpoints save; Fast: torchvision's).
+CLASSES = {
+    "transformer": ("diffusers.HunyuanVideo15Transformer3DModel",),
+    "vae": ("diffusers.AutoencoderKLHunyuanVideo15",),
+    "text_encoder": ("transformers.Qwen2_5_VLTextModel",),
+    "tokenizer": QWEN_TOKENIZERS,
+    "text_encoder_2": ("transformers.T5EncoderModel",),
+    "tokenizer_2": ("transformers.ByT5Tokenizer",),
+    "scheduler": ("diffusers.FlowMatchEulerDiscreteScheduler",),
+    "guider": ("diffusers.ClassifierFreeGuidance",),
+    "image_encoder": ("transformers.SiglipVisionModel",),
+    "feature_extractor": tuple(f"transformers.SiglipImageProcessor{kind}" for kind in ("", "Pil", "Fast")),
+}
 
 
 def _flavour(name: str, shift: float, steps: int = 30) -> Flavour:
@@ -60,7 +77,7 @@ def _flavour(name: str, shift: float, steps: int = 30) -> Flavour:
     return Flavour(name, task, 24.0, 121, size, shift, guidance, parts,
                    repo=f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{folder}",
                    folder_variables=_GUIDE_FOLDERS, steps=steps, text_tokens=TEXT_TOKENS,
-                   sources=tuple(sources.items()))
+                   sources=tuple(sources.items()), classes=CLASSES)
 
 
 def render_size(flavour: Flavour, model: ModelSource, height: int, width: int) -> tuple[int, int] | None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from loraflow.pipelines.citations import K5_IMAGE_SCALE, K5_IMAGE_TEXT, cite
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.kandinsky5.video_spec import KANDINSKY5_CLASSES
+
+IMAGE_CLASSES = {**KANDINSKY5_CLASSES, "vae": ("diffusers.AutoencoderKL",)}  # Flux's 2D VAE
 
 TEXT_TOKENS = 512  # K5_IMAGE_TEXT
 I2I_TEXT_TOKENS = 1024  # the I2I pipeline's max_sequence_length (vision tokens included)
@@ -40,7 +43,8 @@ def _flavour(name: str, repo: str, musubi: str = "") -> Flavour:
     return Flavour(name, task, 24.0, 1, (1024, 1024), 3.0, 3.5, TWO_ENCODER_PARTS,
                    repo=f"kandinskylab/Kandinsky-5.0-{repo}-Diffusers", steps=50,
                    peer_names=(musubi,) if musubi else (), training_shift=1.0,
-                   text_tokens=TEXT_TOKENS if task == "t2i" else I2I_TEXT_TOKENS, sources=tuple(sources.items()))
+                   text_tokens=TEXT_TOKENS if task == "t2i" else I2I_TEXT_TOKENS, sources=tuple(sources.items()),
+                   classes=IMAGE_CLASSES)
 
 
 SPEC = FamilySpec(

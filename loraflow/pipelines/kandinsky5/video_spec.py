@@ -18,7 +18,21 @@ from __future__ import annotations
 from loraflow.pipelines.citations import (
     K5_FPS, K5_HD_SIZE, K5_OLD_STEPS, K5_SD_SIZE, K5_VIDEO_DEFAULT_SCALE, K5_VIDEO_TEXT, cite,
 )
-from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.flavours import CLIP_TOKENIZERS, QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
+
+# The classes a Kandinsky 5 checkpoint's model_index.json may name (`Flavour.classes`): what diffusers'
+# Kandinsky5{T2V,I2V,T2I,I2I}Pipeline annotate (tests/pipelines/test_families.py reads them); the Video VAE here,
+# the Image one in image_spec. The tokenizer is annotated as the Qwen2-VL processor; the tiny checkpoints save the
+# plain tokenizer the processor wraps (REFERENCE.md: the processor needs torchvision).
+KANDINSKY5_CLASSES = {
+    "transformer": ("diffusers.Kandinsky5Transformer3DModel",),
+    "text_encoder": ("transformers.Qwen2_5_VLForConditionalGeneration",),
+    "tokenizer": ("transformers.Qwen2VLProcessor", *QWEN_TOKENIZERS),
+    "text_encoder_2": ("transformers.CLIPTextModel",),
+    "tokenizer_2": CLIP_TOKENIZERS,
+    "scheduler": ("diffusers.FlowMatchEulerDiscreteScheduler",),
+}
+VIDEO_CLASSES = {**KANDINSKY5_CLASSES, "vae": ("diffusers.AutoencoderKLHunyuanVideo",)}
 
 TEXT_TOKENS = 256  # K5_VIDEO_TEXT: every original video config's Qwen max_length
 
@@ -70,7 +84,7 @@ def _flavour(name: str, seconds: int, shift: float, repo: str | None, musubi: st
                    TWO_ENCODER_PARTS, int(task == "i2v"), repo and f"kandinskylab/Kandinsky-5.0-{repo}-Diffusers",
                    steps=steps, peer_names=(f"k5-{musubi}",) if musubi else (), training_shift=training_shift,
                    text_tokens=TEXT_TOKENS, transformer_config=tuple(attention.items()),
-                   sources=tuple(sources.items()))
+                   sources=tuple(sources.items()), classes=VIDEO_CLASSES)
 
 
 def _lite(name: str, seconds: int, repo: str, musubi: str, yaml: str, scale: float | None) -> Flavour:
@@ -126,7 +140,8 @@ def _pro_distilled(task: str) -> Flavour:
                cite("derived", "t2v: no frame is given")}
     return Flavour(f"{task}-pro-distilled-5s", task, 24.0, 121, (512, 768), 5.0, 1.0, TWO_ENCODER_PARTS,
                    int(task == "i2v"), f"kandinskylab/Kandinsky-5.0-{task.upper()}-Pro-distilled-5s-Diffusers",
-                   steps=16, training_shift=5.0, text_tokens=TEXT_TOKENS, sources=tuple(sources.items()))
+                   steps=16, training_shift=5.0, text_tokens=TEXT_TOKENS, sources=tuple(sources.items()),
+                   classes=VIDEO_CLASSES)
 
 
 SPEC = FamilySpec(

@@ -36,7 +36,7 @@ from loraflow.stages.clips.captions import read_captions
 from loraflow.stages.clips.dataset_folder import Listing, link_outside, list_folder, printable, read_or_quarantine
 from loraflow.media.frames import ProbeCache, decode_frames
 from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
-from loraflow.contracts.clip_rows import ClipRow, DroppedFile, PairedImage
+from loraflow.contracts.clip_rows import ClipRow, DroppedFile, PairedImage, source_version
 from loraflow.contracts.reports import ClipsReport, DropReason
 from loraflow.pipelines import bucket_multiple
 from loraflow.pipelines.sources import ModelSource
@@ -166,7 +166,7 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFam
             key=key, dataset=dataset.id, source=identity["path"], path=str(path),
             bucket=buckets.bucket_label(*size, len(plan["indices"])), height=size[0], width=size[1],
             num_frames=len(plan["indices"]), indices=tuple(plan["indices"]), resize=crop.resize, box=crop.box,
-            captions=captions, repeats=dataset.repeats,
+            captions=captions, repeats=dataset.repeats, source_version=source_version(identity),
             **({column: _paired_image(source, size, dataset.crop_style, key)} if source else {}),
         ))
     return rows
