@@ -691,19 +691,30 @@ def code_version() -> str:
     return digest.hexdigest()[:16]
 
 
+def estimates_cache() -> Path:
+    """Where `remembered` keeps estimates: $LORAFLOW_ESTIMATES_CACHE, else the XDG user cache (as huggingface_hub
+    keeps its own)."""
+    import os
+
+    if os.environ.get("LORAFLOW_ESTIMATES_CACHE"):
+        return Path(os.environ["LORAFLOW_ESTIMATES_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loraflow" / "estimates"
+
+
 def remembered(config: LoraflowConfig, what: str, inputs: Mapping[str, Any],
                compute: Callable[[], list]) -> tuple[list, Path | None]:
     """`compute()` (a list of StageEstimates, or of (label, StageEstimate)), or the list a call with the same config,
-    `inputs` and `code_version` stored in `cache_dir`/estimates/ (JSON, written atomically); and the file it was
-    read from (None: computed now). The fake-tensor traces take minutes at released size: a second `check` of an
-    unchanged config takes seconds."""
+    `inputs` and `code_version` stored (JSON, written atomically) in the user's cache folder (`estimates_cache`:
+    `$XDG_CACHE_HOME/loraflow/estimates`, default ~/.cache; check writes nothing into the project's caches); and
+    the file it was read from (None: computed now). The fake-tensor traces take minutes at released size: a second
+    `check` of an unchanged config takes seconds."""
     from dataclasses import asdict
 
     from loraflow.keys import content_key
     from loraflow.store import write_json
 
     key = content_key(what=what, config=config.model_dump(mode="json"), inputs=inputs, code=code_version())
-    path = Path(config.cache_dir) / "estimates" / f"{what}-{key}.json"
+    path = estimates_cache() / f"{what}-{key}.json"
     try:
         rows = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -18,6 +18,16 @@ from loraflow.config import LoraflowConfig, load_config
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def estimates_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`loraflow check` remembers its estimates in the user's cache folder (`estimates.estimates_cache`): the suite
+    keeps its own, so that no run reuses another's (a reused table prints one more line) and ~/.cache stays as it
+    was. Set in the environment: the CLI subprocesses read it too."""
+    folder = tmp_path_factory.mktemp("estimates-cache")
+    os.environ["LORAFLOW_ESTIMATES_CACHE"] = str(folder)
+    return folder
+
+
 @pytest.fixture(autouse=True)
 def signal_handlers_kept() -> Iterator[None]:
     """Every test leaves SIGINT and SIGTERM as it found them. Dagster's in-process runs (`materialize`,

@@ -131,10 +131,13 @@ def test_check_prints_the_estimates_and_the_switch_that_fits_the_named_card(
 
 
 def test_a_second_check_of_an_unchanged_config_reuses_its_estimates_and_a_changed_one_does_not(
-        tiny_k5: Path, demo_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tiny_k5: Path, demo_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """check's fake-tensor traces take minutes at released size (issue 41): the estimate and its switch list are
-    kept in the cache folder under a key of the config, the model configs, the bucket, the card and loraflow's
-    code, and read back by the next check of the same config: the same table. Another rank is estimated anew."""
+    kept in the user's cache folder under a key of the config, the model configs, the bucket, the card and
+    loraflow's code, and read back by the next check of the same config: the same table. Another rank is estimated
+    anew. The project's cache folder stays unwritten (planning writes nothing)."""
+    monkeypatch.setenv("LORAFLOW_ESTIMATES_CACHE", str(tmp_path / "user-cache"))
     card = (0.0012 * 2**30 + CUDA_CONTEXT) / FIT_SHARE / 2**30  # short for training: the switches are listed too
     settings = demo_dict(tiny_k5, demo_data, tmp_path, gpu_memory_gb=card)
     config = write_config(tmp_path / "config.yaml", settings)
@@ -144,8 +147,8 @@ def test_a_second_check_of_an_unchanged_config_reuses_its_estimates_and_a_change
         outputs.append(capsys.readouterr().out.split("estimates (no model loads")[1])
     first, second = outputs
     assert "reused from" not in first and "reused from" in second
-    remembered = {p.name.split("-")[0] for p in (tmp_path / "cache" / "estimates").iterdir()}
-    assert remembered == {"stages", "switches"}
+    remembered = {p.name.split("-")[0] for p in (tmp_path / "user-cache").iterdir()}
+    assert remembered == {"stages", "switches"} and not (tmp_path / "cache").exists()
     assert [ln for ln in second.splitlines() if "reused from" not in ln] == first.splitlines()
     other = write_config(tmp_path / "other.yaml", {**settings, "lora_rank": settings.get("lora_rank", 8) * 2})
     assert main(["check", str(other)]) == 0
