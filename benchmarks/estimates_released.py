@@ -18,7 +18,8 @@ renders with on that card), beside what check estimated before (`RENDERS_BEFORE`
 758bf7d, which rendered in fp32 with nothing offloaded or tiled); and Kandinsky 5 Pro i2v's training at
 256x256x73, fp8, rank 32, on 24 GB: the `blocks_to_swap` check proposes (`estimates.swap_to_fit`).
 
-    python benchmarks/estimates_released.py       # writes benchmarks/results/estimates_released.json
+    python benchmarks/estimates_released.py                  # writes benchmarks/results/estimates_released.json
+    python benchmarks/estimates_released.py renders swap     # only those sections (the others kept)
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ VARIANTS = {
 }
 I2V = {"kandinsky5-video": "i2v-lite-5s", "hunyuanvideo-1.5": "i2v-480p"}  # each family's i2v flavour
 I2V_VARIANTS = ("bf16+checkpointing", "bf16+checkpointing+activation offload")
+SECTIONS = ("rows", "seed_guides", "renders", "swap")  # of the JSON, in the order main computes them
 SEED_GUIDES = ("000", "002", "004")  # Kandinsky 5 Video Lite, Kandinsky 5 Image, HunyuanVideo 1.5 (/work/shared/seeds)
 # (family, flavour, WIDTHxHEIGHT, frames): the renders issue 43 measured, each at 121 frames
 RENDERS = [("hunyuanvideo-1.5", "t2v-720p", "1280x720", 121), ("hunyuanvideo-1.5", "t2v-480p", "768x512", 121),
@@ -55,7 +57,19 @@ RENDERS_BEFORE = {"t2v-720p 1280x720@121": 354.88, "t2v-480p 768x512@121": 171.9
                   "t2v-lite-sft-5s 768x512@121": 37.89, "t2v-pro-sft-5s-hd 768x512@121": 102.54}
 
 
-def main() -> None:
+def main(sections: tuple[str, ...] = SECTIONS) -> None:
+    """Each section of the JSON computed and written in turn (`sections`: the ones to recompute; the others keep
+    what the file holds): a section takes minutes of fake tensors, and one that fails loses none before it."""
+    report = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    report["device"] = "CPU (fake tensors)"
+    compute = {"rows": training_rows, "seed_guides": seed_rows, "renders": render_rows, "swap": swap_row}
+    for section in sections:
+        report[section] = compute[section]()
+        RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def training_rows() -> list[dict]:
+    """gpu/train.py's t2v sizes for each variant, then each family's i2v flavour."""
     from benchmarks.gpu.train import MODELS, VAE
     from loraflow import estimates
     from loraflow.config import parse_config
@@ -88,8 +102,7 @@ def main() -> None:
                      "parts_gib": {k: round(v / 2**30, 3) for k, v in estimate.parts.items()},
                      **({"host_gib": round(estimate.host / 2**30, 3)} if estimate.host else {})})
         print(rows[-1], flush=True)
-    RESULTS.write_text(json.dumps({"device": "CPU (fake tensors)", "rows": rows, "seed_guides": seed_rows(),
-                                   "renders": render_rows(), "swap": swap_row()}, indent=1) + "\n")
+    return rows
 
 
 def released(family_name: str, flavour: str, **settings: object) -> tuple:
@@ -169,7 +182,8 @@ def seed_rows() -> list[dict]:
             config = load_config(root / "config.yaml")
         family = get_family(config)
         configs = {c: released_config(config.flavour.name, c) for c in ("transformer", "vae")}
-        bucket = estimates.largest_bucket(estimates.configured_buckets(config, family))
+        bucket = estimates.largest_bucket(estimates.configured_buckets(config, family,
+                                                                       config.pretrained_model_name_or_path))
         latent = vae_geometry(configs["vae"], family).shape(*bucket)
         for label, offload in (("gradient_checkpointing", False), ("+ gradient_checkpointing_cpu_offload", True)):
             began = time.perf_counter()
@@ -185,4 +199,4 @@ def seed_rows() -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    main(tuple(sys.argv[1:]) or SECTIONS)
