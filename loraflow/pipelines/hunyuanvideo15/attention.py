@@ -81,6 +81,7 @@ def key_mask_attention(transformer: torch.nn.Module) -> None:
     if transformer.__dict__.get("_loraflow_key_mask"):
         return
     for block in transformer.transformer_blocks:
+        block = getattr(block, "block", block)  # a block TREAD routes is wrapped (kernels/tread.py `_RoutedBlock`)
         processor = KeyMaskProcessor()
         processor._attention_backend = block.attn.processor._attention_backend  # a backend set before stays
         block.attn.set_processor(processor)
