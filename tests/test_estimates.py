@@ -251,8 +251,9 @@ def test_group_offload_of_one_byte_weights_offloads_one_byte_blocks(tiny_k5: Pat
     resident, offloaded = (estimates.training_step(
         config_for(tiny_k5, demo_data, tmp_path, base_model_precision="fp8-layerwise", enable_group_offload=o),
         family, transformer_config, latent, device_type="cpu").parts["weights"] for o in (False, True))
-    stored = fake_tensors.meta_model(transformer_config, torch.bfloat16, fp8=True)
-    # without an adapter every tensor is a weight, the fp32-kept modules (time embeddings, modulation) too
+    # as training stores it: fp8 blocks, the fp32-kept modules (time embeddings, modulation) in bf16 (issue 43's
+    # `fp32_modules_storage` default); without an adapter every tensor is a weight
+    stored = estimates.stored_model(transformer_config, "fp8-layerwise", "bf16")
     assert estimates.weights_bytes(stored) == fake_tensors.tensor_bytes([*stored.parameters(), *stored.buffers()])
     blocks = [estimates.weights_bytes(b) for b in getattr(stored, family.tread_layout.blocks)]
     assert resident - offloaded == sum(blocks) - max(blocks) > 0  # one group of one block stays
@@ -265,7 +266,10 @@ def tiny_hv15(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny("hunyuanvideo-1.5", tmp_path_factory.mktemp("models") / "hunyuanvideo-1.5")
 
 
-HV15_BUCKET = (33, 128, 192)  # 864 video tokens (and 1985 text and image ones): 3x the tiny HV1.5's 17 MB weights
+# 3,264 video tokens (and 1,985 text and image ones): activations 48% of the peak beside the tiny HV1.5's 17 MB
+# weights. At 33x128x192 (864 video tokens) they were 3x the weights before issue 43's key mask
+# (pipelines/hunyuanvideo15/attention.py) took the (L, L) attention mask out of every block, and 0.8x after it
+HV15_BUCKET = (65, 192, 256)
 
 
 def test_training_step_peak_hv15(tiny_hv15: Path, demo_data: Path, tmp_path: Path) -> None:
@@ -277,7 +281,7 @@ def test_training_step_peak_hv15(tiny_hv15: Path, demo_data: Path, tmp_path: Pat
     latent = latent_geometry(tiny_hv15, family).shape(*HV15_BUCKET)
     transformer_config = json.loads((tiny_hv15 / "transformer" / "config.json").read_text())
     estimate = estimates.training_step(config, family, transformer_config, latent, device_type="cpu")
-    assert estimate.parts["activations"] > 2 * estimate.parts["weights"]  # 10% of the peak: 15% of activations
+    assert estimate.parts["activations"] > 0.4 * estimate.peak_bytes  # 10% of the peak: under 25% of activations
     assert_close(estimate.peak_bytes, measured_training_peak(config, latent))
 
 

@@ -88,7 +88,8 @@ def test_check_of_a_pro_hd_config_before_download_plans_nabla(demo_data: Path, t
     assert "NABLA attention (the transformer as t2v-pro-sft-5s-hd runs it): bucket sides are multiples of 128 px" in hd
     buckets = {tuple(map(int, b)) for b in re.findall(r"(\d+)x(\d+)@9", hd.split("estimates")[0])}
     assert buckets and all(w % 128 == 0 and h % 128 == 0 for w, h in buckets), buckets
-    rows = {line.split()[0]: line for line in hd.split("estimates (no model loads")[1].splitlines()[3:8]}
+    table = hd.split("estimates (no model loads")[1].split("  fit: ")[1].splitlines()  # the table follows the legend
+    rows = {line.split()[0]: line for line in table if line.split()[:1] in (["lora"], ["validation"])}
     assert "NABLA (P 0.8)" in rows["lora"] and "NABLA (P 0.8)" in rows["validation"], rows
     assert "NABLA" not in sd and any(w % 128 for w, _ in (tuple(map(int, b)) for b in re.findall(
         r"(\d+)x(\d+)@9", sd.split("estimates")[0])))
