@@ -320,12 +320,16 @@ def test_definitions_wire_partitions_jobs_checks_sensor_schedule_and_retries() -
     assert {s.name for s in defs.sensors} == {"dataset_watch"}
     graph = defs.resolve_asset_graph()
     partitioned = {key.path[-1]: graph.get(key).partitions_def for key in graph.get_all_asset_keys()}
-    assert partitioned == {"clips": DATASETS, "latents": DATASETS, "text_embeds": None, "teacher_features": None,
-                           "lora": None, "validation": None}
+    # dataset_files: the observable source the clips depend on, per dataset (a source changed after caching shows
+    # that dataset's clips stale: issue 42 item 14)
+    assert partitioned == {"dataset_files": DATASETS, "clips": DATASETS, "latents": DATASETS, "text_embeds": None,
+                           "teacher_features": None, "lora": None, "validation": None}
     cache = defs.resolve_job_def("cache_dataset")
     assert cache.partitions_def == DATASETS
     assert cache.op_retry_policy is not None and cache.op_retry_policy.max_retries == 2
-    assert defs.resolve_job_def("train_and_validate").partitions_def is None
+    # it observes every dataset's folder first (partitioned `dataset_files`), which makes Dagster give the job the
+    # datasets' partitions; `loraflow demo` and the CLI run it without a partition key, which observes them all
+    assert defs.resolve_job_def("train_and_validate").partitions_def == DATASETS
     check_names = {key.name for key in graph.asset_check_keys}
     assert check_names == {c.check_specs_by_output_name[n].name for c in ALL_CHECKS for n in c.check_specs_by_output_name}
 
