@@ -41,8 +41,8 @@ checkpointing) runs at released size in seconds and allocates nothing. Each numb
 - validation: one render as the validation stage runs it (`render_phases`, `render_plan`): the transformer in the
   training precision, one no-grad denoise call and the VAE decode (in the transformer's dtype) of its latent,
   whole and tiled with diffusers' tiling (each tile's decoder run once per tile shape: `fake_tensors.measured_once`);
-  then the plan for the card (`gpu_memory_gb`, else the GPU present): the least of parking (the transformer and the
-  VAE take turns on the card), tiling, blocks swapped, every block streamed that fits it. Without a card, what the
+  then the plan for the card (`gpu_memory_gb`, else the GPU present): the transformer and the VAE take turns on the
+  card (parked), plus the least of tiling, blocks swapped, every block streamed that fits it. Without a card, what the
   config asks. The pipeline's own small tensors (latents, the two guidance predictions) are left out.
 
 The fake step runs on the CPU: with bf16 autocast where a CUDA run uses it (`training.loop.uses_autocast`), so the
@@ -477,9 +477,12 @@ def blends_in_place(vae: torch.nn.Module) -> Iterator[None]:
 
 def render_plan(config: LoraflowConfig, phases: RenderPhases | None, card_gb: float | None) -> RenderPlan:
     """How a render holds its models: what the config asks (`base_model_precision`, `vae_enable_tiling`,
-    `enable_group_offload`, `blocks_to_swap`) and, for a known card, the least added that fits it with the margin
-    (`usable_bytes`): nothing, then the transformer and the VAE taking turns (parked), tiling (approximate), both; then
-    each of these with 1, 2, ... blocks swapped, then every block streamed. None fits: the last (the least memory)."""
+    `enable_group_offload`, `blocks_to_swap`) and, for a known card, the transformer and the VAE taking turns on it
+    (parked), as the peer's renderer does (musubi-tuner's kandinsky5_generate_video.py moves the DiT to the CPU and
+    frees it before it loads the VAE to decode; exact, and one move of the transformer each way per render against
+    minutes of denoising), plus the least added that fits the card with the margin (`usable_bytes`): nothing, then
+    tiling (approximate); then each with 1, 2, ... blocks swapped, then every block streamed. None fits: the last (the
+    least memory)."""
     from dataclasses import replace
 
     from loraflow.pipelines.render_memory import RenderPlan
@@ -489,12 +492,11 @@ def render_plan(config: LoraflowConfig, phases: RenderPhases | None, card_gb: fl
                        offload_all=config.enable_group_offload, vae_tiling=config.vae_enable_tiling)
     if card_gb is None or phases is None:
         return asked
-    turns = [(False, False), (True, False), (False, True), (True, True)] if phases.decode_tiled is not None else \
-        [(False, False), (True, False)]
+    tilings = [False, True] if phases.decode_tiled is not None else [False]
     swaps = [asked] if asked.offload_all else \
         [replace(asked, blocks_to_swap=n) for n in range(asked.blocks_to_swap, len(phases.blocks) + 1)] + \
         [replace(asked, blocks_to_swap=0, offload_all=True)]
-    plans = [replace(p, park=park, vae_tiling=p.vae_tiling or tiled) for p in swaps for park, tiled in turns]
+    plans = [replace(p, park=True, vae_tiling=p.vae_tiling or tiled) for p in swaps for tiled in tilings]
     usable = usable_bytes(card_gb)
     return next((p for p in plans if phases.estimate(p).peak_bytes <= usable), plans[-1])
 

@@ -318,8 +318,8 @@ def test_training_step_peak_hv15_i2v(tiny_hv15: Path, demo_data: Path, tmp_path:
 
 def test_the_render_plan_is_the_least_added_that_fits_the_card() -> None:
     """`render_plan` on phases of round sizes (GiB): transformer 10 (8 blocks of 1), VAE 1, one denoise call 4, the
-    decode 30 whole and 6 tiled. Parked, the transformer and the VAE are never on the card together; each swapped
-    block but the one computing leaves it."""
+    decode 30 whole and 6 tiled. With a card the transformer and the VAE always take turns on it (parked: never on it
+    together); each swapped block but the one computing leaves it."""
     from loraflow.config import parse_config
     from loraflow.pipelines.render_memory import RenderPlan
 
@@ -333,7 +333,9 @@ def test_the_render_plan_is_the_least_added_that_fits_the_card() -> None:
 
     asked = RenderPlan(precision="bf16", kept="bf16")
     assert estimates.render_plan(config, phases, None) == asked  # no card: what the config asks
-    assert estimates.render_plan(config, phases, card(45)) == asked  # 10 + 1 + 30 fits
+    parked = RenderPlan(precision="bf16", kept="bf16", park=True)
+    assert estimates.render_plan(config, phases, card(45)) == parked  # 10 + 4 and 1 + 30 fit
+    assert estimates.render_plan(config, phases, card(31)) == parked  # the decode, 1 + 30, is the peak
     # denoise 10 + 4, decode 1 + 6: parked and tiled, nothing swapped
     assert estimates.render_plan(config, phases, card(16)) == RenderPlan("bf16", "bf16", vae_tiling=True, park=True)
     # denoise fits at 10 resident - (5 - 1) swapped + 4: five blocks swapped
@@ -342,7 +344,7 @@ def test_the_render_plan_is_the_least_added_that_fits_the_card() -> None:
     assert estimates.render_plan(config, phases, card(10)).describe() == (
         "transformer bf16, 5 blocks swapped, VAE tiled, transformer and VAE take turns on the GPU")
     tiled = config.model_copy(update={"vae_enable_tiling": True})
-    assert estimates.render_plan(tiled, phases, card(45)) == RenderPlan("bf16", "bf16", vae_tiling=True)
+    assert estimates.render_plan(tiled, phases, card(45)) == RenderPlan("bf16", "bf16", vae_tiling=True, park=True)
     none_fits = estimates.render_plan(config, phases, card(1))
     assert none_fits.offload_all and none_fits.park and none_fits.vae_tiling  # the least memory there is
     # the denoise: the 2 outside the blocks, the block computing and the next one (prefetched on a CUDA stream), 4
