@@ -15,9 +15,9 @@ from loraflow.config import (
     DatasetConfig, LoraflowConfig, StrictModel, TreadConfig, TreadRoute, VideoSettings, load_config, setting,
 )
 from loraflow.config.adapter_kinds import LycorisConfig
-from loraflow.config.dataset import run_key_of
 from loraflow.config.fields import ConfigFields
 from loraflow.config.guide_features import GuideFeatures
+from loraflow.config.run_key import run_key_of
 from loraflow.config.training_options import TrainingOptions
 from loraflow.config.validation_adapters import ValidationAdapter
 from loraflow.training import loop as T

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import model_validator
 
 from loraflow.config.config_files import read_json_file
-from loraflow.config.dataset import StrictModel, setting
+from loraflow.config.run_key import StrictModel, setting
 
 # LyCORIS fields peft cannot express, and why (what to do instead).
 REFUSED = {

@@ -1,6 +1,6 @@
-"""A pydantic validation error of a config, said the way `loraflow check` prints it: the key path, what is wrong,
-and for an unknown key the nearest valid one. A value is shown by its start (`shown`): a config error never prints
-megabytes."""
+"""A config's errors: `ConfigError` (a config that cannot run, every problem listed), and a pydantic validation error
+said the way `loraflow check` prints it (`describe`): the key path, what is wrong, and for an unknown key the nearest
+valid one. A value is shown by its start (`shown`): a config error never prints megabytes."""
 
 from __future__ import annotations
 
@@ -15,6 +15,14 @@ _SHORT = reprlib.Repr()  # a few items of a list, the first 60 characters of a s
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
 _SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 60
 _SHORT.maxlevel = 2
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. `problems` lists every issue, each naming the key path."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        super().__init__(f"{source} has {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def shown(value: Any) -> str:

@@ -13,8 +13,9 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from loraflow.config.adapter_kinds import LycorisConfig, read_lycoris_config
 from loraflow.config.config_files import read_json_file
-from loraflow.config.dataset import DatasetConfig, StrictModel, check_4k_plus_1, setting
+from loraflow.config.dataset import DatasetConfig, check_4k_plus_1
 from loraflow.config.guide_features import GuideFeatures
+from loraflow.config.run_key import StrictModel, setting
 from loraflow.config.training_options import TrainingOptions
 from loraflow.config.validation_adapters import ValidationAdapter, read_adapter_config
 from loraflow.pipelines import describe_families, family_names, family_spec, flavour_names, known_flavour

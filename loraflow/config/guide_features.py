@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from loraflow.config.dataset import StrictModel, setting
+from loraflow.config.run_key import StrictModel, setting
 
 
 class GuideFeatures(StrictModel):

@@ -16,7 +16,7 @@ from pydantic import ValidationError, model_validator
 
 from loraflow.config.config_files import read_json_file, read_yaml_file
 from loraflow.config.dataset import DatasetConfig, is_mask_dataset
-from loraflow.config.errors import describe
+from loraflow.config.errors import ConfigError, describe
 from loraflow.config.fields import ConfigFields
 from loraflow.config.validation_adapters import ValidationAdapter, check_adapters
 from loraflow.pipelines import family_flavour, family_spec
@@ -24,14 +24,6 @@ from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
 FIRST_LAST_MIN_FRAMES = 9  # 3 latent frames: `i2v_mode: first_last` gives 2 clean, so one carries the loss
-
-
-class ConfigError(ValueError):
-    """A config that cannot run. `problems` lists every issue, each naming the key path."""
-
-    def __init__(self, problems: list[str], source: str = "config") -> None:
-        self.problems = problems
-        super().__init__(f"{source} has {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 class LoraflowConfig(ConfigFields):

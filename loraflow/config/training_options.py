@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import model_validator
 
-from loraflow.config.dataset import StrictModel, setting
+from loraflow.config.run_key import StrictModel, setting
 
 
 class TrainingOptions(StrictModel):

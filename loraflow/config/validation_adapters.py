@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.config.config_files import read_json_file
-from loraflow.config.dataset import StrictModel, setting
+from loraflow.config.run_key import StrictModel, setting
 from loraflow.safetensors_header import read_adapter_header
 
 DEFAULT_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # SimpleTuner's default file in a folder, and loraflow's
