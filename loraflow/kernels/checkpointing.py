@@ -14,21 +14,30 @@ node, which changes the order the gradients of a tensor used by several blocks a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from loraflow.config import LoraflowConfig
+
+class CheckpointingSwitches(Protocol):
+    """The switches by the peers' names, as plain values (a `LoraflowConfig` has them)."""
+
+    @property
+    def gradient_checkpointing(self) -> bool: ...
+    @property
+    def gradient_checkpointing_interval(self) -> int: ...
+    @property
+    def gradient_checkpointing_cpu_offload(self) -> bool: ...
 
 
-def enable_checkpointing(transformer: torch.nn.Module, config: LoraflowConfig, host: str = "cpu") -> None:
-    """Turn on the configured checkpointing in a diffusers transformer (training/loop.py, and the estimates' fake
-    step, whose activation offload holds its copies on `host` "meta": fake CPU tensors stand for the accelerator's
-    there, and its counter counts meta ones as host memory)."""
-    if not config.gradient_checkpointing:
+def enable_checkpointing(transformer: torch.nn.Module, switches: CheckpointingSwitches, host: str = "cpu") -> None:
+    """Turn on the checkpointing `switches` ask for in a diffusers transformer (training/loop.py passes the config,
+    and so does the estimates' fake step, whose activation offload holds its copies on `host` "meta": fake CPU tensors
+    stand for the accelerator's there, and its counter counts meta ones as host memory)."""
+    if not switches.gradient_checkpointing:
         return
-    interval, offload = config.gradient_checkpointing_interval, config.gradient_checkpointing_cpu_offload
+    interval, offload = switches.gradient_checkpointing_interval, switches.gradient_checkpointing_cpu_offload
     if interval == 1 and not offload:
         transformer.enable_gradient_checkpointing()  # plain checkpointing: diffusers' own function
         return
