@@ -30,7 +30,7 @@ def main() -> None:
 
     from loraflow.config import parse_config
     from loraflow.demo.tiny import build_tiny
-    from loraflow.kernels.fake_tensors import meta_model
+    from loraflow.estimates.fake_tensors import meta_model
     from loraflow.kernels.quantize import store_frozen
     from loraflow.pipelines import get_family
     from loraflow.pipelines.base import load_component

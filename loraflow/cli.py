@@ -149,7 +149,7 @@ def check(config_path: str, estimate: bool = True) -> int:
 
 
 def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets: list) -> None:
-    """Estimated accelerator peak and TFLOP per stage for the largest bucket (loraflow/estimates.py: how each is
+    """Estimated accelerator peak and TFLOP per stage for the largest bucket (loraflow/estimates/: how each is
     computed), which common cards it fits, and, where training does not fit the user's card, the switches that
     would, each with its estimate. No weights are read; torch and the family module are imported here.
     `check --no-estimates` leaves this out (the plan alone imports no model library)."""
@@ -157,13 +157,13 @@ def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets:
     from loraflow.pipelines import get_family
     from loraflow.pipelines.released import FOLDER, released_config
 
-    print("\nestimates (no model loads; loraflow/estimates.py says how each is computed):")
+    print("\nestimates (no model loads; loraflow/estimates/ says how each is computed):")
     released = estimates.released_configs(config) if source is None else None
     if source is not None:
         configs = estimates.component_configs({c: source.folder(c) for c in config.flavour.components})
     elif released:  # the released model, not downloaded yet: its config files as loraflow holds them
         configs = {c: released_config(config.flavour.name, c) for c in released}
-        print(f"  from the released config files in {FOLDER.relative_to(Path(estimates.__file__).parents[1])}/ "
+        print(f"  from the released config files in {FOLDER.relative_to(Path(estimates.__file__).parents[2])}/ "
               f"({', '.join(released.values())}), not from the model: it is not on disk")
     else:
         print("  estimate needs the model's config files: the components' config.json on disk (download the model, "

@@ -28,7 +28,7 @@ from diffusers.hooks.layerwise_casting import LayerwiseCastingHook
 from torch.profiler import ProfilerActivity, profile
 
 from loraflow import estimates
-from loraflow.kernels import fake_tensors
+from loraflow.estimates import fake_tensors
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.stages.latents.latents import prepare_vae

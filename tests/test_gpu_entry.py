@@ -45,7 +45,7 @@ def test_every_measurement_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None
     results = report["results"]
     assert report["device"] == "cpu-smoke" and list(results) == [m.name for m in run_module().REGISTRY]
     assert {k: r for k, r in results.items() if r["status"] != "ok"} == {}
-    # loraflow/estimates.py's training step beside each training measurement (tiny configs, the smoke size)
+    # loraflow/estimates' training step beside each training measurement (tiny configs, the smoke size)
     trained = {k for k in results if k.startswith("train_") and k != "train_resume"}
     # and beside the VAE encodes, the latents stage and the render (their own modules' `estimate`)
     estimated = trained | {k for k in results if k.startswith(("vae_encode_", "latents_stage_", "render_"))}

@@ -83,7 +83,7 @@ PROGRESS = re.compile(r"\d+%\|.*\||\d+/\d+ \[")  # a tqdm line: "clips:   0%|   
 
 
 def estimate_for(measurement: Measurement, work: Path, smoke: bool) -> dict | None:
-    """loraflow/estimates.py's numbers for a measurement (its module's `estimate`: the same config and sizes on fake
+    """loraflow/estimates' numbers for a measurement (its module's `estimate`: the same config and sizes on fake
     tensors, on the CPU); None where the module has none. Its keys beside the measured ones (`peak_allocated_gib`,
     `flops_per_step`, ...) are compared by `compared`; a failed estimate records its error and the run goes on."""
     module = importlib.import_module(measurement.module)

@@ -176,7 +176,7 @@ def variant_config(model: str, model_path: str, variant: str, smoke: bool) -> An
 
 
 def estimate(work: Path, smoke: bool, model: str, variant: str) -> dict[str, Any]:
-    """loraflow/estimates.py's training step for the same config, transformer config, latent and caption length
+    """loraflow/estimates' training step for the same config, transformer config, latent and caption length
     as `measure`, on fake tensors (CPU only, no weights read): run.py --estimate writes them before a GPU run."""
     from loraflow import estimates
     from loraflow.pipelines import get_family

@@ -78,10 +78,11 @@ def loss_words(history: list[dict[str, Any]]) -> str:
 
 def estimated_peak(config: LoraflowConfig, family: ModelFamily, model: ModelSource, stage: str, store: Store,
                    device: str, datasets: list[str] | None = None) -> dict[str, Any]:
-    """The estimate (loraflow/estimates.py) beside a stage's measured `peak_gib`: `est_peak_gib` and its parts in
+    """The estimate (loraflow/estimates/) beside a stage's measured `peak_gib`: `est_peak_gib` and its parts in
     GiB, for the largest bucket of these datasets' clips (None: every dataset) on `device` ("cpu", "cuda:0")."""
     from loraflow.contracts.clip_rows import read_clips
-    from loraflow.estimates import GIB, stage_estimate
+    from loraflow.estimates.fit import GIB
+    from loraflow.estimates.table import stage_estimate
 
     buckets = {clip.bucket for clip in read_clips(store, parts=datasets)}
     if not buckets:

@@ -29,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
-from loraflow.estimates import validation_plan
+from loraflow.estimates.render import validation_plan
 from loraflow.keys import content_key, safetensors_sha256
 from loraflow.kernels.devices import free_models, pick_device
 from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, loss_summary
@@ -55,7 +55,7 @@ def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, st
     """Render every validation prompt (base and LoRA) and measure eval loss; reuse a finished run."""
     # 1. plan: settings, prompts, eval clips, and the run's key
     settings = render_settings(config, family, model, store)
-    # precision, offload and tiling for the card (estimates.py): what changes numbers is part of the key
+    # precision, offload and tiling for the card (estimates/render.py): what changes numbers is part of the key
     plan = validation_plan(config, family, model, settings.num_frames, settings.height, settings.width)
     prompts, negative = config.validation_prompts, negative_prompt(config, family)
     items = eval_items(config, family, store) if evaluates(config) else []

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraflow.kernels import fake_tensors
+from loraflow.estimates import fake_tensors
+from loraflow.estimates.fake_tensors import released_model
 from loraflow.pipelines import family_specs, released
 from loraflow.pipelines.hunyuanvideo15.spec import SPEC as HV15
-from loraflow.pipelines.released import CREPA_ENCODER, components, released_file, released_model
+from loraflow.pipelines.released import CREPA_ENCODER, components, released_file
 
 pytestmark = pytest.mark.released
 

@@ -31,8 +31,8 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.base import ModelFamily
-from loraflow.kernels.fake_tensors import fake_mode, known_values
-from loraflow.pipelines.released import released_config, released_model
+from loraflow.estimates.fake_tensors import fake_mode, known_values, released_model
+from loraflow.pipelines.released import released_config
 
 pytestmark = pytest.mark.released
 

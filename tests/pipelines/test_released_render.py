@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 
-from loraflow.kernels.fake_tensors import fake_mode, fresh_saves, known_values
+from loraflow.estimates.fake_tensors import fake_mode, fresh_saves, known_values, released_model
 from loraflow.training import loop as T
 from loraflow.training.batches import MicroBatch
 from loraflow.pipelines import get_family
@@ -41,7 +41,7 @@ from loraflow.kernels.quantize import frozen_dtype, store_frozen
 from loraflow.pipelines.base import RenderSettings
 from loraflow.pipelines.kandinsky5.video import I2V_MIN_FRAMES
 from loraflow.pipelines.render_memory import RenderPlan, place
-from loraflow.pipelines.released import released_config, released_model
+from loraflow.pipelines.released import released_config
 from tests.pipelines.test_released_dry_runs import (
     DEPTH, Case, as_loaded, depth, dry_config, latent_shape, released_batch, released_transformer, text_batch,
 )

@@ -5,9 +5,9 @@ component's config.json as its library writes it (diffusers: `_class_name`; tran
 key covers one entry of a nested config; tests/pipelines/test_citations.py fails on a key without one, and
 tests/pipelines/test_released.py checks the parameter counts).
 
-`released_config(flavour or repo id, component)` reads one; `released_model(...)` builds its real class from it
-(on the meta device, or under a FakeTensorMode: no memory), which the real-size dry runs train, encode and render
-through loraflow's own code (tests/pipelines/test_released_dry_runs.py).
+`released_config(flavour or repo id, component)` reads one; `loraflow.estimates.fake_tensors.released_model(...)`
+builds its real class from it (on the meta device, or under a FakeTensorMode: no memory), which the real-size dry runs
+train, encode and render through loraflow's own code (tests/pipelines/test_released_dry_runs.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from loraflow.kernels.fake_tensors import model_from_config
 from loraflow.pipelines.hunyuanvideo15.spec import SPEC as HV15
 from loraflow.pipelines.kandinsky5.image_spec import SPEC as K5_IMAGE
 from loraflow.pipelines.kandinsky5.video_spec import SPEC as K5_VIDEO
@@ -90,8 +89,3 @@ def released_config(flavour_or_repo: str, component: str) -> dict:
 def components(flavour_or_repo: str) -> list[str]:
     """The components of a flavour with a released config (CREPA's teacher included)."""
     return sorted({*FLAVOURS[REPOS.get(flavour_or_repo, flavour_or_repo)], CREPA_ENCODER})
-
-
-def released_model(flavour_or_repo: str, component: str, **overrides: Any) -> Any:
-    """`model_from_config` of a released config, with `overrides` of its top-level keys (a dry run's depth)."""
-    return model_from_config(released_config(flavour_or_repo, component) | overrides)

@@ -1,8 +1,8 @@
-"""Fake tensors for real-size work without memory: build a diffusers/transformers model from its config.json on the
-meta device or under a fake mode, run the real code on it, answer the few value questions a forward asks of its
-batch (`known_values`), and count the bytes and FLOPs of what runs (`measured_step`). Knows no model family: the
-released-size dry runs (tests/pipelines/test_released_dry_runs.py) and the memory estimates (`loraflow.estimates`)
-both stand on it."""
+"""Fake tensors for real-size work without memory: build a diffusers/transformers model from its config.json (or a
+released checkpoint's: `released_model`) on the meta device or under a fake mode, run the real code on it, answer the
+few value questions a forward asks of its batch (`known_values`), and count the bytes and FLOPs of what runs
+(`measured_step`). Knows no model family: the released-size dry runs (tests/pipelines/test_released_dry_runs.py) and
+the memory estimates (the rest of `loraflow.estimates`) both stand on it."""
 
 from __future__ import annotations
 
@@ -279,6 +279,15 @@ def model_from_config(config: dict[str, Any]) -> Any:
     fields = {k: v for k, v in config.items() if k != "architectures"}
     with no_init_weights():
         return cls._from_config(cls.config_class(**fields))
+
+
+
+def released_model(flavour_or_repo: str, component: str, **overrides: Any) -> Any:
+    """`model_from_config` of a released config (`loraflow.pipelines.released`), with `overrides` of its top-level
+    keys (a dry run's depth)."""
+    from loraflow.pipelines.released import released_config
+
+    return model_from_config(released_config(flavour_or_repo, component) | overrides)
 
 
 def fake_mode() -> Any:

@@ -1,0 +1,108 @@
+"""The estimates of the three stages that are not a render: the lora stage's optimizer step (`training_step`), the
+latents stage's VAE encode (`vae_encode`) and the text_embeds stage's encoders (`text_encoders`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from loraflow.estimates.fake_tensors import NotFakeable, fake_model, measured_step, meta_model, tensor_bytes
+from loraflow.estimates.fit import StageEstimate
+from loraflow.estimates.transformer import (
+    attention_stand_in, estimate_mode, fake_transformer, model_dtype, offloaded_bytes, velocity_call, weights_bytes,
+)
+from loraflow.kernels.checkpointing import enable_checkpointing
+
+if TYPE_CHECKING:
+    import torch
+
+    from loraflow.config import LoraflowConfig
+    from loraflow.pipelines.base import ModelFamily
+
+
+def training_step(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
+                  latent_shape: tuple[int, int, int, int], device_type: str = "cuda",
+                  text_tokens: int | None = None) -> StageEstimate:
+    """One optimizer step of the lora stage at the largest bucket's latent (C, T, h, w), `train_batch_size` samples,
+    `text_tokens` caption tokens (default `max_text_tokens`: the longest a caption can be), on a `device_type`
+    accelerator:
+    weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included)."""
+    import torch
+    from peft.tuners.lycoris_utils import LycorisLayer
+
+    from loraflow.training.loop import uses_autocast
+
+    transformer_config, nabla, note = attention_stand_in(config, transformer_config, latent_shape,
+                                                          config.train_batch_size, device_type)
+    mode = estimate_mode()
+    transformer, lora, stored = fake_transformer(config, family, transformer_config, mode, config.base_model_precision)
+    # activation offload's copies go to the meta device, which the counter counts as host memory (a CPU run's
+    # offload moves nothing)
+    enable_checkpointing(transformer, config, host="cpu" if device_type == "cpu" else "meta")
+    transformer.train()
+    # LoKr and LoHa layers read torch.rand(1) > module_dropout in each training forward, a value fake tensors lack:
+    # they run as in eval, applying the adapter (the larger peak; the rank_dropout mask, a vector per layer, left out)
+    for module in transformer.modules():
+        if isinstance(module, LycorisLayer):
+            module.training = False
+    autocast = uses_autocast(config, torch.device(device_type))
+    step = velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, config,
+                          text_tokens=text_tokens)
+    try:
+        activations, tflop, host = measured_step(step, mode, transformer, device_type)
+    except NotFakeable as exc:
+        return StageEstimate("lora", note=str(exc))
+    weights = weights_bytes(stored)
+    if config.enable_group_offload or config.blocks_to_swap:  # the blocks as stored: 1 byte per weight with fp8/int8
+        weights -= offloaded_bytes(stored, config, family)
+    moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
+    return StageEstimate("lora", {"weights": weights, "lora": tensor_bytes(lora), "optimizer": moments,
+                                  "activations": activations, **nabla}, tflop, note, host=host)
+
+
+def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[str, Any],
+               frames: int, height: int, width: int, device_type: str = "cuda") -> StageEstimate:
+    """The latents stage encoding one clip of the largest bucket: fp32 VAE weights + the peak of a fake no-grad
+    `family.vae_encode` with the configured patch conv / tiling / slicing (`stages.latents.latents.prepare_vae`)."""
+    import torch
+
+    from loraflow.stages.latents.latents import prepare_vae
+
+    mode = estimate_mode()
+    vae = fake_model(meta_model(vae_config, torch.float32), mode)
+    prepare_vae(vae, config)
+
+    def encode() -> None:
+        with torch.no_grad():
+            family.vae_encode(vae, torch.zeros((1, frames, height, width, 3), dtype=torch.uint8),
+                              config.latent_sampling)
+
+    activations, tflop, _ = measured_step(encode, mode, vae, device_type)
+    note = "" if not family.image_condition_components else \
+        f"{', '.join(family.image_condition_components)} left out"
+    return StageEstimate("latents", {"weights": weights_bytes(vae), "activations": activations}, tflop, note)
+
+
+def text_encoders(config: LoraflowConfig, family: ModelFamily,
+                  component_configs: Mapping[str, Mapping[str, Any]]) -> StageEstimate:
+    """The text_embeds stage: the text encoders' weights (the first in `text_encoder_1_precision`: fp32 4 bytes, bf16
+    2, int8-torchao `int8_bytes`), all on the accelerator at once unless offload_during_startup (then the largest
+    alone). Their activations (one prompt, no grad) are left out."""
+    encoders = [c for c in family.text_components if c in component_configs]
+    sizes = []
+    for name in encoders:
+        precision = config.text_encoder_1_precision if name == "text_encoder" else "fp32"
+        model = meta_model(component_configs[name], model_dtype(precision))
+        sizes.append(int8_bytes(model) if precision == "int8-torchao" else weights_bytes(model))
+    weights = max(sizes, default=0) if config.offload_during_startup else sum(sizes)
+    return StageEstimate("text_embeds", {"weights": weights}, None, "weights only")
+
+
+def int8_bytes(model: torch.nn.Module) -> int:
+    """A bf16 model's bytes with every linear weight stored as `kernels/quantize.py` stores it: 1 byte per weight,
+    and per output row an fp32 scale and an int8 zero point; the rest (embeddings, norms, biases) bf16."""
+    import torch
+
+    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    quantized = sum(w.numel() + 5 * w.shape[0] for w in linear)
+    return weights_bytes(model) - tensor_bytes(linear) + quantized

@@ -1,0 +1,184 @@
+"""The fake transformer the training step and a render both run (`fake_transformer`: as training loads it, its
+adapter included), the call they count (`velocity_call`), its weights as stored and as offloaded (`stored_model`,
+`weights_bytes`, `offloaded`), and NABLA's stand-in (`attention_stand_in`: dense attention plus its measured block
+masks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from loraflow.estimates.fake_tensors import fake_model, measured_step, meta_model, tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from loraflow.config import LoraflowConfig
+    from loraflow.pipelines.base import ModelFamily
+
+def estimate_mode() -> Any:
+    """The FakeTensorMode the estimates run in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Real CPU tensors made by the code under test (torch.from_numpy in collate_text) become fake constants.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def model_dtype(precision: str) -> torch.dtype:
+    """The dtype a model is built in for a precision setting: fp32, else bf16."""
+    import torch
+
+    return torch.float32 if precision in ("no_change", "fp32") else torch.bfloat16
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """The frozen weights and buffers (not the adapter, whose parameters require grad)."""
+    return tensor_bytes([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
+
+
+def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> int:
+    """Frozen block weights kept off the accelerator (`block_bytes`, then `offloaded`)."""
+    return offloaded(block_bytes(transformer, family), config.enable_group_offload, config.blocks_to_swap,
+                     config.group_offload_blocks_per_group if config.group_offload_type == "block_level" else 1,
+                     config.group_offload_use_stream)
+
+
+def block_bytes(transformer: torch.nn.Module, family: ModelFamily) -> list[int]:
+    """Each block's frozen weights, in the order the transformer holds them."""
+    return [weights_bytes(b) for b in getattr(transformer, family.tread_layout.blocks)]
+
+
+def offloaded(blocks: list[int], every_block: bool, blocks_to_swap: int, per_group: int = 1,
+              stream: bool = False) -> int:
+    """Of these blocks' bytes, those kept off the accelerator. Every block (group offloading) block_level: all but the
+    group computing now and, with streams, the next one (prefetched); leaf_level (`per_group` 1): every block but
+    one leaf at a time, counted as one block. `blocks_to_swap` N: the last N but the one computing now
+    (`kernels/offload.py`: one diffusers group each, no prefetch). The LoRA stays resident
+    (`training.loop.Trainable`)."""
+    from loraflow.kernels.offload import swapped
+
+    if every_block:
+        return sum(blocks) - sum(sorted(blocks, reverse=True)[:per_group * (2 if stream else 1)])
+    gone = [blocks[i] for i in swapped(len(blocks), blocks_to_swap)]
+    return sum(gone) - max(gone, default=0)
+
+
+def fake_transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
+                 precision: str) -> tuple[torch.nn.Module, list, torch.nn.Module]:
+    """The fake transformer as `training.loop.load_transformer` prepares it (precision, the configured adapter in
+    fp32), its adapter's parameters, and the model whose tensors are its frozen weights as stored (`weights_bytes`,
+    `offloaded_bytes` count them). fp8-layerwise computes as bf16 does: the fake model is bf16, its weights are
+    stored as a meta model with layerwise casting stores them (1 byte each where diffusers casts); int8
+    weight-only is counted the same way (its per-channel scales are left out)."""
+    import torch
+
+    from loraflow.training.adapters import add_adapter
+
+    def adapter(model: torch.nn.Module) -> None:
+        with torch.random.fork_rng(devices=[]):  # add_adapter seeds torch's generator: the caller's is left as it was
+            add_adapter(model, config, family.lora_targets(config.lora_include_ffn))
+
+    transformer = fake_model(meta_model(transformer_config, model_dtype(precision), adapter), mode)
+    lora = [p for p in transformer.parameters() if p.requires_grad]
+    return transformer, lora, stored_model(transformer_config, precision, config.fp32_modules_storage)
+
+
+def stored_model(transformer_config: Mapping[str, Any], precision: str, kept: str) -> torch.nn.Module:
+    """The transformer on the meta device with its frozen weights in the dtypes `base_model_precision` stores them
+    in (fp8 and int8: 1 byte where diffusers' layerwise casting casts), its fp32-kept modules as `kept` says
+    (`fp32_modules_storage`, kernels/quantize.py `store_kept`)."""
+    from loraflow.kernels.quantize import ONE_BYTE_PRECISIONS, store_kept
+
+    one_byte = precision in ONE_BYTE_PRECISIONS
+    stored = meta_model(transformer_config, model_dtype(precision), fp8=one_byte)
+    if precision != "no_change":
+        store_kept(stored, kept)
+    return stored
+
+
+def velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shape: tuple[int, ...], batch: int,
+                   autocast: bool, training: LoraflowConfig | None,
+                   text_tokens: int | None = None) -> Callable[[], None]:
+    """One transformer call on zeros of the batch's shapes: with a `training` config, `step_losses` + backward routed
+    by its TREAD as `train_lora` routes it (the routed tokens skip those blocks, in the activations and the FLOPs
+    counted); without, a render's no-grad velocity. The batch is made inside, as its device copies are made in a
+    run; i2v and i2i rows carry their image condition (`example_image_condition`: the conditioning latent, and
+    HunyuanVideo 1.5's SigLIP tokens, which open its image stream)."""
+    import torch
+
+    from loraflow.training.loop import routing, step_losses
+    from loraflow.training.batches import MicroBatch, StepDraws
+    from loraflow.pipelines.base import image_conditions
+
+    device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
+
+    def call() -> None:
+        shape, tokens = (batch, *latent_shape), text_tokens or family.max_text_tokens
+        # collate_text's .to(device) copies the rows into fake tensors: the device copies of a GPU run
+        # the model's config: the given one with every default filled in
+        text = family.collate_text([family.example_text_row(transformer.config, tokens)] * batch, device)
+        text.update(image_conditions([family.example_image_condition(transformer.config, latent_shape)] * batch))
+        draws = StepDraws(drop_caption=False, noise=torch.zeros(shape), sigma=torch.full((batch,), 0.5), seed=0)
+        micro = MicroBatch(samples=[], x0=torch.zeros(shape), text=text, draws=draws)
+        if training is not None:
+            with routing(transformer, family, training, draws.seed):
+                step_losses(transformer, family, micro, device, autocast)[0].backward()
+            return
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            family.velocity(transformer, micro.x0, draws.sigma, text)
+
+    return call
+
+
+def nabla_masks(transformer_config: Mapping[str, Any], latent_shape: tuple[int, ...], batch: int,
+                device_type: str = "cuda") -> tuple[int, int]:
+    """NABLA's block masks at this latent (C, T, h, w): (the peak bytes of building one attention's mask beyond its
+    q and k, the bytes of the BlockMask it returns, which flex attention keeps for its backward). Measured by running
+    diffusers' own `nablaT_v2` on fake q and k of the attention's shape with the pipeline's STA mask
+    (`fast_sta_nabla`), as every self-attention of a NABLA checkpoint does."""
+    import torch
+    from diffusers import Kandinsky5T2VPipeline
+    from diffusers.models.transformers.transformer_kandinsky import nablaT_v2
+
+    config = transformer_config
+    head_dim = sum(config["axes_dims"])
+    _, frames, height, width = latent_shape
+    t, h, w = frames, height // config["patch_size"][1], width // config["patch_size"][2]
+    shape = (batch, t * h * w, config["model_dim"] // head_dim, head_dim)
+    masks: list[Any] = []
+
+    def build() -> None:
+        q, k = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+        sta = Kandinsky5T2VPipeline.fast_sta_nabla(t, h // 8, w // 8, config["attention_wT"], config["attention_wH"],
+                                                   config["attention_wW"], device="cpu")
+        with torch.no_grad():
+            masks.append(nablaT_v2(q, k, sta[None, None], thr=config["attention_P"]))
+
+    peak, _, _ = measured_step(build, estimate_mode(), torch.nn.Module(), device_type)
+    mask = masks[0]
+    kept = tensor_bytes([part for part in mask.as_tuple() if isinstance(part, torch.Tensor)])
+    return peak - 2 * batch * shape[1] * shape[2] * head_dim * 2, kept
+
+
+def attention_stand_in(config: LoraflowConfig | None, transformer_config: Mapping[str, Any],
+                        latent_shape: tuple[int, ...], batch: int,
+                        device_type: str) -> tuple[Mapping[str, Any], dict[str, int], str]:
+    """The transformer config the fake step runs, the bytes it leaves out, and the note saying so. NABLA (Kandinsky
+    5's 10 s checkpoints, Pro in its HD mode) runs flex attention, which fake tensors cannot take a backward of: the
+    step runs the same model with dense attention, whose kept tensors (output, log-sum-exp) are flex's too, and NABLA's
+    block masks are added (`nabla_masks`): one being built, plus, in training, the one each block keeps for its
+    backward (every visual block's without gradient checkpointing; the recomputed one's with it). TFLOP are dense:
+    an upper bound (NABLA skips the blocks outside its P-CDF, a share only the real q and k decide)."""
+    if transformer_config.get("attention_type") != "nabla":
+        return transformer_config, {}, ""
+    building, kept = nabla_masks(transformer_config, latent_shape, batch, device_type)
+    blocks = transformer_config["num_visual_blocks"]
+    if config is None:  # a render: no backward keeps masks
+        saved = 0
+    elif config.gradient_checkpointing:  # the blocks the interval leaves unchecked keep theirs, and the recomputed one
+        saved = blocks - len(range(0, blocks, config.gradient_checkpointing_interval)) + 1
+    else:
+        saved = blocks
+    note = (f"NABLA (P {transformer_config['attention_P']}): dense attention + its block masks; TFLOP dense, an upper "
+            "bound")
+    return {**transformer_config, "attention_type": "flash"}, {"nabla masks": building + saved * kept}, note
