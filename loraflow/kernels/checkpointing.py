@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 def enable_checkpointing(transformer: torch.nn.Module, config: LoraflowConfig, host: str = "cpu") -> None:
-    """Turn on the configured checkpointing in a diffusers transformer (training/loop.py, and the estimates' fake
+    """Turn on the configured checkpointing in a diffusers transformer (training/model_setup.py, and the estimates' fake
     step, whose activation offload holds its copies on `host` "meta": fake CPU tensors stand for the accelerator's
     there, and its counter counts meta ones as host memory)."""
     if not config.gradient_checkpointing:
