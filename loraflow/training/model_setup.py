@@ -58,6 +58,7 @@ def setup_model(run: RunContext, checkpoint: Path | None) -> TrainingModel:
 
 
 def add_lora(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> list[torch.nn.Parameter]:
+    """The configured adapter added to the family's LoRA targets; returns its parameters, fp32 and trainable."""
     add_adapter(transformer, config, family.lora_targets(config.lora_include_ffn))  # LoRA, DoRA, LoKr or LoHa
     params = [p for n, p in transformer.named_parameters() if any(k in n for k in ADAPTER_PARAMETERS)]
     for p in params:
