@@ -77,8 +77,8 @@ def bare(config_path: Path, steps: int, prep: bool = False) -> list[float]:
     import torch.nn.functional as F
 
     from loraflow.config import load_config
-    from loraflow.training import loop as T
     from loraflow.training import batches as D
+    from loraflow.training.model_setup import load_transformer
     from loraflow.training.optimizers import WEIGHT_DECAY
     from loraflow.pipelines import get_family
     from loraflow.store import Store
@@ -87,7 +87,7 @@ def bare(config_path: Path, steps: int, prep: bool = False) -> list[float]:
     family, store, cpu = get_family(config), Store(config.cache_dir), torch.device("cpu")
     plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     batch = D.load_micro_batch(config, family, store, plan(0), 0)
-    transformer, params = T.load_transformer(config, family, model_source(config), cpu)
+    transformer, params = load_transformer(config, family, model_source(config), cpu)
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=WEIGHT_DECAY)
     x0, noise, sigma = batch.x0, batch.draws.noise, batch.draws.sigma
 

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 def report_from_summary(values: dict[str, Any]) -> LoraReport:
     """The report a launched run summarised (`LoraReport.summary`), the rest read back from its run folder."""
-    from loraflow.training.loop import lora_report  # torch: imported when used, as in train_config_file()
+    from loraflow.training.run import lora_report  # torch: imported when used, as in train_config_file()
 
     return lora_report(Path(values["run_dir"]), values["inputs"], computed=int(values["computed"]),
                        resumed_at=int(values["resumed_at_step"]))

@@ -1,6 +1,6 @@
 """Estimates are claims: each is compared with the peak the CPU allocator reports for the same work.
 
-The measured side runs the real thing: the transformer loaded by `training.loop.load_transformer` (real
+The measured side runs the real thing: the transformer loaded by `training.model_setup.load_transformer` (real
 from_pretrained), a first optimizer step (so AdamW's moments exist, as at every later step), then one more
 `step_losses` + backward under torch's profiler with `profile_memory`; the VAE loaded by `load_component` encoding
 uint8 frames through `family.vae_encode`. Measured peak = the bytes the model (and optimizer) hold before (their
@@ -32,9 +32,9 @@ from loraflow.estimates import fake_tensors
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.stages.latents.latents import prepare_vae
-from loraflow.training.loop import (
-    _offload_hooks, enable_offload, load_transformer, make_optimizer, routing, step_losses, uses_autocast,
-)
+from loraflow.training.loop import routing, step_losses, uses_autocast
+from loraflow.training.model_setup import _offload_hooks, enable_offload, load_transformer
+from loraflow.training.optimizers import make_optimizer
 from loraflow.training.batches import MicroBatch, StepDraws
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import image_conditions, load_component

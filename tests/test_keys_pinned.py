@@ -15,7 +15,7 @@ import pytest
 from loraflow.config import load_config
 from loraflow.keys import content_key, hash_seed
 from loraflow.stages.latents import latents as L
-from loraflow.training import loop as T
+from loraflow.training.run import run_dir
 from loraflow.stages.text.text_embeds import text_key
 from loraflow.validation.validate import prompt_image, render_settings
 from loraflow.pipelines import get_family
@@ -97,7 +97,7 @@ def keys_of(name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str, 
     clips = _Clips([clip_row("clip-0", dataset, bucket="b").to_row()])
     row = L.latent_rows(config, get_family(config), model_source(config), clips)[0]
     precision = config.text_encoder_1_precision
-    return (T.run_dir(config, UPSTREAM).name, text_key("a cat", family, ENCODERS, precision),
+    return (run_dir(config, UPSTREAM).name, text_key("a cat", family, ENCODERS, precision),
             text_key("a cat", family, ENCODERS, precision, image="img"), row.key, row.tiled_key)
 
 
@@ -141,5 +141,5 @@ def test_kept_modules_stored_in_fp32_keep_the_run_key_of_before() -> None:
     config = load_config(REPO / "configs" / "kandinsky5_image_crepa.yaml")
     assert config.fp32_modules_storage == "bf16"
     before = config.model_copy(update={"fp32_modules_storage": "fp32"})
-    assert T.run_dir(before, UPSTREAM).name == "9ffa53f4400d3bba9d1a18bac9c8e20a"
-    assert T.run_dir(config, UPSTREAM).name == PINNED["kandinsky5_image_crepa.yaml"][0]
+    assert run_dir(before, UPSTREAM).name == "9ffa53f4400d3bba9d1a18bac9c8e20a"
+    assert run_dir(config, UPSTREAM).name == PINNED["kandinsky5_image_crepa.yaml"][0]

@@ -20,7 +20,7 @@ from loraflow.config.guide_features import GuideFeatures
 from loraflow.config.run_key import run_key_of
 from loraflow.config.training_options import TrainingOptions
 from loraflow.config.validation_adapters import ValidationAdapter
-from loraflow.training import loop as T
+from loraflow.training.run import run_dir
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = {"latents": "l", "text_embeds": "t"}
@@ -80,7 +80,7 @@ def changed(value: Any) -> Any:
 
 
 def key(config: LoraflowConfig) -> str:
-    return T.run_dir(config, UPSTREAM).name
+    return run_dir(config, UPSTREAM).name
 
 
 def test_the_walk_reaches_every_config_model() -> None:

@@ -3,7 +3,7 @@ estimate `loraflow check` makes of it (`estimates.render_phases`).
 
 A render holds the transformer while it denoises and the VAE while it decodes (`pipelines/render_memory.py`):
 - denoise: the transformer of the training measurement's checkpoint (`train.py`, the released t2v-720p config,
-  random weights) loaded as `training.loop.load_transformer` stores it, fp8 layerwise with its fp32 LoRA (what
+  random weights) loaded as `training.model_setup.load_transformer` stores it, fp8 layerwise with its fp32 LoRA (what
   validation renders with since issue 43), then one no-grad `family.velocity` call at the render's latent
   (loraflow's key-mask attention, bf16 autocast): one denoising step of the 50 (each step is this call, twice with
   classifier-free guidance, one after the other);
@@ -45,7 +45,7 @@ def measure(work: Path, smoke: bool, model: str, size: tuple[int, int], frames: 
 
     from loraflow.pipelines import get_family
     from loraflow.pipelines.sources import model_source
-    from loraflow.training import loop as T
+    from loraflow.training.model_setup import load_transformer
 
     if smoke:
         size, frames = SMOKE["size"], SMOKE["frames"]
@@ -61,7 +61,7 @@ def measure(work: Path, smoke: bool, model: str, size: tuple[int, int], frames: 
     result: dict[str, Any] = {"height": size[0], "width": size[1], "frames": frames, "latent": list(latent),
                               "precision": config.base_model_precision}
 
-    transformer, _ = T.load_transformer(config, family, model_source(config), device)
+    transformer, _ = load_transformer(config, family, model_source(config), device)
     transformer.eval()
     text = family.collate_text([family.example_text_row(transformer.config, family.max_text_tokens)], device)
     x = torch.randn((1, *latent), generator=torch.Generator().manual_seed(0)).to(device)

@@ -123,6 +123,7 @@ def run_variant(model: str, model_path: str, variant: str, steps: int, warmup: i
 
     from loraflow.training import loop as T
     from loraflow.training.checkpoints import lora_state
+    from loraflow.training.model_setup import Trainable, enable_offload, load_transformer
     from loraflow.training.optimizers import WEIGHT_DECAY
     from loraflow.pipelines import get_family
     from safetensors.torch import save_file
@@ -131,9 +132,9 @@ def run_variant(model: str, model_path: str, variant: str, steps: int, warmup: i
     device = torch.device("cpu" if smoke else "cuda")
     family_obj = get_family(config)
     try:
-        transformer, params = T.load_transformer(config, family_obj, model_source(config), device)
-        T.enable_offload(transformer, config, family_obj, device)
-        trainable = T.Trainable(transformer, params, device)
+        transformer, params = load_transformer(config, family_obj, model_source(config), device)
+        enable_offload(transformer, config, family_obj, device)
+        trainable = Trainable(transformer, params, device)
         optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=WEIGHT_DECAY)
         batch = random_batch(model, transformer.config, smoke)
         autocast = T.uses_autocast(config, device)

@@ -238,7 +238,7 @@ def _tensor_problem(name: str, tensor: Any, tensors: dict[str, Any], rank: int) 
              description="The adapter opens as safetensors, has transformer.*lora_A/B keys in pairs, and is finite.")
 def lora_file_loads(loraflow: LoraflowResource) -> AssetCheckResult:
     from loraflow.pipelines import get_family
-    from loraflow.training.loop import current_lora_path
+    from loraflow.training.run import current_lora_path
 
     config = loraflow.load()
     try:

@@ -176,7 +176,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
 @asset(deps=[lora, text_embeds], pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
        description="Base vs LoRA renders of every validation prompt, and eval loss on held-out clips.")
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.training.loop import current_lora_path
+    from loraflow.training.run import current_lora_path
     from loraflow.validation.validate import validate
     from loraflow.training.ema import trained_adapters
     from loraflow.pipelines import get_family

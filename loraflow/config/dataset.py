@@ -11,8 +11,7 @@ from typing import Literal
 
 from pydantic import field_validator, model_validator
 
-# run_key_settings: training/loop.py still imports it from here
-from loraflow.config.run_key import StrictModel, run_key_settings, setting  # noqa: F401
+from loraflow.config.run_key import StrictModel, setting
 from loraflow.keys import PART_STEM_LIMIT, part_file_stem
 
 VAE_TEMPORAL_FACTOR = 4  # all three families' VAEs compress time 4x: video clips have 4k+1 frames

@@ -54,7 +54,7 @@ def offloaded(blocks: list[int], every_block: bool, blocks_to_swap: int, per_gro
     group computing now and, with streams, the next one (prefetched); leaf_level (`per_group` 1): every block but
     one leaf at a time, counted as one block. `blocks_to_swap` N: the last N but the one computing now
     (`kernels/offload.py`: one diffusers group each, no prefetch). The LoRA stays resident
-    (`training.loop.Trainable`)."""
+    (`training.model_setup.Trainable`)."""
     from loraflow.kernels.offload import swapped
 
     if every_block:
@@ -65,8 +65,8 @@ def offloaded(blocks: list[int], every_block: bool, blocks_to_swap: int, per_gro
 
 def fake_transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
                  precision: str) -> tuple[torch.nn.Module, list, torch.nn.Module]:
-    """The fake transformer as `training.loop.load_transformer` prepares it (precision, the configured adapter in
-    fp32), its adapter's parameters, and the model whose tensors are its frozen weights as stored (`weights_bytes`,
+    """The fake transformer as `training.model_setup.load_transformer` prepares it (precision, the configured adapter
+    in fp32), its adapter's parameters, and the model whose tensors are its frozen weights as stored (`weights_bytes`,
     `offloaded_bytes` count them). fp8-layerwise computes as bf16 does: the fake model is bf16, its weights are
     stored as a meta model with layerwise casting stores them (1 byte each where diffusers casts); int8
     weight-only is counted the same way (its per-channel scales are left out)."""

@@ -32,9 +32,9 @@ class CheckpointingSwitches(Protocol):
 
 
 def enable_checkpointing(transformer: torch.nn.Module, switches: CheckpointingSwitches, host: str = "cpu") -> None:
-    """Turn on the checkpointing `switches` ask for in a diffusers transformer (training/loop.py passes the config,
-    and so does the estimates' fake step, whose activation offload holds its copies on `host` "meta": fake CPU tensors
-    stand for the accelerator's there, and its counter counts meta ones as host memory)."""
+    """Turn on the checkpointing `switches` ask for in a diffusers transformer (training/model_setup.py passes the
+    config, and so does the estimates' fake step, whose activation offload holds its copies on `host` "meta": fake CPU
+    tensors stand for the accelerator's there, and its counter counts meta ones as host memory)."""
     if not switches.gradient_checkpointing:
         return
     interval, offload = switches.gradient_checkpointing_interval, switches.gradient_checkpointing_cpu_offload

@@ -15,6 +15,7 @@ from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import lora
 from loraflow.config import load_config
 from loraflow.training import loop as T
+from loraflow.training.run import run_dir, upstream_versions
 from loraflow.store import Store
 from tests.conftest import REPO
 from tests.training.test_train import build_caches, make_config
@@ -38,7 +39,7 @@ def test_rank_0_reports_the_materialization(launched) -> None:
     assert result.success
     (event,) = result.get_asset_materialization_events()
     meta = {k: v.value for k, v in event.materialization.metadata.items()}
-    run = T.run_dir(config, T.upstream_versions(Store(config.cache_dir)))
+    run = run_dir(config, upstream_versions(Store(config.cache_dir)))
     assert meta["computed"] == 2 and meta["lora_path"] == str(run / T.LORA_FILE) and Path(meta["lora_path"]).is_file()
     assert event.materialization.tags["dagster/data_version"] == run.name
     history = json.loads((run / "history.json").read_text())

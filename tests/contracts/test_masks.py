@@ -20,6 +20,7 @@ from PIL import Image
 
 from loraflow.config import ConfigError, LoraflowConfig, parse_config
 from loraflow.training import loop as T
+from loraflow.training.model_setup import load_transformer
 from loraflow.training import batches as D
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
@@ -97,7 +98,7 @@ def test_a_half_mask_zeroes_the_gradient_of_masked_out_latents(caches: dict[str,
         assert mask.shape[-2:] == np.asarray(row["latent"]).shape[-2:]
         assert (mask[..., : w // 2 - 1] == 1).all() and (mask[..., w // 2 + 1:] == 0).all()
     batch = D.load_micro_batch(half, family, store, D.build_samples(half, store)[:1], 0)
-    transformer, _ = T.load_transformer(half, family, model_source(half), CPU)
+    transformer, _ = load_transformer(half, family, model_source(half), CPU)
     x_t = noisy_sample(batch.x0, batch.draws.noise, batch.draws.sigma, family.flavour.conditioning_frames)
     prediction = family.velocity(transformer, x_t, batch.draws.sigma, batch.text).detach().requires_grad_(True)
     loss = flow_mse(prediction, batch.x0, batch.draws.noise, family.flavour.conditioning_frames, mask=batch.mask)

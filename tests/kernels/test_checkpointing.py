@@ -1,8 +1,9 @@
 """What the checkpointing switches do (kernels/checkpointing.py); that they change no number is
 tests/training/test_train.py::test_memory_features_change_no_number.
 
-Interval: the tiny Kandinsky 5 Video transformer (real from_pretrained, prepared by `training.loop.load_transformer`)
-counts each block's forward calls over one forward + backward: a checkpointed block runs twice (the recompute).
+Interval: the tiny Kandinsky 5 Video transformer (real from_pretrained, prepared by
+`training.model_setup.load_transformer`) counts each block's forward calls over one forward + backward: a checkpointed
+block runs twice (the recompute).
 Activation offload cannot be seen on the CPU allocator (its copies go from the CPU to the CPU, which is no copy):
 the estimate's host memory is checked against the bytes the real blocks are called with, and its accelerator peak
 against plain checkpointing's.
@@ -19,7 +20,7 @@ import torch
 from loraflow import estimates
 from loraflow.config import ConfigError, LoraflowConfig, load_config
 from loraflow.stages.clips.buckets import latent_geometry
-from loraflow.training.loop import load_transformer
+from loraflow.training.model_setup import load_transformer
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from tests.conftest import demo_dict, write_config

@@ -23,6 +23,7 @@ from loraflow.config import LoraflowConfig, parse_config
 from loraflow.kernels.crepa import CrepaProjector, hidden_width
 from loraflow.kernels.patch_conv import enable_patch_conv
 from loraflow.training import loop as T
+from loraflow.training.model_setup import base_dtype, prepare_transformer
 from loraflow.training.crepa_training import Crepa
 from loraflow.contracts.teacher_features import latent_frame_indices
 from loraflow.stages.teacher.teacher_features import patch_features
@@ -143,8 +144,8 @@ def released_transformer(case: Case, config: LoraflowConfig, family: ModelFamily
     `train_lora` prepares it, with the parameters it trains."""
     released = family.flavour.configured(released_config(case.flavour, "transformer"))  # Pro's SD or HD mode
     model = as_loaded(released_model(case.flavour, "transformer", **depth(released),
-                                     **dict(family.flavour.transformer_config)), T.base_dtype(config))
-    return T.prepare_transformer(model, config, family)
+                                     **dict(family.flavour.transformer_config)), base_dtype(config))
+    return prepare_transformer(model, config, family)
 
 
 def teacher_features(config: LoraflowConfig, family: ModelFamily, frames: int) -> tuple[torch.Tensor, int]:

@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from loraflow.config.adapter_kinds import adapter_summary
 from loraflow.training import loop as T
+from loraflow.training.run import run_dir, upstream_versions
+from loraflow.training.model_setup import load_transformer
 from loraflow.training.adapters import start_adapter
 from loraflow.cli import main
 from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, trained_adapters
@@ -84,7 +86,7 @@ def test_ema_equals_its_closed_form_leaves_the_lora_alone_and_resumes_exactly(
                                    "ema": {"decay": DECAY, "update_interval": INTERVAL}}
     family = get_family(config)
     # step 0's adapter: the seeded peft init
-    transformer, _ = T.load_transformer(config, family, model_source(config), CPU)
+    transformer, _ = load_transformer(config, family, model_source(config), CPU)
     start = {k: v.clone() for k, v in get_peft_model_state_dict(transformer).items()}
     steps = {s: load_file(run / "checkpoints" / f"step-{s:07d}" / "lora.safetensors") for s in range(1, STEPS)}
     steps[STEPS] = peft_names(run / T.LORA_FILE)
@@ -127,7 +129,7 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
     for source in (run / T.LORA_FILE, run / COMFYUI_LORA_FILE):  # diffusers and ComfyUI key names
         config = make_config(caches, tmp_path / "init", init_lora=str(source))
         family = get_family(config)
-        transformer, _ = T.load_transformer(config, family, model_source(config), CPU)
+        transformer, _ = load_transformer(config, family, model_source(config), CPU)
         start_adapter(transformer, None, config.init_lora, family)  # what train_lora runs before step 1
         loaded = get_peft_model_state_dict(transformer)
         assert sorted(loaded) == sorted(trained)
@@ -136,26 +138,26 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
     # where this config's peft scale differs (8 / 4 = 2): the adapter starts with the file's update
     for source in (run / T.LORA_FILE, run / COMFYUI_LORA_FILE):
         doubled = make_config(caches, tmp_path / "init", init_lora=str(source), lora_alpha=8)
-        transformer, _ = T.load_transformer(doubled, family, model_source(doubled), CPU)
+        transformer, _ = load_transformer(doubled, family, model_source(doubled), CPU)
         start_adapter(transformer, None, doubled.init_lora, family)
         loaded = get_peft_model_state_dict(transformer)
         assert all(torch.equal(loaded[k] * (2 if "lora_B" in k else 1), trained[k]) for k in trained), source.name
     store = Store(config.cache_dir)
-    key = T.run_dir(config, T.upstream_versions(store, config))
+    key = run_dir(config, upstream_versions(store, config))
     copied = tmp_path / "copy.safetensors"
     shutil.copy(run / T.LORA_FILE, copied)
-    assert T.run_dir(make_config(caches, tmp_path / "init", init_lora=str(copied)),
-                     T.upstream_versions(store, config)) == key  # the path is not the key: the content is
+    assert run_dir(make_config(caches, tmp_path / "init", init_lora=str(copied)),
+                     upstream_versions(store, config)) == key  # the path is not the key: the content is
     save_file({k: v + (k.endswith("lora_B.weight")) for k, v in load_file(copied).items()}, copied)
     changed = make_config(caches, tmp_path / "init", init_lora=str(copied))
-    assert T.run_dir(changed, T.upstream_versions(store, changed)) != key
+    assert run_dir(changed, upstream_versions(store, changed)) != key
     plain = make_config(caches, tmp_path / "init")
-    assert T.run_dir(plain, T.upstream_versions(store, plain)) != key
+    assert run_dir(plain, upstream_versions(store, plain)) != key
     first = train(make_config(caches, tmp_path / "from_file", init_lora=str(run / T.LORA_FILE), max_train_steps=1))
     scratch = json.loads((run / "history.json").read_text())[0]  # the same first batch from peft's init
     assert first.history[0].loss != scratch["loss"]  # train_lora's step 1 ran from the file
     wrong_rank = make_config(caches, tmp_path / "init", init_lora=str(run / T.LORA_FILE), lora_rank=2)
-    transformer, _ = T.load_transformer(wrong_rank, family, model_source(wrong_rank), CPU)
+    transformer, _ = load_transformer(wrong_rank, family, model_source(wrong_rank), CPU)
     with pytest.raises(ValueError, match=r"init_lora.*shape .*set lora_rank"):
         start_adapter(transformer, None, wrong_rank.init_lora, family)
 
@@ -258,7 +260,7 @@ def test_dora_trains_a_magnitude_loads_back_through_diffusers_and_resumes_exactl
     trained = peft_names(Path(report.lora_path))
     magnitudes = [k for k in trained if k.endswith("lora_magnitude_vector")]
     assert len(magnitudes) == 20
-    transformer, _ = T.load_transformer(config, get_family(config), model_source(config), CPU)
+    transformer, _ = load_transformer(config, get_family(config), model_source(config), CPU)
     start = get_peft_model_state_dict(transformer)  # the init: magnitudes = the base rows' norms
     assert all(not torch.equal(trained[k], start[k]) for k in magnitudes)
     transformer = Kandinsky5Transformer3DModel.from_pretrained(caches["model"] / "transformer")

@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from loraflow.assets.runs.launch import launch_command
 from loraflow.training import loop as T
+from loraflow.training.run import run_dir, upstream_versions
 from loraflow.training.distributed import World, join
 from loraflow.store import Store
 from tests.conftest import REPO
@@ -60,7 +61,7 @@ for name in ("save_checkpoint", "export_lora", "write_json", "open_sink"):
     setattr(T, name, spy(name, getattr(T, name)))
 run_steps = T.run_steps
 def keep_transformer(*args, **kwargs):
-    kept["transformer"] = args[5]
+    kept["transformer"] = args[2].transformer  # run_steps(run, plan, trained, ...)
     return run_steps(*args, **kwargs)
 T.run_steps = keep_transformer
 config = load_config(config_path)
@@ -102,7 +103,7 @@ def two_ranks(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     (root / "probe.py").write_text(PROBE)
     launch(root / "two.yaml", str(root / "probe.py"), str(root / "two.yaml"), str(root))
     return {"config": config, "yaml": root / "two.yaml", "probe": root,
-            "run": T.run_dir(config, T.upstream_versions(Store(config.cache_dir)))}
+            "run": run_dir(config, upstream_versions(Store(config.cache_dir)))}
 
 
 def test_ranks_hold_identical_weights_and_only_rank_0_writes(two_ranks: dict) -> None:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from loraflow.assets.runs.launch import launch_command
 from loraflow.training import loop as T
+from loraflow.training.run import run_dir, upstream_versions
 from loraflow.store import Store
 from tests.conftest import REPO
 from tests.servers import free_port
@@ -64,7 +65,7 @@ config_path, probe = sys.argv[1], Path(sys.argv[2])
 held = {}
 run_steps = T.run_steps
 def count(*args, **kwargs):
-    transformer = args[5]
+    transformer = args[2].transformer  # run_steps(run, plan, trained, ...)
     params = list(transformer.parameters())
     held.update(local=sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
                 full=sum(p.numel() for p in params), sharded=sum(isinstance(p, DTensor) for p in params),
@@ -99,7 +100,7 @@ def sharded(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
     torchrun(str(root / "probe.py"), str(root / "fsdp.yaml"), str(root))
     return {"config": config, "yaml": root / "fsdp.yaml", "probe": root,
             "held": [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)],
-            "run": T.run_dir(config, T.upstream_versions(Store(config.cache_dir)))}
+            "run": run_dir(config, upstream_versions(Store(config.cache_dir)))}
 
 
 def test_each_rank_holds_half_of_every_parameter(sharded: dict) -> None:
@@ -172,7 +173,7 @@ def test_accelerate_launch_with_the_readme_fsdp_file_trains_the_torchrun_bits(sh
     run_ranks([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
                "--main_process_port", str(free_port()), "-m", "loraflow.train_main", str(tmp_path / "accel.yaml")],
               OMP_NUM_THREADS=str(threads))
-    assert_trained_the_same(T.run_dir(config, T.upstream_versions(Store(config.cache_dir))), sharded["run"])
+    assert_trained_the_same(run_dir(config, upstream_versions(Store(config.cache_dir))), sharded["run"])
 
 
 def assert_trained_the_same(run: Path, reference: Path) -> None:
@@ -191,7 +192,7 @@ def test_the_lora_assets_launch_trains_the_torchrun_bits(sharded: dict, caches: 
     config = make_config(caches, tmp_path / "asset", num_processes=2, fsdp=True, **SETTINGS)
     (threads,) = {held["threads"] for held in sharded["held"]}
     run_ranks(launch_command(str(tmp_path / "asset.yaml"), config.num_processes), OMP_NUM_THREADS=str(threads))
-    assert_trained_the_same(T.run_dir(config, T.upstream_versions(Store(config.cache_dir))), sharded["run"])
+    assert_trained_the_same(run_dir(config, upstream_versions(Store(config.cache_dir))), sharded["run"])
 
 
 def test_a_sharded_run_resumes_from_its_gathered_checkpoint(sharded: dict) -> None:

@@ -20,6 +20,8 @@ from PIL import Image
 from loraflow.config import ConfigError, parse_config
 from loraflow.training import progress_renders as PR
 from loraflow.training import loop as T
+from loraflow.training.run import run_dir, upstream_versions
+from loraflow.training.model_setup import load_transformer
 from loraflow.validation import validate as V
 from loraflow.training.distributed import World
 from loraflow.training.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
@@ -50,8 +52,8 @@ def test_renders_every_n_steps_and_the_same_lora_as_without(caches: dict[str, Pa
     settings = {"max_train_steps": 4, **RENDERS}
     rendered = make_config(caches, tmp_path / "rendered", validation_steps=2, **settings)
     plain = make_config(caches, tmp_path / "plain", **settings)
-    upstream = T.upstream_versions(Store(plain.cache_dir))
-    assert T.run_dir(rendered, upstream).name == T.run_dir(plain, upstream).name  # not part of the run
+    upstream = upstream_versions(Store(plain.cache_dir))
+    assert run_dir(rendered, upstream).name == run_dir(plain, upstream).name  # not part of the run
     with_renders, without = train(rendered), train(plain)
     run = Path(with_renders.run_dir)
     assert same_lora_file(run / T.LORA_FILE, Path(without.lora_path))
@@ -108,7 +110,7 @@ def test_the_lora_is_the_same_with_renders_under_memory_features(caches: dict[st
 def test_rendering_leaves_training_as_it_was(caches: dict[str, Path], tmp_path: Path) -> None:
     config = make_config(caches, tmp_path / "out", validation_steps=1, **RENDERS)
     family, store = get_family(config), Store(config.cache_dir)
-    transformer, params = T.load_transformer(config, family, model_source(config), CPU)
+    transformer, params = load_transformer(config, family, model_source(config), CPU)
     for p in params:  # non-zero B: the adapter acts
         p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
     transformer.train()
@@ -164,7 +166,7 @@ def test_two_ranks_render_once_and_the_lora_asset_shows_the_renders(caches: dict
     (event,) = result.get_asset_materialization_events()
     shown = event.materialization.metadata["renders_during_training"].value
     assert shown.startswith("![first validation prompt, per step](data:image/png;base64,")
-    run = T.run_dir(config, T.upstream_versions(Store(config.cache_dir)))
+    run = run_dir(config, upstream_versions(Store(config.cache_dir)))
     assert sorted(p.name for p in (run / "validation").glob("step-*")) == ["step-0000001", "step-0000002"]
     assert not list(run.glob("validation/**/*.tmp*"))  # every write finished (one writer: rank 0)
 

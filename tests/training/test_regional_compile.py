@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from loraflow.config import LoraflowConfig
-from loraflow.training import loop as T
+from loraflow.training.model_setup import load_transformer
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from tests.training.test_train import fixed_batch, loss_and_grads, make_config
@@ -46,6 +46,6 @@ def test_regional_compilation_gives_eager_gradients_within_rounding(caches: dict
 def test_the_switch_compiles_each_repeated_block_and_nothing_else(demo_config: LoraflowConfig) -> None:
     """In the suite (no compile runs: torch compiles a module at its first call)."""
     config = demo_config.model_copy(update={"dynamo_use_regional_compilation": True})
-    transformer, _ = T.load_transformer(config, get_family(config), model_source(config), torch.device("cpu"))
+    transformer, _ = load_transformer(config, get_family(config), model_source(config), torch.device("cpu"))
     compiled = {type(m).__name__ for m in transformer.modules() if m._compiled_call_impl is not None}
     assert compiled == set(transformer._repeated_blocks)

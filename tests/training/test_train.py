@@ -27,6 +27,9 @@ from safetensors.torch import load_file
 
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.training import loop as T
+from loraflow.training.run import run_dir, upstream_versions
+from loraflow.training import model_setup
+from loraflow.training.model_setup import Trainable, enable_offload, load_transformer
 from loraflow.training import batches as D
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
@@ -148,8 +151,8 @@ def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tm
     config = make_config(caches, tmp_path / "out", lora_rank=8, lora_include_ffn=True)
     family = get_family(config)
     batch = fixed_batch(config)
-    transformer, params = T.load_transformer(config, family, model_source(config), CPU)
-    trainable = T.Trainable(transformer, params, CPU)
+    transformer, params = load_transformer(config, family, model_source(config), CPU)
+    trainable = Trainable(transformer, params, CPU)
     optimizer = torch.optim.AdamW(params, lr=3e-2)
     losses = []
     for _ in range(30):
@@ -164,7 +167,7 @@ def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tm
 def test_a_killed_run_resumes_to_the_same_bits(caches: dict[str, Path], tmp_path: Path) -> None:
     settings = {"max_train_steps": 24, "checkpointing_steps": 2, "checkpoints_total_limit": 1, "lora_dropout": 0.1}
     killed = make_config(caches, tmp_path / "killed", **settings)
-    run = T.run_dir(killed, T.upstream_versions(Store(killed.cache_dir)))
+    run = run_dir(killed, upstream_versions(Store(killed.cache_dir)))
     code = ("import sys; from loraflow.config import load_config; from loraflow.training.loop import train_lora; "
             "from loraflow.pipelines import get_family; from loraflow.pipelines.sources import model_source; "
             "from loraflow.store import Store; "
@@ -265,9 +268,9 @@ def test_tread_with_ratio_zero_trains_exactly_like_no_tread(baseline, caches: di
 
 def loss_and_grads(config: LoraflowConfig, batch: D.MicroBatch) -> tuple[float, torch.Tensor]:
     family = get_family(config)
-    transformer, params = T.load_transformer(config, family, model_source(config), CPU)
-    T.enable_offload(transformer, config, family, CPU)
-    trainable = T.Trainable(transformer, params, CPU)
+    transformer, params = load_transformer(config, family, model_source(config), CPU)
+    enable_offload(transformer, config, family, CPU)
+    trainable = Trainable(transformer, params, CPU)
     for p in params:  # non-zero B, so every LoRA matrix gets a gradient
         if p.shape[1] == config.lora_rank:
             p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
@@ -304,7 +307,7 @@ def test_streams_need_cuda_and_fp8_keeps_lora_fp32(caches: dict[str, Path], tmp_
     with pytest.raises(ValueError, match="group_offload_use_stream` needs a CUDA device"):
         train(streams)
     config = make_config(caches, tmp_path / "fp8", base_model_precision="fp8-layerwise")
-    transformer, params = T.load_transformer(config, get_family(config), model_source(config), CPU)
+    transformer, params = load_transformer(config, get_family(config), model_source(config), CPU)
     dtypes = {p.dtype for n, p in transformer.named_parameters() if "lora_" not in n}
     assert torch.float8_e4m3fn in dtypes and {p.dtype for p in params} == {torch.float32}
     assert T.uses_autocast(config, CPU)
@@ -325,9 +328,9 @@ def test_a_one_byte_base_is_cast_on_the_cpu_before_it_moves_to_the_accelerator(
         return load_component(model, name, dtype, device)
 
     from loraflow.pipelines.base import load_component
-    monkeypatch.setattr(T, "load_component", recorded)
+    monkeypatch.setattr(model_setup, "load_component", recorded)
     config = make_config(caches, tmp_path / precision, base_model_precision=precision)
-    transformer, params = T.load_transformer(config, get_family(config), model_source(config), torch.device("meta"))
+    transformer, params = load_transformer(config, get_family(config), model_source(config), torch.device("meta"))
     assert loads == [("transformer", torch.bfloat16, "cpu")]
     assert {p.device.type for p in (*transformer.parameters(), *transformer.buffers())} == {"meta"}
     assert params and {(p.device.type, p.dtype) for p in params} == {("meta", torch.float32)}
@@ -339,7 +342,7 @@ def test_a_new_validation_prompt_encodes_one_text_and_retrains_nothing(baseline,
     shutil.copytree(caches["root"] / "cache", tmp_path / "cache")
     moved = {"cache_dir": str(tmp_path / "cache")}
     store = Store(tmp_path / "cache")
-    assert T.upstream_versions(store) == T.upstream_versions(Store(config.cache_dir))
+    assert upstream_versions(store) == upstream_versions(Store(config.cache_dir))
     prompted = make_config(caches, Path(config.output_dir), validation_prompt="a red ball rolls", **moved)
     # the new prompt, nothing else
     assert encode_texts(prompted, get_family(prompted), model_source(prompted), store).computed == 1
@@ -368,7 +371,7 @@ def test_a_config_field_added_later_keeps_the_run_keys_of_before() -> None:
     # stop 11's key for the demo config (now tests/demo_t2v.yaml, unchanged; the demo became i2v in issue 21):
     # `conditioning_data` (i2i, stop 12) left every other run where it was
     config = load_config(REPO / "tests" / "demo_t2v.yaml")
-    assert T.run_dir(config, {"latents": "l", "text_embeds": "t"}).name == "6d960b4921c5061b9fa65689cc87413d"
+    assert run_dir(config, {"latents": "l", "text_embeds": "t"}).name == "6d960b4921c5061b9fa65689cc87413d"
 
 
 # issue 32 B: the loss type and the peers' optimizers through train_lora (tests/training/test_training_options.py: the

@@ -10,7 +10,7 @@ import torch
 
 from loraflow.config import LoraflowConfig
 from loraflow.kernels.flow_matching import auto_shift
-from loraflow.training import loop as T
+from loraflow.training.model_setup import load_transformer
 from loraflow.training import batches as D
 from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.pipelines import get_family
@@ -84,7 +84,7 @@ def test_muon_update_is_orthogonal_within_its_iteration_bound(demo_config: Loraf
 
 def test_loraplus_puts_the_b_matrices_in_a_group_at_ratio_times_lr(demo_config: LoraflowConfig) -> None:
     config = demo_config.model_copy(update={"loraplus_lr_ratio": 16.0})
-    transformer, params = T.load_transformer(config, get_family(config), model_source(config), CPU)
+    transformer, params = load_transformer(config, get_family(config), model_source(config), CPU)
     optimizer = make_optimizer(config, params, transformer)
     b = {id(p) for n, p in transformer.named_parameters() if "lora_B" in n}
     rest, plus = optimizer.param_groups
