@@ -1,8 +1,10 @@
-"""Model families. Only this package knows family names: stages ask `get_family(config)` and call methods.
+"""The family registry: `FAMILIES` (family name -> the spec module holding its `SPEC`), what a config's two keys pick
+(`get_family`: the adapter; `plan_family`: its plain data for planning), and the NABLA bucket multiple.
 
-A family is the module a row of `FAMILIES` names: its `SPEC` (`flavours.FamilySpec`: flavours, default flavour,
-description, SimpleTuner names) is plain data at its top, read here when a config is validated; the adapter and tiny
-builder live in `SPEC.module`, imported only when a stage needs them. docs/families.md says how to add one.
+A family's `SPEC` (`flavours.FamilySpec`: flavours, default flavour, description, SimpleTuner names) is plain data at
+the top of its `spec.py`, read here when a config is validated; the adapter lives in `SPEC.module` (its `family.py`)
+and the tiny builder in `SPEC.tiny_module` (its `tiny.py`), imported only when needed. docs/families.md says how to
+add one; `loraflow.pipelines` re-exports these names.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ class FamilyChoice(Protocol):
 # model_family -> the module whose `SPEC` declares it. Each of these keeps torch and diffusers out of its imports
 # (its SPEC.module has them), so validating a config and loading the code location import neither.
 FAMILIES: dict[str, str] = {
-    "kandinsky5-video": "loraflow.pipelines.kandinsky5.video_spec",
-    "kandinsky5-image": "loraflow.pipelines.kandinsky5.image_spec",
+    "kandinsky5-video": "loraflow.pipelines.kandinsky5.video.spec",
+    "kandinsky5-image": "loraflow.pipelines.kandinsky5.image.spec",
     "hunyuanvideo-1.5": "loraflow.pipelines.hunyuanvideo15.spec",
 }
 
