@@ -1,8 +1,8 @@
 """What storing Kandinsky 5's fp32-kept modules (`_keep_in_fp32_modules`: time embeddings and modulations) in bf16 or
 fp8 changes, and what it saves (`fp32_modules_storage`, kernels/quantize.py `store_kept`).
 
-Numbers: the tiny Kandinsky 5 Video transformer (loraflow/demo/tiny.py: its modulations re-randomised, since diffusers
-initialises them to zero) with a bf16 base, its velocity on a fixed batch at three sigmas for each storage of the kept
+Numbers: the tiny Kandinsky 5 Video transformer (loraflow/pipelines/kandinsky5/tiny_parts.py: its modulations
+re-randomised, since diffusers initialises them to zero) with a bf16 base, its velocity on a fixed batch at three sigmas for each storage of the kept
 modules, against the same call of the fp32 model (base and kept modules fp32): relative L2 error ||v - v_fp32|| /
 ||v_fp32||. The bf16 base with fp32-kept modules is the reference error: what `base_model_precision: bf16` itself
 costs. Also the kept weights' magnitudes (fp8 e4m3 keeps 3 mantissa bits above 2^-6 and fewer below).
@@ -70,7 +70,8 @@ def main() -> None:
                                                           for s, b in (("fp32", 4), ("bf16", 2), ("fp8", 1))}}
         print(flavour, released[flavour], flush=True)
     magnitudes = {"median": kept.median().item(), "below_fp8_normal_2^-6": (kept < 2**-6).float().mean().item()}
-    RESULTS.write_text(json.dumps({"device": "CPU", "model": "tiny Kandinsky 5 Video (loraflow/demo/tiny.py)",
+    model = "tiny Kandinsky 5 Video (loraflow/pipelines/kandinsky5/tiny_parts.py)"
+    RESULTS.write_text(json.dumps({"device": "CPU", "model": model,
                                    "base_model_precision": "bf16", "sigmas": SIGMAS, "storage": rows,
                                    "tiny_kept_weight_magnitudes": magnitudes, "released": released}, indent=1) + "\n")
 

@@ -180,15 +180,34 @@ def dagster_importers() -> list[str]:
             and "dagster" in top_packages(ast.parse(path.read_text()))]
 
 
+# demo/ (the demo dataset, `build_tiny`, the tiny world) stands on the pipelines: the CLI calls it, nothing below
+# imports it. A family's tiny checkpoint is built by its own folder's tiny.py, from pipelines/tiny_parts.py.
+DEMO_CALLERS = ("loraflow.cli",)
+
+
+def demo_importers(graph: dict[str, set[str]]) -> list[str]:
+    def in_demo(module: str) -> bool:
+        return module == "loraflow.demo" or module.startswith("loraflow.demo.")
+    return sorted(f"{module} -> {imported}" for module, imports in graph.items() for imported in imports
+                  if in_demo(imported) and not in_demo(module) and module not in DEMO_CALLERS)
+
+
 def test_the_rules_see_a_planted_import() -> None:
     graph = {"loraflow.training.loop": {"loraflow.stages.latents.latents", "loraflow.contracts.reports"},
              "loraflow.stages.shard_worker": {"loraflow.stages.clips.clips"}}
     assert stage_crossings(graph) == ["loraflow.training.loop -> loraflow.stages.latents.latents"]
     assert top_packages(ast.parse("def f():\n    from dagster._core import x\n")) == {"dagster"}
+    assert demo_importers({"loraflow.pipelines.kandinsky5.video.family": {"loraflow.demo.tiny"},
+                           "loraflow.demo.tiny": {"loraflow.demo.tiny_world"}}) == [
+        "loraflow.pipelines.kandinsky5.video.family -> loraflow.demo.tiny"]
 
 
 def test_only_the_dagster_layer_imports_dagster() -> None:
     assert dagster_importers() == [], "import dagster only in loraflow/assets/ (the Dagster layer)"
+
+
+def test_nothing_below_the_demo_imports_it() -> None:
+    assert demo_importers(import_graph()) == [], "build tiny checkpoints in the family's tiny.py, not in loraflow/demo/"
 
 
 def test_stage_folders_meet_only_through_contracts() -> None:

@@ -5,7 +5,7 @@ transformer file where the flavour sets no mode), listed below the table. tests/
 
 from __future__ import annotations
 
-from loraflow.pipelines import family_specs
+from loraflow.pipelines.registry import family_specs
 from loraflow.pipelines.flavours import Flavour
 
 COLUMNS = ("size", "steps", "guidance", "flow_shift", "training_shift", "attention", "text_tokens")

@@ -125,9 +125,10 @@ class Flavour:
 class FamilySpec:
     """A family's plain data, the `SPEC` at the top of its registered module; nothing here imports torch.
 
-    `module` is where the rest of the family lives, imported only when a stage needs it: `make_family(flavour name
-    or None) -> ModelFamily` (the adapter) and `tiny(flavour) -> (pipeline class, build)` (its tiny checkpoint, for
-    `loraflow.demo.tiny.build_tiny`). A family without heavy imports at its top may name its own module.
+    `module` is where the adapter lives, imported only when a stage needs it: `make_family(flavour name or None) ->
+    ModelFamily`; `tiny_module` where its tiny checkpoint's builder does: `tiny(flavour) -> (pipeline class, recipe
+    name, build)`, for `loraflow.demo.tiny.build_tiny`. A family folder names its `family.py` and `tiny.py`; a family
+    without heavy imports at its top may name its own module for both.
     """
 
     name: str  # the config's `model_family`
@@ -137,6 +138,7 @@ class FamilySpec:
     spatial_multiple: int  # pixel sizes must be multiples of this (VAE factor x patch size)
     vae_temporal_factor: int  # frames per latent frame after the first (1: an image VAE)
     module: str
+    tiny_module: str = ""  # "": `module` holds `tiny` too
     simpletuner_names: tuple[str, ...] = ()  # SimpleTuner's `model_family` values that import as this family
     # Flavours whose bucket sizes only the family module can judge (`ModelFamily.size_problem`: Kandinsky 5 Image
     # i2i asks its tokenizer); for every other flavour any bucket size trains.

@@ -16,7 +16,7 @@ from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import lora, teacher_features
 from loraflow.kernels.crepa import PROJECTOR_FILE
 from loraflow.training import loop as T
-from loraflow.demo.tiny_parts import tiny_dinov2
+from loraflow.demo.tiny import tiny_dinov2
 from loraflow.pipelines.sources import model_source
 from tests.training.test_train import build_caches, make_config
 

@@ -162,8 +162,8 @@ def test_routes_resolve_negative_indices_and_refuse_bad_spans() -> None:
 
 def test_each_family_declares_the_layout_tested_here() -> None:
     from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
-    from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
-    from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
+    from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
+    from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
 
     assert kandinsky5_video.make_family(None).tread_layout == K5
     assert kandinsky5_image.make_family(None).tread_layout == K5

@@ -38,8 +38,8 @@ from safetensors.torch import load_file
 
 from loraflow.training.checkpoints import LoraExport, adapter_config, export_lora
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
-from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
-from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
+from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
+from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
 from loraflow.pipelines.base import ModelFamily, load_component
 from loraflow.demo.tiny import build_tiny
 from tests.numerics import assert_float64_close

@@ -258,7 +258,7 @@ def test_hv_i2v_trains_with_crepa_and_scheduled_sampling(trained, root: Path, tm
     step 1's input (its first latent frame stays the image's), CREPA's term is logged apart, the LoRA differs."""
     from safetensors.torch import load_file
 
-    from loraflow.demo.tiny_parts import tiny_dinov2
+    from loraflow.demo.tiny import tiny_dinov2
 
     _, plain = trained
     guided = make_config(root, tmp_path / "out", crepa_enabled=True, crepa_block_index=1,

@@ -303,7 +303,7 @@ def test_k5_image_trains_with_crepa_on_single_frames_and_an_int8_base(cached, tm
     teacher features, no neighbours): it trains, logs the term apart, and the LoRA differs from the plain run's."""
     from safetensors.torch import load_file
 
-    from loraflow.demo.tiny_parts import tiny_dinov2
+    from loraflow.demo.tiny import tiny_dinov2
 
     config, _ = cached
     settings = config.model_dump(mode="json", exclude_none=True)

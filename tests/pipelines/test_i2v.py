@@ -23,7 +23,7 @@ from loraflow.contracts.text_set import text_lookup
 from loraflow.validation.validate import conditioning_image, render_settings, validate
 from loraflow.pipelines import family_spec, get_family
 from loraflow.pipelines.base import load_component, load_lora_file
-from loraflow.pipelines.kandinsky5.video import make_family
+from loraflow.pipelines.kandinsky5.video.family import make_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.numerics import assert_float64_close

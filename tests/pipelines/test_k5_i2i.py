@@ -16,6 +16,7 @@ pipeline run the same ops on the same shapes in this process, one prompt and one
 from __future__ import annotations
 
 import copy
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,17 +30,18 @@ from PIL import Image
 
 from loraflow.training.checkpoints import adapter_config
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
-from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
-from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
+from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
+from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
 from loraflow.pipelines.base import load_component
-from loraflow.pipelines.kandinsky5.image import (
+from loraflow.pipelines.kandinsky5.image.family import (
     I2I_CROP_PAST_PREFIX,
     I2I_MAX_TEXT_TOKENS,
     I2I_PROMPT_TEMPLATE,
     Kandinsky5ImageI2I,
     i2i_template_crop,
 )
-from loraflow.demo.tiny import build_tiny, kandinsky5_transformer
+from loraflow.demo.tiny import build_tiny
+from loraflow.pipelines.kandinsky5.tiny_parts import kandinsky5_transformer
 
 I2I = "i2i-lite-sft"
 PROMPTS = ["make the circle green", "  Tom &amp; Jerry\n run  ", ""]
@@ -94,8 +96,10 @@ def test_i2i_family_has_its_own_template_limit_and_condition() -> None:
     assert (i2i.max_text_tokens, t2i.max_text_tokens) == (1024, 512)
     assert (i2i.image_condition_name, t2i.image_condition_name) == ("source_image", "")
     assert i2i.flavour.conditioning_frames == 0  # the source is extra channels, not a clean frame
-    with pytest.raises(ValueError, match="make_family"):  # the t2i class cannot silently run an i2i flavour
+    with pytest.raises(ValueError, match="make_family") as refused:  # the t2i class cannot run an i2i flavour
         kandinsky5_image.Kandinsky5Image(flavour=i2i.flavour)
+    named = str(refused.value).split("build it with ")[1].split(",")[0]  # module.make_family, importable
+    assert getattr(importlib.import_module(named.rsplit(".", 1)[0]), "make_family") is kandinsky5_image.make_family
 
 
 @pytest.mark.parametrize(("module", "flavour", "expected"), [

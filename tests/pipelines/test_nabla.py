@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from loraflow.validation.validate import RenderSettings
-from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
-from loraflow.demo.tiny import TEXT_DIM
+from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
+from loraflow.pipelines.tiny_parts import TEXT_DIM
 
 SETTINGS = RenderSettings(height=128, width=128, num_frames=5, num_inference_steps=1, guidance=3.0, seed=0,
                           flow_shift=5.0)  # latents (2, 16, 16): 2 x 8 x 8 patches, NABLA's 64-token blocks

@@ -30,10 +30,13 @@ from loraflow.stages.latents.latents import encode_latents
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import FAMILIES, describe_families, get_family
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
-from loraflow.pipelines.kandinsky5.video import Kandinsky5Video
-from loraflow.pipelines.kandinsky5.video_spec import VIDEO_CLASSES
+from loraflow.pipelines.kandinsky5.video.family import Kandinsky5Video
+from loraflow.pipelines.kandinsky5.video.spec import VIDEO_CLASSES
 from loraflow.pipelines.sources import model_source
-from loraflow.demo.tiny import TinyPipeline, build_tiny, hunyuan_video_vae, kandinsky5_pipeline, recipe_name
+from loraflow.demo.tiny import build_tiny
+from loraflow.pipelines.kandinsky5.tiny_parts import kandinsky5_pipeline
+from loraflow.pipelines.kandinsky5.video.tiny import hunyuan_video_vae
+from loraflow.pipelines.tiny_parts import TinyPipeline, recipe_name
 from loraflow.store import Store
 from tests.conftest import demo_dict, write_config
 

@@ -32,12 +32,12 @@ from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoPr
 
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 
-from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
+from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
 
-from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
+from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
 
 from loraflow.demo import qwen_vocab
-from loraflow.demo.tiny import hunyuan_video15_vae
+from loraflow.pipelines.hunyuanvideo15.tiny import hunyuan_video15_vae
 from tests.conftest import missing_input
 
 # The original repository's crop_start per type_of_content (kandinsky/models/text_embedders.py, PROMPT_TEMPLATE).
@@ -108,7 +108,7 @@ def test_k5_encodes_with_the_original_template_and_its_crop_by_default(qwen: Any
 @pytest.fixture(scope="module")
 def real_vocab_components(qwen: Any) -> dict[str, Any]:
     """A tiny Qwen2.5-VL (random, 3 layers of 32) over the real vocabulary, and the tiny CLIP: `encode_text`'s parts."""
-    from loraflow.demo.tiny import clip_text_encoder, clip_tokenizer, qwen_vl_encoder
+    from loraflow.pipelines.tiny_parts import clip_text_encoder, clip_tokenizer, qwen_vl_encoder
 
     torch.manual_seed(0)
     clip = clip_tokenizer()

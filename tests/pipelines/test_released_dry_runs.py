@@ -209,7 +209,7 @@ def test_text_encoders_at_released_size(flavour: str) -> None:
     """A prompt longer than the tokens Kandinsky 5 keeps (256 video, 512 image), through the released Qwen2.5-VL and
     CLIP-L as `encode_text` runs them (`prompt_tensors`; the offline byte-level tokenizers: one token per byte): the
     row is as wide as the released transformer takes (in_text_dim, in_text_dim2)."""
-    from loraflow.demo.tiny import clip_tokenizer, qwen_tokenizer
+    from loraflow.pipelines.tiny_parts import clip_tokenizer, qwen_tokenizer
 
     case = next(c for c in CASES if c.flavour == flavour)
     family = get_family(dry_config(case))

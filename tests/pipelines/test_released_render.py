@@ -39,7 +39,7 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.kernels.quantize import frozen_dtype, store_frozen
 from loraflow.pipelines.base import RenderSettings
-from loraflow.pipelines.kandinsky5.video import I2V_MIN_FRAMES
+from loraflow.pipelines.kandinsky5.video.family import I2V_MIN_FRAMES
 from loraflow.pipelines.render_memory import RenderPlan, place
 from loraflow.pipelines.released import released_config
 from tests.pipelines.test_released_dry_runs import (

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from transformers import Qwen2VLProcessor, SiglipImageProcessorPil, SiglipVisionModel
 
 from loraflow.demo.tiny import build_tiny
-from loraflow.demo.tiny_parts import RECIPE_KEY
+from loraflow.demo.tiny import RECIPE_KEY
 
 # max_sequence_length=1024: the byte-level tokenizer spends ~630 tokens on the K5 template, so the
 # default 512 (+ the pipeline's hard-coded crop of 128) would truncate the prompt away.
@@ -216,7 +216,7 @@ def test_k5_i2i_checkpoint_is_its_own_and_refuses_a_reuse_for_t2i(tmp_path: Path
 def test_k5_i2i_vision_tower_takes_the_processor_output(tmp_path: Path, size: tuple[int, int], tokens: int) -> None:
     """(H, W) source -> the pipeline's half-size image -> `tokens` vision tokens (56^2..112^2 px), which the tiny
     Qwen2.5-VL's vision tower encodes; another image changes the hidden states from the image on."""
-    from loraflow.demo.tiny import qwen_tokenizer, qwen_vl_encoder, qwen_vl_processor
+    from loraflow.pipelines.tiny_parts import qwen_tokenizer, qwen_vl_encoder, qwen_vl_processor
 
     tokenizer = qwen_tokenizer()
     processor, encoder = qwen_vl_processor(tokenizer), qwen_vl_encoder(tokenizer)

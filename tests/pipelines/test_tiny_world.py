@@ -11,8 +11,8 @@ import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
 from loraflow.demo.dataset import world_clips
-from loraflow.demo import tiny as parts
-from loraflow.pipelines.kandinsky5.video import make_family
+from loraflow.pipelines.kandinsky5 import tiny_parts as parts
+from loraflow.pipelines.kandinsky5.video.family import make_family
 from loraflow.demo.tiny_world import WorldRecipe, decode_frames, mosaic_vae, pretrain, shape_centroid
 
 
@@ -93,9 +93,9 @@ def _held_out_loss(family, transformer, vae, text) -> float:
 
 KEY_PROGRAM = """
 import torch
-from loraflow.demo import tiny as parts
+from loraflow.pipelines.kandinsky5 import tiny_parts as parts
 from loraflow.demo import tiny_world
-from loraflow.pipelines.kandinsky5.video import make_family
+from loraflow.pipelines.kandinsky5.video.family import make_family
 torch.manual_seed(0)
 text = parts.kandinsky5_text_components()
 transformer = parts.kandinsky5_transformer(visual_cond=True, model_dim=128)

@@ -26,8 +26,8 @@ from loraflow.contracts.latent_rows import draw_latents
 from loraflow.stages.latents.latents import encode_latents, latent_rows
 from loraflow.pipelines import get_family
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
-from loraflow.pipelines.kandinsky5 import image as kandinsky5_image
-from loraflow.pipelines.kandinsky5 import video as kandinsky5_video
+from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
+from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.sources import model_source
 from loraflow.demo.tiny import build_tiny

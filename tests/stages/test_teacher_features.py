@@ -11,7 +11,7 @@ from transformers import Dinov2Model
 
 from loraflow.contracts.teacher_features import STAGE, Teacher, latent_frame_indices
 from loraflow.stages.teacher.teacher_features import encode_teacher_features
-from loraflow.demo.tiny_parts import tiny_dinov2
+from loraflow.demo.tiny import tiny_dinov2
 from loraflow.contracts.clip_rows import ClipRow
 from loraflow.store import Store
 from tests.clip_factory import clip_row

@@ -13,16 +13,14 @@ the image latent and the SigLIP tokens of each clip's first frame (`image_condit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from diffusers import (
-    ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline,
-)
+from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
 from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
@@ -42,7 +40,6 @@ from loraflow.pipelines.sources import ModelSource
 
 if TYPE_CHECKING:
     from loraflow.pipelines.render_memory import RenderPlan
-    from loraflow.demo.tiny import TinyPipeline
 
 # The pipeline's system turn (HV:227-232), byte for byte: its backslash continuations keep the
 # 8-space indents, and the text encoder sees them.
@@ -409,44 +406,3 @@ def _pad(arrays: list[np.ndarray], masks: list[np.ndarray]) -> tuple[torch.Tenso
 def make_family(flavour: str | None) -> HunyuanVideo15:
     """t2v and i2v flavours; i2v trains with the cached first-frame latent and SigLIP tokens (never zeros)."""
     return HunyuanVideo15(flavour=SPEC.flavour(flavour))
-
-
-def tiny(flavour: Flavour) -> tuple[type, str, Callable[[], TinyPipeline]]:
-    """Every flavour but step-distilled loads one tiny checkpoint (`loraflow.demo.tiny.build_tiny`): the t2v
-    pipeline's, with SigLIP as extra components so the i2v pipeline loads the same folder. Step-distilled's
-    transformer config differs (mean flow: released/hv15-480p-i2v-step-distilled), so it has its own."""
-    from loraflow.demo.tiny import recipe_name
-
-    if flavour.name.endswith("step-distilled"):
-        return HunyuanVideo15Pipeline, recipe_name(SPEC.name, "meanflow", 1), _tiny_meanflow_pipeline
-    return HunyuanVideo15Pipeline, recipe_name(SPEC.name, "t2v", 1), _tiny_pipeline
-
-
-def _tiny_pipeline() -> TinyPipeline:
-    return _tiny(use_meanflow=False, shift=5.0)
-
-
-def _tiny_meanflow_pipeline() -> TinyPipeline:
-    return _tiny(use_meanflow=True, shift=7.0)  # the step-distilled release's scheduler shift
-
-
-def _tiny(use_meanflow: bool, shift: float) -> TinyPipeline:
-    from transformers import ByT5Tokenizer
-
-    from loraflow.demo import tiny as parts  # the tiny parts only when a tiny checkpoint is built
-    from loraflow.demo.tiny_parts import siglip_image_encoder
-
-    tokenizer = parts.qwen_tokenizer()
-    tokenizer_2 = ByT5Tokenizer()
-    pipe = HunyuanVideo15Pipeline(
-        text_encoder=parts.qwen_vl_text_encoder(tokenizer),
-        tokenizer=tokenizer,
-        transformer=parts.hunyuan_video15_transformer(use_meanflow),
-        vae=parts.hunyuan_video15_vae(),
-        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift),
-        text_encoder_2=parts.byt5_encoder(tokenizer_2),
-        tokenizer_2=tokenizer_2,
-        guider=ClassifierFreeGuidance(guidance_scale=6.0),
-    )
-    image_encoder, feature_extractor = siglip_image_encoder()
-    return pipe, {"image_encoder": image_encoder, "feature_extractor": feature_extractor}

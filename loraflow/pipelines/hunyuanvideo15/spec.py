@@ -1,5 +1,5 @@
 """HunyuanVideo 1.5's plain data: flavours and names, each number with its citation (loraflow/pipelines/citations.py).
-The family itself is `hunyuanvideo15` (torch, diffusers), imported only when a stage needs it.
+The adapter is `family.py` beside it and the tiny checkpoint `tiny.py` (torch, diffusers), imported only when needed.
 
 Repository ids: the hunyuanvideo-community collection (also SimpleTuner's table). Shifts, guidance and the
 step-distilled steps are Tencent-Hunyuan/HunyuanVideo-1.5's (hyvideo/commons/__init__.py PIPELINE_CONFIGS, its README
@@ -119,6 +119,7 @@ SPEC = FamilySpec(
     spatial_multiple=16,  # VAE 16x, patch 1
     vae_temporal_factor=4,
     module="loraflow.pipelines.hunyuanvideo15.family",
+    tiny_module="loraflow.pipelines.hunyuanvideo15.tiny",
     simpletuner_names=("hunyuanvideo", "hunyuanvideo-1.5"),
     render_size=render_size,
 )

@@ -1,7 +1,7 @@
 """What Kandinsky 5.0 Video and Image share: the Qwen2.5-VL + CLIP text path, the transformer's LoRA targets and
-file format, and the pipelines' prompt-embedding arguments. Both families mix in `Kandinsky5Shared` and name
-their own `prompt_templates` (the only difference on the text side, except for Image i2i, whose Qwen path also sees
-the source image: `kandinsky5_image.Kandinsky5ImageI2I.encode_text`).
+file format, the pipelines' prompt-embedding arguments, and the adapters' fields of equal value. Both families' adapters
+subclass `Kandinsky5Shared` and name their own `prompt_templates` (the only difference on the text side, except for Image i2i, whose Qwen path also sees
+the source image: `image/family.py` `Kandinsky5ImageI2I.encode_text`).
 
 Two templates per family (config `kandinsky5_prompt_template`): "original", the original repository's (its system
 prompt says "You are a promt engineer", as the checkpoints were trained with, and as ComfyUI, FastVideo, musubi-tuner
@@ -12,6 +12,7 @@ is each template's prefix, counted with the checkpoint's tokenizer: 129 / 41 and
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -23,6 +24,7 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 from transformers import ProcessorMixin
 
 from loraflow.keys import content_key
+from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.base import TextRow, compute_dtype, stacked
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
@@ -134,14 +136,23 @@ def denoise(
     return out.permute(0, 4, 1, 2, 3).float()
 
 
+@dataclass(frozen=True)
 class Kandinsky5Shared:
-    """Methods of the family protocol that Kandinsky 5 Video and Image implement alike."""
+    """The fields and methods of the family protocol that Kandinsky 5 Video and Image have alike; each family adds its
+    `name` (read here too), sizes, negative prompt, latents, transformer call and render."""
 
     # "original" / "diffusers" -> the system prompt template; hidden states are cropped after its prefix
     prompt_templates: ClassVar[dict[str, str]]
-    name: str
     flavour: Flavour
-    template: str  # which of `prompt_templates` (config `kandinsky5_prompt_template`)
+    template: str = "original"  # which of `prompt_templates` (config `kandinsky5_prompt_template`)
+    text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+    # TREAD: visual blocks are called block(visual_embed (B, N, D), text, time, rope (B, N, 1, d/2, 2, 2), sparse)
+    tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
+    comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # one transformer class: one ComfyUI file
+    # Video i2v's image is latent frame 0 itself (`conditioning_frames`), and Image i2i's source latent needs the VAE
+    # only: no component and nothing cached beside the latent (i2i names its `image_condition`: "source_image")
+    image_condition_components: tuple[str, ...] = ()
+    image_condition_name: str = ""
 
     @property
     def prompt_template(self) -> str:

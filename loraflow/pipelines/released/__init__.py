@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from loraflow.pipelines.hunyuanvideo15.spec import SPEC as HV15
-from loraflow.pipelines.kandinsky5.image_spec import SPEC as K5_IMAGE
-from loraflow.pipelines.kandinsky5.video_spec import SPEC as K5_VIDEO
+from loraflow.pipelines.kandinsky5.image.spec import SPEC as K5_IMAGE
+from loraflow.pipelines.kandinsky5.video.spec import SPEC as K5_VIDEO
 
 FOLDER = Path(__file__).parent
 CREPA_ENCODER = "crepa_encoder"  # CREPA's teacher, the same for every flavour

@@ -1,5 +1,6 @@
 """Kandinsky 5.0 Image's plain data: flavours and names, each number with its citation
-(loraflow/pipelines/citations.py). The family itself is `kandinsky5_image` (torch, diffusers), imported only when a stage needs it.
+(loraflow/pipelines/citations.py). The adapter is `family.py` beside it and the tiny checkpoint `tiny.py` (torch,
+diffusers), imported only when needed.
 
 Repository ids: SimpleTuner's `HUGGINGFACE_PATHS` (helpers/models/kandinsky5_image/model.py), all four listed in the
 kandinskylab "Diffusers" collection. Sampling: the original's configs/k5_lite_{t2i,i2i}_sft_hd.yaml (50 steps, guidance
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from loraflow.pipelines.citations import K5_IMAGE_SCALE, K5_IMAGE_TEXT, cite
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
-from loraflow.pipelines.kandinsky5.video_spec import KANDINSKY5_CLASSES
+from loraflow.pipelines.kandinsky5.video.spec import KANDINSKY5_CLASSES
 
 IMAGE_CLASSES = {**KANDINSKY5_CLASSES, "vae": ("diffusers.AutoencoderKL",)}  # Flux's 2D VAE
 
@@ -58,7 +59,8 @@ SPEC = FamilySpec(
     spatial_multiple=16,  # VAE 8x, patch 2x2
     vae_temporal_factor=1,  # a 2D VAE: every frame is its own image
     prompt_templates=("original", "diffusers"),  # kandinsky5/common.py: the original's, diffusers 0.42.1's
-    module="loraflow.pipelines.kandinsky5.image",
+    module="loraflow.pipelines.kandinsky5.image.family",
+    tiny_module="loraflow.pipelines.kandinsky5.image.tiny",
     simpletuner_names=("kandinsky5-image",),
     size_checked=("i2i-lite-sft", "i2i-lite-pretrain"),
 )

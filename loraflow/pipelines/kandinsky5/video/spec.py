@@ -1,5 +1,6 @@
 """Kandinsky 5.0 Video's plain data: flavours and names, each number with its citation
-(loraflow/pipelines/citations.py). The family itself is `kandinsky5_video` (torch, diffusers), imported only when a stage needs it.
+(loraflow/pipelines/citations.py). The adapter is `family.py` beside it and the tiny checkpoint `tiny.py` (torch,
+diffusers), imported only when needed.
 
 Repository ids: SimpleTuner's `HUGGINGFACE_PATHS` (helpers/models/kandinsky5_video/model.py), of which the kandinskylab
 "Diffusers" collections list the Lite t2v and Pro sft 5s t2v/i2v repos; i2v-pro-pretrain-5s has no published
@@ -22,7 +23,7 @@ from loraflow.pipelines.flavours import CLIP_TOKENIZERS, QWEN_TOKENIZERS, TWO_EN
 
 # The classes a Kandinsky 5 checkpoint's model_index.json may name (`Flavour.classes`): what diffusers'
 # Kandinsky5{T2V,I2V,T2I,I2I}Pipeline annotate (tests/pipelines/test_families.py reads them); the Video VAE here,
-# the Image one in image_spec. The tokenizer is annotated as the Qwen2-VL processor; the tiny checkpoints save the
+# the Image one in image/spec.py. The tokenizer is annotated as the Qwen2-VL processor; the tiny checkpoints save the
 # plain tokenizer the processor wraps (REFERENCE.md: the processor needs torchvision).
 KANDINSKY5_CLASSES = {
     "transformer": ("diffusers.Kandinsky5Transformer3DModel",),
@@ -178,6 +179,7 @@ SPEC = FamilySpec(
     spatial_multiple=16,  # VAE 8x, patch 2x2
     vae_temporal_factor=4,
     prompt_templates=("original", "diffusers"),  # kandinsky5/common.py: the original's, diffusers 0.42.1's
-    module="loraflow.pipelines.kandinsky5.video",
+    module="loraflow.pipelines.kandinsky5.video.family",
+    tiny_module="loraflow.pipelines.kandinsky5.video.tiny",
     simpletuner_names=("kandinsky5-video",),
 )

@@ -9,8 +9,7 @@ stepped; so training gives frame 0 clean and leaves it out of the loss (`flavour
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,21 +18,17 @@ import torch
 from PIL import Image
 from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5I2VPipeline, Kandinsky5T2VPipeline
 
-from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.base import (
     RenderSettings, TextRow, load_pipeline, scaled_posterior, set_flavour_config, set_lora_scale,
 )
-from loraflow.pipelines.comfyui import ComfyRule
-from loraflow.pipelines.kandinsky5.first_last import first_last_inputs
-from loraflow.pipelines.flavours import Flavour
+from loraflow.pipelines.kandinsky5.video.first_last import first_last_inputs
 from loraflow.pipelines.sources import ModelSource
-from loraflow.pipelines.kandinsky5.common import KANDINSKY5_COMFYUI_NAMES, Kandinsky5Shared
-from loraflow.pipelines.kandinsky5.video_spec import SPEC
+from loraflow.pipelines.kandinsky5.common import Kandinsky5Shared
+from loraflow.pipelines.kandinsky5.video.spec import SPEC
 
 if TYPE_CHECKING:
     from loraflow.pipelines.render_memory import RenderPlan
-    from loraflow.demo.tiny import TinyPipeline
 
 # diffusers 0.42.1's system prompt (Kandinsky5T2VPipeline/I2VPipeline `prompt_template`); we crop the hidden
 # states after its prefix (128 tokens with the real Qwen2.5 tokenizer, its prompt_template_encode_start_idx).
@@ -70,19 +65,12 @@ def template_crop(tokenizer: Any, template: str = "original") -> int:
 @dataclass(frozen=True)
 class Kandinsky5Video(Kandinsky5Shared):
     prompt_templates: ClassVar[dict[str, str]] = {"original": ORIGINAL_TEMPLATE, "diffusers": DIFFUSERS_TEMPLATE}
-    flavour: Flavour
-    template: str = "original"  # config `kandinsky5_prompt_template`
+    # flavour, template, text_components, tread_layout, comfyui_names, image_condition_*: Kandinsky5Shared's
     name: str = SPEC.name
     spatial_multiple: int = SPEC.spatial_multiple
     vae_temporal_factor: int = SPEC.vae_temporal_factor
-    text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = NEGATIVE_PROMPT
     # text_signature, max_text_tokens: Kandinsky5Shared (the template, the flavour's 256 tokens)
-    # TREAD: visual blocks are called block(visual_embed (B, N, D), text, time, rope (B, N, 1, d/2, 2, 2), sparse)
-    tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
-    comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # the ComfyUI file
-    image_condition_components: tuple[str, ...] = ()  # the image condition is latent frame 0 itself
-    image_condition_name: str = ""  # i2v gives its image as latent frame 0 (`conditioning_frames`), nothing beside
 
     # 1. text: Kandinsky5Shared (encode_text, collate_text) ----------------------------------------
 
@@ -191,35 +179,3 @@ def _rope_scale(height: int, width: int) -> tuple[float, float, float]:
 def make_family(flavour: str | None) -> Kandinsky5Video:
     """t2v and i2v flavours; i2v trains with latent frame 0 clean (the clip's first frame) and renders from an image."""
     return Kandinsky5Video(flavour=SPEC.flavour(flavour))
-
-
-def tiny(flavour: Flavour) -> tuple[type, str, Callable[[], TinyPipeline]]:
-    """Every flavour loads one tiny checkpoint (`loraflow.demo.tiny.build_tiny`): the t2v pipeline's."""
-    from loraflow.demo import tiny as parts  # the tiny parts only when a tiny checkpoint is built
-
-    build = functools.partial(parts.kandinsky5_pipeline, Kandinsky5T2VPipeline, visual_cond=True,
-                              vae=parts.hunyuan_video_vae, shift=10.0)
-    return Kandinsky5T2VPipeline, parts.recipe_name(SPEC.name, "t2v", 1), build
-
-
-def tiny_world(flavour: Flavour) -> tuple[type, str, Callable[[], TinyPipeline]]:
-    """The demo's tiny checkpoint (`build_tiny(..., world=True)`): the same layout, with a VAE that shows the demo's
-    shapes and a transformer pre-trained on them (cached after the first build), so renders show what a LoRA did."""
-    from loraflow.demo.tiny import recipe_name
-
-    return Kandinsky5T2VPipeline, recipe_name(SPEC.name, "world", 1), _world_pipeline
-
-
-def _world_pipeline() -> TinyPipeline:
-    from loraflow.demo import tiny as parts
-    from loraflow.demo import tiny_world
-
-    text = parts.kandinsky5_text_components()
-    vae = tiny_world.mosaic_vae()
-    # 128 wide: a 2x2 patch of 16 channels is 64 numbers, all noise a velocity must carry; at 32 the pre-training loss
-    # stayed at 0.6, at 64 it reached 0.1 but renders stayed noisy. Pre-trained as i2v: see tiny_world.py.
-    transformer = tiny_world.pretrain(make_family("i2v-lite-5s"),
-                                      parts.kandinsky5_transformer(visual_cond=True, model_dim=128), vae, text)
-    pipe = Kandinsky5T2VPipeline(transformer=transformer, vae=vae, scheduler=parts.kandinsky5_scheduler(shift=10.0),
-                                 **text)
-    return pipe, {}

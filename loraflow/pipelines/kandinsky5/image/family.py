@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -29,20 +29,16 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 from PIL import Image
 
 from loraflow.keys import content_key
-from loraflow.kernels.tread import TokenLayout
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.base import (
     RenderSettings, TextRow, load_component, load_pipeline, scaled_posterior, set_lora_scale,
 )
-from loraflow.pipelines.comfyui import ComfyRule
-from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.sources import ModelSource, as_source
-from loraflow.pipelines.kandinsky5.common import CLIP_TOKENS, KANDINSKY5_COMFYUI_NAMES, Kandinsky5Shared, clip_pooled
-from loraflow.pipelines.kandinsky5.image_spec import I2I_TEXT_TOKENS, SPEC
+from loraflow.pipelines.kandinsky5.common import CLIP_TOKENS, Kandinsky5Shared, clip_pooled
+from loraflow.pipelines.kandinsky5.image.spec import I2I_TEXT_TOKENS, SPEC
 
 if TYPE_CHECKING:
     from loraflow.pipelines.render_memory import RenderPlan
-    from loraflow.demo.tiny import TinyPipeline
 
 log = logging.getLogger(__name__)
 
@@ -99,23 +95,17 @@ class Kandinsky5Image(Kandinsky5Shared):
     prompt_templates: ClassVar[dict[str, str]] = {"original": ORIGINAL_TEMPLATE, "diffusers": DIFFUSERS_TEMPLATE}
     task: ClassVar[str] = "t2i"
     pipeline_class: ClassVar[type] = Kandinsky5T2IPipeline  # what `load_renderer` loads
-    flavour: Flavour
-    template: str = "original"  # config `kandinsky5_prompt_template`
+    # flavour, template, text_components, tread_layout, comfyui_names, image_condition_*: Kandinsky5Shared's
     name: str = SPEC.name
     spatial_multiple: int = SPEC.spatial_multiple
     vae_temporal_factor: int = SPEC.vae_temporal_factor
-    text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = NEGATIVE_PROMPT
     # text_signature, max_text_tokens: Kandinsky5Shared (the template, the flavour's 512 tokens; i2i's 1024)
-    tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
-    comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # same transformer class as video
-    image_condition_components: tuple[str, ...] = ()  # i2i's source latent needs the VAE only
-    image_condition_name: str = ""  # none; i2i: "source_image"
 
     def __post_init__(self) -> None:
         if self.flavour.task != self.task:
             raise ValueError(f"{type(self).__name__} is the {self.task} family; flavour '{self.flavour.name}' is "
-                             f"{self.flavour.task}: build it with kandinsky5_image.make_family")
+                             f"{self.flavour.task}: build it with {__name__}.make_family, which picks the class")
 
     # 1. text: Kandinsky5Shared (encode_text, collate_text) ----------------------------------------
 
@@ -365,13 +355,3 @@ def make_family(flavour: str | None) -> Kandinsky5Image:
     """t2i flavours: `Kandinsky5Image`; i2i flavours: `Kandinsky5ImageI2I` (source image in prompt and input)."""
     chosen = SPEC.flavour(flavour)
     return (Kandinsky5ImageI2I if chosen.edits_image else Kandinsky5Image)(flavour=chosen)
-
-
-def tiny(flavour: Flavour) -> tuple[type, str, Callable[[], TinyPipeline]]:
-    """The tiny checkpoint a flavour loads (`loraflow.demo.tiny.build_tiny`): i2i has its own."""
-    from loraflow.demo import tiny as parts  # the tiny parts only when a tiny checkpoint is built
-
-    pipeline, variant = (Kandinsky5I2IPipeline, "i2i") if flavour.edits_image else (Kandinsky5T2IPipeline, "t2i")
-    build = functools.partial(parts.kandinsky5_pipeline, pipeline, visual_cond=flavour.edits_image,
-                              vae=parts.flux_vae, shift=1.0, vl_tokenizer=flavour.edits_image)
-    return pipeline, parts.recipe_name(SPEC.name, variant, 1), build
