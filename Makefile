@@ -8,8 +8,11 @@ setup:
 demo: setup   ## tiny model + demo data, then materialize every stage; prints the LoRA and video paths
 	.venv/bin/loraflow demo
 
+# The suite in TEST_WORKERS pytest-xdist processes, a test file to a worker (a file's module fixtures are built once);
+# half of the suite waits on subprocesses and servers. The 15 slowest tests are listed at the end of each run.
+TEST_WORKERS ?= 2
 test: setup   ## the whole test suite
-	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 soak: setup   ## the soak tests: many kill -9 of CLI runs at random moments, then a run must finish (minutes)
 	.venv/bin/python -m pytest -q -m soak $(PYTEST_ARGS)

@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -16,6 +16,25 @@ import yaml
 from loraflow.config import LoraflowConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
+
+# `make test` runs the suite in two pytest-xdist workers (each a process). Two workers on two cores: each runs torch
+# on one thread, as the CLI and Dagster subprocesses it starts do (set before anything imports torch).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
+    """A session's read-only input (a tiny checkpoint, the demo dataset, the pre-trained tiny world), built once for
+    the whole run: under pytest-xdist every worker runs each session fixture, so the first builds it in the folder the
+    workers share while holding a lock, and the others wait, then find it complete (`build` returns at once when its
+    folder is complete: build_tiny and make_demo_dataset are idempotent). Without xdist: in the session's folder."""
+    from filelock import FileLock
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent
+    with FileLock(shared / f"{name}.lock"):
+        return build(shared / name)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -53,22 +72,23 @@ def missing_input(what: str) -> NoReturn:
 def tiny_k5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from loraflow.demo.tiny import build_tiny
 
-    return build_tiny("kandinsky5-video", tmp_path_factory.mktemp("models") / "kandinsky5-video")
+    return built_once(tmp_path_factory, "models", lambda root: build_tiny("kandinsky5-video", root / "kandinsky5-video"))
 
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from loraflow.demo.dataset import make_demo_dataset
 
-    return make_demo_dataset(tmp_path_factory.mktemp("data") / "demo")
+    return built_once(tmp_path_factory, "data", lambda root: make_demo_dataset(root / "demo"))
 
 
 @pytest.fixture(scope="session")
 def tiny_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's checkpoint (`loraflow demo` builds it): pre-trained once per machine, then read from its cache."""
+    """The demo's checkpoint (`loraflow demo` builds it): pre-trained once per test run."""
     from loraflow.demo.tiny import build_tiny
 
-    return build_tiny("kandinsky5-video", tmp_path_factory.mktemp("models") / "tiny-world", world=True)
+    return built_once(tmp_path_factory, "world",
+                      lambda root: build_tiny("kandinsky5-video", root / "tiny-world", world=True))
 
 
 # What diffusers' conversion script writes for the 10 s checkpoints is P 0.9 and windows (11, 3, 3); small windows
