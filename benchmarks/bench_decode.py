@@ -65,7 +65,8 @@ def make_clip(path: Path) -> Path:
     yy, xx = np.mgrid[0:HEIGHT, 0:WIDTH]
     partial = path.with_suffix(".partial.mp4")
     with av.open(str(partial), "w") as out:
-        stream = out.add_stream("libx264", rate=FPS, options={"crf": "23", "preset": "veryfast", "x264-params": "log-level=error"})
+        options = {"crf": "23", "preset": "veryfast", "x264-params": "log-level=error"}
+        stream = out.add_stream("libx264", rate=FPS, options=options)
         stream.width, stream.height, stream.pix_fmt = WIDTH, HEIGHT, "yuv420p"
         for i in range(FRAMES):
             # A panning noise texture blended with a moving gradient: motion vectors and residuals.
@@ -246,13 +247,17 @@ def main() -> None:
     ffmpeg = shutil.which("ffmpeg")
     results: dict[str, Any] = {}
     for name in names:
-        measure = (lambda: run_ffmpeg(clip)) if name == "full_decode_1thread" and ffmpeg else (lambda: run_child(name, clip))
+        with_ffmpeg = name == "full_decode_1thread" and ffmpeg
+        measure = (lambda: run_ffmpeg(clip)) if with_ffmpeg else (lambda: run_child(name, clip))
         results[name] = summarize([measure() for _ in range(args.runs)])
     report = {
-        "what": "decode 720p H.264: kept frames only (resized in the decoder) vs every frame; medians of fresh processes",
+        "what": "decode 720p H.264: kept frames only (resized in the decoder) vs every frame; "
+        "medians of fresh processes",
         "clip": {"width": WIDTH, "height": HEIGHT, "frames": FRAMES, "fps": FPS, "bytes": clip.stat().st_size},
         "keep": {"frames": 49, "size_hw": list(KEEP_SIZE)},
-        "full_decode_tool": "ffmpeg -threads 1 -f null" if ffmpeg else "PyAV, 1 thread, no RGB conversion (no ffmpeg binary)",
+        "full_decode_tool": (
+            "ffmpeg -threads 1 -f null" if ffmpeg else "PyAV, 1 thread, no RGB conversion (no ffmpeg binary)"
+        ),
         "runs": args.runs,
         "cpus": os.cpu_count(),
         "load_average_1m_before_after": [load_before, round(os.getloadavg()[0], 2)],

@@ -2,11 +2,12 @@
 fp8 changes, and what it saves (`fp32_modules_storage`, kernels/quantize.py `store_kept`).
 
 Numbers: the tiny Kandinsky 5 Video transformer (loraflow/pipelines/kandinsky5/tiny_parts.py: its modulations
-re-randomised, since diffusers initialises them to zero) with a bf16 base, its velocity on a fixed batch at three sigmas for each storage of the kept
-modules, against the same call of the fp32 model (base and kept modules fp32): relative L2 error ||v - v_fp32|| /
-||v_fp32||. The bf16 base with fp32-kept modules is the reference error: what `base_model_precision: bf16` itself
-costs. Also the kept weights' magnitudes (fp8 e4m3 keeps 3 mantissa bits above 2^-6 and fewer below).
-Bytes: the released transformers' kept modules (loraflow/pipelines/released/, meta models: no weights read).
+re-randomised, since diffusers initialises them to zero) with a bf16 base, its velocity on a fixed batch at three
+sigmas for each storage of the kept modules, against the same call of the fp32 model (base and kept modules fp32):
+relative L2 error ||v - v_fp32|| / ||v_fp32||. The bf16 base with fp32-kept modules is the reference error: what
+`base_model_precision: bf16` itself costs. Also the kept weights' magnitudes (fp8 e4m3 keeps 3 mantissa bits above 2^-6
+and fewer below). Bytes: the released transformers' kept modules (loraflow/pipelines/released/, meta models: no weights
+read).
 
     python benchmarks/bench_fp32_modules.py      # writes benchmarks/results/fp32_modules_cpu.json
 """

@@ -1,8 +1,8 @@
 """CPU benchmark: what each entry point pays in imports before any work, each in a fresh interpreter.
 
 A Dagster step process and the code server import `loraflow.definitions`; `loraflow check` imports `loraflow.cli`
-and then its planning (`stages.clips.bucket_plan`, the family's plain spec through `plan_family`); the stages that load a
-model import the family module (`get_family`: torch, diffusers, transformers). Each statement is timed inside
+and then its planning (`stages.clips.bucket_plan`, the family's plain spec through `plan_family`); the stages that
+load a model import the family module (`get_family`: torch, diffusers, transformers). Each statement is timed inside
 its own fresh `python -c` (interpreter start not counted), rounds interleaved, median reported, with whether
 torch ended up imported. `--before DIR`: the same statements on another tree (an export of an older commit, say
 `git archive c2246c0 loraflow tests | tar -x -C DIR`), interleaved with this one's, so both see the same load.

@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
 from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,11 +61,11 @@ def tiny_stage() -> dict[str, Any]:
     import yaml
 
     from loraflow.config import parse_config
-    from loraflow.stages.clips.clips import build_clips
     from loraflow.demo.dataset import make_demo_dataset
-    from loraflow.stages.latents.latents import encode_latents
-    from loraflow.pipelines import get_family
     from loraflow.demo.tiny import build_tiny
+    from loraflow.pipelines import get_family
+    from loraflow.stages.clips.clips import build_clips
+    from loraflow.stages.latents.latents import encode_latents
     from loraflow.store import Store
 
     model = build_tiny("kandinsky5-video", WORK / "model")

@@ -36,7 +36,9 @@ def _status_mb(key: str) -> float:
     raise KeyError(key)
 
 
-def _child(vae_name: str, mode: str, frames: int, height: int, width: int, budget_mb: int, dtype: str, latent_path: str) -> dict:
+def _child(
+    vae_name: str, mode: str, frames: int, height: int, width: int, budget_mb: int, dtype: str, latent_path: str
+) -> dict:
     import torch
     from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLHunyuanVideo15
 
@@ -83,7 +85,8 @@ def main() -> None:
     ap.add_argument("--budgets-mb", default="256,32", help="max_slab_bytes values to try, MiB (256 = default)")
     ap.add_argument("--vaes", default="hv15,hv")
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--child", nargs=8, metavar=("VAE", "MODE", "T", "H", "W", "BUDGET", "DTYPE", "LATENT"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=8, metavar=("VAE", "MODE", "T", "H", "W", "BUDGET", "DTYPE", "LATENT"),
+                    help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         v, m, t, h, w, b, dt, lp = args.child
@@ -101,7 +104,8 @@ def main() -> None:
             stock = None
             for mode, budget in [("stock", 0)] + [("patch", int(b)) for b in args.budgets_mb.split(",")]:
                 lp = os.path.join(tmp, f"{vae_name}_{mode}_{budget}.pt")
-                cmd = [sys.executable, __file__, "--child", vae_name, mode, str(frames), str(height), str(width), str(budget), args.dtype, lp]
+                cmd = [sys.executable, __file__, "--child", vae_name, mode, str(frames), str(height), str(width),
+                       str(budget), args.dtype, lp]
                 proc = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
                 res = json.loads(proc.stdout.strip().splitlines()[-1])
                 if stock is None:
@@ -117,13 +121,15 @@ def main() -> None:
                 runs.append(res)
 
     out = {
-        "what": f"peak RSS delta (MiB) and seconds of vae.encode(x).latent_dist.mode(); {args.dtype}, CPU, random weights, "
+        "what": f"peak RSS delta (MiB) and seconds of vae.encode(x).latent_dist.mode(); {args.dtype}, CPU, "
+        "random weights, "
         "diffusers default (= released) configs, HV with use_framewise_encoding=False",
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
-        "note": "peak_mb is per-process and robust; seconds are wall time and inflate when loadavg exceeds the cpu count",
+        "note": "peak_mb is per-process and robust; seconds are wall time and inflate when loadavg exceeds "
+        "the cpu count",
         "runs": runs,
         "summary": summary,
     }

@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
 from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,9 +90,9 @@ def tiny_pipeline() -> dict[str, Any]:
     import torch
 
     from loraflow.config import parse_config
-    from loraflow.stages.text.text_embeds import encode_texts
-    from loraflow.pipelines import get_family
     from loraflow.demo.tiny import build_tiny
+    from loraflow.pipelines import get_family
+    from loraflow.stages.text.text_embeds import encode_texts
     from loraflow.store import Store
 
     model = build_tiny("kandinsky5-video", WORK / "model")

@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,12 +38,12 @@ RESULTS = ROOT / "benchmarks" / "results" / "train_step_cpu.json"
 def build_caches(root: Path) -> Path:
     """Tiny model + one demo clip, cached by the real ops; returns the config path."""
     from loraflow.config import load_config
-    from loraflow.stages.clips.clips import build_clips
     from loraflow.demo.dataset import make_demo_dataset
+    from loraflow.demo.tiny import build_tiny
+    from loraflow.pipelines import get_family
+    from loraflow.stages.clips.clips import build_clips
     from loraflow.stages.latents.latents import encode_latents
     from loraflow.stages.text.text_embeds import encode_texts
-    from loraflow.pipelines import get_family
-    from loraflow.demo.tiny import build_tiny
     from loraflow.store import Store
     from tests.conftest import demo_dict, write_config
 
@@ -61,9 +62,9 @@ def build_caches(root: Path) -> Path:
 
 def ours(config_path: Path, steps: int, round_: int) -> list[float]:
     from loraflow.config import load_config, parse_config
-    from loraflow.training.loop import train_lora
     from loraflow.pipelines import get_family
     from loraflow.store import Store
+    from loraflow.training.loop import train_lora
 
     base = load_config(config_path)
     config = parse_config({**base.model_dump(mode="json", exclude_none=True), "max_train_steps": steps,
@@ -77,11 +78,11 @@ def bare(config_path: Path, steps: int, prep: bool = False) -> list[float]:
     import torch.nn.functional as F
 
     from loraflow.config import load_config
+    from loraflow.pipelines import get_family
+    from loraflow.store import Store
     from loraflow.training import batches as D
     from loraflow.training.model_setup import load_transformer
     from loraflow.training.optimizers import WEIGHT_DECAY
-    from loraflow.pipelines import get_family
-    from loraflow.store import Store
 
     config = load_config(config_path)
     family, store, cpu = get_family(config), Store(config.cache_dir), torch.device("cpu")

@@ -14,9 +14,9 @@ from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_conf
 from loraflow.pipelines.sources import HubUnreachable
 
 if TYPE_CHECKING:
-    from loraflow.stages.clips.buckets import LatentGeometry
     from loraflow.pipelines import FamilyPlan
     from loraflow.pipelines.sources import ModelSource
+    from loraflow.stages.clips.buckets import LatentGeometry
 
 DEMO_CONFIG = "configs/demo.yaml"
 
@@ -38,9 +38,9 @@ def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
 
 def run_demo(config_path: str) -> int:
     """Every stage: a partition and a `cache_dataset` run per dataset, then `train_and_validate`."""
-    from loraflow.assets.runs.instance import home_instance
     from loraflow.assets.jobs import materialize_everything
     from loraflow.assets.resources import LoraflowResource
+    from loraflow.assets.runs.instance import home_instance
 
     try:
         prepare_demo(config_path)
@@ -68,7 +68,8 @@ def demo_summary(results: list) -> list[str]:
             stage, meta = event.materialization.asset_key.path[-1], event.materialization.metadata
             where = f"[{event.partition}]" if event.partition else ""
             counts = {k: meta[k].value for k in ("computed", "reused") if k in meta}
-            lines.append(f"{stage + where:>26}  computed {counts.get('computed', '-')}, reused {counts.get('reused', '-')}")
+            lines.append(f"{stage + where:>26}  computed {counts.get('computed', '-')}, "
+                         f"reused {counts.get('reused', '-')}")
             paths += [f"{name}: {meta[name].value}" for name in ("lora_path", "comfyui_lora_path", "video")
                       if name in meta]
             if "video" in meta:  # validate() writes the sheet beside the renders
@@ -78,8 +79,8 @@ def demo_summary(results: list) -> list[str]:
 
 def partitions(config_path: str) -> int:
     """Make the instance's `datasets` partitions the config's training datasets (what dataset_watch does)."""
-    from loraflow.assets.runs.instance import home_instance
     from loraflow.assets.partitions import sync_partitions
+    from loraflow.assets.runs.instance import home_instance
 
     config = load_config(config_path)
     with home_instance() as instance:
@@ -221,9 +222,9 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
                                                                           LatentGeometry | None]:
     """Print a table of the model's components (where, cached or not, size, what a run downloads) and return the
     problems, the model when it is on disk, and its VAE geometry (None: unknown until downloaded)."""
+    from loraflow.pipelines.sources import ModelRefused, check_layout, component_status, model_source
     from loraflow.stages.clips.bucket_plan import human_bytes
     from loraflow.stages.clips.buckets import latent_geometry
-    from loraflow.pipelines.sources import ModelRefused, check_layout, component_status, model_source
 
     try:
         statuses = component_status(config)
@@ -248,7 +249,8 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
 
 
 def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> int:
-    """Cache one dataset with `workers` local latents workers (stages/shard_worker.py), or be the worker of one `shard`."""
+    """Cache one dataset with `workers` local latents workers (stages/shard_worker.py), or be the worker of one
+    `shard`."""
     from loraflow.keys import Shard
     from loraflow.pipelines import get_family
     from loraflow.pipelines.sources import model_source

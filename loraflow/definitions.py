@@ -3,11 +3,11 @@
 from dagster import Definitions
 
 from loraflow.assets.checks import ALL_CHECKS
-from loraflow.assets.runs.dead_runs import watch_dead_runs
-from loraflow.assets.runs.deployment import deployment_defs
 from loraflow.assets.fanout import cache_latents_fanout
 from loraflow.assets.jobs import JOBS
 from loraflow.assets.resources import LoraflowResource
+from loraflow.assets.runs.dead_runs import watch_dead_runs
+from loraflow.assets.runs.deployment import deployment_defs
 from loraflow.assets.schedules import recache_schedule
 from loraflow.assets.sensors import dataset_watch
 from loraflow.assets.stages import ALL_ASSETS

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from loraflow.config.adapter_kinds import REFUSED as LYCORIS_REFUSED
 from loraflow.config import DatasetConfig, LoraflowConfig, VideoSettings
+from loraflow.config.adapter_kinds import REFUSED as LYCORIS_REFUSED
 from loraflow.pipelines import family_spec, family_specs, known_flavour, nearest_multiple
 from loraflow.pipelines.flavours import NOT_DIFFUSERS
 

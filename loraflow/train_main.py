@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loraflow.lifetime import die_with_parent
 from loraflow.contracts.reports import LoraReport
+from loraflow.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +36,10 @@ def report_from_summary(values: dict[str, Any]) -> LoraReport:
 
 def train_config_file(config_path: str) -> LoraReport:
     from loraflow.config import load_config
-    from loraflow.training.loop import train_lora
     from loraflow.pipelines import get_family
     from loraflow.pipelines.sources import model_source
     from loraflow.store import Store
+    from loraflow.training.loop import train_lora
 
     config = load_config(config_path)
     return train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+
 from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,10 +58,10 @@ def stage(name: str, run, cuda: bool) -> dict:
 
 def stages(config_path: Path, offload: bool, cache: Path, cuda: bool) -> list[dict]:
     from loraflow.config import load_config, parse_config
+    from loraflow.pipelines import get_family
     from loraflow.stages.clips.clips import build_clips
     from loraflow.stages.latents.latents import encode_latents
     from loraflow.stages.text.text_embeds import encode_texts
-    from loraflow.pipelines import get_family
     from loraflow.store import Store
 
     base = load_config(config_path).model_dump(mode="json", exclude_none=True)

@@ -152,5 +152,7 @@ def estimate(work: Path, smoke: bool, model: str, size: tuple[int, int], frames:
             "denoise_activations_gib": round((phases.denoise + phases.nabla) / gib, 3),
             "decode_before_gib": round(phases.vae / gib, 3),
             "decode_activations_gib": round(phases.decode / gib, 3),
-            "decode_tiled_activations_gib": None if phases.decode_tiled is None else round(phases.decode_tiled / gib, 3),
+            "decode_tiled_activations_gib": (
+                None if phases.decode_tiled is None else round(phases.decode_tiled / gib, 3)
+            ),
             "tflop_per_denoise_call": round(phases.tflop, 1), "model": MODELS[model]["flavour"]}

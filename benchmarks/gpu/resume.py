@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from offload import demo_config
+
 from loraflow.pipelines.sources import model_source
 
 STEPS, CHECKPOINT_AT = 4, 2
@@ -27,10 +28,10 @@ def measure(work: Path, smoke: bool) -> dict[str, Any]:
     import yaml
 
     from loraflow.config import load_config
+    from loraflow.pipelines import get_family
     from loraflow.stages.clips.clips import build_clips
     from loraflow.stages.latents.latents import encode_latents
     from loraflow.stages.text.text_embeds import encode_texts
-    from loraflow.pipelines import get_family
     from loraflow.store import Store
 
     root = work / "demo"

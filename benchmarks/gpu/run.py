@@ -78,8 +78,8 @@ REGISTRY: list[Measurement] = [  # issue 40's order: what is measured first surv
     Measurement("offload_startup", "offload", cap_s=120),
 ]
 ESTIMATES = ROOT / "benchmarks" / "results" / "gpu_estimates.json"  # run.py --estimate-only
-SMOKE_CAP_S = 600.0
-PROGRESS = re.compile(r"\d+%\|.*\||\d+/\d+ \[")  # a tqdm line: "clips:   0%|          | 0/6 [00:00<?, ?clip/s]"  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
+SMOKE_CAP_S = 600.0  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
+PROGRESS = re.compile(r"\d+%\|.*\||\d+/\d+ \[")  # a tqdm line: "clips:   0%|          | 0/6 [00:00<?, ?clip/s]"
 
 
 def estimate_for(measurement: Measurement, work: Path, smoke: bool) -> dict | None:
@@ -123,8 +123,9 @@ def write_estimates(path: Path, measurements: list[Measurement], smoke: bool, wr
 
 def build_smoke_models(work: Path, measurements: list[Measurement]) -> None:
     """The tiny checkpoints the smoke estimates read (their configs); the children then find them built."""
-    from loraflow.demo.tiny import build_tiny
     from train import MODELS
+
+    from loraflow.demo.tiny import build_tiny
 
     for family in {MODELS[m.kwargs["model"]]["family"] for m in measurements if m.module in ("train", "render")}:
         build_tiny(family, work / family)

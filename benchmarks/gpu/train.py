@@ -24,6 +24,7 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+
 from loraflow.pipelines.sources import model_source
 
 K5, HV15 = "kandinsky5-video", "hunyuanvideo-1.5"
@@ -120,13 +121,13 @@ def write_checkpoint(model: str, folder: Path) -> None:
 def run_variant(model: str, model_path: str, variant: str, steps: int, warmup: int, smoke: bool,
                 lora_out: str) -> dict[str, Any]:
     import torch
+    from safetensors.torch import save_file
 
+    from loraflow.pipelines import get_family
     from loraflow.training import loop as T
     from loraflow.training.checkpoints import lora_state
     from loraflow.training.model_setup import Trainable, enable_offload, load_transformer
     from loraflow.training.optimizers import WEIGHT_DECAY
-    from loraflow.pipelines import get_family
-    from safetensors.torch import save_file
 
     config = variant_config(model, model_path, variant, smoke)
     device = torch.device("cpu" if smoke else "cuda")
@@ -240,9 +241,9 @@ def random_batch(model: str, dims: Any, smoke: bool) -> Any:
     import numpy as np
     import torch
 
-    from loraflow.training.batches import MicroBatch, StepDraws
-    from loraflow.pipelines import get_family
     from loraflow.config import parse_config
+    from loraflow.pipelines import get_family
+    from loraflow.training.batches import MicroBatch, StepDraws
 
     spec = {**MODELS[model], **(SMOKE_SIZE if smoke else {})}
     family, tokens = spec["family"], spec["text_tokens"]

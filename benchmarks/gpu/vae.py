@@ -2,10 +2,10 @@
 tiling; Flux, Kandinsky 5 Image's 2D VAE: stock, one image).
 
 Real-size = the diffusers default config of each class (the released architecture; Flux: its released config in
-loraflow/pipelines/released/flux.vae.json) with random weights, bf16, on CUDA. Peak = torch.cuda.max_memory_allocated during the encode minus what was allocated before it (weights,
-input). A mode that runs out of memory is recorded as "oom". Exact modes run first: the others record their
-max abs difference from the first exact latent; every mode records its latent's largest magnitude (`max_abs`), the
-scale of that difference.
+loraflow/pipelines/released/flux.vae.json) with random weights, bf16, on CUDA. Peak = torch.cuda.max_memory_allocated
+during the encode minus what was allocated before it (weights, input). A mode that runs out of memory is recorded as
+"oom". Exact modes run first: the others record their max abs difference from the first exact latent; every mode records
+its latent's largest magnitude (`max_abs`), the scale of that difference.
 
 Modes
   stock        diffusers defaults (HV: use_framewise_encoding=True -> approximate temporal tiles > 16 frames)
@@ -68,7 +68,8 @@ def configure(vae: torch.nn.Module, name: str, mode: str, budget: int, tile: int
     if "tiling" in mode:
         lat = tile // vae.spatial_compression_ratio
         if name == "hv15":  # the latent tile size must be passed too, it is not derived
-            vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile, tile_latent_min_height=lat, tile_latent_min_width=lat)
+            vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
+                              tile_latent_min_height=lat, tile_latent_min_width=lat)
         else:
             vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
                               tile_sample_stride_height=tile * 3 // 4, tile_sample_stride_width=tile * 3 // 4)

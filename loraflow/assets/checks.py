@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from dagster import (
-    AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, MetadataValue, PreviewWarning, asset_check,
+    AssetCheckExecutionContext,
+    AssetCheckResult,
+    AssetCheckSeverity,
+    MetadataValue,
+    PreviewWarning,
+    asset_check,
 )
 
 from loraflow.assets import metadata as md
@@ -93,8 +98,8 @@ def bad_latents(store: Store, geometry: LatentGeometry,
              description="Every latent has its clip's shape through the checkpoint's VAE, (C, (F-1)/4+1, H/s, W/s) "
                          "with s its spatial factor (8 or 16), and is finite.")
 def latents_shape_and_finite(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
-    from loraflow.stages.clips.buckets import latent_geometry
     from loraflow.pipelines import plan_family
+    from loraflow.stages.clips.buckets import latent_geometry
 
     config = loraflow.load()
     geometry = latent_geometry(loraflow.model(config), plan_family(config))
@@ -168,8 +173,8 @@ def texts_without_embeddings(needed: Iterable[tuple[str, str]], store: Store) ->
 @asset_check(asset=text_embeds, blocking=True,
              description="Every caption of every clip (and the empty, negative and validation prompts) is embedded.")
 def text_embeds_cover_captions(loraflow: LoraflowResource) -> AssetCheckResult:
-    from loraflow.stages.text.text_embeds import needed_texts
     from loraflow.pipelines import get_family
+    from loraflow.stages.text.text_embeds import needed_texts
 
     config = loraflow.load()
     store = loraflow.store(config)
@@ -186,8 +191,9 @@ def empty_captions(store: Store, datasets: list[str] | None = None) -> tuple[int
     return len(rows), offending
 
 
-@asset_check(asset=clips, partitions_def=DATASETS, description="No clip trains on the empty prompt by accident (an empty caption file). "
-                                      "WARN: an empty caption is legitimate when unconditional training is intended.")
+@asset_check(asset=clips, partitions_def=DATASETS,
+             description="No clip trains on the empty prompt by accident (an empty caption file). "
+                         "WARN: an empty caption is legitimate when unconditional training is intended.")
 def captions_not_empty(context: AssetCheckExecutionContext, loraflow: LoraflowResource) -> AssetCheckResult:
     config = loraflow.load()
     checked, offending = empty_captions(loraflow.store(config), _datasets(context))

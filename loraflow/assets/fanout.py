@@ -1,8 +1,8 @@
 """`cache_latents_fanout`: one dataset's latents by N steps at once, fanned out by Dagster itself (dynamic outputs).
 
-Each mapped step is one worker of stages/shard_worker.py: it commits its shard's latents and writes no manifest. Which process,
-container or pod runs a step is the executor's business: Dagster's multiprocess executor (the default) runs the N
-steps as N local processes, `k8s_job_executor` (dagster-k8s) as N Kubernetes Jobs, `docker_executor` (dagster-docker)
+Each mapped step is one worker of stages/shard_worker.py: it commits its shard's latents and writes no manifest. Which
+process, container or pod runs a step is the executor's business: Dagster's multiprocess executor (the default) runs the
+N steps as N local processes, `k8s_job_executor` (dagster-k8s) as N Kubernetes Jobs, `docker_executor` (dagster-docker)
 as N containers (docs/multi-gpu.md, "Caching one dataset with N workers"). A `cache_dataset` run of the dataset
 afterwards finds every latent committed and materializes `clips` and `latents` (their data versions, checks, manifest
 parts).

@@ -50,7 +50,8 @@ def recache_schedule(config_path: str) -> ScheduleDefinition:
               description=f"Re-cache clips and latents of every dataset partition, a run each; {note}.")
     def recache(context: ScheduleEvaluationContext) -> list[RunRequest] | SkipReason:
         partitions = context.instance.get_dynamic_partitions(DATASETS.name)
-        requests, unpartitioned = recache_requests(config_path, partitions, context.scheduled_execution_time.isoformat())
+        when = context.scheduled_execution_time.isoformat()
+        requests, unpartitioned = recache_requests(config_path, partitions, when)
         if unpartitioned:
             context.log.warning(f"datasets without a partition, not re-cached: {unpartitioned} (add them with the "
                                 "dataset_watch sensor or `loraflow partitions`)")

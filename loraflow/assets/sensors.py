@@ -78,7 +78,8 @@ def dataset_state(config: Any, dataset: Any) -> dict[str, Any]:
     if sources is None or state["hash"] == MISSING:
         return state
     paired = folder_state(sources.instance_data_dir or "")
-    return {"hash": content_key(targets=state["hash"], sources=paired["hash"]), "files": state["files"] + paired["files"]}
+    return {"hash": content_key(targets=state["hash"], sources=paired["hash"]),
+            "files": state["files"] + paired["files"]}
 
 
 def read_cursor(cursor: str | None) -> tuple[dict[str, Any], int]:

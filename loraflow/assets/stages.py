@@ -36,10 +36,10 @@ def _log_waiting(context: AssetExecutionContext, dataset: str) -> None:
 @asset(deps=[dataset_files], partitions_def=DATASETS, group_name="loraflow",
        description="One dataset: probe videos/images, choose clips, bucket, decode only the kept frames.")
 def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.stages.clips.bucket_plan import human_bytes
-    from loraflow.stages.clips.clips import build_clips
     from loraflow.media.previews import clip_preview
     from loraflow.pipelines import plan_family
+    from loraflow.stages.clips.bucket_plan import human_bytes
+    from loraflow.stages.clips.clips import build_clips
 
     config = loraflow.load()
     store = loraflow.store(config)
@@ -71,8 +71,8 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
 @asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",
        description="One dataset: VAE latents of every clip, cached by content.")
 def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.stages.latents.latents import encode_latents
     from loraflow.pipelines import get_family
+    from loraflow.stages.latents.latents import encode_latents
 
     config = loraflow.load()
     dataset = loraflow.dataset(config, context.partition_key)
@@ -92,8 +92,8 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
 @asset(deps=[clips], pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
        description="Text embeddings of every distinct text of every dataset.")
 def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.stages.text.text_embeds import encode_texts
     from loraflow.pipelines import get_family
+    from loraflow.stages.text.text_embeds import encode_texts
 
     config = loraflow.load()
     report = encode_texts(config, get_family(config), loraflow.model(config), loraflow.store(config))
@@ -112,8 +112,8 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
        description="CREPA's teacher (DINOv2) patch features of every clip, cached by content; nothing while CREPA is "
                    "off.")
 def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.stages.teacher.teacher_features import cache_teacher_features
     from loraflow.pipelines import get_family
+    from loraflow.stages.teacher.teacher_features import cache_teacher_features
 
     config = loraflow.load()
     if not config.crepa_enabled:  # one version while off: lora is not made stale by a stage it does not read
@@ -129,14 +129,14 @@ def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
 @asset(deps=[latents, text_embeds, teacher_features], pool="gpu", group_name="loraflow",
        description="Flow-matching LoRA training.")
 def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.config.adapter_kinds import adapter_summary
     from loraflow.assets.runs.launch import run_training
-    from loraflow.media.previews import loss_plot
-    from loraflow.training.progress_renders import progress_sheet_path
+    from loraflow.config.adapter_kinds import adapter_summary
     from loraflow.config.training_options import trained_with
     from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
     from loraflow.contracts.masks import masked_loss_metadata
+    from loraflow.media.previews import loss_plot
     from loraflow.pipelines import get_family
+    from loraflow.training.progress_renders import progress_sheet_path
 
     config = loraflow.load()  # in-process on one CPU; launched processes under Pipes for N processes or CUDA
     store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)
@@ -176,10 +176,10 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
 @asset(deps=[lora, text_embeds], pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
        description="Base vs LoRA renders of every validation prompt, and eval loss on held-out clips.")
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
+    from loraflow.pipelines import get_family
+    from loraflow.training.ema import trained_adapters
     from loraflow.training.run import current_lora_path
     from loraflow.validation.validate import validate
-    from loraflow.training.ema import trained_adapters
-    from loraflow.pipelines import get_family
 
     config = loraflow.load()
     store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)

@@ -36,7 +36,8 @@ def check_4k_plus_1(name: str, frames: int | None) -> int | None:
 
 
 def is_mask_dataset(dataset: DatasetConfig | None) -> bool:
-    """A conditioning dataset of loss masks (`conditioning_type: mask`, contracts/masks.py), not of i2i source images."""
+    """A conditioning dataset of loss masks (`conditioning_type: mask`, contracts/masks.py), not of i2i source
+    images."""
     return dataset is not None and dataset.conditioning_type == "mask"
 
 
@@ -85,7 +86,8 @@ class DatasetConfig(StrictModel):
         "`conditioning_type: mask` dataset holding each file's loss mask, paired the same way")
     conditioning_type: Literal["mask"] | None = setting(
         None, run_key="when_set", description="conditioning datasets: mask = loss masks (images: white trains, black "
-        "is ignored), paired by `conditioning_data` with any flavour's files (contracts/masks.py); unset: i2i source images")
+        "is ignored), paired by `conditioning_data` with any flavour's files (contracts/masks.py); unset: i2i source "
+        "images")
     instance_data_dir: str | None = setting(None, run_key="always")
     caption_strategy: Literal["textfile", "filename", "instanceprompt", "metadata"] = setting(
         "textfile", run_key="always")
@@ -159,9 +161,11 @@ class DatasetConfig(StrictModel):
         if self.caption_strategy == "instanceprompt" and not self.instance_prompt:
             raise ValueError(f"dataset '{self.id}' uses caption_strategy instanceprompt but has no `instance_prompt`")
         if (self.caption_strategy == "metadata") != bool(self.metadata_file):
-            raise ValueError(f"dataset '{self.id}': `metadata_file` goes with caption_strategy metadata (both or neither)")
+            raise ValueError(f"dataset '{self.id}': `metadata_file` goes with caption_strategy metadata "
+                             "(both or neither)")
         if self.crop_aspect == "closest" and not self.crop_aspect_buckets:
-            raise ValueError(f"dataset '{self.id}': crop_aspect closest needs `crop_aspect_buckets` (width/height ratios)")
+            raise ValueError(f"dataset '{self.id}': crop_aspect closest needs `crop_aspect_buckets` "
+                             "(width/height ratios)")
         if self.crop_aspect_buckets and self.crop_aspect != "closest":
             raise ValueError(f"dataset '{self.id}': `crop_aspect_buckets` is only used with crop_aspect closest")
         if any(a <= 0 for a in self.crop_aspect_buckets):

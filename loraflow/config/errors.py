@@ -10,7 +10,6 @@ from typing import Any, get_args
 
 from pydantic import BaseModel
 
-
 _SHORT = reprlib.Repr()  # a few items of a list, the first 60 characters of a string, two levels deep
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 6
 _SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 60

@@ -132,7 +132,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     validation_prompt: str | None = setting(None, run_key="never")
     validation_resolution: str | None = setting(
         None, run_key="never", description="WIDTHxHEIGHT in pixels; default: the flavour's release "
-        "size (docs/families.md), and where the pipeline sizes the render from its image (HunyuanVideo 1.5 i2v) the size it renders the image validation starts from at")
+        "size (docs/families.md), and where the pipeline sizes the render from its image (HunyuanVideo 1.5 i2v) "
+        "the size it renders the image validation starts from at")
     validation_num_video_frames: int | None = setting(None, run_key="never", description="4k+1; default: the flavour's")
     validation_guidance: float | None = setting(None, run_key="never", description="default: the flavour's")
     validation_flow_shift: float | None = setting(
@@ -240,9 +241,9 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         "fp32", run_key="when_set", description="how the modules diffusers keeps in fp32 are stored when "
         "base_model_precision is bf16, fp8 or int8 (Kandinsky 5's time embeddings and modulations: 2.38B parameters, "
         "8.9 GiB on Pro, 1 GiB on Lite; HunyuanVideo 1.5 has none): fp32, bf16 or fp8 (float8_e4m3fn), computing in "
-        "fp32 either way (diffusers' layerwise casting). Default with such a base: bf16, which changes the tiny model's "
-        "velocity no more than the bf16 base itself does (docs/families.md); fp8 doubles that change and saves as "
-        "much again")
+        "fp32 either way (diffusers' layerwise casting). Default with such a base: bf16, which changes the tiny "
+        "model's velocity no more than the bf16 base itself does (docs/families.md); fp8 doubles that change and "
+        "saves as much again")
     mixed_precision: Literal["auto", "no", "bf16"] = setting(
         "auto", run_key="always", description="bf16 autocast of the forward: auto = on CUDA, or when "
         "base_model_precision is not no_change; no = fp32 compute (needs base_model_precision no_change)")
@@ -254,7 +255,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         "(the 2-D LoRA matrices); prodigy: prodigyopt (learning_rate 1.0: it finds the step size); "
         "adamw_schedulefree: schedulefree's AdamW, which needs no decay: keep lr_scheduler constant "
         "(training/optimizers.py)")
-    # Adapter kind, start and EMA (SimpleTuner's names; training/adapters.py, training/ema.py). Off by default, keys unchanged.
+    # Adapter kind, start and EMA (SimpleTuner's names; training/adapters.py, training/ema.py). Off by default, keys
+    # unchanged.
     lora_type: Literal["standard", "lycoris"] = setting(
         "standard", run_key="when_set", description="standard: peft LoRA; lycoris: LoKr or LoHa (peft's), as "
         "`lycoris_config` says")

@@ -1,6 +1,6 @@
 """The seed guides' training features, under SimpleTuner's names: part of the one config model (`LoraflowConfig`
-inherits these fields), kept here so loraflow_config.py stays readable. Each is off by default and `when_set`: a run that
-does not use it keeps the key it had before the feature existed.
+inherits these fields), kept here so loraflow_config.py stays readable. Each is off by default and `when_set`: a run
+that does not use it keeps the key it had before the feature existed.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ class LoraflowConfig(ConfigFields):
                                  "other than full")
             single = d.dataset_type == "image" or d.video.num_frames == 1
             if flavour.conditioning_frames and single and d.id != self.render_dataset_id:
-                # the loss covers the frames after the clean first frame (`kernels.flow_matching.flow_mse`): one frame would be NaN
+                # the loss covers the frames after the clean first frame (`kernels.flow_matching.flow_mse`):
+                # one frame would be NaN
                 raise ValueError(f"dataset '{d.id}': flavour '{flavour.name}' trains on the frames after a clean "
                                  "first frame; single images have none: use `dataset_type: video` with "
                                  "`video.num_frames` of 5 or more (or make it `eval_dataset_id` with "
@@ -256,8 +257,8 @@ class LoraflowConfig(ConfigFields):
             raise ValueError(f"`fsdp: true` shards the model over the training processes but num_processes is "
                              f"{self.num_processes}: set num_processes: N (one per GPU, N > 1) or fsdp: false")
         # Each of these runs the sharded transformer (or its LoRA) on rank 0 alone or beside FSDP's own hooks
-        for key in ("enable_group_offload", "blocks_to_swap", "crepa_enabled", "validation_steps", "use_ema", "lycoris_config",
-                    "validation_on_startup"):
+        for key in ("enable_group_offload", "blocks_to_swap", "crepa_enabled", "validation_steps", "use_ema",
+                    "lycoris_config", "validation_on_startup"):
             if getattr(self, key):
                 raise ValueError(f"`{key}` is not supported with `fsdp: true` (untested together): remove `{key}` "
                                  "or set fsdp: false")

@@ -11,9 +11,10 @@ Through the DAG:
               spatial factor squared; over time the image is the same at every frame, so the average over the
               temporal factor is the image itself): `loss_mask` (1, 1, h, w), broadcast over channels and frames.
     lora      the per-element squared error times the mask, normalised by the mask's mean over the batch's
-              elements (`pipelines.base.flow_mse`'s `mask`): an all-ones mask is the plain MSE bit for bit, and a
-              half mask weighs its kept half as much as a full image would. Each micro-step applies the masks with probability
-              `masked_loss_probability`, drawn from its own (seed, micro-step) generator (resume stays exact).
+              elements (`kernels.flow_matching.flow_mse`'s `mask`): an all-ones mask is the plain MSE bit for bit,
+              and a half mask weighs its kept half as much as a full image would. Each micro-step applies the masks
+              with probability `masked_loss_probability`, drawn from its own (seed, micro-step) generator (resume
+              stays exact).
 Eval loss stays unmasked (it compares base and LoRA on whole clips).
 """
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from PIL import Image
 
 from loraflow.media.writers import save_png, write_mp4
@@ -119,7 +118,8 @@ def make_demo_edits(targets_dir: str | Path, sources_dir: str | Path) -> tuple[P
             if not (folder / f"{stem}.png").is_file():
                 save_png(Image.fromarray(frame), folder / f"{stem}.png")
         if not (targets / f"{stem}.txt").is_file():
-            write_atomic(targets / f"{stem}.txt", lambda p: p.write_text(f"make the {shape} {after}\n", encoding="utf-8"))
+            caption = f"make the {shape} {after}\n"
+            write_atomic(targets / f"{stem}.txt", lambda p: p.write_text(caption, encoding="utf-8"))
     return targets, sources
 
 

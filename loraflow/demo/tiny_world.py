@@ -86,7 +86,9 @@ def world_pipeline() -> TinyPipeline:
     from diffusers import Kandinsky5T2VPipeline
 
     from loraflow.pipelines.kandinsky5.tiny_parts import (
-        kandinsky5_scheduler, kandinsky5_text_components, kandinsky5_transformer,
+        kandinsky5_scheduler,
+        kandinsky5_text_components,
+        kandinsky5_transformer,
     )
     from loraflow.pipelines.kandinsky5.video.family import make_family
 

@@ -59,7 +59,14 @@ imported here: `from loraflow import estimates; estimates.training_step(...)`.
 """
 
 from loraflow.estimates.fit import (
-    CARDS_GB, CUDA_CONTEXT, FIT_MARKS, FIT_SHARE, GIB, StageEstimate, card_gb, usable_bytes,
+    CARDS_GB,
+    CUDA_CONTEXT,
+    FIT_MARKS,
+    FIT_SHARE,
+    GIB,
+    StageEstimate,
+    card_gb,
+    usable_bytes,
 )
 from loraflow.estimates.inputs import component_configs, configured_buckets, largest_bucket, released_configs
 from loraflow.estimates.remembered import code_version, estimates_cache, remembered

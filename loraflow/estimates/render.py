@@ -14,7 +14,13 @@ from loraflow.estimates.fake_tensors import NotFakeable, fake_model, measured_st
 from loraflow.estimates.fit import StageEstimate, card_gb, usable_bytes
 from loraflow.estimates.inputs import component_configs
 from loraflow.estimates.transformer import (
-    attention_stand_in, block_bytes, estimate_mode, fake_transformer, offloaded, velocity_call, weights_bytes,
+    attention_stand_in,
+    block_bytes,
+    estimate_mode,
+    fake_transformer,
+    offloaded,
+    velocity_call,
+    weights_bytes,
 )
 
 if TYPE_CHECKING:

@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 from loraflow.estimates.fake_tensors import NotFakeable, fake_model, measured_step, meta_model, tensor_bytes
 from loraflow.estimates.fit import StageEstimate
 from loraflow.estimates.transformer import (
-    attention_stand_in, estimate_mode, fake_transformer, model_dtype, offloaded_bytes, velocity_call, weights_bytes,
+    attention_stand_in,
+    estimate_mode,
+    fake_transformer,
+    model_dtype,
+    offloaded_bytes,
+    velocity_call,
+    weights_bytes,
 )
 from loraflow.kernels.checkpointing import enable_checkpointing
 

@@ -34,8 +34,8 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
              stages: tuple[str, ...] = STAGES) -> list[StageEstimate]:
     """`stages` for the config's largest bucket (frames, height, width) and its validation size, from the
     components' config dicts only (`component_configs`, or a released config: no weights are read)."""
-    from loraflow.stages.clips.buckets import vae_geometry
     from loraflow.pipelines import plan_family
+    from loraflow.stages.clips.buckets import vae_geometry
 
     frames, height, width = bucket
     configs = {**configs, "transformer": family.flavour.configured(configs["transformer"])}  # Pro's SD/HD mode

@@ -106,9 +106,9 @@ def velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shap
     HunyuanVideo 1.5's SigLIP tokens, which open its image stream)."""
     import torch
 
-    from loraflow.training.loop import routing, step_losses
-    from loraflow.training.batches import MicroBatch, StepDraws
     from loraflow.pipelines.base import image_conditions
+    from loraflow.training.batches import MicroBatch, StepDraws
+    from loraflow.training.loop import routing, step_losses
 
     device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
 

@@ -11,7 +11,8 @@ paper's Eq. 6), our own code. With p = projected tokens and t = teacher features
                  `crepa_normalize_by_frames`; the caller weights it by `crepa_lambda`.
 Where the tokens come from: the output of visual block `crepa_block_index` (a forward hook on the real diffusers
 block, `capture_block`), whose tokens are in (frame, row, column) order, one per latent patch (`token_grid`).
-The teacher's features arrive cached per latent frame (`loraflow.stages.teacher.teacher_features`) on its own square patch grid.
+The teacher's features arrive cached per latent frame (`loraflow.stages.teacher.teacher_features`) on its own square
+patch grid.
 `crepa_spatial_align` resamples them bilinearly onto the transformer's (rows, columns) grid; off, both sides are
 averaged over a frame's patches (one token per frame). SimpleTuner instead resamples both to the smaller token
 count, in 1-D where a grid is not square; the 2-D resampling keeps each patch over the same part of the frame.
@@ -67,7 +68,10 @@ def token_grid(transformer_config: Any, latent_shape: tuple[int, int, int]) -> t
     """(frames, rows, columns) of visual tokens for latents (T, h, w): Kandinsky 5 configs name a 3-tuple
     `patch_size`, HunyuanVideo 1.5 an int `patch_size` and `patch_size_t`."""
     patch = transformer_config["patch_size"]
-    pt, ph, pw = patch if isinstance(patch, (list, tuple)) else (transformer_config.get("patch_size_t", 1), patch, patch)
+    if isinstance(patch, (list, tuple)):
+        pt, ph, pw = patch
+    else:
+        pt, ph, pw = transformer_config.get("patch_size_t", 1), patch, patch
     frames, height, width = latent_shape
     return frames // pt, height // ph, width // pw
 

@@ -59,7 +59,8 @@ def regression_loss(prediction: torch.Tensor, target: torch.Tensor, loss: LossTy
         c = scheduled_huber_c(sigma, loss.huber_c, loss.huber_schedule).to(prediction)
         c = c.view(-1, *([1] * (prediction.dim() - 1)))  # (B,) over (B, C, T, H, W)
         squared = (prediction - target) ** 2
-        curve = squared / (torch.sqrt(squared + c ** 2) + c)  # = sqrt(r^2 + c^2) - c, without its cancellation at small r
+        # = sqrt(r^2 + c^2) - c, without its cancellation at small r
+        curve = squared / (torch.sqrt(squared + c ** 2) + c)
         elementwise = 2 * (c if loss.kind == "huber" else 1) * curve
         if weights is None:
             return elementwise.mean()

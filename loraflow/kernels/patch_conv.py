@@ -20,8 +20,8 @@
   720p x 121 frames in 24 GB: one full-res activation (128 ch) is already 28.5 GB in bf16.
   The HV (v1) encoder uses GroupNorm over the whole clip, so it cannot be streamed exactly.
 
-Norms are never split (GroupNorm stays global). Only `forward` attributes are set on instances, so parameters, `state_dict()` and
-`from_pretrained()` are unaffected; `disable_patch_conv` removes them.
+Norms are never split (GroupNorm stays global). Only `forward` attributes are set on instances, so parameters,
+`state_dict()` and `from_pretrained()` are unaffected; `disable_patch_conv` removes them.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def _slab_conv(self: nn.Module, x: torch.Tensor, t_lo: int) -> torch.Tensor:
             # The slice is a view; F.pad re-creates only the padding this slab overlaps, so the
             # slab itself is the only copy made.
             slab = F.pad(x[:, :, ts:te, hs:he], (w_lo, w_hi, hf, hb, tf, tb), mode=self.pad_mode)
-            out[:, :, o_t:e_t, o_h:e_h] = F.conv3d(slab, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+            out[:, :, o_t:e_t, o_h:e_h] = F.conv3d(
+                slab, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups
+            )
             del slab
     return out
 
@@ -101,7 +103,9 @@ def _conv_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _slab_conv(self, x, t_lo)
 
 
-def block_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens_per_frame: int, max_block_bytes: int) -> torch.Tensor:
+def block_causal_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tokens_per_frame: int, max_block_bytes: int
+) -> torch.Tensor:
     """SDPA under the VAE's block-causal frame mask, without building the mask.
 
     q, k, v: (B, heads, L, D), L = frames * tokens_per_frame, frame-major. Queries of frame f see
@@ -236,7 +240,10 @@ def _targets(vae: nn.Module) -> list[tuple[nn.Module, types.FunctionType]]:
 def _streamable(encoder: nn.Module) -> bool:
     # Exact chunking needs causal, unstrided, replicate-padded time axes in every conv before the mid block.
     convs = [c for c in encoder.modules() if hasattr(c, "time_causal_padding")]
-    return all(c.time_causal_padding[5] == 0 and c.conv.stride[0] == c.conv.dilation[0] == 1 and c.pad_mode == "replicate" for c in convs)
+    return all(
+        c.time_causal_padding[5] == 0 and c.conv.stride[0] == c.conv.dilation[0] == 1 and c.pad_mode == "replicate"
+        for c in convs
+    )
 
 
 def enable_patch_conv(vae: nn.Module, max_slab_bytes: int = 256 * 2**20) -> int:

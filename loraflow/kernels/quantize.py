@@ -66,9 +66,9 @@ def store_frozen(transformer: torch.nn.Module, precision: str, kept: str = "fp32
 
 def store_kept(transformer: torch.nn.Module, kept: str) -> None:
     """The modules `transformer`'s class keeps in fp32 stored in bf16 or fp8 (`kept`; "fp32": left as they are),
-    still computing in fp32: diffusers' `LayerwiseCastingHook` on each of their linear layers, so each weight is cast to fp32
-    for its layer's forward and back after it. Registered under its own name (KEPT_HOOK), not diffusers' own: the
-    model's `dtype` (what pipelines and `compute_dtype` read) is the compute dtype of the first hook registered as
+    still computing in fp32: diffusers' `LayerwiseCastingHook` on each of their linear layers, so each weight is cast
+    to fp32 for its layer's forward and back after it. Registered under its own name (KEPT_HOOK), not diffusers' own:
+    the model's `dtype` (what pipelines and `compute_dtype` read) is the compute dtype of the first hook registered as
     "layerwise_casting", which would then say fp32 for a bf16 model. musubi-tuner stores Kandinsky 5's modulations
     in fp8 too, with a scale per 64 weights of a row (kohya-ss/musubi-tuner
     src/musubi_tuner/modules/fp8_optimization_utils.py, `quantize_weight`); layerwise casting has no scale: a weight

@@ -177,7 +177,9 @@ def _stat_key(path: Path) -> tuple[str, int, int]:
     try:
         st = path.stat()
     except OSError as err:
-        raise MediaError("unreadable", f"{path}: cannot read the file ({err.strerror}); check the path and permissions") from err
+        raise MediaError(
+            "unreadable", f"{path}: cannot read the file ({err.strerror}); check the path and permissions"
+        ) from err
     if not path.is_file():
         raise MediaError("unreadable", f"{path}: not a regular file; point the dataset at media files")
     if st.st_size == 0:

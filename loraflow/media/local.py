@@ -182,7 +182,8 @@ def _timestamps_from_demux(container: Any, stream: Any, path: Path) -> tuple[int
             if packet.size == 0:
                 continue  # the flush packet PyAV appends
             total += 1
-            if packet.is_corrupt or (packet.pos is not None and packet.pos >= 0 and packet.pos + packet.size > file_size):
+            past_end = packet.pos is not None and packet.pos >= 0 and packet.pos + packet.size > file_size
+            if packet.is_corrupt or past_end:
                 _raise_truncated(path, f"packet {total} is incomplete")
             first_key = _first_key(first_key, packet)
             if _shown(first_key, packet.pts) and not packet.is_discard:
@@ -429,7 +430,8 @@ def _pyav_frames(path: Path, indices: list[int], size: tuple[int, int], rotation
                 slot, target = step
         except av.error.FFmpegError as err:
             raise MediaError(
-                "unreadable", f"{path}: decoding failed before frame {target} ({err}); the file is damaged, re-export it"
+                "unreadable",
+                f"{path}: decoding failed before frame {target} ({err}); the file is damaged, re-export it"
             ) from err
     _raise_truncated(path, f"frame {target} was requested but the decoder stopped earlier")
 

@@ -7,9 +7,24 @@ the registry's names, which is what callers import.
 """
 
 from loraflow.pipelines.registry import (
-    FAMILIES, NABLA_BLOCK, FamilyChoice, FamilyPlan, bucket_multiple, checkpoint_uses_nabla, describe_families,
-    family_flavour, family_names, family_spec, family_specs, flavour_names, get_family, known_flavour, load_family,
-    nabla_note, nearest_multiple, plan_family,
+    FAMILIES,
+    NABLA_BLOCK,
+    FamilyChoice,
+    FamilyPlan,
+    bucket_multiple,
+    checkpoint_uses_nabla,
+    describe_families,
+    family_flavour,
+    family_names,
+    family_spec,
+    family_specs,
+    flavour_names,
+    get_family,
+    known_flavour,
+    load_family,
+    nabla_note,
+    nearest_multiple,
+    plan_family,
 )
 
 __all__ = [

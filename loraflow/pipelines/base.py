@@ -13,9 +13,9 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from functools import partial
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 

@@ -68,7 +68,9 @@ def comfyui_name(rules: Sequence[ComfyRule], module: str) -> tuple[str, int, int
         match = re.fullmatch(rule.pattern, module)
         if match:
             return match.expand(rule.target), rule.part, rule.parts
-    raise ValueError(f"no ComfyUI name for LoRA module {module!r}; the family's COMFYUI_NAMES table lacks a rule for it")
+    raise ValueError(
+        f"no ComfyUI name for LoRA module {module!r}; the family's COMFYUI_NAMES table lacks a rule for it"
+    )
 
 
 def alpha_and_rank(adapter_config: Mapping, module: str, rank: int | None = None) -> tuple[float, int]:

@@ -1,12 +1,14 @@
 """docs/families.md's flavour table, made from the flavours themselves: per flavour its repository, size (what
 validation renders at by default), sampling steps, guidance, render shift, training shift, attention and text
 length, each number with a reference to its citation (`Flavour.sources`; the attention's from the released
-transformer file where the flavour sets no mode), listed below the table. tests/test_docs.py holds the page to it; `python -m loraflow.pipelines.flavour_table` prints it."""
+transformer file where the flavour sets no mode), listed below the table. tests/test_docs.py holds the page to it;
+`python -m loraflow.pipelines.flavour_table` prints it.
+"""
 
 from __future__ import annotations
 
-from loraflow.pipelines.registry import family_specs
 from loraflow.pipelines.flavours import Flavour
+from loraflow.pipelines.registry import family_specs
 
 COLUMNS = ("size", "steps", "guidance", "flow_shift", "training_shift", "attention", "text_tokens")
 HEADER = ("family", "flavour", "repository (diffusers layout)", "size (WxH)", "steps", "guidance", "render shift",

@@ -46,7 +46,8 @@ class Flavour:
     flow_shift: float
     guidance: float
     components: tuple[str, ...]
-    # Latent frames given clean, not generated: their x_t is x0 and they carry no loss (`kernels.flow_matching.flow_mse`).
+    # Latent frames given clean, not generated: their x_t is x0 and they carry no loss
+    # (`kernels.flow_matching.flow_mse`).
     # 0 for t2v, for K5 i2i (its source image is extra input channels, not a frame) and for HV1.5 i2v, whose
     # pipeline noises and steps frame 0 like every frame and gives the image only through its condition channels
     # (`hunyuanvideo15.HunyuanVideo15._condition`).

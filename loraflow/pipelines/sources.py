@@ -330,7 +330,8 @@ def model_index(model: ModelSource | str | Path) -> dict[str, Any]:
     if not index.is_file():
         raise FileNotFoundError(
             f"{model} is not a diffusers checkpoint folder (no model_index.json). Point "
-            "`pretrained_model_name_or_path` at a local folder laid out like the Hugging Face repo, or at the repo's id."
+            "`pretrained_model_name_or_path` at a local folder laid out like the Hugging Face repo, "
+            "or at the repo's id."
         )
     return json.loads(index.read_text())
 

@@ -22,9 +22,20 @@ import torch
 from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from tokenizers import AddedToken
 from transformers import (
-    ByT5Tokenizer, CLIPTextConfig, CLIPTextModel, CLIPTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-    Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, Qwen2Tokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor,
-    Qwen2VLVideoProcessor, T5Config, T5EncoderModel,
+    ByT5Tokenizer,
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
+    Qwen2Tokenizer,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
+    T5Config,
+    T5EncoderModel,
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 

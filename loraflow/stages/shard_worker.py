@@ -23,9 +23,9 @@ import sys
 from typing import TYPE_CHECKING
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.reports import ClipsReport, LatentsReport
 from loraflow.keys import Shard
 from loraflow.lifetime import die_with_parent
-from loraflow.contracts.reports import ClipsReport, LatentsReport
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 

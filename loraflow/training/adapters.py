@@ -34,8 +34,8 @@ from loraflow.pipelines.comfyui import PREFIX, SCALED_FACTOR, comfyui_name, modu
 from loraflow.safetensors_header import read_adapter_header
 
 if TYPE_CHECKING:
-    from loraflow.config.adapter_kinds import LycorisConfig
     from loraflow.config import LoraflowConfig
+    from loraflow.config.adapter_kinds import LycorisConfig
 
 
 ADAPTER_PARAMETERS = ("lora_", "lokr_", "hada_")  # peft's LoRA (and DoRA's magnitude), LoKr, LoHa

@@ -15,17 +15,17 @@ import torch
 
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.clip_rows import ClipRow, read_clips
+from loraflow.contracts.holdout import split_clips
 from loraflow.contracts.latent_rows import draw_latents, read_latent_rows
-from loraflow.keys import hash_seed
+from loraflow.contracts.masks import batch_mask
+from loraflow.contracts.teacher_features import load_teacher_batch
+from loraflow.contracts.text_set import read_text_set
 from loraflow.kernels.flow_matching import auto_shift, sample_sigmas
 from loraflow.kernels.scheduled_sampling import draw_offsets, rollout_probability
-from loraflow.training.row_cache import RowCache
-from loraflow.contracts.teacher_features import load_teacher_batch
-from loraflow.contracts.holdout import split_clips
-from loraflow.contracts.text_set import read_text_set
+from loraflow.keys import hash_seed
 from loraflow.pipelines.base import AS_T2V, IMAGE_CONDITION_COLUMNS, ModelFamily, TextRow, image_conditions
-from loraflow.contracts.masks import batch_mask
 from loraflow.store import Store
+from loraflow.training.row_cache import RowCache
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,11 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from loraflow.training.distributed import gathered, shard_like
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import at_unit_scale, comfyui_refusal, save_comfyui_lora
 from loraflow.pipelines.lycoris import is_lycoris, save_comfyui_lycoris
 from loraflow.store import temporary_folder, write_json
+from loraflow.training.distributed import gathered, shard_like
 
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig

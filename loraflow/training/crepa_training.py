@@ -15,11 +15,18 @@ from pathlib import Path
 import torch
 
 from loraflow.config import LoraflowConfig
-from loraflow.keys import hash_seed
-from loraflow.kernels.crepa import (
-    PROJECTOR_FILE, BlockCapture, CrepaProjector, capture_block, crepa_loss, frame_tokens, hidden_width, token_grid,
-)
 from loraflow.contracts.teacher_features import STAGE, teacher_keys
+from loraflow.kernels.crepa import (
+    PROJECTOR_FILE,
+    BlockCapture,
+    CrepaProjector,
+    capture_block,
+    crepa_loss,
+    frame_tokens,
+    hidden_width,
+    token_grid,
+)
+from loraflow.keys import hash_seed
 from loraflow.pipelines.base import ModelFamily
 from loraflow.store import Store
 

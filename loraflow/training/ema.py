@@ -3,9 +3,10 @@
 A shadow copy of the adapter's state dict (peft names, fp32), started from the adapter at step 0 and updated after
 every `ema_update_interval`-th optimizer step by torch's own EMA (`torch.optim.swa_utils.get_ema_multi_avg_fn`:
 ema <- decay * ema + (1 - decay) * weights). The decay is fixed (no warm-up), so the EMA after updates at steps
-t_1..t_n is the closed form decay^n * w_0 + sum_i (1 - decay) decay^(n - i) w_(t_i) (tests/training/test_adapter_options.py
-checks it in float64) and the update needs no counter: resuming from a checkpoint's `ema.safetensors` continues
-bit for bit. It never feeds back into training: the LoRA trained with or without it is the same.
+t_1..t_n is the closed form decay^n * w_0 + sum_i (1 - decay) decay^(n - i) w_(t_i)
+(tests/training/test_adapter_options.py checks it in float64) and the update needs no counter: resuming from a
+checkpoint's `ema.safetensors` continues bit for bit. It never feeds back into training: the LoRA trained with or
+without it is the same.
 
     <run>/checkpoints/step-NNNNNNN/ema.safetensors      the shadow at that step
     <run>/pytorch_lora_weights_ema.safetensors          the EMA adapter, written as the LoRA's own files are

@@ -29,24 +29,39 @@ from loraflow.config.run_key import run_key_settings
 from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
 from loraflow.contracts.reports import LoraReport, TrainStep
 from loraflow.contracts.teacher_features import teacher_keys
-from loraflow.keys import content_key, tensors_fingerprint
 from loraflow.kernels.devices import free_models, peak_memory_gib
 from loraflow.kernels.flow_matching import flow_mse, lr_at, noisy_sample
 from loraflow.kernels.losses import LossType
 from loraflow.kernels.scheduled_sampling import roll_out
 from loraflow.kernels.tread import tread_routing
+from loraflow.keys import content_key, tensors_fingerprint
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.sources import ModelSource
 from loraflow.stages.teacher.teacher_features import cache_teacher_features
 from loraflow.store import Store, write_json
 from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load_micro_batch, step_seed
 from loraflow.training.checkpoints import (
-    LORA_FILE, LoraExport, adapter_config, comfyui_twin, export_comfyui, export_lora, latest_checkpoint, lora_state,
-    optimizer_state, resume_optimizer, save_checkpoint, writes_comfyui,
+    LORA_FILE,
+    LoraExport,
+    adapter_config,
+    comfyui_twin,
+    export_comfyui,
+    export_lora,
+    latest_checkpoint,
+    lora_state,
+    optimizer_state,
+    resume_optimizer,
+    save_checkpoint,
+    writes_comfyui,
 )
 from loraflow.training.crepa_training import Crepa, capturing, projector_state
 from loraflow.training.distributed import (
-    average_gradients_, barrier, check_same_everywhere, gathered, join, sum_over_ranks,
+    average_gradients_,
+    barrier,
+    check_same_everywhere,
+    gathered,
+    join,
+    sum_over_ranks,
 )
 from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE
 from loraflow.training.model_setup import TrainingModel, setup_model

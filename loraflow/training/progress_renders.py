@@ -31,18 +31,17 @@ import torch
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
-from loraflow.store import write_json
-from loraflow.kernels.devices import peak_memory_gib
-from loraflow.training.distributed import World, barrier
 from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_settings, render_video
 from loraflow.contracts.text_set import cached_texts
+from loraflow.kernels.devices import peak_memory_gib
 from loraflow.media.previews import contact_sheet
 from loraflow.media.writers import read_media, save_png, slug, write_media
-from loraflow.training.adapters import ADAPTER_PARAMETERS
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.render_memory import RenderPlan
 from loraflow.pipelines.sources import ModelSource
-from loraflow.store import Store
+from loraflow.store import Store, write_json
+from loraflow.training.adapters import ADAPTER_PARAMETERS
+from loraflow.training.distributed import World, barrier
 
 log = logging.getLogger(__name__)
 RESULT = "result.json"

@@ -76,4 +76,5 @@ def open_sink(report_to: str, run_dir: Path, start: int, config: dict[str, Any] 
     except ImportError as exc:
         package = PACKAGES[report_to]
         raise ImportError(f"report_to: {report_to} needs the {package} package, which is not installed: "
-                          f"`pip install {package}` (or `pip install loraflow[tracking]`), or set report_to: none") from exc
+                          f"`pip install {package}` (or `pip install loraflow[tracking]`), "
+                          "or set report_to: none") from exc

@@ -20,12 +20,12 @@ import torch
 
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.clip_rows import read_clips
-from loraflow.keys import hash_seed
 from loraflow.contracts.holdout import clip_source, split_clips
 from loraflow.contracts.latent_rows import read_latent_rows
 from loraflow.contracts.reports import EvalLoss
 from loraflow.contracts.text_set import text_lookup
 from loraflow.kernels.flow_matching import flow_mse, noisy_sample
+from loraflow.keys import hash_seed
 from loraflow.pipelines.base import ModelFamily, image_conditions, set_lora_scale
 from loraflow.store import Store
 

@@ -29,21 +29,20 @@ import numpy as np
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
-from loraflow.estimates.render import validation_plan
-from loraflow.keys import content_key, safetensors_sha256
-from loraflow.kernels.devices import free_models, pick_device
-from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, loss_summary
+from loraflow.config.validation_adapters import ValidationAdapter, activate, adapter_keys, load_adapters
 from loraflow.contracts.holdout import evaluates
 from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_settings, render_video
+from loraflow.contracts.reports import EvalLoss, PromptRenders, ValidationReport
 from loraflow.contracts.text_set import cached_texts
-from loraflow.store import write_json
+from loraflow.estimates.render import validation_plan
+from loraflow.kernels.devices import free_models, pick_device
+from loraflow.keys import content_key, safetensors_sha256
 from loraflow.media.previews import contact_sheet, eval_loss_plot, save_animation
 from loraflow.media.writers import save_png, slug, write_media
-from loraflow.contracts.reports import EvalLoss, PromptRenders, ValidationReport
-from loraflow.config.validation_adapters import ValidationAdapter, activate, adapter_keys, load_adapters
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint
 from loraflow.pipelines.sources import ModelSource
-from loraflow.store import Store
+from loraflow.store import Store, write_json
+from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, loss_summary
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "validation-3"  # 3: labelled, wrapped contact sheets and preview.webp

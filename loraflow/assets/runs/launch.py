@@ -47,8 +47,8 @@ def run_training(context: AssetExecutionContext, config: LoraflowConfig, family:
     """The lora stage's report, trained here or by the launched processes (`family`, `model`: resolved by the asset
     either way, so the Hub is asked once, before any process starts; each launched process resolves them again, the
     model from the cache)."""
-    from loraflow.training.loop import train_lora
     from loraflow.train_main import report_from_summary
+    from loraflow.training.loop import train_lora
 
     if not needs_launch(config):
         return train_lora(config, family, model, store)

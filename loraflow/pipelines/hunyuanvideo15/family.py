@@ -27,10 +27,17 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extra
 from PIL import Image
 from safetensors.torch import save_file
 
-from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
+from loraflow.keys import content_key
 from loraflow.pipelines.base import (
-    AS_T2V, RenderSettings, TextRow, compute_dtype, load_pipeline, lora_file_header, scaled_posterior, set_lora_scale,
+    AS_T2V,
+    RenderSettings,
+    TextRow,
+    compute_dtype,
+    load_pipeline,
+    lora_file_header,
+    scaled_posterior,
+    set_lora_scale,
 )
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
@@ -336,7 +343,8 @@ class HunyuanVideo15:
         pipe.guider = pipe.guider.new(guidance_scale=settings.guidance)  # __call__ has no guidance argument
         set_lora_scale(pipe.transformer, lora_scale)
         key_mask_attention(pipe.transformer)
-        pos, neg = self.collate_text([prompt], pipe._execution_device), self.collate_text([negative], pipe._execution_device)
+        pos = self.collate_text([prompt], pipe._execution_device)
+        neg = self.collate_text([negative], pipe._execution_device)
         video = pipe(
             **inputs,
             prompt_embeds=pos["text_embeds"],

@@ -21,7 +21,9 @@ from loraflow.pipelines.sources import ModelSource
 _SIGLIP_PARTS = ("image_encoder", "feature_extractor")
 # The guide's environment variables; read as diffusers component folders, not the original release's
 # text_encoder/llm or vision_encoder/siglip tree SimpleTuner points them at.
-_GUIDE_FOLDERS = (("text_encoder", "HUNYUANVIDEO_TEXT_ENCODER_PATH"), ("image_encoder", "HUNYUANVIDEO_VISION_ENCODER_PATH"))
+_GUIDE_FOLDERS = (
+    ("text_encoder", "HUNYUANVIDEO_TEXT_ENCODER_PATH"), ("image_encoder", "HUNYUANVIDEO_VISION_ENCODER_PATH"),
+)
 TEXT_TOKENS = 1000  # the pipelines' tokenizer_max_length, after the template's crop
 _CONVERT = "scripts/convert_hunyuan_video1_5_to_diffusers.py"
 

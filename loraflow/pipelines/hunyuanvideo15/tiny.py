@@ -6,15 +6,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from diffusers import (
-    AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
-    HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel,
+    AutoencoderKLHunyuanVideo15,
+    ClassifierFreeGuidance,
+    FlowMatchEulerDiscreteScheduler,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
 )
 from transformers import ByT5Tokenizer, SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
 
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.hunyuanvideo15.spec import SPEC
 from loraflow.pipelines.tiny_parts import (
-    TEXT_DIM, TinyPipeline, byt5_encoder, qwen_tokenizer, qwen_vl_text_encoder, recipe_name,
+    TEXT_DIM,
+    TinyPipeline,
+    byt5_encoder,
+    qwen_tokenizer,
+    qwen_vl_text_encoder,
+    recipe_name,
 )
 
 IMAGE_DIM = 32  # hidden size of the tiny SigLIP vision tower

@@ -1,7 +1,7 @@
 """What Kandinsky 5.0 Video and Image share: the Qwen2.5-VL + CLIP text path, the transformer's LoRA targets and
 file format, the pipelines' prompt-embedding arguments, and the adapters' fields of equal value. Both families' adapters
-subclass `Kandinsky5Shared` and name their own `prompt_templates` (the only difference on the text side, except for Image i2i, whose Qwen path also sees
-the source image: `image/family.py` `Kandinsky5ImageI2I.encode_text`).
+subclass `Kandinsky5Shared` and name their own `prompt_templates` (the only difference on the text side, except for
+Image i2i, whose Qwen path also sees the source image: `image/family.py` `Kandinsky5ImageI2I.encode_text`).
 
 Two templates per family (config `kandinsky5_prompt_template`): "original", the original repository's (its system
 prompt says "You are a promt engineer", as the checkpoints were trained with, and as ComfyUI, FastVideo, musubi-tuner
@@ -23,8 +23,8 @@ from diffusers.loaders import KandinskyLoraLoaderMixin
 from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 from transformers import ProcessorMixin
 
-from loraflow.keys import content_key
 from loraflow.kernels.tread import TokenLayout
+from loraflow.keys import content_key
 from loraflow.pipelines.base import TextRow, compute_dtype, stacked
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
@@ -33,12 +33,14 @@ from loraflow.pipelines.sources import ModelSource
 CLIP_TOKENS = 77
 PROMPT_TEMPLATES = ("original", "diffusers")  # config `kandinsky5_prompt_template`; the first is the default
 # ComfyUI's Kandinsky5 model (comfyanonymous/ComfyUI comfy/ldm/kandinsky5/model.py) keeps the original checkpoint's
-# module names, which are also diffusers' (models/transformers/transformer_kandinsky.py): text_/visual_transformer_blocks
-# .N.self_attention|cross_attention.to_query|to_key|to_value|out_layer, .feed_forward.in_layer|out_layer. So the
-# ComfyUI name is the diffusers name (ComfyUI's comfy/lora.py even accepts it with a `transformer.` prefix, but then
-# ignores lora_alpha). Video and image use the same transformer class.
+# module names, which are also diffusers' (models/transformers/transformer_kandinsky.py):
+# text_/visual_transformer_blocks.N.self_attention|cross_attention.to_query|to_key|to_value|out_layer,
+# .feed_forward.in_layer|out_layer. So the ComfyUI name is the diffusers name (ComfyUI's comfy/lora.py even accepts it
+# with a `transformer.` prefix, but then ignores lora_alpha). Video and image use the same transformer class.
 KANDINSKY5_COMFYUI_NAMES = (
-    ComfyRule(r"((?:text|visual)_transformer_blocks\.\d+\.(?:self_attention|cross_attention|feed_forward)\.\w+)", r"\1"),
+    ComfyRule(
+        r"((?:text|visual)_transformer_blocks\.\d+\.(?:self_attention|cross_attention|feed_forward)\.\w+)", r"\1"
+    ),
 )
 
 

@@ -9,7 +9,13 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5Transformer3DModel
 
 from loraflow.pipelines.tiny_parts import (
-    TEXT_DIM, TinyPipeline, clip_text_encoder, clip_tokenizer, qwen_tokenizer, qwen_vl_encoder, qwen_vl_processor,
+    TEXT_DIM,
+    TinyPipeline,
+    clip_text_encoder,
+    clip_tokenizer,
+    qwen_tokenizer,
+    qwen_vl_encoder,
+    qwen_vl_processor,
     rerandomise_zero_params,
 )
 

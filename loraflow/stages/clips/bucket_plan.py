@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.clip_rows import DroppedFile
 from loraflow.contracts.reports import BucketRow
+from loraflow.media.frames import ProbeCache
 from loraflow.stages.clips.buckets import LatentGeometry, tally_buckets
 from loraflow.stages.clips.clips import plan_files
 from loraflow.stages.clips.dataset_folder import list_folder
-from loraflow.media.frames import ProbeCache
 
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
     from loraflow.pipelines import FamilyPlan

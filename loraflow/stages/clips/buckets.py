@@ -1,8 +1,8 @@
 """Pure clip planning: which source frames a clip keeps, and the size (bucket) it is cropped to.
 
 No I/O here but `latent_geometry` (one VAE config.json), so the rules are property-tested on their own
-(tests/stages/test_buckets.py). The latent geometry and bucket tally sit here, below the clips stage and `loraflow check`'s
-plan (bucket_plan.py), which both use them.
+(tests/stages/test_buckets.py). The latent geometry and bucket tally sit here, below the clips stage and `loraflow
+check`'s plan (bucket_plan.py), which both use them.
 """
 
 from __future__ import annotations
@@ -222,7 +222,9 @@ def latent_geometry(model: ModelSource | str | Path, family: FamilyPlan | ModelF
 def vae_geometry(vae: dict, family: ModelFamily) -> LatentGeometry:
     """`latent_geometry` of a VAE config dict."""
     spatial = vae.get("spatial_compression_ratio") or 2 ** (len(vae["block_out_channels"]) - 1)
-    return LatentGeometry(channels=int(vae["latent_channels"]), temporal=family.vae_temporal_factor, spatial=int(spatial))
+    return LatentGeometry(
+        channels=int(vae["latent_channels"]), temporal=family.vae_temporal_factor, spatial=int(spatial)
+    )
 
 
 def tally_buckets(clips: list[tuple[str, int, int, int]], geometry: LatentGeometry | None) -> list[BucketRow]:

@@ -35,8 +35,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from loraflow.config.dataset import DatasetConfig
-from loraflow.stages.clips.dataset_folder import link_outside, printable, read_or_quarantine
 from loraflow.media.types import MediaError
+from loraflow.stages.clips.dataset_folder import link_outside, printable, read_or_quarantine
 
 
 def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:

@@ -29,17 +29,17 @@ from tqdm import tqdm
 
 from loraflow.config import DatasetConfig, LoraflowConfig, select_datasets
 from loraflow.config.dataset import DEFAULT_MAX_UPSCALE, is_mask_dataset
+from loraflow.contracts.clip_rows import ClipRow, DroppedFile, PairedImage, source_version
+from loraflow.contracts.reports import ClipsReport, DropReason
 from loraflow.keys import content_key, data_version, file_identity
+from loraflow.media.frames import ProbeCache, decode_frames
+from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
+from loraflow.pipelines import bucket_multiple
+from loraflow.pipelines.sources import ModelSource
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.stages.clips.captions import read_captions
 from loraflow.stages.clips.dataset_folder import Listing, link_outside, list_folder, printable, read_or_quarantine
-from loraflow.media.frames import ProbeCache, decode_frames
-from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
-from loraflow.contracts.clip_rows import ClipRow, DroppedFile, PairedImage, source_version
-from loraflow.contracts.reports import ClipsReport, DropReason
-from loraflow.pipelines import bucket_multiple
-from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
 if TYPE_CHECKING:  # planning needs the family's plain spec only (`plan_family`); base imports torch

@@ -22,11 +22,11 @@ from tqdm import tqdm
 from loraflow.config import LoraflowConfig, select_datasets
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.contracts.latent_rows import LatentRow, latent_columns
-from loraflow.keys import Shard, content_key, data_version
-from loraflow.kernels.patch_conv import enable_patch_conv
-from loraflow.kernels.devices import free_models, peak_memory_gib, pick_device
-from loraflow.contracts.reports import BadLatent, LatentsReport, OomFallback
 from loraflow.contracts.masks import MASK_COLUMN, latent_key_part, latent_mask
+from loraflow.contracts.reports import BadLatent, LatentsReport, OomFallback
+from loraflow.kernels.devices import free_models, peak_memory_gib, pick_device
+from loraflow.kernels.patch_conv import enable_patch_conv
+from loraflow.keys import Shard, content_key, data_version
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
@@ -136,8 +136,8 @@ def encode_latents(
 
 @torch.no_grad()
 def _encode(
-    todo: list[PlannedLatent], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device, shard_clips: int,
-    sampling: str, image: list[Any], have: set[str],
+    todo: list[PlannedLatent], vae: torch.nn.Module, family: ModelFamily, store: Store, device: torch.device,
+    shard_clips: int, sampling: str, image: list[Any], have: set[str],
 ) -> tuple[list[BadLatent], list[OomFallback]]:
     """Encode clip by clip; commit a shard every `shard_clips` so a killed run loses at most one shard's work."""
     quarantined: list[BadLatent] = []

@@ -28,7 +28,12 @@ from loraflow.config import LoraflowConfig
 from loraflow.contracts.clip_rows import ClipRow
 from loraflow.contracts.reports import TeacherFeaturesReport
 from loraflow.contracts.teacher_features import (
-    STAGE, Teacher, teacher_fingerprint, teacher_of, teacher_rows, trained_clips,
+    STAGE,
+    Teacher,
+    teacher_fingerprint,
+    teacher_of,
+    teacher_rows,
+    trained_clips,
 )
 from loraflow.kernels.devices import free_models, pick_device
 from loraflow.keys import data_version

@@ -45,14 +45,18 @@ from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.clip_rows import read_clips
-from loraflow.keys import content_key, data_version
-from loraflow.kernels.devices import free_models, pick_device
 from loraflow.contracts.renders import (
-    condition_frame, conditioning_image, negative_prompt, prompt_image, render_settings,
+    condition_frame,
+    conditioning_image,
+    negative_prompt,
+    prompt_image,
+    render_settings,
 )
-from loraflow.contracts.text_set import ImageLoader, TextItem, TextSetRow
-from loraflow.kernels.quantize import quantize_int8
 from loraflow.contracts.reports import TextEmbedsReport, TokenBin, TruncatedText
+from loraflow.contracts.text_set import ImageLoader, TextItem, TextSetRow
+from loraflow.kernels.devices import free_models, pick_device
+from loraflow.kernels.quantize import quantize_int8
+from loraflow.keys import content_key, data_version
 from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store

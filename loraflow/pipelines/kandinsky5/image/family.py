@@ -29,13 +29,18 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 from PIL import Image
 
 from loraflow.keys import content_key
-from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, load_component, load_pipeline, scaled_posterior, set_lora_scale,
+    RenderSettings,
+    TextRow,
+    load_component,
+    load_pipeline,
+    scaled_posterior,
+    set_lora_scale,
 )
-from loraflow.pipelines.sources import ModelSource, as_source
+from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.kandinsky5.common import CLIP_TOKENS, Kandinsky5Shared, clip_pooled
 from loraflow.pipelines.kandinsky5.image.spec import I2I_TEXT_TOKENS, SPEC
+from loraflow.pipelines.sources import ModelSource, as_source
 
 if TYPE_CHECKING:
     from loraflow.pipelines.render_memory import RenderPlan
@@ -158,7 +163,8 @@ class Kandinsky5Image(Kandinsky5Shared):
     ) -> np.ndarray:
         if image is not None:
             raise ValueError(f"flavour '{self.flavour.name}' is text-to-image: it takes no source image")
-        return _render(pipe, self.prompt_embeds(prompt, negative, pipe._execution_device), settings, lora_scale, self.name)
+        embeds = self.prompt_embeds(prompt, negative, pipe._execution_device)
+        return _render(pipe, embeds, settings, lora_scale, self.name)
 
 
 @dataclass(frozen=True)

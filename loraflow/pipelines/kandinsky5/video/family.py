@@ -15,17 +15,22 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
-from PIL import Image
 from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5I2VPipeline, Kandinsky5T2VPipeline
+from PIL import Image
 
-from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.base import (
-    RenderSettings, TextRow, load_pipeline, scaled_posterior, set_flavour_config, set_lora_scale,
+    RenderSettings,
+    TextRow,
+    load_pipeline,
+    scaled_posterior,
+    set_flavour_config,
+    set_lora_scale,
 )
-from loraflow.pipelines.kandinsky5.video.first_last import first_last_inputs
-from loraflow.pipelines.sources import ModelSource
+from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.kandinsky5.common import Kandinsky5Shared
+from loraflow.pipelines.kandinsky5.video.first_last import first_last_inputs
 from loraflow.pipelines.kandinsky5.video.spec import SPEC
+from loraflow.pipelines.sources import ModelSource
 
 if TYPE_CHECKING:
     from loraflow.pipelines.render_memory import RenderPlan

@@ -17,7 +17,13 @@ attention over the checkpoint's config (`Flavour.transformer_config`). `peer_nam
 from __future__ import annotations
 
 from loraflow.pipelines.citations import (
-    K5_FPS, K5_HD_SIZE, K5_OLD_STEPS, K5_SD_SIZE, K5_VIDEO_DEFAULT_SCALE, K5_VIDEO_TEXT, cite,
+    K5_FPS,
+    K5_HD_SIZE,
+    K5_OLD_STEPS,
+    K5_SD_SIZE,
+    K5_VIDEO_DEFAULT_SCALE,
+    K5_VIDEO_TEXT,
+    cite,
 )
 from loraflow.pipelines.flavours import CLIP_TOKENIZERS, QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
 
