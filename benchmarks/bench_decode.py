@@ -114,7 +114,7 @@ def _kept(path: Path, indices: list[int]) -> Any:
 
 
 def _kept_pyav(path: Path, indices: list[int]) -> Any:
-    from loraflow.media.local import _decode_pyav
+    from loraflow.media.decode_worker import _decode_pyav
 
     return _decode_pyav(path, indices, KEEP_SIZE, 0)
 

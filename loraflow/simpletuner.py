@@ -3,9 +3,8 @@
 Keys loraflow shares with SimpleTuner (the seed guides' vocabulary) are copied; a few are translated
 (`hunyuanvideo` -> `hunyuanvideo-1.5`, musubi-tuner's task names as `model_flavour`, `--flag` spellings, `crop` +
 `crop_style`/`crop_aspect`, a bare validation resolution, `area` megapixels, a guide's repository that is not in the
-diffusers layout); everything else is
-reported, key by key, with the reason, and written as comments at the top of the output so nothing disappears
-silently. The result is validated like any config.
+diffusers layout); everything else is reported, key by key, with the reason, and written as comments at the top of
+the output so nothing disappears silently. The result is validated like any config.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ it, and the next write into that folder from this machine removes it (`tmp_name`
 A tensor column whose rows share one shape (a bucket's latents or frames) holds each tensor's raw bytes in one cell,
 its dtype and shape in the column's field metadata (TENSOR_META); a batch reads each cell as a numpy view without
 decoding. Tensors of different shapes (text embeddings of different token counts) are flat lists with a shape
-column. Shards written before raw-bytes cells hold
-Arrow fixed-shape tensor columns; they are read as they were written (nothing to re-encode).
+column. Shards written before raw-bytes cells hold Arrow fixed-shape tensor columns; they are read as they were
+written (nothing to re-encode).
 
 Reads fetch only the row groups holding the wanted keys: a shard's rows are grouped by about ROW_GROUP_BYTES
 (one latent per group at real sizes, many text rows per group), and each shard's keys and footer are read once per

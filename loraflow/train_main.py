@@ -6,8 +6,8 @@
 Every rank trains. Rank 0 alone logs; when Dagster started the launch (Pipes environment variables set) it streams
 its log lines to Dagster and reports the materialization: the summary below and the run's data version. Without
 Dagster it prints the summary as one JSON line. Other ranks print warnings and errors only and never open Pipes.
-Uses the lightweight `dagster-pipes` package: a GPU box needs no Dagster installed. It lives outside `ops/` because
-stage logic there imports no Dagster package at all.
+Uses the lightweight `dagster-pipes` package: a GPU box needs no Dagster installed. It lives outside `training/`
+because the stage logic (stages/, training/, validation/) imports no Dagster package at all.
 """
 
 from __future__ import annotations

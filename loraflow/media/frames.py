@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from loraflow.keys import content_key
-from loraflow.media.local import decode_local, probe_local  # light: it imports decord and PyAV when it decodes
+from loraflow.media.decode_worker import decode_local, probe_local  # light: it imports decord and PyAV when it decodes
 from loraflow.media.types import MediaError, Probe
 
 if TYPE_CHECKING:  # annotations only

@@ -7,8 +7,9 @@ Resume is exact (training/batches.py: samples, batches, draws): an epoch's batch
 every random draw of a micro-step (caption dropout, noise, sigmas, TREAD's tokens, LoRA dropout, scheduled
 sampling's rollouts) from (seed, micro-step). The forward runs under bf16 autocast on CUDA (`uses_autocast`); AdamW's
 moments are fp32 unless `optimizer: adamw_bf16`.
+
 Under a launcher (num_processes > 1) each rank trains its share of every step and only rank 0 writes
-(loraflow/training/distributed.py; loraflow/train_main.py is the launched entry point).
+(training/distributed.py; loraflow/train_main.py is the launched entry point).
 """
 
 from __future__ import annotations

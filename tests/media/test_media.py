@@ -26,7 +26,7 @@ import media_factory as mf  # noqa: E402
 
 from loraflow.media import frames as media
 
-from loraflow.media import local as media_decode  # noqa: E402
+from loraflow.media import decode_worker as media_decode  # noqa: E402
 from loraflow.media.frames import MediaError, Probe, decode_frames, probe  # noqa: E402
 
 LOGGER = "loraflow.media.frames"

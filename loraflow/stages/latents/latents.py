@@ -3,9 +3,8 @@
 The VAE is the only model loaded here, with (HunyuanVideo 1.5 i2v) the family's image encoder beside it, which caches
 each clip's first-frame condition in the latent row (`image_latent`, `image_embeds`); Kandinsky 5 i2i caches its
 source image's latent there (`image_latent`); a clip with a loss mask caches it on the latent grid (`loss_mask`,
-contracts/masks.py); text encoders live in another
-stage and load only after this one freed its models, so with `offload_during_startup` they never share the
-accelerator with the VAE.
+contracts/masks.py). Text encoders live in another stage and load only after this one freed its models, so with
+`offload_during_startup` they never share the accelerator with the VAE.
 """
 
 from __future__ import annotations

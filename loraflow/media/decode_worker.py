@@ -1,7 +1,8 @@
-"""The worker side of loraflow.media.frames: probing and decoding, run inside a time-bounded worker process.
+"""The decode worker: the worker side of loraflow.media.frames, probing and decoding inside a time-bounded worker
+process.
 
-Nothing here is called in the pipeline's own process; `media.probe` and `media.decode_frames` send a
-request to a worker, which calls `probe_local` or `decode_local`.
+Nothing here is called in the pipeline's own process; `frames.probe` and `frames.decode_frames` send a request to a
+worker, which calls `probe_local` or `decode_local` (local to the worker).
 """
 
 from __future__ import annotations
@@ -390,7 +391,7 @@ def _decode_pyav(path: Path, indices: list[int], size: tuple[int, int], rotation
     """One pass over the stream; converts only wanted frames and stops after the last one."""
     import av
 
-    # The worker sends FFmpeg's log lines to Python (media._serve), which takes the GIL in the thread that logs.
+    # The worker sends FFmpeg's log lines to Python (frames._serve), which takes the GIL in the thread that logs.
     # Freeing a frame-threaded decoder holds the GIL while it waits for its threads, so a thread logging an error then
     # (a stop before the end, a damaged file) hung the worker until the timeout: 3 of 22 runs on a 720p .ts. Logging
     # stays off until this decoder is freed: on return with `_pyav_frames`' frame, on an error by clearing its frame.
