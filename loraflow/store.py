@@ -412,9 +412,30 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
     return path
 
 
+def publish_folder(staging: Path, final: Path) -> Path:
+    """The one atomic publish of a local folder (a checkpoint, a tiny model, the tokenizer): `staging`, filled beside
+    `final` on the same disk, reaches the disk (its files, then its folders), then one rename makes it `final`. A
+    kill or a power cut leaves no `final` or the whole folder, never part of it. `final` must be absent or an empty
+    folder: where it holds anything the rename raises (OSError) and `staging` stays, the caller's to remove."""
+    for path in sorted(Path(staging).rglob("*"), key=lambda p: (p.is_dir(), -len(p.parts))):
+        fsync_path(path)
+    fsync_path(staging)
+    os.replace(staging, final)
+    return Path(final)
+
+
+def fsync_path(path: Path) -> None:
+    """A local file's or folder's bytes (a folder's: its entries) on disk before a rename publishes them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def temporary_folder(tmp: Path) -> Iterator[Path]:
-    """An empty folder `tmp` a write fills before publishing (a checkpoint renamed into place, an export): removed
+    """An empty folder `tmp` a write fills before publishing (a checkpoint, by `publish_folder`; an export): removed
     when the write fails (a full disk: `DiskFull`). Whatever a killed write left under that name goes first."""
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -24,6 +24,8 @@ from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from loraflow.store import publish_folder
+
 WHEEL = "dashscope==2.0.2"
 RANKS_MEMBER = "dashscope/resources/qwen.tiktoken"
 # Pinned so that another wheel's file (or a truncated download) cannot pass for Qwen's vocabulary.
@@ -110,14 +112,14 @@ def build_tokenizer(ranks_path: Path) -> Qwen2Tokenizer:
 
 
 def ensure_tokenizer(folder: Path = DEFAULT_DIR) -> Path:
-    """Build the tokenizer into `folder` unless it is there (idempotent; published whole by one rename)."""
+    """Build the tokenizer into `folder` unless it is there (idempotent; published whole: `store.publish_folder`)."""
     if (folder / "tokenizer.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as staging:
         build_tokenizer(fetch_ranks(Path(staging))).save_pretrained(Path(staging) / "tokenizer")
         try:
-            (Path(staging) / "tokenizer").rename(folder)
+            publish_folder(Path(staging) / "tokenizer", folder)
         except OSError:  # another process published it first: theirs is the same tokenizer
             if not (folder / "tokenizer.json").is_file():
                 raise

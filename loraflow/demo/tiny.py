@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from transformers.utils import logging as hf_logging
 
 from loraflow.demo import tiny_world
 from loraflow.pipelines import family_spec
+from loraflow.store import publish_folder
 
 RECIPE_KEY = "_loraflow_tiny_recipe"  # model_index.json: what build_tiny built the folder by (builder, seed)
 
@@ -47,16 +47,6 @@ def _no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _publish(staging: Path, out_dir: Path, entries: Iterable[str]) -> None:
-    """Move staged entries into ``out_dir``; ``model_index.json`` last, so it marks completion."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for name in sorted(entries, key=lambda n: n == "model_index.json"):
-        target = out_dir / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        os.replace(staging / name, target)
-
-
 def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | None = None,
                world: bool = False) -> Path:
     """Write a tiny diffusers-layout checkpoint for `family` into out_dir, with the builder its `tiny(flavour)` (the
@@ -67,8 +57,8 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
     Idempotent: if out_dir/model_index.json exists, return immediately, after checking that it holds the pipeline
     the flavour needs and was built by the same recipe (builder and seed, marked in model_index.json): another
     recipe, or a folder without the mark, is refused, never silently reused (`world=True` over an old random
-    checkpoint kept the random one). Components are built in a staging directory next to ``out_dir`` and moved in
-    with ``model_index.json`` last, so an interrupted build never leaves a directory that looks complete.
+    checkpoint kept the random one). Components are built in a staging directory next to ``out_dir``, published
+    whole by one rename (`store.publish_folder`), so an interrupted build never leaves part of a checkpoint.
     Weights are fp32 and depend only on ``seed`` (the global torch RNG state is left untouched).
     """
     out_dir = Path(out_dir)
@@ -86,6 +76,9 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
                              "build it into another folder")
         _check_recipe(out_dir, index.get(RECIPE_KEY), recipe)
         return out_dir
+    if out_dir.is_dir() and any(out_dir.iterdir()):  # the build publishes a whole folder: it never merges into one
+        raise ValueError(f"{out_dir} holds files but no model_index.json, so no finished checkpoint: delete it to "
+                         "build the tiny checkpoint there, or build into another folder")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         pipe, extras = builder()
@@ -97,7 +90,7 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
             for subfolder, component in extras.items():
                 component.save_pretrained(staging / subfolder)
             index_extras(staging, extras, recipe)
-        _publish(staging, out_dir, os.listdir(staging))
+        publish_folder(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -33,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import at_unit_scale, comfyui_refusal, save_comfyui_lora
 from loraflow.pipelines.lycoris import is_lycoris, save_comfyui_lycoris
-from loraflow.store import temporary_folder, write_json
+from loraflow.store import fsync_path, publish_folder, temporary_folder, write_json
 from loraflow.training.distributed import gathered, shard_like
 
 if TYPE_CHECKING:
@@ -71,9 +70,7 @@ def save_checkpoint(out: Path, step: int, lora: dict[str, torch.Tensor],
         tensors, scalars = optimizer
         save_file(tensors, tmp / "optimizer.safetensors")
         write_json(tmp / "state.json", {"step": step, "optimizer": scalars, "history": history})
-        for path in (*tmp.iterdir(), tmp):  # on disk before the rename publishes them (a power cut, not only a kill)
-            _fsync(path)
-        tmp.rename(final)
+        publish_folder(tmp, final)
     # None keeps every checkpoint (a [:None] slice would delete them all, the new one included)
     for old in sorted((out / "checkpoints").glob("step-???????"))[: -total_limit if total_limit else 0]:
         shutil.rmtree(old)
@@ -172,7 +169,7 @@ def export_lora(folder: Path, lora: dict[str, torch.Tensor], export: LoraExport,
         written = tmp / LORA_FILE
         if export.comfyui:
             export_comfyui(written, export.family).replace(comfyui_twin(folder / name))
-        _fsync(written)  # never an empty file under the name that says "finished" after a power cut
+        fsync_path(written)  # never an empty file under the name that says "finished" after a power cut
         written.replace(folder / name)
     shutil.rmtree(tmp)
     return folder / name
@@ -190,11 +187,3 @@ def export_comfyui(lora_file: Path, family: ModelFamily) -> Path:
     if is_lycoris(list(state)):
         return save_comfyui_lycoris(state, config, family.comfyui_names, comfyui_twin(lora_file))
     return save_comfyui_lora(state, config or None, family.comfyui_names, comfyui_twin(lora_file))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
