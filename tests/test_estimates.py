@@ -230,6 +230,7 @@ def test_validation_of_an_image_family_decodes_with_its_2d_vae() -> None:
     does, (B, C, h, w), at the released configs (a small render: the fake step costs seconds)."""
     from loraflow.config import parse_config
     from loraflow.pipelines.released import released_config
+    from loraflow.stages.clips.buckets import vae_geometry
 
     config = parse_config({"model_family": "kandinsky5-image", "pretrained_model_name_or_path": "org/model",
                            "validation_resolution": "64x64",
@@ -358,3 +359,37 @@ def test_fit_marks_keep_a_margin() -> None:
 
     assert [stage(g).mark(24) for g in (20.5, 21.2, 23.4, 23.6)] == ["✓", "tight", "tight", "✗"]
     assert stage(20.5).fits(24) and not stage(21.2).fits(24)
+
+
+@pytest.mark.parametrize("family_name, flavour, settings", [
+    ("kandinsky5-video", "t2v-lite-sft-5s", {"gradient_checkpointing": True,
+                                             "gradient_checkpointing_cpu_offload": True}),
+    ("hunyuanvideo-1.5", "i2v-480p", {"base_model_precision": "fp8-layerwise", "fp32_modules_storage": "bf16"}),
+])
+def test_a_step_traced_shallow_and_extended_is_the_step_traced_at_its_depth(family_name: str, flavour: str,
+                                                                            settings: dict) -> None:
+    """`training_step` and a render's denoise call (`render_phases`) trace two shallow copies of the transformer (`estimates.transformer.SHALLOW`) and extends them to
+    its depth: on each video family's released config at 6 blocks, the same activation and host bytes (to the byte), the
+    same TFLOP (to float rounding) and the same weights as the step traced at 6 blocks. Seen failing with the
+    extension off by one block (`depth - SHALLOW[1]`): one block's 1.8 MB short on Kandinsky 5 Lite."""
+    from loraflow.config import parse_config
+    from loraflow.estimates.transformer import SHALLOW
+    from loraflow.pipelines.released import released_config
+    from loraflow.stages.clips.buckets import vae_geometry
+
+    config = parse_config({"model_family": family_name, "model_flavour": flavour, "pretrained_model_name_or_path": "m",
+                           "datasets": [{"id": "d", "instance_data_dir": "x"}], **settings})
+    family = get_family(config)
+    key = family.tread_layout.depth
+    transformer = {**family.flavour.configured(released_config(flavour, "transformer")), key: SHALLOW[-1] + 2}
+    latent = vae_geometry(released_config(flavour, "vae"), family).shape(9, 64, 64)
+    extended = estimates.training_step(config, family, transformer, latent, "cuda")
+    traced = estimates.training_step(config, family, transformer, latent, "cuda", extend=False)
+    assert extended.parts == traced.parts and extended.host == traced.host
+    assert extended.tflop == pytest.approx(traced.tflop, rel=1e-12)
+    assert (extended.host > 0) == bool(settings.get("gradient_checkpointing_cpu_offload"))
+    configs = {"transformer": transformer, "vae": released_config(flavour, "vae")}
+    render, render_traced = (estimates.render_phases(config, family, configs, latent, "cuda", extend=extend)
+                             for extend in (True, False))
+    assert render.denoise == render_traced.denoise and render.transformer == render_traced.transformer
+    assert render.tflop == pytest.approx(render_traced.tflop, rel=1e-12) and render.lora == render_traced.lora

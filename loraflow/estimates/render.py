@@ -10,15 +10,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from loraflow.estimates.fake_tensors import NotFakeable, fake_model, measured_step, meta_model, tensor_bytes
+from loraflow.estimates.fake_tensors import NotFakeable, fake_model, measured_step, meta_model
 from loraflow.estimates.fit import StageEstimate, card_gb, usable_bytes
 from loraflow.estimates.inputs import component_configs
 from loraflow.estimates.transformer import (
+    adapter_size,
     attention_stand_in,
-    block_bytes,
     estimate_mode,
     fake_transformer,
     offloaded,
+    stored_weights,
+    traced_at_depth,
     velocity_call,
     weights_bytes,
 )
@@ -75,25 +77,34 @@ class RenderPhases:
 
 
 def render_phases(config: LoraflowConfig, family: ModelFamily, component_configs: Mapping[str, Mapping[str, Any]],
-                  latent_shape: tuple[int, int, int, int], device_type: str = "cuda") -> RenderPhases | StageEstimate:
+                  latent_shape: tuple[int, int, int, int], device_type: str = "cuda",
+                  extend: bool = True) -> RenderPhases | StageEstimate:
     """The phases of a render at this latent size with the transformer stored in the training precision (what
     `load_renderer` does with a `RenderPlan`): a fake no-grad denoise call (bf16 compute unless fp32), and the fake
-    VAE decode of its latent, whole and with diffusers' tiling. A StageEstimate with the reason where it cannot be
-    estimated."""
+    VAE decode of its latent, whole and with diffusers' tiling. The denoise call is traced shallow and extended to the
+    transformer's depth (`traced_at_depth`; `extend` False: at its depth). A StageEstimate with the reason where it
+    cannot be estimated."""
     import torch
 
     from loraflow.kernels.quantize import frozen_dtype
 
     transformer_config, nabla, note = attention_stand_in(None, component_configs["transformer"], latent_shape, 1,
                                                           device_type)
-    mode = estimate_mode()
     precision = config.base_model_precision
-    transformer, lora, stored = fake_transformer(config, family, transformer_config, mode, precision)
-    denoise = velocity_call(family, transformer, latent_shape, 1, precision != "no_change", None)
-    try:
-        denoise_peak, tflop, _ = measured_step(denoise, mode, transformer, device_type)
+
+    def denoise(shaped: Mapping[str, Any]) -> tuple[int, float, int]:
+        mode = estimate_mode()
+        transformer = fake_transformer(config, family, shaped, mode, precision)
+        call = velocity_call(family, transformer, latent_shape, 1, precision != "no_change", None)
+        return measured_step(call, mode, transformer, device_type)
+
+    try:  # a no-grad call: its peak is one block's, whatever the depth; its FLOPs grow by one block's per block
+        denoise_peak, tflop, _ = traced_at_depth(family, transformer_config, extend, denoise)
     except NotFakeable as exc:
         return StageEstimate("validation", note=str(exc))
+    _, lora = adapter_size(config, family, transformer_config, extend)
+    stored = stored_weights(family, transformer_config, precision, config.fp32_modules_storage)
+    mode = estimate_mode()
     dtype = frozen_dtype(precision)  # the VAE computes in the transformer's dtype (`load_pipeline`)
     vae = fake_model(meta_model(component_configs["vae"], dtype), mode)
     moved = weights_bytes(vae) + sum(weights_bytes(meta_model(component_configs[c], torch.float32))
@@ -109,7 +120,7 @@ def render_phases(config: LoraflowConfig, family: ModelFamily, component_configs
     if hasattr(vae, "enable_tiling"):
         vae.enable_tiling()  # the decoder runs once per tile shape (`measured_once`): dozens of tiles at 720p
         tiled, _, _ = measured_step(decode, mode, vae, device_type, repeated=[vae.decoder])
-    return RenderPhases(weights_bytes(stored), block_bytes(stored, family), tensor_bytes(lora), moved, denoise_peak,
+    return RenderPhases(stored.total, stored.blocks, lora, moved, denoise_peak,
                         decode_peak, tiled, tflop, sum(nabla.values()), note)
 
 

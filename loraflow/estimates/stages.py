@@ -9,11 +9,14 @@ from typing import TYPE_CHECKING, Any
 from loraflow.estimates.fake_tensors import NotFakeable, fake_model, measured_step, meta_model, tensor_bytes
 from loraflow.estimates.fit import StageEstimate
 from loraflow.estimates.transformer import (
+    adapter_size,
     attention_stand_in,
     estimate_mode,
     fake_transformer,
     model_dtype,
     offloaded_bytes,
+    stored_weights,
+    traced_at_depth,
     velocity_call,
     weights_bytes,
 )
@@ -28,20 +31,49 @@ if TYPE_CHECKING:
 
 def training_step(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
                   latent_shape: tuple[int, int, int, int], device_type: str = "cuda",
-                  text_tokens: int | None = None) -> StageEstimate:
+                  text_tokens: int | None = None, extend: bool = True) -> StageEstimate:
     """One optimizer step of the lora stage at the largest bucket's latent (C, T, h, w), `train_batch_size` samples,
     `text_tokens` caption tokens (default `max_text_tokens`: the longest a caption can be), on a `device_type`
     accelerator:
-    weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included)."""
+    weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included). The step is traced
+    shallow and extended to the real depth (`traced_at_depth`) where it is linear in the depth (`linear_in_depth`);
+    `extend` False: traced at the real depth."""
+    transformer_config, nabla, note = attention_stand_in(config, transformer_config, latent_shape,
+                                                          config.train_batch_size, device_type)
+    try:
+        activations, tflop, host = traced_at_depth(
+            family, transformer_config, extend and linear_in_depth(config),
+            lambda shaped: traced_step(config, family, shaped, latent_shape, device_type, text_tokens))
+    except NotFakeable as exc:
+        return StageEstimate("lora", note=str(exc))
+    parameters, lora = adapter_size(config, family, transformer_config, extend and linear_in_depth(config))
+    stored = stored_weights(family, transformer_config, config.base_model_precision, config.fp32_modules_storage)
+    weights = stored.total
+    if config.enable_group_offload or config.blocks_to_swap:  # the blocks as stored: 1 byte per weight with fp8/int8
+        weights -= offloaded_bytes(stored.blocks, config)
+    moments = 2 * parameters * (2 if config.optimizer == "adamw_bf16" else 4)
+    return StageEstimate("lora", {"weights": weights, "lora": lora, "optimizer": moments,
+                                  "activations": activations, **nabla}, tflop, note, host=host)
+
+
+def linear_in_depth(config: LoraflowConfig) -> bool:
+    """Whether the step's activations, FLOPs and host bytes grow by the same amount with each block: not where the
+    blocks differ by their index (TREAD's routes, checkpointing every Nth block, LyCORIS presets by module name)."""
+    return config.tread_config is None and config.gradient_checkpointing_interval <= 1 and \
+        config.lycoris_config is None
+
+
+def traced_step(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
+                latent_shape: tuple[int, int, int, int], device_type: str,
+                text_tokens: int | None) -> tuple[int, float, int]:
+    """(activation peak, TFLOP, host peak) of one fake training step of this transformer (`measured_step`)."""
     import torch
     from peft.tuners.lycoris_utils import LycorisLayer
 
     from loraflow.training.loop import uses_autocast
 
-    transformer_config, nabla, note = attention_stand_in(config, transformer_config, latent_shape,
-                                                          config.train_batch_size, device_type)
     mode = estimate_mode()
-    transformer, lora, stored = fake_transformer(config, family, transformer_config, mode, config.base_model_precision)
+    transformer = fake_transformer(config, family, transformer_config, mode, config.base_model_precision)
     # activation offload's copies go to the meta device, which the counter counts as host memory (a CPU run's
     # offload moves nothing)
     enable_checkpointing(transformer, config, host="cpu" if device_type == "cpu" else "meta")
@@ -53,17 +85,8 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
             module.training = False
     autocast = uses_autocast(config, torch.device(device_type))
     step = velocity_call(family, transformer, latent_shape, config.train_batch_size, autocast, config,
-                          text_tokens=text_tokens)
-    try:
-        activations, tflop, host = measured_step(step, mode, transformer, device_type)
-    except NotFakeable as exc:
-        return StageEstimate("lora", note=str(exc))
-    weights = weights_bytes(stored)
-    if config.enable_group_offload or config.blocks_to_swap:  # the blocks as stored: 1 byte per weight with fp8/int8
-        weights -= offloaded_bytes(stored, config, family)
-    moments = 2 * sum(p.numel() for p in lora) * (2 if config.optimizer == "adamw_bf16" else 4)
-    return StageEstimate("lora", {"weights": weights, "lora": tensor_bytes(lora), "optimizer": moments,
-                                  "activations": activations, **nabla}, tflop, note, host=host)
+                         text_tokens=text_tokens)
+    return measured_step(step, mode, transformer, device_type)
 
 
 def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[str, Any],

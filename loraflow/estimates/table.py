@@ -11,7 +11,7 @@ from loraflow.estimates.fit import CARDS_GB, GIB, StageEstimate, card_gb
 from loraflow.estimates.inputs import component_configs, largest_bucket
 from loraflow.estimates.render import validation
 from loraflow.estimates.stages import text_encoders, training_step, vae_encode
-from loraflow.estimates.transformer import block_bytes, offloaded, stored_model
+from loraflow.estimates.transformer import offloaded, stored_weights
 
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
@@ -116,8 +116,8 @@ def swap_to_fit(config: LoraflowConfig, family: ModelFamily, transformer_config:
 
     if not now.parts:
         return None
-    stored = stored_model(transformer_config, config.base_model_precision, config.fp32_modules_storage)
-    blocks = block_bytes(stored, family)
+    blocks = stored_weights(family, transformer_config, config.base_model_precision,
+                            config.fp32_modules_storage).blocks
     before = offloaded(blocks, False, config.blocks_to_swap)
     for n in range(config.blocks_to_swap + 1, len(blocks) + 1):
         parts = {**now.parts, "weights": now.parts["weights"] - (offloaded(blocks, False, n) - before)}

@@ -5,7 +5,9 @@ masks)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from loraflow.estimates.fake_tensors import fake_model, measured_step, meta_model, tensor_bytes
@@ -36,16 +38,38 @@ def weights_bytes(model: torch.nn.Module) -> int:
     return tensor_bytes([p for p in model.parameters() if not p.requires_grad] + list(model.buffers()))
 
 
-def offloaded_bytes(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> int:
-    """Frozen block weights kept off the accelerator (`block_bytes`, then `offloaded`)."""
-    return offloaded(block_bytes(transformer, family), config.enable_group_offload, config.blocks_to_swap,
+def offloaded_bytes(blocks: list[int], config: LoraflowConfig) -> int:
+    """Of the blocks' frozen weights (`StoredWeights.blocks`), those kept off the accelerator (`offloaded`)."""
+    return offloaded(blocks, config.enable_group_offload, config.blocks_to_swap,
                      config.group_offload_blocks_per_group if config.group_offload_type == "block_level" else 1,
                      config.group_offload_use_stream)
 
 
-def block_bytes(transformer: torch.nn.Module, family: ModelFamily) -> list[int]:
-    """Each block's frozen weights, in the order the transformer holds them."""
-    return [weights_bytes(b) for b in getattr(transformer, family.tread_layout.blocks)]
+@dataclass(frozen=True)
+class StoredWeights:
+    """The frozen weights of a transformer as stored (`stored_model`): all of them, and each block's, in the order
+    the transformer holds them."""
+
+    total: int
+    blocks: list[int]
+
+
+def stored_weights(family: ModelFamily, transformer_config: Mapping[str, Any], precision: str,
+                   kept: str) -> StoredWeights:
+    """The `StoredWeights` of this transformer in this precision, remembered for the process: the meta model of a
+    released transformer takes seconds to build, and a check's switch list asks for the same ones again and again."""
+    import json
+
+    return _stored_weights(family.tread_layout.blocks, json.dumps(transformer_config, sort_keys=True), precision,
+                           kept)
+
+
+@functools.lru_cache(maxsize=8)
+def _stored_weights(blocks: str, transformer_config: str, precision: str, kept: str) -> StoredWeights:
+    import json
+
+    stored = stored_model(json.loads(transformer_config), precision, kept)
+    return StoredWeights(weights_bytes(stored), [weights_bytes(b) for b in getattr(stored, blocks)])
 
 
 def offloaded(blocks: list[int], every_block: bool, blocks_to_swap: int, per_group: int = 1,
@@ -63,24 +87,61 @@ def offloaded(blocks: list[int], every_block: bool, blocks_to_swap: int, per_gro
     return sum(gone) - max(gone, default=0)
 
 
+# The depths a transformer call is traced at: what a training step or a render's denoise call allocates at its peak,
+# its FLOPs and its host bytes are a + b * depth from 3 blocks up (measured: Kandinsky 5 Lite's training step at 3,
+# 4, 5 and 32 blocks, to the byte; tests/test_estimates.py holds each family to it at 6), so two shallow traces give
+# the real depth's in a fraction of the time.
+SHALLOW = (3, 4)
+
+
+def traced_at_depth(family: ModelFamily, transformer_config: Mapping[str, Any], extend: bool,
+                    trace: Callable[[Mapping[str, Any]], tuple[int, float, int]]) -> tuple[int, float, int]:
+    """`trace(transformer_config)`'s (peak bytes, TFLOP, host bytes): with `extend`, traced at the `SHALLOW` depths
+    (the family's `tread_layout.depth` key) and extended to the config's by one block's difference per block more;
+    else, or for a transformer no deeper than that, traced as it is."""
+    key = family.tread_layout.depth
+    depth = transformer_config.get(key, 0) if key else 0
+    if not extend or depth <= SHALLOW[-1]:
+        return trace(transformer_config)
+    low, high = (trace({**transformer_config, key: d}) for d in SHALLOW)
+    more = (depth - SHALLOW[0]) / (SHALLOW[1] - SHALLOW[0])
+    peak, tflop, host = (a + more * (b - a) for a, b in zip(low, high, strict=True))
+    return round(peak), tflop, round(host)
+
+
 def fake_transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
-                 precision: str) -> tuple[torch.nn.Module, list, torch.nn.Module]:
+                     precision: str) -> torch.nn.Module:
     """The fake transformer as `training.model_setup.load_transformer` prepares it (precision, the configured adapter
-    in fp32), its adapter's parameters, and the model whose tensors are its frozen weights as stored (`weights_bytes`,
-    `offloaded_bytes` count them). fp8-layerwise computes as bf16 does: the fake model is bf16, its weights are
-    stored as a meta model with layerwise casting stores them (1 byte each where diffusers casts); int8
-    weight-only is counted the same way (its per-channel scales are left out)."""
+    in fp32). fp8-layerwise computes as bf16 does: the fake model is bf16 (its weights as stored: `stored_weights`);
+    int8 weight-only is counted the same way (its per-channel scales are left out)."""
+    return fake_model(meta_model(transformer_config, model_dtype(precision), adapter(config, family)), mode)
+
+
+def adapter(config: LoraflowConfig, family: ModelFamily) -> Callable[[torch.nn.Module], None]:
+    """What adds the configured adapter to a model, as training adds it (`training.adapters.add_adapter`)."""
     import torch
 
     from loraflow.training.adapters import add_adapter
 
-    def adapter(model: torch.nn.Module) -> None:
+    def add(model: torch.nn.Module) -> None:
         with torch.random.fork_rng(devices=[]):  # add_adapter seeds torch's generator: the caller's is left as it was
             add_adapter(model, config, family.lora_targets(config.lora_include_ffn))
 
-    transformer = fake_model(meta_model(transformer_config, model_dtype(precision), adapter), mode)
-    lora = [p for p in transformer.parameters() if p.requires_grad]
-    return transformer, lora, stored_model(transformer_config, precision, config.fp32_modules_storage)
+    return add
+
+
+def adapter_size(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
+                 extend: bool) -> tuple[int, int]:
+    """(parameters, bytes) the configured adapter trains on this transformer, counted on the meta device: with
+    `extend`, on the two shallow copies and extended to its depth (each block holds the same adapter), as
+    `traced_at_depth` does."""
+    def count(shaped: Mapping[str, Any]) -> tuple[int, float, int]:
+        model = meta_model(shaped, model_dtype(config.base_model_precision), adapter(config, family))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        return sum(p.numel() for p in trained), 0.0, tensor_bytes(trained)
+
+    parameters, _, nbytes = traced_at_depth(family, transformer_config, extend, count)
+    return parameters, nbytes
 
 
 def stored_model(transformer_config: Mapping[str, Any], precision: str, kept: str) -> torch.nn.Module:

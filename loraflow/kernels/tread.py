@@ -38,12 +38,15 @@ class TokenLayout:
     rope_arg: positional index of the per-token rotary embedding (a tensor or a tuple of tensors); None: none.
     rope_token_dim: the token axis of the rope tensor(s).
     output_index: None when a block returns the tokens; i when it returns a tuple with the tokens at i.
+    depth: the transformer config's key that counts `blocks` (`estimates.stages` traces two shallow copies of the
+        transformer and extends their difference to the real depth); None: traced at its real depth.
     """
 
     blocks: str
     rope_arg: int | None = None
     rope_token_dim: int = 1
     output_index: int | None = None
+    depth: str | None = None
 
 
 class Route(Protocol):

@@ -131,7 +131,8 @@ class HunyuanVideo15:
     text_signature: str = TEXT_SIGNATURE  # part of every text key: a new template re-encodes
     max_text_tokens: int = MAX_TEXT_TOKENS  # caption tokens kept by encode_text; longer ones are truncated
     # block(hidden, context, temb, context_mask, (cos, sin) per token) -> (hidden, context): see kernels/tread.py
-    tread_layout: TokenLayout = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0)
+    tread_layout: TokenLayout = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0,
+                                            depth="num_layers")
     comfyui_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_COMFYUI_NAMES  # the ComfyUI file
 
     @property

@@ -149,7 +149,8 @@ class Kandinsky5Shared:
     template: str = "original"  # which of `prompt_templates` (config `kandinsky5_prompt_template`)
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     # TREAD: visual blocks are called block(visual_embed (B, N, D), text, time, rope (B, N, 1, d/2, 2, 2), sparse)
-    tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
+    tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1,
+                                            depth="num_visual_blocks")
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # one transformer class: one ComfyUI file
     # Video i2v's image is latent frame 0 itself (`conditioning_frames`), and Image i2i's source latent needs the VAE
     # only: no component and nothing cached beside the latent (i2i names its `image_condition`: "source_image")

@@ -1,0 +1,100 @@
+"""`loraflow check`'s wall time, first and second run: the demo config and two released configs before download.
+
+Each check is `python -m loraflow.cli check CONFIG` in a fresh process, as a user types it, with its own empty
+estimates cache (`LORAFLOW_ESTIMATES_CACHE`): the first run computes the estimates (the fake-tensor traces of the
+stages and of the switch list), the second reads them back (`estimates.remembered`). Then `--no-estimates` on the
+demo config (the plan alone). The configs:
+- demo: configs/demo.yaml on a tiny Kandinsky 5 Video i2v checkpoint (`build_tiny`: the demo's architecture; the
+  pre-trained tiny world has the same configs, so the same estimates) and the demo dataset;
+- Kandinsky 5 Pro t2v 5 s HD and HunyuanVideo 1.5 720p t2v, not downloaded (an empty Hugging Face cache, offline:
+  check estimates from the released config files in loraflow/pipelines/released/), with no clips yet (so at the
+  bucket the dataset asks for: 512x512, 61 frames),
+  `gradient_checkpointing: true`, `base_model_precision: fp8-layerwise`, `gpu_memory_gb: 24` (so the switch list
+  and the render plan for the card are computed too): what a user with a 24 GB card checks before downloading.
+A check of a model not downloaded exits 2 (it says the model is missing) after printing its estimates.
+
+    .venv/bin/python benchmarks/bench_check.py      # writes benchmarks/results/check_cpu.json (minutes)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+OUT = ROOT / "benchmarks" / "results" / "check_cpu.json"
+RELEASED = {"kandinsky5-video t2v-pro-sft-5s-hd": ("kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers",
+                                                   "kandinsky5-video", "t2v-pro-sft-5s-hd"),
+            "hunyuanvideo-1.5 t2v-720p": ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v",
+                                          "hunyuanvideo-1.5", "t2v-720p")}
+
+
+def timed_check(config: Path, cache: Path, *flags: str) -> tuple[float, int, str]:
+    env = {**os.environ, "LORAFLOW_ESTIMATES_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+           "HF_HUB_CACHE": str(cache.parent / "hub")}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "loraflow.cli", "check", str(config), *flags], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    return time.perf_counter() - start, done.returncode, done.stdout + done.stderr
+
+
+def configs(root: Path) -> dict[str, Path]:
+    from loraflow.demo.dataset import make_demo_dataset
+    from loraflow.demo.tiny import build_tiny
+
+    data = make_demo_dataset(root / "data")
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    model = build_tiny("kandinsky5-video", root / "tiny", flavour=demo["model_flavour"])
+    demo.update(pretrained_model_name_or_path=str(model), output_dir=str(root / "output"),
+                cache_dir=str(root / "cache"))
+    demo["datasets"][0]["instance_data_dir"] = str(data)
+    demo["datasets"][1]["cache_dir"] = str(root / "cache" / "text")
+    found = {"demo": root / "demo.yaml"}
+    found["demo"].write_text(yaml.safe_dump(demo))
+    for name, (repo, family, flavour) in RELEASED.items():
+        released = {**demo, "model_family": family, "model_flavour": flavour, "pretrained_model_name_or_path": repo,
+                    "gradient_checkpointing": True, "base_model_precision": "fp8-layerwise", "gpu_memory_gb": 24,
+                    "validation_resolution": "768x512"}
+        # no clips yet (an empty folder): check estimates at the bucket the dataset asks for, 512x512@61
+        (root / "empty").mkdir(exist_ok=True)
+        released["datasets"] = [{**demo["datasets"][0], "instance_data_dir": str(root / "empty"), "resolution": 512,
+                                 "video": {**demo["datasets"][0]["video"], "num_frames": 61, "min_frames": 61}},
+                                demo["datasets"][1]]
+        found[name] = root / f"{flavour}.yaml"
+        found[name].write_text(yaml.safe_dump(released))
+    return found
+
+
+def main() -> None:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
+        for name, config in configs(Path(tmp)).items():
+            cache = Path(tmp) / "estimates" / name.replace(" ", "-")
+            first, code, log = timed_check(config, cache)
+            second, code_again, log_again = timed_check(config, cache)
+            if code not in (0, 2) or "reused from" not in log_again:
+                sys.exit(f"check of {name} failed (exit {code}, then {code_again}):\n{log[-3000:]}\n"
+                         f"{log_again[-2000:]}")
+            row = {"config": name, "first_s": round(first, 1), "second_s": round(second, 1), "exit": code}
+            if name == "demo":
+                plan, code_plan, _ = timed_check(config, cache, "--no-estimates")
+                row["no_estimates_s"] = round(plan, 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                       text=True).stdout.strip(),
+              "host": {"cores": os.cpu_count(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
+              "rows": rows}
+    OUT.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
