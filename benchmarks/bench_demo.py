@@ -3,7 +3,7 @@
 Clones this repository's HEAD into a temporary folder (so `.venv`, `.loraflow/` and the tiny world's pre-training
 start empty) and runs `make demo` there twice: the first run sets up, builds the tiny world (pre-training included)
 and materializes every stage; the second reuses everything. From the first run's validation videos it measures what
-`tests/assets/test_demo_learns.py` asserts: the circle's mean rightward shift over the generated frames, base and
+`tests/demo/test_demo_learns.py` asserts: the circle's mean rightward shift over the generated frames, base and
 LoRA, and the eval loss change at the fixed sigmas.
 
     .venv/bin/python benchmarks/bench_demo.py      # writes benchmarks/results/demo_cpu.json (about 4 minutes)
@@ -45,7 +45,7 @@ def learnt(clone: Path) -> dict:
     import numpy as np
 
     from loraflow.media.writers import read_media
-    from tests.assets.test_demo_learns import rightward_shift
+    from tests.demo.test_demo_learns import rightward_shift
 
     [results_file] = (clone / ".loraflow" / "output" / "validation").glob("*/results.json")
     results = json.loads(results_file.read_text())

@@ -337,7 +337,7 @@ def test_unmapped_or_half_modules_fail_loudly() -> None:
 
 
 def test_lora_format_is_validated() -> None:
-    from tests.test_config import demo
+    from tests.config.test_config import demo
 
     data = demo()
     assert parse_config(data).lora_format is None  # unset: both files where ComfyUI can apply the adapter

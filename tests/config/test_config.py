@@ -5,7 +5,7 @@ import yaml
 
 from loraflow.config import ConfigError, load_config, parse_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def demo() -> dict:

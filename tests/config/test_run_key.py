@@ -22,7 +22,7 @@ from loraflow.config.training_options import TrainingOptions
 from loraflow.config.validation_adapters import ValidationAdapter
 from loraflow.training.run import run_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 UPSTREAM = {"latents": "l", "text_embeds": "t"}
 Path_ = tuple[str | int, ...]  # field names, and indices into tuples of models
 
