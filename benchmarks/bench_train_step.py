@@ -45,7 +45,7 @@ def build_caches(root: Path) -> Path:
     from loraflow.stages.latents.latents import encode_latents
     from loraflow.stages.text.text_embeds import encode_texts
     from loraflow.store import Store
-    from tests.conftest import demo_dict, write_config
+    from tests.factory import demo_dict, write_config
 
     model = build_tiny("kandinsky5-video", root / "model")
     demo = make_demo_dataset(root / "demo")

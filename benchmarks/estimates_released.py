@@ -8,7 +8,7 @@ gpu/train.py that change memory and activation offload (`gradient_checkpointing_
 (Kandinsky 5 Lite i2v, HunyuanVideo 1.5 i2v 480p: the released transformer config, the conditioning latent and
 SigLIP tokens in the fake batch) at the same size with checkpointing, without and with activation offload.
 Estimates only, made on the CPU: gpu/train.py measures the t2v variants on a GPU (a later issue compares the two).
-Then the seed guides' imports (one guide per model, imported as tests/test_seed_guides.py combines them) at
+Then the seed guides' imports (one guide per model, imported as tests/factory.py `combine`s them) at
 the bucket their datasets ask for, from the released configs, as `loraflow check` estimates them before download:
 the lora stage with `gradient_checkpointing: true`, then with `gradient_checkpointing_cpu_offload: true` too
 (docs/benchmarks.md's seed-guide table).
@@ -167,7 +167,7 @@ def seed_rows() -> list[dict]:
     from loraflow.pipelines import get_family
     from loraflow.pipelines.released import released_config
     from loraflow.stages.clips.buckets import vae_geometry
-    from tests.test_seed_guides import GUIDES, combine
+    from tests.factory import GUIDES, combine
 
     rows = []
     for number in SEED_GUIDES:

@@ -8,14 +8,14 @@ import shutil
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
-import yaml
 
-from loraflow.config import LoraflowConfig, load_config
-
-REPO = Path(__file__).resolve().parents[1]
+from loraflow.config import LoraflowConfig, load_config, parse_config
+from tests.factory import (
+    REPO, build_caches, demo_dict, fill_validation_store, random_lora, validation_dict, write_config,
+)
 
 # `make test` runs the suite in two pytest-xdist workers (each a process). Two workers on two cores: each runs torch
 # on one thread, as the CLI and Dagster subprocesses it starts do (set before anything imports torch).
@@ -56,16 +56,6 @@ def signal_handlers_kept() -> Iterator[None]:
 
     with keep_signal_handlers():
         yield
-
-
-def missing_input(what: str) -> NoReturn:
-    """An input from outside the repository that a test needs is not here (Chromium, a server's package, the seed
-    guides of ../shared, the real Qwen vocabulary): the test skips, saying so; under CI (`CI` set) it fails, since CI
-    has each one (.ci/run installs the first two, `make setup` builds the vocabulary, shared/ lies beside CI's clone)
-    and a skip there would hide a test that never ran."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} (CI is set: what a test needs must be there)", pytrace=False)
-    pytest.skip(what)
 
 
 @pytest.fixture(scope="session")
@@ -109,54 +99,35 @@ def nabla_k5(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """test_train's two-clip dataset with its clips, latents and text_embeds cached: built once, read by the training
-    and validation tests (each trains into its own output folder)."""
-    from tests.training.test_train import build_caches
-
+    """The two-clip dataset (`factory.build_caches`) with its clips, latents and text_embeds cached: built once, read
+    by the training and validation tests (each trains into its own output folder)."""
     return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("train"))
 
 
-def demo_dict(model: Path, data: Path, root: Path, base: str = "tests/demo_t2v.yaml",
-              **overrides: Any) -> dict[str, Any]:
-    """The suite's t2v config (or `base`: "configs/demo.yaml" is the README's demo) with absolute paths under
-    `root`, plus overrides (top-level keys)."""
-    config = yaml.safe_load((REPO / base).read_text())
-    config.update(pretrained_model_name_or_path=str(model), output_dir=str(root / "output"),
-                  cache_dir=str(root / "cache"))
-    config["datasets"][0]["instance_data_dir"] = str(data)
-    config["datasets"][1]["cache_dir"] = str(root / "cache" / "text")
-    config.update(overrides)
-    return config
+@pytest.fixture(scope="module")
+def own_caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same two-clip caches built anew for one test module, for the modules whose runs add to their cache (i2v
+    latents, masks, teacher features, validation texts, other ranks' runs) and so must not share `caches`."""
+    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("own-caches"))
 
 
-def write_config(path: Path, data: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump(data))
-    return path
+@pytest.fixture(scope="module")
+def validation_inputs(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Any, Path]:
+    """(validation's config dict, its store filled by `fill_validation_store`, a LoRA of random B), built once per
+    module (tests/validation/test_validate.py, test_render_memory.py)."""
+    from loraflow.store import Store
+
+    root = tmp_path_factory.mktemp("validate")
+    data = validation_dict(tiny_k5, root)
+    config = parse_config(data)
+    store = Store(config.cache_dir)
+    fill_validation_store(config, store)
+    return data, store, random_lora(config, root / "lora")
 
 
 @pytest.fixture
 def demo_config(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> LoraflowConfig:
     return load_config(write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))
-
-
-def hf_cache_snapshot(cache: Path, repo: str, checkpoint: Path, commit: str, branch: str = "main") -> Path:
-    """Put a checkpoint folder into a Hugging Face cache as huggingface_hub stores a download: each file once as a
-    blob named by its content hash, the snapshot a tree of relative links to them, refs/<branch> the commit."""
-    from loraflow.keys import file_sha256
-
-    storage = cache / f"models--{repo.replace('/', '--')}"
-    snapshot = storage / "snapshots" / commit
-    for file in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
-        blob = storage / "blobs" / file_sha256(file)
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        if not blob.exists():
-            shutil.copyfile(file, blob)
-        link = snapshot / file.relative_to(checkpoint)
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    (storage / "refs").mkdir(exist_ok=True)
-    (storage / "refs" / branch).write_text(commit)
-    return snapshot
 
 
 # Real servers for the tests of a deployment past one machine (tests/servers.py), started once per session on demand.

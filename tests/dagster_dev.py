@@ -1,27 +1,26 @@
-"""`dagster dev` as tests start it: on a free loopback port, in its own process group, ended as a group."""
+"""Dagster as tests run and watch it: `dagster dev` on a free loopback port, in its own process group, ended as a
+group; what a run's events and the instance say (its step workers' pids, its status, the `gpu` pool's claims); the
+webserver's GraphQL answers; polling with a deadline."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus
 
-from tests.conftest import REPO
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.factory import REPO
+from tests.servers import free_port
 
 
 @contextlib.contextmanager
@@ -67,3 +66,68 @@ def kill_group(process: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):  # children outliving the leader, or a leader ignoring TERM
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=10)
+
+
+# -- watching runs ----------------------------------------------------------------------------------------------------
+
+PARTITION = "demo-videos"  # the demo dataset's partition
+RUN_S = 180  # one latents run on 2 busy cores takes 15-30 s; a run blocked for good takes forever
+
+
+def wait_until(what: str, condition: Callable[[], Any], timeout_s: float, log: Path | None = None) -> Any:
+    """condition()'s first truthy value, polled every 0.1 s; fails naming `what` (and the log's tail) past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
+    pytest.fail(f"{what}: not within {timeout_s:.0f} s\n{tail}")
+
+
+def step_worker(instance: DagsterInstance, run_id: str, step: str) -> int | None:
+    """The pid of the run's step worker for `step` once that step has started, else None."""
+    entries = instance.all_logs(run_id, of_type={DagsterEventType.STEP_WORKER_STARTED, DagsterEventType.STEP_START})
+    if not any(e.dagster_event.event_type == DagsterEventType.STEP_START and e.step_key == step for e in entries):
+        return None
+    (worker,) = [e for e in entries if e.dagster_event.event_type == DagsterEventType.STEP_WORKER_STARTED
+                 and e.step_key == step]
+    return int(worker.dagster_event.event_specific_data.metadata["pid"].value)
+
+
+def executor_pid(instance: DagsterInstance, run_id: str) -> int | None:
+    """The pid of the run's process that starts its step workers (Dagster's multiprocess executor logs it)."""
+    for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
+        if (entry.user_message or "").startswith("Executing steps using multiprocess executor"):
+            return int(entry.dagster_event.event_specific_data.metadata["pid"].value)
+    return None
+
+
+def materializations(instance: DagsterInstance, run_id: str) -> list[Any]:
+    return instance.all_logs(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
+
+
+def gpu_claims(instance: DagsterInstance) -> list[Any]:
+    return instance.event_log_storage.get_concurrency_info("gpu").claimed_slots
+
+
+FINISHED = (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
+
+
+def status(instance: DagsterInstance, run_id: str) -> DagsterRunStatus:
+    return instance.get_run_by_id(run_id).status
+
+
+def materialization_keys(instance: DagsterInstance, run_id: str) -> list[Any]:
+    return [e.dagster_event.event_specific_data.materialization for e in materializations(instance, run_id)]
+
+
+def graphql(url: str, query: str) -> dict[str, Any]:
+    """The webserver's answer to a GraphQL query, as the UI's pages ask for it."""
+    request = urllib.request.Request(f"{url}/graphql", data=json.dumps({"query": query}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.loads(response.read())
+    assert "errors" not in answer, answer
+    return answer["data"]

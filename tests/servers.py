@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import missing_input
+from tests.factory import missing_input
 
 START_TIMEOUT_S = 60.0
 

@@ -15,7 +15,7 @@ from loraflow.cli import main
 from loraflow.config import LoraflowConfig, load_config
 from loraflow.simpletuner import import_simpletuner
 from loraflow.config.training_options import trained_with
-from tests.conftest import demo_dict, missing_input, write_config
+from tests.factory import K5_IMAGE_BACKEND, demo_dict, missing_input, write_config
 
 # The seed guides' HunyuanVideo 1.5 config.json and its multidatabackend.json, verbatim.
 HV_CONFIG = {
@@ -43,12 +43,6 @@ K5_FLAGS = {
     "--tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 2, "end_layer_idx": -2}]},
     "--report_to": "comet_ml", "--push_to_hub": "false",  # values and keys loraflow has no use for
 }
-K5_IMAGE_BACKEND = [
-    {"id": "my-image-dataset", "type": "local", "dataset_type": "image", "instance_data_dir": "datasets/my_images",
-     "caption_strategy": "textfile", "resolution": 1024, "crop": True, "crop_aspect": "square", "repeats": 10},
-    {"id": "text-embeds", "type": "local", "dataset_type": "text_embeds", "default": True,
-     "cache_dir": "cache/text/kandinsky5", "disabled": False},
-]
 
 
 # -- check -----------------------------------------------------------------------------------------
@@ -176,7 +170,7 @@ def test_check_estimates_an_imported_seed_guide_from_the_released_configs_before
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The Kandinsky 5 Video guide imported as its reader would (no model downloaded, no clips yet): check
     estimates every stage from loraflow's released config files, at the bucket the dataset asks for."""
-    from tests.test_seed_guides import GUIDES, SEEDS, combine
+    from tests.factory import GUIDES, SEEDS, combine
 
     guide = next((g for g in GUIDES if "`model_family`: `kandinsky5-video`" in g.read_text()), None)
     if guide is None:

@@ -39,7 +39,7 @@ from loraflow.training.batches import MicroBatch, StepDraws
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import image_conditions, load_component
 from loraflow.pipelines.sources import model_source
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 
 CPU = torch.device("cpu")
 TOLERANCE = 0.10

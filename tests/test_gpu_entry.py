@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO
+from tests.factory import REPO
 from tests.numerics import FLOAT32_AGREEMENT
 
 RUN = REPO / "benchmarks" / "gpu" / "run.py"

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, demo_dict, write_config
+from tests.factory import REPO, demo_dict, write_config
 
 PACKAGE = Path(__file__).resolve().parents[1] / "loraflow"
 

@@ -20,7 +20,7 @@ from loraflow.stages.text.text_embeds import text_key
 from loraflow.validation.validate import prompt_image, render_settings
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
-from tests.clip_factory import clip_row
+from tests.factory import clip_row
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM = {"latents": "l", "text_embeds": "t"}  # fixed data versions: the pin depends on the config only

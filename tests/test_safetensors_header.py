@@ -15,7 +15,7 @@ from loraflow.cli import main
 from loraflow.config import ConfigError, parse_config
 from loraflow.config.validation_adapters import ValidationAdapter, adapter_keys
 from loraflow.training.adapters import init_lora_version
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 
 LORA = {"transformer.blocks.0.attn.to_q.lora_A.weight": torch.ones(4, 8),
         "transformer.blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 4)}

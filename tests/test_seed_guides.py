@@ -6,8 +6,6 @@ still true of today's config model: the model refuses that key, or that value of
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -17,43 +15,7 @@ from loraflow.config import ConfigError, parse_config
 from loraflow.pipelines import family_flavour, family_spec
 from loraflow.pipelines.flavours import NOT_DIFFUSERS
 from loraflow.simpletuner import BACKEND_KEYS, ONLY_VALUE, import_simpletuner, simpletuner_families
-from tests.conftest import REPO, missing_input
-
-SEEDS = REPO.parent / "shared" / "seeds"
-GUIDES = sorted(SEEDS.glob("*.txt")) if SEEDS.is_dir() else []
-FILES = ("config.json", "multidatabackend.json", "user_prompt_library.json")
-
-
-def blocks(text: str) -> list[tuple[str, str, Any]]:
-    """(file the text last names before the block, heading above it, parsed JSON) per ```json block; a block of
-    bare `"key": value` lines (guide 002's quantisation snippet) is read as the object it belongs in."""
-    found = []
-    for match in re.finditer(r"```json\n(.*?)```", text, re.S):
-        before = text[:match.start()]
-        named = max(FILES, key=lambda name: before.rfind(name))
-        heading = re.findall(r"^#+ .*$", before, re.M)[-1]
-        body = match.group(1).strip()
-        found.append((named, heading, json.loads(body if body[0] in "[{" else "{" + body + "}")))
-    return found
-
-
-def combine(guide: Path, root: Path, with_i2v: bool) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """config.json settings and the dataset list, as a reader of the guide writes them under `root`."""
-    text = guide.read_text()
-    settings: dict[str, Any] = dict(re.findall(r"`(model_family)`: `([^`]+)`", text)[:1])
-    backends: list[dict[str, Any]] = []
-    for named, heading, data in blocks(text):
-        if "I2V" in heading and not with_i2v:  # a section for i2v flavours only
-            continue
-        if named == "multidatabackend.json":
-            backends = data
-        elif named == "user_prompt_library.json":
-            (root / "config").mkdir(exist_ok=True)
-            (root / "config" / named).write_text(json.dumps(data))
-        else:
-            settings.update(data)
-    return settings, backends
-
+from tests.factory import GUIDES, SEEDS, combine, missing_input
 
 @pytest.fixture(params=GUIDES or [None], ids=[g.name for g in GUIDES] or ["no guides"])
 def guide(request: pytest.FixtureRequest) -> Path:

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from loraflow.config import ConfigError, LoraflowConfig, parse_config
 from loraflow.simpletuner import import_simpletuner
-from tests.test_cli import K5_IMAGE_BACKEND
+from tests.factory import K5_IMAGE_BACKEND
 
 # The Kandinsky 5 Image quickstart's LoKr file (SimpleTuner documentation/quickstart), FeedForward added
 QUICKSTART_LOKR = {"algo": "lokr", "multiplier": 1.0, "linear_dim": 10000, "linear_alpha": 1, "factor": 16,

@@ -290,7 +290,7 @@ def test_a_full_disk_is_one_message_and_leaves_no_temporary_file(tmp_path: Path)
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.factory import REPO
 
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "--mount", "--map-root-user", "true"]).returncode:

@@ -13,7 +13,7 @@ from dagster import AssetKey, AssetMaterialization, DagsterInstance, evaluate_au
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import clips
 from loraflow.definitions import defs
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 
 PARTITION = "demo-videos"
 STAGES = ("clips", "latents", "text_embeds", "lora", "validation")

@@ -18,7 +18,7 @@ from dagster import DagsterInstance
 from loraflow.assets.jobs import materialize_everything
 from loraflow.cli import demo_summary
 from loraflow.assets.resources import LoraflowResource
-from tests.conftest import REPO, demo_dict, write_config
+from tests.factory import REPO, demo_dict, write_config
 
 
 def events(results, asset: str) -> list:

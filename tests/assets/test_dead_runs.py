@@ -17,7 +17,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, materialize
@@ -26,11 +25,12 @@ from loraflow.assets.runs.dead_runs import WATCH_INTERVAL_S, reap_dead_runs
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import clips
 from loraflow.store import Store
-from tests.conftest import REPO, demo_dict, write_config
-from tests.dagster_dev import dagster_dev
+from tests.factory import REPO, demo_dict, forget_latents, write_config
+from tests.dagster_dev import (
+    FINISHED, PARTITION, RUN_S, dagster_dev, executor_pid, gpu_claims, materialization_keys, materializations, status,
+    step_worker, wait_until,
+)
 
-PARTITION = "demo-videos"
-RUN_S = 180  # one latents run on 2 busy cores takes 15-30 s; a run blocked for good takes forever
 CLAIM_RETRY_S = 15  # a blocked step asks for its slot again at most this far apart (Dagster's MAX_CONCURRENCY_...)
 
 
@@ -82,28 +82,6 @@ def instance_of(cached: tuple[Path, Path]) -> DagsterInstance:
     return DagsterInstance.from_config(str(cached[0]))
 
 
-def wait_until(what: str, condition: Callable[[], Any], timeout_s: float, log: Path | None = None) -> Any:
-    """condition()'s first truthy value, polled every 0.1 s; fails naming `what` (and the log's tail) past timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    tail = log.read_text(errors="replace")[-3000:] if log is not None and log.exists() else ""
-    pytest.fail(f"{what}: not within {timeout_s:.0f} s\n{tail}")
-
-
-def step_worker(instance: DagsterInstance, run_id: str, step: str) -> int | None:
-    """The pid of the run's step worker for `step` once that step has started, else None."""
-    entries = instance.all_logs(run_id, of_type={DagsterEventType.STEP_WORKER_STARTED, DagsterEventType.STEP_START})
-    if not any(e.dagster_event.event_type == DagsterEventType.STEP_START and e.step_key == step for e in entries):
-        return None
-    (worker,) = [e for e in entries if e.dagster_event.event_type == DagsterEventType.STEP_WORKER_STARTED
-                 and e.step_key == step]
-    return int(worker.dagster_event.event_specific_data.metadata["pid"].value)
-
-
 def running_latents(instance: DagsterInstance, spawn: Callable[..., subprocess.Popen],
                     name: str) -> tuple[subprocess.Popen, str, int]:
     """(process, run id, latents step worker pid) of a CLI latents materialization whose latents step has started."""
@@ -113,14 +91,6 @@ def running_latents(instance: DagsterInstance, spawn: Callable[..., subprocess.P
     pid = wait_until(f"latents step of `{name}` started", lambda: step_worker(instance, run_id, "latents"), RUN_S,
                      process.log_path)
     return process, run_id, pid
-
-
-def executor_pid(instance: DagsterInstance, run_id: str) -> int | None:
-    """The pid of the run's process that starts its step workers (Dagster's multiprocess executor logs it)."""
-    for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
-        if (entry.user_message or "").startswith("Executing steps using multiprocess executor"):
-            return int(entry.dagster_event.event_specific_data.metadata["pid"].value)
-    return None
 
 
 def alive(pid: int) -> bool:
@@ -147,10 +117,6 @@ def finished(process: subprocess.Popen, timeout_s: float) -> float:
     return time.monotonic() - start
 
 
-def materializations(instance: DagsterInstance, run_id: str) -> list[Any]:
-    return instance.all_logs(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
-
-
 def assert_nothing_missing(instance: DagsterInstance, config: Path) -> None:
     """No run holds a `gpu` slot, and the latents part lists a latent for every clip of the clips part."""
     assert gpu_claims(instance) == []
@@ -162,10 +128,6 @@ def assert_nothing_missing(instance: DagsterInstance, config: Path) -> None:
     assert len(clip_keys) >= 5 and listed == clip_keys, f"clips without a latent: {sorted(clip_keys - listed)}"
 
 
-def gpu_claims(instance: DagsterInstance) -> list[Any]:
-    return instance.event_log_storage.get_concurrency_info("gpu").claimed_slots
-
-
 def new_runs(instance: DagsterInstance, before: set[str]) -> list[str]:
     return [r.run_id for r in instance.get_runs() if r.run_id not in before]
 
@@ -173,24 +135,6 @@ def new_runs(instance: DagsterInstance, before: set[str]) -> list[str]:
 def blocked(instance: DagsterInstance, run_id: str) -> bool:
     return any("blocked by limit for pool gpu" in (e.user_message or "")
                for e in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT))
-
-
-def forget_latents(config: Path) -> None:
-    """Remove every cached latent, so that the next latents step encodes for seconds (time to kill it mid-way)."""
-    from loraflow.config import load_config
-
-    shutil.rmtree(Path(load_config(config).cache_dir) / "latents", ignore_errors=True)
-
-
-FINISHED = (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
-
-
-def status(instance: DagsterInstance, run_id: str) -> DagsterRunStatus:
-    return instance.get_run_by_id(run_id).status
-
-
-def materialization_keys(instance: DagsterInstance, run_id: str) -> list[Any]:
-    return [e.dagster_event.event_specific_data.materialization for e in materializations(instance, run_id)]
 
 
 def waiting_for_writer(instance: DagsterInstance, run_id: str) -> bool:

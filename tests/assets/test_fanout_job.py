@@ -14,7 +14,7 @@ from loraflow.stages.clips.clips import build_clips
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 
 
 def test_one_step_per_shard_then_cache_dataset_computes_nothing(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:

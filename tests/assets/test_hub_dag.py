@@ -15,9 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, demo_dict, hf_cache_snapshot, write_config
-from tests.pipelines.test_sources import DEFAULT_REPO
-from tests.pipelines.test_sources import settings as repo_settings
+from tests.factory import K5_DEFAULT_REPO, REPO, demo_dict, hf_cache_snapshot, k5_settings, write_config
 
 PASS = """
 import json, sys
@@ -80,7 +78,7 @@ print(json.dumps({"success": result.success, "retried": retried, "failures": fai
 
 def test_an_unreachable_hub_fails_the_first_step_once_saying_what_to_do(
         tmp_path: Path, unreachable_hub: dict[str, str]) -> None:
-    config = write_config(tmp_path / "config.yaml", repo_settings(tmp_path))  # the flavour's repository, not cached
+    config = write_config(tmp_path / "config.yaml", k5_settings(tmp_path))  # the flavour's repository, not cached
     env = {k: v for k, v in unreachable_hub.items() if k != "DAGSTER_HOME"}  # an ephemeral instance: no guard thread
     done = subprocess.run([sys.executable, "-c", UNREACHABLE, str(config)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -92,5 +90,5 @@ def test_an_unreachable_hub_fails_the_first_step_once_saying_what_to_do(
     message = failure["description"]
     assert "\n" not in message and message in failure["error"]
     assert message.startswith(f"the Hugging Face Hub ({unreachable_hub['HF_ENDPOINT']}) did not answer for "
-                              f"{DEFAULT_REPO} (ConnectError")
+                              f"{K5_DEFAULT_REPO} (ConnectError")
     assert "run with HF_HUB_OFFLINE=1; or set `pretrained_model_name_or_path` to a local diffusers" in message

@@ -17,8 +17,7 @@ from loraflow.config import load_config
 from loraflow.training import loop as T
 from loraflow.training.run import run_dir, upstream_versions
 from loraflow.store import Store
-from tests.conftest import REPO
-from tests.training.test_train import build_caches, make_config
+from tests.factory import REPO, build_caches, make_config
 
 
 @pytest.fixture(scope="module")

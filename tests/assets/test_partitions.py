@@ -19,7 +19,7 @@ from loraflow.assets.resources import LoraflowResource
 from loraflow.config import load_config
 from loraflow.keys import data_version
 from loraflow.store import Store
-from tests.conftest import REPO, demo_dict, write_config
+from tests.factory import REPO, demo_dict, write_config
 from tests.media_factory import write_h264
 
 

@@ -48,8 +48,7 @@ from loraflow.stages.clips.bucket_plan import LatentGeometry
 from loraflow.stages.latents.latents import PlannedLatent
 from loraflow.config import ConfigError, load_config
 from loraflow.store import Store
-from tests.conftest import demo_dict, write_config
-from tests.clip_factory import clip_row
+from tests.factory import clip_row, demo_dict, write_config
 
 
 # -- checks on a real materialization --------------------------------------------------------------

@@ -22,7 +22,7 @@ from loraflow.contracts.renders import render_settings
 from loraflow.pipelines import load_family
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.sources import model_source
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 
 HV = "hunyuanvideo-1.5"
 # (family, flavour, validation_resolution, more keys): one run per distinct tiny checkpoint (the other new flavours

@@ -20,7 +20,7 @@ from loraflow.cli import main
 from loraflow.config import load_config
 from loraflow.contracts.clip_rows import changed_sources
 from loraflow.store import Store
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 
 DATASET = "demo-videos"
 

@@ -21,7 +21,7 @@ from dagster import DagsterInstance
 from loraflow.assets.jobs import materialize_everything
 from loraflow.assets.resources import LoraflowResource
 from loraflow.keys import env_flag
-from tests.conftest import REPO, demo_dict, missing_input, write_config
+from tests.factory import REPO, demo_dict, missing_input, write_config
 from tests.dagster_dev import dagster_dev
 
 CHROMIUM = Path("/usr/bin/chromium")

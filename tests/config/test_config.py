@@ -4,12 +4,7 @@ import pytest
 import yaml
 
 from loraflow.config import ConfigError, load_config, parse_config
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def demo() -> dict:
-    return yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+from tests.factory import REPO, demo
 
 
 def problems(data: dict) -> list[str]:

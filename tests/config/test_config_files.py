@@ -11,7 +11,7 @@ import yaml
 
 from loraflow.cli import main
 from loraflow.config import ConfigError, load_config
-from tests.config.test_config import demo
+from tests.factory import demo
 
 
 def laughs(levels: int, width: int = 10) -> str:

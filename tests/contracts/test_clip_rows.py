@@ -66,7 +66,7 @@ def test_the_typed_rows_are_the_manifest_columns(tiny_k5: Path, tmp_path: Path) 
 
 
 def test_a_manifest_written_before_source_versions_reads_without_one() -> None:
-    from tests.clip_factory import clip_row
+    from tests.factory import clip_row
 
     row = clip_row("k", "v").to_row()
     del row["source_version"]  # the manifests of every run before issue 42

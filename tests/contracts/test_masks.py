@@ -31,34 +31,28 @@ from loraflow.pipelines.sources import model_source
 from loraflow.kernels.flow_matching import flow_mse, noisy_sample
 from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store
-from tests.conftest import demo_dict
+from tests.factory import demo_dict, make_config, same_lora_file, train
 from tests.numerics import U32, gamma
-from tests.training.test_train import build_caches, make_config, same_lora_file, train
 
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("masks"))
-
-
-def masked(caches: dict[str, Path], output: Path, half: bool, **overrides: Any) -> LoraflowConfig:
+def masked(own_caches: dict[str, Path], output: Path, half: bool, **overrides: Any) -> LoraflowConfig:
     """The caches' dataset with a mask per video (white; `half`: the right half black), cached in the same store:
     `use` switches its manifests (the text embeddings are the same), every clip and latent stays cached."""
-    masks = caches["root"] / ("half" if half else "white")
+    masks = own_caches["root"] / ("half" if half else "white")
     masks.mkdir(exist_ok=True)
-    for video in sorted(caches["data"].glob("*.mp4")):
+    for video in sorted(own_caches["data"].glob("*.mp4")):
         info = probe(video)
         pixels = np.full((info.height, info.width, 3), 255, np.uint8)
         if half:
             pixels[:, info.width // 2:] = 0
         Image.fromarray(pixels).save(masks / f"{video.stem}.png")
-    datasets = demo_dict(caches["model"], caches["data"], caches["root"])["datasets"]
+    datasets = demo_dict(own_caches["model"], own_caches["data"], own_caches["root"])["datasets"]
     datasets[0]["conditioning_data"] = "masks"
     datasets.append({"id": "masks", "dataset_type": "conditioning", "conditioning_type": "mask",
                      "instance_data_dir": str(masks)})
-    return use(make_config(caches, output, datasets=datasets, **{"max_train_steps": 1, **overrides}))
+    return use(make_config(own_caches, output, datasets=datasets, **{"max_train_steps": 1, **overrides}))
 
 
 def use(config: LoraflowConfig) -> LoraflowConfig:
@@ -70,26 +64,26 @@ def use(config: LoraflowConfig) -> LoraflowConfig:
 
 
 @pytest.fixture(scope="module")
-def unmasked(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> T.LoraReport:
-    return train(use(make_config(caches, tmp_path_factory.mktemp("unmasked") / "out", max_train_steps=1)))
+def unmasked(own_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> T.LoraReport:
+    return train(use(make_config(own_caches, tmp_path_factory.mktemp("unmasked") / "out", max_train_steps=1)))
 
 
-def test_an_all_white_mask_trains_the_unmasked_lora(caches: dict[str, Path], unmasked: T.LoraReport,
+def test_an_all_white_mask_trains_the_unmasked_lora(own_caches: dict[str, Path], unmasked: T.LoraReport,
                                                      tmp_path: Path) -> None:
-    config = masked(caches, tmp_path / "masked", half=False)
+    config = masked(own_caches, tmp_path / "masked", half=False)
     ours = train(config)
     assert ours.inputs["latents"] != unmasked.inputs["latents"]  # the masks are in the latents' data version
     assert same_lora_file(Path(ours.lora_path), Path(unmasked.lora_path))
     assert [r.loss for r in ours.history] == [r.loss for r in unmasked.history]
     assert "masks on dataset(s) demo-videos" in masked_loss_metadata(config)["masked_loss"]
-    assert masked_loss_metadata(make_config(caches, tmp_path / "plain")) == {}
-    (caches["root"] / "white" / "clip_02.png").unlink()  # a file without its mask: quarantined, with the reason
+    assert masked_loss_metadata(make_config(own_caches, tmp_path / "plain")) == {}
+    (own_caches["root"] / "white" / "clip_02.png").unlink()  # a file without its mask: quarantined, with the reason
     report = build_clips(config, get_family(config), model_source(config), Store(config.cache_dir))
     assert [(Path(q.file).name, q.reason) for q in report.quarantined] == [("clip_02.mp4", "missing_mask")]
 
 
-def test_a_half_mask_zeroes_the_gradient_of_masked_out_latents(caches: dict[str, Path], tmp_path: Path) -> None:
-    half = masked(caches, tmp_path / "half", half=True)
+def test_a_half_mask_zeroes_the_gradient_of_masked_out_latents(own_caches: dict[str, Path], tmp_path: Path) -> None:
+    half = masked(own_caches, tmp_path / "half", half=True)
     store, family = Store(half.cache_dir), get_family(half)
     rows = store.get("latents", {r["key"] for r in store.read_manifest("latents")})
     for row in rows.values():  # area averages: whole cells on each side are exactly 1 and 0
@@ -117,8 +111,8 @@ def test_a_half_mask_zeroes_the_gradient_of_masked_out_latents(caches: dict[str,
 
 
 def test_a_half_mask_changes_the_lora_probability_0_does_not_and_a_resume_is_exact(
-        caches: dict[str, Path], unmasked: T.LoraReport, tmp_path: Path) -> None:
-    half = masked(caches, tmp_path / "half", half=True)
+        own_caches: dict[str, Path], unmasked: T.LoraReport, tmp_path: Path) -> None:
+    half = masked(own_caches, tmp_path / "half", half=True)
     run = lambda name, **overrides: train(half.model_copy(update={"output_dir": str(tmp_path / name),  # noqa: E731
                                                                   **overrides}))
     assert not same_lora_file(Path(run("half").lora_path), Path(unmasked.lora_path))

@@ -31,7 +31,7 @@ import pytest
 from loraflow.demo.dataset import _COLOURS
 from loraflow.media.writers import read_media
 from loraflow.demo.tiny_world import shape_centroid
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 
 REPO = Path(__file__).resolve().parents[2]
 MIN_LORA_SHIFT_PX = 4.0  # the LoRA moves the circle right by at least a quarter of its radius

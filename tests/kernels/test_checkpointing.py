@@ -23,7 +23,7 @@ from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.training.model_setup import load_transformer
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 
 CPU = torch.device("cpu")
 

@@ -285,7 +285,7 @@ def test_diffusers_kandinsky5_loader_refuses_alpha_keys(exported: Exported, tmp_
 def test_the_default_writes_comfyuis_file_for_every_kind_comfyui_applies() -> None:
     """`lora_format` unset: the ComfyUI file for LoRA and LoKr/LoHa, none for DoRA (nor LoKr/LoHa where ComfyUI fuses
     q/k/v); `comfyui` asked where it cannot be is an error before training; `diffusers` opts out."""
-    from tests.test_config import demo
+    from tests.factory import demo
 
     k5, hv15 = load_family("kandinsky5-video"), load_family("hunyuanvideo-1.5")
     lycoris = {"lora_type": "lycoris", "lycoris_config": {"algo": "lokr", "linear_dim": 4, "linear_alpha": 1}}
@@ -337,7 +337,7 @@ def test_unmapped_or_half_modules_fail_loudly() -> None:
 
 
 def test_lora_format_is_validated() -> None:
-    from tests.config.test_config import demo
+    from tests.factory import demo
 
     data = demo()
     assert parse_config(data).lora_format is None  # unset: both files where ComfyUI can apply the adapter

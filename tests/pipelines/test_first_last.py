@@ -22,7 +22,7 @@ from loraflow.kernels.flow_matching import flow_mse, noisy_sample
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 
 I2V = "i2v-lite-5s"
 

@@ -35,7 +35,7 @@ from loraflow.pipelines.base import load_component, load_lora_file
 from loraflow.pipelines.hunyuanvideo15.family import lora_pattern, make_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.conftest import REPO, demo_dict, write_config
+from tests.factory import REPO, demo_dict, write_config
 
 I2V = "i2v-480p"
 CPU = torch.device("cpu")

@@ -32,7 +32,7 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.training.test_train import reference_lora
+from tests.factory import reference_lora
 
 I2I = "i2i-lite-sft"
 

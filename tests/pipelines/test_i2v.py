@@ -1,6 +1,6 @@
 """Kandinsky 5 Video i2v on the tiny real model: training input and loss, eval loss, and validation renders.
 
-The caches are the two-clip dataset of tests/training/test_train.py (17-frame clips: 5 latent frames, the least
+The caches are the two-clip dataset of tests/factory.py `build_caches` (17-frame clips: 5 latent frames, the least
 Kandinsky5I2VPipeline renders without NaN). i2v reads the same caches as t2v; only the flavour differs.
 """
 
@@ -27,19 +27,14 @@ from loraflow.pipelines.kandinsky5.video.family import make_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.numerics import assert_float64_close
-from tests.training.test_train import build_caches, make_config, reference_lora
+from tests.factory import make_config, reference_lora
 
 I2V = "i2v-lite-5s"
 
 
 @pytest.fixture(scope="module")
-def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("i2v"))
-
-
-@pytest.fixture(scope="module")
-def trained(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    config = make_config(caches, tmp_path_factory.mktemp("i2v-run") / "out", model_flavour=I2V,
+def trained(own_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    config = make_config(own_caches, tmp_path_factory.mktemp("i2v-run") / "out", model_flavour=I2V,
                          validation_num_video_frames=17)
     return config, T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
 
@@ -70,16 +65,16 @@ def test_first_latent_frame_equals_the_first_frame_alone_only_for_a_static_clip(
     assert (in_clip - alone).abs().mean() > 0.05 * alone.abs().mean()  # measured: 0.018 vs 0.089
 
 
-def test_i2v_latents_hold_the_first_frame_encoded_alone(caches: dict[str, Path], tmp_path: Path) -> None:
+def test_i2v_latents_hold_the_first_frame_encoded_alone(own_caches: dict[str, Path], tmp_path: Path) -> None:
     from loraflow.stages.latents.latents import encode_latents
 
-    config = make_config(caches, tmp_path / "out", model_flavour=I2V, cache_dir=str(tmp_path / "cache"))
-    shutil.copytree(caches["root"] / "cache", tmp_path / "cache")
+    config = make_config(own_caches, tmp_path / "out", model_flavour=I2V, cache_dir=str(tmp_path / "cache"))
+    shutil.copytree(own_caches["root"] / "cache", tmp_path / "cache")
     store, family = Store(config.cache_dir), get_family(config)
     t2v_rows = {r["clip_key"]: r["key"] for r in store.read_manifest("latents")}
     # new keys: i2v latents differ
     assert encode_latents(config, family, model_source(config), store).computed == len(t2v_rows)
-    vae = load_component(caches["model"], "vae")
+    vae = load_component(own_caches["model"], "vae")
     for row in store.read_manifest("latents"):
         i2v, t2v = (store.get("latents", [k])[k]["latent"] for k in (row["key"], t2v_rows[row["clip_key"]]))
         frames = torch.from_numpy(np.array(store.get("clips", [row["clip_key"]])[row["clip_key"]]["frames"]))[None]
@@ -91,13 +86,13 @@ def test_i2v_latents_hold_the_first_frame_encoded_alone(caches: dict[str, Path],
         assert np.abs(i2v[:, :1] - t2v[:, :1]).max() > 1e-3
 
 
-def test_two_i2v_steps_equal_a_hand_written_reference(trained, caches: dict[str, Path]) -> None:
+def test_two_i2v_steps_equal_a_hand_written_reference(trained, own_caches: dict[str, Path]) -> None:
     """The transformer called as Kandinsky5I2VPipeline's loop calls it: frame 0 of x_t is the clean latent, the
     mask marks frame 0, visual_cond is zero; the loss covers latent frames 1.. only. AdamW by hand. Bit for bit: the
     same ops on the same shapes as training's step, in this process (test_train.py's reference test says why)."""
     config, report = trained
     store, family = Store(config.cache_dir), get_family(config)
-    transformer, params, optimizer = reference_lora(caches["model"], config)
+    transformer, params, optimizer = reference_lora(own_caches["model"], config)
     plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     for step, logged in enumerate(report.history):
         (sample,) = plan(step)
@@ -154,7 +149,7 @@ def test_i2v_eval_loss_is_the_masked_loss(trained) -> None:
     assert losses[j].lora != losses[j].base
 
 
-def test_i2v_validation_renders_from_the_first_frame(trained, caches: dict[str, Path]) -> None:
+def test_i2v_validation_renders_from_the_first_frame(trained, own_caches: dict[str, Path]) -> None:
     """Every denoising step sees the conditioning image's latent as frame 0 (mask 1), the one the pipeline draws
     from the render seed; t2v sees noise there. Pixels can't show it: the tiny VAE is random, so a decoded frame
     does not resemble its input. The mp4s have the configured frame count."""
@@ -199,7 +194,7 @@ def test_i2v_validation_renders_from_the_first_frame(trained, caches: dict[str, 
 
 def test_the_i2v_example_config_validates() -> None:
     from loraflow.config import load_config
-    from tests.conftest import REPO
+    from tests.factory import REPO
 
     config = load_config(REPO / "configs" / "kandinsky5_video_i2v.yaml")
     family = get_family(config)
@@ -215,8 +210,7 @@ def test_validation_using_datasets_renders_from_an_image_of_the_eval_dataset(tin
     from loraflow.stages.latents.latents import encode_latents
     from loraflow.stages.text.text_embeds import encode_texts
     from tests.media_factory import read_index, write_image
-    from tests.stages.test_clips import make_config as clips_config
-    from tests.stages.test_clips import run, videos
+    from tests.factory import clips_config, run_clips, videos
 
     videos(tmp_path / "videos", 2, num_frames=18)
     stills = tmp_path / "stills"
@@ -230,7 +224,7 @@ def test_validation_using_datasets_renders_from_an_image_of_the_eval_dataset(tin
                           validation_using_datasets=True, validation_prompt="a still moves",
                           validation_resolution="96x64",
                           validation_num_video_frames=17)
-    report, store = run(config)
+    report, store = run_clips(config)
     assert report.quarantined == ()
     family = get_family(config)
     encode_latents(config, family, model_source(config), store)

@@ -19,17 +19,10 @@ import torch
 
 from loraflow.validation.validate import RenderSettings
 from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
-from loraflow.pipelines.tiny_parts import TEXT_DIM
+from tests.factory import text_rows
 
 SETTINGS = RenderSettings(height=128, width=128, num_frames=5, num_inference_steps=1, guidance=3.0, seed=0,
                           flow_shift=5.0)  # latents (2, 16, 16): 2 x 8 x 8 patches, NABLA's 64-token blocks
-
-
-def rows() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    generator = np.random.default_rng(0)
-    row = lambda length: {"text_embeds": generator.standard_normal((length, TEXT_DIM), dtype=np.float32),  # noqa: E731
-                          "pooled_embeds": generator.standard_normal(TEXT_DIM, dtype=np.float32)}
-    return row(7), row(3)
 
 
 def recorded_sparse_params(transformer: torch.nn.Module, call: Any) -> list[dict | None]:
@@ -54,7 +47,7 @@ def assert_same(ours: dict | None, theirs: dict | None) -> None:
 def test_velocity_passes_the_pipelines_nabla_params(nabla_k5: Path, flavour: str) -> None:
     family = kandinsky5_video.make_family(flavour)
     pipe = family.load_renderer(str(nabla_k5), None, torch.device("cpu"))
-    prompt, negative = rows()
+    prompt, negative = text_rows()
     i2v = "i2v" in flavour
     settings = dataclasses.replace(SETTINGS, num_frames=17) if i2v else SETTINGS  # K5 i2v's minimum
     image = {"image": np.full((settings.height, settings.width, 3), 128, np.uint8)} if i2v else {}
@@ -73,7 +66,7 @@ def test_velocity_passes_the_pipelines_nabla_params(nabla_k5: Path, flavour: str
 def test_a_regular_checkpoint_gets_no_sparse_params(tiny_k5: Path) -> None:
     family = kandinsky5_video.make_family("t2v-lite-sft-5s")
     pipe = family.load_renderer(str(tiny_k5), None, torch.device("cpu"))
-    text = family.collate_text([rows()[0]], "cpu")
+    text = family.collate_text([text_rows()[0]], "cpu")
     with torch.no_grad():
         seen = recorded_sparse_params(pipe.transformer, lambda: family.velocity(
             pipe.transformer, torch.zeros(1, 16, 2, 16, 16), torch.tensor([0.5]), text))
@@ -83,7 +76,7 @@ def test_a_regular_checkpoint_gets_no_sparse_params(tiny_k5: Path) -> None:
 def test_nabla_training_on_the_cpu_fails_with_what_to_do(nabla_k5: Path) -> None:
     family = kandinsky5_video.make_family("t2v-lite-sft-5s")
     pipe = family.load_renderer(str(nabla_k5), None, torch.device("cpu"))
-    text = family.collate_text([rows()[0]], "cpu")
+    text = family.collate_text([text_rows()[0]], "cpu")
     with pytest.raises(ValueError, match="trains on CUDA only"):  # flex attention has no CPU backward
         family.velocity(pipe.transformer, torch.zeros(1, 16, 2, 16, 16), torch.tensor([0.5]), text)
 
@@ -94,5 +87,5 @@ def test_flex_attention_stays_with_the_nabla_model(nabla_k5: Path, tiny_k5: Path
     family = kandinsky5_video.make_family("t2v-lite-sft-5s")
     family.load_renderer(str(nabla_k5), None, torch.device("cpu"))
     regular = family.load_renderer(str(tiny_k5), None, torch.device("cpu")).transformer.requires_grad_(True)
-    text = family.collate_text([rows()[0]], "cpu")
+    text = family.collate_text([text_rows()[0]], "cpu")
     family.velocity(regular, torch.zeros(1, 16, 2, 16, 16), torch.tensor([0.5]), text).sum().backward()

@@ -38,7 +38,7 @@ from loraflow.pipelines.kandinsky5.tiny_parts import kandinsky5_pipeline
 from loraflow.pipelines.kandinsky5.video.tiny import hunyuan_video_vae
 from loraflow.pipelines.tiny_parts import TinyPipeline, recipe_name
 from loraflow.store import Store
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 
 NAME = "kandinsky5-mini"
 

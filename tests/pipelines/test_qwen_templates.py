@@ -38,7 +38,7 @@ from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
 
 from loraflow.demo import qwen_vocab
 from loraflow.pipelines.hunyuanvideo15.tiny import hunyuan_video15_vae
-from tests.conftest import missing_input
+from tests.factory import missing_input
 
 # The original repository's crop_start per type_of_content (kandinsky/models/text_embedders.py, PROMPT_TEMPLATE).
 ORIGINAL_CROPS = {"video": 129, "image": 41, "image_edit": 55}

@@ -14,44 +14,32 @@ answers them from the real batch. NABLA, fp8-layerwise and the validation render
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from loraflow.config import LoraflowConfig, parse_config
+from loraflow.config import LoraflowConfig
 from loraflow.kernels.crepa import CrepaProjector, hidden_width
 from loraflow.kernels.patch_conv import enable_patch_conv
 from loraflow.training import loop as T
-from loraflow.training.model_setup import base_dtype, prepare_transformer
 from loraflow.training.crepa_training import Crepa
 from loraflow.contracts.teacher_features import latent_frame_indices
 from loraflow.stages.teacher.teacher_features import patch_features
-from loraflow.training.batches import MicroBatch, StepDraws, step_draws
+from loraflow.training.batches import MicroBatch
 from loraflow.pipelines import get_family
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.base import ModelFamily
 from loraflow.estimates.fake_tensors import fake_mode, known_values, released_model
 from loraflow.pipelines.released import released_config
+from tests.factory import (
+    DEPTH, Case, as_loaded, dry_config, latent_shape, released_batch, released_transformer,
+)
 
 pytestmark = pytest.mark.released
 
-DEPTH = 3  # visual blocks kept: TREAD routes the middle one, CREPA reads it
-TREAD = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
-TEXT_TOKENS = {"kandinsky5-video": 256, "kandinsky5-image": 512, "hunyuanvideo-1.5": 1000}  # the longest prompt
 # HV1.5's forward drops the text tokens after its last block: the LoRA there gets no gradient (in a real run too)
 DEAD = tuple(f"transformer_blocks.{DEPTH - 1}.{name}." for name in hunyuanvideo15.DEAD_IN_LAST_BLOCK)
-LATENT = {"kandinsky5-video": (16, 8), "kandinsky5-image": (16, 8), "hunyuanvideo-1.5": (32, 16)}  # channels, VAE
-
-
-@dataclass(frozen=True)
-class Case:
-    family: str
-    flavour: str
-    feature: str  # "tread", "crepa" or "" (NABLA takes neither)
-    same_as: tuple[str, ...] = ()  # flavours with the same transformer file and task (the same dry run)
-
 
 CASES = [
     Case("kandinsky5-video", "t2v-lite-sft-5s", "tread", ("t2v-lite-pretrain-5s",)),
@@ -67,85 +55,6 @@ CASES = [
     Case("hunyuanvideo-1.5", "t2v-720p", ""),
     Case("hunyuanvideo-1.5", "i2v-720p", ""),
 ]
-
-
-def dry_config(case: Case) -> LoraflowConfig:
-    extra = {"tread": {"tread_config": TREAD},
-             "crepa": {"crepa_enabled": True, "crepa_encoder_path": "unused", "crepa_block_index": 1}}
-    dataset = {"id": "dry", "instance_data_dir": "unused"}
-    if case.family == "kandinsky5-image":
-        dataset["video"] = {"num_frames": 1}
-    sources = [{**dataset, "id": "sources", "dataset_type": "conditioning", "instance_data_dir": "unused-sources"}] if case.flavour.startswith("i2i") else []
-    if sources:
-        dataset["conditioning_data"] = "sources"
-    return parse_config({
-        "model_family": case.family, "model_flavour": case.flavour, "pretrained_model_name_or_path": "unused",
-        "datasets": [dataset, *sources], "lora_rank": 16,
-        "lora_include_ffn": True, "base_model_precision": "bf16", "gradient_checkpointing": True,
-        **extra.get(case.feature, {})})
-
-
-def depth(config: dict) -> dict:
-    """The config overrides that keep DEPTH visual blocks."""
-    return {"num_visual_blocks": DEPTH} if "num_visual_blocks" in config else {"num_layers": DEPTH}
-
-
-def as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """What `from_pretrained(torch_dtype=dtype)` leaves (`load_component`): every parameter in `dtype` but those of
-    the class's `_keep_in_fp32_modules` (diffusers' rule: a module name among the parameter name's parts)."""
-    keep = set(type(model)._keep_in_fp32_modules or ())
-    for name, p in model.named_parameters():
-        if not keep & set(name.split(".")):
-            p.data = p.data.to(dtype)
-    return model.eval().requires_grad_(False)
-
-
-def latent_shape(family: ModelFamily) -> tuple[int, ...]:
-    channels, factor = LATENT[family.name]
-    height, width = family.flavour.size
-    return 1, channels, (family.flavour.num_frames - 1) // family.vae_temporal_factor + 1, height // factor, width // factor
-
-
-def encoder_width(flavour: str, component: str) -> int:
-    """The width of what a released text encoder hands the transformer (Qwen's hidden states, CLIP's pooled
-    output, ByT5's states): its config's, not the transformer's, so a mismatch between the two fails."""
-    config = released_config(flavour, component)
-    config = config.get("text_config", config)  # Qwen2.5-VL nests its language model's
-    return config.get("hidden_size") or config["d_model"]
-
-
-def text_batch(family: ModelFamily, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """What `load_micro_batch` hands `velocity`: the family's text at its longest prompt, as wide as the released
-    text encoders make it, and the latent rows' image conditions (i2i: the source latent)."""
-    tokens, name = TEXT_TOKENS[family.name], family.flavour.name
-    qwen, second = encoder_width(name, "text_encoder"), encoder_width(name, "text_encoder_2")
-    if family.name.startswith("kandinsky5"):
-        text = {"text_embeds": torch.randn(1, tokens, qwen), "pooled_embeds": torch.randn(1, second)}
-    else:
-        text = {"text_embeds": torch.randn(1, tokens, qwen), "text_mask": torch.ones(1, tokens),
-                "byt5_embeds": torch.randn(1, 256, second), "byt5_mask": torch.ones(1, 256)}
-    if family.flavour.edits_image or family.image_condition_name:  # HV1.5 i2v: the first frame's latent, SigLIP
-        text["image_latent"] = torch.randn(*shape[:2], 1, *shape[3:])
-    if family.image_condition_name == "first_frame":
-        text["image_embeds"] = torch.randn(1, hunyuanvideo15.IMAGE_TOKENS, encoder_width(name, "image_encoder"))
-    return text
-
-
-def released_batch(config: LoraflowConfig, family: ModelFamily) -> tuple[
-        tuple[int, ...], dict[str, torch.Tensor], StepDraws, torch.Tensor]:
-    """A real batch at the flavour's released size: the latent shape, the text, the step's draws, the clean latent."""
-    shape = latent_shape(family)
-    text, draws = text_batch(family, shape), step_draws(config, family, 0, shape)
-    return shape, text, draws, torch.randn(shape)
-
-
-def released_transformer(case: Case, config: LoraflowConfig, family: ModelFamily) -> tuple[torch.nn.Module, list]:
-    """Under `fake_mode()`: the released transformer (DEPTH blocks) loaded in the run's precision and prepared as
-    `train_lora` prepares it, with the parameters it trains."""
-    released = family.flavour.configured(released_config(case.flavour, "transformer"))  # Pro's SD or HD mode
-    model = as_loaded(released_model(case.flavour, "transformer", **depth(released),
-                                     **dict(family.flavour.transformer_config)), base_dtype(config))
-    return prepare_transformer(model, config, family)
 
 
 def teacher_features(config: LoraflowConfig, family: ModelFamily, frames: int) -> tuple[torch.Tensor, int]:

@@ -42,7 +42,7 @@ from loraflow.pipelines.base import RenderSettings
 from loraflow.pipelines.kandinsky5.video.family import I2V_MIN_FRAMES
 from loraflow.pipelines.render_memory import RenderPlan, place
 from loraflow.pipelines.released import released_config
-from tests.pipelines.test_released_dry_runs import (
+from tests.factory import (
     DEPTH, Case, as_loaded, depth, dry_config, latent_shape, released_batch, released_transformer, text_batch,
 )
 

@@ -23,19 +23,10 @@ from loraflow.stages.latents.latents import latent_rows
 from loraflow.pipelines.base import component_fingerprint, load_component
 from loraflow.pipelines import family_flavour, get_family
 from loraflow.pipelines.sources import check_layout, layout_problem, model_source
-from tests.conftest import REPO, hf_cache_snapshot, write_config
-from tests.clip_factory import clip_row
+from tests.factory import K5_DEFAULT_REPO, REPO, clip_row, hf_cache_snapshot, k5_settings, write_config
 
 K5 = "kandinsky5-video"
-DEFAULT_REPO = family_flavour(K5, "t2v-lite-sft-5s").repo  # kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers
 COMMIT, NEXT_COMMIT = "a" * 40, "b" * 40
-
-
-def settings(tmp_path: Path, **model: str) -> dict:
-    data = tmp_path / "data"
-    data.mkdir(exist_ok=True)
-    return {"model_family": K5, "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
-            "datasets": [{"id": "v", "instance_data_dir": str(data)}], **model}
 
 
 @pytest.fixture
@@ -48,11 +39,11 @@ def offline_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_left_out_the_model_is_the_flavours_diffusers_repository_read_from_the_cache(
         tiny_k5: Path, tmp_path: Path, offline_cache: Path) -> None:
-    snapshot = hf_cache_snapshot(offline_cache, DEFAULT_REPO, tiny_k5, COMMIT)
-    config = parse_config(settings(tmp_path))
-    assert config.pretrained_model_name_or_path == DEFAULT_REPO
+    snapshot = hf_cache_snapshot(offline_cache, K5_DEFAULT_REPO, tiny_k5, COMMIT)
+    config = parse_config(k5_settings(tmp_path))
+    assert config.pretrained_model_name_or_path == K5_DEFAULT_REPO
     source = model_source(config)
-    assert (source.root, source.repo_id, source.commit) == (snapshot, DEFAULT_REPO, COMMIT)
+    assert (source.root, source.repo_id, source.commit) == (snapshot, K5_DEFAULT_REPO, COMMIT)
     check_layout(source, family_flavour(K5, None))
     from_cache, from_folder = load_component(source, "vae"), load_component(tiny_k5, "vae")
     for (name, a), (_, b) in zip(from_cache.state_dict().items(), from_folder.state_dict().items(), strict=True):
@@ -62,7 +53,7 @@ def test_left_out_the_model_is_the_flavours_diffusers_repository_read_from_the_c
 def test_a_moved_cache_keeps_every_fingerprint_and_a_new_revision_changes_them(
         tiny_k5: Path, tmp_path: Path, offline_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hf_cache_snapshot(offline_cache, "org/tiny", tiny_k5, COMMIT)
-    config = parse_config(settings(tmp_path, pretrained_model_name_or_path="org/tiny"))
+    config = parse_config(k5_settings(tmp_path, pretrained_model_name_or_path="org/tiny"))
     before = {c: component_fingerprint(model_source(config), c) for c in ("vae", "text_encoder", "transformer")}
     moved = tmp_path / "elsewhere"
     shutil.move(offline_cache, moved)  # relative links: the cache still reads the same
@@ -72,12 +63,12 @@ def test_a_moved_cache_keeps_every_fingerprint_and_a_new_revision_changes_them(
     hf_cache_snapshot(moved, "org/tiny", tiny_k5, NEXT_COMMIT)  # main moves on; same files, new revision
     after = {c: component_fingerprint(model_source(config), c) for c in before}
     assert all(after[c] != before[c] for c in before)
-    pinned = parse_config(settings(tmp_path, pretrained_model_name_or_path="org/tiny", revision=COMMIT))
+    pinned = parse_config(k5_settings(tmp_path, pretrained_model_name_or_path="org/tiny", revision=COMMIT))
     assert {c: component_fingerprint(model_source(pinned), c) for c in before} == before
 
 
 def test_a_local_folder_keeps_the_fingerprint_it_always_had(tiny_k5: Path, tmp_path: Path) -> None:
-    config = parse_config(settings(tmp_path, pretrained_model_name_or_path=str(tiny_k5)))
+    config = parse_config(k5_settings(tmp_path, pretrained_model_name_or_path=str(tiny_k5)))
     assert model_source(config).repo_id is None
     for component in ("vae", "text_encoder", "text_encoder_2", "transformer"):
         assert component_fingerprint(model_source(config), component) == content_key(
@@ -86,7 +77,7 @@ def test_a_local_folder_keeps_the_fingerprint_it_always_had(tiny_k5: Path, tmp_p
 
 def test_offline_without_the_repository_in_the_cache_names_it_and_the_cache(tmp_path: Path,
                                                                            offline_cache: Path) -> None:
-    config = parse_config(settings(tmp_path, pretrained_model_name_or_path="org/absent", revision="v2"))
+    config = parse_config(k5_settings(tmp_path, pretrained_model_name_or_path="org/absent", revision="v2"))
     with pytest.raises(FileNotFoundError) as error:
         model_source(config)
     message = f"org/absent@v2 is not in the Hugging Face cache ({offline_cache}); HF_HUB_OFFLINE is set"
@@ -99,7 +90,7 @@ def test_a_repository_with_only_pickled_weights_is_refused_before_loading(
     shutil.copytree(tiny_k5, pickled)
     (pickled / "vae" / "diffusion_pytorch_model.safetensors").rename(pickled / "vae" / "diffusion_pytorch_model.bin")
     hf_cache_snapshot(offline_cache, "org/pickled", pickled, COMMIT)
-    config = parse_config(settings(tmp_path, pretrained_model_name_or_path="org/pickled"))
+    config = parse_config(k5_settings(tmp_path, pretrained_model_name_or_path="org/pickled"))
     with pytest.raises(FileNotFoundError, match=r"org/pickled vae/ holds weights only as diffusion_pytorch_model.bin: "
                                                 r"loraflow reads safetensors only"):
         model_source(config)
@@ -114,7 +105,7 @@ def test_a_repository_not_in_the_diffusers_layout_is_refused_naming_the_flavours
 
 
 def test_the_hunyuanvideo_guides_repository_is_refused_at_load_naming_the_diffusers_one(tmp_path: Path) -> None:
-    guide = {**settings(tmp_path), "model_family": "hunyuanvideo-1.5", "model_flavour": "i2v-720p",
+    guide = {**k5_settings(tmp_path), "model_family": "hunyuanvideo-1.5", "model_flavour": "i2v-720p",
              "pretrained_model_name_or_path": "tencent/HunyuanVideo-1.5"}
     with pytest.raises(ConfigError, match="not in the diffusers layout.*use 'hunyuanvideo-community/"
                                           "HunyuanVideo-1.5-Diffusers-720p_i2v'"):
@@ -125,13 +116,13 @@ def test_a_vae_folder_from_elsewhere_is_loaded_and_fingerprinted_from_there(tiny
     checkpoint, vae = tmp_path / "checkpoint", tmp_path / "my-vae"
     shutil.copytree(tiny_k5, checkpoint)
     shutil.move(checkpoint / "vae", vae)
-    config = parse_config(settings(tmp_path, pretrained_model_name_or_path=str(checkpoint), vae_path=str(vae)))
+    config = parse_config(k5_settings(tmp_path, pretrained_model_name_or_path=str(checkpoint), vae_path=str(vae)))
     source = model_source(config)
     check_layout(source, family_flavour(K5, None))
     assert source.fingerprint("vae") == content_key(component="vae", files=directory_fingerprint(vae))
     loaded = load_component(source, "vae")
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), load_component(tiny_k5, "vae").parameters()))
-    without = parse_config(settings(tmp_path, pretrained_model_name_or_path=str(tiny_k5)))
+    without = parse_config(k5_settings(tmp_path, pretrained_model_name_or_path=str(tiny_k5)))
 
     class Clips:  # the one store call latent_rows makes
         def read_manifest(self, name: str, parts: list[str] | None = None) -> list[dict]:
@@ -148,7 +139,7 @@ def test_component_folders_are_checked_at_load_naming_the_key(tiny_k5: Path, tmp
     pickled = tmp_path / "pickled-vae"
     shutil.copytree(tiny_k5 / "vae", pickled)
     (pickled / "diffusion_pytorch_model.safetensors").rename(pickled / "diffusion_pytorch_model.bin")
-    base = settings(tmp_path, pretrained_model_name_or_path=str(tiny_k5))
+    base = k5_settings(tmp_path, pretrained_model_name_or_path=str(tiny_k5))
     with pytest.raises(ConfigError, match=r"`vae_path` .*pickled-vae holds weights only as diffusion_pytorch_model"):
         parse_config({**base, "vae_path": str(pickled)})
     with pytest.raises(ConfigError, match=r"`vision_encoder_path` names a image_encoder, which flavour "
@@ -165,7 +156,7 @@ def test_the_guides_text_encoder_variable_replaces_hunyuanvideos_text_encoder(
     encoder = tmp_path / "qwen"
     shutil.copytree(tiny_hv / "text_encoder", encoder)  # copied with its mtimes: the same fingerprint, until edited
     (encoder / "config.json").write_text((encoder / "config.json").read_text() + "\n")
-    base = {**settings(tmp_path), "model_family": "hunyuanvideo-1.5", "pretrained_model_name_or_path": str(tiny_hv)}
+    base = {**k5_settings(tmp_path), "model_family": "hunyuanvideo-1.5", "pretrained_model_name_or_path": str(tiny_hv)}
     plain = model_source(parse_config(base))
     monkeypatch.setenv("HUNYUANVIDEO_TEXT_ENCODER_PATH", str(encoder))
     source = model_source(parse_config(base))
@@ -186,11 +177,11 @@ def tiny_hv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_check_says_what_is_cached_and_what_is_missing(tiny_k5: Path, tmp_path: Path, offline_cache: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    config = write_config(tmp_path / "config.yaml", settings(tmp_path))
+    config = write_config(tmp_path / "config.yaml", k5_settings(tmp_path))
     assert main(["check", str(config)]) == 2
     err = capsys.readouterr().err
-    assert f"{DEFAULT_REPO} is not in the Hugging Face cache ({offline_cache}); HF_HUB_OFFLINE is set" in err
-    hf_cache_snapshot(offline_cache, DEFAULT_REPO, tiny_k5, COMMIT)
+    assert f"{K5_DEFAULT_REPO} is not in the Hugging Face cache ({offline_cache}); HF_HUB_OFFLINE is set" in err
+    hf_cache_snapshot(offline_cache, K5_DEFAULT_REPO, tiny_k5, COMMIT)
     main(["check", str(config)])
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split()[1:] for line in out.split("component")[1].split("bucket plan")[0]
@@ -218,15 +209,15 @@ def test_a_download_fetches_only_the_flavours_configs_tokenizers_and_safetensors
 @pytest.mark.parametrize("command", [["check"], ["cache", "--dataset", "v"]])
 def test_an_unreachable_hub_fails_at_once_with_what_to_do_and_no_traceback(
         tmp_path: Path, unreachable_hub: dict[str, str], command: list[str]) -> None:
-    config = write_config(tmp_path / "config.yaml", settings(tmp_path))  # the flavour's repository, not cached
+    config = write_config(tmp_path / "config.yaml", k5_settings(tmp_path))  # the flavour's repository, not cached
     # the timeout only bounds a hang: huggingface_hub's own retries took 23 s on a refused connection
     done = subprocess.run([sys.executable, "-m", "loraflow.cli", command[0], str(config), *command[1:]], cwd=REPO,
                           env=unreachable_hub, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert (f"loraflow {command[0]}: the Hugging Face Hub ({unreachable_hub['HF_ENDPOINT']}) did not answer for "
-            f"{DEFAULT_REPO} (ConnectError") in done.stderr
-    assert f"`hf download {DEFAULT_REPO}` with --include for transformer, vae" in done.stderr
+            f"{K5_DEFAULT_REPO} (ConnectError") in done.stderr
+    assert f"`hf download {K5_DEFAULT_REPO}` with --include for transformer, vae" in done.stderr
     assert f"into the Hugging Face cache ({tmp_path / 'hf'}" in done.stderr
     assert "run with HF_HUB_OFFLINE=1; or set `pretrained_model_name_or_path` to a local diffusers" in done.stderr
 
@@ -247,13 +238,13 @@ def test_a_model_index_naming_another_module_is_refused_by_check_and_the_stage_b
     (tmp_path / "planted_by_the_model.py").write_text(f"open({str(ran)!r}, 'w').close()\nclass AutoencoderKL: ...\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     model = tampered(tiny_k5, tmp_path / "model", vae=["planted_by_the_model", "AutoencoderKL"])
-    config = write_config(tmp_path / "config.yaml", settings(tmp_path, pretrained_model_name_or_path=str(model)))
+    config = write_config(tmp_path / "config.yaml", k5_settings(tmp_path, pretrained_model_name_or_path=str(model)))
     assert main(["check", str(config), "--no-estimates"]) == 2
     err = capsys.readouterr().err
     assert (f"{model} vae: model_index.json names planted_by_the_model.AutoencoderKL; flavour 't2v-lite-sft-5s' "
             "loads diffusers.AutoencoderKLHunyuanVideo") in err
     with pytest.raises(ValueError, match="names planted_by_the_model.AutoencoderKL"):
-        model_source(parse_config(settings(tmp_path, pretrained_model_name_or_path=str(model))))  # every stage's
+        model_source(parse_config(k5_settings(tmp_path, pretrained_model_name_or_path=str(model))))  # every stage's
     with pytest.raises(ValueError, match="names library 'planted_by_the_model'; loraflow loads components from"):
         load_component(model, "vae")  # a bare folder, as the tests load them
     assert not ran.exists()
@@ -263,7 +254,7 @@ def test_a_checkpoint_of_another_family_is_refused_by_check_naming_component_fou
         tiny_k5: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tampered(tiny_k5, tmp_path / "model", vae=["diffusers", "AutoencoderKLHunyuanVideo15"],
                      transformer=["diffusers", "HunyuanVideo15Transformer3DModel"])
-    config = write_config(tmp_path / "config.yaml", settings(tmp_path, pretrained_model_name_or_path=str(model)))
+    config = write_config(tmp_path / "config.yaml", k5_settings(tmp_path, pretrained_model_name_or_path=str(model)))
     assert main(["check", str(config), "--no-estimates"]) == 2
     err = capsys.readouterr().err
     assert "3 problem(s)" in err  # the third: the data folder is empty
@@ -278,7 +269,7 @@ def test_a_local_checkpoint_with_only_pickled_weights_is_refused_by_check(
     shutil.copytree(tiny_k5, model)
     weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
     weights.rename(weights.with_suffix(".bin"))
-    config = write_config(tmp_path / "config.yaml", settings(tmp_path, pretrained_model_name_or_path=str(model)))
+    config = write_config(tmp_path / "config.yaml", k5_settings(tmp_path, pretrained_model_name_or_path=str(model)))
     assert main(["check", str(config), "--no-estimates"]) == 2
     assert (f"{model} transformer/ holds weights only as diffusion_pytorch_model.bin: loraflow reads safetensors "
             "only") in capsys.readouterr().err
@@ -290,7 +281,7 @@ def test_a_corrupt_safetensors_header_in_the_model_is_named_by_check_and_by_the_
     shutil.copytree(tiny_k5, model)
     weights = model / "vae" / "diffusion_pytorch_model.safetensors"
     weights.write_bytes((1 << 40).to_bytes(8, "little") + weights.read_bytes()[8:])  # a header length of 2^40
-    config = write_config(tmp_path / "config.yaml", settings(tmp_path, pretrained_model_name_or_path=str(model)))
+    config = write_config(tmp_path / "config.yaml", k5_settings(tmp_path, pretrained_model_name_or_path=str(model)))
     assert main(["check", str(config), "--no-estimates"]) == 2
     named = f"{weights} is not a readable safetensors file: its header length says 1099511627776 bytes"
     assert named in capsys.readouterr().err

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -36,10 +35,8 @@ from loraflow.stages.latents.latents import SHARD_CLIPS, latent_rows
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.assets.test_dead_runs import gpu_claims, status, wait_until
-from tests.conftest import REPO, demo_dict, write_config
-from tests.dagster_dev import dagster_dev, kill_group
-from tests.stages.test_fanout import many_clips
+from tests.factory import REPO, demo_dict, many_clips, write_config
+from tests.dagster_dev import dagster_dev, gpu_claims, graphql, kill_group, status, wait_until
 from tests.servers import make_bucket
 
 WORKERS, COPIES = 3, 3  # 21 clips in 3 buckets: about 7 per step, committed per bucket
@@ -220,16 +217,6 @@ UI_QUERY = """{
     ... on AssetNode { partitionKeysByDimension { partitionKeys } assetMaterializations { partition runId } }
   }
 }"""
-
-
-def graphql(url: str, query: str) -> dict[str, Any]:
-    """The webserver's answer to a GraphQL query, as the UI's pages ask for it."""
-    request = urllib.request.Request(f"{url}/graphql", data=json.dumps({"query": query}).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        answer = json.loads(response.read())
-    assert "errors" not in answer, answer
-    return answer["data"]
 
 
 def pool_process(worker: subprocess.Popen) -> psutil.Process:

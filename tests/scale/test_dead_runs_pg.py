@@ -25,11 +25,11 @@ from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import clips
 from loraflow.config import load_config
 from loraflow.store import Store
-from tests.assets.test_dead_runs import (FINISHED, PARTITION, RUN_S, executor_pid, forget_latents, gpu_claims,
-                                         materialization_keys, status, step_worker, wait_until)
-from tests.conftest import REPO, demo_dict, write_config
-from tests.dagster_dev import dagster_dev
-from tests.scale.test_celery_fanout import graphql
+from tests.factory import REPO, demo_dict, forget_latents, write_config
+from tests.dagster_dev import (
+    FINISHED, PARTITION, RUN_S, dagster_dev, executor_pid, gpu_claims, graphql, materialization_keys, status,
+    step_worker, wait_until,
+)
 from tests.servers import new_database
 
 

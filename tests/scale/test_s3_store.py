@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 
 from loraflow.store import Store
-from tests.conftest import REPO
+from tests.factory import REPO
 from tests.servers import make_bucket
 
 COMMIT = """import sys, numpy as np

@@ -13,30 +13,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from loraflow.config import load_config
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
 from loraflow.stages.text.text_embeds import encode_texts
-from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
-from loraflow.store import Store
-from tests.conftest import REPO, demo_dict, write_config
-
-
-def setup(model: Path, data: Path, root: Path):
-    config = load_config(write_config(root / "config.yaml", demo_dict(model, data, root)))
-    family, store = get_family(config), Store(config.cache_dir)
-    build_clips(config, family, model_source(config), store)
-    return config, family, store
-
-
-def uninterrupted_latents(model: Path, data: Path, root: Path, keys: list[str]) -> dict[str, np.ndarray]:
-    """{key: latent} as a run never killed and never short of memory writes them, into a cache of its own under `root`
-    (the VAE's mode, clip by clip: the same bits in any process)."""
-    root.mkdir()
-    config, family, store = setup(model, data, root)
-    encode_latents(config, family, model_source(config), store)
-    return {key: row["latent"] for key, row in store.get("latents", keys).items()}
+from tests.factory import REPO, demo_clips, uninterrupted_latents
 
 
 def test_one_new_clip_computes_one_latent(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
@@ -48,7 +29,7 @@ def test_one_new_clip_computes_one_latent(tiny_k5: Path, demo_data: Path, tmp_pa
     moved.mkdir()
     shutil.move(extra, moved / extra.name)
     shutil.move(extra_caption, moved / extra_caption.name)
-    config, family, store = setup(tiny_k5, data, tmp_path)
+    config, family, store = demo_clips(tiny_k5, data, tmp_path)
     first = encode_latents(config, family, model_source(config), store)
     shutil.move(moved / extra.name, extra)
     shutil.move(moved / extra_caption.name, extra_caption)
@@ -59,7 +40,7 @@ def test_one_new_clip_computes_one_latent(tiny_k5: Path, demo_data: Path, tmp_pa
 
 
 def test_captions_are_encoded_once_per_distinct_text(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
-    config, family, store = setup(tiny_k5, demo_data, tmp_path)
+    config, family, store = demo_clips(tiny_k5, demo_data, tmp_path)
     clip = store.read_manifest("clips")[0]
     captions = ["a red circle", "a blue square", "a red circle"]
     store.write_manifest("clips", [{**clip, "key": f"k{i}", "captions": [captions[i % 3]]} for i in range(100)])
@@ -74,7 +55,7 @@ def test_captions_are_encoded_once_per_distinct_text(tiny_k5: Path, demo_data: P
 def test_a_changed_text_encoder_re_encodes_texts_but_not_latents(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_k5, model)
-    config, family, store = setup(model, demo_data, tmp_path)
+    config, family, store = demo_clips(model, demo_data, tmp_path)
     encode_latents(config, family, model_source(config), store)
     encode_texts(config, family, model_source(config), store)
     weights = next((model / "text_encoder_2").glob("*.safetensors"))
@@ -97,7 +78,7 @@ encode_latents(config, get_family(config), model_source(config), Store(config.ca
 
 
 def test_killed_latent_run_resumes_without_corrupt_or_duplicate_keys(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
-    config, family, store = setup(tiny_k5, demo_data, tmp_path)
+    config, family, store = demo_clips(tiny_k5, demo_data, tmp_path)
     shards = Path(config.cache_dir) / "latents" / "shards"
     worker = subprocess.Popen([sys.executable, "-c", KILLABLE, str(tmp_path / "config.yaml")], cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

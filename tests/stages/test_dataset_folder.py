@@ -15,9 +15,8 @@ from loraflow.stages.clips.bucket_plan import plan_buckets
 from loraflow.cli import main
 from loraflow.config import ConfigError
 from loraflow.pipelines import get_family
-from tests.conftest import demo_dict, write_config
+from tests.factory import clips_config, demo_dict, run_clips, videos, write_config
 from tests.media_factory import read_index, write_h264, write_text_as_video, write_video
-from tests.stages.test_clips import make_config, run, videos
 
 
 def animated_gif(path: Path, frames: int = 4) -> Path:
@@ -54,8 +53,8 @@ EXPECTED = {"wave.gif": "unsupported_format", "gone.mp4": "broken_link", "loop.m
 
 def test_every_entry_that_is_not_a_clip_has_a_row_in_the_stage_and_the_plan(tiny_k5: Path, tmp_path: Path) -> None:
     data = odd_folder(tmp_path)
-    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}])
-    report, store = run(config)
+    config = clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}])
+    report, store = run_clips(config)
     assert sorted(r["source"] for r in store.read_manifest("clips")) == ["clip_0.mp4", "inner.mp4"]
     reasons = {Path(q.file).name: q.reason for q in report.quarantined}
     assert reasons == EXPECTED
@@ -81,7 +80,8 @@ def test_check_lists_every_entry_that_is_not_a_clip(tiny_k5: Path, tmp_path: Pat
 def test_a_caption_strategy_that_reads_no_text_files_says_so(tiny_k5: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
     videos(data, 1)  # clip_0.txt beside it, which caption_strategy filename never reads
-    report, _ = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "caption_strategy": "filename"}]))
+    dataset = {"instance_data_dir": str(data), "caption_strategy": "filename"}
+    report, _ = run_clips(clips_config(tiny_k5, tmp_path, [dataset]))
     (row,) = report.quarantined
     assert (Path(row.file).name, row.reason) == ("clip_0.txt", "not_used")
     assert "caption_strategy filename" in row.detail
@@ -97,7 +97,7 @@ def test_screen_recordings_camcorder_files_and_tiff_stills_become_clips(tiny_k5:
     os.mkfifo(data / "live.ts")  # a pipe named like a recording would block a decoder: never opened
     for name in ("obs", "camcorder", "scan", "phone"):
         (data / name).with_suffix(".txt").write_text(name)
-    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     clips = store.read_manifest("clips")
     assert {r["source"] for r in clips} == {"obs.ts", "camcorder.m2ts", "scan.tif"}
     assert {r["num_frames"] for r in clips if r["source"] != "scan.tif"} == {5}
@@ -123,9 +123,9 @@ def aspect_folder(tmp_path: Path) -> Path:
 
 def test_aspect_limits_drop_sources_naming_the_ratio_and_the_limit(tiny_k5: Path, tmp_path: Path) -> None:
     data = aspect_folder(tmp_path)
-    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "minimum_aspect_ratio": 0.5,
+    config = clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "minimum_aspect_ratio": 0.5,
                                                "maximum_aspect_ratio": 2}])
-    report, store = run(config)
+    report, store = run_clips(config)
     assert [r["source"] for r in store.read_manifest("clips")] == ["plain.mp4"]
     rows = {Path(q.file).name: q for q in report.quarantined}
     assert {name: q.reason for name, q in rows.items()} == {"banner.mp4": "aspect_too_wide",
@@ -137,7 +137,7 @@ def test_aspect_limits_drop_sources_naming_the_ratio_and_the_limit(tiny_k5: Path
 
 
 def test_without_aspect_limits_every_aspect_is_kept(tiny_k5: Path, tmp_path: Path) -> None:
-    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(aspect_folder(tmp_path))}]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(aspect_folder(tmp_path))}]))
     assert [r["source"] for r in store.read_manifest("clips")] == ["plain.mp4", "strip.mp4"]
     assert [(Path(q.file).name, q.reason) for q in report.quarantined] == [("banner.mp4", "too_short")]
 
@@ -150,7 +150,7 @@ def test_a_source_far_smaller_than_its_bucket_is_quarantined(tiny_k5: Path, tmp_
     videos(data, 1, width=96, height=64)
     write_video(data / "tiny.mp4", 8, 2, 2)  # 2x2 px: a 64 px bucket would upscale it 32x
     (data / "tiny.txt").write_text("a tiny video")
-    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     assert [r["source"] for r in store.read_manifest("clips")] == ["clip_0.mp4"]
     (row,) = report.quarantined
     assert (Path(row.file).name, row.reason) == ("tiny.mp4", "source_too_small")
@@ -166,9 +166,9 @@ def test_minimum_image_size_is_the_shorter_side_or_the_area_edge(tiny_k5: Path, 
         write_h264(data / name, num_frames=6, width=width, height=height)
         (data / name).with_suffix(".txt").write_text(name)
     # pixel: shorter side >= 64 (128x48 is out); area: sqrt(w*h) >= 64 (128x48 = 78 px edge is in, 64x48 = 55 out)
-    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "minimum_image_size": 64,
+    config = clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "minimum_image_size": 64,
                                                "resolution_type": resolution_type}])
-    report, store = run(config)
+    report, store = run_clips(config)
     assert {r["source"] for r in store.read_manifest("clips")} == kept
     assert {q.reason for q in report.quarantined} == {"source_too_small"}
 
@@ -182,7 +182,7 @@ def test_minimum_image_size_is_the_shorter_side_or_the_area_edge(tiny_k5: Path, 
 def test_a_bad_size_or_aspect_limit_fails_at_load_naming_the_key(tiny_k5: Path, tmp_path: Path, entry: dict,
                                                                message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(tmp_path), **entry}])
+        clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(tmp_path), **entry}])
 
 
 # ---------------------------------------------------------------------------------------------- frame rate
@@ -193,9 +193,9 @@ def test_a_49_frame_25_fps_clip_is_kept_at_24_fps(tiny_k5: Path, tmp_path: Path)
     data.mkdir()
     write_video(data / "pal.mp4", 49, 96, 64, fps=25)
     (data / "pal.txt").write_text("a PAL clip")
-    config = make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data),
+    config = clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data),
                                                "video": {"num_frames": 49, "min_frames": 49}}])  # flavour: 24 fps
-    report, store = run(config)
+    report, store = run_clips(config)
     assert report.quarantined == ()
     (row,) = store.read_manifest("clips")
     assert list(row["indices"]) == list(range(49))  # 25 fps is within 5% of 24: every frame, 1:1
@@ -213,7 +213,7 @@ def test_every_rate_related_drop_names_both_rates_and_both_counts(tiny_k5: Path,
     data.mkdir()
     write_video(data / "v.mp4", frames, 96, 64, fps=fps)
     (data / "v.txt").write_text("v")
-    report, _ = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "video": video}]))
+    report, _ = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "video": video}]))
     (row,) = report.quarantined
     assert row.reason in ("too_short", "too_long")
     assert all(w in row.detail for w in words), row.detail
@@ -228,7 +228,7 @@ def test_captions_with_a_byte_order_mark_are_read(tiny_k5: Path, tmp_path: Path,
     (video,) = videos(data, 1, captions=False)
     bom = {"utf-16-be": "\ufeff"}.get(encoding, "")  # Python writes the BOM itself for utf-16
     video.with_suffix(".txt").write_text(bom + "café au lait\nsecond line\n", encoding=encoding)
-    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     assert report.quarantined == ()
     assert store.read_manifest("clips")[0]["captions"] == ["café au lait", "second line"]
 
@@ -251,8 +251,8 @@ def test_links_out_of_the_dataset_are_quarantined_unread_unless_the_dataset_allo
         (data / name).symlink_to(target)  # inner.mp4: a link inside the dataset is that file
         (data / name).with_suffix(".txt").write_text(name)
     dataset = {"instance_data_dir": str(data)}
-    config = make_config(tiny_k5, tmp_path, [dataset])
-    report, store = run(config)
+    config = clips_config(tiny_k5, tmp_path, [dataset])
+    report, store = run_clips(config)
     clips = store.read_manifest("clips")
     assert sorted(r["source"] for r in clips) == [good.name, "inner.mp4"]
     assert not any("root:" in c for r in clips for c in r["captions"])  # /etc/passwd was not read
@@ -263,7 +263,7 @@ def test_links_out_of_the_dataset_are_quarantined_unread_unless_the_dataset_allo
     plan = plan_buckets(config, get_family(config), None, progress=False)  # `check` reads nothing outside either
     assert {Path(d.file).name: d.reason for d in plan.dropped} == {n: q.reason for n, q in rows.items()}
 
-    report, store = run(make_config(tiny_k5, tmp_path, [{**dataset, "allow_links_outside": True}]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [{**dataset, "allow_links_outside": True}]))
     assert sorted(r["source"] for r in store.read_manifest("clips")) == sorted(
         [good.name, "inner.mp4", stolen.name, "far.mp4"])
     reasons = {Path(q.file).name: q.reason for q in report.quarantined}
@@ -284,18 +284,18 @@ def test_a_metadata_file_or_a_mask_linked_from_outside_is_not_read(tiny_k5: Path
     mask_set = {"id": "masks", "dataset_type": "conditioning", "conditioning_type": "mask",
                 "instance_data_dir": str(masks)}
     videos_set = {"instance_data_dir": str(data), "conditioning_data": "masks"}
-    report, _ = run(make_config(tiny_k5, tmp_path, [
+    report, _ = run_clips(clips_config(tiny_k5, tmp_path, [
         {**videos_set, "caption_strategy": "metadata", "metadata_file": "captions.jsonl"}, mask_set]))
     assert {(Path(q.file).name, q.reason) for q in report.quarantined} == {
         (first.name, "link_outside"), (second.name, "link_outside")}
     (data / "captions.jsonl").unlink()
     for video in (first, second):
         video.with_suffix(".txt").write_text("a caption")
-    report, store = run(make_config(tiny_k5, tmp_path, [videos_set, mask_set]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [videos_set, mask_set]))
     assert [r["source"] for r in store.read_manifest("clips")] == [first.name]
     (row,) = report.quarantined
     assert (Path(row.file).name, row.reason) == (second.name, "link_outside") and "mask.png" in row.detail
-    report, store = run(make_config(tiny_k5, tmp_path, [videos_set, {**mask_set, "allow_links_outside": True}]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [videos_set, {**mask_set, "allow_links_outside": True}]))
     assert report.quarantined == () and len(store.read_manifest("clips")) == 2
 
 
@@ -308,7 +308,7 @@ def test_caption_files_are_found_whatever_the_case_of_their_extension(tiny_k5: P
     both.with_suffix(".TXT").write_text("the other")
     plain.with_suffix(".txt").write_text("plain")
     (data / "orphan.TXT").write_text("a caption whose video was deleted")
-    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     captions = {r["source"]: r["captions"] for r in store.read_manifest("clips")}
     assert captions == {upper.name: ["from a camera"], mixed.name: ["from a Windows tool"], plain.name: ["plain"]}
     rows = {Path(q.file).name: q for q in report.quarantined}
@@ -326,7 +326,7 @@ def test_runaway_captions_are_quarantined_by_limits_the_dataset_can_raise(tiny_k
     long.with_suffix(".txt").write_text("word " * 2000 + "w\n")  # 10,001 characters
     huge.with_suffix(".txt").write_bytes(b"x" * (5 << 20))  # 5 MiB on one line: not read whole
     fine.with_suffix(".txt").write_text("w" * 10_000)
-    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     assert sorted(r["source"] for r in store.read_manifest("clips")) == [most.name, fine.name]
     rows = {Path(q.file).name: q for q in report.quarantined}
     assert {name: q.reason for name, q in rows.items()} == {
@@ -336,7 +336,7 @@ def test_runaway_captions_are_quarantined_by_limits_the_dataset_can_raise(tiny_k
     assert all(len(q.detail) < 400 for q in rows.values())  # the caption itself is never in the row
 
     dataset = {"instance_data_dir": str(data), "max_captions_per_file": 101, "max_caption_chars": 6 << 20}
-    report, store = run(make_config(tiny_k5, tmp_path, [dataset]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [dataset]))
     assert report.quarantined == () and len(store.read_manifest("clips")) == 5
 
     settings = demo_dict(tiny_k5, data, tmp_path)  # `check` shows the limits and what they drop
@@ -357,7 +357,7 @@ def test_a_caption_with_control_characters_is_quarantined(tiny_k5: Path, tmp_pat
     bad, tabbed = videos(data, 2, captions=False)
     bad.with_suffix(".txt").write_text(f"a fine caption\n{caption}\n")
     tabbed.with_suffix(".txt").write_text("a cat\tsitting\r\non a mat\n")  # a tab and Windows line ends are text
-    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     assert {r["source"]: r["captions"] for r in store.read_manifest("clips")} == {
         tabbed.name: ["a cat\tsitting", "on a mat"]}
     (row,) = report.quarantined
@@ -370,7 +370,8 @@ def test_a_metadata_caption_with_a_nul_is_quarantined(tiny_k5: Path, tmp_path: P
     bad, good = videos(data, 2, captions=False)
     (data / "captions.jsonl").write_text(json.dumps({"file_name": bad.name, "caption": "a\u0000cat"}) + "\n"
                                          + json.dumps({"file_name": good.name, "caption": "two\nlines"}) + "\n")
-    report, store = run(make_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "caption_strategy": "metadata",
-                                                         "metadata_file": "captions.jsonl"}]))
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data),
+                                                                "caption_strategy": "metadata",
+                                                                "metadata_file": "captions.jsonl"}]))
     assert {r["source"]: r["captions"] for r in store.read_manifest("clips")} == {good.name: ["two\nlines"]}
     assert [(Path(q.file).name, q.reason) for q in report.quarantined] == [(bad.name, "caption_control_chars")]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,22 +21,9 @@ from loraflow.stages.latents.latents import SHARD_CLIPS, latent_rows
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.conftest import REPO, demo_dict, write_config
+from tests.factory import REPO, demo_dict, many_clips, write_config
 
 WORKERS, COPIES = 4, 12  # 12 copies of the 7 demo files: 84 clips, about 21 per worker, so 3 store shards each
-
-
-def many_clips(demo: Path, folder: Path, copies: int = COPIES) -> Path:
-    """`copies` renamed copies of the demo dataset, with one fixed mtime: the clip keys, and so each worker's share,
-    are the same in every run of the test."""
-    folder.mkdir()
-    for copy in range(copies):
-        for source in demo.iterdir():
-            if not source.name.startswith("."):
-                target = folder / f"{source.stem}_{copy:02d}{source.suffix}"
-                shutil.copyfile(source, target)
-                os.utime(target, ns=(1_700_000_000_000_000_000,) * 2)
-    return folder
 
 
 def worker(config: Path, shard: str) -> subprocess.Popen:
@@ -56,7 +42,7 @@ def committed_by_shard(shards: Path, owner: dict[str, int]) -> dict[int, list[st
 def test_four_workers_cache_one_dataset_and_a_killed_one_resumes_its_share_only(
     tiny_k5: Path, demo_data: Path, tmp_path: Path
 ) -> None:
-    data = many_clips(demo_data, tmp_path / "data")
+    data = many_clips(demo_data, tmp_path / "data", COPIES)
     config_path = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, data, tmp_path))
     config = load_config(config_path)
     store = Store(config.cache_dir)

@@ -32,7 +32,7 @@ from loraflow.pipelines.base import load_component
 from loraflow.pipelines.sources import model_source
 from loraflow.demo.tiny import build_tiny
 from loraflow.store import Store
-from tests.conftest import demo_dict, write_config
+from tests.factory import demo_dict, write_config
 from tests.numerics import U32
 
 FAMILIES = {  # family -> (module, frames (F, H, W) the tiny VAE encodes)

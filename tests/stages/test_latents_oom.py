@@ -24,8 +24,7 @@ from loraflow.stages.clips.clips import build_clips
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.conftest import demo_dict, write_config
-from tests.stages.test_caching import uninterrupted_latents
+from tests.factory import demo_dict, uninterrupted_latents, write_config
 
 
 def out_of_memory_unless_tiling(vae: torch.nn.Module) -> None:

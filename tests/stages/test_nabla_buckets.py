@@ -20,8 +20,7 @@ from loraflow.cli import check
 from loraflow.config import ConfigError, load_config
 from loraflow.stages.clips.bucket_plan import plan_buckets
 from loraflow.pipelines import get_family, plan_family
-from tests.conftest import demo_dict, write_config
-from tests.pipelines.test_nabla import rows
+from tests.factory import demo_dict, text_rows, write_config
 
 
 def sizes(model: Path, demo_data: Path, root: Path) -> tuple[Path, set[tuple[int, int]]]:
@@ -45,7 +44,7 @@ def test_nabla_buckets_are_the_sizes_nabla_runs_at(nabla_k5: Path, tiny_k5: Path
 
     family = get_family(load_config(config_path))
     transformer = family.load_renderer(str(nabla_k5), None, torch.device("cpu")).transformer
-    text = family.collate_text([rows()[0]], "cpu")
+    text = family.collate_text([text_rows()[0]], "cpu")
 
     def velocity(height: int, width: int) -> torch.Tensor:
         latent = torch.zeros(1, 16, 2, height // 8, width // 8)

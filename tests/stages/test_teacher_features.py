@@ -14,7 +14,7 @@ from loraflow.stages.teacher.teacher_features import encode_teacher_features
 from loraflow.demo.tiny import tiny_dinov2
 from loraflow.contracts.clip_rows import ClipRow
 from loraflow.store import Store
-from tests.clip_factory import clip_row
+from tests.factory import clip_row
 
 
 def clips_store(root: Path) -> tuple[Store, list[ClipRow]]:

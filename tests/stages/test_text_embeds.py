@@ -28,8 +28,7 @@ from loraflow.stages.text.text_embeds import encode_texts, load_encoders, needed
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.conftest import REPO, demo_dict, write_config
-from tests.clip_factory import clip_row
+from tests.factory import REPO, clip_row, demo_dict, write_config
 
 
 def setup(model: Path, data: Path, root: Path, captions: list[str] | None = None, **overrides):

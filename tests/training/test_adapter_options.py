@@ -25,8 +25,9 @@ from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from tests.numerics import U32
-from tests.training.test_train import CPU, make_config, same_lora_file, train
+from tests.factory import make_config, same_lora_file, train
 
+CPU = torch.device("cpu")
 DECAY, INTERVAL, STEPS = 0.75, 2, 4
 EMA = {"use_ema": True, "ema_decay": DECAY, "ema_update_interval": INTERVAL}
 EVERY_STEP = {"max_train_steps": STEPS, "checkpointing_steps": 1, "checkpoints_total_limit": None}

@@ -30,12 +30,8 @@ from loraflow.training import loop as T
 from loraflow.training.run import run_dir, upstream_versions
 from loraflow.training.distributed import World, join
 from loraflow.store import Store
-from tests.conftest import REPO
-from tests.training.test_train import build_caches, make_config, same_lora_file, train
+from tests.factory import REPO, TWO_RANK_SETTINGS, make_config, run_ranks, same_lora_file, train
 
-# Steps 1-3, a checkpoint at 2; LoRA dropout and caption dropout make the per-micro-step draws matter.
-SETTINGS = {"max_train_steps": 3, "checkpointing_steps": 2, "checkpoints_total_limit": 2, "lora_dropout": 0.1,
-            "caption_dropout_probability": 0.3}
 # Runs train_lora as one rank, recording what this rank writes and keeping its trained LoRA for the test.
 PROBE = '''
 import sys
@@ -74,11 +70,6 @@ leave()
 '''
 
 
-@pytest.fixture(scope="module")
-def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("distributed"))
-
-
 def launch(config_path: Path, *program: str) -> subprocess.CompletedProcess:
     """The launch of two processes the lora asset builds, with `program` instead of train_main."""
     command = launch_command(str(config_path), 2)
@@ -88,18 +79,10 @@ def launch(config_path: Path, *program: str) -> subprocess.CompletedProcess:
     return run_ranks(command)
 
 
-def run_ranks(command: list[str], **env: str) -> subprocess.CompletedProcess:
-    """The launcher's command on CPUs (gloo), also on a machine with a GPU; it must succeed."""
-    cpu_only = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env}
-    done = subprocess.run(command, cwd=REPO, env=cpu_only, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
-
-
 @pytest.fixture(scope="module")
-def two_ranks(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+def two_ranks(own_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("two_ranks")
-    config = make_config(caches, root / "two", num_processes=2, **SETTINGS)
+    config = make_config(own_caches, root / "two", num_processes=2, **TWO_RANK_SETTINGS)
     (root / "probe.py").write_text(PROBE)
     launch(root / "two.yaml", str(root / "probe.py"), str(root / "two.yaml"), str(root))
     return {"config": config, "yaml": root / "two.yaml", "probe": root,
@@ -120,18 +103,18 @@ def test_ranks_hold_identical_weights_and_only_rank_0_writes(two_ranks: dict) ->
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000002"]
 
 
-def test_two_processes_equal_one_process_accumulating_two_micro_steps(two_ranks: dict, caches: dict[str, Path],
+def test_two_processes_equal_one_process_accumulating_two_micro_steps(two_ranks: dict, own_caches: dict[str, Path],
                                                                       tmp_path: Path) -> None:
     threads = {int((two_ranks["probe"] / f"rank{r}.threads").read_text()) for r in (0, 1)}
     assert len(threads) == 1
     with torch_threads(threads.pop()):  # the ranks' kernels, summation orders included
-        one = train(make_config(caches, tmp_path / "one", gradient_accumulation_steps=2, **SETTINGS))
+        one = train(make_config(own_caches, tmp_path / "one", gradient_accumulation_steps=2, **TWO_RANK_SETTINGS))
     two = json.loads((two_ranks["run"] / "history.json").read_text())
     assert [r["step"] for r in two] == [1, 2, 3]
     assert [(r.loss, r.grad_norm) for r in one.history] == [(r["loss"], r["grad_norm"]) for r in two]
     assert same_lora_file(Path(one.lora_path), two_ranks["run"] / T.LORA_FILE)  # bit for bit
     # The comparison can fail: one process with one micro-step per step trains other numbers.
-    single = load_file(train(make_config(caches, tmp_path / "single", **SETTINGS)).lora_path)
+    single = load_file(train(make_config(own_caches, tmp_path / "single", **TWO_RANK_SETTINGS)).lora_path)
     trained = load_file(two_ranks["run"] / T.LORA_FILE)
     assert max((single[k] - trained[k]).abs().max().item() for k in single) > 1e-4
 

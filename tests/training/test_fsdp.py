@@ -26,10 +26,8 @@ from loraflow.assets.runs.launch import launch_command
 from loraflow.training import loop as T
 from loraflow.training.run import run_dir, upstream_versions
 from loraflow.store import Store
-from tests.conftest import REPO
+from tests.factory import REPO, TWO_RANK_SETTINGS, make_config, run_ranks, same_lora_file, train
 from tests.servers import free_port
-from tests.training.test_distributed import SETTINGS, run_ranks
-from tests.training.test_train import build_caches, make_config, same_lora_file, train
 
 # The reference: train_lora as one process with `fully_shard` over a mesh of one rank (the config refuses
 # fsdp with num_processes 1: only a test wants this).
@@ -80,11 +78,6 @@ leave()
 '''
 
 
-@pytest.fixture(scope="module")
-def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("fsdp"))
-
-
 def torchrun(*program: str, processes: int = 2, threads: int = 1) -> subprocess.CompletedProcess:
     """CPU processes under torchrun, as a GPU box launches them (`torchrun --nproc_per_node N`)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
@@ -93,9 +86,9 @@ def torchrun(*program: str, processes: int = 2, threads: int = 1) -> subprocess.
 
 
 @pytest.fixture(scope="module")
-def sharded(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+def sharded(own_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("sharded")
-    config = make_config(caches, root / "fsdp", num_processes=2, fsdp=True, **SETTINGS)
+    config = make_config(own_caches, root / "fsdp", num_processes=2, fsdp=True, **TWO_RANK_SETTINGS)
     (root / "probe.py").write_text(PROBE)
     torchrun(str(root / "probe.py"), str(root / "fsdp.yaml"), str(root))
     return {"config": config, "yaml": root / "fsdp.yaml", "probe": root,
@@ -114,10 +107,10 @@ def test_each_rank_holds_half_of_every_parameter(sharded: dict) -> None:
     assert sum(held["local"] for held in sharded["held"]) == sharded["held"][0]["full"]
 
 
-def test_sharded_training_equals_one_process_accumulating_two_micro_steps(sharded: dict, caches: dict[str, Path],
+def test_sharded_training_equals_one_process_accumulating_two_micro_steps(sharded: dict, own_caches: dict[str, Path],
                                                                           tmp_path: Path) -> None:
     (threads,) = {held["threads"] for held in sharded["held"]}
-    make_config(caches, tmp_path / "one", gradient_accumulation_steps=2, **SETTINGS)
+    make_config(own_caches, tmp_path / "one", gradient_accumulation_steps=2, **TWO_RANK_SETTINGS)
     (tmp_path / "reference.py").write_text(REFERENCE)
     torchrun(str(tmp_path / "reference.py"), str(tmp_path / "one.yaml"), processes=1, threads=threads)
     (one,) = (tmp_path / "one" / "runs").iterdir()
@@ -136,7 +129,7 @@ def test_sharded_training_equals_one_process_accumulating_two_micro_steps(sharde
         assert a["grad_norm"] < sharded["config"].max_grad_norm  # no clipping: the clip factor is exactly 1
     assert same_lora_file(one / T.LORA_FILE, sharded["run"] / T.LORA_FILE)  # bit for bit
     # The comparison can fail: one process with one micro-step per step trains other numbers.
-    single = load_file(train(make_config(caches, tmp_path / "single", **SETTINGS)).lora_path)
+    single = load_file(train(make_config(own_caches, tmp_path / "single", **TWO_RANK_SETTINGS)).lora_path)
     assert max((single[k] - lora[k]).abs().max().item() for k in single) > 1e-4
 
 
@@ -148,8 +141,8 @@ def documented_fsdp_accelerate_file() -> dict:
     return yaml.safe_load(block[:block.index("```")])
 
 
-def test_accelerate_launch_with_the_readme_fsdp_file_trains_the_torchrun_bits(sharded: dict, caches: dict[str, Path],
-                                                                             tmp_path: Path) -> None:
+def test_accelerate_launch_with_the_readme_fsdp_file_trains_the_torchrun_bits(
+        sharded: dict, own_caches: dict[str, Path], tmp_path: Path) -> None:
     """`accelerate launch --config_file` with the documented file, as users launch FSDP2, on the sharded run's config.
 
     Bit-identical by construction: with `distributed_type: FSDP` accelerate starts the ranks through torchrun's own
@@ -166,7 +159,7 @@ def test_accelerate_launch_with_the_readme_fsdp_file_trains_the_torchrun_bits(sh
     # processes whether or not there is a GPU, and CUDA_VISIBLE_DEVICES="" (run_ranks) makes them gloo on CPU.
     accelerate["num_processes"] = 2
     (tmp_path / "accelerate.yaml").write_text(yaml.safe_dump(accelerate))
-    config = make_config(caches, tmp_path / "accel", num_processes=2, fsdp=True, **SETTINGS)
+    config = make_config(own_caches, tmp_path / "accel", num_processes=2, fsdp=True, **TWO_RANK_SETTINGS)
     (threads,) = {held["threads"] for held in sharded["held"]}
     # --main_process_port on the command line, not in the file (which sets none): accelerate's default port 29500
     # may be taken by another launch on this machine.
@@ -184,12 +177,12 @@ def assert_trained_the_same(run: Path, reference: Path) -> None:
     assert computed[0] == computed[1]
 
 
-def test_the_lora_assets_launch_trains_the_torchrun_bits(sharded: dict, caches: dict[str, Path],
+def test_the_lora_assets_launch_trains_the_torchrun_bits(sharded: dict, own_caches: dict[str, Path],
                                                            tmp_path: Path) -> None:
     """The `lora` asset's launch of an fsdp config (launch_command: torchrun's launcher on loopback, no accelerate
     file, README: "Launch it as data-parallel runs are launched") shards as torchrun and the README's file do: the
     same bits. A launch that trained unsharded would differ in the text block's last bits (the module docstring)."""
-    config = make_config(caches, tmp_path / "asset", num_processes=2, fsdp=True, **SETTINGS)
+    config = make_config(own_caches, tmp_path / "asset", num_processes=2, fsdp=True, **TWO_RANK_SETTINGS)
     (threads,) = {held["threads"] for held in sharded["held"]}
     run_ranks(launch_command(str(tmp_path / "asset.yaml"), config.num_processes), OMP_NUM_THREADS=str(threads))
     assert_trained_the_same(run_dir(config, upstream_versions(Store(config.cache_dir))), sharded["run"])
@@ -214,9 +207,9 @@ def test_a_sharded_run_resumes_from_its_gathered_checkpoint(sharded: dict) -> No
     assert same_lora_file(run / T.LORA_FILE, finished)  # bit for bit
 
 
-def test_fsdp_needs_more_than_one_process(caches: dict[str, Path], tmp_path: Path) -> None:
+def test_fsdp_needs_more_than_one_process(own_caches: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="`fsdp: true` shards the model over the training processes but "
                                          "num_processes is 1"):
-        make_config(caches, tmp_path / "one", fsdp=True)
+        make_config(own_caches, tmp_path / "one", fsdp=True)
     with pytest.raises(ValueError, match="`enable_group_offload` is not supported with `fsdp: true`"):
-        make_config(caches, tmp_path / "off", fsdp=True, num_processes=2, enable_group_offload=True)
+        make_config(own_caches, tmp_path / "off", fsdp=True, num_processes=2, enable_group_offload=True)

@@ -1,4 +1,5 @@
-"""Renders during training (`validation_steps`) on the tiny real Kandinsky 5 Video, from the caches of test_train.
+"""Renders during training (`validation_steps`) on the tiny real Kandinsky 5 Video, from the two-clip caches
+(tests/factory.py `build_caches`).
 
 What is claimed: renders at steps N, 2N.. with the validation settings; the LoRA they show is the one training holds
 (the same frames as the validation stage's LoRA render of the exported file); rendering changes no bit of training
@@ -29,17 +30,11 @@ from loraflow.media.previews import BLOCK_GAP, SHEET_ROW_HEIGHT, TEXT_HEIGHT
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.conftest import demo_dict
-from tests.training.test_train import build_caches, make_config, same_lora_file, train
+from tests.factory import demo_dict, make_config, same_lora_file, train
 
 CPU = torch.device("cpu")
 RENDERS = {"validation_resolution": "64x48", "validation_num_video_frames": 5, "validation_num_inference_steps": 2,
            "lora_dropout": 0.1}  # dropout: eval mode must switch it off, and training must draw it as always
-
-
-@pytest.fixture(scope="module")
-def caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_caches(tiny_k5, demo_data, tmp_path_factory.mktemp("progress"))
 
 
 def decode(path: Path) -> np.ndarray:
@@ -48,10 +43,10 @@ def decode(path: Path) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
-def test_renders_every_n_steps_and_the_same_lora_as_without(caches: dict[str, Path], tmp_path: Path) -> None:
+def test_renders_every_n_steps_and_the_same_lora_as_without(own_caches: dict[str, Path], tmp_path: Path) -> None:
     settings = {"max_train_steps": 4, **RENDERS}
-    rendered = make_config(caches, tmp_path / "rendered", validation_steps=2, **settings)
-    plain = make_config(caches, tmp_path / "plain", **settings)
+    rendered = make_config(own_caches, tmp_path / "rendered", validation_steps=2, **settings)
+    plain = make_config(own_caches, tmp_path / "plain", **settings)
     upstream = upstream_versions(Store(plain.cache_dir))
     assert run_dir(rendered, upstream).name == run_dir(plain, upstream).name  # not part of the run
     with_renders, without = train(rendered), train(plain)
@@ -70,7 +65,7 @@ def test_renders_every_n_steps_and_the_same_lora_as_without(caches: dict[str, Pa
 
 @pytest.mark.parametrize("flavour", [{}, {"model_flavour": "i2v-lite-5s", "validation_num_video_frames": 17}],
                          ids=["t2v", "i2v"])
-def test_the_last_render_is_what_validation_renders(caches: dict[str, Path], tmp_path: Path, flavour: dict,
+def test_the_last_render_is_what_validation_renders(own_caches: dict[str, Path], tmp_path: Path, flavour: dict,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The frames rendered at the last step equal the validation stage's LoRA render (the diffusers pipeline with
     the exported file at scale 1, same seed; i2v: same first frame); with lora_dropout, only if both run the
@@ -81,7 +76,7 @@ def test_the_last_render_is_what_validation_renders(caches: dict[str, Path], tmp
         monkeypatch.setattr(module, "write_media",
                             lambda frames, stem, fps, keep=keep, key=key: written[key].append(frames)
                             or keep(frames, stem, fps))
-    config = make_config(caches, tmp_path / "out", max_train_steps=2, validation_steps=2, **{**RENDERS, **flavour})
+    config = make_config(own_caches, tmp_path / "out", max_train_steps=2, validation_steps=2, **{**RENDERS, **flavour})
     report = train(config)
     V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), report.lora_path)
     (ours,), (base, lora) = written["progress"], written["validation"]  # validation writes base.mp4, then lora.mp4
@@ -98,17 +93,17 @@ def test_the_last_render_is_what_validation_renders(caches: dict[str, Path], tmp
     {"base_model_precision": "fp8-layerwise"},
     {"tread_config": {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 0, "end_layer_idx": -1}]}},
 ], ids=["offload+checkpointing", "fp8", "tread"])
-def test_the_lora_is_the_same_with_renders_under_memory_features(caches: dict[str, Path], tmp_path: Path,
+def test_the_lora_is_the_same_with_renders_under_memory_features(own_caches: dict[str, Path], tmp_path: Path,
                                                                    memory: dict) -> None:
-    rendered = train(make_config(caches, tmp_path / "a", validation_steps=1, **RENDERS, **memory))
-    plain = train(make_config(caches, tmp_path / "b", **RENDERS, **memory))
+    rendered = train(make_config(own_caches, tmp_path / "a", validation_steps=1, **RENDERS, **memory))
+    plain = train(make_config(own_caches, tmp_path / "b", **RENDERS, **memory))
     run = Path(rendered.run_dir)
     assert same_lora_file(run / T.LORA_FILE, Path(plain.lora_path))
     assert decode(step_folder(run / "validation", 2) / "00-validation.mp4").shape == (5, 48, 64, 3)
 
 
-def test_rendering_leaves_training_as_it_was(caches: dict[str, Path], tmp_path: Path) -> None:
-    config = make_config(caches, tmp_path / "out", validation_steps=1, **RENDERS)
+def test_rendering_leaves_training_as_it_was(own_caches: dict[str, Path], tmp_path: Path) -> None:
+    config = make_config(own_caches, tmp_path / "out", validation_steps=1, **RENDERS)
     family, store = get_family(config), Store(config.cache_dir)
     transformer, params = load_transformer(config, family, model_source(config), CPU)
     for p in params:  # non-zero B: the adapter acts
@@ -132,10 +127,10 @@ def test_rendering_leaves_training_as_it_was(caches: dict[str, Path], tmp_path: 
     assert torch.equal(torch.get_rng_state(), rngs[0]) and random.getstate() == rngs[1]
 
 
-def test_a_resumed_run_renders_only_the_steps_it_has_not(caches: dict[str, Path], tmp_path: Path) -> None:
+def test_a_resumed_run_renders_only_the_steps_it_has_not(own_caches: dict[str, Path], tmp_path: Path) -> None:
     """Steps 1-4 rendered, the last checkpoint at 2: a run that lost step 4's render and its adapter (as a kill
     between the two would) resumes at 2, renders step 4 again and leaves step 3's files alone."""
-    config = make_config(caches, tmp_path / "out", max_train_steps=4, validation_steps=1, checkpointing_steps=2,
+    config = make_config(own_caches, tmp_path / "out", max_train_steps=4, validation_steps=1, checkpointing_steps=2,
                          **RENDERS)
     run = Path(train(config).run_dir)
     folder = run / "validation"
@@ -150,14 +145,16 @@ def test_a_resumed_run_renders_only_the_steps_it_has_not(caches: dict[str, Path]
     assert decode(step_folder(folder, 4) / "00-validation.mp4").shape == (5, 48, 64, 3)
 
 
-def test_two_ranks_render_once_and_the_lora_asset_shows_the_renders(caches: dict[str, Path], tmp_path: Path) -> None:
+def test_two_ranks_render_once_and_the_lora_asset_shows_the_renders(own_caches: dict[str, Path],
+                                                                    tmp_path: Path) -> None:
     """`accelerate launch` of two CPU ranks under Dagster Pipes: rank 0 renders, rank 1 waits, the asset shows it."""
     from dagster import DagsterInstance, materialize
 
     from loraflow.assets.resources import LoraflowResource
     from loraflow.assets.stages import lora
 
-    config = make_config(caches, tmp_path / "two", num_processes=2, max_train_steps=2, validation_steps=1, **RENDERS)
+    config = make_config(own_caches, tmp_path / "two", num_processes=2, max_train_steps=2, validation_steps=1,
+                         **RENDERS)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on CPUs, also on a GPU machine
         result = materialize([lora], resources={"loraflow": LoraflowResource(config_path=str(tmp_path / "two.yaml"))},
@@ -171,8 +168,8 @@ def test_two_ranks_render_once_and_the_lora_asset_shows_the_renders(caches: dict
     assert not list(run.glob("validation/**/*.tmp*"))  # every write finished (one writer: rank 0)
 
 
-def test_validation_steps_needs_a_prompt(caches: dict[str, Path], tmp_path: Path) -> None:
-    data = demo_dict(caches["model"], caches["data"], tmp_path, validation_steps=5, validation_prompt=None)
+def test_validation_steps_needs_a_prompt(own_caches: dict[str, Path], tmp_path: Path) -> None:
+    data = demo_dict(own_caches["model"], own_caches["data"], tmp_path, validation_steps=5, validation_prompt=None)
     with pytest.raises(ConfigError, match="`validation_steps` 5"):
         parse_config(data)
     with pytest.raises(ConfigError, match="validation_steps"):

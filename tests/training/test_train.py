@@ -20,79 +20,33 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from diffusers import Kandinsky5Transformer3DModel
-from peft import LoraConfig, get_peft_model_state_dict
+from peft import get_peft_model_state_dict
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from loraflow.config import LoraflowConfig, load_config
+from loraflow.config import load_config
 from loraflow.training import loop as T
 from loraflow.training.run import run_dir, upstream_versions
 from loraflow.training import model_setup
-from loraflow.training.model_setup import Trainable, enable_offload, load_transformer
+from loraflow.training.model_setup import Trainable, load_transformer
 from loraflow.training import batches as D
-from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
 from loraflow.contracts.text_set import text_lookup
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.conftest import REPO, demo_dict, write_config
+from tests.factory import (
+    REPO, SHORT_CAPTION, fixed_batch, loss_and_grads, make_config, reference_lora, same_lora_file, train,
+)
 
-SHORT_CAPTION = "a dot"
 CPU = torch.device("cpu")
-
-
-def build_caches(tiny_k5: Path, demo_data: Path, root: Path) -> dict[str, Path]:
-    """clips, latents and text_embeds of the two-clip dataset under root/cache (tests/training/test_distributed.py too)."""
-    data = root / "data"
-    data.mkdir()
-    for stem in ("clip_00", "clip_02"):
-        for ext in (".mp4", ".txt"):
-            shutil.copy(demo_data / f"{stem}{ext}", data / f"{stem}{ext}")
-    shutil.copy(demo_data / "clip_00.mp4", data / "clip_00b.mp4")  # same bucket as clip_00, another text length
-    (data / "clip_00b.txt").write_text(SHORT_CAPTION)
-    config = make_config({"model": tiny_k5, "data": data, "root": root}, root / "output")
-    family, store = get_family(config), Store(config.cache_dir)
-    for op in (build_clips, encode_latents, encode_texts):
-        op(config, family, model_source(config), store)
-    return {"model": tiny_k5, "data": data, "root": root}
-
-
-def make_config(caches: dict[str, Path], output: Path, **overrides: Any) -> LoraflowConfig:
-    data = demo_dict(caches["model"], caches["data"], caches["root"], max_train_steps=2, checkpointing_steps=100)
-    data.update(output_dir=str(output), **overrides)
-    path = output.parent / f"{output.name}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return load_config(write_config(path, data))
-
-
-def train(config: LoraflowConfig):
-    return T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
 
 
 @pytest.fixture(scope="module")
 def baseline(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     config = make_config(caches, tmp_path_factory.mktemp("baseline") / "out")
     return config, train(config)
-
-
-def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> D.MicroBatch:
-    store = Store(config.cache_dir)
-    plan = D.BatchPlan(D.build_samples(config, store), config.train_batch_size, config.seed)
-    return D.load_micro_batch(config, get_family(config), store, plan(micro_step), micro_step)
-
-
-def reference_lora(model: Path, config: LoraflowConfig) -> tuple[torch.nn.Module, list, torch.optim.Optimizer]:
-    """The demo's LoRA (rank 4 on K5 attention, lora_A seeded like training's) and AdamW, written out by hand."""
-    transformer = Kandinsky5Transformer3DModel.from_pretrained(model / "transformer").requires_grad_(False)
-    torch.manual_seed(config.seed)
-    targets = [f"{a}.{p}" for a in ("self_attention", "cross_attention")
-               for p in ("to_query", "to_key", "to_value", "out_layer")]
-    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights=True))
-    params = [p.requires_grad_(True) for n, p in transformer.named_parameters() if "lora_" in n]
-    return transformer, params, torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
 
 
 def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Path]) -> None:
@@ -138,13 +92,6 @@ def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Pa
     assert len(expected) == 40  # A and B of 20 adapted linears (1 text + 2 visual blocks)
     assert all(torch.equal(trained[f"transformer.{k}"], v) for k, v in expected.items())
     assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)  # it did train
-
-
-def same_lora_file(a: Path, b: Path) -> bool:
-    """Bit-equal tensors and an equal header (whose key order safetensors randomises per save: not the bytes)."""
-    with safe_open(a, "pt") as fa, safe_open(b, "pt") as fb:
-        return (fa.metadata() == fb.metadata() and sorted(fa.keys()) == sorted(fb.keys())
-                and all(torch.equal(fa.get_tensor(k), fb.get_tensor(k)) for k in fa.keys()))
 
 
 def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tmp_path: Path) -> None:
@@ -264,21 +211,6 @@ def test_tread_with_ratio_zero_trains_exactly_like_no_tread(baseline, caches: di
     assert [r.loss for r in half.history] != [r.loss for r in plain.history]
     with pytest.raises(ValueError, match=r"tread_config.routes\[0\]"):
         train(make_config(caches, tmp_path / "bad", tread_config={"routes": [{**route, "start_layer_idx": 5}]}))
-
-
-def loss_and_grads(config: LoraflowConfig, batch: D.MicroBatch) -> tuple[float, torch.Tensor]:
-    family = get_family(config)
-    transformer, params = load_transformer(config, family, model_source(config), CPU)
-    enable_offload(transformer, config, family, CPU)
-    trainable = Trainable(transformer, params, CPU)
-    for p in params:  # non-zero B, so every LoRA matrix gets a gradient
-        if p.shape[1] == config.lora_rank:
-            p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
-    loss = T.flow_loss(transformer, family, batch, CPU, autocast=False)
-    loss.backward()
-    trainable.collect()
-    assert trainable.offloaded == (config.enable_group_offload or config.blocks_to_swap > 0)
-    return loss.item(), torch.cat([g.flatten() for g in trainable.gradients()])
 
 
 @pytest.mark.parametrize("memory", [

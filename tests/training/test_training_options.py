@@ -16,8 +16,8 @@ from loraflow.training.optimizers import averaged_weights, exported, make_optimi
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from tests.numerics import U32
-from tests.training.test_train import CPU
 
+CPU = torch.device("cpu")
 SHAPE = (4, 16, 3, 8, 12)  # (B, C, T, h, w): 3 x 4 x 6 = 72 tokens
 
 

@@ -32,27 +32,26 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.base import LORA_ADAPTER
 from loraflow.pipelines.render_memory import RenderPlan
 from loraflow.pipelines.sources import model_source
-from tests.validation.test_validate import setup  # noqa: F401 (the fixture: store, texts, a LoRA)
 
 CPU = torch.device("cpu")
 TILE = 32  # pixels: the tiny render (64x48) decodes in 2 x 3 tiles of 4 x 4 latents, 1 latent of overlap
 
 
-def render(setup: tuple, plan: RenderPlan, tiles: int | None = None) -> tuple[np.ndarray, Any]:  # noqa: F811
+def render(validation_inputs: tuple, plan: RenderPlan, tiles: int | None = None) -> tuple[np.ndarray, Any]:
     """One LoRA render of the validation prompt with `plan`, and the pipeline (`tiles`: tile size in pixels)."""
-    _, _, lora = setup
-    config = parse_config(setup[0])
+    _, _, lora = validation_inputs
+    config = parse_config(validation_inputs[0])
     pipe = get_family(config).load_renderer(model_source(config), str(lora), CPU, plan=plan)
     pipe.set_progress_bar_config(disable=True)
     if tiles:
         pipe.vae.enable_tiling(tile_sample_min_height=tiles, tile_sample_min_width=tiles,
                                tile_sample_stride_height=tiles * 3 // 4, tile_sample_stride_width=tiles * 3 // 4)
-    return render_with(setup, pipe), pipe
+    return render_with(validation_inputs, pipe), pipe
 
 
-def render_with(setup: tuple, pipe: Any) -> np.ndarray:  # noqa: F811
+def render_with(validation_inputs: tuple, pipe: Any) -> np.ndarray:
     """The validation prompt's LoRA render through this pipeline, as validation renders it."""
-    data, store, _ = setup
+    data, store, _ = validation_inputs
     config = parse_config(data)
     family, model = get_family(config), model_source(config)
     prompt, negative = config.validation_prompt, negative_prompt(config, family)
@@ -62,16 +61,16 @@ def render_with(setup: tuple, pipe: Any) -> np.ndarray:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def plain(setup) -> np.ndarray:  # noqa: F811
-    return render(setup, RenderPlan())[0]
+def plain(validation_inputs) -> np.ndarray:
+    return render(validation_inputs, RenderPlan())[0]
 
 
 @pytest.mark.parametrize("plan", [RenderPlan(park=True), RenderPlan(blocks_to_swap=1),
                                   RenderPlan(blocks_to_swap=2, park=True), RenderPlan(offload_all=True, park=True)],
                          ids=["park", "swap-1", "swap-all+park", "offload-all+park"])
-def test_offload_and_parking_render_the_plain_render_bit_for_bit(setup, plain: np.ndarray,  # noqa: F811
+def test_offload_and_parking_render_the_plain_render_bit_for_bit(validation_inputs, plain: np.ndarray,
                                                                  plan: RenderPlan) -> None:
-    video, pipe = render(setup, plan)
+    video, pipe = render(validation_inputs, plan)
     assert np.array_equal(video, plain)
     blocks = pipe.transformer.visual_transformer_blocks
     hooked = [getattr(b, "_diffusers_hook", None) is not None for b in blocks]
@@ -80,15 +79,16 @@ def test_offload_and_parking_render_the_plain_render_bit_for_bit(setup, plain: n
     assert hasattr(pipe.vae, "_hf_hook") == plan.park  # the parking hook: the VAE moves in for its decode
 
 
-def test_tiled_render_stays_within_the_tiles_own_difference(setup, plain: np.ndarray) -> None:  # noqa: F811
+def test_tiled_render_stays_within_the_tiles_own_difference(validation_inputs, plain: np.ndarray) -> None:
     decoded: list[torch.Tensor] = []
-    video, pipe = render(setup, RenderPlan(vae_tiling=True), tiles=TILE)
+    video, pipe = render(validation_inputs, RenderPlan(vae_tiling=True), tiles=TILE)
     vae = pipe.vae
     assert vae.use_tiling
     # the latent the tiled render decoded: the same denoise, so the plain render decoded it too
     original = vae.decode
     vae.decode = lambda z, *a, **k: decoded.append(z) or original(z, *a, **k)
-    assert np.array_equal(render_with(setup, pipe), video)  # deterministic: the recorded latent is the one rendered
+    # deterministic: the recorded latent is the one rendered
+    assert np.array_equal(render_with(validation_inputs, pipe), video)
     (z,) = decoded
     with torch.no_grad():
         whole = vae.decoder(vae.post_quant_conv(z))
@@ -108,11 +108,11 @@ def test_tiled_render_stays_within_the_tiles_own_difference(setup, plain: np.nda
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8-layerwise"])
-def test_a_render_in_training_precision_keeps_the_adapter_file_exact(setup, precision: str) -> None:  # noqa: F811
+def test_a_render_in_training_precision_keeps_the_adapter_file_exact(validation_inputs, precision: str) -> None:
     """bf16 and fp8 base weights (layerwise casting: stored in float8_e4m3fn), the adapter fp32 with the file's very
     values, as training holds it; the VAE in the transformer's dtype (what the pipelines expect)."""
-    _, _, lora = setup
-    video, pipe = render(setup, RenderPlan(precision=precision))
+    _, _, lora = validation_inputs
+    video, pipe = render(validation_inputs, RenderPlan(precision=precision))
     assert video.shape == (5, 48, 64, 3)
     query = pipe.transformer.visual_transformer_blocks[0].self_attention.to_query
     assert query.base_layer.weight.dtype == (torch.float8_e4m3fn if precision == "fp8-layerwise" else torch.bfloat16)

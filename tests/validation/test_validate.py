@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import av
 import numpy as np
@@ -22,10 +21,9 @@ import pytest
 import torch
 from PIL import Image
 
-from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
+from loraflow.config import ConfigError, load_config, parse_config
 from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips
 from loraflow.contracts.holdout import split_holdout
-from loraflow.contracts.latent_rows import LatentRow
 from loraflow.contracts.reports import ValidationReport
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.media.previews import (
@@ -34,77 +32,18 @@ from loraflow.media.previews import (
 from loraflow.media.writers import write_media
 from loraflow.validation.validate import negative_prompt, render_settings, validate
 from loraflow.pipelines import get_family
-from loraflow.pipelines.base import load_component, set_lora_scale
+from loraflow.pipelines.base import set_lora_scale
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.conftest import REPO, demo_dict, write_config
-from tests.clip_factory import clip_row
-
-LIBRARY = {"blue": "a blue square spins slowly", "two words/odd": "a green triangle"}
-CAPTIONS = [f"clip {i}: a {c} ball bounces" for i, c in enumerate(["red", "blue", "green", "white", "black"])]
-HEIGHT, WIDTH = 48, 64
-
-
-def config_dict(model: Path, root: Path, **overrides: Any) -> dict[str, Any]:
-    data = {
-        "model_family": "kandinsky5-video", "model_flavour": "t2v-lite-sft-5s",
-        "pretrained_model_name_or_path": str(model), "output_dir": str(root / "output"),
-        "cache_dir": str(root / "cache"),
-        "datasets": [{"id": "videos", "instance_data_dir": str(root / "videos"), "resolution": 48},
-                     {"id": "more", "instance_data_dir": str(root / "more"), "resolution": 48}],
-        "seed": 7, "validation_prompt": "a red circle moves right", "user_prompt_library": LIBRARY,
-        "validation_resolution": f"{WIDTH}x{HEIGHT}", "validation_num_video_frames": 5,
-        "validation_num_inference_steps": 2, "validation_guidance": 3.0, "eval_holdout_fraction": 0.2,
-    }
-    return {**data, **overrides}
-
-
-def fill_store(config: LoraflowConfig, store: Store) -> None:
-    """Clips manifest (5 videos, one clip each), seeded latents, and real text embeddings."""
-    clips = [clip_row(f"clip{i}", "videos", f"v{i}.mp4", num_frames=5, captions=(caption,),
-                      bucket=f"{WIDTH}x{HEIGHT}@5").to_row() for i, caption in enumerate(CAPTIONS)]
-    store.write_manifest("clips", clips)
-    generator = torch.Generator().manual_seed(0)
-    latents = [{"key": f"latent{i}", "latent": torch.randn(16, 2, HEIGHT // 8, WIDTH // 8, generator=generator).numpy()}
-               for i in range(len(clips))]
-    store.put("latents", latents)
-    store.write_manifest("latents", [LatentRow(f"latent{i}", c["key"], c["bucket"], c["dataset"]).to_row()
-                                     for i, c in enumerate(clips)])
-    encode_texts(config, get_family(config), model_source(config), store)
-
-
-def make_lora(config: LoraflowConfig, out: Path) -> Path:
-    """A rank-4 adapter with random B (a fresh adapter has B = 0 and changes nothing), in diffusers format with its
-    LoraConfig in the header, as training exports it."""
-    from peft import LoraConfig, get_peft_model_state_dict
-
-    from loraflow.training.checkpoints import adapter_config
-
-    family = get_family(config)
-    transformer = load_component(config.pretrained_model_name_or_path, "transformer")
-    transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=family.lora_targets(True)))
-    generator = torch.Generator().manual_seed(1)
-    for name, param in transformer.named_parameters():
-        if "lora_B" in name:
-            param.data = torch.randn(param.shape, generator=generator) * 0.2
-    family.save_lora(get_peft_model_state_dict(transformer), out, adapter_config(transformer))
-    return out / "pytorch_lora_weights.safetensors"
-
+from tests.factory import (
+    REPO, VALIDATION_HEIGHT, VALIDATION_LIBRARY, VALIDATION_WIDTH, clip_row, demo_dict, random_lora, validation_dict,
+    write_config,
+)
 
 @pytest.fixture(scope="module")
-def setup(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Store, Path]:
-    root = tmp_path_factory.mktemp("validate")
-    data = config_dict(tiny_k5, root)
-    config = parse_config(data)
-    store = Store(config.cache_dir)
-    fill_store(config, store)
-    return data, store, make_lora(config, root / "lora")
-
-
-@pytest.fixture(scope="module")
-def first_run(setup) -> ValidationReport:
+def first_run(validation_inputs) -> ValidationReport:
     """The demo-like config validated once, in a fresh output folder (frames 5, 3 prompts, eval on 1 clip)."""
-    data, store, lora = setup
+    data, store, lora = validation_inputs
     config = parse_config(data)
     return validate(config, get_family(config), model_source(config), store, str(lora))
 
@@ -118,8 +57,9 @@ def decode(path: str) -> tuple[np.ndarray, float]:
 
 # -- renders ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("frames", [5, 9])
-def test_every_prompt_renders_base_and_lora_at_the_configured_frames_and_size(setup, first_run, frames: int) -> None:
-    data, store, lora = setup
+def test_every_prompt_renders_base_and_lora_at_the_configured_frames_and_size(validation_inputs, first_run,
+                                                                              frames: int) -> None:
+    data, store, lora = validation_inputs
     config = parse_config({**data, "validation_num_video_frames": frames})
     report = first_run if frames == 5 else validate(config, get_family(config), model_source(config), store, str(lora))
     assert report.computed == 4 and report.reused == 0  # 3 prompts + eval
@@ -128,19 +68,20 @@ def test_every_prompt_renders_base_and_lora_at_the_configured_frames_and_size(se
     for row in rows:
         base, fps = decode(row.base)
         tuned, _ = decode(row.lora)
-        assert base.shape == tuned.shape == (frames, HEIGHT, WIDTH, 3)
+        assert base.shape == tuned.shape == (frames, VALIDATION_HEIGHT, VALIDATION_WIDTH, 3)
         assert fps == 24.0  # the flavour's fps
         assert np.abs(base.astype(int) - tuned).mean() > 1.0  # the LoRA changes the render
         assert Image.open(row.contact_sheet).width <= MAX_SHEET_WIDTH  # layout and labels: test_previews.py
         with Image.open(row.animation) as animation:
             assert animation.format == "WEBP" and animation.n_frames == frames
         assert Path(row.base).parent.name.startswith(f"{rows.index(row):02d}-")
-    assert report.settings.num_frames == frames and (report.settings.height, report.settings.width) == (HEIGHT, WIDTH)
+    assert report.settings.num_frames == frames
+    assert (report.settings.height, report.settings.width) == (VALIDATION_HEIGHT, VALIDATION_WIDTH)
     assert report.settings.seed == 7 and report.settings.flow_shift == 10.0 and report.settings.guidance == 3.0
 
 
-def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(setup, first_run) -> None:
-    data, store, lora = setup
+def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(validation_inputs, first_run) -> None:
+    data, store, lora = validation_inputs
     config, first = parse_config(data), first_run
     again = validate(config, get_family(config), model_source(config), store, str(lora))
     assert again.computed == 0 and again.reused == 4 and again.data_version == first.data_version
@@ -155,19 +96,21 @@ def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(s
     assert np.array_equal(before, after)  # same prompt, same seed: the same video
     assert resumed.eval_loss == first.eval_loss
     # another seed renders elsewhere and differently (one prompt, no eval: just the seed at work)
-    one = {"validation_prompt": None, "user_prompt_library": {"blue": LIBRARY["blue"]}, "eval_holdout_fraction": 0}
+    one = {"validation_prompt": None, "user_prompt_library": {"blue": VALIDATION_LIBRARY["blue"]},
+           "eval_holdout_fraction": 0}
     other = validate(parse_config({**data, **one, "validation_seed": 8}), get_family(config), model_source(config),
                      store, str(lora))
     assert other.data_version != first.data_version and other.settings.seed == 8 and other.computed == 1
     assert not np.array_equal(decode(other.prompts[0].lora)[0], after)
 
 
-def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(setup, first_run, tmp_path: Path) -> None:
+def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(validation_inputs, first_run,
+                                                                         tmp_path: Path) -> None:
     """What docs/reproducibility.md promises: a render depends on the prompt, seed, settings and LoRA, not on what the
     process rendered before nor on which process renders it (a resumed run is a new one); on one machine, the same
     bits."""
-    data, store, lora = setup
-    alone = {**data, "validation_prompt": None, "user_prompt_library": {"blue": LIBRARY["blue"]},
+    data, store, lora = validation_inputs
+    alone = {**data, "validation_prompt": None, "user_prompt_library": {"blue": VALIDATION_LIBRARY["blue"]},
              "eval_holdout_fraction": 0}
     (tmp_path / "alone.yaml").write_text(json.dumps(alone))  # JSON is YAML
     code = ("import dataclasses, json, sys; from loraflow.config import load_config; from loraflow.validation.validate import validate; "
@@ -185,8 +128,8 @@ def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(setup, 
         assert np.array_equal(decode(getattr(among, kind))[0], decode(fresh[kind])[0]), kind
 
 
-def test_lora_at_scale_zero_renders_exactly_the_base_model(setup) -> None:
-    data, store, lora = setup
+def test_lora_at_scale_zero_renders_exactly_the_base_model(validation_inputs) -> None:
+    data, store, lora = validation_inputs
     config = parse_config(data)
     family, settings = get_family(config), render_settings(config, get_family(config), model_source(config))
     texts = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
@@ -215,13 +158,13 @@ def metadata_reordered(path: Path) -> bytes:
     return raw[:8] + text.ljust(size) + raw[8 + size :]  # safetensors pads its header with spaces
 
 
-def test_a_rerun_on_the_same_lora_content_renders_nothing_whatever_its_header_order(setup, first_run,
+def test_a_rerun_on_the_same_lora_content_renders_nothing_whatever_its_header_order(validation_inputs, first_run,
                                                                                   tmp_path: Path) -> None:
     """Seen failing when the key hashed the file's bytes: two validations of one LoRA, trained again in another
     process (same run key, same tensors, the header's metadata in the other order), had two data versions."""
     from safetensors import safe_open
 
-    data, store, lora = setup
+    data, store, lora = validation_inputs
     again = tmp_path / lora.name
     again.write_bytes(metadata_reordered(lora))
     assert again.read_bytes() != lora.read_bytes()
@@ -234,8 +177,8 @@ def test_a_rerun_on_the_same_lora_content_renders_nothing_whatever_its_header_or
 
 
 # -- eval loss -------------------------------------------------------------------------------------------
-def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(setup, first_run) -> None:
-    data, store, lora = setup
+def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(validation_inputs, first_run) -> None:
+    data, store, lora = validation_inputs
     config = parse_config(data)
     family = get_family(config)
     items = eval_items(config, get_family(config), store)
@@ -249,8 +192,8 @@ def test_eval_loss_is_deterministic_and_differs_between_base_and_lora(setup, fir
     assert other_noise != runs[0]
 
 
-def test_eval_loss_of_the_same_clips_is_the_same_whatever_their_files_mtimes(setup, tiny_k5: Path, demo_data: Path,
-                                                                          tmp_path: Path) -> None:
+def test_eval_loss_of_the_same_clips_is_the_same_whatever_their_files_mtimes(
+        validation_inputs, tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
     """Seen failing when eval noise was seeded by the clip key, which holds the file's mtime: two fresh clones of one
     commit regenerate the demo data with other mtimes, and measured -17% and -25% with identical renders."""
     import os
@@ -258,7 +201,7 @@ def test_eval_loss_of_the_same_clips_is_the_same_whatever_their_files_mtimes(set
     from loraflow.stages.clips.clips import build_clips
     from loraflow.stages.latents.latents import encode_latents
 
-    _, _, lora = setup
+    _, _, lora = validation_inputs
     runs = []
     for name, shift_ns in (("here", 0), ("elsewhere", 10**9)):
         data = shutil.copytree(demo_data, tmp_path / name / "data")
@@ -300,8 +243,8 @@ def test_split_holdout_is_seeded_stable_and_disjoint() -> None:
         split_holdout(["only"], 0.5, seed=3)
 
 
-def test_split_clips_holds_out_whole_videos_and_the_eval_dataset(setup) -> None:
-    data, _, _ = setup
+def test_split_clips_holds_out_whole_videos_and_the_eval_dataset(validation_inputs) -> None:
+    data, _, _ = validation_inputs
     clips = [clip_row(f"{s}-{i}", "videos", s) for s in ("a.mp4", "b.mp4", "c.mp4") for i in range(3)]
     clips += [clip_row("m-0", "more", "a.mp4")]
     train, held = split_clips(clips, parse_config({**data, "eval_holdout_fraction": 0.34}))
@@ -311,8 +254,8 @@ def test_split_clips_holds_out_whole_videos_and_the_eval_dataset(setup) -> None:
 
 
 # -- config and settings ---------------------------------------------------------------------------------
-def test_every_validation_text_is_encoded_by_the_text_embeds_stage(setup) -> None:
-    data, store, _ = setup
+def test_every_validation_text_is_encoded_by_the_text_embeds_stage(validation_inputs) -> None:
+    data, store, _ = validation_inputs
     config = parse_config({**data, "validation_negative_prompt": "blurry"})
     texts = {r["text"] for r in store.read_manifest("text_embeds")}
     assert set(config.validation_prompts.values()) <= texts
@@ -322,8 +265,8 @@ def test_every_validation_text_is_encoded_by_the_text_embeds_stage(setup) -> Non
 
 
 def test_prompt_library_file_is_read_relative_to_the_config(tiny_k5: Path, tmp_path: Path) -> None:
-    (tmp_path / "prompts.json").write_text(json.dumps(LIBRARY))
-    data = config_dict(tiny_k5, tmp_path, user_prompt_library="prompts.json")
+    (tmp_path / "prompts.json").write_text(json.dumps(VALIDATION_LIBRARY))
+    data = validation_dict(tiny_k5, tmp_path, user_prompt_library="prompts.json")
     (tmp_path / "config.yaml").write_text(json.dumps(data))
     config = load_config(tmp_path / "config.yaml")
     assert list(config.validation_prompts) == ["validation", "blue", "two words/odd"]
@@ -333,14 +276,14 @@ def test_prompt_library_file_is_read_relative_to_the_config(tiny_k5: Path, tmp_p
     with pytest.raises(ConfigError, match="may not use the shortname 'validation'"):
         parse_config({**data, "user_prompt_library": {"validation": "x"}})
     with pytest.raises(ConfigError, match="eval_dataset_id"):
-        parse_config({**data, "user_prompt_library": LIBRARY, "eval_dataset_id": "nope"})
+        parse_config({**data, "user_prompt_library": VALIDATION_LIBRARY, "eval_dataset_id": "nope"})
     with pytest.raises(ConfigError, match="only dataset"):
-        parse_config({**data, "user_prompt_library": LIBRARY, "eval_dataset_id": "videos",
+        parse_config({**data, "user_prompt_library": VALIDATION_LIBRARY, "eval_dataset_id": "videos",
                       "datasets": data["datasets"][:1]})
 
 
-def test_settings_refuse_sizes_the_family_cannot_render(setup) -> None:
-    data, _, _ = setup
+def test_settings_refuse_sizes_the_family_cannot_render(validation_inputs) -> None:
+    data, _, _ = validation_inputs
     with pytest.raises(ConfigError, match="use 96x64"):  # at load, not after training
         parse_config({**data, "validation_resolution": "100x64"})
     family, model = get_family(parse_config(data)), model_source(parse_config(data))
@@ -360,7 +303,7 @@ def test_image_family_renders_base_and_lora_as_pngs(tmp_path: Path) -> None:
     from loraflow.demo.tiny import build_tiny
 
     model = build_tiny("kandinsky5-image", tmp_path / "k5i")
-    config = parse_config(config_dict(
+    config = parse_config(validation_dict(
         model, tmp_path, model_family="kandinsky5-image", model_flavour="t2i-lite-sft", user_prompt_library=None,
         validation_resolution="64x48", validation_num_video_frames=None, eval_holdout_fraction=0.0,
         datasets=[{"id": "images", "instance_data_dir": str(tmp_path / "images"), "dataset_type": "image"}]))
@@ -368,17 +311,18 @@ def test_image_family_renders_base_and_lora_as_pngs(tmp_path: Path) -> None:
     store.write_manifest("clips", [])  # no captions needed: only the validation texts
     encode_texts(config, get_family(config), model_source(config), store)
     report = validate(config, get_family(config), model_source(config), store,
-                      str(make_lora(config, tmp_path / "lora")))
+                      str(random_lora(config, tmp_path / "lora")))
     (row,) = report.prompts
     base, tuned = (np.asarray(Image.open(path)) for path in (row.base, row.lora))
-    assert row.base.endswith(".png") and base.shape == tuned.shape == (HEIGHT, WIDTH, 3)
+    assert row.base.endswith(".png") and base.shape == tuned.shape == (VALIDATION_HEIGHT, VALIDATION_WIDTH, 3)
     assert np.abs(base.astype(int) - tuned).mean() > 1.0 and report.settings.num_frames == 1
     sheet = Image.open(row.contact_sheet)  # the prompt, then one frame each: base over LoRA
     assert sheet.height == TEXT_HEIGHT + 2 * SHEET_ROW_HEIGHT + BLOCK_GAP and row.animation is None  # a still
 
 
-def test_renders_take_the_shift_from_the_checkpoint_unless_the_config_sets_one(setup, tmp_path: Path) -> None:
-    data, _, _ = setup
+def test_renders_take_the_shift_from_the_checkpoint_unless_the_config_sets_one(validation_inputs,
+                                                                               tmp_path: Path) -> None:
+    data, _, _ = validation_inputs
     model = tmp_path / "model"
     shutil.copytree(data["pretrained_model_name_or_path"], model)
     scheduler = model / "scheduler" / "scheduler_config.json"

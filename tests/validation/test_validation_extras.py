@@ -28,8 +28,7 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store
-from tests.conftest import demo_dict
-from tests.training.test_train import make_config, same_lora_file, train
+from tests.factory import demo_dict, make_config, same_lora_file, train
 
 def save_lora_header(path: Path) -> None:
     """A LoRA file whose header passes load; its one tensor renders nothing here."""
