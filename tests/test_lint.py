@@ -6,7 +6,7 @@ import importlib.util
 import subprocess
 import sys
 
-from tests.conftest import REPO, missing_input
+from tests.factory import REPO, missing_input
 
 # tests/ joins once the tests lane (issue 45 item 4) lands its reshaped, ruff-clean tests.
 CHECKED = ("loraflow", "benchmarks")
