@@ -14,7 +14,13 @@ import pytest
 
 from loraflow.config import LoraflowConfig, load_config, parse_config
 from tests.factory import (
-    REPO, build_caches, demo_dict, fill_validation_store, random_lora, validation_dict, write_config,
+    REPO,
+    build_caches,
+    demo_dict,
+    fill_validation_store,
+    random_lora,
+    validation_dict,
+    write_config,
 )
 
 # `make test` runs the suite in two pytest-xdist workers (each a process). Two workers on two cores: each runs torch

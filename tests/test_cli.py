@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loraflow.stages.clips.bucket_plan import human_bytes
-from loraflow.estimates import CUDA_CONTEXT, FIT_SHARE
 from loraflow.cli import main
 from loraflow.config import LoraflowConfig, load_config
-from loraflow.simpletuner import import_simpletuner
 from loraflow.config.training_options import trained_with
+from loraflow.estimates import CUDA_CONTEXT, FIT_SHARE
+from loraflow.simpletuner import import_simpletuner
+from loraflow.stages.clips.bucket_plan import human_bytes
 from tests.factory import K5_IMAGE_BACKEND, demo_dict, missing_input, write_config
 
 # The seed guides' HunyuanVideo 1.5 config.json and its multidatabackend.json, verbatim.

@@ -165,10 +165,10 @@ def test_the_quick_starts_paths_and_loaders_are_the_codes(tmp_path: Path) -> Non
     import diffusers
 
     from loraflow.config import LoraflowConfig, parse_config
-    from loraflow.training.checkpoints import LORA_FILE
     from loraflow.contracts.reports import LoraReport
-    from loraflow.training.run import run_dir
     from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
+    from loraflow.training.checkpoints import LORA_FILE
+    from loraflow.training.run import run_dir
 
     text = quick_start()
     config = parse_config(snippet())

@@ -28,17 +28,17 @@ from diffusers.hooks.layerwise_casting import LayerwiseCastingHook
 from torch.profiler import ProfilerActivity, profile
 
 from loraflow import estimates
-from loraflow.estimates import fake_tensors
 from loraflow.config import LoraflowConfig, load_config
-from loraflow.stages.clips.buckets import latent_geometry
-from loraflow.stages.latents.latents import prepare_vae
-from loraflow.training.loop import routing, step_losses, uses_autocast
-from loraflow.training.model_setup import _offload_hooks, enable_offload, load_transformer
-from loraflow.training.optimizers import make_optimizer
-from loraflow.training.batches import MicroBatch, StepDraws
+from loraflow.estimates import fake_tensors
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import image_conditions, load_component
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips.buckets import latent_geometry
+from loraflow.stages.latents.latents import prepare_vae
+from loraflow.training.batches import MicroBatch, StepDraws
+from loraflow.training.loop import routing, step_losses, uses_autocast
+from loraflow.training.model_setup import _offload_hooks, enable_offload, load_transformer
+from loraflow.training.optimizers import make_optimizer
 from tests.factory import demo_dict, write_config
 
 CPU = torch.device("cpu")
@@ -230,7 +230,6 @@ def test_validation_of_an_image_family_decodes_with_its_2d_vae() -> None:
     does, (B, C, h, w), at the released configs (a small render: the fake step costs seconds)."""
     from loraflow.config import parse_config
     from loraflow.pipelines.released import released_config
-    from loraflow.stages.clips.buckets import vae_geometry
 
     config = parse_config({"model_family": "kandinsky5-image", "pretrained_model_name_or_path": "org/model",
                            "validation_resolution": "64x64",

@@ -14,12 +14,12 @@ import pytest
 
 from loraflow.config import load_config
 from loraflow.keys import content_key, hash_seed
-from loraflow.stages.latents import latents as L
-from loraflow.training.run import run_dir
-from loraflow.stages.text.text_embeds import text_key
-from loraflow.validation.validate import prompt_image, render_settings
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.latents import latents as L
+from loraflow.stages.text.text_embeds import text_key
+from loraflow.training.run import run_dir
+from loraflow.validation.validate import prompt_image, render_settings
 from tests.factory import clip_row
 
 REPO = Path(__file__).resolve().parents[1]

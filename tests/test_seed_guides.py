@@ -17,6 +17,7 @@ from loraflow.pipelines.flavours import NOT_DIFFUSERS
 from loraflow.simpletuner import BACKEND_KEYS, ONLY_VALUE, import_simpletuner, simpletuner_families
 from tests.factory import GUIDES, SEEDS, combine, missing_input
 
+
 @pytest.fixture(params=GUIDES or [None], ids=[g.name for g in GUIDES] or ["no guides"])
 def guide(request: pytest.FixtureRequest) -> Path:
     """Each seed guide; with none (the shared folder absent) one test that skips, or fails under CI."""

@@ -16,8 +16,8 @@ import torch
 from dagster import DagsterInstance
 
 from loraflow.assets.jobs import materialize_everything
-from loraflow.cli import demo_summary
 from loraflow.assets.resources import LoraflowResource
+from loraflow.cli import demo_summary
 from tests.factory import REPO, demo_dict, write_config
 
 

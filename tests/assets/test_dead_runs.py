@@ -21,15 +21,24 @@ from pathlib import Path
 import pytest
 from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, materialize
 
-from loraflow.assets.runs.dead_runs import WATCH_INTERVAL_S, reap_dead_runs
 from loraflow.assets.resources import LoraflowResource
+from loraflow.assets.runs.dead_runs import WATCH_INTERVAL_S, reap_dead_runs
 from loraflow.assets.stages import clips
 from loraflow.store import Store
-from tests.factory import REPO, demo_dict, forget_latents, write_config
 from tests.dagster_dev import (
-    FINISHED, PARTITION, RUN_S, dagster_dev, executor_pid, gpu_claims, materialization_keys, materializations, status,
-    step_worker, wait_until,
+    FINISHED,
+    PARTITION,
+    RUN_S,
+    dagster_dev,
+    executor_pid,
+    gpu_claims,
+    materialization_keys,
+    materializations,
+    status,
+    step_worker,
+    wait_until,
 )
+from tests.factory import REPO, demo_dict, forget_latents, write_config
 
 CLAIM_RETRY_S = 15  # a blocked step asks for its slot again at most this far apart (Dagster's MAX_CONCURRENCY_...)
 

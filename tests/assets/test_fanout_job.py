@@ -10,9 +10,9 @@ from loraflow.assets.fanout import cache_latents_fanout
 from loraflow.assets.jobs import QUIET, build_defs
 from loraflow.assets.partitions import sync_partitions
 from loraflow.assets.resources import LoraflowResource
-from loraflow.stages.clips.clips import build_clips
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips.clips import build_clips
 from loraflow.store import Store
 from tests.factory import demo_dict, write_config
 

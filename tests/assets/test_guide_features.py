@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import lora, teacher_features
-from loraflow.kernels.crepa import PROJECTOR_FILE
-from loraflow.training import loop as T
 from loraflow.demo.tiny import tiny_dinov2
+from loraflow.kernels.crepa import PROJECTOR_FILE
 from loraflow.pipelines.sources import model_source
+from loraflow.training import loop as T
 from tests.factory import make_config
 
 # biased_late: long rollouts; seed 42 draws offsets 8, 8, 7, 8 for micro-steps 0-3 (uniform drew 0 for both of the

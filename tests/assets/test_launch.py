@@ -14,9 +14,9 @@ from dagster import DagsterEventType, DagsterInstance, materialize
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import lora
 from loraflow.config import load_config
+from loraflow.store import Store
 from loraflow.training import loop as T
 from loraflow.training.run import run_dir, upstream_versions
-from loraflow.store import Store
 from tests.factory import REPO, build_caches, make_config
 
 

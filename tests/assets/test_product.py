@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import yaml
 from dagster import (
+    AddDynamicPartitionsRequest,
     AssetCheckSeverity,
     AssetKey,
-    AddDynamicPartitionsRequest,
     AssetSelection,
     DagsterEventType,
     DagsterInstance,
     DefaultScheduleStatus,
     DefaultSensorStatus,
-    DeleteDynamicPartitionsRequest,
     Definitions,
+    DeleteDynamicPartitionsRequest,
     SkipReason,
     build_asset_check_context,
     build_schedule_context,
@@ -44,9 +44,9 @@ from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.schedules import DEFAULT_CRON, recache_schedule
 from loraflow.assets.sensors import CHANGED_TAG, dataset_watch
 from loraflow.assets.stages import ALL_ASSETS
+from loraflow.config import ConfigError, load_config
 from loraflow.stages.clips.bucket_plan import LatentGeometry
 from loraflow.stages.latents.latents import PlannedLatent
-from loraflow.config import ConfigError, load_config
 from loraflow.store import Store
 from tests.factory import clip_row, demo_dict, write_config
 

@@ -21,8 +21,8 @@ from dagster import DagsterInstance
 from loraflow.assets.jobs import materialize_everything
 from loraflow.assets.resources import LoraflowResource
 from loraflow.keys import env_flag
-from tests.factory import REPO, demo_dict, missing_input, write_config
 from tests.dagster_dev import dagster_dev
+from tests.factory import REPO, demo_dict, missing_input, write_config
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

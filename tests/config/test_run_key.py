@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 
 from loraflow.config import (
-    DatasetConfig, LoraflowConfig, StrictModel, TreadConfig, TreadRoute, VideoSettings, load_config, setting,
+    DatasetConfig,
+    LoraflowConfig,
+    StrictModel,
+    TreadConfig,
+    TreadRoute,
+    VideoSettings,
+    load_config,
+    setting,
 )
 from loraflow.config.adapter_kinds import LycorisConfig
 from loraflow.config.fields import ConfigFields

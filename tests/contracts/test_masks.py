@@ -19,18 +19,18 @@ import torch
 from PIL import Image
 
 from loraflow.config import ConfigError, LoraflowConfig, parse_config
-from loraflow.training import loop as T
-from loraflow.training.model_setup import load_transformer
-from loraflow.training import batches as D
-from loraflow.stages.clips.clips import build_clips
-from loraflow.stages.latents.latents import encode_latents
 from loraflow.contracts.masks import MASK_COLUMN, masked_loss_metadata
+from loraflow.kernels.flow_matching import flow_mse, noisy_sample
 from loraflow.media.frames import probe
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
-from loraflow.kernels.flow_matching import flow_mse, noisy_sample
 from loraflow.simpletuner import import_simpletuner
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import encode_latents
 from loraflow.store import Store
+from loraflow.training import batches as D
+from loraflow.training import loop as T
+from loraflow.training.model_setup import load_transformer
 from tests.factory import demo_dict, make_config, same_lora_file, train
 from tests.numerics import U32, gamma
 

@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 from loraflow.demo.dataset import _COLOURS
-from loraflow.media.writers import read_media
 from loraflow.demo.tiny_world import shape_centroid
+from loraflow.media.writers import read_media
 from tests.factory import demo_dict, write_config
 
 REPO = Path(__file__).resolve().parents[2]

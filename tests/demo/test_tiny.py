@@ -25,8 +25,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import Qwen2VLProcessor, SiglipImageProcessorPil, SiglipVisionModel
 
-from loraflow.demo.tiny import build_tiny
-from loraflow.demo.tiny import RECIPE_KEY
+from loraflow.demo.tiny import RECIPE_KEY, build_tiny
 
 # max_sequence_length=1024: the byte-level tokenizer spends ~630 tokens on the K5 template, so the
 # default 512 (+ the pipeline's hard-coded crop of 128) would truncate the prompt away.

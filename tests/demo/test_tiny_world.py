@@ -11,9 +11,9 @@ import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
 from loraflow.demo.dataset import world_clips
+from loraflow.demo.tiny_world import WorldRecipe, decode_frames, mosaic_vae, pretrain, shape_centroid
 from loraflow.pipelines.kandinsky5 import tiny_parts as parts
 from loraflow.pipelines.kandinsky5.video.family import make_family
-from loraflow.demo.tiny_world import WorldRecipe, decode_frames, mosaic_vae, pretrain, shape_centroid
 
 
 def test_mosaic_vae_is_cell_means_and_loads_back(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from loraflow.kernels.adamw_bf16 import AdamWBF16, round_stochastic
-from loraflow.training.checkpoints import optimizer_state, _unflatten_optimizer
+from loraflow.training.checkpoints import _unflatten_optimizer, optimizer_state
 
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one ulp is at most 2^-7 of the value it rounds
 

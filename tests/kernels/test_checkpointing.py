@@ -19,10 +19,10 @@ import torch
 
 from loraflow import estimates
 from loraflow.config import ConfigError, LoraflowConfig, load_config
-from loraflow.stages.clips.buckets import latent_geometry
-from loraflow.training.model_setup import load_transformer
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips.buckets import latent_geometry
+from loraflow.training.model_setup import load_transformer
 from tests.factory import demo_dict, write_config
 
 CPU = torch.device("cpu")

@@ -11,7 +11,14 @@ import torch
 from diffusers import HunyuanVideo15Transformer3DModel, Kandinsky5Transformer3DModel
 
 from loraflow.kernels.crepa import (
-    CrepaProjector, align_teacher, capture_block, crepa_loss, frame_tokens, hidden_width, load_projector, save_projector,
+    CrepaProjector,
+    align_teacher,
+    capture_block,
+    crepa_loss,
+    frame_tokens,
+    hidden_width,
+    load_projector,
+    save_projector,
     token_grid,
 )
 from loraflow.kernels.tread import TokenLayout

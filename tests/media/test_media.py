@@ -24,9 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds med
 
 import media_factory as mf  # noqa: E402
 
-from loraflow.media import frames as media
-
 from loraflow.media import decode_worker as media_decode  # noqa: E402
+from loraflow.media import frames as media
 from loraflow.media.frames import MediaError, Probe, decode_frames, probe  # noqa: E402
 
 LOGGER = "loraflow.media.frames"
@@ -533,8 +532,9 @@ def test_a_failed_pyav_decode_frees_its_decoder_before_ffmpeg_logs_go_back_to_py
     # The worker sends FFmpeg's logs to Python; a frame-threaded decoder freed then, while one of its threads logs an
     # error, deadlocks on the GIL (seen: 3 hangs in 22 early stops on a 720p .ts). An error's traceback holds the
     # decoder, so _decode_pyav must free it before it turns logging back on and lets the error through.
-    import av
     import gc
+
+    import av
 
     cut = mf.write_video(tmp_path / "cut.ts", 60, 96, 64, options=_H264)
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2 // 188 * 188])

@@ -10,8 +10,18 @@ import pytest
 from PIL import Image
 
 from loraflow.media.previews import (
-    GAP, MAX_ANIMATION_FRAMES, MAX_SHEET_WIDTH, PLOT_DPI, PLOT_INCHES, SHEET_ROW_HEIGHT, TEXT_HEIGHT, contact_sheet,
-    eval_loss_plot, loss_plot, save_animation, smoothed,
+    GAP,
+    MAX_ANIMATION_FRAMES,
+    MAX_SHEET_WIDTH,
+    PLOT_DPI,
+    PLOT_INCHES,
+    SHEET_ROW_HEIGHT,
+    TEXT_HEIGHT,
+    contact_sheet,
+    eval_loss_plot,
+    loss_plot,
+    save_animation,
+    smoothed,
 )
 
 HEIGHT, WIDTH = 48, 64

@@ -45,7 +45,12 @@ from loraflow.pipelines import load_family
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE, ComfyRule, comfyui_name, to_comfyui
 from loraflow.training.checkpoints import (
-    LORA_FILE, LoraExport, adapter_config, export_lora, lora_state, writes_comfyui,
+    LORA_FILE,
+    LoraExport,
+    adapter_config,
+    export_lora,
+    lora_state,
+    writes_comfyui,
 )
 
 RANK, ALPHA = 4, 8.0  # scale 2: a file whose alpha were ignored would render at half strength

@@ -36,12 +36,12 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from loraflow.training.checkpoints import LoraExport, adapter_config, export_lora
+from loraflow.demo.tiny import build_tiny
+from loraflow.pipelines.base import ModelFamily, load_component
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
 from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
-from loraflow.pipelines.base import ModelFamily, load_component
-from loraflow.demo.tiny import build_tiny
+from loraflow.training.checkpoints import LoraExport, adapter_config, export_lora
 from tests.numerics import assert_float64_close
 
 PROMPTS = ["a cat walks on the grass", "  Tom &amp; Jerry\n run  ", ""]

@@ -17,8 +17,8 @@ from loraflow.assets.jobs import materialize_everything
 from loraflow.assets.resources import LoraflowResource
 from loraflow.config import load_config
 from loraflow.contracts.renders import conditioning_clip, conditioning_image, render_settings
-from loraflow.pipelines import get_family
 from loraflow.kernels.flow_matching import flow_mse, noisy_sample
+from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
@@ -121,8 +121,8 @@ def test_the_renderer_keeps_the_last_frame_and_first_renders_as_before(run) -> N
     assert torch.equal(z[:, :, -1] * pipe.vae.config.scaling_factor, last.permute(0, 3, 1, 2))
 
     before = get_family(run.model_copy(update={"i2v_mode": "first"}))
-    from PIL import Image
     from diffusers import FlowMatchEulerDiscreteScheduler
+    from PIL import Image
 
     ours = before.render(pipe, prompt, negative, settings, lora_scale=0.0, image=images[0])
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)

@@ -21,20 +21,20 @@ from peft import LoraConfig
 from PIL import Image
 
 from loraflow.config import LoraflowConfig, load_config
-from loraflow.training import loop as T
-from loraflow.training import batches as D
-from loraflow.stages.clips.clips import build_clips
-from loraflow.validation.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
-from loraflow.stages.latents.latents import encode_latents, latent_rows
 from loraflow.contracts.renders import conditioning_clip
 from loraflow.contracts.text_set import text_lookup
-from loraflow.stages.text.text_embeds import encode_texts
-from loraflow.validation.validate import conditioning_image, render_settings, validate
 from loraflow.pipelines import family_spec, get_family
 from loraflow.pipelines.base import load_component, load_lora_file
 from loraflow.pipelines.hunyuanvideo15.family import lora_pattern, make_family
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import encode_latents, latent_rows
+from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.store import Store
+from loraflow.training import batches as D
+from loraflow.training import loop as T
+from loraflow.validation.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
+from loraflow.validation.validate import conditioning_image, render_settings, validate
 from tests.factory import REPO, demo_dict, write_config
 
 I2V = "i2v-480p"

@@ -19,19 +19,19 @@ from dagster import DagsterInstance
 from PIL import Image
 
 from loraflow.config import LoraflowConfig, parse_config
-from loraflow.training import loop as T
-from loraflow.training import batches as D
-from loraflow.stages.clips.clips import build_clips
 from loraflow.contracts.renders import condition_frame
 from loraflow.contracts.text_set import text_lookup
 from loraflow.demo.dataset import make_demo_edits
-from loraflow.stages.latents.latents import encode_latents
-from loraflow.stages.text.text_embeds import encode_texts, load_encoders
-from loraflow.validation.validate import RESULTS, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import encode_latents
+from loraflow.stages.text.text_embeds import encode_texts, load_encoders
 from loraflow.store import Store
+from loraflow.training import batches as D
+from loraflow.training import loop as T
+from loraflow.validation.validate import RESULTS, validate
 from tests.factory import reference_lora
 
 I2I = "i2i-lite-sft"

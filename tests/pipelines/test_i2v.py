@@ -15,19 +15,19 @@ import pytest
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from loraflow.training import loop as T
-from loraflow.training import batches as D
-from loraflow.validation.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
 from loraflow.contracts.renders import conditioning_clip
 from loraflow.contracts.text_set import text_lookup
-from loraflow.validation.validate import conditioning_image, render_settings, validate
 from loraflow.pipelines import family_spec, get_family
 from loraflow.pipelines.base import load_component, load_lora_file
 from loraflow.pipelines.kandinsky5.video.family import make_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.numerics import assert_float64_close
+from loraflow.training import batches as D
+from loraflow.training import loop as T
+from loraflow.validation.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
+from loraflow.validation.validate import conditioning_image, render_settings, validate
 from tests.factory import make_config, reference_lora
+from tests.numerics import assert_float64_close
 
 I2V = "i2v-lite-5s"
 
@@ -206,11 +206,11 @@ def test_validation_using_datasets_renders_from_an_image_of_the_eval_dataset(tin
     """The seeds' i2v setup: videos to train on, an image dataset (`eval_dataset_id`) to render validation from.
     Its images are kept (not quarantined as `single_image`), the first by name is the render's first frame, and
     eval loss leaves them out (an image has no frame after the first to score)."""
-    from loraflow.validation.evaluation import eval_items
     from loraflow.stages.latents.latents import encode_latents
     from loraflow.stages.text.text_embeds import encode_texts
-    from tests.media_factory import read_index, write_image
+    from loraflow.validation.evaluation import eval_items
     from tests.factory import clips_config, run_clips, videos
+    from tests.media_factory import read_index, write_image
 
     videos(tmp_path / "videos", 2, num_frames=18)
     stills = tmp_path / "stills"

@@ -28,11 +28,10 @@ from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5I2IPipeline
 from peft import LoraConfig, get_peft_model_state_dict
 from PIL import Image
 
-from loraflow.training.checkpoints import adapter_config
+from loraflow.demo.tiny import build_tiny
+from loraflow.pipelines.base import load_component
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
-from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
-from loraflow.pipelines.base import load_component
 from loraflow.pipelines.kandinsky5.image.family import (
     I2I_CROP_PAST_PREFIX,
     I2I_MAX_TEXT_TOKENS,
@@ -40,8 +39,9 @@ from loraflow.pipelines.kandinsky5.image.family import (
     Kandinsky5ImageI2I,
     i2i_template_crop,
 )
-from loraflow.demo.tiny import build_tiny
 from loraflow.pipelines.kandinsky5.tiny_parts import kandinsky5_transformer
+from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
+from loraflow.training.checkpoints import adapter_config
 
 I2I = "i2i-lite-sft"
 PROMPTS = ["make the circle green", "  Tom &amp; Jerry\n run  ", ""]

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from loraflow.validation.validate import RenderSettings
 from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
+from loraflow.validation.validate import RenderSettings
 from tests.factory import text_rows
 
 SETTINGS = RenderSettings(height=128, width=128, num_frames=5, num_inference_steps=1, guidance=3.0, seed=0,

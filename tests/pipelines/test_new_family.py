@@ -24,20 +24,20 @@ from diffusers import Kandinsky5T2VPipeline
 from safetensors.torch import load_file
 
 from loraflow.config import LoraflowConfig, load_config
-from loraflow.training import loop as T
+from loraflow.demo.tiny import build_tiny
+from loraflow.pipelines import FAMILIES, describe_families, get_family
+from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.kandinsky5.tiny_parts import kandinsky5_pipeline
+from loraflow.pipelines.kandinsky5.video.family import Kandinsky5Video
+from loraflow.pipelines.kandinsky5.video.spec import VIDEO_CLASSES
+from loraflow.pipelines.kandinsky5.video.tiny import hunyuan_video_vae
+from loraflow.pipelines.sources import model_source
+from loraflow.pipelines.tiny_parts import TinyPipeline, recipe_name
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
 from loraflow.stages.text.text_embeds import encode_texts
-from loraflow.pipelines import FAMILIES, describe_families, get_family
-from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
-from loraflow.pipelines.kandinsky5.video.family import Kandinsky5Video
-from loraflow.pipelines.kandinsky5.video.spec import VIDEO_CLASSES
-from loraflow.pipelines.sources import model_source
-from loraflow.demo.tiny import build_tiny
-from loraflow.pipelines.kandinsky5.tiny_parts import kandinsky5_pipeline
-from loraflow.pipelines.kandinsky5.video.tiny import hunyuan_video_vae
-from loraflow.pipelines.tiny_parts import TinyPipeline, recipe_name
 from loraflow.store import Store
+from loraflow.training import loop as T
 from tests.factory import demo_dict, write_config
 
 NAME = "kandinsky5-mini"

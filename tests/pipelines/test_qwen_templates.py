@@ -23,21 +23,22 @@ from typing import Any
 import pytest
 import torch
 from diffusers import (
-    HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline, Kandinsky5I2IPipeline, Kandinsky5I2VPipeline,
-    Kandinsky5T2IPipeline, Kandinsky5T2VPipeline,
+    HunyuanVideo15ImageToVideoPipeline,
+    HunyuanVideo15Pipeline,
+    Kandinsky5I2IPipeline,
+    Kandinsky5I2VPipeline,
+    Kandinsky5T2IPipeline,
+    Kandinsky5T2VPipeline,
 )
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
 from PIL import Image
 from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
-
-from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
-
-from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
-
 from loraflow.demo import qwen_vocab
+from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.hunyuanvideo15.tiny import hunyuan_video15_vae
+from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
+from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
 from tests.factory import missing_input
 
 # The original repository's crop_start per type_of_content (kandinsky/models/text_embedders.py, PROMPT_TEMPLATE).

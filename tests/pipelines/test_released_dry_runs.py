@@ -14,26 +14,31 @@ answers them from the real batch. NABLA, fp8-layerwise and the validation render
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.teacher_features import latent_frame_indices
+from loraflow.estimates.fake_tensors import fake_mode, known_values, released_model
 from loraflow.kernels.crepa import CrepaProjector, hidden_width
 from loraflow.kernels.patch_conv import enable_patch_conv
-from loraflow.training import loop as T
-from loraflow.training.crepa_training import Crepa
-from loraflow.contracts.teacher_features import latent_frame_indices
-from loraflow.stages.teacher.teacher_features import patch_features
-from loraflow.training.batches import MicroBatch
 from loraflow.pipelines import get_family
+from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
-from loraflow.pipelines.base import ModelFamily
-from loraflow.estimates.fake_tensors import fake_mode, known_values, released_model
 from loraflow.pipelines.released import released_config
+from loraflow.stages.teacher.teacher_features import patch_features
+from loraflow.training import loop as T
+from loraflow.training.batches import MicroBatch
+from loraflow.training.crepa_training import Crepa
 from tests.factory import (
-    DEPTH, Case, as_loaded, dry_config, latent_shape, released_batch, released_transformer,
+    DEPTH,
+    Case,
+    as_loaded,
+    dry_config,
+    latent_shape,
+    released_batch,
+    released_transformer,
 )
 
 pytestmark = pytest.mark.released

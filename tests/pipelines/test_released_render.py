@@ -33,17 +33,25 @@ import pytest
 import torch
 
 from loraflow.estimates.fake_tensors import fake_mode, fresh_saves, known_values, released_model
+from loraflow.kernels.quantize import frozen_dtype, store_frozen
+from loraflow.pipelines import get_family
+from loraflow.pipelines.base import RenderSettings
+from loraflow.pipelines.kandinsky5 import common as kandinsky5
+from loraflow.pipelines.kandinsky5.video.family import I2V_MIN_FRAMES
+from loraflow.pipelines.released import released_config
+from loraflow.pipelines.render_memory import RenderPlan, place
 from loraflow.training import loop as T
 from loraflow.training.batches import MicroBatch
-from loraflow.pipelines import get_family
-from loraflow.pipelines.kandinsky5 import common as kandinsky5
-from loraflow.kernels.quantize import frozen_dtype, store_frozen
-from loraflow.pipelines.base import RenderSettings
-from loraflow.pipelines.kandinsky5.video.family import I2V_MIN_FRAMES
-from loraflow.pipelines.render_memory import RenderPlan, place
-from loraflow.pipelines.released import released_config
 from tests.factory import (
-    DEPTH, Case, as_loaded, depth, dry_config, latent_shape, released_batch, released_transformer, text_batch,
+    DEPTH,
+    Case,
+    as_loaded,
+    depth,
+    dry_config,
+    latent_shape,
+    released_batch,
+    released_transformer,
+    text_batch,
 )
 
 pytestmark = pytest.mark.released

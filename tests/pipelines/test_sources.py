@@ -18,11 +18,11 @@ import torch
 from loraflow.cli import main
 from loraflow.config import ConfigError, parse_config
 from loraflow.keys import content_key, directory_fingerprint
+from loraflow.pipelines import family_flavour, get_family
+from loraflow.pipelines.base import component_fingerprint, load_component
+from loraflow.pipelines.sources import check_layout, layout_problem, model_source
 from loraflow.stages.clips.bucket_plan import human_bytes
 from loraflow.stages.latents.latents import latent_rows
-from loraflow.pipelines.base import component_fingerprint, load_component
-from loraflow.pipelines import family_flavour, get_family
-from loraflow.pipelines.sources import check_layout, layout_problem, model_source
 from tests.factory import K5_DEFAULT_REPO, REPO, clip_row, hf_cache_snapshot, k5_settings, write_config
 
 K5 = "kandinsky5-video"

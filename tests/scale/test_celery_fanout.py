@@ -30,13 +30,13 @@ from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFil
 from loraflow.assets.partitions import sync_partitions
 from loraflow.config import load_config
 from loraflow.keys import Shard
-from loraflow.stages.clips.clips import build_clips
-from loraflow.stages.latents.latents import SHARD_CLIPS, latent_rows
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import SHARD_CLIPS, latent_rows
 from loraflow.store import Store
-from tests.factory import REPO, demo_dict, many_clips, write_config
 from tests.dagster_dev import dagster_dev, gpu_claims, graphql, kill_group, status, wait_until
+from tests.factory import REPO, demo_dict, many_clips, write_config
 from tests.servers import make_bucket
 
 WORKERS, COPIES = 3, 3  # 21 clips in 3 buckets: about 7 per step, committed per bucket

@@ -20,16 +20,25 @@ import pytest
 from dagster import DagsterInstance, DagsterRun, DagsterRunStatus, materialize
 from dagster._core.events import EngineEventData
 
-from loraflow.assets.runs.dead_runs import HOST_TAG, reap_dead_runs
 from loraflow.assets.resources import LoraflowResource
+from loraflow.assets.runs.dead_runs import HOST_TAG, reap_dead_runs
 from loraflow.assets.stages import clips
 from loraflow.config import load_config
 from loraflow.store import Store
-from tests.factory import REPO, demo_dict, forget_latents, write_config
 from tests.dagster_dev import (
-    FINISHED, PARTITION, RUN_S, dagster_dev, executor_pid, gpu_claims, graphql, materialization_keys, status,
-    step_worker, wait_until,
+    FINISHED,
+    PARTITION,
+    RUN_S,
+    dagster_dev,
+    executor_pid,
+    gpu_claims,
+    graphql,
+    materialization_keys,
+    status,
+    step_worker,
+    wait_until,
 )
+from tests.factory import REPO, demo_dict, forget_latents, write_config
 from tests.servers import new_database
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from loraflow.pipelines.sources import model_source
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
 from loraflow.stages.text.text_embeds import encode_texts
-from loraflow.pipelines.sources import model_source
 from tests.factory import REPO, demo_clips, uninterrupted_latents
 
 

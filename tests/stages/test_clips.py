@@ -14,18 +14,17 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image, PngImagePlugin
 
-from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.config import ConfigError
 from loraflow.contracts.clip_rows import ClipRow
-from loraflow.stages.clips import buckets
-from loraflow.stages.clips.clips import decode_clip
 from loraflow.contracts.renders import condition_frame
 from loraflow.media.frames import MediaError
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips import buckets
+from loraflow.stages.clips.buckets import latent_geometry
+from loraflow.stages.clips.clips import decode_clip
 from tests.factory import clips_config, run_clips, videos
 from tests.media_factory import read_index, write_h264, write_image, write_video
-
 
 # ---------------------------------------------------------------------------------------------- captions
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from loraflow.stages.clips.bucket_plan import plan_buckets
 from loraflow.cli import main
 from loraflow.config import ConfigError
 from loraflow.pipelines import get_family
+from loraflow.stages.clips.bucket_plan import plan_buckets
 from tests.factory import clips_config, demo_dict, run_clips, videos, write_config
 from tests.media_factory import read_index, write_h264, write_text_as_video, write_video
 

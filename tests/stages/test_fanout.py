@@ -16,10 +16,10 @@ import pytest
 
 from loraflow.config import load_config
 from loraflow.keys import Shard
-from loraflow.stages.clips.clips import build_clips
-from loraflow.stages.latents.latents import SHARD_CLIPS, latent_rows
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import SHARD_CLIPS, latent_rows
 from loraflow.store import Store
 from tests.factory import REPO, demo_dict, many_clips, write_config
 

@@ -21,16 +21,16 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 
 from loraflow.config import ConfigError, load_config
-from loraflow.stages.clips.clips import build_clips
 from loraflow.contracts.latent_rows import draw_latents
-from loraflow.stages.latents.latents import encode_latents, latent_rows
+from loraflow.demo.tiny import build_tiny
 from loraflow.pipelines import get_family
+from loraflow.pipelines.base import load_component
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
 from loraflow.pipelines.kandinsky5.video import family as kandinsky5_video
-from loraflow.pipelines.base import load_component
 from loraflow.pipelines.sources import model_source
-from loraflow.demo.tiny import build_tiny
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.latents.latents import encode_latents, latent_rows
 from loraflow.store import Store
 from tests.factory import demo_dict, write_config
 from tests.numerics import U32

@@ -20,9 +20,9 @@ import torch
 import loraflow.stages.latents.latents as L
 from loraflow.assets.checks import clips_without_latents
 from loraflow.config import load_config
-from loraflow.stages.clips.clips import build_clips
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips.clips import build_clips
 from loraflow.store import Store
 from tests.factory import demo_dict, uninterrupted_latents, write_config
 

@@ -18,8 +18,8 @@ import yaml
 
 from loraflow.cli import check
 from loraflow.config import ConfigError, load_config
-from loraflow.stages.clips.bucket_plan import plan_buckets
 from loraflow.pipelines import get_family, plan_family
+from loraflow.stages.clips.bucket_plan import plan_buckets
 from tests.factory import demo_dict, text_rows, write_config
 
 

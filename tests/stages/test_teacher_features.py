@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import Dinov2Model
 
-from loraflow.contracts.teacher_features import STAGE, Teacher, latent_frame_indices
-from loraflow.stages.teacher.teacher_features import encode_teacher_features
-from loraflow.demo.tiny import tiny_dinov2
 from loraflow.contracts.clip_rows import ClipRow
+from loraflow.contracts.teacher_features import STAGE, Teacher, latent_frame_indices
+from loraflow.demo.tiny import tiny_dinov2
+from loraflow.stages.teacher.teacher_features import encode_teacher_features
 from loraflow.store import Store
 from tests.factory import clip_row
 

@@ -15,18 +15,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import pytest
 import pyarrow.parquet as pq
+import pytest
 import torch
 
 from loraflow.config import load_config
 from loraflow.contracts.clip_rows import PairedImage
 from loraflow.contracts.reports import TruncatedText
 from loraflow.contracts.text_set import TextSetRow
-from loraflow.stages.clips.clips import build_clips
-from loraflow.stages.text.text_embeds import encode_texts, load_encoders, needed_texts, truncation_table
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.text.text_embeds import encode_texts, load_encoders, needed_texts, truncation_table
 from loraflow.store import Store
 from tests.factory import REPO, clip_row, demo_dict, write_config
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from loraflow.stages.text.text_embeds import caption_tokens
+from loraflow.demo.tiny import build_tiny
 from loraflow.pipelines import load_family
 from loraflow.pipelines.base import load_component
-from loraflow.demo.tiny import build_tiny
+from loraflow.stages.text.text_embeds import caption_tokens
 
 # raw: > 256 tokens (Kandinsky 5 Video's limit) in the tiny byte-level tokenizer; cleaned: "& " * 100, 199 tokens
 FITS_ONCE_CLEANED = "&amp; " * 100

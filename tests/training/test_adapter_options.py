@@ -13,19 +13,19 @@ import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from loraflow.config.adapter_kinds import adapter_summary
-from loraflow.training import loop as T
-from loraflow.training.run import run_dir, upstream_versions
-from loraflow.training.model_setup import load_transformer
-from loraflow.training.adapters import start_adapter
 from loraflow.cli import main
-from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, trained_adapters
+from loraflow.config.adapter_kinds import adapter_summary
 from loraflow.pipelines import get_family
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
-from tests.numerics import U32
+from loraflow.training import loop as T
+from loraflow.training.adapters import start_adapter
+from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, trained_adapters
+from loraflow.training.model_setup import load_transformer
+from loraflow.training.run import run_dir, upstream_versions
 from tests.factory import make_config, same_lora_file, train
+from tests.numerics import U32
 
 CPU = torch.device("cpu")
 DECAY, INTERVAL, STEPS = 0.75, 2, 4

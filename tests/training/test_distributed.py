@@ -26,10 +26,10 @@ import torch
 from safetensors.torch import load_file
 
 from loraflow.assets.runs.launch import launch_command
-from loraflow.training import loop as T
-from loraflow.training.run import run_dir, upstream_versions
-from loraflow.training.distributed import World, join
 from loraflow.store import Store
+from loraflow.training import loop as T
+from loraflow.training.distributed import World, join
+from loraflow.training.run import run_dir, upstream_versions
 from tests.factory import REPO, TWO_RANK_SETTINGS, make_config, run_ranks, same_lora_file, train
 
 # Runs train_lora as one rank, recording what this rank writes and keeping its trained LoRA for the test.

@@ -23,9 +23,9 @@ import yaml
 from safetensors.torch import load_file
 
 from loraflow.assets.runs.launch import launch_command
+from loraflow.store import Store
 from loraflow.training import loop as T
 from loraflow.training.run import run_dir, upstream_versions
-from loraflow.store import Store
 from tests.factory import REPO, TWO_RANK_SETTINGS, make_config, run_ranks, same_lora_file, train
 from tests.servers import free_port
 

@@ -19,17 +19,17 @@ import torch
 from PIL import Image
 
 from loraflow.config import ConfigError, parse_config
-from loraflow.training import progress_renders as PR
-from loraflow.training import loop as T
-from loraflow.training.run import run_dir, upstream_versions
-from loraflow.training.model_setup import load_transformer
-from loraflow.validation import validate as V
-from loraflow.training.distributed import World
-from loraflow.training.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
 from loraflow.media.previews import BLOCK_GAP, SHEET_ROW_HEIGHT, TEXT_HEIGHT
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
+from loraflow.training import loop as T
+from loraflow.training import progress_renders as PR
+from loraflow.training.distributed import World
+from loraflow.training.model_setup import load_transformer
+from loraflow.training.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
+from loraflow.training.run import run_dir, upstream_versions
+from loraflow.validation import validate as V
 from tests.factory import demo_dict, make_config, same_lora_file, train
 
 CPU = torch.device("cpu")
@@ -180,8 +180,8 @@ def test_validation_steps_needs_a_prompt(own_caches: dict[str, Path], tmp_path: 
 @pytest.mark.parametrize("family_name", ["kandinsky5-video", "kandinsky5-image", "hunyuanvideo-1.5"])
 def test_the_renderer_wraps_the_given_transformer_without_moving_it(family_name: str, tmp_path: Path) -> None:
     """In-training renders reuse training's transformer: no second copy is loaded, and it stays where it is."""
-    from loraflow.pipelines.base import load_component
     from loraflow.demo.tiny import build_tiny
+    from loraflow.pipelines.base import load_component
 
     path = build_tiny(family_name, tmp_path / family_name)
     data = {**demo_dict(path, tmp_path / "data", tmp_path), "model_family": family_name, "model_flavour": None}

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from loraflow.config import LoraflowConfig
-from loraflow.training.model_setup import load_transformer
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.training.model_setup import load_transformer
 from tests.factory import fixed_batch, loss_and_grads, make_config
 
 BOUND = 1e-3  # of max |gradient|: see the module docstring

@@ -25,19 +25,26 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from loraflow.config import load_config
-from loraflow.training import loop as T
-from loraflow.training.run import run_dir, upstream_versions
-from loraflow.training import model_setup
-from loraflow.training.model_setup import Trainable, load_transformer
-from loraflow.training import batches as D
-from loraflow.stages.latents.latents import encode_latents
 from loraflow.contracts.text_set import text_lookup
-from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.latents.latents import encode_latents
+from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.store import Store
+from loraflow.training import batches as D
+from loraflow.training import loop as T
+from loraflow.training import model_setup
+from loraflow.training.model_setup import Trainable, load_transformer
+from loraflow.training.run import run_dir, upstream_versions
 from tests.factory import (
-    REPO, SHORT_CAPTION, fixed_batch, loss_and_grads, make_config, reference_lora, same_lora_file, train,
+    REPO,
+    SHORT_CAPTION,
+    fixed_batch,
+    loss_and_grads,
+    make_config,
+    reference_lora,
+    same_lora_file,
+    train,
 )
 
 CPU = torch.device("cpu")

@@ -5,16 +5,15 @@ baseline run): tests/training/test_train.py's issue 32 section."""
 
 from __future__ import annotations
 
-
 import torch
 
 from loraflow.config import LoraflowConfig
 from loraflow.kernels.flow_matching import auto_shift
-from loraflow.training.model_setup import load_transformer
-from loraflow.training import batches as D
-from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
+from loraflow.training import batches as D
+from loraflow.training.model_setup import load_transformer
+from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from tests.numerics import U32
 
 CPU = torch.device("cpu")

@@ -22,23 +22,36 @@ import torch
 from PIL import Image
 
 from loraflow.config import ConfigError, load_config, parse_config
-from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips
 from loraflow.contracts.holdout import split_holdout
 from loraflow.contracts.reports import ValidationReport
-from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.media.previews import (
-    BLOCK_GAP, MAX_SHEET_WIDTH, PLOT_DPI, PLOT_INCHES, SHEET_ROW_HEIGHT, TEXT_HEIGHT,
+    BLOCK_GAP,
+    MAX_SHEET_WIDTH,
+    PLOT_DPI,
+    PLOT_INCHES,
+    SHEET_ROW_HEIGHT,
+    TEXT_HEIGHT,
 )
 from loraflow.media.writers import write_media
-from loraflow.validation.validate import negative_prompt, render_settings, validate
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import set_lora_scale
 from loraflow.pipelines.sources import model_source
+from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.store import Store
+from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, split_clips
+from loraflow.validation.validate import negative_prompt, render_settings, validate
 from tests.factory import (
-    REPO, VALIDATION_HEIGHT, VALIDATION_LIBRARY, VALIDATION_WIDTH, clip_row, demo_dict, random_lora, validation_dict,
+    REPO,
+    VALIDATION_HEIGHT,
+    VALIDATION_LIBRARY,
+    VALIDATION_WIDTH,
+    clip_row,
+    demo_dict,
+    random_lora,
+    validation_dict,
     write_config,
 )
+
 
 @pytest.fixture(scope="module")
 def first_run(validation_inputs) -> ValidationReport:

@@ -17,18 +17,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from loraflow.training import progress_renders as PR
-from loraflow.training import loop as T
-from loraflow.validation import validate as V
 from loraflow.config import ConfigError, LoraflowConfig, parse_config
-from loraflow.keys import safetensors_sha256
-from loraflow.training.progress_renders import step_folder
 from loraflow.config.validation_adapters import adapter_keys
+from loraflow.keys import safetensors_sha256
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store
+from loraflow.training import loop as T
+from loraflow.training import progress_renders as PR
+from loraflow.training.progress_renders import step_folder
+from loraflow.validation import validate as V
 from tests.factory import demo_dict, make_config, same_lora_file, train
+
 
 def save_lora_header(path: Path) -> None:
     """A LoRA file whose header passes load; its one tensor renders nothing here."""
