@@ -68,7 +68,8 @@ def signal_handlers_kept() -> Iterator[None]:
 def tiny_k5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from loraflow.demo.tiny import build_tiny
 
-    return built_once(tmp_path_factory, "models", lambda root: build_tiny("kandinsky5-video", root / "kandinsky5-video"))
+    return built_once(tmp_path_factory, "models",
+                      lambda root: build_tiny("kandinsky5-video", root / "kandinsky5-video"))
 
 
 @pytest.fixture(scope="session")

@@ -98,8 +98,9 @@ def write_video(
 
     `pts` (in `time_base` units) makes a variable-frame-rate file. `rotation_cw`
     writes a display matrix asking players to turn the picture clockwise, the way
-    phones tag portrait clips. `sar` stores anamorphic pixels (HDV/AVCHD's 1440x1080 shown 16:9). `audio` is None, "ok" (a real AAC track) or
-    "broken" (an AAC track whose packets are random bytes).
+    phones tag portrait clips. `sar` stores anamorphic pixels (HDV/AVCHD's 1440x1080
+    shown 16:9). `audio` is None, "ok" (a real AAC track) or "broken" (an AAC track
+    whose packets are random bytes).
     """
     path = Path(path)
     with av.open(str(path), "w", options=container_options or {}) as out:

@@ -1,5 +1,5 @@
-"""The README and docs/ against the code: the two commands first, then a quick start for one's own videos whose commands,
-keys, paths, checkpoint and loaders are the code's, and relative links that lead somewhere."""
+"""The README and docs/ against the code: the two commands first, then a quick start for one's own videos whose
+commands, keys, paths, checkpoint and loaders are the code's, and relative links that lead somewhere."""
 
 from __future__ import annotations
 
@@ -216,7 +216,7 @@ def test_the_quick_starts_diffusers_snippet_loads_a_lora_written_as_training_wri
     python = python.replace(f'"{config["pretrained_model_name_or_path"]}"', repr(str(tiny_k5)))
     python = python.replace(f'"{config["output_dir"]}/runs/<key>"', repr(str(run)))
     scope: dict = {}
-    exec(compile(python, "README.md", "exec"), scope)  # noqa: S102: the README's own code, paths substituted
+    exec(compile(python, "README.md", "exec"), scope)  # the README's own code, paths substituted
     loaded = scope["pipe"].transformer
     ((adapter, lora_config),) = loaded.peft_config.items()
     assert lora_config.lora_alpha == lora_config.r == 4  # the header's LoraConfig: unit scale

@@ -102,8 +102,9 @@ def test_no_import_cycle_runs_through_a_package_init() -> None:
     assert cycle is None, "import cycle through a package __init__: " + " -> ".join(cycle or [])
 
 
-# What a Dagster step process and `loraflow check --no-estimates` run, in a fresh interpreter: the code location, `check`, then the
-# clips stage through Dagster. Neither loads a model, so neither may pay torch's and diffusers' import (6-7 s).
+# What a Dagster step process and `loraflow check --no-estimates` run, in a fresh interpreter: the code location,
+# `check`, then the clips stage through Dagster. Neither loads a model, so neither may pay torch's and diffusers'
+# import (6-7 s).
 LIGHT_STAGES = """
 import sys
 from dagster import DagsterInstance, materialize

@@ -131,7 +131,8 @@ def test_the_image_renders_start_from_is_that_of_before(name: str) -> None:
     config = load_config(REPO / "configs" / name)
     family, dataset = get_family(config), config.datasets[0].id
     clips = _Clips([clip_row(f"clip-{i}", dataset, source=f"s{i}.mp4").to_row() for i in range(3)])
-    assert prompt_image(config, family, clips, render_settings(config, family, model_source(config))) == RENDER_FROM.get(name, (None, ""))
+    assert (prompt_image(config, family, clips, render_settings(config, family, model_source(config)))
+            == RENDER_FROM.get(name, (None, "")))
 
 
 def test_kept_modules_stored_in_fp32_keep_the_run_key_of_before() -> None:

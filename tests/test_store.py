@@ -22,7 +22,8 @@ def store(request: pytest.FixtureRequest, tmp_path) -> Store:
 
 def test_round_trip_fixed_and_ragged_tensors(store: Store) -> None:
     rows = [
-        {"key": "a", "latent": np.arange(6, dtype=np.float32).reshape(2, 3), "emb": np.ones((4, 2), np.float32), "n": 4},
+        {"key": "a", "latent": np.arange(6, dtype=np.float32).reshape(2, 3), "emb": np.ones((4, 2), np.float32),
+         "n": 4},
         {"key": "b", "latent": np.zeros((2, 3), np.float32), "emb": np.full((5, 2), 7, np.float32), "n": 5},
     ]
     store.put("stage", rows)
@@ -149,7 +150,8 @@ def test_keys_change_exactly_with_content() -> None:
 
 
 def test_empty_tensors_round_trip(store: Store) -> None:
-    store.put("stage", [{"key": "a", "emb": np.zeros((0, 4), np.float32)}, {"key": "b", "emb": np.zeros((0, 4), np.float32)}])
+    store.put("stage", [{"key": "a", "emb": np.zeros((0, 4), np.float32)},
+                        {"key": "b", "emb": np.zeros((0, 4), np.float32)}])
     assert store.get("stage", ["a"])["a"]["emb"].shape == (0, 4)
 
 

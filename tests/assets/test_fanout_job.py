@@ -18,7 +18,8 @@ from tests.factory import demo_dict, write_config
 
 
 def test_one_step_per_shard_then_cache_dataset_computes_nothing(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
-    resource = LoraflowResource(config_path=str(write_config(tmp_path / "c.yaml", demo_dict(tiny_k5, demo_data, tmp_path))))
+    resource = LoraflowResource(
+        config_path=str(write_config(tmp_path / "c.yaml", demo_dict(tiny_k5, demo_data, tmp_path))))
     config = resource.load()
     store = Store(config.cache_dir)
     clips = build_clips(config, get_family(config), model_source(config), store, datasets=["demo-videos"])

@@ -330,7 +330,8 @@ def test_definitions_wire_partitions_jobs_checks_sensor_schedule_and_retries() -
     # datasets' partitions; `loraflow demo` and the CLI run it without a partition key, which observes them all
     assert defs.resolve_job_def("train_and_validate").partitions_def == DATASETS
     check_names = {key.name for key in graph.asset_check_keys}
-    assert check_names == {c.check_specs_by_output_name[n].name for c in ALL_CHECKS for n in c.check_specs_by_output_name}
+    assert check_names == {c.check_specs_by_output_name[n].name
+                           for c in ALL_CHECKS for n in c.check_specs_by_output_name}
 
 
 def test_a_config_error_fails_the_cache_job_once_without_retries(tmp_path: Path) -> None:

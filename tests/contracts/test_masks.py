@@ -1,5 +1,5 @@
-"""Masked loss through clips -> latents -> lora on the tiny real Kandinsky 5 Video (contracts/masks.py), from the two-clip
-dataset of test_train with a `conditioning_type: mask` dataset of PNG masks beside it.
+"""Masked loss through clips -> latents -> lora on the tiny real Kandinsky 5 Video (contracts/masks.py), from the
+two-clip dataset of test_train with a `conditioning_type: mask` dataset of PNG masks beside it.
 
 What is claimed: an all-white mask trains the same LoRA bits as no mask (the masks only enter the data versions);
 a half mask caches as ones and zeros on the latent grid, changes the LoRA, and the loss's gradient is exactly zero on

@@ -1,4 +1,5 @@
-"""The README's first command teaches the tiny world something visible: measured from the pixels of its validation videos.
+"""The README's first command teaches the tiny world something visible: measured from the pixels of its validation
+videos.
 
 `loraflow demo` runs configs/demo.yaml (paths moved under a temporary folder) in its own process, as `make demo` does.
 The tiny world's base model was pre-trained on shapes moving right to left, down and up; every demo clip moves left
@@ -9,10 +10,11 @@ Thresholds are about what is on screen, not about float noise. A render is 96 px
 16 px; the circle starts 16 px from the left edge. Measured on a fresh clone (AVX-512 host, 2 threads), the circle's
 mean x over the generated frames moved by +9.8 px with the LoRA and -6.2 px with the base, and the mean eval loss
 dropped by 17% and 25% on two fresh clones (one held-out clip; its eval noise was then seeded by the clip key, which
-holds the file's mtime; now by its path and frames, the same on every clone, not re-measured since). The test asks for +4 px, at most 0 px and 10%: margins of 6 px and 7 points that a CPU's last-bit
-differences (a sampler of 20 Euler steps, uint8 pixels) cannot bridge; the pre-trained world itself differs per CPU,
-and was rebuilt under AVX2 kernels with one thread: +8.4 px, -6.6 px, 19%. Colours: the
-mosaic VAE decodes a flat colour exactly and h264 moves it by a few levels, so the background is the prompt's blue
+holds the file's mtime; now by its path and frames, the same on every clone, not re-measured since). The test asks for
++4 px, at most 0 px and 10%: margins of 6 px and 7 points that a CPU's last-bit differences (a sampler of 20 Euler
+steps, uint8 pixels) cannot bridge; the pre-trained world itself differs per CPU, and was rebuilt under AVX2 kernels
+with one thread: +8.4 px, -6.6 px, 19%. Colours: the mosaic VAE decodes a flat colour exactly and h264 moves it by a
+few levels, so the background is the prompt's blue
 to within 40 levels (RGB distance) when the render path is right; swapped channels make it red, latents left unscaled
 saturate it to (0, 10, 255), 88 away.
 """

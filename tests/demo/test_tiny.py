@@ -95,7 +95,8 @@ def test_a_folder_built_by_another_recipe_is_refused_not_reused(k5_video_dir: Pa
     # the builder's name is words (moving its module keeps the folder); its version is what makes a folder stale
     (older / "model_index.json").write_text(json.dumps({**unmarked, RECIPE_KEY: {"builder": "kandinsky5-video t2v v0",
                                                                                  "seed": 0}}))
-    with pytest.raises(ValueError, match=rf"was built by kandinsky5-video t2v v0 \(seed 0\), but this build is {random}"):
+    with pytest.raises(ValueError,
+                       match=rf"was built by kandinsky5-video t2v v0 \(seed 0\), but this build is {random}"):
         build_tiny("kandinsky5-video", older)
 
 

@@ -24,7 +24,8 @@ def test_one_step_is_torch_adamw_and_moments_round_to_a_neighbour() -> None:
     torch_adamw = torch.optim.AdamW(reference, lr=1e-2, weight_decay=1e-2, foreach=False)
     g = torch.Generator().manual_seed(1)
     for p, q in zip(mine, reference):
-        grad, m, v = torch.randn(p.shape, generator=g), torch.randn(p.shape, generator=g), torch.rand(p.shape, generator=g)
+        grad, m, v = (torch.randn(p.shape, generator=g), torch.randn(p.shape, generator=g),
+                      torch.rand(p.shape, generator=g))
         p.grad, q.grad = grad.clone(), grad.clone()
         ours.state[p] = {"step": torch.tensor(3.0), "exp_avg": m.bfloat16(), "exp_avg_sq": v.bfloat16()}
         torch_adamw.state[q] = {"step": torch.tensor(3.0), "exp_avg": m.bfloat16().float(),

@@ -31,7 +31,8 @@ def _hv() -> AutoencoderKLHunyuanVideo:
 
 def _hv15() -> AutoencoderKLHunyuanVideo15:
     torch.manual_seed(0)
-    return AutoencoderKLHunyuanVideo15(block_out_channels=(8, 16, 32, 64, 64), latent_channels=4, layers_per_block=1).eval()
+    return AutoencoderKLHunyuanVideo15(block_out_channels=(8, 16, 32, 64, 64), latent_channels=4,
+                                       layers_per_block=1).eval()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,8 @@ def _distinct_convs(vaes: dict[str, torch.nn.Module]) -> list[tuple[str, torch.n
     for name, vae in vaes.items():
         for m in _causal_convs(vae):
             c = m.conv
-            key = (c.in_channels, c.out_channels, c.kernel_size, c.stride, c.dilation, c.padding, m.time_causal_padding, m.pad_mode)
+            key = (c.in_channels, c.out_channels, c.kernel_size, c.stride, c.dilation, c.padding,
+                   m.time_causal_padding, m.pad_mode)
             if key not in seen:
                 seen.add(key)
                 out.append((f"{name}:{key}", m))
@@ -81,7 +83,8 @@ def test_every_distinct_conv_matches_with_many_slabs(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(F, "conv3d", lambda *a, **k: calls.append(1) or real_conv3d(*a, **k))
     torch.manual_seed(1)
     for label, m in convs:
-        for shape in [(2, m.conv.in_channels, 5, 9, 7), (1, m.conv.in_channels, 1, 6, 10), (1, m.conv.in_channels, 6, 4, 4)]:
+        for shape in [(2, m.conv.in_channels, 5, 9, 7), (1, m.conv.in_channels, 1, 6, 10),
+                      (1, m.conv.in_channels, 6, 4, 4)]:
             x = torch.randn(shape)
             with torch.no_grad():
                 ref = _stock(m, x)
@@ -108,7 +111,8 @@ def test_every_distinct_conv_matches_with_many_slabs(monkeypatch: pytest.MonkeyP
 @pytest.mark.parametrize("name", ["hv", "hv15"])
 @pytest.mark.parametrize("frames,height,width", [(1, 32, 48), (5, 48, 32), (9, 32, 64), (17, 16, 32)])
 @pytest.mark.parametrize("budget", [1, 256 * 2**20])
-def test_whole_encode_matches(vaes: dict[str, torch.nn.Module], name: str, frames: int, height: int, width: int, budget: int) -> None:
+def test_whole_encode_matches(vaes: dict[str, torch.nn.Module], name: str, frames: int, height: int, width: int,
+                              budget: int) -> None:
     vae = vaes[name]
     torch.manual_seed(frames * height + width)
     x = (torch.rand(1, 3, frames, height, width) * 2 - 1).double()

@@ -87,7 +87,8 @@ def test_lora_attaches_in_fp32_and_trains(int8_k5: torch.nn.Module) -> None:
     hidden = torch.randn(1, 2, 4, 6, 33, generator=g).bfloat16()  # inputs in the compute dtype, as `denoise` casts
     inputs = dict(encoder_hidden_states=torch.randn(1, 5, transformer.config.in_text_dim, generator=g).bfloat16(),
                   pooled_projections=torch.randn(1, transformer.config.in_text_dim2, generator=g).bfloat16(),
-                  timestep=torch.tensor([500.0]).bfloat16(), visual_rope_pos=[torch.arange(2), torch.arange(2), torch.arange(3)],
+                  timestep=torch.tensor([500.0]).bfloat16(),
+                  visual_rope_pos=[torch.arange(2), torch.arange(2), torch.arange(3)],
                   text_rope_pos=torch.arange(5), scale_factor=(1, 1, 1), sparse_params=None, return_dict=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = transformer(hidden_states=hidden, **inputs).float().square().mean()

@@ -88,7 +88,8 @@ def test_probe_plain_h264(files: dict[str, Path]) -> None:
     [("mov", 14, (80, 80), "h264"), ("webm", 16, (96, 64), "vp9"), ("odd", 10, (97, 55), "mpeg4"),
      ("long", 2000, (96, 64), "h264")],
 )  # fmt: skip
-def test_probe_counts_and_sizes(files: dict[str, Path], key: str, frames: int, size: tuple[int, int], codec: str) -> None:
+def test_probe_counts_and_sizes(files: dict[str, Path], key: str, frames: int, size: tuple[int, int],
+                                codec: str) -> None:
     info = probe(files[key])
     assert (info.num_frames, (info.width, info.height), info.codec) == (frames, size, codec)
     assert info.fps == pytest.approx(24.0) and not info.is_vfr
@@ -134,7 +135,8 @@ def test_mp4_index_count_matches_reading_every_packet(files: dict[str, Path], ke
         stream = media_decode._video_stream(container, files[key])
         from_index = media_decode._timestamps_from_index(stream, files[key])
     with media_decode._open_container(files[key]) as container:
-        from_packets = media_decode._timestamps_from_demux(container, media_decode._video_stream(container, files[key]), files[key])
+        from_packets = media_decode._timestamps_from_demux(container, media_decode._video_stream(container, files[key]),
+                                                           files[key])
     assert from_index is not None and from_index[0] == from_packets[0]
 
 
@@ -229,7 +231,8 @@ def test_pyav_path_rotates_like_decord(files: dict[str, Path], rotation: int) ->
     assert np.abs(via_decord.astype(int) - via_pyav).mean() < 2.0
 
 
-def test_edit_list_goes_to_pyav_and_skips_hidden_frames(files: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+def test_edit_list_goes_to_pyav_and_skips_hidden_frames(files: dict[str, Path],
+                                                        caplog: pytest.LogCaptureFixture) -> None:
     # decord counts the 5 hidden frames and pads the tail with copies of the last frame.
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     frames = decode_frames(files["edit_list"], [0, 12, 24], (64, 96))

@@ -145,7 +145,8 @@ def reference_velocity(transformer, x_t, sigma, text_row, image_latent, image_em
 def test_two_hv_i2v_steps_equal_a_hand_written_reference(trained, root: Path) -> None:
     """AdamW by hand on the diffusers transformer; the loss covers every latent frame (the pipeline steps frame 0).
     The same step with zeroed image_embeds (the seed tool's training input) gives another loss. Bit for bit: the same
-    ops on the same shapes as training's step, in this process (tests/training/test_train.py's reference test says why)."""
+    ops on the same shapes as training's step, in this process (tests/training/test_train.py's reference test says
+    why)."""
     config, report = trained
     store, family = Store(config.cache_dir), get_family(config)
     transformer = HunyuanVideo15Transformer3DModel.from_pretrained(root / "model" / "transformer")

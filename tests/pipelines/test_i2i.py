@@ -176,7 +176,8 @@ def test_two_i2i_steps_equal_a_hand_written_reference(cached, tmp_path: Path) ->
         norm = torch.nn.utils.clip_grad_norm_(params, 1.0).item()
         optimizer.step()
         optimizer.zero_grad()
-        # bit for bit: the same ops on the same shapes as training's step (tests/training/test_train.py's reference test)
+        # bit for bit: the same ops on the same shapes as training's step
+        # (tests/training/test_train.py's reference test)
         assert (loss.item(), norm) == (logged.loss, logged.grad_norm)
         assert norm > 0
         assert abs(((blind - (draws.noise - x0)) ** 2).mean().item() - logged.loss) > 1e-4  # the source is used

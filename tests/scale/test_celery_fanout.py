@@ -116,8 +116,9 @@ def deployment(tiny_k5: Path, demo_data: Path, postgres_url: str, redis_url: str
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     root = tmp_path_factory.mktemp("deployment")
     bucket = make_bucket(s3_env, f"deploy-{uuid.uuid4().hex[:12]}")
-    config = write_config(root / "config.yaml", {**demo_dict(tiny_k5, many_clips(demo_data, root / "data", COPIES), root),
-                                                 "cache_dir": f"{bucket}/cache"})
+    config = write_config(root / "config.yaml",
+                          {**demo_dict(tiny_k5, many_clips(demo_data, root / "data", COPIES), root),
+                           "cache_dir": f"{bucket}/cache"})
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DAGSTER_PG_URL", postgres_url)  # this process's instance reads deploy/dagster.yaml too
         deployment = Deployment(root, postgres_url, redis_url, s3_env, config)

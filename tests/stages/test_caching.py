@@ -52,7 +52,8 @@ def test_captions_are_encoded_once_per_distinct_text(tiny_k5: Path, demo_data: P
     assert report.computed == len(texts) == len(store.keys("text_embeds"))
 
 
-def test_a_changed_text_encoder_re_encodes_texts_but_not_latents(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+def test_a_changed_text_encoder_re_encodes_texts_but_not_latents(tiny_k5: Path, demo_data: Path,
+                                                                 tmp_path: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_k5, model)
     config, family, store = demo_clips(model, demo_data, tmp_path)
@@ -77,7 +78,8 @@ encode_latents(config, get_family(config), model_source(config), Store(config.ca
 """
 
 
-def test_killed_latent_run_resumes_without_corrupt_or_duplicate_keys(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+def test_killed_latent_run_resumes_without_corrupt_or_duplicate_keys(tiny_k5: Path, demo_data: Path,
+                                                                     tmp_path: Path) -> None:
     config, family, store = demo_clips(tiny_k5, demo_data, tmp_path)
     shards = Path(config.cache_dir) / "latents" / "shards"
     worker = subprocess.Popen([sys.executable, "-c", KILLABLE, str(tmp_path / "config.yaml")], cwd=REPO,

@@ -39,7 +39,8 @@ def test_probes_are_committed_in_batches_and_reused_from_one_read(demo_data: Pat
     original = Store.get
     monkeypatch.setattr(frames, "_run_in_worker", no_probe)
     monkeypatch.setattr(frames.ProbeCache, "_memory", OrderedDict())  # the next run: a new process
-    monkeypatch.setattr(Store, "get", lambda self, stage, keys, **kw: reads.append(1) or original(self, stage, keys, **kw))
+    monkeypatch.setattr(Store, "get",
+                        lambda self, stage, keys, **kw: reads.append(1) or original(self, stage, keys, **kw))
     again = frames.ProbeCache(Store(str(tmp_path / "cache")))
     assert [again.probe(p, file_identity(p, demo_data)) for p in files] == probed
     assert len(reads) == 1  # every cached probe in one read, not a store read per file

@@ -33,7 +33,8 @@ def reference(teacher_dir: Path, frames: np.ndarray, size: int) -> torch.Tensor:
     pixels = torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 255
     pixels = torch.nn.functional.interpolate(pixels, size=(size, size), mode="bilinear", align_corners=False,
                                              antialias=True)
-    mean, std = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    mean, std = (torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1),
+                 torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1))
     with torch.no_grad():
         return model(pixel_values=(pixels - mean) / std).last_hidden_state[:, 1:]
 

@@ -97,7 +97,8 @@ def sharded(own_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 
 
 def test_each_rank_holds_half_of_every_parameter(sharded: dict) -> None:
-    blocks = [f"{stream}_transformer_blocks.{i}" for stream, count in (("text", 1), ("visual", 2)) for i in range(count)]
+    blocks = [f"{stream}_transformer_blocks.{i}"
+              for stream, count in (("text", 1), ("visual", 2)) for i in range(count)]
     for held in sharded["held"]:
         assert held["units"] == ["", *blocks]  # one FSDP unit per block, then the root (torchtitan's order of calls)
         assert held["sharded"] == held["params"]  # every parameter, frozen base and LoRA alike, is a shard

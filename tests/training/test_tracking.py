@@ -35,7 +35,8 @@ def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     sink.close()
     (records,) = (tmp_path / "run-key" / "wandb").glob("offline-run-*-run-key/run-run-key.wandb")
     data = records.read_bytes()
-    assert all(token in data for token in (b"train/loss", b"train/crepa_loss", b"-0.25", b"-0.5", b"0.375", b"lora_rank"))
+    assert all(token in data
+               for token in (b"train/loss", b"train/crepa_loss", b"-0.25", b"-0.5", b"0.375", b"lora_rank"))
 
 
 def test_missing_package_and_unknown_value_say_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -126,7 +126,8 @@ def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(validat
     alone = {**data, "validation_prompt": None, "user_prompt_library": {"blue": VALIDATION_LIBRARY["blue"]},
              "eval_holdout_fraction": 0}
     (tmp_path / "alone.yaml").write_text(json.dumps(alone))  # JSON is YAML
-    code = ("import dataclasses, json, sys; from loraflow.config import load_config; from loraflow.validation.validate import validate; "
+    code = ("import dataclasses, json, sys; from loraflow.config import load_config; "
+            "from loraflow.validation.validate import validate; "
             "from loraflow.pipelines import get_family; from loraflow.pipelines.sources import model_source; "
             "from loraflow.store import Store; c = load_config(sys.argv[1]); "
             "print(json.dumps(dataclasses.asdict(validate(c, get_family(c), model_source(c), "
