@@ -368,7 +368,7 @@ def test_fit_marks_keep_a_margin() -> None:
 def test_a_step_traced_shallow_and_extended_is_the_step_traced_at_its_depth(family_name: str, flavour: str,
                                                                             settings: dict) -> None:
     """`training_step` and a render's denoise call (`render_phases`) trace two shallow copies of the transformer
-    (`estimates.transformer.SHALLOW`) and extends them to its depth: on each video family's released config at 6 blocks,
+    (`estimates.transformer.SHALLOW`) and extend them to its depth: on each video family's released config at 6 blocks,
     the same activation and host bytes (to the byte), the same TFLOP (to float rounding) and the same weights as the
     step traced at 6 blocks. Seen failing with the extension off by one block (`depth - SHALLOW[1]`): one block's 1.8 MB
     short on Kandinsky 5 Lite."""
