@@ -4,8 +4,8 @@ Clones this repository's HEAD into a temporary folder (so `.venv`, `.loraflow/` 
 start empty) and runs `make demo` there twice: the first run sets up, builds the tiny world (pre-training included)
 and materializes every stage; the second reuses everything. The setup's part of the first run is timed apart: `make
 setup` first, then `make demo` (whose setup then finds everything done), the sum being the README's first command.
-From the first run's validation videos it measures what `tests/demo/test_demo_learns.py` asserts: the circle's mean rightward shift over the generated frames, base and
-LoRA, and the eval loss change at the fixed sigmas.
+From the first run's validation videos it measures what `tests/demo/test_demo_learns.py` asserts: the circle's mean
+rightward shift over the generated frames, base and LoRA, and the eval loss change at the fixed sigmas.
 
     .venv/bin/python benchmarks/bench_demo.py      # writes benchmarks/results/demo_cpu.json (about 4 minutes)
 """
