@@ -14,8 +14,8 @@ from diffusers import HunyuanVideo15Transformer3DModel, Kandinsky5Transformer3DM
 
 from loraflow.kernels.tread import TokenLayout, resolve_routes, tread_routing
 
-K5 = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1)
-HV15 = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0)
+K5 = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1, depth="num_visual_blocks")
+HV15 = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0, depth="num_layers")
 
 
 def route(ratio: float, start: int, end: int) -> SimpleNamespace:

@@ -116,6 +116,11 @@ def reap_dead_runs(instance: DagsterInstance) -> list[str]:
             pids = recorded_pids(instance, run.run_id)
             if not pids or any(process_alive(pid, at) for pid, at in pids):
                 continue
+            # read again: while the pids were checked, the code server may have reported the dead worker's run
+            # failed (a second report gave the run two failure messages: test_dead_runs_pg saw it once in 2 runs)
+            now = instance.get_run_by_id(run.run_id)
+            if now is None or now.is_finished:
+                continue
             # Slots first: a crash between the two leaves a STARTED run with dead pids, which the next pass finds.
             instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
             instance.report_run_failed(run, f"every process of this run is gone (pids {sorted({p for p, _ in pids})}: "
