@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import socket
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,13 @@ from tests.factory import (
 # on one thread, as the CLI and Dagster subprocesses it starts do (set before anything imports torch).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Each worker its own DAGSTER_HOME (the project's dagster.yaml in a folder of its own): two workers creating the
+    # SQLite run storage of the project's .dagster at once stamped its schema twice ("more than one head"), and the
+    # next `dg check defs` or `make dev` there failed.
+    _home = Path(tempfile.mkdtemp(prefix=f"dagster-home-{os.environ['PYTEST_XDIST_WORKER']}-"))
+    shutil.copyfile(REPO / ".dagster" / "dagster.yaml", _home / "dagster.yaml")
+    os.environ["DAGSTER_HOME"] = str(_home)
+    atexit.register(shutil.rmtree, _home, ignore_errors=True)
 
 
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
