@@ -40,13 +40,14 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     `extend` False: traced at the real depth."""
     transformer_config, nabla, note = attention_stand_in(config, transformer_config, latent_shape,
                                                           config.train_batch_size, device_type)
+    extend = extend and linear_in_depth(config)
     try:
         activations, tflop, host = traced_at_depth(
-            family, transformer_config, extend and linear_in_depth(config),
+            family, transformer_config, extend,
             lambda shaped: traced_step(config, family, shaped, latent_shape, device_type, text_tokens))
     except NotFakeable as exc:
         return StageEstimate("lora", note=str(exc))
-    parameters, lora = adapter_size(config, family, transformer_config, extend and linear_in_depth(config))
+    parameters, lora = adapter_size(config, family, transformer_config, extend)
     stored = stored_weights(family, transformer_config, config.base_model_precision, config.fp32_modules_storage)
     weights = stored.total
     if config.enable_group_offload or config.blocks_to_swap:  # the blocks as stored: 1 byte per weight with fp8/int8
