@@ -290,7 +290,7 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
         return 2
     text = simpletuner.to_yaml(imported, [s for s in (config_json, backend_json) if s])
     if out_path:
-        from loraflow.store import write_atomic
+        from loraflow.atomic import write_atomic
 
         write_atomic(Path(out_path), lambda tmp: tmp.write_text(text))
         print(f"wrote {out_path}", file=sys.stderr)
@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loraflow.store import DiskFull
+    from loraflow.atomic import DiskFull
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")

@@ -27,7 +27,7 @@ def content_key(**fields: Any) -> str:
 
 # A dataset id names files (the store's manifest part and lock of that dataset): file systems allow 255 bytes per name,
 # and the store adds at most 45 to the stem (".parquet", then an atomic write's ".tmp-<host>-<pid>-<random>", at
-# most 32: store.tmp_name).
+# most 32: atomic.tmp_name).
 PART_STEM_LIMIT = 255 - 45
 
 

@@ -7,8 +7,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from loraflow.atomic import write_atomic
 from loraflow.keys import content_key, data_version
-from loraflow.store import Store, write_atomic
+from loraflow.store import Store
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
@@ -247,7 +248,8 @@ DISK_FULL = r'''
 import json, os, signal, subprocess, sys
 from pathlib import Path
 import numpy as np, torch
-from loraflow.store import Store, write_atomic
+from loraflow.store import Store
+from loraflow.atomic import write_atomic
 from loraflow.training.checkpoints import save_checkpoint
 
 root = Path(sys.argv[1])
@@ -264,7 +266,7 @@ def attempt(name, write):
 
 store = Store(str(root / "cache"))
 store.put("latents", [{"key": "small", "x": np.zeros(4, np.float32)}])
-killed = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom loraflow.store import tmp_name\n"
+killed = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom loraflow.atomic import tmp_name\n"
                            "open(f'{sys.argv[1]}.{tmp_name()}', 'wb').write(b'half a shard')\nprint(flush=True)\n"
                            "time.sleep(60)\n", str(root / "cache" / "latents" / "shards" / "killed.parquet")],
                           stdout=subprocess.PIPE)

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from loraflow.atomic import write_atomic
 from loraflow.media.writers import save_png, write_mp4
-from loraflow.store import write_atomic
 
 FPS = 24
 _MANIFEST = ".demo_manifest.json"  # written last: its presence means the set is complete

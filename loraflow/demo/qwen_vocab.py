@@ -24,7 +24,7 @@ from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-from loraflow.store import publish_folder
+from loraflow.atomic import publish_folder
 
 WHEEL = "dashscope==2.0.2"
 RANKS_MEMBER = "dashscope/resources/qwen.tiktoken"
@@ -112,7 +112,7 @@ def build_tokenizer(ranks_path: Path) -> Qwen2Tokenizer:
 
 
 def ensure_tokenizer(folder: Path = DEFAULT_DIR) -> Path:
-    """Build the tokenizer into `folder` unless it is there (idempotent; published whole: `store.publish_folder`)."""
+    """Build the tokenizer into `folder` unless it is there (idempotent; published whole: `atomic.publish_folder`)."""
     if (folder / "tokenizer.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)

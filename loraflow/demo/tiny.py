@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
+from loraflow.atomic import publish_folder
 from loraflow.demo import tiny_world
 from loraflow.pipelines import family_spec
-from loraflow.store import publish_folder
 
 RECIPE_KEY = "_loraflow_tiny_recipe"  # model_index.json: what build_tiny built the folder by (builder, seed)
 
@@ -58,7 +58,7 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0, flavour: str | N
     the flavour needs and was built by the same recipe (builder and seed, marked in model_index.json): another
     recipe, or a folder without the mark, is refused, never silently reused (`world=True` over an old random
     checkpoint kept the random one). Components are built in a staging directory next to ``out_dir``, published
-    whole by one rename (`store.publish_folder`), so an interrupted build never leaves part of a checkpoint.
+    whole by one rename (`atomic.publish_folder`), so an interrupted build never leaves part of a checkpoint.
     Weights are fp32 and depend only on ``seed`` (the global torch RNG state is left untouched).
     """
     out_dir = Path(out_dir)

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
+from loraflow.atomic import write_atomic
 from loraflow.keys import content_key
-from loraflow.store import write_atomic
 
 if TYPE_CHECKING:
     from loraflow.pipelines.base import ModelFamily

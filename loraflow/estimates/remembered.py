@@ -52,8 +52,8 @@ def remembered(config: LoraflowConfig, what: str, inputs: Mapping[str, Any],
     concern the traces on fake tensors, and landed above check's table."""
     from dataclasses import asdict
 
+    from loraflow.atomic import write_json
     from loraflow.keys import content_key
-    from loraflow.store import write_json
 
     key = content_key(what=what, config=config.model_dump(mode="json"), inputs=inputs, code=code_version())
     path = estimates_cache() / f"{what}-{key}.json"

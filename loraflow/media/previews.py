@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from loraflow.atomic import write_atomic
 from loraflow.contracts.clip_rows import read_clips
-from loraflow.store import Store, write_atomic
+from loraflow.store import Store
 
 THUMB = 96
 SHEET_ROW_HEIGHT = 128  # px per row of frames: small enough to embed in the asset's metadata

@@ -10,7 +10,7 @@ import av
 import numpy as np
 from PIL import Image
 
-from loraflow.store import write_atomic
+from loraflow.atomic import write_atomic
 
 
 def slug(name: str) -> str:

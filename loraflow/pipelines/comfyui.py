@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import save_file
 
-from loraflow.store import write_atomic
+from loraflow.atomic import write_atomic
 
 COMFYUI_LORA_FILE = "pytorch_lora_weights_comfyui.safetensors"
 PREFIX = "diffusion_model."

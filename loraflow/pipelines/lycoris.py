@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from loraflow.atomic import write_atomic
 from loraflow.pipelines.comfyui import PREFIX, ComfyRule, alpha_and_rank, comfyui_name
-from loraflow.store import write_atomic
 
 LYCORIS_NAMES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b",
                  "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")

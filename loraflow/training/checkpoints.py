@@ -29,10 +29,10 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from loraflow.atomic import fsync_path, publish_folder, temporary_folder, write_json
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import at_unit_scale, comfyui_refusal, save_comfyui_lora
 from loraflow.pipelines.lycoris import is_lycoris, save_comfyui_lycoris
-from loraflow.store import fsync_path, publish_folder, temporary_folder, write_json
 from loraflow.training.distributed import gathered, shard_like
 
 if TYPE_CHECKING:

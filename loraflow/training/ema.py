@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraflow.store import write_atomic
+from loraflow.atomic import write_atomic
 
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig

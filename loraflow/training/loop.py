@@ -25,6 +25,7 @@ import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
+from loraflow.atomic import write_json
 from loraflow.config import LoraflowConfig
 from loraflow.config.run_key import run_key_settings
 from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
@@ -39,7 +40,7 @@ from loraflow.keys import content_key, tensors_fingerprint
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.sources import ModelSource
 from loraflow.stages.teacher.teacher_features import cache_teacher_features
-from loraflow.store import Store, write_json
+from loraflow.store import Store
 from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load_micro_batch, step_seed
 from loraflow.training.checkpoints import (
     LORA_FILE,

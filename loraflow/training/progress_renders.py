@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from loraflow.atomic import write_json
 from loraflow.config import LoraflowConfig
 from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_settings, render_video
 from loraflow.contracts.text_set import cached_texts
@@ -39,7 +40,7 @@ from loraflow.media.writers import read_media, save_png, slug, write_media
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.render_memory import RenderPlan
 from loraflow.pipelines.sources import ModelSource
-from loraflow.store import Store, write_json
+from loraflow.store import Store
 from loraflow.training.adapters import ADAPTER_PARAMETERS
 from loraflow.training.distributed import World, barrier
 

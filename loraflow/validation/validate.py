@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from loraflow.atomic import write_json
 from loraflow.config import LoraflowConfig
 from loraflow.config.validation_adapters import ValidationAdapter, activate, adapter_keys, load_adapters
 from loraflow.contracts.holdout import evaluates
@@ -41,7 +42,7 @@ from loraflow.media.previews import contact_sheet, eval_loss_plot, save_animatio
 from loraflow.media.writers import save_png, slug, write_media
 from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, component_fingerprint
 from loraflow.pipelines.sources import ModelSource
-from loraflow.store import Store, write_json
+from loraflow.store import Store
 from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses, loss_summary
 
 log = logging.getLogger(__name__)
