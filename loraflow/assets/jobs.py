@@ -4,7 +4,8 @@ One job cannot hold the whole DAG: a run of a job with partitioned assets has on
 clips -> ... -> validation would train after caching one dataset only. The partitioned part (`clips`,
 `latents`) is therefore its own job, a run per dataset (in parallel under `dagster dev`, each in its own
 process); `text_embeds`, `teacher_features`, `lora` and `validation` read every dataset and run once after
-them. (In the UI, materializing all six launches an asset backfill, which Dagster orders the same way.)
+them. (In the UI, materializing all six launches an asset backfill, which Dagster orders the same way.) A config
+that trains sound (`train_audio`) adds a `cache_audio` run per dataset after its `cache_dataset` run.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ train_and_validate = define_asset_job(
     AssetSelection.assets("dataset_files", "text_embeds", "teacher_features", "lora", "validation"),
     description="Every dataset's folder observed and captions embedded (and CREPA's teacher features), then LoRA "
                 "training and validation")
-JOBS = [cache_dataset, train_and_validate]
+# A config with `train_audio` (Kandinsky 6): one dataset's sound, after its clips; its own job, so that the runs of
+# every other config stay what they were
+cache_audio = define_asset_job(
+    "cache_audio", AssetSelection.assets("audio_latents"), op_retry_policy=TRANSIENT,
+    description="One dataset (the partition): its clips' sound as audio latents (configs with train_audio)")
+JOBS = [cache_dataset, cache_audio, train_and_validate]
 
 
 def build_defs(resource: LoraflowResource, **extra: object) -> Definitions:
@@ -65,10 +71,11 @@ def _run_every_job(defs: Definitions, resource: LoraflowResource,
     sync_partitions(instance, config)
     results = []
     for dataset in config.training_datasets:
-        results.append(defs.resolve_job_def("cache_dataset").execute_in_process(
-            instance=instance, partition_key=dataset.id, raise_on_error=False, run_config=QUIET))
-        if not results[-1].success:
-            return results
+        for job in ("cache_dataset", "cache_audio") if config.train_audio else ("cache_dataset",):
+            results.append(defs.resolve_job_def(job).execute_in_process(
+                instance=instance, partition_key=dataset.id, raise_on_error=False, run_config=QUIET))
+            if not results[-1].success:
+                return results
     results.append(defs.resolve_job_def("train_and_validate").execute_in_process(
         instance=instance, raise_on_error=False, run_config=QUIET))
     return results

@@ -92,14 +92,17 @@ def test_a_start_offset_is_honoured_and_a_late_or_short_track_is_a_reason(
     assert report.computed == 4 and len(report.quarantined) == 2
 
 
-def test_a_file_without_sound_and_a_corrupt_track_are_rows_with_reasons(
-        tiny_k5: Path, audio_model: Path, tmp_path: Path) -> None:
+def test_files_without_usable_sound_are_rows_with_reasons(tiny_k5: Path, audio_model: Path, tmp_path: Path) -> None:
+    """No audio track; an AAC track whose packets are random bytes; a 15 fps file, whose frames the clips stage takes
+    1:1 at 24 fps: 25 of them span 1.67 s of the source and play 1.04 s, so no sound of the source fits them."""
     write = {"silent.mp4": lambda p: write_h264(p, num_frames=30, width=64, height=64),
-             "broken.mp4": lambda p: write_video(p, 30, 64, 64, audio="broken")}
+             "broken.mp4": lambda p: write_video(p, 30, 64, 64, audio="broken"),
+             "dark.mov": lambda p: write_with_sound(p, 30, tone(2.0, RATE, 440)[None], RATE, fps=15)}
     report, rows, _, _ = cache_audio(tiny_k5, audio_model, tmp_path, write)
-    assert rows[("silent.mp4", 0)].status == "no_audio"
-    assert rows[("broken.mp4", 0)].status == "undecodable", rows[("broken.mp4", 0)].detail
-    assert {q.reason for q in report.quarantined} == {"no_audio", "undecodable"}
+    assert {source: r.status for (source, _), r in rows.items()} == {
+        "silent.mp4": "no_audio", "broken.mp4": "undecodable", "dark.mov": "out_of_sync"}
+    assert "1.67 s of the source" in rows[("dark.mov", 0)].detail and "-r 24" in rows[("dark.mov", 0)].detail
+    assert {q.reason for q in report.quarantined} == {"no_audio", "undecodable", "out_of_sync"}
 
 
 def test_5_1_is_the_mean_of_its_channels_and_8_khz_mono_is_resampled(
@@ -110,10 +113,16 @@ def test_5_1_is_the_mean_of_its_channels_and_8_khz_mono_is_resampled(
     pitch: the tone's amplitude) would leave."""
     channels = np.stack([tone(2.0, 48_000, 300 + 50 * c, amplitude=0.3 + 0.1 * c) for c in range(6)])
     write = {"surround.mov": lambda p: write_with_sound(p, 48, channels, 48_000, "5.1"),
-             "phone.mov": lambda p: write_with_sound(p, 48, tone(2.0, 8000, 440)[None], 8000)}
+             "phone.mov": lambda p: write_with_sound(p, 48, tone(2.0, 8000, 440)[None], 8000),
+             "phone.mp4": lambda p: write_with_sound(p, 48, np.stack([tone(2.0, 48_000, 440)] * 2), 48_000,
+                                                     "stereo", codec="aac")}
     report, rows, store, _ = cache_audio(tiny_k5, audio_model, tmp_path, write)
     assert all(r.status == OK for r in rows.values()), rows
     t = np.arange(SAMPLES) / RATE
+    # AAC is lossy, so its samples are not compared one by one; lined up with the tone it correlates > 0.99, which a
+    # shift of 0.4 ms (cos(2 pi 440 Hz x 0.4 ms) = 0.985) would not
+    aac = decode_audio(tmp_path / "data" / "phone.mp4", 0.0, SAMPLES, RATE).waveform[round(0.05 * RATE):]
+    assert np.corrcoef(aac, np.sin(2 * np.pi * 440 * t[round(0.05 * RATE):]))[0, 1] > 0.99
     analytic = {"surround.mov": np.mean([(0.3 + 0.1 * c) * np.sin(2 * np.pi * (300 + 50 * c) * t) for c in range(6)],
                                         axis=0),
                 "phone.mov": 0.5 * np.sin(2 * np.pi * 440 * t)}
