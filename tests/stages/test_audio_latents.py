@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
+import loraflow.stages.audio.audio_latents as A
 from loraflow.contracts.audio_rows import OK, audio_latent_length, audio_latents_of, read_audio_rows
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.media.frames import decode_audio
 from loraflow.pipelines.base import load_component, scaled_posterior
 from loraflow.pipelines.kandinsky6.audio_vae import save_tiny_audio_vae
-from loraflow.stages.audio.audio_latents import encode_audio
 from tests.factory import clips_config, run_clips
 from tests.media_factory import s16, tone, write_h264, write_video, write_with_sound
 
@@ -57,7 +57,7 @@ def cache_audio(tiny_k5: Path, audio_model: Path, root: Path, write: dict) -> tu
     config = clips_config(tiny_k5, root, [{"instance_data_dir": str(data),
                                             "video": {"num_frames": FRAMES, "frame_extraction": "chunk"}}])
     _, store = run_clips(config)
-    report = encode_audio(config, audio_model, store)
+    report = A.encode_audio(config, audio_model, store)
     clips = {c.key: c for c in read_clips(store)}
     rows = {(clips[k].source, clips[k].indices[0]): row for k, row in read_audio_rows(store).items()}
     return report, rows, store, config
@@ -147,5 +147,21 @@ def test_a_track_a_few_ms_short_is_padded_and_a_rerun_computes_nothing(
     expected = np.zeros(SAMPLES)
     expected[:sound.shape[1]] = s16(sound[0])
     np.testing.assert_array_equal(stored_latent(store, row), encoded(audio_model, expected))
-    again = encode_audio(config, audio_model, store)
+    again = A.encode_audio(config, audio_model, store)
     assert (again.computed, again.reused, again.data_version) == (0, 1, report.data_version)
+
+
+def test_a_decoder_that_hangs_is_killed_and_its_clip_tried_again_next_run(
+        tiny_k5: Path, audio_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that has not answered within the timeout is killed (a real process: here every decode outlasts a
+    0.1 ms limit); its clip gets a decode_timeout row in the manifest but nothing in the store, and the next run,
+    given the time, encodes it."""
+    write = {"fine.mov": lambda p: write_with_sound(p, FRAMES, tone(1.2, RATE, 440)[None], RATE)}
+    monkeypatch.setattr(A, "DECODE_TIMEOUT_S", 1e-4)
+    report, rows, store, config = cache_audio(tiny_k5, audio_model, tmp_path, write)
+    (row,) = rows.values()
+    assert row.status == "decode_timeout" and "longer than" in row.detail
+    assert (report.computed, report.reused) == (0, 0) and row.key not in store.keys(A.STAGE)
+    monkeypatch.setattr(A, "DECODE_TIMEOUT_S", 60.0)
+    again = A.encode_audio(config, audio_model, store)
+    assert again.computed == 1 and read_audio_rows(store)[row.clip_key].status == OK

@@ -59,6 +59,7 @@ SHARD_CLIPS = 16  # clips per committed shard: what a killed run loses at most
 COMPONENT = "audio_vae"
 DOWNMIX = "mean"  # media/audio_worker.py
 RESAMPLER = "swresample-default"
+DECODE_TIMEOUT_S = 60.0  # one clip's sound; past it the worker is killed and the clip is tried again next run
 TRANSIENT = ("decode_timeout", "unreadable")  # MediaErrors of a worker that hung or crashed (or a file gone)
 
 
@@ -174,7 +175,7 @@ def _waveform(clip: ClipRow, fps: float, num_samples: int, rate: int) -> np.ndar
     start, drift = clip_start(clip, info, fps)
     if drift:
         raise MediaError("out_of_sync", f"{clip.source}: {drift}")
-    sound = decode_audio(clip.path, start, num_samples, rate)
+    sound = decode_audio(clip.path, start, num_samples, rate, timeout_s=DECODE_TIMEOUT_S)
     seconds = clip.num_frames / fps
     missing = sound.uncovered_s(seconds)
     if missing > 1 / fps:
