@@ -289,7 +289,8 @@ def write_with_sound(path: Path, num_frames: int, sound: np.ndarray, rate: int, 
                      codec: str = "pcm_s16le") -> Path:
     """Index frames (H.264) with a sound track: `sound` float (channels, N) in [-1, 1] at `rate`, channel `layout`
     ("mono", "stereo", "5.1"), its first sample `offset_s` after the first frame (a track that starts late).
-    pcm_s16le (exact: `s16` says what it stores; in a .mov or .mkv) or aac (lossy, as phones write; in an .mp4)."""
+    pcm_s16le (exact: `s16` says what it stores; in a .mov or .mkv), pcm_f32le (float as given, NaN too; mono) or aac
+    (lossy, as phones write; in an .mp4)."""
     with av.open(str(path), "w") as out:
         video = out.add_stream("libx264", rate=fps, options=_QUIET)
         video.width, video.height, video.pix_fmt = width, height, "yuv420p"

@@ -15,8 +15,9 @@ normalization by default); the mean of channels in [-1, 1] stays in [-1, 1], whe
 (its default filter), on the downmixed mono span with `MARGIN_S` of context on each side, so its filter has real
 neighbours at the span's edges; a track already at the VAE's rate is not resampled (bit-exact).
 
-What the track does not cover (before it starts, after it ends, a packet that would not decode) is zeros, what a
-player plays there, and is marked (`ClipAudio.covered`): the stage decides what a gap means.
+What the track does not cover (before it starts, after it ends, a packet that would not decode, a float sample that
+is not finite) is zeros, what a player plays there, and is marked (`ClipAudio.covered`): the stage decides what a gap
+means.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def clip_audio_local(path: Path, start_s: float, num_samples: int, rate: int) ->
     span's packets decode."""
     import av
 
-    with _open_container(path) as container:
-        origin = _first_frame_time(container, path)
+    origin = _first_frame_time(path)
+    with _open_container(path) as container:  # another one: finding that frame read past the first audio packets
         if not container.streams.audio:
             raise MediaError("no_audio", f"{path}: the file has no audio track")
         stream = container.streams.audio[0]
@@ -72,15 +73,16 @@ def clip_audio_local(path: Path, start_s: float, num_samples: int, rate: int) ->
     return ClipAudio(waveform=waveform, rate=rate, covered=covered, source=description, errors=tuple(errors[:3]))
 
 
-def _first_frame_time(container: Any, path: Path) -> float:
+def _first_frame_time(path: Path) -> float:
     """When the first shown video frame is presented, in seconds: the clips stage's time 0."""
-    stream = _video_stream(container, path)
-    frame = next(iter(_shown_frames(container, stream)), None)
-    if frame is None:
-        raise MediaError("zero_frames", f"{path}: the video stream has no decodable frames")
-    if frame.time is not None:
-        return float(frame.time)
-    return float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+    with _open_container(path) as container:
+        stream = _video_stream(container, path)
+        frame = next(iter(_shown_frames(container, stream)), None)
+        if frame is None:
+            raise MediaError("zero_frames", f"{path}: the video stream has no decodable frames")
+        if frame.time is not None:
+            return float(frame.time)
+        return float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
 
 
 class _Timeline:
@@ -103,9 +105,10 @@ class _Timeline:
         at = round((time - self.first) * self.rate)
         lo, hi = max(at, 0), min(at + planar.shape[1], self.length)
         if lo < hi:
-            channels = min(planar.shape[0], self.samples.shape[0])  # a channel count that changes mid-stream
-            self.samples[:channels, lo:hi] = planar[:channels, lo - at:hi - at]
-            self.covered[lo:hi] = True
+            part = planar[:self.samples.shape[0], lo - at:hi - at]  # a channel count that changes mid-stream
+            finite = np.isfinite(part).all(axis=0)  # a float track's NaN or inf: silence, and not covered
+            self.samples[:len(part), lo:hi] = np.where(finite, part, 0.0)
+            self.covered[lo:hi] = finite
         self.next_at = time + planar.shape[1] / self.rate
 
     def covered_at(self, seconds_from_first: np.ndarray) -> np.ndarray:

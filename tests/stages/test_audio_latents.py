@@ -94,15 +94,20 @@ def test_a_start_offset_is_honoured_and_a_late_or_short_track_is_a_reason(
 
 def test_files_without_usable_sound_are_rows_with_reasons(tiny_k5: Path, audio_model: Path, tmp_path: Path) -> None:
     """No audio track; an AAC track whose packets are random bytes; a 15 fps file, whose frames the clips stage takes
-    1:1 at 24 fps: 25 of them span 1.67 s of the source and play 1.04 s, so no sound of the source fits them."""
+    1:1 at 24 fps: 25 of them span 1.67 s of the source and play 1.04 s, so no sound of the source fits them; a float
+    PCM track with 0.3 s of NaN (the VAE's log-mel would make every latent frame NaN): a gap, not a crash."""
+    nan = tone(1.2, RATE, 440)
+    nan[RATE // 2:RATE // 2 + round(0.3 * RATE)] = np.nan
     write = {"silent.mp4": lambda p: write_h264(p, num_frames=30, width=64, height=64),
              "broken.mp4": lambda p: write_video(p, 30, 64, 64, audio="broken"),
-             "dark.mov": lambda p: write_with_sound(p, 30, tone(2.0, RATE, 440)[None], RATE, fps=15)}
+             "dark.mov": lambda p: write_with_sound(p, 30, tone(2.0, RATE, 440)[None], RATE, fps=15),
+             "nan.mov": lambda p: write_with_sound(p, FRAMES, nan[None], RATE, codec="pcm_f32le")}
     report, rows, _, _ = cache_audio(tiny_k5, audio_model, tmp_path, write)
     assert {source: r.status for (source, _), r in rows.items()} == {
-        "silent.mp4": "no_audio", "broken.mp4": "undecodable", "dark.mov": "out_of_sync"}
+        "silent.mp4": "no_audio", "broken.mp4": "undecodable", "dark.mov": "out_of_sync", "nan.mov": "partial_audio"}
+    assert "leaves 0.30 s of this clip's 1.04 s silent" in rows[("nan.mov", 0)].detail
     assert "1.67 s of the source" in rows[("dark.mov", 0)].detail and "-r 24" in rows[("dark.mov", 0)].detail
-    assert {q.reason for q in report.quarantined} == {"no_audio", "undecodable", "out_of_sync"}
+    assert {q.reason for q in report.quarantined} == {"no_audio", "undecodable", "out_of_sync", "partial_audio"}
 
 
 def test_5_1_is_the_mean_of_its_channels_and_8_khz_mono_is_resampled(
@@ -115,7 +120,9 @@ def test_5_1_is_the_mean_of_its_channels_and_8_khz_mono_is_resampled(
     write = {"surround.mov": lambda p: write_with_sound(p, 48, channels, 48_000, "5.1"),
              "phone.mov": lambda p: write_with_sound(p, 48, tone(2.0, 8000, 440)[None], 8000),
              "phone.mp4": lambda p: write_with_sound(p, 48, np.stack([tone(2.0, 48_000, 440)] * 2), 48_000,
-                                                     "stereo", codec="aac")}
+                                                     "stereo", codec="aac"),
+             "phone.mkv": lambda p: write_with_sound(p, 48, np.stack([tone(2.0, RATE, 440)] * 2), RATE, "stereo",
+                                                     codec="aac")}
     report, rows, store, _ = cache_audio(tiny_k5, audio_model, tmp_path, write)
     assert all(r.status == OK for r in rows.values()), rows
     t = np.arange(SAMPLES) / RATE
@@ -123,6 +130,8 @@ def test_5_1_is_the_mean_of_its_channels_and_8_khz_mono_is_resampled(
     # shift of 0.4 ms (cos(2 pi 440 Hz x 0.4 ms) = 0.985) would not
     aac = decode_audio(tmp_path / "data" / "phone.mp4", 0.0, SAMPLES, RATE).waveform[round(0.05 * RATE):]
     assert np.corrcoef(aac, np.sin(2 * np.pi * 440 * t[round(0.05 * RATE):]))[0, 1] > 0.99
+    # Matroska interleaves the first AAC packets with the first video frame's: all of them reach the clip
+    assert decode_audio(tmp_path / "data" / "phone.mkv", 0.0, SAMPLES, RATE).covered.all()
     analytic = {"surround.mov": np.mean([(0.3 + 0.1 * c) * np.sin(2 * np.pi * (300 + 50 * c) * t) for c in range(6)],
                                         axis=0),
                 "phone.mov": 0.5 * np.sin(2 * np.pi * 440 * t)}

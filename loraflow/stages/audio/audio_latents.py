@@ -87,7 +87,7 @@ def planned_audio(config: LoraflowConfig, model: ModelSource, store: Store,
     vae_id = component_fingerprint(model, COMPONENT)
 
     def key(clip: ClipRow) -> str:
-        return content_key(source=clip.source_version or clip.key, file=clip.source, indices=list(clip.indices),
+        return content_key(source=clip.source_version or clip.key, indices=list(clip.indices),
                            fps=fps[clip.dataset], audio_vae=vae_id, rate=rate, hop=hop, downmix=DOWNMIX,
                            resampler=RESAMPLER, sampling="mode", code=CODE_VERSION)
 
