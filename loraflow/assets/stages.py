@@ -89,8 +89,8 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
     )
 
 
-# Not in cache_dataset: a run of a config without `train_audio` (every Kandinsky 5 and HunyuanVideo 1.5 config)
-# never materializes it; `loraflow demo`'s runs add a `cache_audio` run per dataset where it is set (jobs.py).
+# In the code location only where its config has `train_audio` (jobs.graph): every other config's graph, runs and UI
+# stay the six assets they were; there, `loraflow demo`'s runs add a `cache_audio` run per dataset.
 @asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",
        description="One dataset: each clip's sound over its time span as audio VAE latents (Kandinsky 6 with "
                    "train_audio), cached by content; a row says why a clip has none; nothing while train_audio is "
@@ -239,4 +239,5 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
     return MaterializeResult(data_version=DataVersion(report.data_version), metadata={**metadata, **md.readable(facts)})
 
 
-ALL_ASSETS = [dataset_files, clips, latents, audio_latents, text_embeds, teacher_features, lora, validation]
+ALL_ASSETS = [dataset_files, clips, latents, text_embeds, teacher_features, lora, validation]
+SOUND_ASSETS = [audio_latents]  # with `train_audio`

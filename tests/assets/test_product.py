@@ -322,11 +322,7 @@ def test_definitions_wire_partitions_jobs_checks_sensor_schedule_and_retries() -
     # dataset_files: the observable source the clips depend on, per dataset (a source changed after caching shows
     # that dataset's clips stale: issue 42 item 14)
     assert partitioned == {"dataset_files": DATASETS, "clips": DATASETS, "latents": DATASETS, "text_embeds": None,
-                           "audio_latents": DATASETS, "teacher_features": None, "lora": None, "validation": None}
-    # the sound of a dataset (train_audio): a job of its own, so the runs of configs without sound stay as they were
-    assert defs.resolve_job_def("cache_audio").partitions_def == DATASETS
-    assert {key.path[-1] for key in defs.resolve_job_def("cache_dataset").asset_layer.executable_asset_keys} == {
-        "dataset_files", "clips", "latents"}
+                           "teacher_features": None, "lora": None, "validation": None}
     cache = defs.resolve_job_def("cache_dataset")
     assert cache.partitions_def == DATASETS
     assert cache.op_retry_policy is not None and cache.op_retry_policy.max_retries == 2
