@@ -4,20 +4,20 @@ from dagster import Definitions
 
 from loraflow.assets.checks import ALL_CHECKS
 from loraflow.assets.fanout import cache_latents_fanout
-from loraflow.assets.jobs import JOBS
+from loraflow.assets.jobs import graph
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.runs.dead_runs import watch_dead_runs
 from loraflow.assets.runs.deployment import deployment_defs
 from loraflow.assets.schedules import recache_schedule
 from loraflow.assets.sensors import dataset_watch
-from loraflow.assets.stages import ALL_ASSETS
 
 resource = LoraflowResource()
 deployment = deployment_defs()  # Celery workers and shared step outputs, where the environment names them
+assets, jobs = graph(resource)  # with the config's `train_audio`: its sound's asset and job too
 defs = Definitions(
-    assets=ALL_ASSETS,
+    assets=assets,
     asset_checks=ALL_CHECKS,
-    jobs=[*JOBS, cache_latents_fanout],
+    jobs=[*jobs, cache_latents_fanout],
     schedules=[recache_schedule(resource.config_path)],
     sensors=[dataset_watch],
     resources={"loraflow": resource, **deployment.get("resources", {})},

@@ -271,3 +271,43 @@ def write_rgba_png(path: Path, width: int = 64, height: int = 48) -> Path:
     rgba[:, : width // 2] = (0, 0, 255, 255)
     Image.fromarray(rgba, "RGBA").save(path)
     return path
+
+
+def tone(seconds: float, rate: int, hz: float, amplitude: float = 0.5, starts_s: float = 0.0) -> np.ndarray:
+    """(N,) float64: a sine of `hz` that is silent before `starts_s` (seconds from the track's first sample)."""
+    t = np.arange(round(seconds * rate)) / rate
+    return np.where(t >= starts_s, amplitude * np.sin(2 * np.pi * hz * t), 0.0)
+
+
+def s16(sound: np.ndarray) -> np.ndarray:
+    """What a 16-bit PCM track stores of float samples, read back as a decoder returns them (v / 32768)."""
+    return np.round(np.clip(sound, -1, 1) * 32767) / 32768
+
+
+def write_with_sound(path: Path, num_frames: int, sound: np.ndarray, rate: int, layout: str = "mono", *,
+                     fps: int = 24, width: int = 64, height: int = 64, offset_s: float = 0.0,
+                     codec: str = "pcm_s16le") -> Path:
+    """Index frames (H.264) with a sound track: `sound` float (channels, N) in [-1, 1] at `rate`, channel `layout`
+    ("mono", "stereo", "5.1"), its first sample `offset_s` after the first frame (a track that starts late).
+    pcm_s16le (exact: `s16` says what it stores; in a .mov or .mkv), pcm_f32le (float as given, NaN too; mono) or aac
+    (lossy, as phones write; in an .mp4)."""
+    with av.open(str(path), "w") as out:
+        video = out.add_stream("libx264", rate=fps, options=_QUIET)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        audio = out.add_stream(codec, rate=rate)
+        audio.layout = layout
+        for i in range(num_frames):
+            out.mux(video.encode(av.VideoFrame.from_ndarray(index_frame(i, width, height), format="rgb24")))
+        out.mux(video.encode(None))
+        fmt = audio.codec_context.format.name  # s16 (packed) for PCM, fltp for AAC
+        chunk = audio.codec_context.frame_size or 1024
+        for start in range(0, sound.shape[1], chunk):
+            part = sound[:, start:start + chunk]
+            if fmt == "s16":
+                part = np.round(np.clip(part, -1, 1) * 32767).astype(np.int16).T.reshape(1, -1)
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(part, part.dtype if fmt == "s16" else np.float32),
+                                               format=fmt, layout=layout)
+            frame.sample_rate, frame.pts, frame.time_base = rate, start + round(offset_s * rate), Fraction(1, rate)
+            out.mux(audio.encode(frame))
+        out.mux(audio.encode(None))
+    return path

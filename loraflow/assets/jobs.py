@@ -4,7 +4,8 @@ One job cannot hold the whole DAG: a run of a job with partitioned assets has on
 clips -> ... -> validation would train after caching one dataset only. The partitioned part (`clips`,
 `latents`) is therefore its own job, a run per dataset (in parallel under `dagster dev`, each in its own
 process); `text_embeds`, `teacher_features`, `lora` and `validation` read every dataset and run once after
-them. (In the UI, materializing all six launches an asset backfill, which Dagster orders the same way.)
+them. (In the UI, materializing all six launches an asset backfill, which Dagster orders the same way.) A config
+that trains sound (`train_audio`) adds a `cache_audio` run per dataset after its `cache_dataset` run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dagster import (
 
 from loraflow.assets.partitions import sync_partitions
 from loraflow.assets.resources import LoraflowResource
+from loraflow.config import ConfigError, load_config
 from loraflow.lifetime import keep_signal_handlers
 
 # Transient failures (a flaky network store, a worker killed for memory) are retried; a config error raises
@@ -38,15 +40,36 @@ train_and_validate = define_asset_job(
     description="Every dataset's folder observed and captions embedded (and CREPA's teacher features), then LoRA "
                 "training and validation")
 JOBS = [cache_dataset, train_and_validate]
+# A config with `train_audio` (Kandinsky 6): one dataset's sound, after its clips
+cache_audio = define_asset_job(
+    "cache_audio", AssetSelection.assets("audio_latents"), op_retry_policy=TRANSIENT,
+    description="One dataset (the partition): its clips' sound as audio latents (configs with train_audio)")
+
+
+def trains_audio(config_path: str) -> bool:
+    """Whether the code location's config trains sound (`train_audio`). A config that does not load: False (the code
+    location still loads, to show the problem; every run fails on it, as for the recache schedule)."""
+    try:
+        return load_config(config_path).train_audio
+    except ConfigError:
+        return False
+
+
+def graph(resource: LoraflowResource) -> tuple[list, list]:
+    """(assets, jobs) of the code location: with `train_audio`, the audio_latents asset and the cache_audio job
+    beside the six assets and two jobs every other config has, unchanged."""
+    from loraflow.assets.stages import ALL_ASSETS, SOUND_ASSETS
+
+    sound = trains_audio(resource.config_path)
+    return [*ALL_ASSETS, *(SOUND_ASSETS if sound else [])], [*JOBS, *([cache_audio] if sound else [])]
 
 
 def build_defs(resource: LoraflowResource, **extra: object) -> Definitions:
     """The assets, checks and jobs with this resource (the code location's default config was fixed at import)."""
     from loraflow.assets.checks import ALL_CHECKS
-    from loraflow.assets.stages import ALL_ASSETS
 
-    return Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=JOBS, resources={"loraflow": resource},
-                       **extra)
+    assets, jobs = graph(resource)
+    return Definitions(assets=assets, asset_checks=ALL_CHECKS, jobs=jobs, resources={"loraflow": resource}, **extra)
 
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}  # the terminal gets logs, not every event
@@ -65,10 +88,11 @@ def _run_every_job(defs: Definitions, resource: LoraflowResource,
     sync_partitions(instance, config)
     results = []
     for dataset in config.training_datasets:
-        results.append(defs.resolve_job_def("cache_dataset").execute_in_process(
-            instance=instance, partition_key=dataset.id, raise_on_error=False, run_config=QUIET))
-        if not results[-1].success:
-            return results
+        for job in ("cache_dataset", "cache_audio") if config.train_audio else ("cache_dataset",):
+            results.append(defs.resolve_job_def(job).execute_in_process(
+                instance=instance, partition_key=dataset.id, raise_on_error=False, run_config=QUIET))
+            if not results[-1].success:
+                return results
     results.append(defs.resolve_job_def("train_and_validate").execute_in_process(
         instance=instance, raise_on_error=False, run_config=QUIET))
     return results

@@ -1,5 +1,5 @@
-"""The six assets, in the order one video travels: file (`dataset_files`, observed) -> clips -> latents + text_embeds
-(+ teacher_features, for CREPA) -> lora -> validation.
+"""The assets, in the order one video travels: file (`dataset_files`, observed) -> clips -> latents + text_embeds
+(+ teacher_features, for CREPA; + audio_latents, for a config that trains sound) -> lora -> validation.
 
 Each asset: load the config, call its op (heavy imports happen there, not at code-location load), and return
 a MaterializeResult whose data version is a hash of the content it stands for.
@@ -86,6 +86,33 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
                   **md.estimated_peak(config, family, model, "latents", store, report.device, [dataset]),
                   "quarantined": len(report.quarantined),
                   "quarantine": md.md_table(report.quarantined), "oom_fallbacks": md.md_table(report.oom_fallbacks)},
+    )
+
+
+# In the code location only where its config has `train_audio` (jobs.graph): every other config's graph, runs and UI
+# stay the six assets they were; there, `loraflow demo`'s runs add a `cache_audio` run per dataset.
+@asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",
+       description="One dataset: each clip's sound over its time span as audio VAE latents (Kandinsky 6 with "
+                   "train_audio), cached by content; a row says why a clip has none; nothing while train_audio is "
+                   "off.")
+def audio_latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
+    from loraflow.stages.audio.audio_latents import encode_audio
+
+    config = loraflow.load()
+    dataset = loraflow.dataset(config, context.partition_key)
+    if not config.train_audio:  # one version while off, as teacher_features
+        return MaterializeResult(data_version=DataVersion("off"), metadata={
+            "dataset": dataset, "computed": 0, "reused": 0, "status": "off: train_audio is false"})
+    store = loraflow.store(config)
+    with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):  # it reads the clips part too
+        report = encode_audio(config, loraflow.model(config), store, datasets=[dataset])
+    for row in report.quarantined:
+        context.log.warning(f"no audio latent for {row.source} (clip {row.clip_key}): {row.reason}: {row.detail}")
+    return MaterializeResult(
+        data_version=DataVersion(report.data_version),
+        metadata={"dataset": dataset, **md.counts(report), "device": report.device,
+                  "without_audio": len(report.quarantined), "clips_without_audio": config.clips_without_audio,
+                  "reasons": md.md_table(report.quarantined)},
     )
 
 
@@ -213,3 +240,4 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
 
 
 ALL_ASSETS = [dataset_files, clips, latents, text_embeds, teacher_features, lora, validation]
+SOUND_ASSETS = [audio_latents]  # with `train_audio`

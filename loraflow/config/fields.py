@@ -108,6 +108,15 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         "validation prompts are encoded with; original: the original repository's (\"You are a promt engineer\", "
         "crop 129 / 41: what the checkpoints saw, and what ComfyUI encodes); diffusers: diffusers 0.42.1's "
         "(\"prompt\", crop 128 / 40). i2i always uses the original's")
+    # issue 46: a flavour whose model generates sound (Kandinsky 6's audio VAE) trains it from each clip's own track
+    train_audio: bool = setting(
+        False, run_key="when_set", description="train the sound with the picture (a flavour with an audio VAE: "
+        "Kandinsky 6): each clip's audio over its own time span, encoded by the checkpoint's audio VAE (the "
+        "`audio_latents` stage); false: the picture alone, no audio read")
+    clips_without_audio: Literal["video_only", "leave_out"] = setting(
+        "video_only", run_key="when_set", description="with `train_audio`: a clip without usable sound (no track, a "
+        "track that starts late or ends early, a source rate that would put it out of sync, a track that does not "
+        "decode: the audio_latents rows say which) trains its picture alone (video_only) or not at all (leave_out)")
     caption_dropout_probability: float = setting(
         0.0, run_key="always", ge=0, le=1, description="train on the empty prompt this often")
     masked_loss_probability: float = setting(

@@ -130,6 +130,12 @@ class LoraflowConfig(ConfigFields):
             raise ValueError(f"`kandinsky5_prompt_template: {self.kandinsky5_prompt_template}`: flavour "
                              f"'{flavour.name}' encodes with its own template only (the Kandinsky 5 Video and t2i "
                              "flavours offer the diffusers one): remove it")
+        if self.train_audio and "audio_vae" not in flavour.components:
+            raise ValueError(f"`train_audio`: flavour '{flavour.name}' has no audio VAE and generates no sound (a "
+                             "Kandinsky 6 flavour does): remove it")
+        if self.clips_without_audio != "video_only" and not self.train_audio:
+            raise ValueError("`clips_without_audio` says what training does with clips without sound when "
+                             "`train_audio` is true: set train_audio: true, or remove it")
         if self.i2v_prob is not None and not flavour.image_in_condition_only:
             raise ValueError(f"`i2v_prob`: flavour '{flavour.name}' cannot train batches as t2v (only the "
                              "HunyuanVideo 1.5 i2v flavours, whose image is a condition input): remove it")

@@ -89,6 +89,24 @@ class LatentsReport(StageReport):
     peak_gib: float
 
 
+# -- audio_latents --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NoAudio:
+    """A clip without an audio latent, and why (contracts/audio_rows.py REASONS)."""
+
+    dataset: str
+    source: str
+    clip_key: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class AudioLatentsReport(StageReport):
+    quarantined: tuple[NoAudio, ...] = ()  # the clips without sound: they train video-only or not (the config says)
+    device: str
+
+
 # -- text_embeds ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TokenBin:

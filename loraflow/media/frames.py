@@ -10,6 +10,8 @@ worker working set (benchmarks/bench_decode.py, benchmarks/results/decode_cpu.js
   graph), and falls back to PyAV, which walks the stream once, converts only the wanted frames and
   stops after the last one.
 
+`decode_audio` reads the sound of a clip's time span the same way (media/audio_worker.py).
+
 All decoding runs in a small pool of worker processes: one corrupt file can hang or crash FFmpeg
 or decord, and a process is the only thing that can be killed. A hang becomes
 MediaError("decode_timeout") and a crash MediaError("unreadable"); the calling pipeline goes on.
@@ -39,7 +41,7 @@ import numpy as np
 
 from loraflow.keys import content_key
 from loraflow.media.decode_worker import decode_local, probe_local  # light: it imports decord and PyAV when it decodes
-from loraflow.media.types import MediaError, Probe
+from loraflow.media.types import ClipAudio, MediaError, Probe
 
 if TYPE_CHECKING:  # annotations only
     from loraflow.store import Store
@@ -90,6 +92,15 @@ def decode_frames(
         return frames
     # Decode each distinct frame once; repeats and order are restored by a gather.
     return frames[np.searchsorted(unique, wanted)]
+
+
+def decode_audio(path: str | Path, start_s: float, num_samples: int, rate: int, timeout_s: float = 60.0) -> ClipAudio:
+    """The sound of `num_samples` samples at `rate` from `start_s` seconds after the file's first video frame, mono
+    (media/audio_worker.py says how). Raises MediaError: "no_audio" (no audio track), "undecodable" (none of the
+    span decodes), or as `decode_frames` for a file that hangs or crashes the decoder."""
+    path = Path(path)
+    _stat_key(path)  # a missing or empty file says so here, as for frames
+    return _run_in_worker(("audio", str(path), float(start_s), int(num_samples), int(rate)), path, timeout_s)["audio"]
 
 
 def _check_size(size: tuple[int, int], path: Path) -> tuple[int, int]:
@@ -387,6 +398,11 @@ def _answer(request: tuple[Any, ...], replies: Connection) -> None:
     try:
         if op == "probe":
             replies.send({"kind": "ok", "probe": dataclasses.asdict(probe_local(path))})
+            return
+        if op == "audio":
+            from loraflow.media.audio_worker import clip_audio_local
+
+            replies.send({"kind": "ok", "audio": clip_audio_local(path, *request[2:])})
             return
         _, _, indices, size, info = request
         frames, backend, note = decode_local(path, indices, size, Probe(**info))

@@ -64,3 +64,20 @@ class Probe:
     is_image: bool  # still images are 1-frame media
     # VFR only: each output frame's time in seconds from the first (CFR: (), the frame rate says it all)
     frame_times: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class ClipAudio:
+    """The sound of a time span of a file (media/audio_worker.py): mono float32 samples at `rate` from the span's
+    start, which of them the track covered (a bool per sample; the rest are zeros), the track in words, and the first
+    errors of packets that did not decode (their time is uncovered)."""
+
+    waveform: Any  # np.ndarray (N,) float32; Any: this module stays free of numpy
+    rate: int
+    covered: Any  # np.ndarray (N,) bool
+    source: str  # "aac 6 ch (5.1) at 48000 Hz"
+    errors: tuple[str, ...] = ()
+
+    def uncovered_s(self, until_s: float) -> float:
+        """Seconds of the first `until_s` seconds the track does not cover."""
+        return float((~self.covered[: round(until_s * self.rate)]).sum() / self.rate)

@@ -213,6 +213,17 @@ def test_the_peers_options_that_exclude_each_other_are_named(settings: dict, nam
     assert named in problem
 
 
+@pytest.mark.parametrize("settings, named", [
+    ({"train_audio": True}, "has no audio VAE and generates no sound"),
+    ({"clips_without_audio": "leave_out"}, "`clips_without_audio` says what training does"),
+], ids=["sound-without-an-audio-vae", "clips_without_audio-alone"])
+def test_sound_is_trained_only_by_a_flavour_with_an_audio_vae(settings: dict, named: str) -> None:
+    data = demo()
+    data.update(settings)
+    (problem,) = problems(data)
+    assert named in problem
+
+
 def test_two_datasets_with_one_id_are_refused() -> None:
     """`loraflow partitions` crashed on them (sqlite IntegrityError: one partition per id)."""
     data = demo()

@@ -1,0 +1,40 @@
+"""The `audio_latents` asset and a config that trains no sound (every Kandinsky 5 and HunyuanVideo 1.5 config): the
+code location's graph and jobs are the ones it had before sound existed, and the asset, run by hand, is one "off"
+version that reads and writes nothing. With sound (Kandinsky 6, `train_audio`) it needs a Kandinsky 6 checkpoint: the
+stage itself is tested in tests/stages/test_audio_latents.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dagster import DagsterInstance, materialize
+
+from loraflow.assets.jobs import JOBS, graph
+from loraflow.assets.partitions import DATASETS
+from loraflow.assets.resources import LoraflowResource
+from loraflow.assets.stages import ALL_ASSETS, audio_latents
+from loraflow.contracts.audio_rows import STAGE
+from tests.factory import demo_dict, write_config
+
+
+def test_a_config_without_sound_materializes_one_off_version_and_writes_nothing(
+        tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path))
+    instance = DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions(DATASETS.name, ["demo-videos"])
+    result = materialize([audio_latents], instance=instance, partition_key="demo-videos",
+                         resources={"loraflow": LoraflowResource(config_path=str(config))})
+    assert result.success
+    (event,) = result.get_asset_materialization_events()
+    assert event.materialization.tags["dagster/data_version"] == "off"
+    assert event.materialization.metadata["status"].value == "off: train_audio is false"
+    assert not (tmp_path / "cache" / STAGE).exists() and not any(tmp_path.rglob(STAGE))
+
+
+def test_a_config_without_sound_keeps_its_graph_and_jobs(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path))
+    assets, jobs = graph(LoraflowResource(config_path=str(config)))
+    assert (assets, jobs) == (ALL_ASSETS, JOBS) and audio_latents not in assets
+    assert [j.name for j in jobs] == ["cache_dataset", "train_and_validate"]
+    (tmp_path / "bad.yaml").write_text("model_family: nothing-known\n")  # the location loads, to show the problem
+    assert graph(LoraflowResource(config_path=str(tmp_path / "bad.yaml"))) == (ALL_ASSETS, JOBS)
