@@ -12,14 +12,22 @@ demo config (the plan alone). The configs:
   `gradient_checkpointing: true`, `base_model_precision: fp8-layerwise`, `gpu_memory_gb: 24` (so the switch list
   and the render plan for the card are computed too): what a user with a 24 GB card checks before downloading.
 A check of a model not downloaded exits 2 (it says the model is missing) after printing its estimates.
+Each time is the wall time and the CPU time (user + system) of the check's process: on a shared host the CPU time
+moves less with the load than the wall time. `--before TREE` (a checkout of an earlier commit, its git-ignored
+tokenizer folder `.loraflow` copied in) runs every check there too, interleaved with this tree's (before's first,
+this first, before's second, this second), so that both meet the same load: the rows carry its times beside.
 
     .venv/bin/python benchmarks/bench_check.py      # writes benchmarks/results/check_cpu.json (minutes)
+    git worktree add /tmp/before HEAD~1 && cp -r .loraflow /tmp/before/ && \
+        .venv/bin/python benchmarks/bench_check.py --before /tmp/before
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -37,13 +45,17 @@ RELEASED = {"kandinsky5-video t2v-pro-sft-5s-hd": ("kandinskylab/Kandinsky-5.0-T
                                           "hunyuanvideo-1.5", "t2v-720p")}
 
 
-def timed_check(config: Path, cache: Path, *flags: str) -> tuple[float, int, str]:
+def timed_check(config: Path, cache: Path, *flags: str, tree: Path = ROOT) -> tuple[float, float, int, str]:
+    """(wall s, CPU s, exit code, output) of `loraflow check` of the `tree` checkout (its loraflow: the cwd)."""
     env = {**os.environ, "LORAFLOW_ESTIMATES_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "HF_HUB_CACHE": str(cache.parent / "hub")}
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "loraflow.cli", "check", str(config), *flags], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "loraflow.cli", "check", str(config), *flags], cwd=tree, env=env,
                           capture_output=True, text=True)
-    return time.perf_counter() - start, done.returncode, done.stdout + done.stderr
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime, done.returncode, \
+        done.stdout + done.stderr
 
 
 def configs(root: Path) -> dict[str, Path]:
@@ -73,26 +85,41 @@ def configs(root: Path) -> dict[str, Path]:
     return found
 
 
+def first_and_second(name: str, config: Path, cache: Path, trees: dict[str, Path]) -> dict[str, dict]:
+    """Each tree's first check (empty estimates cache), then each one's second (the cache it wrote)."""
+    times: dict[str, dict] = {label: {} for label in trees}
+    for run in ("first", "second"):
+        for label, tree in trees.items():
+            wall, cpu, code, log = timed_check(config, cache / label, tree=tree)
+            if code not in (0, 2) or (run == "second" and "reused from" not in log):
+                sys.exit(f"{run} check of {name} in {tree} failed (exit {code}):\n{log[-3000:]}")
+            times[label].update({f"{run}_s": round(wall, 1), f"{run}_cpu_s": round(cpu, 1), "exit": code})
+    return times
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--before", type=Path, help="a checkout of an earlier commit, checked interleaved")
+    args = parser.parse_args()
+    trees = {"before": args.before.resolve(), "now": ROOT} if args.before else {"now": ROOT}
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
         for name, config in configs(Path(tmp)).items():
-            cache = Path(tmp) / "estimates" / name.replace(" ", "-")
-            first, code, log = timed_check(config, cache)
-            second, code_again, log_again = timed_check(config, cache)
-            if code not in (0, 2) or "reused from" not in log_again:
-                sys.exit(f"check of {name} failed (exit {code}, then {code_again}):\n{log[-3000:]}\n"
-                         f"{log_again[-2000:]}")
-            row = {"config": name, "first_s": round(first, 1), "second_s": round(second, 1), "exit": code}
+            times = first_and_second(name, config, Path(tmp) / "estimates" / name.replace(" ", "-"), trees)
+            row = {"config": name, **times["now"]}
             if name == "demo":
-                plan, code_plan, _ = timed_check(config, cache, "--no-estimates")
+                plan, _, _, _ = timed_check(config, Path(tmp) / "estimates" / "demo" / "now", "--no-estimates")
                 row["no_estimates_s"] = round(plan, 2)
+            if args.before:
+                row["before"] = times["before"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {"commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                       text=True).stdout.strip(),
-              "host": {"cores": os.cpu_count(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)},
-              "rows": rows}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    host = {"cores": os.cpu_count(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
+    result = {"commit": commit, "host": host, "rows": rows}
+    if args.before:
+        result["before"] = subprocess.run(["git", "log", "-1", "--format=%H"], cwd=args.before, capture_output=True,
+                                          text=True).stdout.strip() or str(args.before)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -181,6 +181,71 @@ def test_vae_encode_peak_tiny(tiny_k5: Path, demo_data: Path, tmp_path: Path) ->
     assert_close(estimate.peak_bytes, held + allocator_peak(encode))
 
 
+# Fake clips (no memory). At 33x288x544 Kandinsky 5's VAE encodes 3 framewise chunks of 17, 17 and 9 frames, each with
+# tiling (256-pixel tiles, stride 192) in 6 tiles of 4 shapes: 18 encoder calls of 8 inputs; HunyuanVideo 1.5's VAE
+# (no framewise chunks) 6 tiles of 4 shapes. At 33x1024x1024 patch conv streams the tiny HunyuanVideo 1.5 encoder's
+# down blocks in chunks of 9, 8, 8 and 8 frames (its first level's 32 MiB per frame in the 256 MiB budget).
+TILED, STREAMED = (33, 288, 544), (33, 1024, 1024)
+
+
+@pytest.mark.parametrize(("family_name", "switches", "clip"), [
+    ("kandinsky5-video", {"vae_enable_tiling": True}, TILED),
+    ("hunyuanvideo-1.5", {"vae_enable_tiling": True, "vae_enable_patch_conv": True}, TILED),
+    ("hunyuanvideo-1.5", {"vae_enable_patch_conv": True}, STREAMED),
+])
+def test_an_encode_traced_once_per_tile_shape_is_the_encode_traced_tile_by_tile(
+        family_name: str, switches: dict, clip: tuple[int, int, int], request: pytest.FixtureRequest, demo_data: Path,
+        tmp_path: Path) -> None:
+    """The latents stage's estimate traces the VAE encoder (and its down blocks, which patch conv streams HunyuanVideo
+    1.5's frames through in chunks) once per distinct input and repeats that call's peak and FLOPs for each later
+    tile or chunk of the same shape (`fake_tensors.measured_once`): the same activation peak and TFLOP, to the byte
+    and the FLOP, as the encode traced with every tile and chunk run."""
+    if family_name == "kandinsky5-video":
+        model, overrides = request.getfixturevalue("tiny_k5"), switches
+    else:
+        model = request.getfixturevalue("tiny_hv15")
+        overrides = {"model_family": family_name, "model_flavour": "t2v-480p", **switches}
+    config = config_for(model, demo_data, tmp_path, **overrides)
+    family = get_family(config)
+    vae_config = json.loads((model / "vae" / "config.json").read_text())
+    estimate = estimates.vae_encode(config, family, vae_config, *clip)
+
+    mode = estimates.transformer.estimate_mode()
+    vae = fake_tensors.fake_model(fake_tensors.meta_model(vae_config, torch.float32), mode)
+    prepare_vae(vae, config)
+    inputs = []  # each encoder's and down block's
+    for module in (vae.encoder, *vae.encoder.down_blocks):
+        module.register_forward_pre_hook(lambda m, args: inputs.append((id(m), tuple(args[0].shape))))
+
+    def encode() -> None:
+        with torch.no_grad():
+            family.vae_encode(vae, torch.zeros((1, *clip, 3), dtype=torch.uint8), config.latent_sampling)
+
+    activations, tflop, _ = fake_tensors.measured_step(encode, mode, vae)
+    assert len(inputs) > len(set(inputs))  # tiles or chunks of a shape repeat: what the estimate runs once
+    assert (estimate.parts["activations"], estimate.tflop) == (activations, tflop)
+
+
+def test_switch_rows_sharing_the_configured_steps_trace_are_the_rows_traced_alone(
+        tiny_k5: Path, demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check's lora switch rows reuse the configured step's trace where the fake model computes the same step
+    (`stages.step_key`: the optimizer, group offload and fp8 storage change only what is added around it): each row so
+    computed is the row traced on its own."""
+    from itertools import count
+
+    from loraflow.estimates import stages
+
+    config = config_for(tiny_k5, demo_data, tmp_path, base_model_precision="bf16", gradient_checkpointing=True)
+    family = get_family(config)
+    configs = estimates.component_configs({c: tiny_k5 / c for c in ("transformer", "vae")})
+    monkeypatch.setattr(stages, "_TRACED_STEPS", {})
+    shared = estimates.switches(config, family, configs, BUCKET, "lora")
+    assert len(stages._TRACED_STEPS) < len(shared)  # rows shared a trace
+    keys = count()
+    monkeypatch.setattr(stages, "step_key", lambda *_: next(keys))  # every row traced anew
+    assert shared == estimates.switches(config, family, configs, BUCKET, "lora")
+
+
 @pytest.fixture(scope="module")
 def lite_two_blocks(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Kandinsky 5 Video Lite's released transformer config (loraflow/pipelines/released/) with 2 visual blocks of its

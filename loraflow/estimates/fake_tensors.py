@@ -230,39 +230,47 @@ class _Shape:
 
 @contextmanager
 def measured_once(module: torch.nn.Module, counter: Any) -> Iterator[None]:
-    """While inside, `module` runs for real once per distinct input (shapes and dtypes of its tensor arguments), its
-    peak above the bytes alive when it was called is kept, and a later call with the same input adds that peak to
-    the bytes alive then and returns new empty tensors of the outputs' shapes. Exact for a module whose allocations
-    depend on its input's shapes alone (a VAE decoder on one tile): a tiled decode calls it once per tile, dozens of
-    times at released size, each call minutes of Python on fake tensors. FLOPs of the skipped calls are not
-    counted."""
+    """While inside, `module` runs for real once per distinct input (the shapes, strides and dtypes of its tensor
+    arguments, its other arguments as they are): what that call added is kept (its peak above the bytes alive when
+    it was called, on the device and on the host, and its FLOPs), and a later call with the same input adds that
+    peak to the bytes alive then, adds the same FLOPs again and returns new empty tensors of the outputs' shapes.
+    Exact for a no-grad call of a module whose allocations and ops depend on its input's shapes alone (a VAE's
+    encoder or decoder on one tile): a tiled encode or decode calls it once per tile, dozens of times at released
+    size, each call seconds of Python on fake tensors."""
     import torch
     from torch.utils._pytree import tree_flatten, tree_map
 
+    own = module.__dict__.get("forward")  # an instance's own forward (patch conv's), else the class's
     original, seen = module.forward, {}
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+        key = tuple((tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t
                     for t in tree_flatten((args, kwargs))[0])
         if key in seen:
-            inner, shapes = seen[key]
-            counter.peak = max(counter.peak, counter.current + inner)
+            peak, host_peak, flops, shapes = seen[key]
+            counter.peak = max(counter.peak, counter.current + peak)
+            counter.host_peak = max(counter.host_peak, counter.host + host_peak)
+            counter.flops += flops
             return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)
                             if isinstance(t, _Shape) else t, shapes)
-        entry, outer_peak = counter.current, counter.peak
-        counter.peak = entry
+        entry, host_entry, flops_entry = counter.current, counter.host, counter.flops
+        outer_peak, outer_host_peak = counter.peak, counter.host_peak
+        counter.peak, counter.host_peak = entry, host_entry
         out = original(*args, **kwargs)
         # shapes only: keeping the output itself would keep its bytes alive in the count
-        seen[key] = counter.peak - entry, tree_map(
+        seen[key] = counter.peak - entry, counter.host_peak - host_entry, counter.flops - flops_entry, tree_map(
             lambda t: _Shape(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t, out)
-        counter.peak = max(outer_peak, counter.peak)
+        counter.peak, counter.host_peak = max(outer_peak, counter.peak), max(outer_host_peak, counter.host_peak)
         return out
 
     module.forward = forward
     try:
         yield
     finally:
-        del module.forward  # the class's forward again
+        if own is None:
+            del module.forward  # the class's forward again
+        else:
+            module.forward = own
 
 
 def model_from_config(config: dict[str, Any]) -> Any:

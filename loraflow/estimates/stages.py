@@ -37,17 +37,26 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     accelerator:
     weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included). The step is traced
     shallow and extended to the real depth (`traced_at_depth`) where it is linear in the depth (`linear_in_depth`);
-    `extend` False: traced at the real depth."""
+    `extend` False: traced at the real depth. A config whose step the fake model computes alike (`step_key`) reuses
+    the trace made for another: a check's switch rows that change only what is added around it."""
     transformer_config, nabla, note = attention_stand_in(config, transformer_config, latent_shape,
                                                           config.train_batch_size, device_type)
     extend = extend and linear_in_depth(config)
-    try:
-        activations, tflop, host = traced_at_depth(
-            family, transformer_config, extend,
-            lambda shaped: traced_step(config, family, shaped, latent_shape, device_type, text_tokens))
-    except NotFakeable as exc:
-        return StageEstimate("lora", note=str(exc))
-    parameters, lora = adapter_size(config, family, transformer_config, extend)
+    import torch
+
+    threads = torch.get_num_threads() if device_type == "cpu" else None  # the CPU attention's workspace asks them
+    key = step_key(config, transformer_config, latent_shape, device_type, text_tokens, extend, threads)
+    if key not in _TRACED_STEPS:
+        try:
+            _TRACED_STEPS[key] = (*traced_at_depth(
+                family, transformer_config, extend,
+                lambda shaped: traced_step(config, family, shaped, latent_shape, device_type, text_tokens)),
+                *adapter_size(config, family, transformer_config, extend))
+        except NotFakeable as exc:
+            _TRACED_STEPS[key] = str(exc)
+    if isinstance(_TRACED_STEPS[key], str):
+        return StageEstimate("lora", note=_TRACED_STEPS[key])
+    activations, tflop, host, parameters, lora = _TRACED_STEPS[key]
     stored = stored_weights(family, transformer_config, config.base_model_precision, config.fp32_modules_storage)
     weights = stored.total
     if config.enable_group_offload or config.blocks_to_swap:  # the blocks as stored: 1 byte per weight with fp8/int8
@@ -55,6 +64,25 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     moments = 2 * parameters * (2 if config.optimizer == "adamw_bf16" else 4)
     return StageEstimate("lora", {"weights": weights, "lora": lora, "optimizer": moments,
                                   "activations": activations, **nabla}, tflop, note, host=host)
+
+
+# The settings a training step's fake model never reads: what `training_step` adds around its trace (the optimizer's
+# moments, the weights offloaded or stored apart).
+UNTRACED = frozenset({"optimizer", "enable_group_offload", "group_offload_type", "group_offload_blocks_per_group",
+                      "group_offload_use_stream", "blocks_to_swap", "fp32_modules_storage"})
+# step_key -> (activation peak, TFLOP, host peak, adapter parameters, adapter bytes), or why it cannot be traced
+_TRACED_STEPS: dict[str, tuple[int, float, int, int, int] | str] = {}
+
+
+def step_key(config: LoraflowConfig, *inputs: Any) -> str:
+    """What one fake training step of `config` (with these other inputs) traces: every setting but `UNTRACED`, the
+    precision as the fake model computes in it (`model_dtype`: fp8 and int8 storage compute as bf16; and whether it
+    is `no_change`, which `uses_autocast` asks)."""
+    import json
+
+    settings = config.model_dump(mode="json", exclude=set(UNTRACED))
+    precision = settings.pop("base_model_precision")
+    return json.dumps([settings, str(model_dtype(precision)), precision == "no_change", *inputs], sort_keys=True)
 
 
 def linear_in_depth(config: LoraflowConfig) -> bool:
@@ -93,7 +121,11 @@ def traced_step(config: LoraflowConfig, family: ModelFamily, transformer_config:
 def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[str, Any],
                frames: int, height: int, width: int, device_type: str = "cuda") -> StageEstimate:
     """The latents stage encoding one clip of the largest bucket: fp32 VAE weights + the peak of a fake no-grad
-    `family.vae_encode` with the configured patch conv / tiling / slicing (`stages.latents.latents.prepare_vae`)."""
+    `family.vae_encode` with the configured patch conv / tiling / slicing (`stages.latents.latents.prepare_vae`).
+    The encoder, and each of its down blocks, runs once per distinct input shape (`measured_once`): the tiles of a
+    tiled encode and Kandinsky 5's framewise chunks of 17 frames share a handful of shapes, and so do the chunks of
+    frames patch conv streams HunyuanVideo 1.5's encoder in (`kernels.patch_conv`: each later chunk goes through the
+    down blocks with the same state, the last frames of the chunk before)."""
     import torch
 
     from loraflow.stages.latents.latents import prepare_vae
@@ -107,7 +139,8 @@ def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[
             family.vae_encode(vae, torch.zeros((1, frames, height, width, 3), dtype=torch.uint8),
                               config.latent_sampling)
 
-    activations, tflop, _ = measured_step(encode, mode, vae, device_type)
+    activations, tflop, _ = measured_step(encode, mode, vae, device_type,
+                                          repeated=[vae.encoder, *vae.encoder.down_blocks])
     note = "" if not family.image_condition_components else \
         f"{', '.join(family.image_condition_components)} left out"
     return StageEstimate("latents", {"weights": weights_bytes(vae), "activations": activations}, tflop, note)
