@@ -97,6 +97,36 @@ def tiny_world(tmp_path_factory: pytest.TempPathFactory) -> Path:
                       lambda root: build_tiny("kandinsky5-video", root / "tiny-world", world=True))
 
 
+@pytest.fixture(scope="session")
+def demo_run(tiny_world: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The README's demo, run once for the session: `loraflow demo` in its own process (as `make demo` runs it) on
+    configs/demo.yaml with paths moved under the returned folder (`config.yaml`) and DAGSTER_HOME at its `dagster_home`,
+    where every asset and check is then materialized. Read by the demo's learning test and the UI test: the two
+    modules ran the same demo each (the UI test in-process, by `materialize_everything`, what `loraflow demo` runs)."""
+    return built_once(tmp_path_factory, "demo-run", lambda root: _run_demo(root, tiny_world, demo_data))
+
+
+def _run_demo(root: Path, tiny_world: Path, demo_data: Path) -> Path:
+    import subprocess
+    import sys
+
+    from loraflow.store import write_atomic
+
+    done = root / "demo.out"  # written last: a folder holding it holds a finished demo
+    if done.is_file():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    config = write_config(root / "config.yaml", demo_dict(tiny_world, demo_data, root, base="configs/demo.yaml"))
+    home = root / "dagster_home"
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\nnux:\n  enabled: false\n")
+    run = subprocess.run([sys.executable, "-m", "loraflow.cli", "demo", "--config", str(config)], cwd=REPO,
+                         env={**os.environ, "DAGSTER_HOME": str(home)}, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    write_atomic(done, lambda tmp: Path(tmp).write_text(run.stdout))
+    return root
+
+
 # What diffusers' conversion script writes for the 10 s checkpoints is P 0.9 and windows (11, 3, 3); small windows
 # keep the tiny mask sparse.
 NABLA = {"attention_type": "nabla", "attention_P": 0.9, "attention_wT": 1, "attention_wH": 1, "attention_wW": 1,

@@ -9,13 +9,13 @@ A random tiny checkpoint renders coloured noise with or without a LoRA. Here its
   beside a +K/-K pair: the group's mean is then exactly 0, its std K/2 to 1e-4, and silu(n) - silu(-n) = n undoes the
   activation exactly. Trained from random weights instead (tried: L1 on world frames, 300-800 steps, about a minute),
   it reached ~10 dB PSNR and lost where the shape was across frames; this one reconstructs the world at ~22 dB.
-- **The transformer is pre-trained briefly** (`pretrain`, ~80 s on 2 cores) with flow matching on world clips encoded
-  by that VAE and captioned by the checkpoint's own tiny text encoders. It sees shapes move right to left, down and
-  up, never left to right: the demo's LoRA teaches that direction (`demo/dataset.py`). It is trained as i2v (latent
-  frame 0 given clean): Kandinsky 5's DiT has RoPE and no absolute position, so from noise alone it cannot put one
-  shape in one place, and t2v renders of this size scatter the shape's colour over the frame (tried: 1-motion, 2-colour
-  worlds, 1.5k-4k steps, widths 64-128, 2-4 blocks). Given a first frame, it has to learn only where the shape goes.
-  Shapes start anywhere (`world_clips`), for the same reason.
+- **The transformer is pre-trained briefly** (`pretrain`: 89-292 s on one 2-core host, `demo_cpu.json`) with flow
+  matching on world clips encoded by that VAE and captioned by the checkpoint's own tiny text encoders. It sees shapes
+  move right to left, down and up, never left to right: the demo's LoRA teaches that direction (`demo/dataset.py`). It
+  is trained as i2v (latent frame 0 given clean): Kandinsky 5's DiT has RoPE and no absolute position, so from noise
+  alone it cannot put one shape in one place, and t2v renders of this size scatter the shape's colour over the frame
+  (tried: 1-motion, 2-colour worlds, 1.5k-4k steps, widths 64-128, 2-4 blocks). Given a first frame, it has to learn
+  only where the shape goes. Shapes start anywhere (`world_clips`), for the same reason.
 
 `build_tiny(..., world=True)` (what `loraflow demo` builds) uses it; the test suite's other tests keep the random
 tiny checkpoint. The pre-trained weights are cached under `.loraflow/tiny_world/<key>/`, keyed by the family and
@@ -59,7 +59,12 @@ class WorldRecipe:
     motions: tuple[str, ...] = ("right_to_left", "top_to_bottom", "bottom_to_top")
     sizes: tuple[tuple[int, int], ...] = ((96, 64),)  # (width, height)
     frames: int = 17
-    clips: int = 320
+    clips: int = 320  # encoded once per pre-training: ~45 s of one core
+    # ~160 ms of one core a step. Fewer tried (issue 41), measured by tests/demo/test_demo_learns.py's criterion on a
+    # world pre-trained on one thread: 250 steps at lr 6e-3 and 500 at 4e-3 leave the base carrying the circle right
+    # (+1.6, +0.4 px); 1000 and 1250 at 3e-3 carry it left (-2.4, -2.9 px), but the LoRA's eval loss on the held-out
+    # clip then rises (+11%, +16%) where 2000 steps' drops 19% (demo_cpu.json). The LoRA moved it +12 to +20 px in
+    # all four: the world, not the LoRA, needs the steps.
     steps: int = 2000
     batch: int = 8
     learning_rate: float = 2e-3

@@ -16,13 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dagster import DagsterInstance
 
-from loraflow.assets.jobs import materialize_everything
-from loraflow.assets.resources import LoraflowResource
 from loraflow.keys import env_flag
 from tests.dagster_dev import dagster_dev
-from tests.factory import REPO, demo_dict, missing_input, write_config
+from tests.factory import REPO, missing_input
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -40,21 +37,11 @@ def chromium() -> None:
 
 
 @pytest.fixture(scope="module")
-def materialized(tiny_world: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory,
-                 ) -> tuple[Path, Path, Path]:
-    """(root, DAGSTER_HOME, config): the README's demo (configs/demo.yaml on the tiny world), every asset and check
-    materialized into a real instance: what a newcomer sees after `make demo && make dev`."""
-    root = tmp_path_factory.mktemp("ui")
-    config = write_config(root / "config.yaml", demo_dict(tiny_world, demo_data, root, base="configs/demo.yaml"))
-    home = root / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\nnux:\n  enabled: false\n")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("DAGSTER_HOME", str(home))
-        with DagsterInstance.get() as instance:  # what `loraflow demo` runs: the partition, then the rest
-            results = materialize_everything(LoraflowResource(config_path=str(config)), instance)
-            assert [r.success for r in results] == [True, True]
-    return root, home, config
+def materialized(demo_run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(this module's folder for screenshots, DAGSTER_HOME, config): the README's demo (configs/demo.yaml on the tiny
+    world), every asset and check materialized into a real instance by `loraflow demo` (conftest `demo_run`): what a
+    newcomer sees after `make demo && make dev`."""
+    return tmp_path_factory.mktemp("ui"), demo_run / "dagster_home", demo_run / "config.yaml"
 
 
 @pytest.fixture(scope="module")

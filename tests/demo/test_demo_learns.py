@@ -22,9 +22,6 @@ saturate it to (0, 10, 255), 88 away.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +30,7 @@ import pytest
 from loraflow.demo.dataset import _COLOURS
 from loraflow.demo.tiny_world import shape_centroid
 from loraflow.media.writers import read_media
-from tests.factory import demo_dict, write_config
 
-REPO = Path(__file__).resolve().parents[2]
 MIN_LORA_SHIFT_PX = 4.0  # the LoRA moves the circle right by at least a quarter of its radius
 MAX_BASE_SHIFT_PX = 0.0  # the base never moves it right: it never saw that direction
 COLOUR_TOLERANCE = 40.0  # RGB distance from the named colour
@@ -43,15 +38,10 @@ MIN_EVAL_LOSS_DROP = 0.10  # the LoRA's eval loss at the fixed sigmas, mean, at 
 
 
 @pytest.fixture(scope="module")
-def demo_run(tiny_world: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("demo_learns")
-    write_config(root / "demo.yaml", demo_dict(tiny_world, demo_data, root, base="configs/demo.yaml"))
-    env = {**os.environ, "DAGSTER_HOME": str(root / ".dagster")}
-    done = subprocess.run([sys.executable, "-m", "loraflow.cli", "demo", "--config", str(root / "demo.yaml")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    [results] = (root / "output" / "validation").glob("*/results.json")
-    return {**json.loads(results.read_text()), "runs": root / "output" / "runs"}
+def demo_results(demo_run: Path) -> dict:
+    """The session's `loraflow demo` run (conftest `demo_run`): its validation results, and its runs folder."""
+    [results] = (demo_run / "output" / "validation").glob("*/results.json")
+    return {**json.loads(results.read_text()), "runs": demo_run / "output" / "runs"}
 
 
 def rightward_shift(video: np.ndarray) -> float:
@@ -66,8 +56,8 @@ def border_colour(video: np.ndarray) -> np.ndarray:
                      .reshape(-1, 3), axis=0)
 
 
-def test_the_lora_moves_the_circle_right_and_the_base_does_not(demo_run: dict) -> None:
-    [prompt] = demo_run["prompts"]
+def test_the_lora_moves_the_circle_right_and_the_base_does_not(demo_results: dict) -> None:
+    [prompt] = demo_results["prompts"]
     assert prompt["prompt"] == "a red circle moves from left to right on a blue background"
     base, lora = read_media(prompt["base"]), read_media(prompt["lora"])
     assert rightward_shift(lora) >= MIN_LORA_SHIFT_PX, rightward_shift(lora)
@@ -79,17 +69,17 @@ def test_the_lora_moves_the_circle_right_and_the_base_does_not(demo_run: dict) -
         assert np.linalg.norm(first[y, x] - _COLOURS["red"]) <= COLOUR_TOLERANCE, first[y, x]
 
 
-def test_the_lora_fits_the_held_out_clip_better(demo_run: dict) -> None:
-    rows = demo_run["eval_loss"]
+def test_the_lora_fits_the_held_out_clip_better(demo_results: dict) -> None:
+    rows = demo_results["eval_loss"]
     base, lora = np.mean([r["base"] for r in rows]), np.mean([r["lora"] for r in rows])
     assert (lora - base) / base <= -MIN_EVAL_LOSS_DROP, (base, lora)
 
 
-def test_the_run_folder_holds_the_lora_for_diffusers_and_for_comfyui(demo_run: dict) -> None:
+def test_the_run_folder_holds_the_lora_for_diffusers_and_for_comfyui(demo_results: dict) -> None:
     """The README's first screen: `pytorch_lora_weights.safetensors` for diffusers, the ComfyUI file beside it."""
     from safetensors.torch import load_file
 
-    [run] = [p for p in demo_run["runs"].iterdir() if p.is_dir()]
+    [run] = [p for p in demo_results["runs"].iterdir() if p.is_dir()]
     diffusers, comfyui = (load_file(run / name) for name in ("pytorch_lora_weights.safetensors",
                                                              "pytorch_lora_weights_comfyui.safetensors"))
     assert all(k.startswith("transformer.") for k in diffusers)
