@@ -131,7 +131,7 @@ def s3() -> Iterator[dict[str, str]]:
     (`AWS_ENDPOINT_URL`: no loraflow setting names an endpoint, as on a real deployment)."""
     binary = Path(sys.executable).with_name("moto_server")
     if not binary.exists():
-        missing_input("moto[server] is not installed: `make setup` installs it (pyproject extra `scale`)")
+        missing_input("moto[server] is not installed: `make setup-test` installs it (pyproject extra `scale`)")
     folder, port = Path(tempfile.mkdtemp(prefix="loraflow-s3-")), free_port()
     log = folder / "server.log"
     server = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port)], cwd=folder,

@@ -6,7 +6,7 @@ The vocabulary comes from the `dashscope` wheel on PyPI, which ships Qwen's tikt
 from the ranks as transformers' `TikTokenConverter` does; `Qwen2Tokenizer` supplies Qwen2's own pre-tokenizer
 regex, NFC normalizer and byte-level steps; the added tokens are Qwen2.5-VL's, from id 151643.
 
-`python -m loraflow.demo.qwen_vocab [folder]` builds it once (scripts/setup.sh); the folder is `.loraflow/`,
+`python -m loraflow.demo.qwen_vocab [folder]` builds it once (`scripts/setup.sh test`); the folder is `.loraflow/`,
 git-ignored: the vocabulary is Qwen's, fetched, never committed.
 """
 
