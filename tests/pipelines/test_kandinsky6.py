@@ -11,6 +11,7 @@ runs the stages).
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +212,31 @@ def test_comfyui_names_are_the_original_nodes() -> None:
         f"video{text}0.feed_forward.net.2": f"video{text}0.feed_forward.out_layer",
     }
     assert {name: comfyui_name(rules, name)[0] for name in required} == required
+
+
+def test_a_distilled_flavour_renders_with_piflow_and_no_guidance(tiny_k6_distilled: Path,
+                                                                 text: dict[str, Any]) -> None:
+    """The π-Flow checkpoint renders through its own PiflowScheduler, one transformer call per step (guidance 1.0:
+    no negative pass), i2v from a first frame; another guidance is refused before the pipeline runs, naming the key."""
+    from diffusers import PiflowScheduler
+
+    from loraflow.pipelines.base import RenderSettings
+
+    family = kandinsky6.make_family("lite-distill-i2v")
+    pipe = family.load_renderer(str(tiny_k6_distilled), None, torch.device("cpu"))
+    pipe.set_progress_bar_config(disable=True)
+    prompt, negative = family.encode_text(text, [PROMPTS[0], ""])
+    settings = RenderSettings(height=32, width=48, num_frames=9, num_inference_steps=2, guidance=1.0, seed=0,
+                              flow_shift=5.0)
+    image = np.full((32, 48, 3), 120, np.uint8)
+    calls = []
+    hook = pipe.transformer.register_forward_hook(lambda m, a, out: calls.append(out))
+    try:
+        video = family.render(pipe, prompt, negative, settings, lora_scale=0, image=image)
+    finally:
+        hook.remove()
+    assert isinstance(pipe.scheduler, PiflowScheduler) and pipe.scheduler.config.shift == 5.0
+    assert video.shape == (9, 32, 48, 3) and video.dtype == np.uint8 and len(calls) == 2
+    with pytest.raises(ValueError, match="validation_guidance: 1.0"):
+        family.render(pipe, prompt, negative, replace(settings, guidance=5.0), lora_scale=0, image=image)
+    assert len(calls) == 2
