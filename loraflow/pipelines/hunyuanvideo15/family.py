@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -133,7 +133,7 @@ class HunyuanVideo15:
     tread_layout: TokenLayout = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0,
                                             depth="num_layers")
     comfyui_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_COMFYUI_NAMES  # the ComfyUI file
-    text_twin: None = None  # no other family encodes its texts alike
+    text_twin: ClassVar[None] = None  # no other family encodes its texts alike
 
     @property
     def image_condition_components(self) -> tuple[str, ...]:

@@ -48,7 +48,6 @@ from loraflow.pipelines.base import (
     stacked,
 )
 from loraflow.pipelines.comfyui import ComfyRule
-from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.kandinsky5.common import CLIP_TOKENS, Kandinsky5Shared, encode_video, template_crop
 from loraflow.pipelines.kandinsky5.video.family import NEGATIVE_PROMPT, ORIGINAL_TEMPLATE, Kandinsky5Video
 from loraflow.pipelines.kandinsky5.video.spec import SPEC as K5_VIDEO
@@ -103,12 +102,10 @@ class Kandinsky6(Kandinsky5Shared):
     # The original's template (kandinsky-6 comfyui nodes.py PROMPT_TEMPLATE, K6 `_PROMPT_TEMPLATE`): Kandinsky 5's
     prompt_templates: ClassVar[dict[str, str]] = {"original": ORIGINAL_TEMPLATE}
     cleans_prompts: ClassVar[bool] = False  # K6:279 and the original's text embedder encode the text as given
-    flavour: Flavour
-    template: str = "original"
+    # flavour, template, text_components: Kandinsky5Shared's
     name: str = SPEC.name
     spatial_multiple: int = SPEC.spatial_multiple
     vae_temporal_factor: int = SPEC.vae_temporal_factor
-    text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     default_negative_prompt: str = NEGATIVE_PROMPT  # K6 `_DEFAULT_NEGATIVE_PROMPT`, Kandinsky 5's
     # fused block(visual (B, N, D), audio, text_v, text_a, (t_v, t_a), visual rope (N, 1, d/2, 2, 2), audio rope,
     # mask) -> (visual, audio)
