@@ -417,8 +417,10 @@ def run_ranks(command: list[str], **env: str) -> subprocess.CompletedProcess:
 
 DEPTH = 3  # visual blocks kept: TREAD routes the middle one, CREPA reads it
 TREAD = {"routes": [{"selection_ratio": 0.5, "start_layer_idx": 1, "end_layer_idx": -2}]}
-TEXT_TOKENS = {"kandinsky5-video": 256, "kandinsky5-image": 512, "hunyuanvideo-1.5": 1000}  # the longest prompt
-LATENT = {"kandinsky5-video": (16, 8), "kandinsky5-image": (16, 8), "hunyuanvideo-1.5": (32, 16)}  # channels, VAE
+TEXT_TOKENS = {"kandinsky5-video": 256, "kandinsky5-image": 512, "hunyuanvideo-1.5": 1000,  # the longest prompt
+               "kandinsky6": 1024}
+LATENT = {"kandinsky5-video": (16, 8), "kandinsky5-image": (16, 8), "hunyuanvideo-1.5": (32, 16),  # channels, VAE
+          "kandinsky6": (16, 8)}
 
 
 @dataclass(frozen=True)
@@ -487,14 +489,14 @@ def text_batch(family: ModelFamily, shape: tuple[int, ...]) -> dict[str, torch.T
 
     tokens, name = TEXT_TOKENS[family.name], family.flavour.name
     qwen, second = encoder_width(name, "text_encoder"), encoder_width(name, "text_encoder_2")
-    if family.name.startswith("kandinsky5"):
+    if family.name.startswith("kandinsky"):
         text = {"text_embeds": torch.randn(1, tokens, qwen), "pooled_embeds": torch.randn(1, second)}
     else:
         text = {"text_embeds": torch.randn(1, tokens, qwen), "text_mask": torch.ones(1, tokens),
                 "byt5_embeds": torch.randn(1, 256, second), "byt5_mask": torch.ones(1, 256)}
     if family.flavour.edits_image or family.image_condition_name:  # HV1.5 i2v: the first frame's latent, SigLIP
         text["image_latent"] = torch.randn(*shape[:2], 1, *shape[3:])
-    if family.image_condition_name == "first_frame":
+    if family.image_condition_name == "first_frame" and family.name == "hunyuanvideo-1.5":
         text["image_embeds"] = torch.randn(1, hunyuanvideo15.IMAGE_TOKENS, encoder_width(name, "image_encoder"))
     return text
 

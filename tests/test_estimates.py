@@ -429,6 +429,7 @@ def test_fit_marks_keep_a_margin() -> None:
     ("kandinsky5-video", "t2v-lite-sft-5s", {"gradient_checkpointing": True,
                                              "gradient_checkpointing_cpu_offload": True}),
     ("hunyuanvideo-1.5", "i2v-480p", {"base_model_precision": "fp8-layerwise", "fp32_modules_storage": "bf16"}),
+    ("kandinsky6", "lite-distill-i2v", {"gradient_checkpointing": True}),  # the tail frame, the π-Flow head
 ])
 def test_a_step_traced_shallow_and_extended_is_the_step_traced_at_its_depth(family_name: str, flavour: str,
                                                                             settings: dict) -> None:

@@ -48,8 +48,8 @@ def remembered(config: LoraflowConfig, what: str, inputs: Mapping[str, Any],
     `inputs` and `code_version` stored (JSON, written atomically) in the user's cache folder (`estimates_cache`:
     `$XDG_CACHE_HOME/loraflow/estimates`, default ~/.cache; check writes nothing into the project's caches); and
     the file it was read from (None: computed now). The fake-tensor traces take minutes at released size: a second
-    `check` of an unchanged config takes seconds. The libraries' warnings during `compute()` are not shown: they
-    concern the traces on fake tensors, and landed above check's table."""
+    `check` of an unchanged config takes seconds. The libraries' warnings (and diffusers' logged ones) during
+    `compute()` are not shown: they concern the traces on fake tensors, and landed above check's table."""
     from dataclasses import asdict
 
     from loraflow.atomic import write_json
@@ -64,9 +64,18 @@ def remembered(config: LoraflowConfig, what: str, inputs: Mapping[str, Any],
     if isinstance(rows, list):
         return [(label, StageEstimate(**row)) if label is not None else StageEstimate(**row) for label, row in rows], \
             path
-    with warnings.catch_warnings():  # what torch and diffusers warn of on fake tensors concerns the fake run
-        warnings.simplefilter("ignore")  # (a norm's dtypes a fused kernel would not take), not the user's config
-        result = compute()
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    # what diffusers logs building the fake models is no news to the user either: a released config's key this
+    # diffusers does not take (Kandinsky 6's `is_multimodal`), once per traced copy
+    diffusers_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():  # what torch and diffusers warn of on fake tensors concerns the fake run
+            warnings.simplefilter("ignore")  # (a norm's dtypes a fused kernel would not take), not the user's config
+            result = compute()
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
     rows = [[item[0], asdict(item[1])] if isinstance(item, tuple) else [None, asdict(item)] for item in result]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -84,8 +84,12 @@ def hidden_width(transformer_config: Any) -> int:
 
 
 def frame_tokens(hidden: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-    """(B, N, D) tokens in (frame, row, column) order -> (B, frames, rows * columns, D)."""
+    """(B, N, D) tokens in (frame, row, column) order -> (B, frames, rows * columns, D). Whole frames after the latent
+    grid's are inputs, not generated (Kandinsky 6 i2v's clean image frame, appended last): left out."""
     frames, rows, columns = grid
+    extra = hidden.shape[1] - frames * rows * columns
+    if extra > 0 and extra % (rows * columns) == 0:
+        hidden = hidden[:, : frames * rows * columns]
     if hidden.shape[1] != frames * rows * columns:
         raise ValueError(f"block output has {hidden.shape[1]} visual tokens, not the {frames}x{rows}x{columns} of its "
                          "latent grid: CREPA needs every token (is TREAD routing this block?)")

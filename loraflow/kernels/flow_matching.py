@@ -87,8 +87,12 @@ def flow_mse(prediction: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, gi
     and weigh each element by its loss `mask` (B, 1, 1, h, w: masked loss, contracts/masks.py); eval loss stays MSE,
     unmasked."""
     end = prediction.shape[2] - 1 if last else None
-    return regression_loss(prediction[:, :, given:end].float(), (noise - x0)[:, :, given:end].float(), loss, sigma,
-                           mask)
+    target = (noise - x0)[:, :, given:end].float()
+    # A π-Flow distilled transformer (Kandinsky 6) predicts n velocities per channel, grid-major (diffusers'
+    # PiflowScheduler reshapes its output (n_grid, C)), each turned into an x0 at the same x_t (`DXPolicy`: x0_g = x_t -
+    # sigma * output_g): trained on a clip, every one is held to the clip's x0, so to noise - x0; losses averaged
+    grid = prediction.split(x0.shape[1], dim=1)
+    return sum(regression_loss(p[:, :, given:end].float(), target, loss, sigma, mask) for p in grid) / len(grid)
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, schedule: str = "constant") -> float:

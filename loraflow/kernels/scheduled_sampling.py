@@ -83,7 +83,12 @@ def roll_out(predict: Predict, x_t: torch.Tensor, x0: torch.Tensor, noise: torch
         following = torch.where(j >= k, sigma, torch.maximum(source - j / NUM_TRAIN_TIMESTEPS, sigma))
         dt = (following - current).view(-1, *([1] * (x.dim() - 1)))  # <= 0; 0 once a sample reached sigma
         moving = dt != 0
-        x = torch.where(moving, clean_frames(x + dt * predict(x, current), x0, fixed_frames, fixed_last), x)
+        velocity = predict(x, current)
+        if velocity.shape != x.shape:  # a π-Flow head: n velocities per channel, which a scheduler's policy combines
+            raise ValueError(f"scheduled sampling rolls out with Euler steps of one velocity per latent channel; this "
+                             f"transformer predicts {velocity.shape[1] // x.shape[1]} per channel (a π-Flow distilled "
+                             "checkpoint): set scheduled_sampling_max_step_offset: 0, or train the sft checkpoint")
+        x = torch.where(moving, clean_frames(x + dt * velocity, x0, fixed_frames, fixed_last), x)
         current = following
     rolled = (offsets > 0).view(-1, *([1] * (x.dim() - 1)))
     return torch.where(rolled, x.to(x_t.dtype), x_t)

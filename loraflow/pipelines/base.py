@@ -51,8 +51,15 @@ class ModelFamily(Protocol):
     # components the latents stage loads beside the VAE for `image_condition` (HV1.5 i2v's SigLIP); ()
     image_condition_components: tuple[str, ...]
     # what `image_condition` caches ("" nothing), for the latent key where it has no components, whose fingerprints
-    # name it instead: "first_frame" (HunyuanVideo 1.5 i2v), "source_image" (Kandinsky 5 Image i2i)
+    # name it instead: "first_frame" (HunyuanVideo 1.5 and Kandinsky 6 i2v), "source_image" (Kandinsky 5 Image i2i)
     image_condition_name: str
+    # The family whose text rows equal this one's for the texts `encodes_like_twin` accepts; those are keyed as the
+    # twin keys them, so its text cache serves this family (Kandinsky 6: Kandinsky 5 Video's); None: no twin
+    text_twin: ModelFamily | None
+
+    def encodes_like_twin(self, tokenizer: Any, text: str) -> bool:
+        """Whether `text` encodes exactly as `text_twin` encodes it (the first text encoder's `tokenizer` counts its
+        tokens); False without a twin."""
 
     def encode_text(
         self, components: Mapping[str, Any], texts: list[str], images: list[np.ndarray] | None = None
@@ -171,10 +178,40 @@ IMAGE_CONDITION_COLUMNS = ("image_latent", "image_embeds")
 AS_T2V = "as_t2v"
 
 
+def first_frame(flavour: Flavour, image: np.ndarray | None, settings: RenderSettings) -> Any:
+    """The image an i2v render starts from as the video pipelines take it (a PIL image), checked: an i2v flavour
+    needs one, uint8 (H, W, 3) at the render size (a pipeline would resize (stretch) another silently; the caller
+    crops it); None for t2v, which refuses one."""
+    from PIL import Image
+
+    if not flavour.image_is_first_frame:
+        if image is not None:
+            raise ValueError(f"flavour '{flavour.name}' is text-to-video: it takes no conditioning image")
+        return None
+    if image is None:
+        raise ValueError(f"flavour '{flavour.name}' renders from a first frame: pass `image`")
+    if image.shape != (settings.height, settings.width, 3) or image.dtype != np.uint8:
+        raise ValueError(f"the conditioning image must be uint8 {(settings.height, settings.width, 3)}; "
+                         f"got {image.dtype} {image.shape}")
+    return Image.fromarray(image)
+
+
 def stacked(rows: Sequence[Mapping[str, Any]], column: str) -> torch.Tensor:
     """One column of equally shaped stored rows as a batch, (B, ...) float32 on the CPU: the batching that latent rows
     (`image_conditions`) and text rows (`collate_text`) share."""
     return torch.from_numpy(np.stack([np.asarray(r[column], np.float32) for r in rows]))
+
+
+def padded(arrays: list[np.ndarray], masks: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L_i, D) arrays -> zero-padded (B, L, D) float32 and a (B, L) float mask: the batching of text rows for a
+    transformer that takes a text mask (HunyuanVideo 1.5, Kandinsky 6)."""
+    length = max(len(a) for a in arrays)
+    embeds = torch.zeros(len(arrays), length, arrays[0].shape[-1])
+    mask = torch.zeros(len(arrays), length)
+    for i, (a, m) in enumerate(zip(arrays, masks)):
+        embeds[i, : len(a)] = torch.from_numpy(np.array(a, np.float32))  # a copy: stored rows are read-only
+        mask[i, : len(m)] = torch.from_numpy(np.asarray(m, np.float32))
+    return embeds, mask
 
 
 def image_conditions(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
@@ -205,6 +242,20 @@ def lora_file_header(prefix: str, adapter_config: dict | None) -> dict[str, str]
         fields = {f"{prefix}.{k}": v for k, v in adapter_config.items()}
         header["lora_adapter_metadata"] = json.dumps(fields, indent=2, sort_keys=True)
     return header
+
+
+def save_transformer_lora(state_dict: dict[str, torch.Tensor], out_dir: str | Path,
+                          adapter_config: dict | None = None) -> None:
+    """What diffusers' `save_lora_weights` writes for a pipeline without a LoRA mixin (HunyuanVideo 1.5, Kandinsky 6):
+    `transformer.`-prefixed keys in pytorch_lora_weights.safetensors and the LoraConfig in its header, which
+    `transformer.load_lora_adapter(out_dir, weight_name=...)` reads (`load_lora_file`)."""
+    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {f"transformer.{k}": v.detach().contiguous() for k, v in state_dict.items()}
+    save_file(tensors, out / LORA_WEIGHT_NAME_SAFE, metadata=lora_file_header("transformer", adapter_config))
 
 
 def compute_dtype(transformer: torch.nn.Module) -> torch.dtype:

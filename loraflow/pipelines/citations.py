@@ -15,7 +15,24 @@ SOURCES: dict[str, str] = {
                    "6e2a80517cdf, 2025-11-28",
     "musubi-tuner": "kohya-ss/musubi-tuner at 30c658c4f4b0 (src/musubi_tuner/kandinsky5/configs.py: its `--task` "
                     "configs; docs/kandinsky5.md)",
-    "diffusers 0.42.1": "the diffusers wheel loraflow runs (pipelines/kandinsky5, pipelines/hunyuan_video1_5)",
+    "diffusers 0.42.1": "the diffusers wheel loraflow runs (pipelines/kandinsky5, pipelines/hunyuan_video1_5, "
+                        "pipelines/kandinsky6, models/transformers/transformer_kandinsky6.py, models/autoencoders/"
+                        "autoencoder_mmaudio.py and mmaudio_vocoder.py, schedulers/scheduling_piflow.py)",
+    "diffusers@d641013": "huggingface/diffusers at d641013f9140: docs/source/en/api/pipelines/kandinsky6.md (its "
+                         "\"Available models\" table: each Kandinsky 6 repository's steps and guidance)",
+    "kandinsky-6": "kandinskylab/kandinsky-6 (the original Kandinsky 6 repository): README.md at 00e33441f92d, "
+                   "comfyui/kandinsky6/register.py at 8195e726f952, comfyui/kandinsky6/nodes.py and model_base.py at "
+                   "9d2ffe177da0 (the index holds no other file of it)",
+    "kandinsky-6 fork": "KozlovKY/kandinsky-6 at 60c4ff66c9ba, a fork that carries the original's kandinsky/ package "
+                        "(pipeline/config.py, runtime/weights.py, runtime/sampler.py, core/components/"
+                        "text_embedder.py, core/algo/prepare_latents.py), which the index lacks for kandinskylab/"
+                        "kandinsky-6",
+    "FastVideo K6": "hao-ai-lab/FastVideo at 02184dc49c78: docs/inference/kandinsky6.md (its Models table, read from "
+                    "each repository's scheduler_config.json and transformer/config.json)",
+    "sglang": "sgl-project/sglang at ccfb9239d719: python/sglang/multimodal_gen/test/unit/"
+              "test_kandinsky6_arch_config.py (PRO_DISTILL_TRANSFORMER_CONFIG, \"transformer/config.json of "
+              "kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers\", and the audio_vae scaling factors of the Pro "
+              "repositories)",
     "diffusers@58eb52c": "huggingface/diffusers main at 58eb52c0803e (0.40.0.dev0): its docs, its "
                          "scripts/convert_hunyuan_video1_5_to_diffusers.py, and its Kandinsky 5 pipelines before "
                          "0.42 changed their template",

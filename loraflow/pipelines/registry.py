@@ -35,6 +35,7 @@ FAMILIES: dict[str, str] = {
     "kandinsky5-video": "loraflow.pipelines.kandinsky5.video.spec",
     "kandinsky5-image": "loraflow.pipelines.kandinsky5.image.spec",
     "hunyuanvideo-1.5": "loraflow.pipelines.hunyuanvideo15.spec",
+    "kandinsky6": "loraflow.pipelines.kandinsky6.spec",
 }
 
 

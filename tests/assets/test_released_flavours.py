@@ -30,16 +30,20 @@ HV = "hunyuanvideo-1.5"
 # no-CFG transformers have the Lite config, whose DAG tests/assets/test_dag.py runs, and validation reads the
 # defaults through the same render_settings as these runs); the i2v one mixes in t2v batches (`i2v_prob` 0.3 trains
 # micro-step 0 as t2v, 1 as i2v: tests/pipelines/test_hv_i2v.py)
-RUNS = [(HV, "t2v-480p-distilled", "64x48", {}), (HV, "i2v-480p-step-distilled", "64x48", {"i2v_prob": 0.3})]
+RUNS = [(HV, "t2v-480p-distilled", "64x48", {}), (HV, "i2v-480p-step-distilled", "64x48", {"i2v_prob": 0.3}),
+        # Kandinsky 6's π-Flow head, its tail frame and PiflowScheduler through the DAG (issue 46)
+        ("kandinsky6", "lite-distill-i2v", "64x48", {"i2v_prob": 0.3})]
 NEW = {"kandinsky5-video": ("t2v-lite-nocfg-5s", "t2v-lite-nocfg-10s", "t2v-lite-distilled16steps-5s",
                             "t2v-lite-distilled16steps-10s", "t2v-pro-distilled-5s", "i2v-pro-distilled-5s"),
-       HV: ("t2v-480p-distilled", "i2v-480p-distilled", "i2v-480p-step-distilled", "i2v-720p-distilled")}
+       HV: ("t2v-480p-distilled", "i2v-480p-distilled", "i2v-480p-step-distilled", "i2v-720p-distilled"),
+       "kandinsky6": ("lite-distill-t2v", "pro-distill-i2v")}
 # the releases' (steps, guidance, shift): each flavour's citations say where each number is from
 RELEASED = {"t2v-lite-nocfg-5s": (50, 1.0, 10.0), "t2v-lite-nocfg-10s": (50, 1.0, 10.0),
             "t2v-lite-distilled16steps-5s": (16, 1.0, 5.0), "t2v-lite-distilled16steps-10s": (16, 1.0, 10.0),
             "t2v-pro-distilled-5s": (16, 1.0, 5.0), "i2v-pro-distilled-5s": (16, 1.0, 5.0),
             "t2v-480p-distilled": (50, 1.0, 5.0), "i2v-480p-distilled": (50, 1.0, 5.0),
-            "i2v-480p-step-distilled": (12, 1.0, 7.0), "i2v-720p-distilled": (50, 1.0, 7.0)}
+            "i2v-480p-step-distilled": (12, 1.0, 7.0), "i2v-720p-distilled": (50, 1.0, 7.0),
+            "lite-distill-t2v": (10, 1.0, 5.0), "pro-distill-i2v": (10, 1.0, 5.0)}
 
 
 @pytest.mark.parametrize("family, flavour", [(f, n) for f, names in NEW.items() for n in names])

@@ -59,6 +59,11 @@ CASES = [
     Case("hunyuanvideo-1.5", "i2v-480p", "crepa"),
     Case("hunyuanvideo-1.5", "t2v-720p", ""),
     Case("hunyuanvideo-1.5", "i2v-720p", ""),
+    # Kandinsky 6: one transformer file per size and head (pretrain is sft's); i2v's tail frame, the π-Flow head
+    Case("kandinsky6", "lite-t2v", "tread", ("lite-pretrain-t2v",)),
+    Case("kandinsky6", "lite-distill-i2v", "crepa", ("lite-distill-t2v",)),
+    Case("kandinsky6", "pro-i2v", "tread", ("pro-t2v", "pro-pretrain-t2v", "pro-pretrain-i2v")),
+    Case("kandinsky6", "pro-distill-t2v", "crepa", ("pro-distill-i2v",)),
 ]
 
 
@@ -118,11 +123,11 @@ def test_vae_encode_at_released_size(flavour: str, patch_conv: bool) -> None:
     assert tuple(latent.shape) == latent_shape(family)
 
 
-@pytest.mark.parametrize("flavour", ["t2v-lite-sft-5s", "t2i-lite-sft"])
+@pytest.mark.parametrize("flavour", ["t2v-lite-sft-5s", "t2i-lite-sft", "lite-t2v"])
 def test_text_encoders_at_released_size(flavour: str) -> None:
-    """A prompt longer than the tokens Kandinsky 5 keeps (256 video, 512 image), through the released Qwen2.5-VL and
-    CLIP-L as `encode_text` runs them (`prompt_tensors`; the offline byte-level tokenizers: one token per byte): the
-    row is as wide as the released transformer takes (in_text_dim, in_text_dim2)."""
+    """A prompt longer than the tokens Kandinsky 5 and 6 keep (256 video, 512 image; Kandinsky 6 1024), through the
+    released Qwen2.5-VL and CLIP-L as `encode_text` runs them (`prompt_tensors`; the offline byte-level tokenizers:
+    one token per byte): the row is as wide as the released transformer takes (in_text_dim, in_text_dim2)."""
     from loraflow.pipelines.tiny_parts import clip_tokenizer, qwen_tokenizer
 
     case = next(c for c in CASES if c.flavour == flavour)

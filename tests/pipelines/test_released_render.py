@@ -122,7 +122,8 @@ def test_fp8_layerwise_training_step_at_released_size() -> None:
 # a validation render per family; Kandinsky 5 Video's i2v (its pipeline also encodes the conditioning image at the
 # render size; t2v's pipeline differs only in leaving that out)
 RENDERS = [Case("kandinsky5-video", "i2v-lite-5s", ""),
-           Case("kandinsky5-image", "t2i-lite-sft", ""), Case("hunyuanvideo-1.5", "t2v-480p", "")]
+           Case("kandinsky5-image", "t2i-lite-sft", ""), Case("hunyuanvideo-1.5", "t2v-480p", ""),
+           Case("kandinsky6", "pro-i2v", "")]  # its tail frame at Pro's width; video alone (no audio VAE, vocoder)
 
 
 def fake_pipeline(family: Any, flavour: str, plan: RenderPlan = RenderPlan(), mode: Any = None) -> Any:
@@ -167,7 +168,7 @@ def test_validation_render_at_released_size(case: Case, plan: RenderPlan) -> Non
     mode = fake_mode()
     pipe = fake_pipeline(family, case.flavour, plan, mode)
     row = family.example_text_row(pipe.transformer.config, 512)
-    image = {"image": np.zeros((height, width, 3), np.uint8)} if family.flavour.conditioning_frames else {}
+    image = {"image": np.zeros((height, width, 3), np.uint8)} if family.flavour.image_is_first_frame else {}
     # the pipeline asks values of the conditioning image it preprocesses (is it in [0, 1]): known up to its size
     with mode, recorded_calls(pipe.transformer) as calls, known_values(limit=height * width * 3):
         with pytest.raises(RuntimeError, match=r"\.numpy\(\) is not supported for tensor subclasses") as error:
@@ -187,5 +188,6 @@ def test_validation_render_at_released_size(case: Case, plan: RenderPlan) -> Non
 
 QUERY = {"kandinsky5-video": "visual_transformer_blocks.0.self_attention.to_query",
          "kandinsky5-image": "visual_transformer_blocks.0.self_attention.to_query",
-         "hunyuanvideo-1.5": "transformer_blocks.0.attn.to_q"}
+         "hunyuanvideo-1.5": "transformer_blocks.0.attn.to_q",
+         "kandinsky6": "visual_transformer_blocks.0.video_dec_block.self_attention.to_query"}
 

@@ -299,7 +299,8 @@ def test_the_family_tables_accept_the_classes_diffusers_pipelines_declare() -> N
 
     pipelines = {"kandinsky5-video": ("Kandinsky5T2VPipeline", "Kandinsky5I2VPipeline"),
                  "kandinsky5-image": ("Kandinsky5T2IPipeline", "Kandinsky5I2IPipeline"),
-                 "hunyuanvideo-1.5": ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")}
+                 "hunyuanvideo-1.5": ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
+                 "kandinsky6": ("Kandinsky6TI2VAPipeline",)}
     for family, names in pipelines.items():
         for name in names:
             for component, types in getattr(diffusers, name)._get_signature_types().items():

@@ -16,16 +16,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
-from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
 from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import extract_glyph_texts
 from PIL import Image
-from safetensors.torch import save_file
 
 from loraflow.kernels.tread import TokenLayout
 from loraflow.keys import content_key
@@ -34,8 +32,10 @@ from loraflow.pipelines.base import (
     RenderSettings,
     TextRow,
     compute_dtype,
+    first_frame,
     load_pipeline,
-    lora_file_header,
+    padded,
+    save_transformer_lora,
     scaled_posterior,
     set_lora_scale,
 )
@@ -65,7 +65,6 @@ IMAGE_TOKENS = 729  # SigLIP so400m/14-384 tokens; all zero for t2v (the DiT the
 IMAGE_COMPONENTS = ("image_encoder", "feature_extractor")  # SigLIP, loaded by the latents stage for i2v
 TEXT_SIGNATURE = content_key(system=SYSTEM_MESSAGE, max_tokens=MAX_TEXT_TOKENS, layer=HIDDEN_LAYER,
                              glyph_tokens=GLYPH_TOKENS, glyph="extract_glyph_texts")
-LORA_FILE = LORA_WEIGHT_NAME_SAFE  # pytorch_lora_weights.safetensors
 # Main dual-stream blocks only: the same projection names also exist in the token refiner
 # (context_embedder.token_refiner.refiner_blocks.*), which a LoRA should leave alone.
 ATTENTION_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -134,6 +133,7 @@ class HunyuanVideo15:
     tread_layout: TokenLayout = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0,
                                             depth="num_layers")
     comfyui_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_COMFYUI_NAMES  # the ComfyUI file
+    text_twin: ClassVar[None] = None  # no other family encodes its texts alike
 
     @property
     def image_condition_components(self) -> tuple[str, ...]:
@@ -199,8 +199,8 @@ class HunyuanVideo15:
 
         Shorter than the pipeline's 1000/256 padding, and exact: the DiT zeroes and masks invalid tokens.
         """
-        text, text_mask = _pad([r["text_embeds"] for r in rows], [np.ones(len(r["text_embeds"])) for r in rows])
-        byt5, byt5_mask = _pad([r["byt5_embeds"] for r in rows], [r["byt5_mask"] for r in rows])
+        text, text_mask = padded([r["text_embeds"] for r in rows], [np.ones(len(r["text_embeds"])) for r in rows])
+        byt5, byt5_mask = padded([r["byt5_embeds"] for r in rows], [r["byt5_mask"] for r in rows])
         return {"text_embeds": text.to(device), "text_mask": text_mask.to(device),
                 "byt5_embeds": byt5.to(device), "byt5_mask": byt5_mask.to(device)}
 
@@ -316,13 +316,11 @@ class HunyuanVideo15:
     def save_lora(
         self, state_dict: dict[str, torch.Tensor], out_dir: str | Path, adapter_config: dict | None = None
     ) -> None:
-        """diffusers format: `transformer.`-prefixed keys in pytorch_lora_weights.safetensors and the LoraConfig
-        in its header, which `transformer.load_lora_adapter(out_dir, weight_name=LORA_FILE)` reads (HV1.5
-        pipelines have no LoRA mixin, so this writes what diffusers' `save_lora_weights` would)."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tensors = {f"transformer.{k}": v.detach().contiguous() for k, v in state_dict.items()}
-        save_file(tensors, out / LORA_FILE, metadata=lora_file_header("transformer", adapter_config))
+        """diffusers format (HV1.5 pipelines have no LoRA mixin): `save_transformer_lora`."""
+        save_transformer_lora(state_dict, out_dir, adapter_config)
+
+    def encodes_like_twin(self, tokenizer: Any, text: str) -> bool:
+        return False  # no twin
 
     # 4. render ---------------------------------------------------------------------------------------
     def load_renderer(
@@ -365,15 +363,9 @@ class HunyuanVideo15:
 
     def _image_input(self, pipe: Any, image: np.ndarray | None, settings: RenderSettings) -> dict[str, Any]:
         """i2v: {"image": PIL} (checked: size, and that the pipeline renders at that size); t2v: height, width."""
-        if not self.flavour.image_is_first_frame:
-            if image is not None:
-                raise ValueError(f"flavour '{self.flavour.name}' is text-to-video: it takes no conditioning image")
+        picture = first_frame(self.flavour, image, settings)
+        if picture is None:
             return {"height": settings.height, "width": settings.width}
-        if image is None:
-            raise ValueError(f"flavour '{self.flavour.name}' renders from a first frame: pass `image`")
-        if image.shape != (settings.height, settings.width, 3) or image.dtype != np.uint8:
-            raise ValueError(f"the conditioning image must be uint8 {(settings.height, settings.width, 3)}; "
-                             f"got {image.dtype} {image.shape}")
         # The i2v pipeline takes no height/width: it crop-resizes the image to the bucket of transformer
         # target_size closest to its aspect (HVI:756-759). Another size would render silently at that bucket.
         bucket = pipe.video_processor.calculate_default_height_width(settings.height, settings.width, pipe.target_size)
@@ -381,7 +373,7 @@ class HunyuanVideo15:
             raise ValueError(f"`validation_resolution` {settings.width}x{settings.height}: HunyuanVideo 1.5 i2v "
                              f"renders at its size bucket {bucket[1]}x{bucket[0]} (WxH) for that aspect "
                              f"(target_size {pipe.target_size}); set validation_resolution to it")
-        return {"image": Image.fromarray(image)}
+        return {"image": picture}
 
 
 def frame_causal_mask(n_frame: int, n_hw: int, dtype: torch.dtype, device: torch.device,
@@ -399,17 +391,6 @@ def frame_causal_mask(n_frame: int, n_hw: int, dtype: torch.dtype, device: torch
 
 # every HV1.5 VAE in the process (encode, validation decode, the estimates' fake ones) builds its mask so
 HunyuanVideo15AttnBlock.prepare_causal_attention_mask = staticmethod(frame_causal_mask)
-
-
-def _pad(arrays: list[np.ndarray], masks: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L_i, D) arrays -> zero-padded (B, L, D) float32 and a (B, L) float mask."""
-    length = max(len(a) for a in arrays)
-    embeds = torch.zeros(len(arrays), length, arrays[0].shape[-1])
-    mask = torch.zeros(len(arrays), length)
-    for i, (a, m) in enumerate(zip(arrays, masks)):
-        embeds[i, : len(a)] = torch.from_numpy(np.asarray(a, np.float32))
-        mask[i, : len(m)] = torch.from_numpy(np.asarray(m, np.float32))
-    return embeds, mask
 
 
 def make_family(flavour: str | None) -> HunyuanVideo15:

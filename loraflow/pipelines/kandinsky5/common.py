@@ -25,7 +25,7 @@ from transformers import ProcessorMixin
 
 from loraflow.kernels.tread import TokenLayout
 from loraflow.keys import content_key
-from loraflow.pipelines.base import TextRow, compute_dtype, stacked
+from loraflow.pipelines.base import TextRow, compute_dtype, scaled_posterior, stacked
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.sources import ModelSource
@@ -69,6 +69,15 @@ def pooled_output(components: Mapping[str, Any], text: str) -> torch.Tensor:
         [text], max_length=CLIP_TOKENS, truncation=True, padding="max_length", return_tensors="pt"
     ).to(clip.device)
     return clip(**clip_ids)["pooler_output"][0]
+
+
+def encode_video(vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
+    """uint8 (B, F, H, W, 3) -> AutoencoderKLHunyuanVideo's scaled latents (B, 16, T, h, w) (`scaled_posterior`), as
+    Kandinsky 5 Video encodes its clips: Kandinsky 6 encodes its clips with this same function, so a latent of one is
+    a latent of the other (the latent key names the clip and the VAE, not the family)."""
+    pixels = frames.permute(0, 4, 1, 2, 3).to(vae.dtype) / 127.5 - 1.0  # (B, 3, F, H, W) in [-1, 1]
+    posterior = vae.encode(pixels).latent_dist
+    return scaled_posterior(posterior, sampling, vae.config.scaling_factor)  # the pipeline divides by it, no shift
 
 
 def cu_seqlens(embeds: torch.Tensor) -> torch.Tensor:
@@ -145,6 +154,10 @@ class Kandinsky5Shared:
 
     # "original" / "diffusers" -> the system prompt template; hidden states are cropped after its prefix
     prompt_templates: ClassVar[dict[str, str]]
+    # Texts go through diffusers' `prompt_clean` first, as every Kandinsky 5 pipeline cleans them (Kandinsky 6's
+    # pipeline and original encode the text as given)
+    cleans_prompts: ClassVar[bool] = True
+    text_twin: ClassVar[None] = None  # `ModelFamily.text_twin`: none
     flavour: Flavour
     template: str = "original"  # which of `prompt_templates` (config `kandinsky5_prompt_template`)
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -194,7 +207,7 @@ class Kandinsky5Shared:
         """One text's row as tensors on the encoders' device (`encode_text` stores them as numpy; the real-size dry
         runs call this on fake encoders, which have no numbers to store)."""
         tokenizer, qwen = components["tokenizer"], components["text_encoder"]
-        text, limit = prompt_clean(text), crop + self.max_text_tokens
+        text, limit = prompt_clean(text) if self.cleans_prompts else text, crop + self.max_text_tokens
         templated = tokenizer(self.prompt_template.format(text))["input_ids"]
         ids = torch.tensor([templated[:limit]], device=qwen.device)  # the pipeline's truncation=True
         hidden = qwen(input_ids=ids, output_hidden_states=True, return_dict=True)["hidden_states"][-1]
@@ -204,6 +217,14 @@ class Kandinsky5Shared:
             # of the tokens encoded: the cleaned text, and the template's end (<|im_end|>) is cut first
             "truncated": len(templated) > limit,
         }
+
+    def encodes_like_twin(self, tokenizer: Any, text: str) -> bool:
+        return False  # no twin
+
+    def templated_tokens(self, tokenizer: Any, text: str) -> int:
+        """Tokens of `text` inside the template, cleaned as `prompt_tensors` cleans it, before any truncation."""
+        text = prompt_clean(text) if self.cleans_prompts else text
+        return len(tokenizer(self.prompt_template.format(text))["input_ids"])
 
     def collate_text(self, rows: list[TextRow], device: torch.device) -> dict[str, torch.Tensor]:
         lengths = {len(r["text_embeds"]) for r in rows}

@@ -20,6 +20,7 @@ from typing import Any
 from loraflow.pipelines.hunyuanvideo15.spec import SPEC as HV15
 from loraflow.pipelines.kandinsky5.image.spec import SPEC as K5_IMAGE
 from loraflow.pipelines.kandinsky5.video.spec import SPEC as K5_VIDEO
+from loraflow.pipelines.kandinsky6.spec import SPEC as K6
 
 FOLDER = Path(__file__).parent
 CREPA_ENCODER = "crepa_encoder"  # CREPA's teacher, the same for every flavour
@@ -48,15 +49,27 @@ def _hv15(flavour: str) -> dict[str, str]:
     return files | ({"image_encoder": "siglip-so400m"} if task == "i2v" else {})
 
 
+def _k6(flavour: str) -> dict[str, str]:
+    # pretrain has its sft's files (same architecture); the π-Flow distilled transformers output n_grid velocities
+    # per channel and their audio VAE scales its latents by its own factor. Video VAE and text encoders: Kandinsky 5's
+    # (the pipeline's classes; diffusers' Kandinsky6TI2VAPipeline docs: AutoencoderKLHunyuanVideo, Qwen2.5-VL, CLIP)
+    size, distill = flavour.split("-")[0], "-distill" if "-distill-" in flavour else ""
+    return {"transformer": f"k6-{size}{distill}", "vae": "hunyuanvideo", "text_encoder": "qwen2.5-vl-7b",
+            "text_encoder_2": "clip-l", "audio_vae": f"k6{distill}", "vocoder": "k6"}
+
+
 # flavour name -> {component: file stem}; the file is `<stem>.<component>.json`
 FLAVOURS: dict[str, dict[str, str]] = {
     **{f.name: _k5_video(f.name) for f in K5_VIDEO.flavours},
     **{f.name: _k5_image(f.name) for f in K5_IMAGE.flavours},
     **{f.name: _hv15(f.name) for f in HV15.flavours},
+    **{f.name: _k6(f.name) for f in K6.flavours},
 }
+if len(FLAVOURS) != sum(len(spec.flavours) for spec in (K5_VIDEO, K5_IMAGE, HV15, K6)):
+    raise ValueError("two families name a flavour alike: flavour names key these files, so each must be unique")
 # a flavour's diffusers repository -> its first flavour (i2v-pro-pretrain-5s has none: its config is I2V-Pro-sft-5s's;
 # Pro's SD and HD flavours share their repository and its files)
-REPOS = {repo: name for repo, name in reversed([(f.repo, f.name) for spec in (K5_VIDEO, K5_IMAGE, HV15)
+REPOS = {repo: name for repo, name in reversed([(f.repo, f.name) for spec in (K5_VIDEO, K5_IMAGE, HV15, K6)
                                                 for f in spec.flavours if f.repo])}
 
 

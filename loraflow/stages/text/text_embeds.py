@@ -4,6 +4,10 @@ Texts: every caption, the empty prompt (caption dropout, unconditional; an empty
 prompt too), the negative prompts and every validation prompt (`validation_prompt` and the
 `user_prompt_library`). Training and validation then never load a text encoder.
 
+A family with a `text_twin` (Kandinsky 6: Kandinsky 5 Video) keys each text its twin encodes alike as the twin keys
+it (family, template and token limit the twin's; `encodes_like_twin`, with the first encoder's tokenizer): a cache the
+twin filled serves it, and rows it computes for such texts serve the twin.
+
 Kandinsky 5 i2i's prompt embedding also sees the source image, so there a text is a (text, image) item: each
 caption and the empty prompt with its clip's source image (`clip["condition"]`), the validation prompts and the
 negative prompt with the image validation renders from (`validate.prompt_image`). Every other flavour's items
@@ -11,10 +15,11 @@ have image "" and keys without an image.
 
 Store schema (`text_embeds/shards/*.parquet`, one row per distinct key):
     key              str   content_key(text, family, encoder fingerprints (config + weight files), template
-                           and token limit (`family.text_signature`, `max_text_tokens`), dtype, CODE_VERSION)
+                           and token limit (`family.text_signature`, `max_text_tokens`), dtype, CODE_VERSION); the
+                           twin's family, template and limit for a text it encodes alike
     text             str   the text as given (the family cleans it before encoding)
     image            str   i2i: the id of the source image the embedding saw; "" for every other flavour
-    family           str   the family that encoded it
+    family           str   the family whose computation it is (the twin's for a text keyed as the twin's)
     encoders         str   JSON {component: fingerprint} of the text encoders and tokenizers
     precision        str   fp32 | bf16 | int8-torchao: the first text encoder's (`text_encoder_1_precision`)
     n_tokens         int   valid tokens of `text_embeds` (L)
@@ -35,7 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -106,11 +111,12 @@ def encode_texts(
     precision = config.text_encoder_1_precision
     encoders = {name: component_fingerprint(model, name) for name in family.text_components}
     items = needed_texts(config, family, model, store)
-    keys = {item: text_key(item[0], family, encoders, precision, image=item[1]) for item in items}
+    keyed = keying_families(family, model, items)
+    keys = {item: text_key(item[0], keyed[item], encoders, precision, image=item[1]) for item in items}
     have = store.keys("text_embeds")
     todo = {item: image for item, image in items.items() if keys[item] not in have}
     device = pick_device()
-    stats = _encode(config, family, model, store, todo, keys, encoders, device, batch_texts) if todo else {}
+    stats = _encode(config, family, model, store, todo, keys, keyed, encoders, device, batch_texts) if todo else {}
     if len(stats) < len(items):  # reused rows: their counts come from the store, not the encoder
         stored = store.get("text_embeds", [keys[i] for i in items if i not in stats], columns=["n_tokens", "truncated"])
         by_key = {k: item for item, k in keys.items()}
@@ -135,10 +141,20 @@ def encode_texts(
     )
 
 
+def keying_families(family: ModelFamily, model: ModelSource, items: Iterable[TextItem]) -> dict[TextItem, ModelFamily]:
+    """The family each item is keyed as: the twin for a text-only item it encodes alike, else `family` itself. The
+    first text encoder's tokenizer (alone: no model loads) counts the tokens."""
+    twin = family.text_twin
+    if twin is None:
+        return {item: family for item in items}
+    tokenizer = load_component(model, family.text_components[1])
+    return {item: twin if not item[1] and family.encodes_like_twin(tokenizer, item[0]) else family for item in items}
+
+
 def _encode(
     config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store,
-    todo: dict[TextItem, ImageLoader | None], keys: dict[TextItem, str], encoders: dict[str, str],
-    device: torch.device, batch_texts: int,
+    todo: dict[TextItem, ImageLoader | None], keys: dict[TextItem, str], keyed: dict[TextItem, ModelFamily],
+    encoders: dict[str, str], device: torch.device, batch_texts: int,
 ) -> dict[TextItem, dict[str, Any]]:
     """Load the encoders, encode `todo` shortest first and commit each batch as a shard; free the encoders."""
     offload = config.offload_during_startup and device.type != "cpu"
@@ -148,7 +164,7 @@ def _encode(
         tokenizer = next(c for c in components.values() if not isinstance(c, torch.nn.Module))  # the first encoder's
         counts = {text: caption_tokens(tokenizer, text) for text, _ in todo}
         order = sorted(todo, key=lambda item: (counts[item[0]], item))  # similar lengths share a batch
-        fixed = {"family": family.name, "encoders": json.dumps(encoders, sort_keys=True),
+        fixed = {"encoders": json.dumps(encoders, sort_keys=True),
                  "precision": config.text_encoder_1_precision}
         for start in tqdm(range(0, len(order), batch_texts), desc="text_embeds", unit="batch"):
             batch = order[start : start + batch_texts]
@@ -158,7 +174,8 @@ def _encode(
                 encoded = family.encode_text(components, [text for text, _ in batch], images=images)
             # a family may say itself (i2i: the budget left beside the image's vision tokens)
             cut = [e.pop("truncated", counts[item[0]] > family.max_text_tokens) for item, e in zip(batch, encoded)]
-            shard = [{"key": keys[item], "text": item[0], "image": item[1], **fixed, "n_tokens": len(e["text_embeds"]),
+            shard = [{"key": keys[item], "text": item[0], "image": item[1], "family": keyed[item].name, **fixed,
+                      "n_tokens": len(e["text_embeds"]),
                       "truncated": bool(c), **e} for item, e, c in zip(batch, encoded, cut)]
             store.put("text_embeds", shard)
             stats |= {item: row for item, row in zip(batch, shard)}

@@ -21,8 +21,8 @@ from PIL import Image
 from loraflow.pipelines.base import (
     RenderSettings,
     TextRow,
+    first_frame,
     load_pipeline,
-    scaled_posterior,
     set_flavour_config,
     set_lora_scale,
 )
@@ -81,9 +81,7 @@ class Kandinsky5Video(Kandinsky5Shared):
 
     # 2. latents ----------------------------------------------------------------------------------
     def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
-        pixels = frames.permute(0, 4, 1, 2, 3).to(vae.dtype) / 127.5 - 1.0  # (B, 3, F, H, W) in [-1, 1]
-        posterior = vae.encode(pixels).latent_dist
-        return scaled_posterior(posterior, sampling, vae.config.scaling_factor)  # the pipeline divides by it, no shift
+        return kandinsky5.encode_video(vae, frames, sampling)
 
     # 3. transformer --------------------------------------------------------------------------------
     def velocity(
@@ -160,20 +158,13 @@ class Kandinsky5Video(Kandinsky5Shared):
 
     def _image_input(self, image: np.ndarray | None, settings: RenderSettings) -> dict[str, Image.Image]:
         """{"image": PIL} for i2v (checked: size, frame count), {} for t2v (which takes no image)."""
-        if not self.flavour.conditioning_frames:
-            if image is not None:
-                raise ValueError(f"flavour '{self.flavour.name}' is text-to-video: it takes no conditioning image")
+        picture = first_frame(self.flavour, image, settings)
+        if picture is None:
             return {}
-        if image is None:
-            raise ValueError(f"flavour '{self.flavour.name}' renders from a first frame: pass `image`")
-        if image.shape != (settings.height, settings.width, 3) or image.dtype != np.uint8:
-            # The pipeline would resize (stretch) it silently; the caller crops to the render size instead.
-            raise ValueError(f"the conditioning image must be uint8 {(settings.height, settings.width, 3)}; "
-                             f"got {image.dtype} {image.shape}")
         if settings.num_frames < I2V_MIN_FRAMES:
             raise ValueError(f"`validation_num_video_frames` {settings.num_frames}: Kandinsky 5 i2v needs at least "
                              f"{I2V_MIN_FRAMES} frames (5 latent frames; fewer render NaN); use {I2V_MIN_FRAMES}")
-        return {"image": Image.fromarray(image)}
+        return {"image": picture}
 
 
 def _rope_scale(height: int, width: int) -> tuple[float, float, float]:

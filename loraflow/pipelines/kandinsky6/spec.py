@@ -1,0 +1,114 @@
+"""Kandinsky 6.0's plain data: flavours, repository ids and released-config names, each number with its citation
+(loraflow/pipelines/citations.py). The family itself is `kandinsky6.family` (torch, diffusers), imported only when a
+stage needs it.
+
+Releases: Lite (3B) and Pro (29B), each as pretrain, sft and a π-Flow distilled checkpoint, 5 s of 24 fps video with
+44.1 kHz sound, one checkpoint for text-to-video and image-to-video (kandinsky-6 README.md; diffusers' model table).
+Repository ids: the original's checkpoint catalog (kandinsky-6 fork kandinsky/runtime/weights.py, `CHECKPOINTS`:
+pro, pro-distill, pro-pretrain, lite, lite-distill, lite-pretrain), which diffusers@d641013's table lists too; the sft
+checkpoints carry no stage in their id (Kandinsky-6.0-Pro-5s-Diffusers). Flavours are named by that catalog and the
+task (lite-t2v, pro-distill-i2v).
+
+Tasks (`visual_cond_scheme`, the original's name, kandinsky-6 fork kandinsky/pipeline/config.py GenerationConfig):
+t2v gives the transformer no image (zero condition channels and mask); i2v is `tail_cond_first_frame`, the only
+image scheme diffusers' Kandinsky6TI2VAPipeline runs: the image's latent is appended as one extra clean latent frame
+after the generated ones, masked, with token type 1 and the rotary position of frame 0. Every generated frame is
+noised and stepped, frame 0 included: no frame is given (`conditioning_frames` 0), and an i2v run can train batches
+as t2v (`i2v_prob`). The original's other schemes ("pretrain": the image in the condition channels of frame 0,
+"i2v": the image as frame 0) are not released through diffusers and are no flavour here.
+"""
+
+from __future__ import annotations
+
+from loraflow.pipelines.citations import cite
+from loraflow.pipelines.flavours import CLIP_TOKENIZERS, QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
+
+# Beside Kandinsky 5's parts: the audio VAE and its vocoder (`Kandinsky6TI2VAPipeline` optional components), which
+# the audio stage and the renders with sound load
+PARTS = (*TWO_ENCODER_PARTS, "audio_vae", "vocoder")
+TEXT_TOKENS = 1024
+# The classes a Kandinsky 6 checkpoint's model_index.json may name (`Flavour.classes`): what diffusers 0.42.1's
+# Kandinsky6TI2VAPipeline annotates (tests/pipelines/test_sources.py reads them), the scheduler by stage: the π-Flow
+# distilled checkpoints PiflowScheduler, the others FlowMatchEulerDiscreteScheduler (FastVideo K6's Models table). The
+# tokenizer is annotated as the Qwen2.5-VL processor; the tiny checkpoint saves the plain tokenizer it wraps, as
+# Kandinsky 5's does (and a folder converted for Kandinsky 5 names Kandinsky 5's processor).
+CLASSES = {
+    "transformer": ("diffusers.Kandinsky6Transformer3DModel",),
+    "vae": ("diffusers.AutoencoderKLHunyuanVideo",),
+    "text_encoder": ("transformers.Qwen2_5_VLForConditionalGeneration",),
+    "tokenizer": ("transformers.Qwen2_5_VLProcessor", "transformers.Qwen2VLProcessor", *QWEN_TOKENIZERS),
+    "text_encoder_2": ("transformers.CLIPTextModel",),
+    "tokenizer_2": CLIP_TOKENIZERS,
+    "audio_vae": ("diffusers.MMAudioVAE",),
+    "vocoder": ("diffusers.MMAudioVocoder",),
+}
+SCHEDULERS = {"flow": ("diffusers.FlowMatchEulerDiscreteScheduler",), "piflow": ("diffusers.PiflowScheduler",)}
+SIZES = {"lite": "Lite", "pro": "Pro"}
+STAGES = ("sft", "pretrain", "distill")
+
+_TABLE = "docs/source/en/api/pipelines/kandinsky6.md \"Available models\""
+SOURCES = {
+    "fps": cite("diffusers 0.42.1", "pipeline_kandinsky6_ti2va.py __call__ frame_rate=24.0 (the kandinsky-6 fork's "
+                                    "pipeline/pipeline.py Kandinsky6Pipeline fps=24.0)"),
+    "num_frames": cite("diffusers 0.42.1", "pipeline_kandinsky6_ti2va.py __call__ num_frames=121: 5 s at 24 fps and "
+                                           "the first frame (kandinsky-6 README.md: 5-second clips)"),
+    "size": cite("diffusers 0.42.1", "pipeline_kandinsky6_ti2va.py __call__ height=512, width=768 (the kandinsky-6 "
+                                     "fork's pipeline/config.py GenerationConfig height 512, width 768)"),
+    "text_tokens": cite("kandinsky-6", "comfyui/kandinsky6/nodes.py _tokenize_k6: \"Canonical K6 admits at most 1024 "
+                                       "caption tokens after its 129-token prompt prefix\" (diffusers 0.42.1 "
+                                       "__call__ max_sequence_length=1024; the fork's TextEmbedderConfig max_length "
+                                       "1024)"),
+    "conditioning_frames": cite("diffusers 0.42.1", "pipeline_kandinsky6_ti2va.py __call__ step 6: the image is an "
+                                                    "appended tail frame (`tail_cond`); every generated latent frame "
+                                                    "is noised and stepped"),
+    "training_shift": cite("loraflow", "the render shift: no release states a training shift (the original "
+                                       "repository ships no trainer)"),
+}
+
+
+def repo(size: str, stage: str) -> str:
+    """The diffusers-format repository of a release; sft's id names no stage."""
+    return f"kandinskylab/Kandinsky-6.0-{SIZES[size]}{'' if stage == 'sft' else f'-{stage}'}-5s-Diffusers"
+
+
+def name(task: str, size: str, stage: str) -> str:
+    """The original's checkpoint catalog name (lite, lite-distill, pro-pretrain, ...; sft is the bare size), then the
+    task: lite-t2v, pro-distill-i2v."""
+    return f"{size}{'' if stage == 'sft' else f'-{stage}'}-{task}"
+
+
+def _flavour(task: str, size: str, stage: str) -> Flavour:
+    distilled = stage == "distill"
+    steps, guidance = (10, 1.0) if distilled else (50, 5.0)
+    scheduler = "PiflowScheduler (n_grid 10, shift 5.0)" if distilled else "FlowMatchEulerDiscreteScheduler (shift 5.0)"
+    sources = {
+        **SOURCES,
+        "flow_shift": cite("FastVideo K6", f"Models table, {repo(size, stage).split('/')[1]}: {scheduler} (the "
+                                           "checkpoint's scheduler_config.json wins once downloaded)"),
+        "guidance": cite("diffusers@d641013", f"{_TABLE}: guidance_scale={guidance}"),
+        "steps": cite("diffusers@d641013", f"{_TABLE}: {steps} steps (FastVideo K6's preset agrees; diffusers "
+                                           "0.42.1's example docstring says 16)" if distilled else
+                      f"{_TABLE}: {steps} steps"),
+    }
+    classes = {**CLASSES, "scheduler": SCHEDULERS["piflow" if distilled else "flow"]}
+    return Flavour(name(task, size, stage), task, 24.0, 121, (512, 768), 5.0, guidance, PARTS,
+                   repo=repo(size, stage), steps=steps, text_tokens=TEXT_TOKENS, sources=tuple(sources.items()),
+                   classes=classes)
+
+
+def is_distilled(flavour: Flavour) -> bool:
+    """A π-Flow checkpoint: `PiflowScheduler`, guidance 1.0, `n_grid` velocities per latent channel."""
+    return "-distill-" in flavour.name
+
+
+SPEC = FamilySpec(
+    name="kandinsky6",
+    description="Kandinsky 6.0 Lite and Pro (pretrain, sft, π-Flow distilled), text-to-video and image-to-video, "
+                "with its sound or without",
+    flavours=tuple(_flavour(task, size, stage) for task in ("t2v", "i2v") for size in SIZES for stage in STAGES),
+    default_flavour="lite-t2v",
+    spatial_multiple=16,  # VAE 8x (AutoencoderKLHunyuanVideo), patch 2x2
+    vae_temporal_factor=4,
+    module="loraflow.pipelines.kandinsky6.family",
+    tiny_module="loraflow.pipelines.kandinsky6.tiny",
+)
