@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 def missing_input(what: str) -> NoReturn:
     """An input from outside the repository that a test needs is not here (Chromium, a server's package, the seed
     guides of ../shared, the real Qwen vocabulary): the test skips, saying so; under CI (`CI` set) it fails, since CI
-    has each one (.ci/run installs the first two, `make setup-test` builds the vocabulary, shared/ lies beside CI's clone)
-    and a skip there would hide a test that never ran."""
+    has each one (.ci/run installs the first two, `make setup-test` builds the vocabulary, shared/ lies beside CI's
+    clone) and a skip there would hide a test that never ran."""
     if os.environ.get("CI"):
         pytest.fail(f"{what} (CI is set: what a test needs must be there)", pytrace=False)
     pytest.skip(what)

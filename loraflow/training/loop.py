@@ -26,7 +26,7 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from loraflow.atomic import write_json
-from loraflow.config import LoraflowConfig
+from loraflow.config import ConfigError, LoraflowConfig
 from loraflow.config.run_key import run_key_settings
 from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
 from loraflow.contracts.reports import LoraReport, TrainStep
@@ -79,6 +79,10 @@ log = logging.getLogger(__name__)
 # 1. the run ----------------------------------------------------------------------------------------------------
 def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store) -> LoraReport:
     """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
+    if config.train_audio:  # cached by the audio_latents stage; the joint step of both streams is not built yet
+        raise ConfigError(["`train_audio`: the sound of each clip is cached (the audio_latents stage), but training "
+                           "it with the picture is not built yet: set train_audio: false to train the picture alone "
+                           "(Kandinsky 6's transformer then denoises video without audio tokens)"])
     # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
     world, device = join(config.num_processes, config.fsdp)
     changed = changed_sources(store, config.dataset_folders) if world.main else []

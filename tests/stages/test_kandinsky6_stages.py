@@ -125,3 +125,24 @@ def test_scheduled_sampling_refuses_a_piflow_head(tmp_path: Path) -> None:
     with torch.no_grad(), pytest.raises(ValueError, match="scheduled_sampling_max_step_offset: 0"):
         roll_out(lambda x, s: family.velocity(transformer, x, s, text), x0, x0, noise, torch.tensor([0.5]),
                  torch.tensor([3]))
+
+
+def test_the_sound_of_a_clip_is_cached_on_kandinsky6_and_its_training_is_refused_until_built(root: Path) -> None:
+    """`train_audio` on the tiny Kandinsky 6: the audio_latents stage encodes each clip's sound with the checkpoint's
+    own audio VAE (a rerun computes nothing); the demo clips have no track, so their rows say so. Training both
+    streams is not built: the lora stage refuses, naming the key, before it reads anything."""
+    from loraflow.config import ConfigError
+    from loraflow.contracts.audio_rows import read_audio_rows
+    from loraflow.stages.audio.audio_latents import encode_audio
+
+    data = demo_dict(root / "k6", root / "data", root, model_family="kandinsky6", train_audio=True)
+    data.pop("model_flavour")
+    config = load_config(write_config(root / "k6-audio.yaml", data))
+    store, model = Store(config.cache_dir), model_source(config)
+    run(config, CACHES[:1])
+    report = encode_audio(config, model, store)
+    rows = read_audio_rows(store)
+    assert report.computed == 2 and len(rows) == 2 and {r.status for r in rows.values()} == {"no_audio"}
+    assert encode_audio(config, model, store).computed == 0
+    with pytest.raises(ConfigError, match="train_audio"):
+        T.train_lora(config, get_family(config), model, store)

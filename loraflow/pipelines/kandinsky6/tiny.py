@@ -25,11 +25,12 @@ from diffusers import (
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.kandinsky5.tiny_parts import kandinsky5_pipeline
 from loraflow.pipelines.kandinsky5.video.tiny import hunyuan_video_vae
+from loraflow.pipelines.kandinsky6.audio_vae import TINY_CONFIG as TINY_AUDIO_VAE
 from loraflow.pipelines.kandinsky6.spec import SPEC, is_distilled
 from loraflow.pipelines.tiny_parts import TEXT_DIM, TinyPipeline, recipe_name
 
-AUDIO_CHANNELS = 8  # the audio VAE's latent channels = the transformer's audio input width (released: 40)
-MEL_BINS = 16  # released: 128
+AUDIO_CHANNELS = TINY_AUDIO_VAE["latent_channels"]  # = the transformer's audio input width (released: 40)
+MEL_BINS = TINY_AUDIO_VAE["mel_bins"]  # released: 128
 N_GRID = 2  # π-Flow velocities per channel of the distilled tiny transformer (released: 10)
 SHIFT = 5.0  # the released schedulers' shift (spec.py cites it)
 
@@ -49,9 +50,8 @@ def transformer(n_grid: int = 1) -> Kandinsky6Transformer3DModel:
 
 
 def audio_vae() -> MMAudioVAE:
-    """Two levels (the encoder halves the mel frames once, as released), released rate, FFT and hop."""
-    return MMAudioVAE(mel_bins=MEL_BINS, latent_channels=AUDIO_CHANNELS, hidden_channels=8, channel_multipliers=(1, 2),
-                      layers_per_block=1, sample_rate=44_100, n_fft=2048, hop_length=512, scaling_factor=0.417).eval()
+    """Two levels (the encoder halves the mel frames once, as released), released rate, FFT and hop (audio_vae.py)."""
+    return MMAudioVAE(**TINY_AUDIO_VAE).eval()
 
 
 def vocoder() -> MMAudioVocoder:
