@@ -6,6 +6,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import socket
 import tempfile
 from collections.abc import Callable, Iterator
@@ -62,15 +63,28 @@ def estimates_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+# SIGINT's and SIGTERM's handlers as the session started, before any fixture ran Dagster in-process.
+_SESSION_SIGNALS = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _session_signals() -> None:
+    for signum, handler in _SESSION_SIGNALS.items():
+        if handler is not None:  # None: set outside Python; leave it
+            signal.signal(signum, handler)
+
+
 @pytest.fixture(autouse=True)
 def signal_handlers_kept() -> Iterator[None]:
-    """Every test leaves SIGINT and SIGTERM as it found them. Dagster's in-process runs (`materialize`,
-    `execute_in_process`) map SIGTERM to SIGINT's handler, and SIGINT is ignored in a suite started in the background
-    (CI's `make test`): the suite then ignored `kill` (tests/test_signals.py)."""
-    from loraflow.lifetime import keep_signal_handlers
-
-    with keep_signal_handlers():
+    """Every test starts and ends with SIGINT and SIGTERM as the session started. Dagster's in-process runs
+    (`materialize`, `execute_in_process`) map SIGTERM to SIGINT's handler, and SIGINT is ignored in a suite started in
+    the background (CI's `make test`): the suite then ignored `kill`, and so did every process it started (an ignored
+    signal is inherited). Not "as the test found them": a module fixture's run (tests/scale's `pg_home`) comes before
+    this fixture, and putting back what it left kept SIGTERM ignored in that xdist worker (tests/test_signals.py)."""
+    _session_signals()
+    try:
         yield
+    finally:
+        _session_signals()
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +124,7 @@ def _run_demo(root: Path, tiny_world: Path, demo_data: Path) -> Path:
     import subprocess
     import sys
 
-    from loraflow.store import write_atomic
+    from loraflow.atomic import write_atomic
 
     done = root / "demo.out"  # written last: a folder holding it holds a finished demo
     if done.is_file():

@@ -3,7 +3,7 @@
 A suite started in the background by a non-interactive shell (CI's `make test`, `make test &`) has SIGINT ignored;
 Dagster's in-process execution copies SIGINT's handler onto SIGTERM on its way out (dagster/_utils/interrupts.py), so
 after the first `materialize` the pytest process ignored `kill` until the end of the suite. The conftest fixture
-`signal_handlers_kept` (loraflow.lifetime.keep_signal_handlers) puts both handlers back after every test.
+`signal_handlers_kept` puts both handlers back to the session's before and after every test, whoever changed them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.factory import REPO
 
@@ -35,9 +37,34 @@ def test_wait():
     time.sleep(120)
 '''
 
+# The same run in a module fixture: set up before any test's own fixtures, so a fixture that puts back what it found
+# when its test started put back SIGTERM ignored (an xdist worker of the full suite, after tests/scale's `pg_home`).
+INNER_IN_A_FIXTURE = '''
+import time
 
-def test_sigterm_ends_a_background_suite_after_an_in_process_dagster_run(tmp_path: Path) -> None:
-    (tmp_path / "test_inner.py").write_text(INNER)
+import pytest
+from dagster import asset, materialize
+
+
+@asset
+def one() -> int:
+    return 1
+
+
+@pytest.fixture(scope="module")
+def materialized():
+    assert materialize([one]).success
+
+
+def test_wait(materialized):
+    print("waiting", flush=True)
+    time.sleep(120)
+'''
+
+
+@pytest.mark.parametrize("inner", [INNER, INNER_IN_A_FIXTURE], ids=["in-a-test", "in-a-module-fixture"])
+def test_sigterm_ends_a_background_suite_after_an_in_process_dagster_run(tmp_path: Path, inner: str) -> None:
+    (tmp_path / "test_inner.py").write_text(inner)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # not the repository's addopts
     ignore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731  as `cmd &` in a script
     suite = subprocess.Popen(
