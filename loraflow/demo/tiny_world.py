@@ -18,9 +18,12 @@ A random tiny checkpoint renders coloured noise with or without a LoRA. Here its
   only where the shape goes. Shapes start anywhere (`world_clips`), for the same reason.
 
 `build_tiny(..., world=True)` (what `loraflow demo` builds) uses it; the test suite's other tests keep the random
-tiny checkpoint. The pre-trained weights are cached under `.loraflow/tiny_world/<key>/`, keyed by the family and
-flavour trained as, the recipe, the transformer's config and initial weights and the text encoders' weights, so a
-machine trains them once.
+tiny checkpoint. The pre-trained weights are keyed by the family and flavour trained as, the recipe, the transformer's
+config and initial weights and the text encoders' weights. The weights of the current recipe ship with loraflow
+(`tiny_world_weights/<key>.safetensors`, 2.7 MB: this pre-training on a 2-core CPU is 5-12 minutes, most of a fresh
+clone's `make demo` and of every CI run); another recipe's are trained once and cached under
+`.loraflow/tiny_world/<key>/`. tests/demo/test_tiny_world.py fails when the shipped file is not the current key's, and
+its soak test pre-trains the recipe again and holds the result against the shipped weights.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
 
 FAMILY = "kandinsky5-video"  # the family the tiny world is a checkpoint of
 CACHE_ROOT = Path(__file__).resolve().parents[2] / ".loraflow" / "tiny_world"
+SHIPPED = Path(__file__).resolve().parent / "tiny_world_weights"  # <key>.safetensors: the current recipe's, pre-trained
 _VERSION = 1  # bump when the training code changes in a way the recipe's fields do not show
 _PAIR = 100.0  # K: the constant channel pair that sets each GroupNorm's std (colours are at most 1 in size)
 # Latents as the pipeline sees them (x scaling_factor): a colour cell's std over the world is then about 1, as the
@@ -90,21 +94,25 @@ def world_pipeline() -> TinyPipeline:
     """The tiny world's pipeline: Kandinsky 5's tiny text components, `mosaic_vae`, a 128-wide DiT `pretrain`ed."""
     from diffusers import Kandinsky5T2VPipeline
 
-    from loraflow.pipelines.kandinsky5.tiny_parts import (
-        kandinsky5_scheduler,
-        kandinsky5_text_components,
-        kandinsky5_transformer,
-    )
+    from loraflow.pipelines.kandinsky5.tiny_parts import kandinsky5_scheduler
+
+    family, transformer, vae, text = world_inputs()
+    pretrain(family, transformer, vae, text)
+    pipe = Kandinsky5T2VPipeline(transformer=transformer, vae=vae, scheduler=kandinsky5_scheduler(shift=10.0), **text)
+    return pipe, {}
+
+
+def world_inputs() -> tuple[ModelFamily, torch.nn.Module, AutoencoderKLHunyuanVideo, dict[str, Any]]:
+    """(family trained as, untrained transformer, `mosaic_vae`, text components), drawn from the global RNG in the
+    order `build_tiny` (seed 0) draws them: what `pretrain` keys and trains."""
+    from loraflow.pipelines.kandinsky5.tiny_parts import kandinsky5_text_components, kandinsky5_transformer
     from loraflow.pipelines.kandinsky5.video.family import make_family
 
     text = kandinsky5_text_components()
     vae = mosaic_vae()
     # 128 wide: a 2x2 patch of 16 channels is 64 numbers, all noise a velocity must carry; at 32 the pre-training loss
     # stayed at 0.6, at 64 it reached 0.1 but renders stayed noisy. Pre-trained as i2v: see this module's docstring.
-    transformer = pretrain(make_family("i2v-lite-5s"), kandinsky5_transformer(visual_cond=True, model_dim=128), vae,
-                           text)
-    pipe = Kandinsky5T2VPipeline(transformer=transformer, vae=vae, scheduler=kandinsky5_scheduler(shift=10.0), **text)
-    return pipe, {}
+    return make_family("i2v-lite-5s"), kandinsky5_transformer(visual_cond=True, model_dim=128), vae, text
 
 
 def mosaic_vae() -> AutoencoderKLHunyuanVideo:
@@ -159,13 +167,16 @@ def _average_or_copy(conv: torch.nn.Conv3d) -> None:
 
 def pretrain(family: ModelFamily, transformer: torch.nn.Module, vae: AutoencoderKLHunyuanVideo,
              components: dict[str, Any], recipe: WorldRecipe = WorldRecipe(), cache_root: str | Path = CACHE_ROOT,
-             ) -> torch.nn.Module:
-    """Load the pre-trained weights for these inputs from the cache, or train and cache them. Returns `transformer`."""
+             shipped: str | Path | None = SHIPPED) -> torch.nn.Module:
+    """Load the pre-trained weights for these inputs (the cache's, else the shipped ones), or train and cache them.
+    `shipped=None` ignores the shipped weights. Returns `transformer`."""
     from safetensors.torch import load_file
 
-    path = Path(cache_root) / _key(family, transformer, components, recipe) / "transformer.safetensors"
-    if path.is_file():
-        transformer.load_state_dict(load_file(path))
+    key = _key(family, transformer, components, recipe)
+    path = Path(cache_root) / key / "transformer.safetensors"
+    found = [p for p in (path, shipped and Path(shipped) / f"{key}.safetensors") if p and p.is_file()]
+    if found:
+        transformer.load_state_dict(load_file(found[0]))
     else:
         _train(family, transformer, vae, components, recipe)
         _save_atomic(transformer, path)
