@@ -5,7 +5,8 @@ clips -> ... -> validation would train after caching one dataset only. The parti
 `latents`) is therefore its own job, a run per dataset (in parallel under `dagster dev`, each in its own
 process); `text_embeds`, `teacher_features`, `lora` and `validation` read every dataset and run once after
 them. (In the UI, materializing all six launches an asset backfill, which Dagster orders the same way.) A config
-that trains sound (`train_audio`) adds a `cache_audio` run per dataset after its `cache_dataset` run.
+that trains sound (`train_audio`) caches it in the same `cache_dataset` run, so the dataset sensor and the recache
+schedule, which request that job, keep the sound cached too.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ TRANSIENT = RetryPolicy(max_retries=2, delay=10, backoff=Backoff.EXPONENTIAL)
 
 # Each job observes `dataset_files` first: the folder version a cache run caches, and whether a training run's
 # caches are stale (assets/dataset_files.py).
+CACHED = ("dataset_files", "clips", "latents")
 cache_dataset = define_asset_job(
-    "cache_dataset", AssetSelection.assets("dataset_files", "clips", "latents"), op_retry_policy=TRANSIENT,
+    "cache_dataset", AssetSelection.assets(*CACHED), op_retry_policy=TRANSIENT,
     description="One dataset (the partition): its folder observed, clips and latents, and their checks")
 train_and_validate = define_asset_job(
     "train_and_validate",
@@ -40,10 +42,11 @@ train_and_validate = define_asset_job(
     description="Every dataset's folder observed and captions embedded (and CREPA's teacher features), then LoRA "
                 "training and validation")
 JOBS = [cache_dataset, train_and_validate]
-# A config with `train_audio` (Kandinsky 6): one dataset's sound, after its clips
-cache_audio = define_asset_job(
-    "cache_audio", AssetSelection.assets("audio_latents"), op_retry_policy=TRANSIENT,
-    description="One dataset (the partition): its clips' sound as audio latents (configs with train_audio)")
+# A config with `train_audio` (Kandinsky 6): the same job, with each clip's sound
+cache_dataset_with_sound = define_asset_job(
+    "cache_dataset", AssetSelection.assets(*CACHED, "audio_latents"), op_retry_policy=TRANSIENT,
+    description="One dataset (the partition): its folder observed, clips, latents and the clips' sound as audio "
+                "latents (train_audio), and their checks")
 
 
 def trains_audio(config_path: str) -> bool:
@@ -56,12 +59,14 @@ def trains_audio(config_path: str) -> bool:
 
 
 def graph(resource: LoraflowResource) -> tuple[list, list]:
-    """(assets, jobs) of the code location: with `train_audio`, the audio_latents asset and the cache_audio job
-    beside the six assets and two jobs every other config has, unchanged."""
+    """(assets, jobs) of the code location: with `train_audio`, the audio_latents asset too, cached by the
+    `cache_dataset` job; every other config has the six assets and two jobs, unchanged."""
     from loraflow.assets.stages import ALL_ASSETS, SOUND_ASSETS
 
     sound = trains_audio(resource.config_path)
-    return [*ALL_ASSETS, *(SOUND_ASSETS if sound else [])], [*JOBS, *([cache_audio] if sound else [])]
+    if not sound:
+        return ALL_ASSETS, JOBS
+    return [*ALL_ASSETS, *SOUND_ASSETS], [cache_dataset_with_sound, train_and_validate]
 
 
 def build_defs(resource: LoraflowResource, **extra: object) -> Definitions:
@@ -88,11 +93,10 @@ def _run_every_job(defs: Definitions, resource: LoraflowResource,
     sync_partitions(instance, config)
     results = []
     for dataset in config.training_datasets:
-        for job in ("cache_dataset", "cache_audio") if config.train_audio else ("cache_dataset",):
-            results.append(defs.resolve_job_def(job).execute_in_process(
-                instance=instance, partition_key=dataset.id, raise_on_error=False, run_config=QUIET))
-            if not results[-1].success:
-                return results
+        results.append(defs.resolve_job_def("cache_dataset").execute_in_process(
+            instance=instance, partition_key=dataset.id, raise_on_error=False, run_config=QUIET))
+        if not results[-1].success:
+            return results
     results.append(defs.resolve_job_def("train_and_validate").execute_in_process(
         instance=instance, raise_on_error=False, run_config=QUIET))
     return results

@@ -90,7 +90,7 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
 
 
 # In the code location only where its config has `train_audio` (jobs.graph): every other config's graph, runs and UI
-# stay the six assets they were; there, `loraflow demo`'s runs add a `cache_audio` run per dataset.
+# stay the six assets they were; there, the `cache_dataset` job caches it too (jobs.graph).
 @asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",
        description="One dataset: each clip's sound over its time span as audio VAE latents (Kandinsky 6 with "
                    "train_audio), cached by content; a row says why a clip has none; nothing while train_audio is "

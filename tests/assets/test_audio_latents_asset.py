@@ -38,3 +38,18 @@ def test_a_config_without_sound_keeps_its_graph_and_jobs(tiny_k5: Path, demo_dat
     assert [j.name for j in jobs] == ["cache_dataset", "train_and_validate"]
     (tmp_path / "bad.yaml").write_text("model_family: nothing-known\n")  # the location loads, to show the problem
     assert graph(LoraflowResource(config_path=str(tmp_path / "bad.yaml"))) == (ALL_ASSETS, JOBS)
+
+
+def test_a_config_with_sound_caches_it_in_the_cache_dataset_run(demo_data: Path, tmp_path: Path) -> None:
+    """With `train_audio` the dataset's one cache run (the job the dataset sensor and the recache schedule request)
+    also caches its sound: a separate job would leave it stale after the folder changes. Seen failing while
+    `cache_audio` was a job of its own (the sound was outside `cache_dataset`)."""
+    from loraflow.demo.tiny import build_tiny
+
+    data = demo_dict(build_tiny("kandinsky6", tmp_path / "k6"), demo_data, tmp_path, model_family="kandinsky6",
+                     train_audio=True)
+    data.pop("model_flavour")
+    assets, jobs = graph(LoraflowResource(config_path=str(write_config(tmp_path / "config.yaml", data))))
+    assert audio_latents in assets and [j.name for j in jobs] == ["cache_dataset", "train_and_validate"]
+    cached = {key.to_user_string() for key in jobs[0].selection.resolve(assets)}
+    assert cached == {"dataset_files", "clips", "latents", "audio_latents"}
