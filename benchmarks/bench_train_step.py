@@ -82,7 +82,7 @@ def bare(config_path: Path, steps: int, prep: bool = False) -> list[float]:
     from loraflow.store import Store
     from loraflow.training import batches as D
     from loraflow.training.model_setup import load_transformer
-    from loraflow.training.optimizers import WEIGHT_DECAY
+    from loraflow.training.options.optimizers import WEIGHT_DECAY
 
     config = load_config(config_path)
     family, store, cpu = get_family(config), Store(config.cache_dir), torch.device("cpu")

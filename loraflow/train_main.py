@@ -1,6 +1,6 @@
 """The lora stage as a process of its own, one per GPU: what a launcher starts (local_launch, torchrun, accelerate).
 
-    python -m loraflow.training.local_launch 2 -m loraflow.train_main CONFIG   # num_processes: 2, on loopback
+    python -m loraflow.training.launch.local_launch 2 -m loraflow.train_main CONFIG   # num_processes: 2, on loopback
     python -m loraflow.train_main CONFIG                                       # one process
 
 Every rank trains. Rank 0 alone logs; when Dagster started the launch (Pipes environment variables set) it streams
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 
     from loraflow.config import ConfigError
-    from loraflow.training.distributed import leave, world_from_env
+    from loraflow.training.launch.distributed import leave, world_from_env
 
     parser = argparse.ArgumentParser(prog="python -m loraflow.train_main", description=__doc__.splitlines()[0])
     parser.add_argument("config", help="the YAML/JSON config of the run")

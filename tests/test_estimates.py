@@ -38,7 +38,7 @@ from loraflow.stages.latents.latents import prepare_vae
 from loraflow.training.batches import MicroBatch, StepDraws
 from loraflow.training.loop import routing, step_losses, uses_autocast
 from loraflow.training.model_setup import _offload_hooks, enable_offload, load_transformer
-from loraflow.training.optimizers import make_optimizer
+from loraflow.training.options.optimizers import make_optimizer
 from tests.factory import demo_dict, write_config
 
 CPU = torch.device("cpu")

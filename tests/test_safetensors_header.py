@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from loraflow.cli import main
 from loraflow.config import ConfigError, parse_config
 from loraflow.config.validation_adapters import ValidationAdapter, adapter_keys
-from loraflow.training.adapters import init_lora_version
+from loraflow.training.options.adapters import init_lora_version
 from tests.factory import demo_dict, write_config
 
 LORA = {"transformer.blocks.0.attn.to_q.lora_A.weight": torch.ones(4, 8),

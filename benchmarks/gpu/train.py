@@ -127,7 +127,7 @@ def run_variant(model: str, model_path: str, variant: str, steps: int, warmup: i
     from loraflow.training import loop as T
     from loraflow.training.checkpoints import lora_state
     from loraflow.training.model_setup import Trainable, enable_offload, load_transformer
-    from loraflow.training.optimizers import WEIGHT_DECAY
+    from loraflow.training.options.optimizers import WEIGHT_DECAY
 
     config = variant_config(model, model_path, variant, smoke)
     device = torch.device("cpu" if smoke else "cuda")

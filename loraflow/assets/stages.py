@@ -163,7 +163,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
     from loraflow.contracts.masks import masked_loss_metadata
     from loraflow.media.previews import loss_plot
     from loraflow.pipelines import get_family
-    from loraflow.training.progress_renders import progress_sheet_path
+    from loraflow.training.options.progress_renders import progress_sheet_path
 
     config = loraflow.load()  # in-process on one CPU; launched processes under Pipes for N processes or CUDA
     store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)
@@ -204,7 +204,7 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
        description="Base vs LoRA renders of every validation prompt, and eval loss on held-out clips.")
 def validation(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.pipelines import get_family
-    from loraflow.training.ema import trained_adapters
+    from loraflow.training.options.ema import trained_adapters
     from loraflow.training.run import current_lora_path
     from loraflow.validation.validate import validate
 

@@ -121,7 +121,7 @@ def adapter(config: LoraflowConfig, family: ModelFamily) -> Callable[[torch.nn.M
     """What adds the configured adapter to a model, as training adds it (`training.adapters.add_adapter`)."""
     import torch
 
-    from loraflow.training.adapters import add_adapter
+    from loraflow.training.options.adapters import add_adapter
 
     def add(model: torch.nn.Module) -> None:
         with torch.random.fork_rng(devices=[]):  # add_adapter seeds torch's generator: the caller's is left as it was

@@ -33,7 +33,7 @@ from loraflow.atomic import fsync_path, publish_folder, temporary_folder, write_
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import at_unit_scale, comfyui_refusal, save_comfyui_lora
 from loraflow.pipelines.lycoris import is_lycoris, save_comfyui_lycoris
-from loraflow.training.distributed import gathered, shard_like
+from loraflow.training.launch.distributed import gathered, shard_like
 
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig

@@ -56,8 +56,7 @@ from loraflow.training.checkpoints import (
     save_checkpoint,
     writes_comfyui,
 )
-from loraflow.training.crepa_training import Crepa, capturing, projector_state
-from loraflow.training.distributed import (
+from loraflow.training.launch.distributed import (
     average_gradients_,
     barrier,
     check_same_everywhere,
@@ -65,13 +64,14 @@ from loraflow.training.distributed import (
     join,
     sum_over_ranks,
 )
-from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE
 from loraflow.training.model_setup import TrainingModel, setup_model
-from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
-from loraflow.training.progress_renders import ProgressRenders
+from loraflow.training.options.crepa_training import Crepa, capturing, projector_state
+from loraflow.training.options.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE
+from loraflow.training.options.optimizers import averaged_weights, exported, make_optimizer, set_lr
+from loraflow.training.options.progress_renders import ProgressRenders
+from loraflow.training.options.tracking import open_sink
 from loraflow.training.row_cache import RowCache, prefetched
 from loraflow.training.run import RunContext, lora_report, run_dir, upstream_versions
-from loraflow.training.tracking import open_sink
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from loraflow.kernels.quantize import ONE_BYTE_PRECISIONS, frozen_dtype, store_f
 from loraflow.kernels.tread import resolve_routes
 from loraflow.pipelines.base import ModelFamily, load_component, set_flavour_config
 from loraflow.pipelines.sources import ModelSource
-from loraflow.training.adapters import ADAPTER_PARAMETERS, add_adapter, start_adapter
-from loraflow.training.crepa_training import Crepa, make_crepa
-from loraflow.training.distributed import broadcast_, gathered, parallelize
-from loraflow.training.ema import AdapterEma, make_ema
+from loraflow.training.launch.distributed import broadcast_, gathered, parallelize
+from loraflow.training.options.adapters import ADAPTER_PARAMETERS, add_adapter, start_adapter
+from loraflow.training.options.crepa_training import Crepa, make_crepa
+from loraflow.training.options.ema import AdapterEma, make_ema
 from loraflow.training.run import RunContext
 
 

@@ -32,14 +32,14 @@ from loraflow.keys import content_key, data_version
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
-from loraflow.training.adapters import init_lora_version
 from loraflow.training.batches import training_texts
 from loraflow.training.checkpoints import LORA_FILE, comfyui_twin
+from loraflow.training.options.adapters import init_lora_version
 
 if TYPE_CHECKING:
     import torch
 
-    from loraflow.training.distributed import World
+    from loraflow.training.launch.distributed import World
 
 CODE_VERSION = "train-2"
 

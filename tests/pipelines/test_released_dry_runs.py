@@ -30,7 +30,7 @@ from loraflow.pipelines.released import released_config
 from loraflow.stages.teacher.teacher_features import patch_features
 from loraflow.training import loop as T
 from loraflow.training.batches import MicroBatch
-from loraflow.training.crepa_training import Crepa
+from loraflow.training.options.crepa_training import Crepa
 from tests.factory import (
     DEPTH,
     Case,

@@ -21,9 +21,9 @@ from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from loraflow.training import loop as T
-from loraflow.training.adapters import start_adapter
-from loraflow.training.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, trained_adapters
 from loraflow.training.model_setup import load_transformer
+from loraflow.training.options.adapters import start_adapter
+from loraflow.training.options.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE, trained_adapters
 from loraflow.training.run import run_dir, upstream_versions
 from tests.factory import make_config, same_lora_file, train
 from tests.numerics import U32

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from loraflow.assets.runs.launch import launch_command
 from loraflow.store import Store
 from loraflow.training import loop as T
-from loraflow.training.distributed import World, join
+from loraflow.training.launch.distributed import World, join
 from loraflow.training.run import run_dir, upstream_versions
 from tests.factory import REPO, TWO_RANK_SETTINGS, make_config, run_ranks, same_lora_file, train
 
@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 from loraflow.config import load_config
 from loraflow.training import loop as T
 from loraflow.training.checkpoints import lora_state
-from loraflow.training.distributed import leave, world_from_env
+from loraflow.training.launch.distributed import leave, world_from_env
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
@@ -170,7 +170,7 @@ def test_ranks_that_disagree_fail_together(tmp_path: Path) -> None:
     script.write_text(
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from loraflow.training.distributed import check_same_everywhere, join, leave\n"
+        "from loraflow.training.launch.distributed import check_same_everywhere, join, leave\n"
         "world, device = join(2)\n"
         "check_same_everywhere('a', lambda: 'ab' * 8, world, device)  # equal: passes\n"
         "try:\n"
@@ -223,7 +223,7 @@ def test_the_launched_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
     script.write_text(
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from loraflow.training.distributed import barrier, join, leave\n"
+        "from loraflow.training.launch.distributed import barrier, join, leave\n"
         "world, device = join(2)\n"
         "barrier(world)\n"
         "Path(sys.argv[1], f'rank{world.rank}').touch()\n"

@@ -54,7 +54,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from loraflow.config import load_config
 from loraflow.training import loop as T
-from loraflow.training.distributed import leave, world_from_env
+from loraflow.training.launch.distributed import leave, world_from_env
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store

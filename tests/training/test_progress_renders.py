@@ -24,10 +24,10 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 from loraflow.training import loop as T
-from loraflow.training import progress_renders as PR
-from loraflow.training.distributed import World
+from loraflow.training.launch.distributed import World
 from loraflow.training.model_setup import load_transformer
-from loraflow.training.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
+from loraflow.training.options import progress_renders as PR
+from loraflow.training.options.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
 from loraflow.training.run import run_dir, upstream_versions
 from loraflow.validation import validate as V
 from tests.factory import demo_dict, make_config, same_lora_file, train

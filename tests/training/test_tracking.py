@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loraflow.training.tracking import open_sink
+from loraflow.training.options.tracking import open_sink
 
 ROWS = [{"loss": 0.5, "crepa_loss": -0.25}, {"loss": 0.375, "crepa_loss": -0.5}]
 

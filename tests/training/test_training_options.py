@@ -13,7 +13,7 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.training import batches as D
 from loraflow.training.model_setup import load_transformer
-from loraflow.training.optimizers import averaged_weights, exported, make_optimizer, set_lr
+from loraflow.training.options.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from tests.numerics import U32
 
 CPU = torch.device("cpu")

@@ -25,8 +25,8 @@ from loraflow.pipelines.sources import model_source
 from loraflow.simpletuner import import_simpletuner
 from loraflow.store import Store
 from loraflow.training import loop as T
-from loraflow.training import progress_renders as PR
-from loraflow.training.progress_renders import step_folder
+from loraflow.training.options import progress_renders as PR
+from loraflow.training.options.progress_renders import step_folder
 from loraflow.validation import validate as V
 from tests.factory import demo_dict, make_config, same_lora_file, train
 

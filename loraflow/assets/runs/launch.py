@@ -1,7 +1,7 @@
 """How the `lora` asset trains: in the Dagster process on the CPU, or as launched processes under Dagster Pipes.
 
 One CPU process (the default) trains in-process, as every other stage does. Any CUDA run, or `num_processes > 1`,
-starts `python -m loraflow.train_main CONFIG` (one process) or `python -m loraflow.training.local_launch N -m
+starts `python -m loraflow.train_main CONFIG` (one process) or `python -m loraflow.training.launch.local_launch N -m
 loraflow.train_main CONFIG` (torchrun's launcher, every socket on loopback) through PipesSubprocessClient: the GPUs'
 memory is the launched processes' alone and is given back when they exit, every rank trains, and rank 0 streams its
 log lines and reports the materialization, which becomes this asset's (see loraflow/train_main.py). Trainers die
@@ -33,13 +33,13 @@ def needs_launch(config: LoraflowConfig) -> bool:
 def launch_command(config_path: str, num_processes: int) -> list[str]:
     """The training entry point: one process runs it directly (the process Pipes starts is the trainer, so stopping
     the run stops it); more go through torchrun's launcher with its rendezvous on loopback
-    (`loraflow.training.local_launch`: plain torchrun and `accelerate launch` listen on every interface), on CPUs as
-    well, with `fsdp: true` too: loraflow shards the model itself (tests/training/test_fsdp.py: the same bits as
+    (`loraflow.training.launch.local_launch`: plain torchrun and `accelerate launch` listen on every interface), on
+    CPUs as well, with `fsdp: true` too: loraflow shards the model itself (tests/training/test_fsdp.py: the same bits as
     `accelerate launch` with the README's FSDP file)."""
     entry = ["-m", "loraflow.train_main", str(Path(config_path).resolve())]
     if num_processes == 1:
         return [sys.executable, *entry]
-    return [sys.executable, "-m", "loraflow.training.local_launch", str(num_processes), *entry]
+    return [sys.executable, "-m", "loraflow.training.launch.local_launch", str(num_processes), *entry]
 
 
 def run_training(context: AssetExecutionContext, config: LoraflowConfig, family: ModelFamily, model: ModelSource,

@@ -1,5 +1,5 @@
-"""`python -m loraflow.training.local_launch N -m MODULE ARGS...`: torchrun's launcher of N processes on this machine,
-with every rendezvous on loopback. What the `lora` asset runs for `num_processes > 1`.
+"""`python -m loraflow.training.launch.local_launch N -m MODULE ARGS...`: torchrun's launcher of N processes on this
+machine, with every rendezvous on loopback. What the `lora` asset runs for `num_processes > 1`.
 
 The ranks meet through a TCPStore, and a TCPStore server listens on every interface whatever address it is given
 (pytorch/pytorch#173909): under plain torchrun or `accelerate launch`, an unauthenticated store on the network for

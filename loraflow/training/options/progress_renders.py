@@ -41,8 +41,8 @@ from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.render_memory import RenderPlan
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
-from loraflow.training.adapters import ADAPTER_PARAMETERS
-from loraflow.training.distributed import World, barrier
+from loraflow.training.launch.distributed import World, barrier
+from loraflow.training.options.adapters import ADAPTER_PARAMETERS
 
 log = logging.getLogger(__name__)
 RESULT = "result.json"

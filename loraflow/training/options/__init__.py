@@ -1,0 +1,1 @@
+"""What a training run can switch on: adapter kinds, optimizers, EMA, CREPA, progress renders, experiment tracking."""
