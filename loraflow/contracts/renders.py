@@ -1,6 +1,7 @@
 """What every render uses (validation and the renders during training): its settings, the negative prompt, the image
 it starts from (its clip: `conditioning_clip`; its pixels: `condition_frame`, `conditioning_image`), the image id i2i
-prompts are encoded with (`prompt_image`), and one render checked against the settings (`render_video`).
+prompts are encoded with (`prompt_image`), and one render checked against the settings (`render_media`; its
+frames alone: `render_video`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from loraflow.contracts.clip_rows import read_clips
 from loraflow.contracts.holdout import split_clips
 from loraflow.keys import content_key
 from loraflow.pipelines import plan_family
-from loraflow.pipelines.base import ModelFamily, RenderSettings, TextRow, scheduler_shift
+from loraflow.pipelines.base import ModelFamily, Rendered, RenderSettings, TextRow, scheduler_shift
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
@@ -130,16 +131,30 @@ def condition_frame(store: Store, clip_key: str) -> np.ndarray:
     return (stored["condition_frames"] if stored.get("condition_frames") is not None else stored["frames"])[0]
 
 
+def render_media(
+    family: ModelFamily, pipe: Any, text: TextRow, negative: TextRow, settings: RenderSettings,
+    image: np.ndarray | None = None, lora_scale: float | None = 1.0, sound: bool = False,
+) -> Rendered:
+    """One render checked against the settings: its frames, and with `sound` (a flavour with an audio VAE, under
+    `train_audio`) the sound rendered with them (validation)."""
+    given = {"image": image} if image is not None else {}  # only i2v families take an image
+    if image is not None and image.ndim == 4:  # i2v_mode first_last: (first, last) from `conditioning_image`
+        given = {"image": image[0], "last_image": image[1]}
+    if sound:  # only a family with sound takes the keyword
+        given["sound"] = True
+    out = family.render(pipe, text, negative, settings, lora_scale=lora_scale, **given)
+    rendered = out if isinstance(out, Rendered) else Rendered(out)
+    if rendered.frames.shape != (settings.num_frames, settings.height, settings.width, 3):
+        raise RuntimeError(f"{family.name} rendered {rendered.frames.shape}; validation asked for "
+                           f"{(settings.num_frames, settings.height, settings.width, 3)}: a bug in the family's render")
+    if sound and rendered.sound is None:
+        raise RuntimeError(f"{family.name} was asked for sound and rendered none: a bug in the family's render")
+    return rendered
+
+
 def render_video(
     family: ModelFamily, pipe: Any, text: TextRow, negative: TextRow, settings: RenderSettings,
     image: np.ndarray | None = None, lora_scale: float | None = 1.0,
 ) -> np.ndarray:
-    """One render, uint8 (F, H, W, 3), checked against the settings (validation and the renders during training)."""
-    given = {"image": image} if image is not None else {}  # only i2v families take an image
-    if image is not None and image.ndim == 4:  # i2v_mode first_last: (first, last) from `conditioning_image`
-        given = {"image": image[0], "last_image": image[1]}
-    video = family.render(pipe, text, negative, settings, lora_scale=lora_scale, **given)
-    if video.shape != (settings.num_frames, settings.height, settings.width, 3):
-        raise RuntimeError(f"{family.name} rendered {video.shape}; validation asked for "
-                           f"{(settings.num_frames, settings.height, settings.width, 3)}: a bug in the family's render")
-    return video
+    """One render's frames, uint8 (F, H, W, 3), checked against the settings (the renders during training)."""
+    return render_media(family, pipe, text, negative, settings, image, lora_scale).frames

@@ -1,4 +1,5 @@
-"""Pictures for the UI: clip thumbnails, labelled contact sheets, animated previews, loss plots.
+"""Pictures for the UI: clip thumbnails, labelled contact sheets (with a rendered sound: its spectrogram),
+animated previews, loss plots.
 
 Every picture is embedded in Dagster markdown metadata, which the UI shows in a dialog at most 80% of the window
 wide: a sheet wraps its frames at MAX_SHEET_WIDTH so it fits a 1280 px window without scrolling sideways.
@@ -17,6 +18,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from loraflow.atomic import write_atomic
 from loraflow.contracts.clip_rows import read_clips
+from loraflow.media.types import Sound
 from loraflow.store import Store
 
 THUMB = 96
@@ -29,6 +31,9 @@ TEXT_HEIGHT = 22  # px of a title line
 GAP = 2  # px of white between frames and lines, so frame boundaries show
 BLOCK_GAP = 8  # px of white between two videos' blocks, so base and LoRA stay apart when their frames wrap
 PLOT_INCHES, PLOT_DPI = (6.4, 3.2), 100  # 640 x 320 px
+SPECTROGRAM_ROW_INCHES = 1.8  # 180 px a sound
+SPECTROGRAM_FFT = 1024  # samples a window: 23 ms at 44.1 kHz
+SPECTROGRAM_RANGE_DB = 80  # the colour scale's depth below the loudest bin
 
 
 def clip_preview(store: Store, limit: int = 12) -> Image.Image:
@@ -49,9 +54,13 @@ def clip_preview(store: Store, limit: int = 12) -> Image.Image:
 
 
 # -- renders: a still sheet and an animation ------------------------------------------------------------------
-def contact_sheet(videos: Mapping[str, np.ndarray], title: str = "", columns: int = 8) -> Image.Image:
+def contact_sheet(videos: Mapping[str, np.ndarray], title: str = "", columns: int = 8,
+                  sounds: Mapping[str, Sound] | None = None) -> Image.Image:
     """Each labelled uint8 (F, H, W, 3) video as up to `columns` frames spread over its length, SHEET_ROW_HEIGHT
-    px tall, wrapped into lines that fit MAX_SHEET_WIDTH, its label left of its first line; `title` on top."""
+    px tall, wrapped into lines that fit MAX_SHEET_WIDTH, its label left of its first line; `title` on top; the
+    videos' `sounds` (by label) as `spectrograms` below."""
+    if sounds:
+        return _stacked(contact_sheet(videos, title, columns), spectrograms(sounds))
     # 1. tiles: the picked frames of each video, scaled to the row height
     tiles = {}
     for label, video in videos.items():
@@ -79,6 +88,14 @@ def contact_sheet(videos: Mapping[str, np.ndarray], title: str = "", columns: in
             y += SHEET_ROW_HEIGHT + GAP
         y += BLOCK_GAP - GAP
     return sheet
+
+
+def _stacked(top: Image.Image, bottom: Image.Image) -> Image.Image:
+    """`bottom` under `top`, BLOCK_GAP px of white between, left-aligned on white."""
+    canvas = Image.new("RGB", (max(top.width, bottom.width), top.height + BLOCK_GAP + bottom.height), "white")
+    canvas.paste(top, (0, 0))
+    canvas.paste(bottom, (0, top.height + BLOCK_GAP))
+    return canvas
 
 
 def save_animation(videos: Mapping[str, np.ndarray], fps: float, path: Path) -> None:
@@ -172,6 +189,28 @@ def eval_loss_plot(rows: Sequence[Mapping[str, float]]) -> Image.Image:
     return _image(figure, axes)
 
 
+def spectrograms(sounds: Mapping[str, Sound]) -> Image.Image:
+    """Each labelled sound's spectrogram (power density in dB over time and frequency; windows of SPECTROGRAM_FFT
+    samples, 3/4 overlapping), a row each, SPECTROGRAM_ROW_INCHES tall, on one colour scale, so the rows compare."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(PLOT_INCHES[0], SPECTROGRAM_ROW_INCHES * len(sounds)), dpi=PLOT_DPI, layout="constrained")
+    rows = figure.subplots(len(sounds), 1, sharex=True, squeeze=False)[:, 0]
+    images = []
+    for axes, (label, sound) in zip(rows, sounds.items(), strict=True):
+        power, _, _, image = axes.specgram(sound.waveform, NFFT=SPECTROGRAM_FFT, Fs=sound.rate,
+                                           noverlap=SPECTROGRAM_FFT * 3 // 4, scale="dB", cmap="magma")
+        images.append((image, 10 * np.log10(np.maximum(power, 1e-20))))
+        axes.set(title=label, ylabel="frequency (kHz)")
+        axes.yaxis.set_major_formatter(lambda hz, _: f"{hz / 1000:g}")
+    rows[-1].set_xlabel("time (s)")
+    top = max(float(db.max()) for _, db in images)  # one scale: 80 dB down from the loudest bin of any row
+    for image, _ in images:
+        image.set_clim(top - SPECTROGRAM_RANGE_DB, top)
+    figure.colorbar(images[0][0], ax=list(rows), label="power density (dB/Hz)")
+    return _rendered(figure)
+
+
 def _figure() -> tuple[Any, Any]:
     from matplotlib.figure import Figure  # a Figure without pyplot: no global state, no GUI backend
 
@@ -180,11 +219,15 @@ def _figure() -> tuple[Any, Any]:
 
 
 def _image(figure: Any, axes: Any) -> Image.Image:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
+    return _rendered(figure)
+
+
+def _rendered(figure: Any) -> Image.Image:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     return Image.fromarray(np.asarray(canvas.buffer_rgba())).convert("RGB")

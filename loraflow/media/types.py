@@ -1,4 +1,5 @@
-"""The media vocabulary both sides of the decode worker share: file extensions, `MediaError` and `Probe`.
+"""The media vocabulary both sides of the decode worker share: file extensions, `MediaError`, `Probe` and
+`ClipAudio`; and `Sound`, a rendered sound track on its way to a file.
 
 Below `media` (the caller's side) and `media_decode` (the worker's side), so neither imports the other for them.
 """
@@ -81,3 +82,12 @@ class ClipAudio:
     def uncovered_s(self, until_s: float) -> float:
         """Seconds of the first `until_s` seconds the track does not cover."""
         return float((~self.covered[: round(until_s * self.rate)]).sum() / self.rate)
+
+
+@dataclass(frozen=True)
+class Sound:
+    """A rendered sound track (Kandinsky 6's vocoder, over its video's span): mono float32 samples in [-1, 1] at
+    `rate` Hz; written as the render's audio stream (media/writers.py), drawn under its contact sheet (previews.py)."""
+
+    waveform: Any  # np.ndarray (N,) float32
+    rate: int

@@ -1,4 +1,5 @@
-"""Rendered frames to files: mp4 for videos, PNG for images (validation and the renders during training)."""
+"""Rendered frames to files: mp4 for videos (with a rendered sound: an AAC stream), PNG for images (validation and the
+renders during training)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 from PIL import Image
 
 from loraflow.atomic import write_atomic
+from loraflow.media.types import Sound
 
 
 def slug(name: str) -> str:
@@ -18,16 +20,19 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:60] or "prompt"
 
 
-def write_media(frames: np.ndarray, stem: Path, fps: float) -> Path:
-    """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4. Renders are written
-    with the reproducible x264 settings: a resumed validation run once decoded to other pixels than the first
-    (test_validate, 1 full-suite run in 2); x264's defaults were suspected, not shown to be the cause."""
+def write_media(frames: np.ndarray, stem: Path, fps: float, sound: Sound | None = None) -> Path:
+    """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4, with `sound` as its
+    audio stream. Renders are written with the reproducible x264 settings: a resumed validation run once decoded to
+    other pixels than the first (test_validate, 1 full-suite run in 2); x264's defaults were suspected, not shown to
+    be the cause."""
     if len(frames) == 1:
+        if sound is not None:
+            raise ValueError("a still has no sound track: sound is rendered with videos only")
         path = stem.with_suffix(".png")
         save_png(Image.fromarray(frames[0]), path)
     else:
         path = stem.with_suffix(".mp4")
-        write_mp4(frames, path, fps, reproducible=True)
+        write_mp4(frames, path, fps, reproducible=True, sound=sound)
     return path
 
 
@@ -44,9 +49,11 @@ def read_media(path: str | Path) -> np.ndarray:
 REPRODUCIBLE_X264 = {"crf": "18", "preset": "superfast", "x264-params": "log-level=error:threads=1"}
 
 
-def write_mp4(frames: np.ndarray, path: Path, fps: float, reproducible: bool = False) -> None:
+def write_mp4(frames: np.ndarray, path: Path, fps: float, reproducible: bool = False,
+              sound: Sound | None = None) -> None:
     """uint8 (F, H, W, 3) -> h264 yuv420p mp4 (odd sizes padded by edge copy, as yuv420p requires);
-    `reproducible`: REPRODUCIBLE_X264 on one thread, else x264's defaults."""
+    `reproducible`: REPRODUCIBLE_X264 on one thread, else x264's defaults. `sound`: a mono AAC stream at its rate
+    (FFmpeg's native encoder; AAC is the audio codec every mp4 player takes), from its first sample at time 0."""
     pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
     frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
 
@@ -57,11 +64,24 @@ def write_mp4(frames: np.ndarray, path: Path, fps: float, reproducible: bool = F
             stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
             if reproducible:
                 stream.codec_context.thread_count = 1
+            audio = container.add_stream("aac", rate=sound.rate, layout="mono") if sound is not None else None
             for frame in frames:
                 container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
             container.mux(stream.encode())
+            if audio is not None:
+                _mux_sound(container, audio, sound)
 
     write_atomic(path, encode)
+
+
+def _mux_sound(container: av.container.OutputContainer, stream: av.audio.stream.AudioStream, sound: Sound) -> None:
+    """`sound` into its AAC `stream` (added with the video's, before the first packet): float planar, the encoder's
+    own format; PyAV cuts the one frame into the encoder's frames (1024 samples) and the encoder pads the last."""
+    waveform = np.clip(np.asarray(sound.waveform, np.float32), -1.0, 1.0)[None]  # (1, N): one plane
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(waveform), format="fltp", layout="mono")
+    frame.sample_rate, frame.pts = sound.rate, 0
+    container.mux(stream.encode(frame))
+    container.mux(stream.encode())
 
 
 def save_png(image: Image.Image, path: Path) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from loraflow.kernels.tread import TokenLayout
+from loraflow.media.types import Sound
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.sources import ModelRefused, ModelSource, as_source, model_index
@@ -143,14 +144,16 @@ class ModelFamily(Protocol):
 
     def render(
         self, pipe: Any, prompt: TextRow, negative: TextRow, settings: RenderSettings, lora_scale: float | None = 1.0,
-        image: np.ndarray | None = None,
-    ) -> np.ndarray:
+        image: np.ndarray | None = None, sound: bool = False,
+    ) -> np.ndarray | Rendered:
         """A video (or image: F = 1) from cached embeddings: uint8 (F, H, W, 3).
 
         `lora_scale` weights the adapter (`set_lora_scale`): 0 renders exactly what the base model renders.
         `image` (uint8 (H, W, 3) at the render size): the first frame (i2v) or the source image (Kandinsky 5 Image
         i2i, whose `prompt` and `negative` rows were encoded with that same image); required by those flavours,
         refused (ValueError) by the others.
+        `sound` (only a family whose flavours have an audio VAE takes the keyword: Kandinsky 6; the config allows
+        `train_audio` nowhere else): the video rendered with its sound, a `Rendered`.
         """
 
 
@@ -165,6 +168,15 @@ class RenderSettings:
     guidance: float
     seed: int
     flow_shift: float
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One render: its frames, uint8 (F, H, W, 3), and with `ModelFamily.render(..., sound=True)` the sound rendered
+    with them, over the frames' span (F / fps seconds); None without."""
+
+    frames: np.ndarray
+    sound: Sound | None = None
 
 
 LORA_ADAPTER = "lora"  # the adapter name validation loads and scales

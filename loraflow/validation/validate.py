@@ -3,10 +3,13 @@
 The pipeline loads once per run (`family.load_renderer`); each prompt renders at LoRA scale 0 (the base
 model, exactly) and 1 with the same seed, from cached embeddings only. Outputs under
 output_dir/validation/<key>/:
-    <nn>-<shortname>/base.mp4, lora.mp4   h264 yuv420p at the flavour's fps (base.png, lora.png for images)
+    <nn>-<shortname>/base.mp4, lora.mp4   h264 yuv420p at the flavour's fps (base.png, lora.png for images); with
+                                          `train_audio` (Kandinsky 6) a mono AAC stream of the sound rendered with
+                                          the video, at the audio VAE's rate, over the video's span
     <nn>-<shortname>/adapter-<i>-<name>.mp4   each other adapter's render (`validation_adapter_path` or
                                           `validation_adapter_config`, config/validation_adapters.py)
-    <nn>-<shortname>/contact_sheet.png    base frames over LoRA frames (then each other adapter's), labelled
+    <nn>-<shortname>/contact_sheet.png    base frames over LoRA frames (then each other adapter's), labelled; with
+                                          sound each render's spectrogram below
     <nn>-<shortname>/preview.webp         videos: base and LoRA side by side, animated
     condition.png                         i2v, i2i: the image every render starts from (first frame, source)
     <nn>-<shortname>/result.json          written last: the prompt is done (a killed run resumes after it)
@@ -14,7 +17,8 @@ output_dir/validation/<key>/:
 The key covers the adapter's content (`safetensors_sha256`: not the file's bytes, whose header order varies), the
 render settings, the prompts, the eval inputs, the other adapters' content and strength (when given) and (i2v) the
 clip whose first frame conditions every render: the first held-out eval clip (by key), else the first training clip,
-center-cropped and resized to the validation size (`conditioning_image`).
+center-cropped and resized to the validation size (`conditioning_image`); with sound, the audio VAE's and the
+vocoder's content.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from loraflow.atomic import write_json
 from loraflow.config import LoraflowConfig
 from loraflow.config.validation_adapters import ValidationAdapter, activate, adapter_keys, load_adapters
 from loraflow.contracts.holdout import evaluates
-from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_settings, render_video
+from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_media, render_settings
 from loraflow.contracts.reports import EvalLoss, PromptRenders, ValidationReport
 from loraflow.contracts.text_set import cached_texts
 from loraflow.estimates.render import validation_plan
@@ -47,6 +51,7 @@ from loraflow.validation.evaluation import EVAL_SIGMAS, eval_items, eval_losses,
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "validation-3"  # 3: labelled, wrapped contact sheets and preview.webp
+SOUND_COMPONENTS = ("audio_vae", "vocoder")  # what turns the audio latents into the waveform (Kandinsky 6)
 RESULTS = "results.json"
 
 
@@ -65,12 +70,14 @@ def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, st
     condition, seen = prompt_image(config, family, store, settings) if prompts else (None, "")
     texts = cached_texts(store, [(t, seen) for t in [*prompts.values(), negative]] if prompts else [])
     adapters = config.validation_adapters
+    sound = config.train_audio  # a flavour with an audio VAE (the config checks): render the sound it trained
     out = Path(config.output_dir) / "validation" / content_key(
         lora=safetensors_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
         family=family.name, flavour=family.flavour.name, fps=family.flavour.fps, settings=asdict(settings),
         prompts=prompts, negative=negative, eval=[asdict(i) for i in items], sigmas=EVAL_SIGMAS, code=CODE_VERSION,
         **({"condition": condition} if condition else {}), **adapter_keys(adapters),  # t2v keys stay as they were
         **({"last_frame": True} if family.flavour.last_frame_given else {}),  # so do i2v_mode first keys
+        **({"sound": {c: component_fingerprint(model, c) for c in SOUND_COMPONENTS}} if sound else {}),  # and silent
         **plan.numbers())  # and fp32 untiled renders
     if (out / RESULTS).is_file():
         return _report(out, computed=0)
@@ -89,7 +96,7 @@ def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, st
     pipe.transformer.eval()  # peft adds the adapter's layers in train mode: lora_dropout would drop at random
     for name in todo:
         render_prompt(family, pipe, folders[name], name, prompts[name], texts[prompts[name], seen],
-                      texts[negative, seen], settings, image, adapters)
+                      texts[negative, seen], settings, image, adapters, sound)
     losses = [asdict(r) for r in eval_losses(pipe.transformer, family, store, items, settings.seed, device)]
     del pipe  # drop the last reference first, so free_models' collection frees the weights
     free_models()
@@ -105,30 +112,34 @@ def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, st
 def render_prompt(
     family: ModelFamily, pipe: Any, folder: Path, name: str, prompt: str, text: TextRow, negative: TextRow,
     settings: RenderSettings, image: np.ndarray | None = None, adapters: tuple[ValidationAdapter, ...] = (),
+    sound: bool = False,
 ) -> None:
     """Base (LoRA scale 0), LoRA and each other adapter's renders of one prompt, same seed (and i2v: same first
-    frame); media, contact sheet, animation, then result.json."""
+    frame), with `sound` each with the sound rendered with it; media, contact sheet, animation, then result.json."""
     folder.mkdir(parents=True, exist_ok=True)
-    base = render_video(family, pipe, text, negative, settings, image, lora_scale=0.0)
-    tuned = render_video(family, pipe, text, negative, settings, image, lora_scale=1.0)
     fps = family.flavour.fps
-    paths = {"base": write_media(base, folder / "base", fps), "lora": write_media(tuned, folder / "lora", fps)}
-    videos = {"base": base, "LoRA": tuned}
+    renders = {label: render_media(family, pipe, text, negative, settings, image, lora_scale=scale, sound=sound)
+               for label, scale in (("base", 0.0), ("LoRA", 1.0))}
+    paths = {label: write_media(r.frames, folder / label.lower(), fps, r.sound) for label, r in renders.items()}
     others = {}
     for i, adapter in enumerate(adapters):
         activate(pipe.transformer, i, adapter)
-        videos[adapter.name] = render_video(family, pipe, text, negative, settings, image, lora_scale=None)
-        others[adapter.name] = str(write_media(videos[adapter.name], folder / f"adapter-{i}-{slug(adapter.name)}",
-                                               fps))
-    save_png(contact_sheet(videos, title=f"{name}: {prompt}"), folder / "contact_sheet.png")
+        rendered = renders[adapter.name] = render_media(family, pipe, text, negative, settings, image,
+                                                        lora_scale=None, sound=sound)
+        others[adapter.name] = str(write_media(rendered.frames, folder / f"adapter-{i}-{slug(adapter.name)}", fps,
+                                               rendered.sound))
+    videos = {label: r.frames for label, r in renders.items()}
+    sounds = {label: r.sound for label, r in renders.items()} if sound else None
+    save_png(contact_sheet(videos, title=f"{name}: {prompt}", sounds=sounds), folder / "contact_sheet.png")
+    base, tuned = videos["base"], videos["LoRA"]
     animation = folder / "preview.webp" if len(base) > 1 else None  # an image family's render does not move
     if animation:
         save_animation(videos, fps, animation)
-    renders = PromptRenders(
-        name=name, prompt=prompt, base=str(paths["base"]), lora=str(paths["lora"]),
+    result = PromptRenders(
+        name=name, prompt=prompt, base=str(paths["base"]), lora=str(paths["LoRA"]),
         contact_sheet=str(folder / "contact_sheet.png"), animation=str(animation) if animation else None,
         mean_abs_pixel_change=float(np.abs(base.astype(np.int16) - tuned).mean()), adapters=others or None)
-    write_json(folder / "result.json", renders.json_row())
+    write_json(folder / "result.json", result.json_row())
 
 
 def _report(out: Path, computed: int) -> ValidationReport:

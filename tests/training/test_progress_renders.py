@@ -74,8 +74,8 @@ def test_the_last_render_is_what_validation_renders(own_caches: dict[str, Path],
     for module, key in ((PR, "progress"), (V, "validation")):
         keep = module.write_media
         monkeypatch.setattr(module, "write_media",
-                            lambda frames, stem, fps, keep=keep, key=key: written[key].append(frames)
-                            or keep(frames, stem, fps))
+                            lambda frames, stem, fps, sound=None, keep=keep, key=key: written[key].append(frames)
+                            or keep(frames, stem, fps, sound))
     config = make_config(own_caches, tmp_path / "out", max_train_steps=2, validation_steps=2, **{**RENDERS, **flavour})
     report = train(config)
     V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), report.lora_path)

@@ -83,6 +83,8 @@ def test_every_prompt_renders_base_and_lora_at_the_configured_frames_and_size(va
         tuned, _ = decode(row.lora)
         assert base.shape == tuned.shape == (frames, VALIDATION_HEIGHT, VALIDATION_WIDTH, 3)
         assert fps == 24.0  # the flavour's fps
+        with av.open(row.lora) as container:
+            assert not container.streams.audio  # a family without sound writes none (tests/validation/test_sound_*)
         assert np.abs(base.astype(int) - tuned).mean() > 1.0  # the LoRA changes the render
         assert Image.open(row.contact_sheet).width <= MAX_SHEET_WIDTH  # layout and labels: test_previews.py
         with Image.open(row.animation) as animation:

@@ -51,8 +51,8 @@ def capture(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[np.ndarray]]:
     for module, key in ((PR, "progress"), (V, "validation")):
         keep = module.write_media
         monkeypatch.setattr(module, "write_media",
-                            lambda frames, stem, fps, keep=keep, key=key: written[key].append(frames)
-                            or keep(frames, stem, fps))
+                            lambda frames, stem, fps, sound=None, keep=keep, key=key: written[key].append(frames)
+                            or keep(frames, stem, fps, sound))
     return written
 
 

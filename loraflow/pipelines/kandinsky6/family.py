@@ -35,8 +35,10 @@ from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 
 from loraflow.kernels.tread import TokenLayout
 from loraflow.keys import content_key
+from loraflow.media.types import Sound
 from loraflow.pipelines.base import (
     AS_T2V,
+    Rendered,
     RenderSettings,
     TextRow,
     compute_dtype,
@@ -233,8 +235,14 @@ class Kandinsky6(Kandinsky5Shared):
 
     @torch.no_grad()
     def render(self, pipe: Kandinsky6TI2VAPipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
-               lora_scale: float | None = 1.0, image: np.ndarray | None = None) -> np.ndarray:
-        """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size); the video alone (`sample_audio=False`)."""
+               lora_scale: float | None = 1.0, image: np.ndarray | None = None, sound: bool = False
+               ) -> np.ndarray | Rendered:
+        """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size): the video alone (`sample_audio=False`), or
+        with `sound` both streams denoised together, as the release renders (K6:667 `sample_audio` defaults to True),
+        and the waveform the vocoder makes of the audio latents (K6:950-955: (B, samples) at the audio VAE's
+        `sample_rate`, K6:254-256) over the video's span. The pipeline renders whole audio latent frames
+        (K6:835-841: ceil(F / fps x rate / latent hop)), so its waveform runs up to one latent hop (1024 samples)
+        past the last frame: cut at F / fps seconds."""
         picture = first_frame(self.flavour, image, settings)
         if isinstance(pipe.scheduler, PiflowScheduler) and settings.guidance != 1.0:
             raise ValueError(f"`validation_guidance` {settings.guidance}: flavour '{self.flavour.name}' is π-Flow "
@@ -244,15 +252,24 @@ class Kandinsky6(Kandinsky5Shared):
         pipe.scheduler = scheduler.from_config(pipe.scheduler.config, shift=settings.flow_shift)
         set_lora_scale(pipe.transformer, lora_scale)
         pos, neg = self.collate_text([prompt], pipe.device), self.collate_text([negative], pipe.device)
-        video = pipe(
+        out = pipe(
             image=picture, prompt_embeds=pos["text_embeds"], pooled_prompt_embeds=pos["pooled_embeds"],
             negative_prompt_embeds=neg["text_embeds"], negative_pooled_prompt_embeds=neg["pooled_embeds"],
             height=settings.height, width=settings.width, num_frames=settings.num_frames,
             frame_rate=self.flavour.fps, num_inference_steps=settings.num_inference_steps,
             guidance_scale=settings.guidance, generator=torch.Generator().manual_seed(settings.seed),
-            sample_audio=False, output_type="np",
-        ).frames[0]
-        return (np.clip(video, 0, 1) * 255).round().astype(np.uint8)  # (F, H, W, 3)
+            sample_audio=sound, output_type="np",
+        )
+        video = (np.clip(out.frames[0], 0, 1) * 255).round().astype(np.uint8)  # (F, H, W, 3)
+        if not sound:
+            return video
+        rate = int(pipe.audio_sample_rate)
+        samples = round(settings.num_frames / self.flavour.fps * rate)
+        waveform = out.audio[0]
+        if len(waveform) < samples:
+            raise RuntimeError(f"the pipeline rendered {len(waveform)} audio samples for {settings.num_frames} "
+                               f"frames at {self.flavour.fps} fps, fewer than their {samples}: a bug")
+        return Rendered(video, Sound(waveform[:samples].astype(np.float32), rate))
 
 
 def make_family(flavour: str | None) -> Kandinsky6:
