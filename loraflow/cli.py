@@ -130,7 +130,7 @@ def check(config_path: str, estimate: bool = True) -> int:
           f"{human_bytes(sum(b.frames_bytes for b in plan.buckets))}, latents {human_bytes(latent_total)}"
           + ("" if geometry else " (unknown: no readable vae/config.json)"))
     if estimate:
-        print_estimates(config, source, plan.buckets)
+        print_estimates(config, family, source, plan.buckets)
     print("\ncaption limits (a file past them is dropped):")
     for d in config.training_datasets:
         print(f"  {d.id}: at most {d.max_captions_per_file} caption(s) per file (max_captions_per_file), "
@@ -149,11 +149,14 @@ def check(config_path: str, estimate: bool = True) -> int:
     return 0
 
 
-def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets: list) -> None:
+def print_estimates(config: LoraflowConfig, plan: FamilyPlan, source: ModelSource | None, buckets: list) -> None:
     """Estimated accelerator peak and TFLOP per stage for the largest bucket (loraflow/estimates/: how each is
     computed), which common cards it fits, and, where training does not fit the user's card, the switches that
-    would, each with its estimate. No weights are read; torch and the family module are imported here.
-    `check --no-estimates` leaves this out (the plan alone imports no model library)."""
+    would, each with its estimate. No weights are read. The family module (torch, diffusers: seconds to import) is
+    imported only to compute an estimate: one remembered (`estimates.remembered`, a check of an unchanged config) is
+    found from the config, the model's config files and `plan`. `check --no-estimates` leaves this out."""
+    import functools
+
     from loraflow import estimates
     from loraflow.pipelines import get_family
     from loraflow.pipelines.released import FOLDER, released_config
@@ -170,10 +173,10 @@ def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets:
         print("  estimate needs the model's config files: the components' config.json on disk (download the model, "
               "which the first stage does, or point `pretrained_model_name_or_path` at a local folder)")
         return
-    family = get_family(config)
+    family = functools.cache(lambda: get_family(config))
     labels = [b.bucket for b in buckets]
     if not labels:
-        labels = estimates.configured_buckets(config, family, source or config.pretrained_model_name_or_path)
+        labels = estimates.configured_buckets(config, plan, source or config.pretrained_model_name_or_path)
         print(f"  no clips yet: estimated at the bucket{'s' * (len(labels) > 1)} the datasets ask for "
               f"({', '.join(labels)}: a square source at `resolution`, `video.num_frames` frames)")
     bucket = estimates.largest_bucket(labels)
@@ -181,12 +184,12 @@ def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets:
     card, named = estimates.card_gb(config)
     inputs = {"configs": configs, "bucket": bucket, "card": card}
     stages, reused = estimates.remembered(config, "stages", inputs,
-                                          lambda: estimates.estimate(config, family, configs, bucket))
+                                          lambda: estimates.estimate(config, family(), configs, bucket))
     if reused is not None:
         print(f"  reused from {reused}: this config, model configs, bucket and card, with this loraflow, were "
               "estimated before (delete the file to estimate again)")
     print(f"  largest bucket {width}x{height}@{frames}, batch {config.train_batch_size}, "
-          f"{family.max_text_tokens} text tokens; GiB peak on the accelerator, TFLOP of one step (lora: forward + "
+          f"{plan.max_text_tokens} text tokens; GiB peak on the accelerator, TFLOP of one step (lora: forward + "
           "backward; latents: one clip; validation: one denoise call)")
     print(f"  fit: {estimates.FIT_MARKS}")
     print(table(estimates.estimate_rows(stages),
@@ -202,7 +205,7 @@ def print_estimates(config: LoraflowConfig, source: ModelSource | None, buckets:
         print(f"  {stage.stage} needs {stage.peak_gib:.3g} GiB; {card:.3g} GB ({named}) is short. Switches, each with "
               f"its estimated peak{SMALLER.get(stage.stage, '')}:")
         rows, _ = estimates.remembered(config, f"switches-{stage.stage}", inputs, lambda: estimates.switches(
-            config, family, configs, bucket, stage.stage, now=stage))
+            config, family(), configs, bucket, stage.stage, now=stage))
         for label, changed in rows:
             host = f" (+ {changed.host / estimates.GIB:.3g} GiB of CPU memory)" if changed.host else ""
             fits = "fits" if changed.fits(card) else "tight" if changed.mark(card) == "tight" else "does not fit"
@@ -336,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     checker = sub.add_parser("check", help="validate a config, print every problem and the bucket plan; no model loads")
     checker.add_argument("config")
     checker.add_argument("--no-estimates", action="store_true",
-                         help="leave out the memory/TFLOP estimates (they import torch and take seconds per stage)")
+                         help="leave out the memory/TFLOP estimates (a config's first check imports torch and "
+                              "traces each stage: seconds to minutes; an unchanged config's next check reads them)")
     cacher = sub.add_parser("cache", help="cache one dataset's clips and latents, the latents by N worker processes")
     cacher.add_argument("config")
     cacher.add_argument("--dataset", required=True, help="a training dataset's id")

@@ -166,6 +166,79 @@ def test_a_second_check_of_an_unchanged_config_reuses_its_estimates_and_a_change
     assert "reused from" not in capsys.readouterr().out
 
 
+def test_a_remembered_estimate_is_estimated_anew_under_changed_code_or_another_flavour(
+        tiny_k5: Path, demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key of a remembered estimate holds loraflow's `code_version`: a copy of the package has this one, a copy
+    with one source file changed has another, and under another version `remembered` computes anew; so it does for
+    the same config with another flavour."""
+    import importlib
+
+    from loraflow.estimates import StageEstimate
+
+    memory = importlib.import_module("loraflow.estimates.remembered")  # the module: the package names its function
+
+    monkeypatch.setenv("LORAFLOW_ESTIMATES_CACHE", str(tmp_path / "user-cache"))
+    same, edited = (shutil.copytree(memory.PACKAGE, tmp_path / copy / "loraflow",
+                                    ignore=shutil.ignore_patterns("__pycache__")) for copy in ("same", "edited"))
+    with (edited / "estimates" / "stages.py").open("a") as source:
+        source.write("# a comment is a change too\n")
+    this, changed = memory.code_version(), memory.code_version(edited)
+    assert memory.code_version(same) == this != changed
+    settings = demo_dict(tiny_k5, demo_data, tmp_path)
+    configs = {flavour: load_config(write_config(tmp_path / f"{flavour}.yaml", {**settings, "model_flavour": flavour}))
+               for flavour in ("t2v-lite-sft-5s", "t2v-lite-pretrain-5s")}
+    computed = []
+    for version, flavour in ((this, "t2v-lite-sft-5s"), (this, "t2v-lite-sft-5s"), (changed, "t2v-lite-sft-5s"),
+                             (this, "t2v-lite-pretrain-5s")):
+        monkeypatch.setattr(memory, "code_version", lambda version=version: version)
+        memory.remembered(configs[flavour], "stages", {},
+                          lambda: computed.append((version, flavour)) or [StageEstimate("lora")])
+    assert computed == [(this, "t2v-lite-sft-5s"), (changed, "t2v-lite-sft-5s"), (this, "t2v-lite-pretrain-5s")]
+
+
+# `loraflow check` in a fresh interpreter, then which model libraries it imported.
+CHECK_AND_IMPORTS = """
+import sys
+from loraflow.cli import main
+
+code = main(["check", sys.argv[1]])
+print("heavy:", sorted(m for m in ("torch", "diffusers", "transformers") if m in sys.modules), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("card", ["gpu_memory_gb", "this machine's"])
+def test_a_second_check_finds_its_estimates_without_importing_torch(
+        card: str, tiny_k5: Path, demo_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second check of an unchanged config reads its remembered estimates (the table and, for a card training
+    does not fit, the switch lists) without importing torch, diffusers or transformers (seconds of the check's
+    second or two otherwise), and prints the first check's table. The card: `gpu_memory_gb` (short for training:
+    the switches are listed too), or none set on a machine without a GPU device (`no_gpu_device`: the demo's case)."""
+    import os
+    import subprocess
+    import sys
+
+    from loraflow.estimates.fit import no_gpu_device
+    from tests.factory import REPO
+
+    if card != "gpu_memory_gb" and not no_gpu_device():
+        pytest.skip("this machine has a GPU device: its card is torch's to tell")
+    monkeypatch.setenv("LORAFLOW_ESTIMATES_CACHE", str(tmp_path / "user-cache"))
+    small = {"gpu_memory_gb": (0.0012 * 2**30 + CUDA_CONTEXT) / FIT_SHARE / 2**30} if card == "gpu_memory_gb" else {}
+    config = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path, **small))
+    assert main(["check", str(config)]) == 0
+    first = capsys.readouterr().out.split("estimates (no model loads")[1]
+    assert ("is short. Switches" in first) == bool(small)
+    second = subprocess.run([sys.executable, "-c", CHECK_AND_IMPORTS, str(config)], cwd=REPO, capture_output=True,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stderr.strip().splitlines()[-1] == "heavy: []"
+    out = second.stdout.split("estimates (no model loads")[1]
+    assert "reused from" in out
+    assert [ln for ln in out.splitlines() if "reused from" not in ln] == first.splitlines()
+
+
 def test_check_estimates_an_imported_seed_guide_from_the_released_configs_before_download_or_data(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The Kandinsky 5 Video guide imported as its reader would (no model downloaded, no clips yet): check

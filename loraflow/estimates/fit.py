@@ -5,6 +5,7 @@ TFLOP), the margin a card keeps (`CUDA_CONTEXT`, `FIT_SHARE`, `usable_bytes`), t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -59,10 +60,26 @@ def usable_bytes(card_gb: float) -> int:
     return int(FIT_SHARE * card_gb * GIB) - CUDA_CONTEXT
 
 
+# The device files a Linux process reaches a GPU through, that torch.cuda would find: NVIDIA's (/dev/nvidia0, ...),
+# WSL 2's (/dev/dxg) and ROCm's (/dev/kfd, which torch.cuda also answers for).
+GPU_DEVICE_FILES = ("nvidia[0-9]*", "dxg", "kfd")
+
+
+def no_gpu_device() -> bool:
+    """True where torch.cuda cannot find a GPU: a Linux machine with none of GPU_DEVICE_FILES in /dev. False (ask
+    torch) anywhere else: such files, or another system."""
+    import sys
+
+    return sys.platform == "linux" and not any(any(Path("/dev").glob(name)) for name in GPU_DEVICE_FILES)
+
+
 def card_gb(config: LoraflowConfig) -> tuple[float | None, str]:
-    """The accelerator to fit: `gpu_memory_gb`, else the CUDA GPU this machine has, else none."""
+    """The accelerator to fit: `gpu_memory_gb`, else the CUDA GPU this machine has, else none (`no_gpu_device`: no
+    need to import torch, seconds, to learn that)."""
     if config.gpu_memory_gb is not None:
         return config.gpu_memory_gb, "gpu_memory_gb"
+    if no_gpu_device():
+        return None, ""
     import torch
 
     if torch.cuda.is_available():

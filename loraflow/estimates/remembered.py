@@ -16,15 +16,18 @@ if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
 
 
+PACKAGE = Path(__file__).parents[1]  # loraflow/
+
+
 @cache
-def code_version() -> str:
-    """What the estimates' numbers depend on besides their inputs: the loraflow package's source and the versions of
-    the libraries that build and trace the models."""
+def code_version(package: Path = PACKAGE) -> str:
+    """What the estimates' numbers depend on besides their inputs: the loraflow package's source (every .py file
+    under `package`) and the versions of the libraries that build and trace the models (their metadata: none is
+    imported)."""
     import hashlib
     from importlib.metadata import version
 
     digest = hashlib.sha256()
-    package = Path(__file__).parents[1]  # loraflow/
     for path in sorted(package.rglob("*.py")):
         digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
     for library in ("torch", "diffusers", "transformers", "peft"):

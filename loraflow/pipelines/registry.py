@@ -114,6 +114,11 @@ class FamilyPlan:
     def vae_temporal_factor(self) -> int:
         return self.spec.vae_temporal_factor
 
+    @property
+    def max_text_tokens(self) -> int:
+        """Caption tokens the first text encoder keeps after the template: the flavour's `text_tokens`."""
+        return self.flavour.text_tokens
+
     def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         """`ModelFamily.size_problem`, from the family module only for the flavours whose spec says it checks."""
         if self.flavour.name not in self.spec.size_checked:
