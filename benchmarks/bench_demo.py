@@ -45,8 +45,8 @@ def learnt(clone: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     import numpy as np
 
+    from loraflow.demo.tiny_world import rightward_shift
     from loraflow.media.writers import read_media
-    from tests.demo.test_demo_learns import rightward_shift
 
     [results_file] = (clone / ".loraflow" / "output" / "validation").glob("*/results.json")
     results = json.loads(results_file.read_text())

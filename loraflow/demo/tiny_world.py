@@ -285,3 +285,10 @@ def shape_centroid(frame: np.ndarray) -> tuple[float, float]:
     weight = np.where(distance >= distance.max() / 2, distance, 0.0)
     ys, xs = np.mgrid[0 : frame.shape[0], 0 : frame.shape[1]]
     return float((weight * xs).sum() / weight.sum()), float((weight * ys).sum() / weight.sum())
+
+
+def rightward_shift(video: np.ndarray) -> float:
+    """How far the demo's shape went right: its mean x over the generated frames minus its x in the given first frame
+    (pixels). What tests/demo/test_demo_learns.py and benchmarks/bench_demo.py measure a render by."""
+    xs = [shape_centroid(frame)[0] for frame in video]
+    return float(np.mean(xs[1:]) - xs[0])

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from loraflow.demo.dataset import _COLOURS
-from loraflow.demo.tiny_world import shape_centroid
+from loraflow.demo.tiny_world import rightward_shift, shape_centroid
 from loraflow.media.writers import read_media
 
 MIN_LORA_SHIFT_PX = 4.0  # the LoRA moves the circle right by at least a quarter of its radius
@@ -42,12 +42,6 @@ def demo_results(demo_run: Path) -> dict:
     """The session's `loraflow demo` run (conftest `demo_run`): its validation results, and its runs folder."""
     [results] = (demo_run / "output" / "validation").glob("*/results.json")
     return {**json.loads(results.read_text()), "runs": demo_run / "output" / "runs"}
-
-
-def rightward_shift(video: np.ndarray) -> float:
-    """Mean x of the shape over the generated frames, minus its x in the given first frame (pixels)."""
-    xs = [shape_centroid(frame)[0] for frame in video]
-    return float(np.mean(xs[1:]) - xs[0])
 
 
 def border_colour(video: np.ndarray) -> np.ndarray:
