@@ -59,14 +59,14 @@ def trains_audio(config_path: str) -> bool:
 
 
 def graph(resource: LoraflowResource) -> tuple[list, list]:
-    """(assets, jobs) of the code location: with `train_audio`, the audio_latents asset too, cached by the
-    `cache_dataset` job; every other config has the six assets and two jobs, unchanged."""
+    """(assets, jobs) of the code location: with `train_audio`, the audio_latents asset too (which lora then reads),
+    cached by the `cache_dataset` job; every other config has the six assets and two jobs, unchanged."""
     from loraflow.assets.stages import ALL_ASSETS, SOUND_ASSETS
 
     sound = trains_audio(resource.config_path)
     if not sound:
         return ALL_ASSETS, JOBS
-    return [*ALL_ASSETS, *SOUND_ASSETS], [cache_dataset_with_sound, train_and_validate]
+    return SOUND_ASSETS, [cache_dataset_with_sound, train_and_validate]
 
 
 def build_defs(resource: LoraflowResource, **extra: object) -> Definitions:

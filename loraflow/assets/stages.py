@@ -14,7 +14,15 @@ is that dataset's content. `text_embeds`, `lora` and `validation` are not: each 
 from dataclasses import asdict
 from pathlib import Path
 
-from dagster import AssetExecutionContext, AutomationCondition, DataVersion, MaterializeResult, MetadataValue, asset
+from dagster import (
+    AssetExecutionContext,
+    AssetsDefinition,
+    AutomationCondition,
+    DataVersion,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
 
 from loraflow.assets import metadata as md
 from loraflow.assets.dataset_files import dataset_files
@@ -152,10 +160,16 @@ def teacher_features(loraflow: LoraflowResource) -> MaterializeResult:
                                        "image_size": report.image_size})
 
 
-# teacher_features: training computes what it lacks itself too (a `loraflow train` run without Dagster)
-@asset(deps=[latents, text_embeds, teacher_features], pool="gpu", group_name="loraflow",
-       description="Flow-matching LoRA training.")
-def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
+def _training_asset(deps: list[AssetsDefinition]) -> AssetsDefinition:
+    """The `lora` asset reading `deps`: a config that trains sound reads the audio latents too (`lora_with_sound`)."""
+    @asset(name="lora", deps=deps, pool="gpu", group_name="loraflow", description="Flow-matching LoRA training.")
+    def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
+        return _train(context, loraflow)
+
+    return lora
+
+
+def _train(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.assets.runs.launch import run_training
     from loraflow.config.adapter_kinds import adapter_summary
     from loraflow.config.training_options import trained_with
@@ -196,6 +210,11 @@ def lora(context: AssetExecutionContext, loraflow: LoraflowResource) -> Material
             **({"renders_during_training": md.md_image(sheet, "first validation prompt, per step")} if sheet else {}),
         },
     )
+
+
+# teacher_features: training computes what it lacks itself too (a `loraflow train` run without Dagster)
+lora = _training_asset([latents, text_embeds, teacher_features])
+lora_with_sound = _training_asset([latents, audio_latents, text_embeds, teacher_features])  # with `train_audio`
 
 
 # text_embeds too: a new validation prompt is embedded without retraining (lora's version stays), and validation
@@ -240,4 +259,6 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
 
 
 ALL_ASSETS = [dataset_files, clips, latents, text_embeds, teacher_features, lora, validation]
-SOUND_ASSETS = [audio_latents]  # with `train_audio`
+# with `train_audio`: the sound's asset, and the lora asset that reads it (one `lora` key either way)
+SOUND_ASSETS = [dataset_files, clips, latents, audio_latents, text_embeds, teacher_features, lora_with_sound,
+                validation]

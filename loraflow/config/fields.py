@@ -112,8 +112,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     train_audio: bool = setting(
         False, run_key="when_set", description="train the sound with the picture (a flavour with an audio VAE: "
         "Kandinsky 6): each clip's audio over its own time span, encoded by the checkpoint's audio VAE (the "
-        "`audio_latents` stage; training both streams together is not built yet: the lora stage refuses it); false: "
-        "the picture alone, no audio read")
+        "`audio_latents` stage), denoised with its picture at one noise level, the LoRA on both streams and the "
+        "attentions between them; false: the picture alone, no audio read")
     clips_without_audio: Literal["video_only", "leave_out"] = setting(
         "video_only", run_key="when_set", description="with `train_audio`: a clip without usable sound (no track, a "
         "track that starts late or ends early, a source rate that would put it out of sync, a track that does not "

@@ -133,6 +133,10 @@ class LoraflowConfig(ConfigFields):
         if self.train_audio and "audio_vae" not in flavour.components:
             raise ValueError(f"`train_audio`: flavour '{flavour.name}' has no audio VAE and generates no sound (a "
                              "Kandinsky 6 flavour does): remove it")
+        if self.train_audio and self.scheduled_sampling_max_step_offset:
+            raise ValueError("`scheduled_sampling_max_step_offset` with `train_audio`: the rollout steps the picture "
+                             "alone, not its sound beside it (not built): set scheduled_sampling_max_step_offset: 0, "
+                             "or train_audio: false")
         if self.clips_without_audio != "video_only" and not self.train_audio:
             raise ValueError("`clips_without_audio` says what training does with clips without sound when "
                              "`train_audio` is true: set train_audio: true, or remove it")

@@ -151,10 +151,12 @@ class TrainStep:
     samples_per_s: float | None = None  # None in histories written before it was logged
     peak_gib: float | None = None  # CUDA only
     crepa_loss: float | None = None  # CREPA's weighted term (crepa_enabled), apart from `loss`, the flow loss
+    audio_loss: float | None = None  # train_audio: the audio term within `loss` (training/loop.py `FlowTerms`)
 
     def json_row(self) -> dict[str, float]:
         """Its history.json row, also what the `report_to` sink logs: the numbers measured (a CPU run has no
-        peak_gib, a run without CREPA no crepa_loss), so files keep the keys they always had."""
+        peak_gib, a run without CREPA no crepa_loss, one without sound no audio_loss), so files keep the keys they
+        always had."""
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 

@@ -115,6 +115,10 @@ class ModelFamily(Protocol):
         family marks them as given in the transformer's input. `text` also holds the latent rows'
         `image_conditions` where the family caches any (`image_condition`): `image_latent` (B, C, 1, h, w)
         float32, and for HunyuanVideo 1.5 i2v `image_embeds`.
+
+        A family whose transformer denoises sound with the picture (a flavour with an `audio_vae`: Kandinsky 6) also
+        takes `audio=` noisy audio latents (B, C_a, L) at the same sigma (`train_audio`; no other family is handed
+        them) and then returns (video prediction, audio prediction).
         """
 
     def lora_targets(self, include_ffn: bool) -> list[str] | str:

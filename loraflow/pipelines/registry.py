@@ -90,6 +90,8 @@ def get_family(config: FamilyChoice) -> ModelFamily:
     template = getattr(config, "kandinsky5_prompt_template", "original")
     if template != "original":  # validated by the config: a family whose SPEC offers it
         family = replace(family, template=template)
+    if getattr(config, "train_audio", False):  # validated by the config: a flavour with an audio VAE (Kandinsky 6)
+        family = replace(family, trains_audio=True)
     return family
 
 

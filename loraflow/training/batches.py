@@ -2,6 +2,10 @@
 
 Every draw of micro-step k comes from (seed, k) alone (`step_seed`), and an epoch's batch order from (seed, epoch),
 so a resumed run reads and draws exactly what the killed one would have (training/loop.py's exact resume).
+
+With `train_audio` a sample also names its clip's audio latent (contracts/audio_rows.py; a clip without one trains its
+video alone, or is left out, as `clips_without_audio` says), and its micro-batch carries the clean audio latents and
+their noise, drawn from a generator of its own: the video's draws are the same with sound on or off.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import numpy as np
 import torch
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts.audio_rows import audio_latents_of, read_audio_rows, trains
 from loraflow.contracts.clip_rows import ClipRow, read_clips
 from loraflow.contracts.holdout import split_clips
 from loraflow.contracts.latent_rows import draw_latents, read_latent_rows
@@ -33,7 +38,11 @@ class Sample:
     latent_key: str
     text_key: str
     empty_key: str  # the empty prompt's embedding, for caption dropout (i2i: with this sample's source image)
-    group: tuple[str, int]  # (bucket, text tokens): only equal groups share a batch (K5 has no text mask)
+    # (bucket, text tokens, sound): only equal groups share a batch (K5 has no text mask; a transformer call takes
+    # audio for all its samples or none, of one length); sound: the dataset, whose play rate sets the audio latent's
+    # length beside the bucket's frames, or "" for a sample that trains its video alone
+    group: tuple[str, int, str]
+    audio_key: str = ""  # `train_audio`: the clip's audio latent row; "": its video alone
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,15 @@ class MicroBatch:
     draws: StepDraws
     teacher: torch.Tensor | None = None  # (B, T, g * g, E) CREPA's cached teacher features; None: off
     mask: torch.Tensor | None = None  # (B, 1, 1, h, w) loss masks (contracts/masks.py); None: unmasked
+    audio: JointAudio | None = None  # `train_audio`, samples with sound; None: the video alone
+
+
+@dataclass(frozen=True)
+class JointAudio:
+    """A micro-batch's sound (`train_audio`): the clean audio latents (B, C, L), the audio VAE's scaled latents as
+    the audio_latents stage stores them, and their noise, drawn on the CPU from (seed, micro-step, "audio_noise")."""
+    x0: torch.Tensor
+    noise: torch.Tensor
 
 
 def training_texts(clips: list[ClipRow]) -> Iterator[tuple[str, str]]:
@@ -63,17 +81,29 @@ def training_texts(clips: list[ClipRow]) -> Iterator[tuple[str, str]]:
 
 
 def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
-    """One sample per (latent, caption) x repeats; clips held out for eval loss are never trained on."""
+    """One sample per (latent, caption) x repeats; clips held out for eval loss are never trained on. With
+    `train_audio`, each names its clip's audio latent, or none (`clips_without_audio: video_only`); a clip left out
+    (`leave_out`) has no sample."""
     clips = read_clips(store)
     train_keys, _ = split_clips(clips, config)
     by_key, trained = {c.key: c for c in clips}, set(train_keys)
     text_set = read_text_set(store)
     texts, tokens = {r.item: r.key for r in text_set}, {r.key: r.n_tokens for r in text_set}
+    sounds = read_audio_rows(store) if config.train_audio else {}
     samples = []
     for row in read_latent_rows(store):
         if row.clip_key not in trained:
             continue
         clip = by_key[row.clip_key]
+        audio_key = ""
+        if config.train_audio:
+            sound = sounds.get(clip.key)
+            if sound is None:
+                raise KeyError(f"clip {clip.key} of {clip.source} has no audio_latents row (train_audio): "
+                               "materialize `audio_latents` for its dataset")
+            if not trains(sound, config.clips_without_audio):
+                continue
+            audio_key = sound.key if sound.ok else ""
         *captioned, empty = training_texts([clip])
         for item in [*captioned, empty]:
             if item not in texts:
@@ -81,10 +111,12 @@ def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
                                "materialize `text_embeds`")
         for item in captioned:
             key = texts[item]
-            samples += [Sample(row.key, key, texts[empty], (row.bucket, tokens[key]))] * clip.repeats
+            group = (row.bucket, tokens[key], clip.dataset if audio_key else "")
+            samples += [Sample(row.key, key, texts[empty], group, audio_key)] * clip.repeats
     if not samples:
-        raise ValueError("no training samples: every clip is held out for eval or failed to encode; check the "
-                         "`latents` quarantine and `eval_holdout_fraction` / `eval_dataset_id`")
+        raise ValueError("no training samples: every clip is held out for eval, failed to encode or (train_audio with "
+                         "clips_without_audio: leave_out) has no sound; check the `latents` quarantine, the "
+                         "`audio_latents` rows and `eval_holdout_fraction` / `eval_dataset_id`")
     return samples
 
 
@@ -180,4 +212,14 @@ def load_micro_batch(
     features = load_teacher_batch(store, [teacher[s.latent_key] for s in samples]) if teacher else None
     mask = batch_mask([latents[s.latent_key] for s in samples], config.masked_loss_probability,
                       step_seed(config.seed, micro_step, "masked_loss"))
-    return MicroBatch(samples, x0, text, draws, features, mask)
+    return MicroBatch(samples, x0, text, draws, features, mask, joint_audio(config, store, samples, micro_step))
+
+
+def joint_audio(config: LoraflowConfig, store: Store | RowCache, samples: list[Sample],
+                micro_step: int) -> JointAudio | None:
+    """The batch's sound, or None when its samples train their video alone (a batch is one `group`: all or none)."""
+    if not samples[0].audio_key:
+        return None
+    x0 = torch.from_numpy(audio_latents_of(store, [s.audio_key for s in samples]))
+    generator = torch.Generator().manual_seed(step_seed(config.seed, micro_step, "audio_noise"))
+    return JointAudio(x0, torch.randn(x0.shape, generator=generator))

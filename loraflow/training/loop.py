@@ -3,6 +3,9 @@
 `train_lora` plans the run (its folder and identity: training/run.py), sets up the model (training/model_setup.py),
 runs the optimizer steps (`run_steps`: lr, micro-steps, finite check, step, log, checkpoint) and writes the adapter.
 
+With `train_audio` (Kandinsky 6) a micro-batch with sound trains both streams in one call, at one sigma per sample
+(`flow_terms`): the loss is the video's flow-matching term plus the audio's, each its own mean.
+
 Resume is exact (training/batches.py: samples, batches, draws): an epoch's batch order comes from (seed, epoch) and
 every random draw of a micro-step (caption dropout, noise, sigmas, TREAD's tokens, LoRA dropout, scheduled
 sampling's rollouts) from (seed, micro-step). The forward runs under bf16 autocast on CUDA (`uses_autocast`); AdamW's
@@ -19,14 +22,14 @@ import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 from loraflow.atomic import write_json
-from loraflow.config import ConfigError, LoraflowConfig
+from loraflow.config import LoraflowConfig
 from loraflow.config.run_key import run_key_settings
 from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
 from loraflow.contracts.reports import LoraReport, TrainStep
@@ -79,10 +82,6 @@ log = logging.getLogger(__name__)
 # 1. the run ----------------------------------------------------------------------------------------------------
 def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store) -> LoraReport:
     """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
-    if config.train_audio:  # cached by the audio_latents stage; the joint step of both streams is not built yet
-        raise ConfigError(["`train_audio`: the sound of each clip is cached (the audio_latents stage), but training "
-                           "it with the picture is not built yet: set train_audio: false to train the picture alone "
-                           "(Kandinsky 6's transformer then denoises video without audio tokens)"])
     # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
     world, device = join(config.num_processes, config.fsdp)
     changed = changed_sources(store, config.dataset_folders) if world.main else []
@@ -154,15 +153,18 @@ def run_steps(run: RunContext, plan: BatchPlan, trained: TrainingModel, optimize
             began = time.perf_counter()
             lr = lr_at(step, config.learning_rate, config.lr_warmup_steps, config.max_train_steps, config.lr_scheduler)
             set_lr(optimizer, lr)
-            losses, seen = micro_steps(run, trained, batches, step)  # flow loss, CREPA term (weighted)
+            losses, seen = micro_steps(run, trained, batches, step)  # flow loss, CREPA term (weighted), audio term
+            if config.train_audio:  # a step without sound left the audio stream's gradients None on this rank
+                trained.trainable.fill_missing()
             average_gradients_(trained.trainable.gradients(), world)
             grad_norm = trained.trainable.step(optimizer, config.max_grad_norm)  # the same on every rank
             if trained.ema is not None:
                 trained.ema.after_step(step + 1, get_peft_model_state_dict(trained.transformer))
-            loss_sum, crepa_sum, seen = sum_over_ranks([losses[0] / world.size, losses[1] / world.size, seen],
-                                                       world, device)
+            loss_sum, crepa_sum, audio_sum, seen = sum_over_ranks([*(x / world.size for x in losses), seen],
+                                                                  world, device)
             if world.main:
                 extra = {} if trained.crepa is None else {"crepa_loss": crepa_sum}
+                extra |= {"audio_loss": audio_sum} if config.train_audio else {}
                 history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
                                          time.perf_counter() - began, seen, device, sink, extra))
             if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
@@ -191,18 +193,19 @@ def micro_batches(run: RunContext, plan: BatchPlan, start: int, crepa: bool) -> 
 def micro_steps(run: RunContext, trained: TrainingModel, batches: Iterator[MicroBatch],
                 step: int) -> tuple[list[float], int]:
     """Forward and backward of optimizer step `step`'s micro-steps, gradients accumulated in `trained.trainable`;
-    a loss that is not finite stops the run before any update. Returns the mean flow loss and CREPA term, and the
-    samples seen."""
+    a loss that is not finite stops the run before any update. Returns the mean flow loss, CREPA term and audio term
+    (`train_audio`: within the flow loss; 0 for a micro-batch without sound), and the samples seen."""
     config, family, device, transformer = run.config, run.family, run.device, trained.transformer
     accum, autocast = config.gradient_accumulation_steps, uses_autocast(config, device)
     loss_type = LossType(config.loss_type, config.huber_c, config.huber_schedule)
-    losses, seen = [0.0, 0.0], 0
+    losses, seen = [0.0, 0.0, 0.0], 0
     for micro in range(step * accum, (step + 1) * accum):
         batch = next(batches)
         if config.lora_dropout:  # peft's dropout draws from the global RNG
             torch.manual_seed(step_seed(config.seed, run.world.micro_step(micro), "lora_dropout"))
         with routing(transformer, family, config, batch.draws.seed):
-            loss, term = step_losses(transformer, family, batch, device, autocast, trained.crepa, loss_type)
+            terms = flow_terms(transformer, family, batch, device, autocast, trained.crepa, loss_type)
+            loss, term = terms.flow, terms.crepa
             total = loss if term is None else loss + term
             if not torch.isfinite(total):
                 raise FloatingPointError(f"step {step + 1}: loss is {total.item()}; no update was made. "
@@ -211,7 +214,8 @@ def micro_steps(run: RunContext, trained: TrainingModel, batches: Iterator[Micro
                 transformer.set_requires_gradient_sync(micro == (step + 1) * accum - 1)
             (total / accum if accum > 1 else total).backward()
         trained.trainable.collect()
-        losses = [losses[0] + loss.item() / accum, losses[1] + (0.0 if term is None else term.item() / accum)]
+        losses = [value + (0.0 if part is None else part.item() / accum)
+                  for value, part in zip(losses, (loss, term, terms.audio))]
         seen += len(batch.samples)
     return losses, seen
 
@@ -219,7 +223,8 @@ def micro_steps(run: RunContext, trained: TrainingModel, batches: Iterator[Micro
 def _log_step(step: int, total: int, loss: float, lr: float, grad_norm: float, seconds: float, seen: int,
               device: torch.device, sink: Any, extra: dict[str, float]) -> TrainStep:
     """One greppable line, one point per number in the `report_to` sink, one history row. `loss` is the flow loss
-    alone; `extra` holds a regulariser's term (crepa_loss), logged as its own series."""
+    alone; `extra` holds a regulariser's term (crepa_loss) and the audio term within the flow loss (audio_loss), each
+    logged as its own series."""
     row = TrainStep(step=step, loss=loss, lr=lr, grad_norm=grad_norm, ms=seconds * 1000, samples_per_s=seen / seconds,
                     peak_gib=peak_memory_gib(device) if device.type == "cuda" else None, **extra)
     log.info("step %d/%d | loss %.4f%s | lr %.1e | grad %.3f | %.0f ms | %.2f samples/s | %s GiB", step, total, loss,
@@ -261,22 +266,58 @@ def step_losses(
     transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
     crepa: Crepa | None = None, loss: LossType = LossType(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the flow-matching loss, CREPA's weighted term or None): `flow_terms`' `flow` and `crepa`."""
+    terms = flow_terms(transformer, family, batch, device, autocast, crepa, loss)
+    return terms.flow, terms.crepa
+
+
+class FlowTerms(NamedTuple):
+    """A micro-step's loss terms: the video's flow-matching term, the audio's (a batch with sound; else None) and
+    CREPA's weighted term (None when off)."""
+    video: torch.Tensor
+    audio: torch.Tensor | None
+    crepa: torch.Tensor | None
+
+    @property
+    def flow(self) -> torch.Tensor:
+        """The flow-matching loss trained: the video term plus the audio term, each its stream's own mean, so each
+        stream weighs the same however many latent elements it has (a released 5 s clip: 16 x 31 x 64 x 96 video
+        against 40 x 218 audio; one mean over both would leave the sound 0.3% of the loss). Lightricks' LTX-2
+        trainer sums its two streams' means alike (Lightricks/LTX-2@4e277dd, packages/ltx-trainer/src/ltx_trainer/
+        training_strategies/flexible.py `compute_loss`); no Kandinsky 6 trainer is released."""
+        return self.video if self.audio is None else self.video + self.audio
+
+
+def flow_terms(
+    transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
+    crepa: Crepa | None = None, loss: LossType = LossType(),
+) -> FlowTerms:
     """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32); i2v: frame 0
     of x_t is x0's (the image) and the loss covers the generated frames only (`noisy_sample`, `flow_mse`),
     each element weighted by the batch's loss masks when it has them (`flow_mse`'s `mask`).
     Scheduled sampling replaces x_t by the model's own rollout (the target stays); with CREPA, also its weighted
-    term (else None). `loss`: the config's loss_type (kernels/losses.py)."""
+    term. `loss`: the config's loss_type (kernels/losses.py).
+
+    A batch with sound (`batch.audio`): its audio latents are noised at the same sigma as its video (the
+    transformer takes one timestep for both, as the pipeline steps both with one; pipelines/kandinsky6/family.py),
+    both are predicted in one call, and the audio term is the same loss against its own noise - x0, unmasked."""
     x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
     text = {k: v.to(device) for k, v in batch.text.items()}
     given, last = family.flavour.conditioning_frames, family.flavour.last_frame_given
     x_t = noisy_sample(x0, noise, sigma, given, last)
     if batch.draws.rollout is not None:
         x_t = rolled_out(transformer, family, x_t, x0, noise, sigma, batch.draws.rollout, text, autocast)
+    sound = None if batch.audio is None else (batch.audio.x0.to(device), batch.audio.noise.to(device))
+    joint = {} if sound is None else {"audio": noisy_sample(*sound, sigma)}
     with capturing(crepa, transformer) as capture, torch.autocast(device.type, dtype=torch.bfloat16,
                                                                   enabled=autocast):
-        prediction = family.velocity(transformer, x_t, sigma, text)
+        prediction = family.velocity(transformer, x_t, sigma, text, **joint)
+    audio = None
+    if sound is not None:
+        prediction, heard = prediction
+        audio = flow_mse(heard, *sound, loss=loss, sigma=sigma)
     term = None if crepa is None else crepa.term(transformer, capture, batch.teacher, tuple(x0.shape[2:]))
-    return flow_mse(prediction, x0, noise, given, last, loss, sigma, batch.mask), term
+    return FlowTerms(flow_mse(prediction, x0, noise, given, last, loss, sigma, batch.mask), audio, term)
 
 
 def rolled_out(transformer: torch.nn.Module, family: ModelFamily, x_t: torch.Tensor, x0: torch.Tensor,

@@ -165,6 +165,16 @@ class Trainable:
         """The gradients accumulated since the last step, one per parameter."""
         return self.grads if self.offloaded else [p.grad for p in self.params]
 
+    def fill_missing(self) -> None:
+        """A zero gradient for each parameter that got none since the last step: where whether a layer runs depends
+        on the data (`train_audio`: a batch without sound skips the audio stream), so every rank averages the same
+        list and the optimizer steps the same parameters on one process as on N."""
+        for i, p in enumerate(self.params):
+            if self.offloaded and self.grads[i] is None:
+                self.grads[i] = torch.zeros_like(p, device=self.device)
+            elif not self.offloaded and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
         """Clip, step, zero; returns the gradient norm before clipping."""
         if self.offloaded:

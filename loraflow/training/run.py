@@ -5,7 +5,8 @@ without importing the training loop.
 A run lives in output_dir/runs/<key>, keyed by the input caches' data versions and every config key that changes
 numbers (`run_key_settings`) and the training code version:
     checkpoints/step-NNNNNNN/   lora + optimizer .safetensors, state.json (written as .tmp, then renamed)
-    history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA), crepa_loss (CREPA);
+    history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA), crepa_loss (CREPA),
+                                audio_loss (train_audio);
                                 the event files per `report_to` (training/tracking.py)
     crepa_projector.safetensors CREPA's projector (also in each checkpoint; training/crepa_training.py)
     pytorch_lora_weights_ema.safetensors   use_ema: the adapter's EMA (also in each checkpoint; training/ema.py)
@@ -23,6 +24,7 @@ import numpy as np
 
 from loraflow.config import LoraflowConfig
 from loraflow.config.run_key import run_key_settings
+from loraflow.contracts.audio_rows import read_audio_rows
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.contracts.latent_rows import read_latent_rows
 from loraflow.contracts.reports import LoraReport, TrainStep
@@ -64,7 +66,7 @@ def upstream_versions(store: Store, config: LoraflowConfig | None = None,
 
     Only the texts training reads (captions and the empty prompt): a new validation prompt re-renders, never retrains.
     With CREPA on (`config`, and its `family` as the caller resolved it), the teacher features too (other teacher
-    weights in the same folder: a new run).
+    weights in the same folder: a new run); with `train_audio`, every clip's audio row (a latent, or why none).
     """
     read = set(training_texts(read_clips(store)))
     text_keys = [key for item, key in text_lookup(store).items() if item in read]
@@ -72,6 +74,9 @@ def upstream_versions(store: Store, config: LoraflowConfig | None = None,
                 "text_embeds": data_version(text_keys)}
     if config is not None and config.crepa_enabled:
         versions["teacher_features"] = teacher_version(config, family, store)
+    if config is not None and config.train_audio:
+        # the status too: a clip whose decoding timed out (not stored, tried again) trains otherwise once it decodes
+        versions["audio_latents"] = data_version(f"{r.key}:{r.status}" for r in read_audio_rows(store).values())
     if config is not None and config.init_lora is not None:  # the tensors training starts from
         versions["init_lora"] = init_lora_version(config.init_lora)
     return versions

@@ -1,13 +1,13 @@
 """The `audio_latents` asset and a config that trains no sound (every Kandinsky 5 and HunyuanVideo 1.5 config): the
 code location's graph and jobs are the ones it had before sound existed, and the asset, run by hand, is one "off"
-version that reads and writes nothing. With sound (Kandinsky 6, `train_audio`) it needs a Kandinsky 6 checkpoint: the
-stage itself is tested in tests/stages/test_audio_latents.py."""
+version that reads and writes nothing. With sound (Kandinsky 6, `train_audio`) the cache run caches it and lora reads
+it; run, it needs a Kandinsky 6 checkpoint: the stage itself is tested in tests/stages/test_audio_latents.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dagster import DagsterInstance, materialize
+from dagster import AssetKey, DagsterInstance, materialize
 
 from loraflow.assets.jobs import JOBS, graph
 from loraflow.assets.partitions import DATASETS
@@ -53,3 +53,17 @@ def test_a_config_with_sound_caches_it_in_the_cache_dataset_run(demo_data: Path,
     assert audio_latents in assets and [j.name for j in jobs] == ["cache_dataset", "train_and_validate"]
     cached = {key.to_user_string() for key in jobs[0].selection.resolve(assets)}
     assert cached == {"dataset_files", "clips", "latents", "audio_latents"}
+
+
+def test_a_config_with_sound_trains_after_its_sound_is_cached(tmp_path: Path) -> None:
+    """With `train_audio` the lora asset reads the audio latents (it is stale when they change, and a backfill caches
+    them first), under the one `lora` key every other config has."""
+    (tmp_path / "data").mkdir()
+    data = demo_dict(tmp_path / "k6", tmp_path / "data", tmp_path, model_family="kandinsky6", train_audio=True)
+    data.pop("model_flavour")
+    assets, jobs = graph(LoraflowResource(config_path=str(write_config(tmp_path / "config.yaml", data))))
+    assert audio_latents in assets and [j.name for j in jobs] == ["cache_dataset", "train_and_validate"]
+    (lora,) = [a for a in assets if a.key == AssetKey("lora")]
+    assert AssetKey("audio_latents") in lora.asset_deps[lora.key]
+    (plain,) = [a for a in ALL_ASSETS if a.key == AssetKey("lora")]
+    assert plain.asset_deps[plain.key] == lora.asset_deps[lora.key] - {AssetKey("audio_latents")}

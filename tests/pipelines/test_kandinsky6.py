@@ -2,10 +2,10 @@
 
 Text rows == the pipeline's `_get_prompt_embeds` (its crop constant set to the tiny tokenizer's, as
 tests/pipelines/test_families.py sets Kandinsky 5's); `velocity` == each transformer call the pipeline's own loop
-makes (seen by a forward hook: t2v, i2v's tail frame, the π-Flow head), bit for bit; a padded batch == each text
-alone; the LoRA file loads where validation loads it and ComfyUI's names are the original node's; every LoRA target
-learns. Kandinsky 5's caches serve Kandinsky 6 where the computation is the same (tests/stages/test_kandinsky6_e2e.py
-runs the stages).
+makes (seen by a forward hook: t2v, i2v's tail frame, the π-Flow head, and with sound both predictions), bit for bit;
+a padded batch == each text alone; the LoRA file loads where validation loads it and ComfyUI's names are the original
+node's; every LoRA target learns. Kandinsky 5's caches serve Kandinsky 6 where the computation is the same
+(tests/stages/test_kandinsky6_stages.py runs the stages; tests/stages/test_kandinsky6_audio.py trains the sound).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from diffusers.pipelines.kandinsky6 import pipeline_kandinsky6_ti2va as k6_pipel
 from peft import LoraConfig, get_peft_model_state_dict
 from PIL import Image
 
+from loraflow.contracts.audio_rows import audio_latent_length
 from loraflow.demo.tiny import build_tiny
 from loraflow.pipelines.base import load_component
 from loraflow.pipelines.comfyui import comfyui_name
 from loraflow.pipelines.kandinsky5.common import template_crop
 from loraflow.pipelines.kandinsky6 import family as kandinsky6
+from loraflow.pipelines.kandinsky6.tiny import AUDIO_CHANNELS
 from loraflow.training.checkpoints import adapter_config
 from tests.numerics import assert_float64_close
 
@@ -83,13 +85,14 @@ def test_text_rows_equal_the_pipelines(tiny_k6: Path, text: dict[str, Any], monk
     assert len(rows[2]["text_embeds"]) == len(rows[0]["text_embeds"]) - len(PROMPTS[0]) + len(prompts[2])
 
 
-def hooked_calls(pipe: Kandinsky6TI2VAPipeline, **call: Any) -> list[tuple[dict, torch.Tensor]]:
-    """Every transformer call of one pipeline run: its keyword arguments and its output."""
-    calls: list[tuple[dict, torch.Tensor]] = []
-    hook = pipe.transformer.register_forward_hook(lambda m, a, kw, out: calls.append((kw, out[0])), with_kwargs=True)
+def hooked_calls(pipe: Kandinsky6TI2VAPipeline, sample_audio: bool = False,
+                 **call: Any) -> list[tuple[dict, tuple[torch.Tensor, ...]]]:
+    """Every transformer call of one pipeline run: its keyword arguments and its outputs (video[, audio])."""
+    calls: list[tuple[dict, tuple[torch.Tensor, ...]]] = []
+    hook = pipe.transformer.register_forward_hook(lambda m, a, kw, out: calls.append((kw, out)), with_kwargs=True)
     try:
         pipe(**call, height=32, width=48, num_frames=9, num_inference_steps=2, guidance_scale=1.0,
-             sample_audio=False, output_type="latent", generator=torch.Generator().manual_seed(0))
+             sample_audio=sample_audio, output_type="latent", generator=torch.Generator().manual_seed(0))
     finally:
         hook.remove()
     return calls
@@ -120,8 +123,39 @@ def test_velocity_equals_the_pipelines_transformer_calls(flavour: str, image: bo
         noisy = hidden[:, :frames, ..., :16].permute(0, 4, 1, 2, 3)
         with torch.no_grad():
             mine = family.velocity(pipe.transformer, noisy, pipe.scheduler.sigmas[step].reshape(1), given)
-        assert torch.equal(mine, out[:, :frames].permute(0, 4, 1, 2, 3))
+        assert torch.equal(mine, out[0][:, :frames].permute(0, 4, 1, 2, 3))
         assert mine.shape[1] == pipe.transformer.config.out_visual_dim  # 16, or 16 x n_grid (π-Flow)
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["t2v", "i2v"])
+def test_joint_velocity_equals_the_pipelines_calls_with_sound(image: bool, tiny_k6: Path,
+                                                              text: dict[str, Any]) -> None:
+    """With sound (`sample_audio`, K6:835-846): each call of the loop gets the audio latents beside the video's
+    at the one timestep both are stepped with (K6:889-899, 920-921); `velocity(..., audio=)` on the same latents in
+    the pipeline's own (B, C_a, L) layout returns both of that call's predictions, bit for bit. The audio is as long
+    as the audio_latents stage caches it beside that many frames (`audio_latent_length`)."""
+    family = kandinsky6.make_family("lite-i2v" if image else "lite-t2v")
+    pipe = pipeline(tiny_k6)
+    row = family.collate_text(family.encode_text(text, PROMPTS[:1]), torch.device("cpu"))
+    latents = torch.randn(LATENTS, generator=torch.Generator().manual_seed(1))
+    picture = {"image": Image.fromarray(np.full((32, 48, 3), 120, np.uint8))} if image else {}
+    calls = hooked_calls(pipe, sample_audio=True, prompt_embeds=row["text_embeds"],
+                         pooled_prompt_embeds=row["pooled_embeds"], latents=latents, **picture)
+    assert len(calls) == 2
+    frames = LATENTS[2]
+    for step, (kwargs, out) in enumerate(calls):
+        hidden, heard = kwargs["hidden_states"], kwargs["audio_hidden_states"]  # (B, L, C_a)
+        assert heard.shape == (1, audio_latent_length(9, 24.0, 44_100, 1024), AUDIO_CHANNELS)
+        given = dict(row)
+        if image:
+            given["image_latent"] = hidden[:, -1:, ..., :16].permute(0, 4, 1, 2, 3)
+        noisy = hidden[:, :frames, ..., :16].permute(0, 4, 1, 2, 3)
+        with torch.no_grad():
+            video, audio = family.velocity(pipe.transformer, noisy, pipe.scheduler.sigmas[step].reshape(1), given,
+                                           audio=heard.permute(0, 2, 1))
+        assert torch.equal(video, out[0][:, :frames].permute(0, 4, 1, 2, 3))
+        assert torch.equal(audio, out[1].permute(0, 2, 1))
+        assert audio.shape == (1, AUDIO_CHANNELS, heard.shape[1])
 
 
 def test_a_padded_batch_equals_each_text_alone(tiny_k6: Path, text: dict[str, Any]) -> None:
@@ -176,7 +210,8 @@ def test_saved_lora_loads_where_validation_loads_it(tiny_k6: Path, text: dict[st
 @pytest.mark.parametrize("audio", [False, True])
 def test_every_lora_target_learns(audio: bool, tiny_k6: Path, text: dict[str, Any]) -> None:
     """Video alone: every target gets a gradient from a video step, and none of the audio stream is a target (a
-    video-only step leaves the audio stream unrun). With audio: the audio stream and the cross-modal attention too."""
+    video-only step leaves the audio stream unrun). With audio: the audio stream and the cross-modal attention too,
+    each getting a gradient from a joint step (the family `train_audio` makes: `trains_audio`)."""
     family = kandinsky6.make_family(None)
     transformer = load_component(tiny_k6, "transformer")
     targets = kandinsky6.lora_pattern(True, audio=audio)
@@ -187,13 +222,17 @@ def test_every_lora_target_learns(audio: bool, tiny_k6: Path, text: dict[str, An
     cross_modal = 8 * blocks if audio else 0  # va_ and av_cross_attention
     assert len(names) == streams * (per_text_block * text_blocks + per_fused_block * blocks) + cross_modal
     assert audio or not any(re.search(r"audio|va_cross|av_cross", n) for n in names)
-    if audio:
-        return  # the audio stream learns from audio batches: tests/stages/test_kandinsky6_audio.py
+    assert replace(family, trains_audio=audio).lora_targets(True) == targets
     transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=targets))
     transformer.train()
     row = family.collate_text(family.encode_text(text, PROMPTS[:1]), torch.device("cpu"))
     latents = torch.randn(LATENTS, generator=torch.Generator().manual_seed(5))
-    family.velocity(transformer, latents, torch.tensor([0.6]), row).square().mean().backward()
+    if audio:  # a joint step: both predictions in the loss (the lora stage's is tests/stages/test_kandinsky6_audio.py)
+        sound = torch.randn(1, AUDIO_CHANNELS, 17, generator=torch.Generator().manual_seed(6))
+        video, heard = family.velocity(transformer, latents, torch.tensor([0.6]), row, audio=sound)
+        (video.square().mean() + heard.square().mean()).backward()
+    else:
+        family.velocity(transformer, latents, torch.tensor([0.6]), row).square().mean().backward()
     grads = {n: p.grad for n, p in transformer.named_parameters() if "lora_B" in n}
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
 

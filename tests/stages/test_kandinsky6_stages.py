@@ -127,22 +127,28 @@ def test_scheduled_sampling_refuses_a_piflow_head(tmp_path: Path) -> None:
                  torch.tensor([3]))
 
 
-def test_the_sound_of_a_clip_is_cached_on_kandinsky6_and_its_training_is_refused_until_built(root: Path) -> None:
+def test_a_train_audio_config_caches_the_sound_and_trains(root: Path) -> None:
     """`train_audio` on the tiny Kandinsky 6: the audio_latents stage encodes each clip's sound with the checkpoint's
-    own audio VAE (a rerun computes nothing); the demo clips have no track, so their rows say so. Training both
-    streams is not built: the lora stage refuses, naming the key, before it reads anything."""
-    from loraflow.config import ConfigError
+    own audio VAE (a rerun computes nothing); the demo clips have no track, so their rows say so, and under
+    `clips_without_audio: video_only` (the default) the lora stage trains their pictures alone: every step's audio
+    term is 0. With `leave_out` no clip is left to train, and the error says where to look.
+    tests/stages/test_kandinsky6_audio.py trains clips with sound."""
     from loraflow.contracts.audio_rows import read_audio_rows
     from loraflow.stages.audio.audio_latents import encode_audio
 
-    data = demo_dict(root / "k6", root / "data", root, model_family="kandinsky6", train_audio=True)
+    data = demo_dict(root / "k6", root / "data", root, model_family="kandinsky6", train_audio=True,
+                     max_train_steps=2, checkpointing_steps=100)
     data.pop("model_flavour")
     config = load_config(write_config(root / "k6-audio.yaml", data))
     store, model = Store(config.cache_dir), model_source(config)
-    run(config, CACHES[:1])
+    run(config, CACHES)
     report = encode_audio(config, model, store)
     rows = read_audio_rows(store)
     assert report.computed == 2 and len(rows) == 2 and {r.status for r in rows.values()} == {"no_audio"}
     assert encode_audio(config, model, store).computed == 0
-    with pytest.raises(ConfigError, match="train_audio"):
-        T.train_lora(config, get_family(config), model, store)
+    trained = T.train_lora(config, get_family(config), model, store)
+    assert trained.computed == 2 and [step.audio_loss for step in trained.history] == [0.0, 0.0]
+    assert trained.inputs["audio_latents"]  # a new audio row makes a new run
+    left_out = config.model_copy(update={"clips_without_audio": "leave_out"})
+    with pytest.raises(ValueError, match="no training samples.*audio_latents"):
+        T.train_lora(left_out, get_family(left_out), model, store)

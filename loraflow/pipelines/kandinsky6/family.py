@@ -19,6 +19,13 @@ its prediction is dropped. The distilled (π-Flow) transformers output `n_grid` 
 anchored at the same x_t (`PiflowScheduler`, schedulers/scheduling_piflow.py: `DXPolicy` turns output g into
 x0_g = x_t - sigma * output_g): trained on clips, every one of them has the flow-matching target noise - x0
 (`kernels.flow_matching.flow_mse` compares each with it).
+
+Sound (`train_audio`, `trains_audio`): the pipeline denoises the audio latents beside the video's in the same
+transformer call (K6:889-899, `audio_hidden_states`) at the same timestep: K6T `forward` takes one `timestep`,
+"shared by both modalities" (K6T:760-761), and embeds it for each stream (K6T:794 and 800); the audio's scheduler is
+a copy of the video's (K6:818), stepped with the same `t` (K6:920-921). So `velocity` takes the noisy audio latents
+at the sample's one sigma and returns both predictions; the LoRA then also targets the audio stream and the two
+cross-modal attentions (`lora_pattern`).
 """
 
 from __future__ import annotations
@@ -118,6 +125,8 @@ class Kandinsky6(Kandinsky5Shared):
     # i2v: "first_frame", the latents stage caches each clip's first frame encoded alone (the appended tail frame);
     # `make_family` sets it from the flavour
     image_condition_name: str = ""
+    # `train_audio` (get_family sets it): the LoRA targets the audio stream and the cross-modal attentions too
+    trains_audio: bool = False
 
     # 1. text: Kandinsky5Shared's encoders, as given, 1024 tokens; padded batches with a mask -------------------
     @property
@@ -172,10 +181,16 @@ class Kandinsky6(Kandinsky5Shared):
     # 3. transformer ---------------------------------------------------------------------------------------------
     def velocity(
         self, transformer: torch.nn.Module, noisy: torch.Tensor, sigma: torch.Tensor, text: Mapping[str, torch.Tensor],
-    ) -> torch.Tensor:
+        audio: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The pipeline's denoiser call (K6:877-900) on noisy latents (B, 16, T, h, w) -> (B, 16 n_grid, T, h, w):
         t2v with zero condition channels; i2v with `text["image_latent"]` (B, 16, 1, h, w) as the clean tail frame.
-        The timestep is sigma * 1000 in float32, as the pipeline passes its scheduler's timesteps."""
+        The timestep is sigma * 1000 in float32, as the pipeline passes its scheduler's timesteps.
+
+        With `audio`, noisy audio latents (B, C_a, L) at the same sigma (the layout the pipeline takes and returns
+        them in; it hands the transformer (B, L, C_a), K6:617-620 and 943): the joint call, which returns (video
+        prediction, audio prediction (B, C_a n_grid, L)); the transformer builds the audio's rotary positions itself
+        (arange over L, K6T:819-821), as the pipeline leaves it to."""
         hidden = noisy.permute(0, 2, 3, 4, 1)  # (B, T, h, w, C): channels-last DiT layout
         batch, frames, height, width, _ = hidden.shape
         tail = self.flavour.image_is_first_frame and AS_T2V not in text
@@ -201,6 +216,7 @@ class Kandinsky6(Kandinsky5Shared):
         dtype = compute_dtype(transformer)
         out = transformer(
             hidden_states=hidden.to(dtype),
+            audio_hidden_states=None if audio is None else audio.permute(0, 2, 1).to(dtype),
             encoder_hidden_states=text["text_embeds"].to(dtype),
             pooled_projections=text["pooled_embeds"].to(dtype),
             timestep=sigma.float() * 1000,
@@ -208,11 +224,12 @@ class Kandinsky6(Kandinsky5Shared):
             encoder_attention_mask=text.get("text_mask"),
             visual_token_type_ids=types,
             return_dict=False,
-        )[0]
-        return out[:, :frames].permute(0, 4, 1, 2, 3).float()  # the tail's prediction dropped
+        )
+        video = out[0][:, :frames].permute(0, 4, 1, 2, 3).float()  # the tail's prediction dropped
+        return video if audio is None else (video, out[1].permute(0, 2, 1).float())
 
     def lora_targets(self, include_ffn: bool) -> str:
-        return lora_pattern(include_ffn, audio=False)
+        return lora_pattern(include_ffn, audio=self.trains_audio)
 
     def save_lora(self, state_dict: dict[str, torch.Tensor], out_dir: str | Path,
                   adapter_config: dict | None = None) -> None:

@@ -129,7 +129,9 @@ def broadcast_(tensors: list[torch.Tensor], world: World) -> None:
 def average_gradients_(grads: list[torch.Tensor | None], world: World) -> None:
     """Every rank's gradients become the mean over ranks, in place, in one all-reduce.
 
-    A None gradient (a layer whose output is unused) is None on every rank: it depends on the model, not the data.
+    A None gradient (a layer whose output is unused) is None on every rank: it depends on the model, not the data
+    (where it depends on the data, `train_audio`'s batches without sound, the loop fills zeros first:
+    `Trainable.fill_missing`).
     """
     # FSDP's backward has reduce-scattered (averaged) its DTensor gradients already
     present = [g for g in grads if g is not None and not isinstance(g, DTensor)]
