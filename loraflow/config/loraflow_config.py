@@ -137,6 +137,12 @@ class LoraflowConfig(ConfigFields):
             raise ValueError("`scheduled_sampling_max_step_offset` with `train_audio`: the rollout steps the picture "
                              "alone, not its sound beside it (not built): set scheduled_sampling_max_step_offset: 0, "
                              "or train_audio: false")
+        if self.train_audio and self.fsdp and self.clips_without_audio == "video_only":
+            raise ValueError("`fsdp` with `train_audio` and `clips_without_audio: video_only`: a step where one "
+                             "process's clip has sound and another's has none runs the audio stream on one process "
+                             "only, and FSDP's gradient reduce-scatter waits for the other (gloo aborts on the "
+                             "mismatch): set clips_without_audio: leave_out (every batch then has sound), or fsdp: "
+                             "false (the processes then average every gradient, zeros where a stream did not run)")
         if self.clips_without_audio != "video_only" and not self.train_audio:
             raise ValueError("`clips_without_audio` says what training does with clips without sound when "
                              "`train_audio` is true: set train_audio: true, or remove it")

@@ -218,7 +218,9 @@ def test_the_peers_options_that_exclude_each_other_are_named(settings: dict, nam
     ({"clips_without_audio": "leave_out"}, "`clips_without_audio` says what training does"),
     ({"model_family": "kandinsky6", "model_flavour": "lite-t2v", "train_audio": True,
       "scheduled_sampling_max_step_offset": 2}, "the rollout steps the picture alone, not its sound"),
-], ids=["sound-without-an-audio-vae", "clips_without_audio-alone", "sound+scheduled-sampling"])
+    ({"model_family": "kandinsky6", "model_flavour": "lite-t2v", "train_audio": True, "fsdp": True,
+      "num_processes": 2}, "set clips_without_audio: leave_out (every batch then has sound), or fsdp: false"),
+], ids=["sound-without-an-audio-vae", "clips_without_audio-alone", "sound+scheduled-sampling", "sound+fsdp"])
 def test_sound_is_trained_only_by_a_flavour_with_an_audio_vae(settings: dict, named: str) -> None:
     data = demo()
     data.pop("pretrained_model_name_or_path")  # the flavour's repository
