@@ -77,6 +77,11 @@ PINNED: dict[str, tuple[str, str, str, str, str]] = {
     "kandinsky6.yaml": ("8f7c97c752e576172495acf8290d087a", "fe067a1b54a4adeb43013916accd6686",
                         "4cbaa1c698285f34e268637e4aae1379", "e4a46b15ca1503b15648cfd8ef97ad79",
                         "6b14d68d6d021695b5393b14b4bbc527"),
+    # pinned when added: kandinsky6.yaml with train_audio, so its text and latent keys are kandinsky6.yaml's (the
+    # picture's caches are shared), its run key its own
+    "kandinsky6_sound.yaml": ("e8c8c3c28379efdd60f1a27632d264f3", "fe067a1b54a4adeb43013916accd6686",
+                              "4cbaa1c698285f34e268637e4aae1379", "e4a46b15ca1503b15648cfd8ef97ad79",
+                              "6b14d68d6d021695b5393b14b4bbc527"),
     "kandinsky6_distill_i2v.yaml": ("accc3f19c7de6ac2d8c5211211380016", "fe067a1b54a4adeb43013916accd6686",
                                     "4cbaa1c698285f34e268637e4aae1379", "7c6cf52d468fb2082bf08d22a44fdd26",
                                     "139c9e8035f84f3392bf40cc3113742a"),
