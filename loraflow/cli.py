@@ -269,9 +269,10 @@ def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> in
         print(f"latents shard {shard} of '{dataset}': computed {report.computed}, reused {report.reused}, "
               f"quarantined {len(report.quarantined)}")
         return 0
-    clips, latents = fanout.cache_dataset(config_path, config, family, model, dataset, workers)
+    clips, latents, audio = fanout.cache_dataset(config_path, config, family, model, dataset, workers)
     print(f"'{dataset}' cached by {workers} worker(s): clips computed {clips.computed}, reused {clips.reused}; "
-          f"latents {latents.computed + latents.reused} listed (data version {latents.data_version})")
+          f"latents {latents.computed + latents.reused} listed (data version {latents.data_version})"
+          + (f"; audio latents computed {audio.computed}, reused {audio.reused}" if audio else ""))
     return 0
 
 
@@ -341,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     checker.add_argument("--no-estimates", action="store_true",
                          help="leave out the memory/TFLOP estimates (a config's first check imports torch and "
                               "traces each stage: seconds to minutes; an unchanged config's next check reads them)")
-    cacher = sub.add_parser("cache", help="cache one dataset's clips and latents, the latents by N worker processes")
+    cacher = sub.add_parser("cache", help="cache one dataset's clips and latents, the latents by N worker processes "
+                            "(and with train_audio the clips' sound)")
     cacher.add_argument("config")
     cacher.add_argument("--dataset", required=True, help="a training dataset's id")
     cacher.add_argument("--workers", type=int, default=1, help="latents worker processes (one GPU each where any)")

@@ -23,7 +23,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from loraflow.config import LoraflowConfig
-from loraflow.contracts.reports import ClipsReport, LatentsReport
+from loraflow.contracts.reports import AudioLatentsReport, ClipsReport, LatentsReport
 from loraflow.keys import Shard
 from loraflow.lifetime import die_with_parent
 from loraflow.pipelines.sources import ModelSource
@@ -62,10 +62,11 @@ def run_workers(config_path: str, dataset: str, count: int) -> dict[int, int]:
 
 
 def cache_dataset(config_path: str, config: LoraflowConfig, family: ModelFamily, model: ModelSource, dataset: str,
-                  workers: int) -> tuple[ClipsReport, LatentsReport]:
-    """Clips (one process), latents by `workers` processes, then the manifest parts: what a `cache_dataset` run
-    does for one dataset, with the VAE work fanned out. A failed worker raises after the others finished; running
-    this again redoes only what is still missing."""
+                  workers: int) -> tuple[ClipsReport, LatentsReport, AudioLatentsReport | None]:
+    """Clips (one process), latents by `workers` processes, then the manifest parts, and with `train_audio` the
+    clips' sound (this process): what a `cache_dataset` run does for one dataset, with the VAE work fanned out. A
+    failed worker raises after the others finished; running this again redoes only what is still missing."""
+    from loraflow.stages.audio.audio_latents import encode_audio
     from loraflow.stages.clips.clips import build_clips
     from loraflow.stages.latents.latents import encode_latents
 
@@ -77,4 +78,5 @@ def cache_dataset(config_path: str, config: LoraflowConfig, family: ModelFamily,
         raise RuntimeError(f"latents worker(s) {', '.join(f'{i}/{workers}' for i in failed)} of dataset '{dataset}' "
                            f"failed (exit codes {', '.join(map(str, failed.values()))}); run again to resume them")
     with store.part_lock(dataset):  # every latent is committed: this writes the manifest parts
-        return clips, encode_latents(config, family, model, store, datasets=[dataset])
+        latents = encode_latents(config, family, model, store, datasets=[dataset])
+        return clips, latents, encode_audio(config, model, store, [dataset]) if config.train_audio else None

@@ -246,3 +246,35 @@ def test_two_processes_one_with_sound_one_without_equal_one_process(root: Path) 
     assert [(r.loss, r.grad_norm, r.audio_loss) for r in report.history] == [
         (r["loss"], r["grad_norm"], r["audio_loss"]) for r in history]
     assert same_lora_file(Path(report.lora_path), launched / LORA_FILE)
+
+
+def test_what_the_sound_decides_is_in_the_run_key(root: Path) -> None:
+    """A run trains anew when how silent clips train changes (video_only vs leave_out, the same steps) or the audio
+    rows it reads change; the picture's inputs alone keep the key of a run without sound apart too. Seen failing with
+    `clips_without_audio` taken out of the run key (its setting's run_key "never")."""
+    video_only, left_out = make_config(root, "video_only", steps=3, name="key-a"), make_config(
+        root, "leave_out", steps=3, name="key-b")
+    store = Store(video_only.cache_dir)
+    upstream = upstream_versions(store, video_only, get_family(video_only))
+    assert upstream["audio_latents"] and upstream == upstream_versions(store, left_out, get_family(left_out))
+    assert run_dir(video_only, upstream) != run_dir(left_out, upstream)
+    other_rows = {**upstream, "audio_latents": upstream["audio_latents"][::-1]}
+    assert run_dir(video_only, other_rows) != run_dir(video_only, upstream)
+    silent = video_only.model_copy(update={"train_audio": False})
+    assert "audio_latents" not in upstream_versions(store, silent, get_family(silent))
+
+
+def test_loraflow_cache_caches_the_sound_too(root: Path, tmp_path: Path) -> None:
+    """`loraflow cache` (one dataset, outside Dagster) does what the cache_dataset run does: with train_audio the
+    clips' sound too, or training would then stop for want of its rows. Seen failing before shard_worker's
+    cache_dataset encoded the sound (no audio rows in the store)."""
+    import subprocess
+    import sys
+
+    config = make_config(root, "video_only", name="cache-cli", cache_dir=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-m", "loraflow.cli", "cache", str(root / "cache-cli.yaml"), "--dataset",
+                           "demo-videos"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "audio latents computed 3, reused 0" in done.stdout
+    rows = read_audio_rows(Store(config.cache_dir))
+    assert sorted(r.status for r in rows.values()) == ["no_audio", "ok", "ok"]
