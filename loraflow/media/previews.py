@@ -169,6 +169,9 @@ def loss_plot(history: Sequence[Mapping[str, float]]) -> Image.Image:
     axes.plot(steps, smoothed(losses, span), color="tab:red", linewidth=2, label=f"smoothed (EMA, span {span})")
     axes.set(title="training loss", xlabel="optimizer step", ylabel="flow-matching MSE")
     axes.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
+    audio = [h.get("audio_loss") for h in history]
+    if any(audio):  # train_audio: the sound's part of the loss, in the same units (its own mean, summed in)
+        axes.plot(steps, audio, color="tab:green", linewidth=1.5, label="of which the sound's term")
     crepa = [h.get("crepa_loss") for h in history]
     if any(v is not None for v in crepa):  # its own axis: a negative cosine term summed in would hide the flow loss
         twin = axes.twinx()

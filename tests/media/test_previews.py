@@ -120,5 +120,8 @@ def test_the_plots_are_matplotlib_figures_of_the_data() -> None:
     assert plot.size == (PLOT_INCHES[0] * PLOT_DPI, PLOT_INCHES[1] * PLOT_DPI)
     rising = [{**h, "loss": 1 + 0.01 * h["step"]} for h in history]
     assert not np.array_equal(np.asarray(plot), np.asarray(loss_plot(rising)))
+    silent = [{**h, "audio_loss": 0.0} for h in history]  # a run with sound draws its audio term (train_audio)
+    assert np.array_equal(np.asarray(plot), np.asarray(loss_plot(silent)))
+    assert not np.array_equal(np.asarray(plot), np.asarray(loss_plot([{**h, "audio_loss": 0.3} for h in history])))
     rows = [{"sigma": s / 10, "base": 2.5, "lora": 2.4} for s in range(1, 10)]
     assert eval_loss_plot(rows).size == plot.size
