@@ -311,7 +311,7 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
 
 
 def post_hoc_ema(files: list[str], decay: float, out: str) -> int:
-    """musubi-tuner's post-hoc EMA over saved LoRA files (training/ema.py), written to `out`."""
+    """musubi-tuner's post-hoc EMA over saved LoRA files (training/options/ema.py), written to `out`."""
     from loraflow.training.options.ema import post_hoc_ema as average
 
     missing = [f for f in files if not Path(f).is_file()]

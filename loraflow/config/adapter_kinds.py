@@ -5,7 +5,7 @@ Read from SimpleTuner's documentation (LYCORIS.md, the Kandinsky 5 quickstarts) 
 lokr or loha, `linear_dim` (peft `r`), `linear_alpha` (peft `alpha`), `factor` (LoKr's Kronecker factor, peft
 `decompose_factor`), `decompose_both`, `rank_dropout`, `module_dropout`, `multiplier` (1 only: it scales the
 adapter at load). Every other LyCORIS field is refused, naming it and why. No torch here: config validation runs
-without it; training/adapters.py builds the peft config.
+without it; training/options/adapters.py builds the peft config.
 """
 
 from __future__ import annotations

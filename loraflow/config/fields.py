@@ -264,9 +264,9 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         "bf16 moments rounded stochastically (kernels/adamw_bf16.py), half the optimizer memory; muon: torch's Muon "
         "(the 2-D LoRA matrices); prodigy: prodigyopt (learning_rate 1.0: it finds the step size); "
         "adamw_schedulefree: schedulefree's AdamW, which needs no decay: keep lr_scheduler constant "
-        "(training/optimizers.py)")
-    # Adapter kind, start and EMA (SimpleTuner's names; training/adapters.py, training/ema.py). Off by default, keys
-    # unchanged.
+        "(training/options/optimizers.py)")
+    # Adapter kind, start and EMA (SimpleTuner's names; training/options/adapters.py, training/options/ema.py). Off by
+    # default, keys unchanged.
     lora_type: Literal["standard", "lycoris"] = setting(
         "standard", run_key="when_set", description="standard: peft LoRA; lycoris: LoKr or LoHa (peft's), as "
         "`lycoris_config` says")

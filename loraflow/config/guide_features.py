@@ -11,7 +11,8 @@ from loraflow.config.run_key import StrictModel, setting
 
 
 class GuideFeatures(StrictModel):
-    """Scheduled sampling (kernels/scheduled_sampling.py) and CREPA (kernels/crepa.py, training/crepa_training.py)."""
+    """Scheduled sampling (kernels/scheduled_sampling.py) and CREPA (kernels/crepa.py,
+    training/options/crepa_training.py)."""
 
     # Scheduled sampling (SimpleTuner's names, kernels/scheduled_sampling.py): off while max_step_offset is 0
     scheduled_sampling_max_step_offset: int = setting(

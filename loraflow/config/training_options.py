@@ -1,7 +1,7 @@
 """The peers' loss types, optimizer options and flow schedules, under their own names (SimpleTuner's where it has
 one, musubi-tuner's otherwise): part of the one config model (`LoraflowConfig` inherits these fields). Each is off
 by default and `when_set`: a run that does not use it keeps the key and the numbers it had before it existed.
-Computed in kernels/losses.py, kernels/flow_matching.py and training/optimizers.py.
+Computed in kernels/losses.py, kernels/flow_matching.py and training/options/optimizers.py.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def fake_transformer(config: LoraflowConfig, family: ModelFamily, transformer_co
 
 
 def adapter(config: LoraflowConfig, family: ModelFamily) -> Callable[[torch.nn.Module], None]:
-    """What adds the configured adapter to a model, as training adds it (`training.adapters.add_adapter`)."""
+    """What adds the configured adapter to a model, as training adds it (`training.options.adapters.add_adapter`)."""
     import torch
 
     from loraflow.training.options.adapters import add_adapter

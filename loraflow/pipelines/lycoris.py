@@ -15,7 +15,7 @@ ComfyUI (comfyanonymous/ComfyUI, read at the revisions in the index):
   optional `.alpha`; `calculate_weight`: W += (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / w1_b.shape[0].
 peft's names are the same (its LyCORIS layers follow LyCORIS), and its scale is alpha / r for every module
 (peft/tuners/lokr/layer.py `make_kron`, loha `make_weight`): the file carries alpha = peft's alpha where ComfyUI
-divides by the rank; a module kept whole is at scale 1 in both (training/adapters.py trains it so).
+divides by the rank; a module kept whole is at scale 1 in both (training/options/adapters.py trains it so).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def lycoris_to_comfyui(state_dict: Mapping[str, torch.Tensor], adapter_config: M
         alpha, rank = alpha_and_rank(adapter_config, module)
         scale = alpha / rank
         decomposed = "lokr_w2_a" in parts or "lokr_w1_a" in parts or "hada_w1_a" in parts
-        if not decomposed and scale != 1.0:  # loraflow trains these at scale 1 (training/adapters.py), as LyCORIS
+        # loraflow trains these at scale 1 (training/options/adapters.py), as LyCORIS
+        if not decomposed and scale != 1.0:
             raise ValueError(f"LoKr module {module!r} keeps both factors whole at peft scale {scale}; ComfyUI "
                              "applies such a module at scale 1: train it with loraflow's lora_type lycoris")
         for part, tensor in parts.items():

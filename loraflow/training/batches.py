@@ -121,11 +121,12 @@ def build_samples(config: LoraflowConfig, store: Store) -> list[Sample]:
 
 
 def epoch_batches(samples: list[Sample], batch_size: int, seed: int, epoch: int) -> list[list[Sample]]:
-    """Seeded shuffle, then batches drawn within (bucket, text length) groups; the batch order is shuffled too."""
+    """Seeded shuffle, then batches drawn within `Sample.group`s (bucket, text length, sound); the batch order is
+    shuffled too."""
     rng = random.Random(f"{seed}-{epoch}")
     order = samples[:]
     rng.shuffle(order)
-    groups: dict[tuple[str, int], list[Sample]] = {}
+    groups: dict[tuple[str, int, str], list[Sample]] = {}
     for sample in order:
         groups.setdefault(sample.group, []).append(sample)
     batches = [g[i : i + batch_size] for g in groups.values() for i in range(0, len(g), batch_size)]

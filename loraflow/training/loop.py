@@ -12,7 +12,7 @@ sampling's rollouts) from (seed, micro-step). The forward runs under bf16 autoca
 moments are fp32 unless `optimizer: adamw_bf16`.
 
 Under a launcher (num_processes > 1) each rank trains its share of every step and only rank 0 writes
-(training/distributed.py; loraflow/train_main.py is the launched entry point).
+(training/launch/distributed.py; loraflow/train_main.py is the launched entry point).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ numbers (`run_key_settings`) and the training code version:
     checkpoints/step-NNNNNNN/   lora + optimizer .safetensors, state.json (written as .tmp, then renamed)
     history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA), crepa_loss (CREPA),
                                 audio_loss (train_audio);
-                                the event files per `report_to` (training/tracking.py)
-    crepa_projector.safetensors CREPA's projector (also in each checkpoint; training/crepa_training.py)
-    pytorch_lora_weights_ema.safetensors   use_ema: the adapter's EMA (also in each checkpoint; training/ema.py)
+                                the event files per `report_to` (training/options/tracking.py)
+    crepa_projector.safetensors CREPA's projector (also in each checkpoint; training/options/crepa_training.py)
+    pytorch_lora_weights_ema.safetensors   use_ema: the adapter's EMA (also in each checkpoint; training/options/ema.py)
     pytorch_lora_weights.safetensors   the adapter, diffusers format, written last: the run is done
 """
 

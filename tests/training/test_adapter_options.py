@@ -1,6 +1,6 @@
-"""Issue 32's adapter options on the tiny Kandinsky 5 Video through `train_lora`: EMA (training/ema.py) and init_lora
-(training/adapters.py). The caches are test_train's (the same two-clip dataset); runs differ only in their output
-folders.
+"""Issue 32's adapter options on the tiny Kandinsky 5 Video through `train_lora`: EMA (training/options/ema.py) and
+init_lora (training/options/adapters.py). The caches are test_train's (the same two-clip dataset); runs differ only in
+their output folders.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Issue 32's optimizers and flow schedules (training/optimizers.py, the schedules in step_draws): Muon's update is
-orthogonal within its Newton-Schulz iteration's bound, LoRA+'s groups, schedule-free's average around renders and
+"""Issue 32's optimizers and flow schedules (training/options/optimizers.py, the schedules in step_draws): Muon's update
+is orthogonal within its Newton-Schulz iteration's bound, LoRA+'s groups, schedule-free's average around renders and
 at export, each schedule option in training's draws. Through `train_lora` (sharing test_train.py's caches and
 baseline run): tests/training/test_train.py's issue 32 section."""
 
