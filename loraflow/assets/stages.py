@@ -260,5 +260,4 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
 
 ALL_ASSETS = [dataset_files, clips, latents, text_embeds, teacher_features, lora, validation]
 # with `train_audio`: the sound's asset, and the lora asset that reads it (one `lora` key either way)
-SOUND_ASSETS = [dataset_files, clips, latents, audio_latents, text_embeds, teacher_features, lora_with_sound,
-                validation]
+SOUND_ASSETS = [lora_with_sound if asset is lora else asset for asset in ALL_ASSETS] + [audio_latents]
