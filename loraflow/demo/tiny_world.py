@@ -20,8 +20,8 @@ A random tiny checkpoint renders coloured noise with or without a LoRA. Here its
 `build_tiny(..., world=True)` (what `loraflow demo` builds) uses it; the test suite's other tests keep the random
 tiny checkpoint. The pre-trained weights are keyed by the family and flavour trained as, the recipe, the transformer's
 config and initial weights and the text encoders' weights. The weights of the current recipe ship with loraflow
-(`tiny_world_weights/<key>.safetensors`, 2.7 MB: this pre-training on a 2-core CPU is 5-12 minutes, most of a fresh
-clone's `make demo` and of every CI run); another recipe's are trained once and cached under
+(`tiny_world_weights/<key>.safetensors`, 2.7 MB: this pre-training on a 2-core CPU was 292 s of a 655 s fresh
+clone's `make demo`, and it ran in every CI run); another recipe's are trained once and cached under
 `.loraflow/tiny_world/<key>/`. tests/demo/test_tiny_world.py fails when the shipped file is not the current key's, and
 its soak test pre-trains the recipe again and holds the result against the shipped weights.
 """
