@@ -125,9 +125,9 @@ def test_the_cache_key_is_the_same_in_every_process_and_names_the_shipped_weight
 def test_the_recipe_pre_trains_weights_as_good_as_the_shipped_ones(tmp_path: Path) -> None:
     """The shipped weights are what the recipe makes: pre-trained again here (292 s on 2 quiet cores, 36 min at load
     4-5: hence a soak), from the same initial weights, the held-out flow loss lands near the shipped weights' and far
-    below the untrained transformer's (passed once at load 4-5, c75197e). Not bit for bit: 2000 AdamW steps on another CPU or thread count drift apart in the last bits and
-    then chaotically; what the demo needs (tests/demo/test_demo_learns.py) is a world this good. Seen failing with the
-    recipe cut to 40 steps."""
+    below the untrained transformer's (passed once at load 4-5, c75197e). Not bit for bit: 2000 AdamW steps on another
+    CPU or thread count drift apart in the last bits and then chaotically; what the demo needs
+    (tests/demo/test_demo_learns.py) is a world this good. Seen failing with the recipe cut to 40 steps."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         family, transformer, vae, text = tiny_world.world_inputs()
