@@ -22,9 +22,9 @@ def slug(name: str) -> str:
 
 def write_media(frames: np.ndarray, stem: Path, fps: float, sound: Sound | None = None) -> Path:
     """uint8 (F, H, W, 3) -> `stem`.png when F == 1 (image families, lossless), else `stem`.mp4, with `sound` as its
-    audio stream. Renders are written with the reproducible x264 settings: a resumed validation run once decoded to
-    other pixels than the first (test_validate, 1 full-suite run in 2); x264's defaults were suspected, not shown to
-    be the cause."""
+    audio stream. Renders are written with the reproducible x264 settings: at PyAV's defaults (threads auto) x264
+    wrote the same frames to other bytes now and then, which made a resumed validation run's mp4 decode to other
+    pixels than the first run's (issue 41's flake; test_validate.test_a_render_written_again_is_the_same_file)."""
     if len(frames) == 1:
         if sound is not None:
             raise ValueError("a still has no sound track: sound is rendered with videos only")
@@ -44,8 +44,9 @@ def read_media(path: str | Path) -> np.ndarray:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
-# Same frames, same bytes (the demo data): one thread, and "superfast", whose settings skip x264's mb-tree
-# lookahead; with veryfast, 96-px-wide clips came out different about 1 run in 30.
+# Same frames, same bytes (the demo data, the renders): the codec on one thread (at PyAV's default thread count x264
+# wrote other bytes for 1-6% of the writes of one 48x64 render, 0 of 400 on one thread), and "superfast", whose
+# settings skip x264's mb-tree lookahead; with veryfast, 96-px-wide clips came out different about 1 run in 30.
 REPRODUCIBLE_X264 = {"crf": "18", "preset": "superfast", "x264-params": "log-level=error:threads=1"}
 
 

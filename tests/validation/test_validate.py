@@ -122,6 +122,40 @@ def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(v
     assert not np.array_equal(decode(other.prompts[0].lora)[0], after)
 
 
+WRITTEN_AGAIN = """
+import sys
+from pathlib import Path
+import numpy as np
+from loraflow.media.writers import read_media, write_media
+frames, out = np.load(sys.argv[1]), Path(sys.argv[2])
+files, first, worst = set(), None, 0
+for _ in range(400):
+    path = write_media(frames, out / "again", 24.0)
+    files.add(path.read_bytes())
+    pixels = read_media(path).astype(int)
+    first = pixels if first is None else first
+    worst = max(worst, int(np.abs(pixels - first).max()))
+print(len(files), worst)
+"""
+
+
+def test_a_render_written_again_is_the_same_file(first_run, tmp_path: Path) -> None:
+    """The cause of issue 41's flake (the test above: a resumed run's mp4 decoded up to 4 levels off the first run's,
+    1 full suite run in 2): x264 at PyAV's defaults (threads auto, preset medium) wrote the same frames to other bytes
+    now and then. This module's blue base render written 400 times, each read back and compared with the first, as a
+    validation run and its test alternate: 3-28 other files in each of 8 loops (up to 33 levels once decoded); with
+    the codec on one thread, 0 in 400, with or without preset superfast. Renders take writers.REPRODUCIBLE_X264 on one
+    thread. Inside the suite's process (torch's threads, other timing) the race showed in 1 loop of 4 only, so the
+    loop runs in a process of its own, where it showed in 6 of 6 with the defaults planted back."""
+    frames, _ = decode(first_run.prompts[1].base)
+    np.save(tmp_path / "frames.npy", frames)
+    done = subprocess.run([sys.executable, "-c", WRITTEN_AGAIN, str(tmp_path / "frames.npy"), str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files, worst = done.stdout.split()
+    assert (files, worst) == ("1", "0"), f"{files} different files from the same frames, up to {worst} levels apart"
+
+
 def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(validation_inputs, first_run,
                                                                          tmp_path: Path) -> None:
     """What docs/reproducibility.md promises: a render depends on the prompt, seed, settings and LoRA, not on what the
