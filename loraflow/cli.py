@@ -191,6 +191,9 @@ def print_estimates(config: LoraflowConfig, plan: FamilyPlan, source: ModelSourc
     print(f"  largest bucket {width}x{height}@{frames}, batch {config.train_batch_size}, "
           f"{plan.max_text_tokens} text tokens; GiB peak on the accelerator, TFLOP of one step (lora: forward + "
           "backward; latents: one clip; validation: one denoise call)")
+    if config.train_audio:
+        print("  train_audio: the picture only; the sound's tokens (hundreds beside the picture's thousands), the "
+              "audio VAE and the vocoder are not counted (docs/families.md)")
     print(f"  fit: {estimates.FIT_MARKS}")
     print(table(estimates.estimate_rows(stages),
                 ("stage", "peak GiB", "TFLOP", *(f"{gb}GB" for gb in estimates.CARDS_GB), "note")))

@@ -272,7 +272,8 @@ def test_check_estimates_kandinsky6_at_released_size_before_download(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Kandinsky 6 Lite and Pro by their repository ids, not downloaded: check estimates training (the lora stage)
     and a validation render from loraflow's released Kandinsky 6 config files, Pro's π-Flow head and i2v tail frame
-    included; each row at least the transformer's bf16 weights (3.2B / 30.1B parameters, test_released)."""
+    included; each row at least the transformer's bf16 weights (3.2B / 30.1B parameters, test_released). With
+    `train_audio` the output says the estimate leaves the sound out."""
     from loraflow.pipelines import family_flavour
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -282,7 +283,7 @@ def test_check_estimates_kandinsky6_at_released_size_before_download(
     config = write_config(tmp_path / "k6.yaml", {
         "model_family": "kandinsky6", "model_flavour": flavour, "pretrained_model_name_or_path": repo,
         "base_model_precision": "bf16", "gradient_checkpointing": True, "validation_resolution": "768x512",
-        "validation_num_video_frames": 121,
+        "validation_num_video_frames": 121, "train_audio": True,
         "datasets": [{"id": "clips", "instance_data_dir": str(tmp_path / "clips"), "resolution": 512,
                       "video": {"num_frames": 61, "min_frames": 61}}]})
     assert main(["check", str(config)]) == 2  # the model is not in the cache, the dataset folder is not there
@@ -292,6 +293,7 @@ def test_check_estimates_kandinsky6_at_released_size_before_download(
     out = printed.out.split("estimates (no model loads")[1]
     transformer = f"k6-{flavour.split('-')[0]}{'-distill' if '-distill-' in flavour else ''}.transformer.json"
     assert transformer in out and "1024 text tokens" in out
+    assert "train_audio: the picture only" in out  # what the numbers leave out of a run with sound
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.split()[:1] in (["lora"], ["validation"])}
     weights = billions * 1e9 * 2 / 2**30

@@ -8,6 +8,7 @@ after the first `materialize` the pytest process ignored `kill` until the end of
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -62,6 +63,12 @@ def test_wait(materialized):
 '''
 
 
+def not_a_worker() -> dict[str, str]:
+    """This process's environment without xdist's worker name: the killed inner suite would make itself a
+    DAGSTER_HOME as a worker (tests/conftest.py) that nothing removes; it uses this worker's."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+
+
 @pytest.mark.parametrize("inner", [INNER, INNER_IN_A_FIXTURE], ids=["in-a-test", "in-a-module-fixture"])
 def test_sigterm_ends_a_background_suite_after_an_in_process_dagster_run(tmp_path: Path, inner: str) -> None:
     (tmp_path / "test_inner.py").write_text(inner)
@@ -70,7 +77,8 @@ def test_sigterm_ends_a_background_suite_after_an_in_process_dagster_run(tmp_pat
     suite = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "tests.conftest",
          "-c", str(tmp_path / "pytest.ini"), "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=ignore_sigint)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, preexec_fn=ignore_sigint,
+        env=not_a_worker())
     try:
         for line in suite.stdout:
             if "waiting" in line:

@@ -11,6 +11,8 @@ schedule, which request that job, keep the sound cached too.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dagster import (
     AssetSelection,
     Backoff,
@@ -33,20 +35,24 @@ TRANSIENT = RetryPolicy(max_retries=2, delay=10, backoff=Backoff.EXPONENTIAL)
 # Each job observes `dataset_files` first: the folder version a cache run caches, and whether a training run's
 # caches are stale (assets/dataset_files.py).
 CACHED = ("dataset_files", "clips", "latents")
-cache_dataset = define_asset_job(
-    "cache_dataset", AssetSelection.assets(*CACHED), op_retry_policy=TRANSIENT,
-    description="One dataset (the partition): its folder observed, clips and latents, and their checks")
+
+
+def cache_job(sound: bool = False) -> Any:  # a Dagster UnresolvedAssetJobDefinition (not exported by dagster)
+    """The `cache_dataset` job: one dataset (the partition), its folder observed, clips and latents and their checks;
+    with `sound` (a `train_audio` config, Kandinsky 6) the clips' sound as audio latents too, in the same run."""
+    return define_asset_job(
+        "cache_dataset", AssetSelection.assets(*CACHED, *(["audio_latents"] if sound else [])),
+        op_retry_policy=TRANSIENT,
+        description="One dataset (the partition): its folder observed, clips and latents"
+                    + (", the clips' sound as audio latents (train_audio)," if sound else "") + " and their checks")
+
+
 train_and_validate = define_asset_job(
     "train_and_validate",
     AssetSelection.assets("dataset_files", "text_embeds", "teacher_features", "lora", "validation"),
     description="Every dataset's folder observed and captions embedded (and CREPA's teacher features), then LoRA "
                 "training and validation")
-JOBS = [cache_dataset, train_and_validate]
-# A config with `train_audio` (Kandinsky 6): the same job, with each clip's sound
-cache_dataset_with_sound = define_asset_job(
-    "cache_dataset", AssetSelection.assets(*CACHED, "audio_latents"), op_retry_policy=TRANSIENT,
-    description="One dataset (the partition): its folder observed, clips, latents and the clips' sound as audio "
-                "latents (train_audio), and their checks")
+JOBS = [cache_job(), train_and_validate]
 
 
 def trains_audio(config_path: str) -> bool:
@@ -63,10 +69,9 @@ def graph(resource: LoraflowResource) -> tuple[list, list]:
     cached by the `cache_dataset` job; every other config has the six assets and two jobs, unchanged."""
     from loraflow.assets.stages import ALL_ASSETS, SOUND_ASSETS
 
-    sound = trains_audio(resource.config_path)
-    if not sound:
+    if not trains_audio(resource.config_path):
         return ALL_ASSETS, JOBS
-    return SOUND_ASSETS, [cache_dataset_with_sound, train_and_validate]
+    return SOUND_ASSETS, [cache_job(sound=True), train_and_validate]
 
 
 def build_defs(resource: LoraflowResource, **extra: object) -> Definitions:
