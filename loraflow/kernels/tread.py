@@ -14,6 +14,9 @@ group-offload hooks on the blocks) runs unchanged. What a wrapper must know abou
         block(visual_embed (B, N, D), text_embed, time_embed, rope (B, N, 1, d/2, 2, 2), sparse_params) -> x
     HunyuanVideo 1.5:            TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0)
         block(hidden (B, N, D), context, temb, context_mask, (cos (N, d), sin (N, d))) -> (hidden, context)
+    Kandinsky 6:                 TokenLayout("visual_transformer_blocks", rope_arg=5, rope_token_dim=0, output_index=0)
+        block(visual (B, N, D), audio, text_v, text_a, times, rope, audio rope, mask) -> (visual, audio): the sound
+        goes through every block whole (tests/stages/test_kandinsky6_audio.py)
 
 One subset per span and forward, shared by the batch: HunyuanVideo's rope has no batch axis, and the
 samples of a batch share one bucket (one token grid) anyway.

@@ -198,6 +198,27 @@ def test_a_clip_without_sound_trains_its_picture_alone_or_is_left_out(root: Path
     assert report.computed == 2 and all(step.audio_loss > 0 for step in report.history)
 
 
+def test_tread_routes_the_picture_and_the_sound_still_trains(trained: tuple[LoraflowConfig, Path], root: Path) -> None:
+    """TREAD routes visual tokens only (Kandinsky 6's TokenLayout: the fused block's first input and output); the
+    audio stream goes through each block whole. A route at ratio 0 trains the same LoRA, bit for bit, as no route,
+    the audio weights included (the routing wrapper hands the block's audio output on as it came); at ratio 0.5 the
+    picture's loss moves and every step with sound still has a finite, positive audio term."""
+    config, run = trained
+    route = {"selection_ratio": 0.0, "start_layer_idx": 1, "end_layer_idx": 1}  # the tiny transformer's last block
+    zero = make_config(root, "video_only", name="tread-0", tread_config={"routes": [route]})
+    report = T.train_lora(zero, get_family(zero), model_source(zero), Store(zero.cache_dir))
+    plain, routed = load_file(str(run / LORA_FILE)), load_file(str(Path(report.run_dir) / LORA_FILE))
+    assert Path(report.run_dir) != run and plain.keys() == routed.keys()
+    assert all(torch.equal(plain[k], routed[k]) for k in plain)
+    halfway = {"routes": [{**route, "selection_ratio": 0.5}]}
+    half = make_config(root, "video_only", name="tread-half", tread_config=halfway)
+    history = T.train_lora(half, get_family(half), model_source(half), Store(half.cache_dir)).history
+    before = json.loads((run / "history.json").read_text())
+    assert [step.loss for step in history] != [row["loss"] for row in before]
+    assert [step.audio_loss > 0 for step in history] == [row["audio_loss"] > 0 for row in before]
+    assert all(math.isfinite(step.audio_loss) for step in history)
+
+
 def test_both_streams_are_noised_at_the_samples_one_sigma(root: Path) -> None:
     """What the transformer gets for a batch of two with sound (a clip's two repeats: one group): each stored audio
     latent noised at its own sample's sigma, the one its video has, (1 - sigma) x0 + sigma noise in the (B, L, C)
