@@ -94,8 +94,9 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         "diffusers file only; comfyui: both, an error where ComfyUI cannot apply the adapter")
     # Tencent-Hunyuan/HunyuanVideo-1.5 train.py's `i2v_prob` (its default 0.3); unset keeps runs from before it
     i2v_prob: float | None = setting(
-        None, run_key="when_set", ge=0, le=1, description="HunyuanVideo 1.5 i2v flavours: train each micro-batch "
-        "as i2v with this probability, else as t2v (no image; the i2v cache serves both); unset: always i2v")
+        None, run_key="when_set", ge=0, le=1, description="HunyuanVideo 1.5 and Kandinsky 6 i2v flavours: train "
+        "each micro-batch as i2v with this probability, else as t2v (no image; the i2v cache serves both); unset: "
+        "always i2v")
     # musubi-tuner's `--i2v_mode`; first keeps every key and result of runs from before it
     i2v_mode: Literal["first", "first_last"] = setting(
         "first", run_key="when_set", description="Kandinsky 5 i2v flavours: first_last also gives the clip's last "

@@ -148,7 +148,8 @@ class LoraflowConfig(ConfigFields):
                              "`train_audio` is true: set train_audio: true, or remove it")
         if self.i2v_prob is not None and not flavour.image_in_condition_only:
             raise ValueError(f"`i2v_prob`: flavour '{flavour.name}' cannot train batches as t2v (only the "
-                             "HunyuanVideo 1.5 i2v flavours, whose image is a condition input): remove it")
+                             "HunyuanVideo 1.5 and Kandinsky 6 i2v flavours, whose image no generated frame holds): "
+                             "remove it")
         return self
 
     @model_validator(mode="after")
