@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -29,18 +30,19 @@ from loraflow.config import LoraflowConfig, load_config
 from loraflow.contracts.audio_rows import read_audio_rows
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.contracts.latent_rows import read_latent_rows
-from loraflow.demo.tiny import build_tiny
+from loraflow.demo.tiny import build_tiny, tiny_dinov2
 from loraflow.pipelines import get_family
-from loraflow.pipelines.base import load_component
+from loraflow.pipelines.base import ModelFamily, load_component
 from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
 from loraflow.pipelines.sources import model_source
 from loraflow.stages.audio.audio_latents import encode_audio
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents
+from loraflow.stages.teacher.teacher_features import cache_teacher_features
 from loraflow.stages.text.text_embeds import encode_texts
 from loraflow.store import Store
 from loraflow.training import loop as T
-from loraflow.training.batches import BatchPlan, build_samples, load_micro_batch
+from loraflow.training.batches import BatchPlan, MicroBatch, build_samples, load_micro_batch, trains_as_i2v
 from loraflow.training.checkpoints import LORA_FILE
 from loraflow.training.model_setup import load_transformer
 from loraflow.training.run import run_dir, upstream_versions
@@ -78,18 +80,33 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def make_config(root: Path, clips_without_audio: str, steps: int = 6, name: str = "",
                 **overrides: object) -> LoraflowConfig:
-    """train_audio on the tiny Kandinsky 6 (lite-t2v), batch 1, two repeats: 6 samples, one epoch in 6 steps; written
-    as root/<name or clips_without_audio>.yaml (what a launched process reads)."""
+    """train_audio on the tiny Kandinsky 6 (lite-t2v unless `model_flavour` says), batch 1, two repeats: 6 samples,
+    one epoch in 6 steps; written as root/<name or clips_without_audio>.yaml (what a launched process reads)."""
     data = demo_dict(root / "k6", root / "data", root, model_family="kandinsky6", train_audio=True,
                      clips_without_audio=clips_without_audio, max_train_steps=steps, checkpointing_steps=100,
                      **overrides)
-    data.pop("model_flavour")
+    if "model_flavour" not in overrides:  # the suite's base names a Kandinsky 5 flavour: Kandinsky 6's default
+        data.pop("model_flavour")
     return load_config(write_config(root / f"{name or clips_without_audio}.yaml", data))
 
 
 def sources(store: Store) -> dict[str, str]:
     """clip key -> its file's name."""
     return {c.key: c.source for c in read_clips(store)}
+
+
+def one_call(transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch) -> tuple[T.FlowTerms, dict, tuple]:
+    """A micro-batch's `flow_terms` (no gradient) and the one transformer call they made: (terms, its keyword
+    arguments, its output)."""
+    calls = []
+    hook = transformer.register_forward_hook(lambda m, a, kw, out: calls.append((kw, out)), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            terms = T.flow_terms(transformer, family, batch, CPU, autocast=False)
+    finally:
+        hook.remove()
+    ((call, out),) = calls
+    return terms, call, out
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +236,119 @@ def test_tread_routes_the_picture_and_the_sound_still_trains(trained: tuple[Lora
     assert all(math.isfinite(step.audio_loss) for step in history)
 
 
+def test_crepa_aligns_the_picture_and_the_sound_still_trains(trained: tuple[LoraflowConfig, Path], root: Path) -> None:
+    """CREPA reads the fused block's visual output (Kandinsky 6's TokenLayout: output 0); the audio output goes on as
+    the block returned it. At crepa_lambda 0 a run trains as without CREPA: each step's flow loss, audio term and
+    gradient norm (over every LoRA weight, the audio stream's included) bit for bit; at 0.5 every step logs a finite,
+    non-zero CREPA term, the first step's flow and audio terms are the plain run's (the hook changes no forward) and
+    every step with sound keeps its audio term. Three steps: two with sound, one without."""
+    config, run = trained
+    teacher = {"crepa_enabled": True, "crepa_block_index": 1, "crepa_encoder_image_size": 16,
+               "crepa_encoder_path": str(tiny_dinov2(root / "dinov2"))}  # tests/assets/test_guide_features.py's
+    before = json.loads((run / "history.json").read_text())[:3]
+    assert [row["audio_loss"] > 0 for row in before] == [True, True, False]
+    zero = make_config(root, "video_only", steps=3, name="crepa-0", crepa_lambda=0.0, **teacher)
+    store = Store(zero.cache_dir)
+    cache_teacher_features(zero, get_family(zero), store)
+    history = T.train_lora(zero, get_family(zero), model_source(zero), store).history
+    assert [(s.loss, s.audio_loss, s.grad_norm) for s in history] == [
+        (r["loss"], r["audio_loss"], r["grad_norm"]) for r in before]
+    weighted = make_config(root, "video_only", steps=3, name="crepa-half", crepa_lambda=0.5, **teacher)
+    history = T.train_lora(weighted, get_family(weighted), model_source(weighted), store).history
+    assert (history[0].loss, history[0].audio_loss) == (before[0]["loss"], before[0]["audio_loss"])
+    assert all(math.isfinite(step.crepa_loss) and step.crepa_loss != 0 for step in history)
+    assert [step.audio_loss > 0 for step in history] == [True, True, False]
+
+
+def test_the_distilled_sound_head_trains_each_grid_velocity_as_piflow_reads_it(root: Path) -> None:
+    """π-Flow (a distilled flavour): the audio head gives n_grid velocities per audio channel, (B, L, C_a n_grid) as
+    the pipeline hands them to its audio scheduler (K6:920-921, a PiflowScheduler copy), whose `_to_grid` reads them
+    grid-major and whose `DXPolicy` turns each into an x0 at the same x_t (x0_g = x_t - sigma v_g). The audio term
+    is the mean over the grid of ((x0_g - x0) / sigma)^2, read through those two: every velocity is held to the
+    clip's sound, as each of the picture's is to its frames (`flow_mse`)."""
+    from diffusers import PiflowScheduler
+    from diffusers.schedulers.scheduling_piflow import DXPolicy
+
+    distilled = build_tiny("kandinsky6", root / "k6-distill", flavour="lite-distill-t2v")
+    family = get_family(make_config(root, "video_only", name="distill", model_flavour="lite-distill-t2v",
+                                    pretrained_model_name_or_path=str(distilled)))
+    config = make_config(root, "video_only")  # the caches: the distilled checkpoint's VAE and encoders are the same
+    store = Store(config.cache_dir)
+    sample = next(s for s in build_samples(config, store) if s.audio_key)
+    batch = load_micro_batch(config, family, store, [sample, sample], 3)
+    transformer = load_component(distilled, "transformer")
+    terms, call, out = one_call(transformer, family, batch)
+    scheduler = PiflowScheduler.from_pretrained(distilled, subfolder="scheduler")
+    x_t, sigma = call["audio_hidden_states"], batch.draws.sigma  # (B, L, C_a), the sample's sigma
+    grid = scheduler._to_grid(out[1], x_t)  # (B, n_grid, L, C_a)
+    assert grid.shape == (2, scheduler.config.n_grid, 31, 8) and scheduler.config.n_grid > 1
+    x0_g = DXPolicy(grid, x_t, sigma).denoising_output_x_0
+    x0 = batch.audio.x0.permute(0, 2, 1)[:, None]
+    expected = (((x0_g - x0) / sigma.view(-1, 1, 1, 1)) ** 2).mean()
+    # fp32: every value is below 8 in size and sigma above 0.5 (checked), so each element's residual, v_g - (noise -
+    # x0) in flow_mse and (x0_g - x0) / sigma here, is a few roundings of 2^-24 x 16 / 0.5 apart (< 1e-5) and their
+    # squares (residuals below 16) < 2 x 16 x 1e-5 apart: so are the means
+    assert sigma.min() > 0.5 and max(t.abs().max() for t in (x_t, out[1], x0, batch.audio.noise)) < 8
+    torch.testing.assert_close(terms.audio, expected, rtol=0, atol=3.2e-4)
+
+
+@pytest.fixture(scope="module")
+def i2v_cache(root: Path) -> Path:
+    """The module's caches, copied, with the i2v flavour's latents (each clip's first frame encoded alone beside its
+    latent, `image_latent`): the other tests' runs read the t2v latents' manifest in root/cache."""
+    cache = root / "cache-i2v"
+    shutil.copytree(root / "cache", cache)
+    config = make_config(root, "video_only", name="i2v", model_flavour="lite-i2v", cache_dir=str(cache))
+    encode_latents(config, get_family(config), model_source(config), Store(cache))
+    return cache
+
+
+def test_i2v_gives_the_first_frame_and_the_sound_in_one_call_or_trains_as_t2v(i2v_cache: Path, root: Path) -> None:
+    """lite-i2v with `i2v_prob` 0.3 (seed 42 draws micro-step 0 as t2v, 1 as i2v): both calls get the sample's sound
+    noised at its sigma; the i2v call appends the clip's first frame encoded alone as one clean tail frame (mask 1,
+    token type 1, the rotary position of frame 0: K6:848-867), the t2v call has none (zero mask, no types), and
+    each has a finite, positive audio term beside its picture's."""
+    from loraflow.kernels.flow_matching import noisy_sample
+
+    config = make_config(root, "video_only", name="i2v-mixed", model_flavour="lite-i2v", i2v_prob=0.3,
+                         cache_dir=str(i2v_cache))
+    family, store = get_family(config), Store(config.cache_dir)
+    assert [trains_as_i2v(config, k) for k in (0, 1)] == [False, True]
+    sample = next(s for s in build_samples(config, store) if s.audio_key)
+    image = torch.from_numpy(np.asarray(store.get("latents", {sample.latent_key})[sample.latent_key]["image_latent"]))
+    transformer = load_component(root / "k6", "transformer")
+    for micro_step, as_i2v in ((0, False), (1, True)):
+        batch = load_micro_batch(config, family, store, [sample], micro_step)
+        terms, call, _ = one_call(transformer, family, batch)
+        expected = noisy_sample(batch.audio.x0, batch.audio.noise, batch.draws.sigma).permute(0, 2, 1)
+        assert torch.equal(call["audio_hidden_states"], expected)
+        assert math.isfinite(terms.audio.item()) and terms.audio.item() > 0 and terms.video.item() > 0
+        hidden, frames = call["hidden_states"], batch.x0.shape[2]  # (B, T(+1), h, w, 16 latent + 16 cond + mask)
+        assert hidden.shape[1] == frames + as_i2v
+        assert torch.equal(hidden[0, :frames, ..., -1], torch.zeros_like(hidden[0, :frames, ..., -1]))
+        if as_i2v:
+            assert torch.equal(hidden[0, -1, ..., :16], image[:, 0].permute(1, 2, 0))
+            assert bool((hidden[0, -1, ..., -1] == 1).all())
+            assert call["visual_token_type_ids"].tolist() == [[0] * frames + [1]]
+            assert call["visual_rope_pos"][0].tolist() == [*range(frames), 0]
+        else:
+            assert call["visual_token_type_ids"] is None and call["visual_rope_pos"] is None
+
+
+def test_i2v_prob_0_trains_as_the_t2v_run_with_its_sound(i2v_cache: Path, trained: tuple[LoraflowConfig, Path],
+                                                       root: Path) -> None:
+    """lite-i2v with `i2v_prob` 0 trains every micro-batch as t2v, sound included: its steps are the t2v run's
+    (the same checkpoint, clips and draws), flow loss, audio term and gradient norm bit for bit."""
+    _, run = trained
+    config = make_config(root, "video_only", steps=3, name="i2v-as-t2v", model_flavour="lite-i2v", i2v_prob=0.0,
+                         cache_dir=str(i2v_cache))
+    history = T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir)).history
+    before = json.loads((run / "history.json").read_text())[:3]
+    assert [(s.loss, s.audio_loss, s.grad_norm) for s in history] == [
+        (r["loss"], r["audio_loss"], r["grad_norm"]) for r in before]
+    assert [s.audio_loss > 0 for s in history] == [True, True, False]  # both kinds of step: the plan's first three
+
+
 def test_both_streams_are_noised_at_the_samples_one_sigma(root: Path) -> None:
     """What the transformer gets for a batch of two with sound (a clip's two repeats: one group): each stored audio
     latent noised at its own sample's sigma, the one its video has, (1 - sigma) x0 + sigma noise in the (B, L, C)
@@ -233,12 +363,7 @@ def test_both_streams_are_noised_at_the_samples_one_sigma(root: Path) -> None:
     assert torch.equal(batch.audio.x0[1], torch.from_numpy(np.asarray(stored))) and batch.audio.x0.shape == (2, 8, 31)
     assert batch.draws.sigma[0] != batch.draws.sigma[1]
     transformer = load_component(root / "k6", "transformer")
-    calls = []
-    hook = transformer.register_forward_hook(lambda m, a, kw, out: calls.append(kw), with_kwargs=True)
-    with torch.no_grad():
-        T.flow_terms(transformer, family, batch, CPU, autocast=False)
-    hook.remove()
-    (call,) = calls
+    _, call, _ = one_call(transformer, family, batch)
     sigma = batch.draws.sigma
     assert torch.equal(call["timestep"], sigma * 1000)
     expected = noisy_sample(batch.audio.x0, batch.audio.noise, sigma).permute(0, 2, 1)
