@@ -113,8 +113,10 @@ def tiny_dinov2(out_dir: str | Path, seed: int = 0) -> Path:
     `crepa_encoder_path` can name, loaded with the real from_pretrained."""
     from transformers import Dinov2Config, Dinov2Model
 
-    torch.manual_seed(seed)
     config = Dinov2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                           patch_size=4, image_size=16)
-    Dinov2Model(config).eval().save_pretrained(out_dir)
+    with torch.random.fork_rng(devices=[]):  # seeded, and the caller's generator left as it was (as build_tiny)
+        torch.manual_seed(seed)
+        model = Dinov2Model(config).eval()
+    model.save_pretrained(out_dir)
     return Path(out_dir)
