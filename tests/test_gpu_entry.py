@@ -1,5 +1,7 @@
 """benchmarks/gpu/run.py, the one GPU entry point, end to end in --smoke mode (the CPU, tiny checkpoints): every
-measurement leaves a sane result in the JSON, and one killed by its timeout leaves the earlier ones there."""
+measurement leaves a sane result in the JSON, and one killed by its timeout leaves the earlier ones there. The smoke
+forks its measurements from a process that imported torch and diffusers once; the timeout test starts them as a GPU
+run does, each in a new interpreter (`--fresh`)."""
 
 from __future__ import annotations
 
@@ -80,7 +82,8 @@ def test_every_measurement_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None
 
 
 def test_a_measurement_killed_by_its_timeout_leaves_the_earlier_ones_and_the_next_runs(tmp_path: Path) -> None:
-    report = smoke(tmp_path, "--only", "matmul_peak,train_k5_plain,vae_hv15_720p", "--timeout", "train_k5_plain=0.5")
+    report = smoke(tmp_path, "--fresh", "--only", "matmul_peak,train_k5_plain,vae_hv15_720p", "--timeout",
+                   "train_k5_plain=0.5")
     results = report["results"]
     assert list(results) == ["matmul_peak", "train_k5_plain", "vae_hv15_720p"]
     assert results["matmul_peak"]["status"] == "ok" and results["matmul_peak"]["tflops"] > 0
