@@ -1,5 +1,7 @@
 """benchmarks/gpu/run.py, the one GPU entry point, end to end in --smoke mode (the CPU, tiny checkpoints): every
-measurement leaves a sane result in the JSON, and one killed by its timeout leaves the earlier ones there."""
+measurement leaves a sane result in the JSON, and one killed by its timeout leaves the earlier ones there. The smoke
+forks its measurements from a process that imported torch and diffusers once; two tests start them as a GPU run
+does, each in a new interpreter (`--fresh`, `in_new_interpreter`)."""
 
 from __future__ import annotations
 
@@ -80,21 +82,31 @@ def test_every_measurement_runs_end_to_end_in_smoke_mode(tmp_path: Path) -> None
 
 
 def test_a_measurement_killed_by_its_timeout_leaves_the_earlier_ones_and_the_next_runs(tmp_path: Path) -> None:
-    report = smoke(tmp_path, "--only", "matmul_peak,train_k5_plain,vae_hv15_720p", "--timeout", "train_k5_plain=0.5")
+    # forked with everything imported, the tiny measurement (load, a step, a counted step) takes over a second
+    # here: 0.1 s ends it on any CPU
+    report = smoke(tmp_path, "--only", "matmul_peak,train_k5_plain,vae_hv15_720p", "--timeout", "train_k5_plain=0.1")
     results = report["results"]
     assert list(results) == ["matmul_peak", "train_k5_plain", "vae_hv15_720p"]
     assert results["matmul_peak"]["status"] == "ok" and results["matmul_peak"]["tflops"] > 0
     estimate = results["train_k5_plain"].pop("estimate")  # computed beside the measurement: there even so
     assert estimate["peak_allocated_gib"] > 0 and estimate["flops_per_step"] > 0
-    assert results["train_k5_plain"] == {"status": "timeout", "timeout_s": 0.5, "mfu": None,
+    assert results["train_k5_plain"] == {"status": "timeout", "timeout_s": 0.1, "mfu": None,
                                          "measured_over_estimate": {}}
     assert results["vae_hv15_720p"]["status"] == "ok"
 
 
+def test_a_new_interpreter_past_its_timeout_is_killed_and_recorded_as_a_timeout(tmp_path: Path) -> None:
+    """A GPU run's way (`in_new_interpreter`): the child is still importing torch and diffusers at 0.5 s."""
+    run = run_module()
+    (train,) = [m for m in run.REGISTRY if m.name == "train_k5_plain"]
+    assert run.run_one(train, 0.5, tmp_path, smoke=True) == {"status": "timeout", "timeout_s": 0.5}
+
+
 def test_a_run_killed_mid_measurement_leaves_the_json_of_the_ones_before(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
-    run = subprocess.Popen([sys.executable, str(RUN), "--smoke", "--only", "matmul_peak,train_k5_plain", "--out",
-                            str(out), "--work", str(tmp_path / "work")], stdout=subprocess.DEVNULL,
+    # a new interpreter per measurement, as on a GPU
+    run = subprocess.Popen([sys.executable, str(RUN), "--smoke", "--fresh", "--only", "matmul_peak,train_k5_plain",
+                            "--out", str(out), "--work", str(tmp_path / "work")], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     try:
         while not out.exists():  # written atomically: once there, it is whole

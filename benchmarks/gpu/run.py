@@ -4,7 +4,10 @@ Each measurement runs in a fresh subprocess (clean allocator, honest peak) with 
 budget, capped by the measurement's own limit, and the JSON is rewritten (atomically) after each one, so a run cut
 off anywhere keeps what it measured. A measurement that runs past its timeout is recorded as `timeout`, one that
 fails as `error` (its last stderr line); the next one starts while time is left. `--smoke` runs the same code on
-the CPU with the tiny checkpoints (numbers meaningless): tests/test_gpu_entry.py runs it.
+the CPU with the tiny checkpoints (numbers meaningless): tests/test_gpu_entry.py runs it. There each measurement is
+forked from a fork server that imported torch, diffusers and loraflow's stages once (`SMOKE_PRELOAD`: a new
+interpreter spends more CPU time on those imports than a tiny measurement on its work); `--smoke --fresh` starts
+new interpreters, as a GPU run always does.
 
     benchmarks/gpu/install.sh wheelhouse/py3.12-manylinux_2_28_x86_64-gpu   # offline install (scripts/wheelhouse.sh)
     python benchmarks/gpu/run.py                     # -> benchmarks/results/gpu_<device>.json, 480 s in all
@@ -27,14 +30,18 @@ the real-size text encoders through text_embeds (bf16, int8).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -79,6 +86,10 @@ REGISTRY: list[Measurement] = [  # issue 40's order: what is measured first surv
 ]
 ESTIMATES = ROOT / "benchmarks" / "results" / "gpu_estimates.json"  # run.py --estimate-only
 SMOKE_CAP_S = 600.0  # per measurement on a CPU: the tiny models need seconds, a loaded shared CPU minutes
+# what the smoke's fork server imports before it forks a measurement ("__main__": this file, which puts the measurement
+# modules beside it on sys.path): torch, diffusers' models, and loraflow's stages (transformers, peft, pyarrow, av)
+SMOKE_PRELOAD = ["__main__", "torch", "diffusers.models.modeling_utils", "loraflow.demo.tiny", "loraflow.training.loop",
+                 "loraflow.stages.clips.clips", "loraflow.stages.latents.latents", "loraflow.stages.text.text_embeds"]
 PROGRESS = re.compile(r"\d+%\|.*\||\d+/\d+ \[")  # a tqdm line: "clips:   0%|          | 0/6 [00:00<?, ?clip/s]"
 
 
@@ -148,38 +159,98 @@ def mfu(result: dict[str, Any], peak_tflops: float | None) -> float | None:
     return round(result["flops_per_step"] / result["seconds_per_step"] / (peak_tflops * 1e12), 4)
 
 
-def run_one(measurement: Measurement, timeout: float, work: Path, smoke: bool) -> dict[str, Any]:
-    """The measurement in a fresh process; its result, or why there is none."""
-    argv = [sys.executable, __file__, "--child", measurement.name, "--work", str(work)] + (["--smoke"] if smoke else [])
-    # the child's own children (train_main) import this checkout's loraflow too
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def run_one(measurement: Measurement, timeout: float, work: Path, smoke: bool,
+            forks: ForkServer | None = None) -> dict[str, Any]:
+    """The measurement in a process of its own (a new interpreter, or forked by the smoke's fork server); its result,
+    or why there is none."""
     began = time.perf_counter()
+    if forks is None:
+        returncode, stdout, stderr = in_new_interpreter(measurement.name, timeout, work, smoke)
+    else:
+        returncode, stdout, stderr = forks.run(measurement.name, timeout, work)
+    seconds = round(time.perf_counter() - began, 1)
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if returncode is None:  # killed by its timeout
+        # a measurement of several parts prints a RESULT after each: what it finished is kept
+        partial = json.loads(lines[-1].removeprefix("RESULT ")) if lines else {}
+        return {"status": "timeout", "timeout_s": round(timeout, 1), **partial}
+    if returncode or not lines:
+        # the last line that is not a progress bar (tqdm redraws with carriage returns and ends on '|' or ']')
+        said = [ln for ln in stderr.replace("\r", "\n").splitlines() if ln.strip() and not PROGRESS.search(ln)]
+        last = said[-1:] or stderr.strip().splitlines()[-1:] or ["no output"]
+        return {"status": "error", "error": f"exit {returncode}: {last[0]}", "wall_s": seconds}
+    return {"status": "ok", "wall_s": seconds, **json.loads(lines[-1].removeprefix("RESULT "))}
+
+
+def in_new_interpreter(name: str, timeout: float, work: Path, smoke: bool) -> tuple[int | None, str, str]:
+    """`run.py --child NAME`, as a GPU run starts every measurement: exit status (None: killed by the timeout),
+    stdout, stderr."""
+    argv = [sys.executable, __file__, "--child", name, "--work", str(work)] + (["--smoke"] if smoke else [])
     # its own process group: a timeout kills what it started too (train_main, media workers)
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, _ = process.communicate()
-        # a measurement of several parts prints a RESULT after each: what it finished is kept
-        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-        partial = json.loads(lines[-1].removeprefix("RESULT ")) if lines else {}
-        return {"status": "timeout", "timeout_s": round(timeout, 1), **partial}
-    seconds = round(time.perf_counter() - began, 1)
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
-    if process.returncode or not lines:
-        # the last line that is not a progress bar (tqdm redraws with carriage returns and ends on '|' or ']')
-        said = [ln for ln in stderr.replace("\r", "\n").splitlines() if ln.strip() and not PROGRESS.search(ln)]
-        last = said[-1:] or stderr.strip().splitlines()[-1:] or ["no output"]
-        return {"status": "error", "error": f"exit {process.returncode}: {last[0]}", "wall_s": seconds}
-    return {"status": "ok", "wall_s": seconds, **json.loads(lines[-1].removeprefix("RESULT "))}
+        kill_session(process.pid)
+        return None, *process.communicate()
+    return process.returncode, stdout, stderr
+
+
+def kill_session(pid: int) -> None:
+    """SIGKILL the session `pid` leads: the measurement and what it started."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # a forked child before its setsid (nothing of its own started yet), or just ended
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class ForkServer:
+    """`--smoke`: each measurement forked from multiprocessing's fork server, a process that imported SMOKE_PRELOAD
+    and did nothing else (no tensor, thread, allocator or accelerator state for a child to inherit), instead of a new
+    interpreter importing them again. The child runs what `--child` runs (`child`), in a session of its own, its
+    stdout and stderr in files here; it dies with run.py as `--child` does."""
+
+    def __init__(self) -> None:
+        self.logs = tempfile.TemporaryDirectory(prefix="gpu-smoke-logs-")  # removed when run.py ends
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(SMOKE_PRELOAD)
+        multiprocessing.forkserver.ensure_running()  # it imports while run.py does its own imports
+
+    def run(self, name: str, timeout: float, work: Path) -> tuple[int | None, str, str]:
+        """Exit status (None: killed by the timeout), stdout, stderr."""
+        stdout, stderr = (Path(self.logs.name) / f"{name}.{stream}" for stream in ("stdout", "stderr"))
+        for path in (stdout, stderr):
+            path.write_text("")
+        process = self.context.Process(target=forked_child, args=(name, work, stdout, stderr), name=name)
+        process.start()
+        process.join(timeout)
+        returncode = process.exitcode
+        if returncode is None:
+            kill_session(process.pid)
+            process.join()
+        return returncode, stdout.read_text(), stderr.read_text()
+
+
+def forked_child(name: str, work: Path, stdout: Path, stderr: Path) -> None:
+    """What the smoke's fork server runs in a forked child: `child`, set up as `in_new_interpreter` sets it up."""
+    os.setsid()  # what start_new_session does for a new interpreter
+    # die with run.py: its end of the pipe that sent this child's arguments closes only when run.py is gone
+    threading.Thread(target=lambda: (multiprocessing.parent_process().join(), os.killpg(0, signal.SIGKILL)),
+                     daemon=True).start()
+    for fd, path in ((1, stdout), (2, stderr)):
+        with open(path, "w") as file:
+            os.dup2(file.fileno(), fd)
+    child(name, work, smoke=True)
 
 
 def child(name: str, work: Path, smoke: bool) -> None:
     from loraflow.lifetime import die_with_parent
 
     die_with_parent()  # in a session of its own: a killed run.py must not leave it holding the GPU
+    # what it starts (train_main) imports this checkout's loraflow too
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     (measurement,) = [m for m in REGISTRY if m.name == name]
     for result in parts(importlib.import_module(measurement.module).measure(work, smoke, **measurement.kwargs)):
         print("RESULT " + json.dumps(result), flush=True)
@@ -197,6 +268,8 @@ def main() -> None:
     parser.add_argument("--timeout", action="append", default=[], metavar="NAME=SECONDS",
                         help="override one measurement's own limit (repeatable)")
     parser.add_argument("--smoke", action="store_true", help="tiny checkpoints on the CPU: checks the code paths")
+    parser.add_argument("--fresh", action="store_true", help="smoke: start each measurement in a new interpreter, as "
+                        "a GPU run does (default: forked from a process that imported torch and diffusers once)")
     parser.add_argument("--out", type=Path, default=None, help="result JSON (default benchmarks/results/"
                         "gpu_<device>.json; smoke: a temporary file)")
     parser.add_argument("--work", type=Path, default=None, help="folder for checkpoints and caches, kept between "
@@ -219,6 +292,7 @@ def main() -> None:
     unknown = sorted((set(chosen) | set(caps)) - set(names))
     if unknown:
         sys.exit(f"unknown measurement {', '.join(unknown)}: choose among {', '.join(names)}")
+    forks = ForkServer() if args.smoke and not (args.fresh or args.estimate_only) else None
     from loraflow.training.checkpoints import write_json  # atomic: a run killed mid-write leaves the previous JSON
 
     if args.estimate_only:
@@ -244,7 +318,7 @@ def main() -> None:
             if left < 1:
                 result: dict[str, Any] = {"status": "not run: budget spent"}
             else:
-                result = run_one(measurement, min(cap, left), work, args.smoke)
+                result = run_one(measurement, min(cap, left), work, args.smoke, forks)
             peak = report["results"].get("matmul_peak", {}).get("tflops")
             estimate = estimating.result()
             result.update(mfu=mfu(result, peak), estimate=estimate, measured_over_estimate=compared(result, estimate))
