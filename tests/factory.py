@@ -287,7 +287,7 @@ def loss_and_grads(config: LoraflowConfig, batch: MicroBatch) -> tuple[float, to
 
     from loraflow.pipelines import get_family
     from loraflow.pipelines.sources import model_source
-    from loraflow.training.loop import flow_loss
+    from loraflow.training.loop import flow_terms
     from loraflow.training.model_setup import Trainable, enable_offload, load_transformer
 
     cpu, family = torch.device("cpu"), get_family(config)
@@ -297,7 +297,7 @@ def loss_and_grads(config: LoraflowConfig, batch: MicroBatch) -> tuple[float, to
     for p in params:  # non-zero B, so every LoRA matrix gets a gradient
         if p.shape[1] == config.lora_rank:
             p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
-    loss = flow_loss(transformer, family, batch, cpu, autocast=False)
+    loss = flow_terms(transformer, family, batch, cpu, autocast=False).flow
     loss.backward()
     trainable.collect()
     assert trainable.offloaded == (config.enable_group_offload or config.blocks_to_swap > 0)

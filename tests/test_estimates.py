@@ -2,7 +2,7 @@
 
 The measured side runs the real thing: the transformer loaded by `training.model_setup.load_transformer` (real
 from_pretrained), a first optimizer step (so AdamW's moments exist, as at every later step), then one more
-`step_losses` + backward under torch's profiler with `profile_memory`; the VAE loaded by `load_component` encoding
+`flow_terms` + backward under torch's profiler with `profile_memory`; the VAE loaded by `load_component` encoding
 uint8 frames through `family.vae_encode`. Measured peak = the bytes the model (and optimizer) hold before (their
 tensors' storages) + the highest running sum of the allocator's allocations and frees during the step: the
 allocator's own account, not Python's. The estimate never sees a weight: it builds the model from config.json on
@@ -36,7 +36,7 @@ from loraflow.pipelines.sources import model_source
 from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.stages.latents.latents import prepare_vae
 from loraflow.training.batches import MicroBatch, StepDraws
-from loraflow.training.loop import routing, step_losses, uses_autocast
+from loraflow.training.loop import flow_terms, routing, uses_autocast
 from loraflow.training.model_setup import _offload_hooks, enable_offload, load_transformer
 from loraflow.training.options.optimizers import make_optimizer
 from tests.factory import demo_dict, write_config
@@ -65,7 +65,7 @@ def config_for(model: Path, data: Path, root: Path, **overrides: object) -> Lora
 
 
 def measured_training_peak(config: LoraflowConfig, latent_shape: tuple[int, ...]) -> int:
-    """Weights + LoRA + AdamW moments held before a step, plus the allocator's peak during step_losses + backward
+    """Weights + LoRA + AdamW moments held before a step, plus the allocator's peak during flow_terms + backward
     (routed by the config's TREAD, as `train_lora` routes it) on a batch made inside the step (as a GPU run makes
     its device copies), with the flavour's image condition (i2v, i2i). With `blocks_to_swap` the weights held are
     those the real offload (`enable_offload`) leaves outside diffusers' groups, and the largest group: the one on the
@@ -91,8 +91,8 @@ def measured_training_peak(config: LoraflowConfig, latent_shape: tuple[int, ...]
                                      config.train_batch_size))
         draws = StepDraws(drop_caption=False, noise=torch.randn(shape), sigma=torch.full(shape[:1], 0.5), seed=0)
         with routing(transformer, family, config, draws.seed):
-            loss, _ = step_losses(transformer, family, MicroBatch([], torch.randn(shape), text, draws), CPU, autocast)
-            loss.backward()
+            batch = MicroBatch([], torch.randn(shape), text, draws)
+            flow_terms(transformer, family, batch, CPU, autocast).flow.backward()
 
     step()
     optimizer.step()

@@ -7,7 +7,7 @@ Each transformer is its released config (loraflow/pipelines/released, cited ther
 - `k5-pro`: Kandinsky 5 Video Pro t2v in its SD mode (19B), 256x256, 17 frames -> 1,280 visual tokens, rank 32.
 bf16 weights unless the variant says fp8 (`base_model_precision`), bf16 autocast, fp32 LoRA on the family's
 targets, AdamW, batch 1, through the pieces `train_lora` itself runs (load_transformer, enable_offload, Trainable,
-routing, flow_loss). run.py runs each variant in a fresh process; the checkpoint is written once into its work
+routing, flow_terms). run.py runs each variant in a fresh process; the checkpoint is written once into its work
 folder. A run that does not fit records `oom`. Group offload with streams must train the same LoRA as
 checkpointing alone: its measurement compares the two LoRAs (when both ran), which checks that offloading keeps the
 updates. `flops_per_step`: torch's FlopCounterMode over one more step (matmuls, convolutions and attention,
@@ -212,7 +212,7 @@ def one_step(transformer: Any, family: Any, config: Any, batch: Any, device: Any
     from loraflow.training import loop as T
 
     with T.routing(transformer, family, config, seed=seed):
-        loss = T.flow_loss(transformer, family, batch, device, autocast)
+        loss = T.flow_terms(transformer, family, batch, device, autocast).flow
         loss.backward()
     trainable.collect()
     trainable.step(optimizer, 1.0)

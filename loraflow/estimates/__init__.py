@@ -14,7 +14,7 @@ nothing. Each number is then computed so:
 - LoRA: every parameter the configured adapter trains, built by training's own `add_adapter` (LoRA, DoRA's
   magnitude vectors, LoKr, LoHa: what peft leaves requiring grad, not a name prefix).
 - optimizer: AdamW's two moments per LoRA parameter, fp32 (8 bytes per parameter) or bf16 with adamw_bf16 (4).
-- activations: the peak of the bytes alive during one fake forward + backward of `training.loop.step_losses` (LoRA
+- activations: the peak of the bytes alive during one fake forward + backward of `training.loop.flow_terms` (LoRA
   gradients and the batch's device copies included), counted by `StepCounter` from the storages every op
   returns. With gradient checkpointing diffusers' own checkpointing runs, so the saved block inputs and one
   block's recompute are what is counted. Activation offload (`gradient_checkpointing_cpu_offload`) runs too,

@@ -160,7 +160,7 @@ def stored_model(transformer_config: Mapping[str, Any], precision: str, kept: st
 def velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shape: tuple[int, ...], batch: int,
                    autocast: bool, training: LoraflowConfig | None,
                    text_tokens: int | None = None) -> Callable[[], None]:
-    """One transformer call on zeros of the batch's shapes: with a `training` config, `step_losses` + backward routed
+    """One transformer call on zeros of the batch's shapes: with a `training` config, `flow_terms` + backward routed
     by its TREAD as `train_lora` routes it (the routed tokens skip those blocks, in the activations and the FLOPs
     counted); without, a render's no-grad velocity. The batch is made inside, as its device copies are made in a
     run; i2v and i2i rows carry their image condition (`example_image_condition`: the conditioning latent, and
@@ -169,7 +169,7 @@ def velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shap
 
     from loraflow.pipelines.base import image_conditions
     from loraflow.training.batches import MicroBatch, StepDraws
-    from loraflow.training.loop import routing, step_losses
+    from loraflow.training.loop import flow_terms, routing
 
     device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
 
@@ -183,7 +183,7 @@ def velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shap
         micro = MicroBatch(samples=[], x0=torch.zeros(shape), text=text, draws=draws)
         if training is not None:
             with routing(transformer, family, training, draws.seed):
-                step_losses(transformer, family, micro, device, autocast)[0].backward()
+                flow_terms(transformer, family, micro, device, autocast).flow.backward()
             return
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             family.velocity(transformer, micro.x0, draws.sigma, text)

@@ -255,22 +255,6 @@ def uses_autocast(config: LoraflowConfig, device: torch.device) -> bool:
     return config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and auto)
 
 
-def flow_loss(
-    transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
-) -> torch.Tensor:
-    """The flow-matching loss of a micro-step alone (`step_losses` without CREPA)."""
-    return step_losses(transformer, family, batch, device, autocast)[0]
-
-
-def step_losses(
-    transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
-    crepa: Crepa | None = None, loss: LossType = LossType(),
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the flow-matching loss, CREPA's weighted term or None): `flow_terms`' `flow` and `crepa`."""
-    terms = flow_terms(transformer, family, batch, device, autocast, crepa, loss)
-    return terms.flow, terms.crepa
-
-
 class FlowTerms(NamedTuple):
     """A micro-step's loss terms: the video's flow-matching term, the audio's (a batch with sound; else None) and
     CREPA's weighted term (None when off)."""

@@ -2,7 +2,7 @@
 tensors (no memory, no weights), run at the flavour's real validation size through loraflow's own code.
 
 Training, one micro-step: `prepare_transformer` (bf16 storage, peft LoRA, gradient checkpointing), `step_draws`
-(noise, sigmas), `routing` (TREAD) and `step_losses` (i2v/i2i conditioning, bf16 autocast, CREPA's block hook and
+(noise, sigmas), `routing` (TREAD) and `flow_terms` (i2v/i2i conditioning, bf16 autocast, CREPA's block hook and
 term, the family's `velocity`), then backward. Latents: `vae_encode` of a real-size clip, with and without patch
 conv. Text: `prompt_tensors` on the released Qwen2.5-VL and CLIP-L. A shape or config mistake at released size fails
 here in seconds. Fake tensors cost Python time per op, not FLOPs: the transformers keep DEPTH of their visual
@@ -95,8 +95,9 @@ def test_training_step_at_released_size(case: Case) -> None:
         transformer.train()
         # the values HV1.5's forward asks (are the image tokens all zero, which text tokens are valid) are the batch's
         with known_values(), T.routing(transformer, family, config, batch.draws.seed):
-            loss, term = T.step_losses(transformer, family, batch, torch.device("cpu"), T.uses_autocast(
+            terms = T.flow_terms(transformer, family, batch, torch.device("cpu"), T.uses_autocast(
                 config, torch.device("cpu")), crepa)
+            loss, term = terms.flow, terms.crepa
             (loss if term is None else loss + term).backward()
         assert loss.shape == () and loss.dtype == torch.float32
         assert (term is not None) == config.crepa_enabled

@@ -108,8 +108,8 @@ def test_fp8_layerwise_training_step_at_released_size() -> None:
         transformer, params = released_transformer(case, config, family)
         transformer.train()
         with fresh_saves(), known_values(), T.routing(transformer, family, config, draws.seed):
-            loss, _ = T.step_losses(transformer, family, MicroBatch([], x0, text, draws), torch.device("cpu"),
-                                    T.uses_autocast(config, torch.device("cpu")))
+            loss = T.flow_terms(transformer, family, MicroBatch([], x0, text, draws), torch.device("cpu"),
+                                T.uses_autocast(config, torch.device("cpu"))).flow
             loss.backward()
     assert loss.shape == () and loss.dtype == torch.float32
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)

@@ -110,7 +110,7 @@ def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tm
     optimizer = torch.optim.AdamW(params, lr=3e-2)
     losses = []
     for _ in range(30):
-        loss = T.flow_loss(transformer, family, batch, CPU, autocast=False)
+        loss = T.flow_terms(transformer, family, batch, CPU, autocast=False).flow
         loss.backward()
         trainable.collect()
         trainable.step(optimizer, 1.0)
