@@ -95,18 +95,18 @@ SHALLOW = (3, 4)
 
 
 def traced_at_depth(family: ModelFamily, transformer_config: Mapping[str, Any], extend: bool,
-                    trace: Callable[[Mapping[str, Any]], tuple[int, float, int]]) -> tuple[int, float, int]:
-    """`trace(transformer_config)`'s (peak bytes, TFLOP, host bytes): with `extend`, traced at the `SHALLOW` depths
-    (the family's `tread_layout.depth` key) and extended to the config's by one block's difference per block more;
-    else, or for a transformer no deeper than that, traced as it is."""
+                    trace: Callable[[Mapping[str, Any]], tuple]) -> tuple:
+    """`trace(transformer_config)`'s numbers (bytes and TFLOP, in a tuple): with `extend`, traced at the `SHALLOW`
+    depths (the family's `tread_layout.depth` key) and extended to the config's by one block's difference per block
+    more (bytes rounded to whole ones); else, or for a transformer no deeper than that, traced as it is."""
     key = family.tread_layout.depth
     depth = transformer_config.get(key, 0) if key else 0
     if not extend or depth <= SHALLOW[-1]:
         return trace(transformer_config)
     low, high = (trace({**transformer_config, key: d}) for d in SHALLOW)
     more = (depth - SHALLOW[0]) / (SHALLOW[1] - SHALLOW[0])
-    peak, tflop, host = (a + more * (b - a) for a, b in zip(low, high, strict=True))
-    return round(peak), tflop, round(host)
+    extended = (a + more * (b - a) for a, b in zip(low, high, strict=True))
+    return tuple(round(x) if isinstance(a, int) else x for a, x in zip(low, extended))
 
 
 def fake_transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
@@ -215,7 +215,7 @@ def nabla_masks(transformer_config: Mapping[str, Any], latent_shape: tuple[int, 
         with torch.no_grad():
             masks.append(nablaT_v2(q, k, sta[None, None], thr=config["attention_P"]))
 
-    peak, _, _ = measured_step(build, estimate_mode(), torch.nn.Module(), device_type)
+    peak = measured_step(build, estimate_mode(), torch.nn.Module(), device_type).peak
     mask = masks[0]
     kept = tensor_bytes([part for part in mask.as_tuple() if isinstance(part, torch.Tensor)])
     return peak - 2 * batch * shape[1] * shape[2] * head_dim * 2, kept
