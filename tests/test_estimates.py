@@ -246,6 +246,24 @@ def test_switch_rows_sharing_the_configured_steps_trace_are_the_rows_traced_alon
     assert shared == estimates.switches(config, family, configs, BUCKET, "lora")
 
 
+def test_text_encoder_rows_from_remembered_sizes_are_the_rows_built_anew(
+        tiny_k5: Path, demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`text_encoders` remembers each encoder's bytes per config and precision (`stages._encoder_bytes`): a check's
+    text_embeds switch rows (bf16, int8, offload during startup, all of them) are the rows with every meta model built
+    anew. Seen failing with the sizes remembered per config alone (the int8 row 366 kB, the first size asked, for
+    310 kB)."""
+    from loraflow.estimates import stages
+
+    config = config_for(tiny_k5, demo_data, tmp_path)
+    family = get_family(config)
+    configs = estimates.component_configs({c: tiny_k5 / c for c in ("transformer", "vae", *family.text_components)})
+    remembered = estimates.switches(config, family, configs, BUCKET, "text_embeds")
+    monkeypatch.setattr(stages, "_encoder_bytes", stages._encoder_bytes.__wrapped__)  # every size built anew
+    assert remembered == estimates.switches(config, family, configs, BUCKET, "text_embeds")
+    peaks = [row.peak_bytes for _, row in remembered]
+    assert len(set(peaks)) == len(peaks) == 4  # each switch changes the sizes
+
+
 @pytest.mark.parametrize("family_name, flavour, settings", [
     ("kandinsky5-video", "t2v-lite-sft-5s", {"gradient_checkpointing_interval": 2}),
     ("hunyuanvideo-1.5", "i2v-480p", {"base_model_precision": "fp8-layerwise", "fp32_modules_storage": "bf16"}),

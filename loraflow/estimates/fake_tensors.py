@@ -389,10 +389,18 @@ def known_values(limit: int = KNOWN_NUMEL) -> Any:
     aten = torch.ops.aten
     answers = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default}
 
-    def unknowable(func: Any) -> bool:
-        """Uninitialized memory and random draws: a real run's values differ from any computed here."""
-        return (torch.Tag.nondeterministic_seeded in func.tags
-                or func._overloadpacket.__name__ in ("empty", "empty_like", "empty_strided", "new_empty"))
+    # per op overload, asked of every op a trace runs (once each: a schema's properties are C++ calls)
+    unknowable: dict[Any, bool] = {}  # uninitialized memory and random draws: a real run's values differ
+    written: dict[Any, tuple[int, ...]] = {}  # the positions of the arguments it writes (a mutable op's)
+
+    def op_facts(func: Any) -> tuple[bool, tuple[int, ...]]:
+        if func not in unknowable:
+            unknowable[func] = (torch.Tag.nondeterministic_seeded in func.tags
+                                or func._overloadpacket.__name__ in ("empty", "empty_like", "empty_strided",
+                                                                     "new_empty"))
+            written[func] = tuple(i for i, s in enumerate(func._schema.arguments)
+                                  if s.alias_info and s.alias_info.is_write) if func._schema.is_mutable else ()
+        return unknowable[func], written[func]
 
     class KnownValues(TorchDispatchMode):
         supports_higher_order_operators = True  # flex attention (NABLA) is one: see __torch_dispatch__
@@ -405,9 +413,10 @@ def known_values(limit: int = KNOWN_NUMEL) -> Any:
         def value(self, t: Any) -> Any:
             if not isinstance(t, FakeTensor):
                 return t  # not a tensor, or the caller's real tensor
-            if t.untyped_storage()._cdata in self.forgotten:
+            real = self.values.get(id(t))
+            if real is None or t.untyped_storage()._cdata in self.forgotten:
                 return None
-            return self.values.get(id(t))
+            return real
 
         def keep(self, fake: Any, real: Any) -> None:
             if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
@@ -431,8 +440,9 @@ def known_values(limit: int = KNOWN_NUMEL) -> Any:
             kwargs = kwargs or {}
             if isinstance(func, torch._ops.HigherOrderOperator):  # run by the modes below; its outputs unknown
                 return func(*args, **kwargs)
-            tensors = [t for t in op_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            known = not unknowable(func) and all(self.value(t) is not None for t in tensors)
+            unknown, writes = op_facts(func)
+            known = not unknown and all(self.value(t) is not None for t in op_leaves((args, kwargs))
+                                        if isinstance(t, torch.Tensor))
             if func in answers and known:
                 real = self.real(func, args, kwargs)
                 if not isinstance(real, torch.Tensor):
@@ -448,15 +458,13 @@ def known_values(limit: int = KNOWN_NUMEL) -> Any:
                         indices += list(mask.nonzero(as_tuple=True)) if mask is not None else [i]
                 args = (args[0], indices)
             out = func(*args, **kwargs)
-            outs = [t for t in op_leaves(out) if isinstance(t, torch.Tensor)]
-            if known and all(t.numel() <= limit for t in outs):
+            if known and all(t.numel() <= limit for t in op_leaves(out) if isinstance(t, torch.Tensor)):
                 for fake, real in zip(op_leaves(out), op_leaves(self.real(func, args, kwargs))):
                     self.keep(fake, real)
-            elif func._schema.is_mutable:
-                written = [a for s, a in zip(func._schema.arguments, args) if s.alias_info and s.alias_info.is_write]
-                for t in written:
-                    if isinstance(t, FakeTensor):
-                        self.forget(t.untyped_storage())
+            else:
+                for i in writes:
+                    if i < len(args) and isinstance(args[i], FakeTensor):
+                        self.forget(args[i].untyped_storage())
             return out
 
     return KnownValues()

@@ -3,6 +3,7 @@ latents stage's VAE encode (`vae_encode`) and the text_embeds stage's encoders (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -159,14 +160,25 @@ def text_encoders(config: LoraflowConfig, family: ModelFamily,
     """The text_embeds stage: the text encoders' weights (the first in `text_encoder_1_precision`: fp32 4 bytes, bf16
     2, int8-torchao `int8_bytes`), all on the accelerator at once unless offload_during_startup (then the largest
     alone). Their activations (one prompt, no grad) are left out."""
+    import json
+
     encoders = [c for c in family.text_components if c in component_configs]
-    sizes = []
-    for name in encoders:
-        precision = config.text_encoder_1_precision if name == "text_encoder" else "fp32"
-        model = meta_model(component_configs[name], model_dtype(precision))
-        sizes.append(int8_bytes(model) if precision == "int8-torchao" else weights_bytes(model))
+    sizes = [_encoder_bytes(json.dumps(component_configs[name], sort_keys=True),
+                           config.text_encoder_1_precision if name == "text_encoder" else "fp32")
+             for name in encoders]
     weights = max(sizes, default=0) if config.offload_during_startup else sum(sizes)
     return StageEstimate("text_embeds", {"weights": weights}, None, "weights only")
+
+
+@functools.lru_cache(maxsize=16)
+def _encoder_bytes(component_config: str, precision: str) -> int:
+    """A text encoder's weights (its config.json as JSON) stored in this precision, remembered for the process: the
+    meta model of a 7B encoder takes a fraction of a second to build, and a check's switch rows ask for each
+    precision again."""
+    import json
+
+    model = meta_model(json.loads(component_config), model_dtype(precision))
+    return int8_bytes(model) if precision == "int8-torchao" else weights_bytes(model)
 
 
 def int8_bytes(model: torch.nn.Module) -> int:

@@ -221,6 +221,15 @@ def nabla_masks(transformer_config: Mapping[str, Any], latent_shape: tuple[int, 
     return peak - 2 * batch * shape[1] * shape[2] * head_dim * 2, kept
 
 
+@functools.lru_cache(maxsize=8)
+def _nabla_masks(transformer_config: str, latent_shape: tuple[int, ...], batch: int,
+                 device_type: str) -> tuple[int, int]:
+    """`nabla_masks`, remembered for the process: the training rows of a check's switch list ask for the same ones."""
+    import json
+
+    return nabla_masks(json.loads(transformer_config), latent_shape, batch, device_type)
+
+
 def attention_stand_in(config: LoraflowConfig | None, transformer_config: Mapping[str, Any],
                         latent_shape: tuple[int, ...], batch: int,
                         device_type: str) -> tuple[Mapping[str, Any], dict[str, int], str]:
@@ -230,9 +239,12 @@ def attention_stand_in(config: LoraflowConfig | None, transformer_config: Mappin
     block masks are added (`nabla_masks`): one being built, plus, in training, the one each block keeps for its
     backward (every visual block's without gradient checkpointing; the recomputed one's with it). TFLOP are dense:
     an upper bound (NABLA skips the blocks outside its P-CDF, a share only the real q and k decide)."""
+    import json
+
     if transformer_config.get("attention_type") != "nabla":
         return transformer_config, {}, ""
-    building, kept = nabla_masks(transformer_config, latent_shape, batch, device_type)
+    building, kept = _nabla_masks(json.dumps(transformer_config, sort_keys=True), tuple(latent_shape), batch,
+                                  device_type)
     blocks = transformer_config["num_visual_blocks"]
     if config is None:  # a render: no backward keeps masks
         saved = 0
