@@ -221,7 +221,7 @@ def test_an_encode_traced_once_per_tile_shape_is_the_encode_traced_tile_by_tile(
         with torch.no_grad():
             family.vae_encode(vae, torch.zeros((1, *clip, 3), dtype=torch.uint8), config.latent_sampling)
 
-    activations, tflop, _ = fake_tensors.measured_step(encode, mode, vae)
+    activations, tflop, *_ = fake_tensors.measured_step(encode, mode, vae)
     assert len(inputs) > len(set(inputs))  # tiles or chunks of a shape repeat: what the estimate runs once
     assert (estimate.parts["activations"], estimate.tflop) == (activations, tflop)
 
@@ -244,6 +244,56 @@ def test_switch_rows_sharing_the_configured_steps_trace_are_the_rows_traced_alon
     keys = count()
     monkeypatch.setattr(stages, "step_key", lambda *_: next(keys))  # every row traced anew
     assert shared == estimates.switches(config, family, configs, BUCKET, "lora")
+
+
+def test_text_encoder_rows_from_remembered_sizes_are_the_rows_built_anew(
+        tiny_k5: Path, demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`text_encoders` remembers each encoder's bytes per config and precision (`stages._encoder_bytes`): a check's
+    text_embeds switch rows (bf16, int8, offload during startup, all of them) are the rows with every meta model built
+    anew. Seen failing with the sizes remembered per config alone (the int8 row 366 kB, the first size asked, for
+    310 kB)."""
+    from loraflow.estimates import stages
+
+    config = config_for(tiny_k5, demo_data, tmp_path)
+    family = get_family(config)
+    configs = estimates.component_configs({c: tiny_k5 / c for c in ("transformer", "vae", *family.text_components)})
+    remembered = estimates.switches(config, family, configs, BUCKET, "text_embeds")
+    monkeypatch.setattr(stages, "_encoder_bytes", stages._encoder_bytes.__wrapped__)  # every size built anew
+    assert remembered == estimates.switches(config, family, configs, BUCKET, "text_embeds")
+    peaks = [row.peak_bytes for _, row in remembered]
+    assert len(set(peaks)) == len(peaks) == 4  # each switch changes the sizes
+
+
+@pytest.mark.parametrize("family_name, flavour, settings", [
+    ("kandinsky5-video", "t2v-lite-sft-5s", {"gradient_checkpointing_interval": 2}),
+    ("hunyuanvideo-1.5", "i2v-480p", {"base_model_precision": "fp8-layerwise", "fp32_modules_storage": "bf16"}),
+])
+def test_a_step_counted_in_place_is_the_step_traced_without_activation_offload(
+        family_name: str, flavour: str, settings: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpointed step is traced once, with activation offload (`stages.traced_step`), and the step without it is
+    that trace counted in place (each copy between host and device the tensor it copies, held as long as any copy
+    is): on two released transformers at 3 blocks (every 2nd checkpointed; the image stream's inputs), its device
+    and host peaks and TFLOP are those of the step traced with plain checkpointing, to the byte. Seen failing with a
+    host copy not holding the device tensor it copies (in-place peak 2.2 MB short on Kandinsky 5 Lite, 23 MB on
+    HunyuanVideo 1.5, and host memory left in), and with a copy back to the device counted anew (1.1 and 8.3 MB
+    over)."""
+    from loraflow.config import parse_config
+    from loraflow.estimates import stages
+    from loraflow.pipelines.released import released_config
+    from loraflow.stages.clips.buckets import vae_geometry
+
+    config = parse_config({"model_family": family_name, "model_flavour": flavour, "pretrained_model_name_or_path": "m",
+                           "datasets": [{"id": "d", "instance_data_dir": "x"}], "gradient_checkpointing": True,
+                           **settings})
+    family = get_family(config)
+    transformer = {**family.flavour.configured(released_config(flavour, "transformer")), family.tread_layout.depth: 3}
+    latent = vae_geometry(released_config(flavour, "vae"), family).shape(9, 64, 64)
+    offloaded = stages.traced_step(config, family, transformer, latent, "cuda", None)
+    enable = stages.enable_checkpointing
+    monkeypatch.setattr(stages, "enable_checkpointing", lambda model, _, host: enable(model, config, host))
+    plain = stages.traced_step(config, family, transformer, latent, "cuda", None)  # the config's: no offload
+    assert plain.host == 0 and offloaded.host > 0 and offloaded.peak != plain.peak  # the trace offloads
+    assert (offloaded.peak_in_place, offloaded.host_in_place, offloaded.tflop) == (plain.peak, 0, plain.tflop)
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,12 @@ nothing. Each number is then computed so:
   block's recompute are what is counted. Activation offload (`gradient_checkpointing_cpu_offload`) runs too,
   holding its copies of the block inputs on the meta device: the counter counts those as host memory
   (`StageEstimate.host`, the stage's "(host)" row), not in the accelerator's peak; the copies back for each
-  recompute are counted on the accelerator. (For a CPU device nothing moves: a CPU tensor's copy to the CPU is
-  itself, in a run as in the fake step.) Attention keeps no N x N matrix (flash kernels: output and
-  log-sum-exp); what kernels allocate inside themselves is added by formula where it is large:
-  `attention_workspace` (the backward's fp32 dQ accumulator, and the CPU kernel's tiles) and `conv3d_columns`
-  (the CPU 3D convolution's column buffer; none on CUDA).
+  recompute are counted on the accelerator. The step without offload is the same trace counted in place (each
+  copy the tensor it copies, `StepCounter`): a check's offload row and its configured step share one trace. (For a
+  CPU device nothing moves: a CPU tensor's copy to the CPU is itself, in a run as in the fake step.) Attention
+  keeps no N x N matrix (flash kernels: output and log-sum-exp); what kernels allocate inside themselves is added
+  by formula where it is large: `attention_workspace` (the backward's fp32 dQ accumulator, and the CPU kernel's
+  tiles) and `conv3d_columns` (the CPU 3D convolution's column buffer; none on CUDA).
 - TFLOP: torch's flop-counter formulas over the same fake step (matmuls and convolutions; backward = 2x forward;
   a checkpointed block's forward is counted again when it is recomputed). The CPU flash-attention kernel that SDPA
   takes on fake CPU tensors has no formula in the counter: `attention_flops` gives it the counter's SDPA one,

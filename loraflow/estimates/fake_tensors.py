@@ -7,10 +7,11 @@ the memory estimates (the rest of `loraflow.estimates`) both stand on it."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -93,6 +94,10 @@ def op_leaves(tree: Any) -> list:
     return [tree]
 
 
+# What `StepCounter` counts, each as bytes alive now and at most: on the device, on the host, and the two in place
+COUNTS = DEVICE, HOST, DEVICE_IN_PLACE, HOST_IN_PLACE = range(4)
+
+
 def _counter_mode() -> type:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -100,58 +105,86 @@ def _counter_mode() -> type:
 
     formulas = {**flop_registry, **{op: shape_wrapper(f) for op, f in attention_flops().items()}}
     attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-    convolution = torch.ops.aten.convolution
+    convolution, to_copy = torch.ops.aten.convolution, torch.ops.aten._to_copy.default
 
     class StepCounter(TorchDispatchMode):
         """Bytes of the storages alive now and at most, from every storage an op returns (each counted once,
         uncounted when it is freed), and the FLOPs of every op torch's flop counter has a formula for. Works on
         real and fake tensors alike: what the allocator would hold, without its rounding. `existing` tensors (the
         model's) are never counted, not even when an op returns a view of them (a weight's transpose in every
-        linear). Storages on the meta device are host memory (`host_peak`, apart): the fake step's activation
-        offload holds its copies there (kernels/checkpointing.py). (FlopCounterMode itself is not used: its module
-        hooks keep recomputed activations alive under gradient checkpointing, which would be counted.)"""
+        linear). Storages on the meta device are host memory (`HOST`, apart): the fake step's activation offload
+        holds its copies there (kernels/checkpointing.py). (FlopCounterMode itself is not used: its module hooks
+        keep recomputed activations alive under gradient checkpointing, which would be counted.)
+
+        Beside, the same step counted in place (`DEVICE_IN_PLACE`, `HOST_IN_PLACE`): each copy between the host and
+        the device is the tensor it copies, held as long as that tensor or any copy of it is, which is what the
+        step without activation offload holds (its checkpoints keep the blocks' inputs themselves, the recompute
+        reads them and their gradients pass on uncopied): one trace counts a step with and without it."""
 
         def __init__(self, existing: Iterable[Any] = (), device_type: str = "cuda") -> None:
             super().__init__()
             self.device_type = device_type
-            # keyed by the C storage: views (and fake tensors' storage objects) share it; value: (bytes, on host)
-            self.live: dict[int, tuple[int, bool]] = {t.untyped_storage()._cdata: (0, False) for t in existing}
-            self.current = self.peak = self.host = self.host_peak = self.flops = 0
+            self.now, self.peak = [0] * len(COUNTS), [0] * len(COUNTS)  # bytes alive, most alive: per COUNTS
+            self.flops = 0
+            # keyed by the C storage: views (and fake tensors' storage objects) share it; value: (bytes, count)
+            self.live: dict[int, tuple[int, int]] = {t.untyped_storage()._cdata: (0, DEVICE) for t in existing}
+            # in place: each storage belongs to a group (itself, or what it is a copy of), counted while one is alive
+            self.group: dict[int, int] = dict.fromkeys(self.live, 0)  # storage -> group; 0: never counted
+            self.groups: dict[int, list] = {0: [0, DEVICE_IN_PLACE, 1]}  # group -> [bytes, count, storages alive]
+            self.group_ids = itertools.count(1)  # not the storage's key: freed, another storage may take it
 
-        def track(self, t: Any) -> None:
+        def add(self, count: int, n: int) -> None:
+            self.now[count] += n
+            self.peak[count] = max(self.peak[count], self.now[count])
+
+        def track(self, t: Any, copied: Any = None) -> None:
+            """Count `t`'s storage if it is new; `copied`: the tensor `t` is a copy of between host and device."""
             if not hasattr(t, "untyped_storage"):
                 return
             storage = t.untyped_storage()
-            if storage._cdata in self.live:
+            key = storage._cdata
+            if key in self.live:
                 return
             n, on_host = storage.nbytes(), t.device.type == "meta"
-            self.live[storage._cdata] = n, on_host
-            if on_host:
-                self.host += n
-                self.host_peak = max(self.host_peak, self.host)
+            self.live[key] = n, HOST if on_host else DEVICE
+            self.add(self.live[key][1], n)
+            if copied is not None:  # held in place by the storage it copies (an untracked one: never counted)
+                self.group[key] = self.group.get(copied.untyped_storage()._cdata, 0)
+                self.groups[self.group[key]][2] += 1
             else:
-                self.current += n
-                self.peak = max(self.peak, self.current)
-            weakref.finalize(storage, self._free, storage._cdata)
+                self.group[key] = group = next(self.group_ids)
+                self.groups[group] = [n, HOST_IN_PLACE if on_host else DEVICE_IN_PLACE, 1]
+                self.add(self.groups[group][1], n)
+            weakref.finalize(storage, self._free, key)
 
         def _free(self, key: int) -> None:
-            n, on_host = self.live.pop(key)
-            if on_host:
-                self.host -= n
-            else:
-                self.current -= n
+            n, count = self.live.pop(key)
+            self.now[count] -= n
+            group = self.group.pop(key)
+            held = self.groups[group]
+            held[2] -= 1
+            if not held[2]:
+                del self.groups[group]
+                self.now[held[1]] -= held[0]
+
+        def beside(self, workspace: int) -> None:
+            """A kernel's `workspace`, which no op returns, allocated beside the tensors alive now."""
+            for count in (DEVICE, DEVICE_IN_PLACE):
+                self.peak[count] = max(self.peak[count], self.now[count] + workspace)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             kwargs = kwargs or {}
             if func._overloadpacket is attention_backward:  # its workspace lives while it runs
-                self.peak = max(self.peak, self.current + attention_workspace(args[1], args[2], self.device_type))
+                self.beside(attention_workspace(args[1], args[2], self.device_type))
             out = func(*args, **kwargs)
             if func._overloadpacket in formulas:
                 self.flops += formulas[func._overloadpacket](*args, **kwargs, out_val=out)
+            if func is to_copy and (args[0].device.type == "meta") != (out.device.type == "meta"):
+                self.track(out, copied=args[0])
             for t in op_leaves(out):
                 self.track(t)
             if func._overloadpacket is convolution and self.device_type == "cpu":  # beside its output
-                self.peak = max(self.peak, self.current + conv3d_columns(args[1], out))
+                self.beside(conv3d_columns(args[1], out))
             return out
 
     return StepCounter
@@ -209,11 +242,22 @@ class NotFakeable(Exception):
     weights), which fake tensors do not have."""
 
 
+class Measured(NamedTuple):
+    """What `measured_step` counts: the peak bytes of the tensors a step makes and of the attention backward's
+    workspace on the device, TFLOP, the peak bytes it holds in host memory (on the meta device); and the peaks of
+    the same step with every copy between host and device in place (`StepCounter`): without activation offload."""
+
+    peak: int
+    tflop: float
+    host: int
+    peak_in_place: int
+    host_in_place: int
+
+
 def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module, device_type: str = "cuda",
-                  repeated: Iterable[torch.nn.Module] = ()) -> tuple[int, float, int]:
-    """Run `fn` under the fake `mode`: (peak bytes of the tensors it makes and of the attention backward's
-    workspace on `device_type`, `model`'s own tensors not counted; TFLOP; peak bytes it holds in host memory:
-    on the meta device). Each module of `repeated` runs once per distinct input shape (`measured_once`)."""
+                  repeated: Iterable[torch.nn.Module] = ()) -> Measured:
+    """Run `fn` under the fake `mode` and count it (`Measured`), `model`'s own tensors not counted. Each module of
+    `repeated` runs once per distinct input shape (`measured_once`)."""
     from contextlib import ExitStack
 
     from torch._subclasses.fake_tensor import DataDependentOutputException
@@ -229,7 +273,8 @@ def measured_step(fn: Callable[[], Any], mode: Any, model: torch.nn.Module, devi
     except DataDependentOutputException as exc:
         raise NotFakeable(f"not estimated yet: {type(model).__name__}'s forward reads tensor values ({exc.func}), "
                           "which fake tensors do not have") from None
-    return counter.peak, counter.flops / 1e12, counter.host_peak
+    peak = counter.peak
+    return Measured(peak[DEVICE], counter.flops / 1e12, peak[HOST], peak[DEVICE_IN_PLACE], peak[HOST_IN_PLACE])
 
 
 class _Shape:
@@ -258,20 +303,18 @@ def measured_once(module: torch.nn.Module, counter: Any) -> Iterator[None]:
         key = tuple((tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t
                     for t in tree_flatten((args, kwargs))[0])
         if key in seen:
-            peak, host_peak, flops, shapes = seen[key]
-            counter.peak = max(counter.peak, counter.current + peak)
-            counter.host_peak = max(counter.host_peak, counter.host + host_peak)
+            peaks, flops, shapes = seen[key]
+            counter.peak[:] = [max(peak, now + added) for peak, now, added in zip(counter.peak, counter.now, peaks)]
             counter.flops += flops
             return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)
                             if isinstance(t, _Shape) else t, shapes)
-        entry, host_entry, flops_entry = counter.current, counter.host, counter.flops
-        outer_peak, outer_host_peak = counter.peak, counter.host_peak
-        counter.peak, counter.host_peak = entry, host_entry
+        entry, outer, flops_entry = list(counter.now), list(counter.peak), counter.flops
+        counter.peak[:] = entry
         out = original(*args, **kwargs)
         # shapes only: keeping the output itself would keep its bytes alive in the count
-        seen[key] = counter.peak - entry, counter.host_peak - host_entry, counter.flops - flops_entry, tree_map(
-            lambda t: _Shape(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t, out)
-        counter.peak, counter.host_peak = max(outer_peak, counter.peak), max(outer_host_peak, counter.host_peak)
+        seen[key] = [peak - now for peak, now in zip(counter.peak, entry)], counter.flops - flops_entry, \
+            tree_map(lambda t: _Shape(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else t, out)
+        counter.peak[:] = map(max, outer, counter.peak)
         return out
 
     module.forward = forward
@@ -346,10 +389,18 @@ def known_values(limit: int = KNOWN_NUMEL) -> Any:
     aten = torch.ops.aten
     answers = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default}
 
-    def unknowable(func: Any) -> bool:
-        """Uninitialized memory and random draws: a real run's values differ from any computed here."""
-        return (torch.Tag.nondeterministic_seeded in func.tags
-                or func._overloadpacket.__name__ in ("empty", "empty_like", "empty_strided", "new_empty"))
+    # per op overload, asked of every op a trace runs (once each: a schema's properties are C++ calls)
+    unknowable: dict[Any, bool] = {}  # uninitialized memory and random draws: a real run's values differ
+    written: dict[Any, tuple[int, ...]] = {}  # the positions of the arguments it writes (a mutable op's)
+
+    def op_facts(func: Any) -> tuple[bool, tuple[int, ...]]:
+        if func not in unknowable:
+            unknowable[func] = (torch.Tag.nondeterministic_seeded in func.tags
+                                or func._overloadpacket.__name__ in ("empty", "empty_like", "empty_strided",
+                                                                     "new_empty"))
+            written[func] = tuple(i for i, s in enumerate(func._schema.arguments)
+                                  if s.alias_info and s.alias_info.is_write) if func._schema.is_mutable else ()
+        return unknowable[func], written[func]
 
     class KnownValues(TorchDispatchMode):
         supports_higher_order_operators = True  # flex attention (NABLA) is one: see __torch_dispatch__
@@ -362,9 +413,10 @@ def known_values(limit: int = KNOWN_NUMEL) -> Any:
         def value(self, t: Any) -> Any:
             if not isinstance(t, FakeTensor):
                 return t  # not a tensor, or the caller's real tensor
-            if t.untyped_storage()._cdata in self.forgotten:
+            real = self.values.get(id(t))
+            if real is None or t.untyped_storage()._cdata in self.forgotten:
                 return None
-            return self.values.get(id(t))
+            return real
 
         def keep(self, fake: Any, real: Any) -> None:
             if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
@@ -388,8 +440,9 @@ def known_values(limit: int = KNOWN_NUMEL) -> Any:
             kwargs = kwargs or {}
             if isinstance(func, torch._ops.HigherOrderOperator):  # run by the modes below; its outputs unknown
                 return func(*args, **kwargs)
-            tensors = [t for t in op_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            known = not unknowable(func) and all(self.value(t) is not None for t in tensors)
+            unknown, writes = op_facts(func)
+            known = not unknown and all(self.value(t) is not None for t in op_leaves((args, kwargs))
+                                        if isinstance(t, torch.Tensor))
             if func in answers and known:
                 real = self.real(func, args, kwargs)
                 if not isinstance(real, torch.Tensor):
@@ -405,15 +458,13 @@ def known_values(limit: int = KNOWN_NUMEL) -> Any:
                         indices += list(mask.nonzero(as_tuple=True)) if mask is not None else [i]
                 args = (args[0], indices)
             out = func(*args, **kwargs)
-            outs = [t for t in op_leaves(out) if isinstance(t, torch.Tensor)]
-            if known and all(t.numel() <= limit for t in outs):
+            if known and all(t.numel() <= limit for t in op_leaves(out) if isinstance(t, torch.Tensor)):
                 for fake, real in zip(op_leaves(out), op_leaves(self.real(func, args, kwargs))):
                     self.keep(fake, real)
-            elif func._schema.is_mutable:
-                written = [a for s, a in zip(func._schema.arguments, args) if s.alias_info and s.alias_info.is_write]
-                for t in written:
-                    if isinstance(t, FakeTensor):
-                        self.forget(t.untyped_storage())
+            else:
+                for i in writes:
+                    if i < len(args) and isinstance(args[i], FakeTensor):
+                        self.forget(args[i].untyped_storage())
             return out
 
     return KnownValues()

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from loraflow.estimates.fake_tensors import NotFakeable, fake_model, measured_step, meta_model
+from loraflow.estimates.fake_tensors import Measured, NotFakeable, fake_model, measured_step, meta_model
 from loraflow.estimates.fit import StageEstimate, card_gb, usable_bytes
 from loraflow.estimates.inputs import component_configs
 from loraflow.estimates.transformer import (
@@ -92,14 +92,14 @@ def render_phases(config: LoraflowConfig, family: ModelFamily, component_configs
                                                           device_type)
     precision = config.base_model_precision
 
-    def denoise(shaped: Mapping[str, Any]) -> tuple[int, float, int]:
+    def denoise(shaped: Mapping[str, Any]) -> Measured:
         mode = estimate_mode()
         transformer = fake_transformer(config, family, shaped, mode, precision)
         call = velocity_call(family, transformer, latent_shape, 1, precision != "no_change", None)
         return measured_step(call, mode, transformer, device_type)
 
     try:  # a no-grad call: its peak is one block's, whatever the depth; its FLOPs grow by one block's per block
-        denoise_peak, tflop, _ = traced_at_depth(family, transformer_config, extend, denoise)
+        denoised = Measured._make(traced_at_depth(family, transformer_config, extend, denoise))
     except NotFakeable as exc:
         return StageEstimate("validation", note=str(exc))
     _, lora = adapter_size(config, family, transformer_config, extend)
@@ -115,13 +115,13 @@ def render_phases(config: LoraflowConfig, family: ModelFamily, component_configs
         with torch.no_grad(), blends_in_place(vae):  # an image family's VAE (Flux) is 2D: its pipeline decodes
             vae.decode(latent[:, :, 0] if family.flavour.num_frames == 1 else latent)  # (B, C, h, w)
 
-    decode_peak, _, _ = measured_step(decode, mode, vae, device_type)
+    decode_peak = measured_step(decode, mode, vae, device_type).peak
     tiled = None
     if hasattr(vae, "enable_tiling"):
         vae.enable_tiling()  # the decoder runs once per tile shape (`measured_once`): dozens of tiles at 720p
-        tiled, _, _ = measured_step(decode, mode, vae, device_type, repeated=[vae.decoder])
-    return RenderPhases(stored.total, stored.blocks, lora, moved, denoise_peak,
-                        decode_peak, tiled, tflop, sum(nabla.values()), note)
+        tiled = measured_step(decode, mode, vae, device_type, repeated=[vae.decoder]).peak
+    return RenderPhases(stored.total, stored.blocks, lora, moved, denoised.peak,
+                        decode_peak, tiled, denoised.tflop, sum(nabla.values()), note)
 
 
 @contextmanager

@@ -3,10 +3,11 @@ latents stage's VAE encode (`vae_encode`) and the text_embeds stage's encoders (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from loraflow.estimates.fake_tensors import NotFakeable, fake_model, measured_step, meta_model, tensor_bytes
+from loraflow.estimates.fake_tensors import Measured, NotFakeable, fake_model, measured_step, meta_model, tensor_bytes
 from loraflow.estimates.fit import StageEstimate
 from loraflow.estimates.transformer import (
     adapter_size,
@@ -38,7 +39,8 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     weights + LoRA + AdamW moments + the fake step's activation peak (LoRA gradients included). The step is traced
     shallow and extended to the real depth (`traced_at_depth`) where it is linear in the depth (`linear_in_depth`);
     `extend` False: traced at the real depth. A config whose step the fake model computes alike (`step_key`) reuses
-    the trace made for another: a check's switch rows that change only what is added around it."""
+    the trace made for another: a check's switch rows that change only what is added around it, and activation
+    offload on or off (one trace counts both: `traced_step`)."""
     transformer_config, nabla, note = attention_stand_in(config, transformer_config, latent_shape,
                                                           config.train_batch_size, device_type)
     extend = extend and linear_in_depth(config)
@@ -48,15 +50,18 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
     key = step_key(config, transformer_config, latent_shape, device_type, text_tokens, extend, threads)
     if key not in _TRACED_STEPS:
         try:
-            _TRACED_STEPS[key] = (*traced_at_depth(
+            _TRACED_STEPS[key] = (Measured._make(traced_at_depth(
                 family, transformer_config, extend,
-                lambda shaped: traced_step(config, family, shaped, latent_shape, device_type, text_tokens)),
+                lambda shaped: traced_step(config, family, shaped, latent_shape, device_type, text_tokens))),
                 *adapter_size(config, family, transformer_config, extend))
         except NotFakeable as exc:
             _TRACED_STEPS[key] = str(exc)
     if isinstance(_TRACED_STEPS[key], str):
         return StageEstimate("lora", note=_TRACED_STEPS[key])
-    activations, tflop, host, parameters, lora = _TRACED_STEPS[key]
+    traced, parameters, lora = _TRACED_STEPS[key]
+    tflop = traced.tflop
+    activations, host = (traced.peak, traced.host) if config.gradient_checkpointing_cpu_offload else \
+        (traced.peak_in_place, traced.host_in_place)
     stored = stored_weights(family, transformer_config, config.base_model_precision, config.fp32_modules_storage)
     weights = stored.total
     if config.enable_group_offload or config.blocks_to_swap:  # the blocks as stored: 1 byte per weight with fp8/int8
@@ -70,17 +75,18 @@ def training_step(config: LoraflowConfig, family: ModelFamily, transformer_confi
 # moments, the weights offloaded or stored apart).
 UNTRACED = frozenset({"optimizer", "enable_group_offload", "group_offload_type", "group_offload_blocks_per_group",
                       "group_offload_use_stream", "blocks_to_swap", "fp32_modules_storage"})
-# step_key -> (activation peak, TFLOP, host peak, adapter parameters, adapter bytes), or why it cannot be traced
-_TRACED_STEPS: dict[str, tuple[int, float, int, int, int] | str] = {}
+# step_key -> (the traced step, adapter parameters, adapter bytes), or why it cannot be traced
+_TRACED_STEPS: dict[str, tuple[Measured, int, int] | str] = {}
 
 
 def step_key(config: LoraflowConfig, *inputs: Any) -> str:
-    """What one fake training step of `config` (with these other inputs) traces: every setting but `UNTRACED`, the
-    precision as the fake model computes in it (`model_dtype`: fp8 and int8 storage compute as bf16; and whether it
-    is `no_change`, which `uses_autocast` asks)."""
+    """What one fake training step of `config` (with these other inputs) traces: every setting but `UNTRACED` and
+    activation offload (traced on, counted both ways: `traced_step`), the precision as the fake model computes in it
+    (`model_dtype`: fp8 and int8 storage compute as bf16; and whether it is `no_change`, which `uses_autocast`
+    asks)."""
     import json
 
-    settings = config.model_dump(mode="json", exclude=set(UNTRACED))
+    settings = config.model_dump(mode="json", exclude={*UNTRACED, "gradient_checkpointing_cpu_offload"})
     precision = settings.pop("base_model_precision")
     return json.dumps([settings, str(model_dtype(precision)), precision == "no_change", *inputs], sort_keys=True)
 
@@ -94,8 +100,10 @@ def linear_in_depth(config: LoraflowConfig) -> bool:
 
 def traced_step(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any],
                 latent_shape: tuple[int, int, int, int], device_type: str,
-                text_tokens: int | None) -> tuple[int, float, int]:
-    """(activation peak, TFLOP, host peak) of one fake training step of this transformer (`measured_step`)."""
+                text_tokens: int | None) -> Measured:
+    """One fake training step of this transformer, counted (`measured_step`). With gradient checkpointing it is
+    traced with activation offload on, whatever the config says: counted in place (`Measured.peak_in_place`), the
+    same trace is the step without offload, so one trace answers both."""
     import torch
     from peft.tuners.lycoris_utils import LycorisLayer
 
@@ -105,7 +113,8 @@ def traced_step(config: LoraflowConfig, family: ModelFamily, transformer_config:
     transformer = fake_transformer(config, family, transformer_config, mode, config.base_model_precision)
     # activation offload's copies go to the meta device, which the counter counts as host memory (a CPU run's
     # offload moves nothing)
-    enable_checkpointing(transformer, config, host="cpu" if device_type == "cpu" else "meta")
+    offloaded = config.model_copy(update={"gradient_checkpointing_cpu_offload": config.gradient_checkpointing})
+    enable_checkpointing(transformer, offloaded, host="cpu" if device_type == "cpu" else "meta")
     transformer.train()
     # LoKr and LoHa layers read torch.rand(1) > module_dropout in each training forward, a value fake tensors lack:
     # they run as in eval, applying the adapter (the larger peak; the rank_dropout mask, a vector per layer, left out)
@@ -139,8 +148,8 @@ def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[
             family.vae_encode(vae, torch.zeros((1, frames, height, width, 3), dtype=torch.uint8),
                               config.latent_sampling)
 
-    activations, tflop, _ = measured_step(encode, mode, vae, device_type,
-                                          repeated=[vae.encoder, *vae.encoder.down_blocks])
+    activations, tflop, *_ = measured_step(encode, mode, vae, device_type,
+                                           repeated=[vae.encoder, *vae.encoder.down_blocks])
     note = "" if not family.image_condition_components else \
         f"{', '.join(family.image_condition_components)} left out"
     return StageEstimate("latents", {"weights": weights_bytes(vae), "activations": activations}, tflop, note)
@@ -151,14 +160,25 @@ def text_encoders(config: LoraflowConfig, family: ModelFamily,
     """The text_embeds stage: the text encoders' weights (the first in `text_encoder_1_precision`: fp32 4 bytes, bf16
     2, int8-torchao `int8_bytes`), all on the accelerator at once unless offload_during_startup (then the largest
     alone). Their activations (one prompt, no grad) are left out."""
+    import json
+
     encoders = [c for c in family.text_components if c in component_configs]
-    sizes = []
-    for name in encoders:
-        precision = config.text_encoder_1_precision if name == "text_encoder" else "fp32"
-        model = meta_model(component_configs[name], model_dtype(precision))
-        sizes.append(int8_bytes(model) if precision == "int8-torchao" else weights_bytes(model))
+    sizes = [_encoder_bytes(json.dumps(component_configs[name], sort_keys=True),
+                           config.text_encoder_1_precision if name == "text_encoder" else "fp32")
+             for name in encoders]
     weights = max(sizes, default=0) if config.offload_during_startup else sum(sizes)
     return StageEstimate("text_embeds", {"weights": weights}, None, "weights only")
+
+
+@functools.lru_cache(maxsize=16)
+def _encoder_bytes(component_config: str, precision: str) -> int:
+    """A text encoder's weights (its config.json as JSON) stored in this precision, remembered for the process: the
+    meta model of a 7B encoder takes a fraction of a second to build, and a check's switch rows ask for each
+    precision again."""
+    import json
+
+    model = meta_model(json.loads(component_config), model_dtype(precision))
+    return int8_bytes(model) if precision == "int8-torchao" else weights_bytes(model)
 
 
 def int8_bytes(model: torch.nn.Module) -> int:

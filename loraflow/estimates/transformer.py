@@ -95,18 +95,18 @@ SHALLOW = (3, 4)
 
 
 def traced_at_depth(family: ModelFamily, transformer_config: Mapping[str, Any], extend: bool,
-                    trace: Callable[[Mapping[str, Any]], tuple[int, float, int]]) -> tuple[int, float, int]:
-    """`trace(transformer_config)`'s (peak bytes, TFLOP, host bytes): with `extend`, traced at the `SHALLOW` depths
-    (the family's `tread_layout.depth` key) and extended to the config's by one block's difference per block more;
-    else, or for a transformer no deeper than that, traced as it is."""
+                    trace: Callable[[Mapping[str, Any]], tuple]) -> tuple:
+    """`trace(transformer_config)`'s numbers (bytes and TFLOP, in a tuple): with `extend`, traced at the `SHALLOW`
+    depths (the family's `tread_layout.depth` key) and extended to the config's by one block's difference per block
+    more (bytes rounded to whole ones); else, or for a transformer no deeper than that, traced as it is."""
     key = family.tread_layout.depth
     depth = transformer_config.get(key, 0) if key else 0
     if not extend or depth <= SHALLOW[-1]:
         return trace(transformer_config)
     low, high = (trace({**transformer_config, key: d}) for d in SHALLOW)
     more = (depth - SHALLOW[0]) / (SHALLOW[1] - SHALLOW[0])
-    peak, tflop, host = (a + more * (b - a) for a, b in zip(low, high, strict=True))
-    return round(peak), tflop, round(host)
+    extended = (a + more * (b - a) for a, b in zip(low, high, strict=True))
+    return tuple(round(x) if isinstance(a, int) else x for a, x in zip(low, extended))
 
 
 def fake_transformer(config: LoraflowConfig, family: ModelFamily, transformer_config: Mapping[str, Any], mode: Any,
@@ -215,10 +215,19 @@ def nabla_masks(transformer_config: Mapping[str, Any], latent_shape: tuple[int, 
         with torch.no_grad():
             masks.append(nablaT_v2(q, k, sta[None, None], thr=config["attention_P"]))
 
-    peak, _, _ = measured_step(build, estimate_mode(), torch.nn.Module(), device_type)
+    peak = measured_step(build, estimate_mode(), torch.nn.Module(), device_type).peak
     mask = masks[0]
     kept = tensor_bytes([part for part in mask.as_tuple() if isinstance(part, torch.Tensor)])
     return peak - 2 * batch * shape[1] * shape[2] * head_dim * 2, kept
+
+
+@functools.lru_cache(maxsize=8)
+def _nabla_masks(transformer_config: str, latent_shape: tuple[int, ...], batch: int,
+                 device_type: str) -> tuple[int, int]:
+    """`nabla_masks`, remembered for the process: the training rows of a check's switch list ask for the same ones."""
+    import json
+
+    return nabla_masks(json.loads(transformer_config), latent_shape, batch, device_type)
 
 
 def attention_stand_in(config: LoraflowConfig | None, transformer_config: Mapping[str, Any],
@@ -230,9 +239,12 @@ def attention_stand_in(config: LoraflowConfig | None, transformer_config: Mappin
     block masks are added (`nabla_masks`): one being built, plus, in training, the one each block keeps for its
     backward (every visual block's without gradient checkpointing; the recomputed one's with it). TFLOP are dense:
     an upper bound (NABLA skips the blocks outside its P-CDF, a share only the real q and k decide)."""
+    import json
+
     if transformer_config.get("attention_type") != "nabla":
         return transformer_config, {}, ""
-    building, kept = nabla_masks(transformer_config, latent_shape, batch, device_type)
+    building, kept = _nabla_masks(json.dumps(transformer_config, sort_keys=True), tuple(latent_shape), batch,
+                                  device_type)
     blocks = transformer_config["num_visual_blocks"]
     if config is None:  # a render: no backward keeps masks
         saved = 0
