@@ -280,8 +280,9 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     use_dora: bool = setting(
         False, run_key="when_set", description="DoRA (peft `use_dora`): a learned magnitude per output row")
     init_lora: str | None = setting(
-        None, run_key="never", description="start training from this LoRA file (diffusers/peft or ComfyUI key "
-        "names, the same rank and targets); its content hash, not its path, is part of the run's inputs")
+        None, run_key="never", description="start training from this LoRA file (diffusers/peft, ComfyUI or "
+        "musubi-tuner key names, the same rank and targets); its content hash, not its path, is part of the run's "
+        "inputs")
     use_ema: bool = setting(
         False, run_key="when_set", description="also keep an EMA of the adapter, written beside the LoRA as "
         "pytorch_lora_weights_ema.safetensors (and in every checkpoint); the LoRA itself is unchanged")

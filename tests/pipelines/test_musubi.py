@@ -16,6 +16,7 @@ in fp32 whatever a matmul kernel's order.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -97,8 +98,18 @@ def musubi_weights(base: dict[str, torch.Tensor], modules: dict[str, MusubiModul
     return {f"{path}.weight": base[f"{module.diffusers}.weight"] for path, module in modules.items()}
 
 
+class TinyExport(NamedTuple):
+    name: str
+    folder: Path  # what export_lora wrote
+    base: dict[str, torch.Tensor]  # the tiny transformer's weights
+    deltas: dict[str, torch.Tensor]  # peft's B @ A * scale per adapted module
+    modules: dict[str, MusubiModule]  # musubi's modules of the tiny transformer
+    path: Path  # the tiny checkpoint
+    transformer: torch.nn.Module  # with the adapter
+
+
 @pytest.fixture(scope="module", params=sorted(MODULES))
-def tiny_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def tiny_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyExport:
     name = request.param
     family = load_family(name)
     path = build_tiny(name, tmp_path_factory.mktemp("models") / name)
@@ -109,7 +120,7 @@ def tiny_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     with torch.no_grad():
         deltas = {n: m.get_delta_weight("default") for n, m in transformer.named_modules() if isinstance(m, LoraLayer)}
     modules = MODULES[name](load_component(path, "transformer").config)
-    return name, folder, base, deltas, modules
+    return TinyExport(name, folder, base, deltas, modules, path, transformer)
 
 
 @torch.no_grad()
@@ -117,7 +128,7 @@ def test_musubi_merges_every_module_as_peft_does(tiny_export) -> None:
     """Written as training writes it (at unit scale, then converted): musubi's merge takes every module of the file
     and gives peft's W + scale * B @ A on every adapted linear, bit for bit; mapped back to diffusers names, they are
     the weights the diffusers file gives."""
-    name, folder, base, deltas, modules = tiny_export
+    name, folder, base, deltas, modules, *_ = tiny_export
     lora = load_file(folder / MUSUBI_LORA_FILE)
     merged, used = musubi_merge(lora, musubi_weights(base, modules))
     assert {k.split(".", 1)[0] for k in lora} == used == {lora_name(p) for p in modules}
@@ -134,7 +145,7 @@ def test_musubi_merges_every_module_as_peft_does(tiny_export) -> None:
 def test_the_diffusers_and_comfyui_files_merge_nothing_in_musubi(tiny_export) -> None:
     """Why the musubi file exists: musubi's loaders find no module of theirs in loraflow's other two files (the
     silent "0 modules")."""
-    name, folder, base, _, modules = tiny_export
+    name, folder, base, _, modules, *_ = tiny_export
     for file in (LORA_FILE, COMFYUI_LORA_FILE):
         _, used = musubi_merge(load_file(folder / file), musubi_weights(base, modules))
         assert not used, (file, sorted(used)[:2])
@@ -173,3 +184,28 @@ def test_a_finished_run_gets_its_musubi_file_on_reuse(tiny_export, tmp_path: Pat
     again, first = load_file(tmp_path / MUSUBI_LORA_FILE), load_file(folder / MUSUBI_LORA_FILE)
     assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
     assert not (tmp_path / COMFYUI_LORA_FILE).exists()
+
+
+
+def test_the_musubi_file_reads_back_as_the_adapter_bit_for_bit(tiny_export) -> None:
+    """`init_lora` of the musubi file (training/options/adapters.py): musubi's names mapped back to diffusers', the
+    file's alpha / r (1) against the adapter's scale (2) moved into lora_B: the tensors peft trained, bit for bit."""
+    from loraflow.training.options.adapters import load_init_lora
+
+    name, folder, *_ = tiny_export
+    family = load_family(name)
+    trained = tiny_export.transformer
+    fresh = load_component(tiny_export.path, "transformer")
+    fresh.add_adapter(LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=family.lora_targets(True)))
+    load_init_lora(str(folder / MUSUBI_LORA_FILE), fresh, family)
+    want, got = lora_state(trained), lora_state(fresh)
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_musubi_file_for_a_family_musubi_lacks_is_refused(tiny_export, tmp_path: Path) -> None:
+    from loraflow.training.options.adapters import load_init_lora
+
+    name, folder, *_ = tiny_export
+    k6 = load_family("kandinsky6")
+    with pytest.raises(ValueError, match="musubi-tuner has no model of kandinsky6"):
+        load_init_lora(str(folder / MUSUBI_LORA_FILE), tiny_export.transformer, k6)
