@@ -135,6 +135,12 @@ def check(config_path: str, estimate: bool = True) -> int:
     for d in config.training_datasets:
         print(f"  {d.id}: at most {d.max_captions_per_file} caption(s) per file (max_captions_per_file), "
               f"{d.max_caption_chars} characters each (max_caption_chars)")
+    if plan.clips:
+        print(f"  one clip's text as the text encoder gets it: {plan.example_caption!r}")
+    if config.train_audio and family.spec.compose_prompt is not None and plan.without_audio_caption:
+        print(f"\nwarning: train_audio: {plan.without_audio_caption} of {plan.clips} clip(s) have no audio caption "
+              "(NAME.audio.txt beside the file; the `audio_caption` column of a metadata_file): they train their "
+              "sound with the plain caption, which does not describe it (docs/families.md, Kandinsky 6 captions)")
     if plan.dropped:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],

@@ -141,6 +141,10 @@ class ConfigFields(GuideFeatures, TrainingOptions):
 
     # validation_*: what validation renders, never part of the run (a new prompt re-renders, never retrains)
     validation_prompt: str | None = setting(None, run_key="never")
+    validation_audio_prompt: str | None = setting(
+        None, run_key="never", description="what `validation_prompt`'s render sounds like, for a family whose prompt "
+        "describes the sound (Kandinsky 6): composed into the release's prompt `validation_prompt "
+        "<AUDCAP>validation_audio_prompt<ENDAUDCAP>`, as each clip's audio caption is (docs/families.md)")
     validation_resolution: str | None = setting(
         None, run_key="never", description="WIDTHxHEIGHT in pixels; default: the flavour's release "
         "size (docs/families.md), and where the pipeline sizes the render from its image (HunyuanVideo 1.5 i2v) "

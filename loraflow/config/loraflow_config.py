@@ -60,6 +60,12 @@ class LoraflowConfig(ConfigFields):
         if self.user_prompt_library and DEFAULT_PROMPT_NAME in self.user_prompt_library and self.validation_prompt:
             raise ValueError(f"`user_prompt_library` may not use the shortname '{DEFAULT_PROMPT_NAME}': "
                              "it names `validation_prompt`; rename the library entry")
+        if self.validation_audio_prompt is not None and family_spec(self.model_family).compose_prompt is None:
+            raise ValueError(f"`validation_audio_prompt`: {self.model_family}'s prompts do not describe the sound; "
+                             "remove it")
+        if self.validation_audio_prompt is not None and not self.validation_prompt:
+            raise ValueError("`validation_audio_prompt` describes the sound of `validation_prompt`'s render: set "
+                             "`validation_prompt` too")
         if self.validation_steps and not self.validation_prompts:
             raise ValueError(f"`validation_steps` {self.validation_steps} renders the validation prompts during "
                              "training, but there are none: set `validation_prompt` or `user_prompt_library`, or "
@@ -300,6 +306,9 @@ class LoraflowConfig(ConfigFields):
     def validation_prompts(self) -> dict[str, str]:
         """Every prompt validation renders, by shortname: `validation_prompt` first, then the library."""
         prompts = {DEFAULT_PROMPT_NAME: self.validation_prompt} if self.validation_prompt else {}
+        compose = family_spec(self.model_family).compose_prompt
+        if prompts and self.validation_audio_prompt and compose is not None:  # validated: only such a family
+            prompts[DEFAULT_PROMPT_NAME] = compose(self.validation_prompt or "", self.validation_audio_prompt, ())
         return {**prompts, **(self.user_prompt_library or {})}
 
     @property

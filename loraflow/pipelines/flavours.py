@@ -149,6 +149,10 @@ class FamilySpec:
     render_size: Callable[..., tuple[int, int] | None] | None = None
     # The prompt templates its text side offers (config `kandinsky5_prompt_template`), the default first; () none
     prompt_templates: tuple[str, ...] = ()
+    # (caption, audio caption, speech lines) -> the text its text encoder gets, for a family whose release captions
+    # the sound in the prompt (Kandinsky 6); None: the family reads no audio captions (`a.audio.txt`, `a.speech.txt`,
+    # the `audio_caption` and `speech` metadata columns are not its: the clips stage lists them as not used)
+    compose_prompt: Callable[[str, str, tuple[str, ...]], str] | None = None
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.flavours]

@@ -96,6 +96,26 @@ def _flavour(task: str, size: str, stage: str) -> Flavour:
                    classes=classes)
 
 
+def compose_prompt(caption: str, audio_caption: str, speech: tuple[str, ...] = ()) -> str:
+    """The release's canonical prompt of a clip: the video caption, each spoken line inside `<S>…<E>` after it, then
+    the audio caption inside `<AUDCAP>…<ENDAUDCAP>`; a part left empty is left out (no audio caption: the caption and
+    its speech alone, as the node encodes a prompt without one).
+
+    Sources: the release's ComfyUI node kandinskylab/kandinsky-6@9d2ffe1 comfyui/kandinsky6/nodes.py
+    `Kandinsky6TextEncode.encode` (`f"{video_caption} <AUDCAP>{audio_caption}<ENDAUDCAP>"` when the audio caption is
+    not blank, else the video caption alone); its `video_caption` input: "Spoken lines go here too, wrapped in
+    <S>...<E>", and its `audio_caption`: "Not for spoken lines". The order of speech and sound: the original's t2va
+    beautifier examples (KozlovKY/kandinsky-6@60c4ff6 kandinsky/core/components/beautifier/qwen25.py
+    `_t2va_instruction`, example 2: the description, then `<S>I'm glad we've found common ground.<E>` and the other
+    lines, then `<AUDCAP> Soft instrumental music …<ENDAUDCAP>` last); diffusers 0.42.1
+    pipeline_kandinsky6_ti2va.py:84-86 (`_T2VA_EXPANSION_INSTRUCTION`: direct speech between <S> and <E>, general
+    audio descriptions between <AUDCAP> and <ENDAUDCAP>)."""
+    text = " ".join([caption, *(f"<S>{line}<E>" for line in speech if line)]).strip()
+    if audio_caption.strip():
+        text = f"{text} <AUDCAP>{audio_caption}<ENDAUDCAP>".strip()
+    return text
+
+
 def is_distilled(flavour: Flavour) -> bool:
     """A π-Flow checkpoint: `PiflowScheduler`, guidance 1.0, `n_grid` velocities per latent channel."""
     return "-distill-" in flavour.name
@@ -111,4 +131,5 @@ SPEC = FamilySpec(
     vae_temporal_factor=4,
     module="loraflow.pipelines.kandinsky6.family",
     tiny_module="loraflow.pipelines.kandinsky6.tiny",
+    compose_prompt=compose_prompt,
 )

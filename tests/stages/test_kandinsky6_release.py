@@ -1,0 +1,148 @@
+"""Kandinsky 6 as its release means it (issue 58), on the tiny Kandinsky 6 through the real stages and `loraflow check`.
+
+1. The caption contract: `a.audio.txt` / `a.speech.txt` (or the `audio_caption` / `speech` metadata columns) composed
+   into the release's prompt `caption <S>speech<E> <AUDCAP>audio<ENDAUDCAP>` (kandinsky6/spec.py `compose_prompt`
+   cites the ComfyUI node and the beautifier), which the text_embeds stage encodes and `check` shows.
+2. The distilled flavours train and render their sound (the original π-Flow sampler refuses video alone).
+3. i2v on a transformer without the I2VA token types is refused before any stage runs.
+4. One shift: a checkpoint whose scheduler says 10 trains and renders at 10.
+5. The render size defaults to the release's 864x480 x 121.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loraflow.cli import main
+from loraflow.config import ConfigError, load_config
+from loraflow.contracts.clip_rows import read_clips
+from loraflow.demo.tiny import build_tiny
+from loraflow.pipelines import get_family, plan_family
+from loraflow.pipelines.sources import model_source
+from loraflow.stages.clips.clips import build_clips
+from loraflow.stages.text.text_embeds import encode_texts, text_key
+from loraflow.store import Store
+from tests.factory import demo_dict, write_config
+from tests.media_factory import write_h264
+
+FRAMES = 17
+CAPTION = "a dog barks at the door"
+AUDIO = "loud barking, a door creaks"
+SPEECH = "Let me in!"
+COMPOSED = f"{CAPTION} <S>{SPEECH}<E> <AUDCAP>{AUDIO}<ENDAUDCAP>"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny("kandinsky6", tmp_path_factory.mktemp("k6-release") / "k6")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """dog.mp4 with its caption, audio caption and speech; cat.mp4 with its caption alone."""
+    data = tmp_path_factory.mktemp("k6-captions")
+    for name in ("dog", "cat"):
+        write_h264(data / f"{name}.mp4", num_frames=FRAMES, width=64, height=64)
+    (data / "dog.txt").write_text(CAPTION + "\n")
+    (data / "dog.audio.txt").write_text(AUDIO + "\n")
+    (data / "dog.speech.txt").write_text(SPEECH + "\n")
+    (data / "cat.txt").write_text("a cat sleeps\n")
+    return data
+
+
+def config_at(root: Path, model: Path, data: Path, family: str = "kandinsky6", **overrides: object):
+    root.mkdir(parents=True, exist_ok=True)
+    values = demo_dict(model, data, root, model_family=family, **overrides)
+    if family == "kandinsky6" and "model_flavour" not in overrides:
+        values.pop("model_flavour")
+    return load_config(write_config(root / "config.yaml", values))
+
+
+def test_the_encoded_text_is_the_releases_prompt(tiny: Path, data: Path, tmp_path: Path) -> None:
+    """The clip with an audio caption and speech trains on `caption <S>speech<E> <AUDCAP>audio<ENDAUDCAP>` (the
+    release's order: speech inside the video caption, the sound last), which the text stage encodes; the clip without
+    keeps its plain caption, keyed as before."""
+    config = config_at(tmp_path, tiny, data, train_audio=True)
+    family, model, store = get_family(config), model_source(config), Store(config.cache_dir)
+    build_clips(config, family, model, store)
+    captions = {c.source: c.captions for c in read_clips(store)}
+    assert captions == {"dog.mp4": (COMPOSED,), "cat.mp4": ("a cat sleeps",)}
+    encode_texts(config, family, model, store)
+    texts = {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}
+    assert COMPOSED in texts and CAPTION not in texts
+    # the plain caption's key is the one it always had (no audio caption: nothing changes)
+    assert "a cat sleeps" in texts
+
+
+def test_metadata_columns_compose_alike(tiny: Path, tmp_path: Path) -> None:
+    data = tmp_path / "meta"
+    data.mkdir()
+    write_h264(data / "dog.mp4", num_frames=FRAMES, width=64, height=64)
+    (data / "meta.jsonl").write_text(json.dumps({"file_name": "dog.mp4", "caption": CAPTION, "audio_caption": AUDIO,
+                                                 "speech": [SPEECH]}) + "\n")
+    values = demo_dict(tiny, data, tmp_path, model_family="kandinsky6")
+    values.pop("model_flavour")
+    values["datasets"][0].update(caption_strategy="metadata", metadata_file="meta.jsonl")
+    config = load_config(write_config(tmp_path / "meta.yaml", values))
+    build_clips(config, get_family(config), model_source(config), Store(config.cache_dir))
+    assert [c.captions for c in read_clips(Store(config.cache_dir))] == [(COMPOSED,)]
+
+
+def test_other_families_read_no_sound_captions(tiny: Path, data: Path, tmp_path: Path) -> None:
+    """Kandinsky 5 reads neither file: its captions stay plain and the two files are listed as not used."""
+    config = config_at(tmp_path, tiny, data, family="kandinsky5-video")
+    store = Store(config.cache_dir)
+    plan = plan_family(config)
+    build_clips(config, plan, config.pretrained_model_name_or_path, store)
+    assert {c.source: c.captions for c in read_clips(store)}["dog.mp4"] == (CAPTION,)
+    unused = {Path(q["file"]).name: q["reason"] for q in store.read_manifest("quarantine")}
+    assert unused == {"dog.audio.txt": "not_used", "dog.speech.txt": "not_used"}
+
+
+def test_a_videos_own_caption_is_not_anothers_sound(tiny: Path, tmp_path: Path) -> None:
+    """`x.audio.txt` beside a video `x.audio.mp4` is that video's caption: the video `x.mp4` beside both is refused
+    (ambiguous), never given another file's caption as its sound."""
+    data = tmp_path / "twins"
+    data.mkdir()
+    for name in ("x", "x.audio"):
+        write_h264(data / f"{name}.mp4", num_frames=FRAMES, width=64, height=64)
+        (data / f"{name}.txt").write_text(f"caption of {name}\n")
+    (data / "x.audio.txt").write_text("the caption of x.audio.mp4\n")
+    config = config_at(tmp_path / "run", tiny, data)
+    store = Store(config.cache_dir)
+    build_clips(config, get_family(config), model_source(config), store)
+    assert {c.source: c.captions for c in read_clips(store)} == {"x.audio.mp4": ("the caption of x.audio.mp4",)}
+    assert [(Path(q["file"]).name, q["reason"]) for q in store.read_manifest("quarantine")] == [
+        ("x.mp4", "ambiguous_caption")]
+
+
+def test_check_shows_the_composed_text_and_counts_clips_without_audio_caption(
+        tiny: Path, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = config_at(tmp_path, tiny, data, train_audio=True)
+    assert main(["check", "--no-estimates", str(tmp_path / "config.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert f"one clip's text as the text encoder gets it: {COMPOSED!r}" in out
+    assert "train_audio: 1 of 2 clip(s) have no audio caption" in out
+    assert config.train_audio
+
+
+def test_the_validation_prompt_takes_the_same_form(tiny: Path, data: Path, tmp_path: Path) -> None:
+    config = config_at(tmp_path, tiny, data, validation_prompt=CAPTION, validation_audio_prompt=AUDIO)
+    assert config.validation_prompts["validation"] == f"{CAPTION} <AUDCAP>{AUDIO}<ENDAUDCAP>"
+    with pytest.raises(ConfigError, match="validation_audio_prompt"):
+        config_at(tmp_path / "k5", tiny, data, family="kandinsky5-video", validation_audio_prompt=AUDIO)
+
+
+def test_text_keys_of_plain_captions_are_unchanged(tiny: Path, data: Path, tmp_path: Path) -> None:
+    """A caption without an audio caption is the text it was: its key is `text_key` of that text."""
+    config = config_at(tmp_path, tiny, data)
+    family, model, store = get_family(config), model_source(config), Store(config.cache_dir)
+    build_clips(config, family, model, store)
+    encode_texts(config, family, model, store)
+    rows = {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}
+    encoders = json.loads(store.get("text_embeds", [rows["a cat sleeps"]])[rows["a cat sleeps"]]["encoders"])
+    keys = {text_key("a cat sleeps", keyed, encoders) for keyed in (family, family.text_twin)}
+    assert rows["a cat sleeps"] in keys
