@@ -114,7 +114,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         False, run_key="when_set", description="train the sound with the picture (a flavour with an audio VAE: "
         "Kandinsky 6): each clip's audio over its own time span, encoded by the checkpoint's audio VAE (the "
         "`audio_latents` stage), denoised with its picture at one noise level, the LoRA on both streams and the "
-        "attentions between them; false: the picture alone, no audio read")
+        "attentions between them; false: the picture alone, no audio read. Kandinsky 6's π-Flow distilled flavours "
+        "always train it (default true there; false is refused: the original samples them with both streams only)")
     clips_without_audio: Literal["video_only", "leave_out"] = setting(
         "video_only", run_key="when_set", description="with `train_audio`: a clip without usable sound (no track, a "
         "track that starts late or ends early, a source rate that would put it out of sync, a track that does not "

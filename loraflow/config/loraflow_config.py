@@ -19,7 +19,7 @@ from loraflow.config.dataset import DatasetConfig, is_mask_dataset
 from loraflow.config.errors import ConfigError, describe
 from loraflow.config.fields import ConfigFields
 from loraflow.config.validation_adapters import ValidationAdapter, check_adapters
-from loraflow.pipelines import family_flavour, family_spec
+from loraflow.pipelines import family_flavour, family_spec, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
@@ -39,6 +39,17 @@ class LoraflowConfig(ConfigFields):
         if isinstance(data, dict) and "fp32_modules_storage" not in data and \
                 data.get("base_model_precision", "no_change") != "no_change":
             return {**data, "fp32_modules_storage": "bf16"}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sound_of_distilled(cls, data: Any) -> Any:
+        """`train_audio` left out is true for a flavour that never runs its picture without its sound
+        (`Flavour.sound_required`: Kandinsky 6's π-Flow checkpoints); an explicit false is refused below."""
+        if isinstance(data, dict) and "train_audio" not in data:
+            flavour = known_flavour(data.get("model_family"), data.get("model_flavour"))
+            if flavour is not None and flavour.sound_required:
+                return {**data, "train_audio": True}
         return data
 
     @model_validator(mode="after")
@@ -136,6 +147,8 @@ class LoraflowConfig(ConfigFields):
             raise ValueError(f"`kandinsky5_prompt_template: {self.kandinsky5_prompt_template}`: flavour "
                              f"'{flavour.name}' encodes with its own template only (the Kandinsky 5 Video and t2i "
                              "flavours offer the diffusers one): remove it")
+        if flavour.sound_required and not self.train_audio:
+            raise ValueError(f"`train_audio: false`: flavour '{flavour.name}' {flavour.sound_required}")
         if self.train_audio and "audio_vae" not in flavour.components:
             raise ValueError(f"`train_audio`: flavour '{flavour.name}' has no audio VAE and generates no sound (a "
                              "Kandinsky 6 flavour does): remove it")

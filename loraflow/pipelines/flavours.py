@@ -74,6 +74,9 @@ class Flavour:
     # SD and HD attention): applied where the transformer loads, for training and renders, and where planning and
     # estimates read its config (`configured`)
     transformer_config: tuple[tuple[str, Any], ...] = ()
+    # Why this flavour never trains or renders its picture without its sound ("": it may), for `train_audio: false`'s
+    # refusal: Kandinsky 6's π-Flow distilled checkpoints, whose original sampler runs both streams or nothing
+    sound_required: str = ""
     # (field, citation) for each number above: loraflow/pipelines/citations.py
     sources: tuple[tuple[str, str], ...] = ()
     # component -> the classes its model_index.json entry may name, "library.Class" (`sources.component_problems`):

@@ -146,3 +146,27 @@ def test_text_keys_of_plain_captions_are_unchanged(tiny: Path, data: Path, tmp_p
     encoders = json.loads(store.get("text_embeds", [rows["a cat sleeps"]])[rows["a cat sleeps"]]["encoders"])
     keys = {text_key("a cat sleeps", keyed, encoders) for keyed in (family, family.text_twin)}
     assert rows["a cat sleeps"] in keys
+
+
+@pytest.mark.parametrize("flavour", ["lite-distill-t2v", "pro-distill-i2v"])
+def test_a_distilled_flavour_without_its_sound_is_refused(flavour: str, tmp_path: Path) -> None:
+    """`train_audio: false` on a π-Flow flavour is refused naming the original sampler's rule and the checkpoints
+    to fine-tune instead; left out, it is true (the release's)."""
+    from loraflow.config import parse_config
+
+    base = {"model_family": "kandinsky6", "model_flavour": flavour, "pretrained_model_name_or_path": "m",
+            "datasets": [{"id": "d", "instance_data_dir": str(tmp_path)}]}
+    with pytest.raises(ConfigError) as refused:
+        parse_config({**base, "train_audio": False})
+    message = str(refused.value)
+    size, task = flavour.split("-")[0], flavour.split("-")[-1]
+    assert "base-model PiFlow requires both video and audio latents" in message
+    assert "piflow.enabled requires sample_audio=True" in message
+    assert f"'{size}-{task}'" in message and f"'{size}-pretrain-{task}'" in message
+    assert parse_config(base).train_audio
+    assert not parse_config({**base, "model_flavour": f"{size}-{task}"}).train_audio  # sft: the picture alone
+
+
+def test_the_distilled_example_trains_its_sound() -> None:
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "kandinsky6_distill_i2v.yaml")
+    assert config.train_audio and config.clips_without_audio == "leave_out"

@@ -93,7 +93,17 @@ def _flavour(task: str, size: str, stage: str) -> Flavour:
     classes = {**CLASSES, "scheduler": SCHEDULERS["piflow" if distilled else "flow"]}
     return Flavour(name(task, size, stage), task, 24.0, 121, (512, 768), 5.0, guidance, PARTS,
                    repo=repo(size, stage), steps=steps, text_tokens=TEXT_TOKENS, sources=tuple(sources.items()),
-                   classes=classes)
+                   classes=classes, sound_required=_sound_required(task, size) if distilled else "")
+
+
+def _sound_required(task: str, size: str) -> str:
+    """Why a π-Flow distilled flavour trains and renders its sound always, and what to fine-tune for video alone."""
+    others = " or ".join(f"'{name(task, size, stage)}' ({repo(size, stage)})" for stage in ("sft", "pretrain"))
+    return (f"is π-Flow distilled, which the original samples with both streams or not at all (KozlovKY/kandinsky-6"
+            f"@60c4ff6 kandinsky/core/algo/piflow_sampler.py:70 \"base-model PiFlow requires both video and audio "
+            f"latents\"; kandinsky/pipeline/pipeline.py Kandinsky6Pipeline.__call__: \"piflow.enabled requires "
+            f"sample_audio=True\"): set train_audio: true (its renders then carry the sound), or fine-tune {others} "
+            f"for the picture alone")
 
 
 def compose_prompt(caption: str, audio_caption: str, speech: tuple[str, ...] = ()) -> str:
