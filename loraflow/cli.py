@@ -230,6 +230,19 @@ SMALLER = {"latents": " (smaller buckets: `resolution` of the dataset)",
                          "`validation_resolution`, `validation_num_video_frames`)"}
 
 
+def released_problems(config: LoraflowConfig, family: FamilyPlan) -> list[str]:
+    """What the flavour cannot run in the released checkpoint's transformer config, before it is downloaded (the
+    flavour's own repository only: another's config is unknown until it is on disk)."""
+    from loraflow.pipelines.released import FLAVOURS, released_config
+    from loraflow.pipelines.sources import transformer_problem
+
+    flavour = family.flavour
+    if flavour.name not in FLAVOURS or config.pretrained_model_name_or_path != flavour.repo:
+        return []
+    problem = transformer_problem(released_config(flavour.name, "transformer"), flavour)
+    return [f"{flavour.repo} (released config, loraflow/pipelines/released/): {problem}"] if problem else []
+
+
 def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str], ModelSource | None,
                                                                           LatentGeometry | None]:
     """Print a table of the model's components (where, cached or not, size, what a run downloads) and return the
@@ -240,8 +253,8 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
 
     try:
         statuses = component_status(config)
-    except FileNotFoundError as exc:
-        return [str(exc)], None, None
+    except FileNotFoundError as exc:  # offline, not in the cache: what the released config says, too
+        return [str(exc), *released_problems(config, family)], None, None
     print(f"\nmodel {config.pretrained_model_name_or_path}" + (f" @ {config.revision}" if config.revision else ""))
     print(table([(s.component, s.state, human_bytes(s.size), s.where) for s in statuses],
                 ("component", "state", "size", "from")))
@@ -249,14 +262,14 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
     if fetched:  # nothing wrong: the first stage that needs the model downloads it
         print(f"  a run downloads {human_bytes(fetched)} into the Hugging Face cache (configs, tokenizers, "
               "safetensors)")
-        return [], None, None
+        return released_problems(config, family), None, None
     try:
         source = model_source(config, download=False)
         check_layout(source, family.flavour)  # components there, of the classes the flavour loads, readable
     except ModelRefused as exc:
         return exc.problems, None, None
-    except FileNotFoundError as exc:
-        return [str(exc)], None, None
+    except FileNotFoundError as exc:  # not on disk: what the released config says, too
+        return [str(exc), *released_problems(config, family)], None, None
     return [], source, latent_geometry(source, family)
 
 

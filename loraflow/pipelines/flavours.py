@@ -77,6 +77,10 @@ class Flavour:
     # Why this flavour never trains or renders its picture without its sound ("": it may), for `train_audio: false`'s
     # refusal: Kandinsky 6's π-Flow distilled checkpoints, whose original sampler runs both streams or nothing
     sound_required: str = ""
+    # A checkpoint's transformer config -> why this flavour cannot run it ("" it can), asked where its config.json
+    # is read before anything loads (`sources.check_layout`, `loraflow check`): Kandinsky 6 i2v needs the I2VA token
+    # types. None: any config of the right class runs.
+    transformer_problem: Callable[[Mapping[str, Any]], str] | None = field(default=None, hash=False, compare=False)
     # (field, citation) for each number above: loraflow/pipelines/citations.py
     sources: tuple[tuple[str, str], ...] = ()
     # component -> the classes its model_index.json entry may name, "library.Class" (`sources.component_problems`):

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,45 @@ def test_a_distilled_flavour_without_its_sound_is_refused(flavour: str, tmp_path
 def test_the_distilled_example_trains_its_sound() -> None:
     config = load_config(Path(__file__).resolve().parents[2] / "configs" / "kandinsky6_distill_i2v.yaml")
     assert config.train_audio and config.clips_without_audio == "leave_out"
+
+
+def test_i2v_on_a_transformer_without_the_i2va_token_types_is_refused_before_any_stage(
+        tiny: Path, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Kandinsky 6 checkpoint whose transformer has visual_token_type_num_embeddings 0 (the released T2VA Lite):
+    `check` refuses i2v on it, naming the flavour to use, and so does the first stage (`model_source`, which every
+    stage calls before it loads anything); t2v on it is fine. Before: the first i2v step raised ValueError in the
+    transformer."""
+    from loraflow.pipelines.sources import ModelRefused
+
+    model = tmp_path / "t2va-lite"
+    shutil.copytree(tiny, model)
+    config_file = model / "transformer" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "visual_token_type_num_embeddings": 0}))
+    config = config_at(tmp_path / "i2v", model, data, model_flavour="lite-i2v")
+    assert main(["check", "--no-estimates", str(tmp_path / "i2v" / "config.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "visual_token_type_num_embeddings 0" in err and "Use flavour 'lite-t2v'" in err
+    with pytest.raises(ModelRefused, match="I2VA token types"):
+        model_source(config)
+    config_at(tmp_path / "t2v", model, data, model_flavour="lite-t2v")
+    assert main(["check", "--no-estimates", str(tmp_path / "t2v" / "config.yaml")]) == 0
+
+
+@pytest.mark.parametrize(("flavour", "refused"), [("lite-i2v", True), ("lite-pretrain-i2v", True),
+                                                  ("lite-distill-i2v", False), ("pro-i2v", False)])
+def test_check_reads_the_released_lite_as_the_release_ships_it(
+        flavour: str, refused: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not downloaded, `check` judges the flavour's own repository by its released config: the T2VA Lite (sft and
+    pretrain) has no I2VA token types (released/k6-lite.transformer.json cites the release)."""
+    from loraflow.pipelines import family_flavour
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "clips").mkdir()
+    config = write_config(tmp_path / "k6.yaml", {
+        "model_family": "kandinsky6", "model_flavour": flavour, "train_audio": True,
+        "pretrained_model_name_or_path": family_flavour("kandinsky6", flavour).repo,
+        "datasets": [{"id": "clips", "instance_data_dir": str(tmp_path / "clips")}]})
+    main(["check", "--no-estimates", str(config)])
+    assert ("visual_token_type_num_embeddings 0" in capsys.readouterr().err) == refused

@@ -20,6 +20,10 @@ as t2v (`i2v_prob`). The original's other schemes ("pretrain": the image in the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
 from loraflow.pipelines.citations import cite
 from loraflow.pipelines.flavours import CLIP_TOKENIZERS, QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
 
@@ -93,7 +97,23 @@ def _flavour(task: str, size: str, stage: str) -> Flavour:
     classes = {**CLASSES, "scheduler": SCHEDULERS["piflow" if distilled else "flow"]}
     return Flavour(name(task, size, stage), task, 24.0, 121, (512, 768), 5.0, guidance, PARTS,
                    repo=repo(size, stage), steps=steps, text_tokens=TEXT_TOKENS, sources=tuple(sources.items()),
-                   classes=classes, sound_required=_sound_required(task, size) if distilled else "")
+                   classes=classes, sound_required=_sound_required(task, size) if distilled else "",
+                   transformer_problem=partial(_i2v_token_types, name(task, size, stage)) if task == "i2v" else None)
+
+
+def _i2v_token_types(flavour: str, transformer_config: Mapping[str, Any]) -> str:
+    """i2v marks the image's tail frame as visual token type 1 (diffusers 0.42.1 pipeline_kandinsky6_ti2va.py
+    `visual_token_type_ids`), which a transformer without the token-type embedding refuses at its first call
+    (transformer_kandinsky6.py:782-783: "`visual_token_type_ids` requires `visual_token_type_num_embeddings > 0`")."""
+    count = int(transformer_config.get("visual_token_type_num_embeddings") or 0)
+    if count >= 2:
+        return ""
+    t2v = flavour.removesuffix("-i2v") + "-t2v"
+    return (f"flavour '{flavour}' conditions on the image as visual token type 1, but this transformer's config.json "
+            f"has visual_token_type_num_embeddings {count}: a text-to-video checkpoint without the I2VA token types "
+            "(kandinskylab/kandinsky-6@8195e72 comfyui/kandinsky6/register.py:29-30: \"The T2VA Lite ships without the "
+            f"I2VA token types\"). Use flavour '{t2v}' with this checkpoint, or an image-to-video checkpoint with them "
+            "(pro-i2v, pro-distill-i2v, lite-distill-i2v: 2 in their released configs)")
 
 
 def _sound_required(task: str, size: str) -> str:
