@@ -137,6 +137,7 @@ def check(config_path: str, estimate: bool = True) -> int:
               f"{d.max_caption_chars} characters each (max_caption_chars)")
     if plan.clips:
         print(f"  one clip's text as the text encoder gets it: {plan.example_caption!r}")
+    print_shifts(config, family, source)
     if config.train_audio and family.spec.compose_prompt is not None and plan.without_audio_caption:
         print(f"\nwarning: train_audio: {plan.without_audio_caption} of {plan.clips} clip(s) have no audio caption "
               "(NAME.audio.txt beside the file; the `audio_caption` column of a metadata_file): they train their "
@@ -153,6 +154,18 @@ def check(config_path: str, estimate: bool = True) -> int:
         print("\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
     return 0
+
+
+def print_shifts(config: LoraflowConfig, family: FamilyPlan, source: ModelSource | None) -> None:
+    """The sigma shift training draws with and the one renders sample with, each with its source; a warning when
+    they differ (`contracts.shifts`: one rule for every family)."""
+    from loraflow.contracts.shifts import render_shift, shifts_warning, training_shift
+
+    training, render = training_shift(config, family.flavour, source), render_shift(config, family.flavour, source)
+    shown = "per batch" if training.value is None else f"{training.value:g}"
+    print(f"\nsigma shift: training {shown} ({training.source}); renders {render.value:g} ({render.source})")
+    if warning := shifts_warning(training, render):
+        print(f"warning: {warning}")
 
 
 def print_estimates(config: LoraflowConfig, plan: FamilyPlan, source: ModelSource | None, buckets: list) -> None:

@@ -68,6 +68,9 @@ class Flavour:
     # The sigma shift training draws with when `flow_schedule_shift` is unset (`training.batches.step_draws`); left
     # out, the render shift. Two numbers: a guide's training default and a release's render shift differ.
     training_shift: float | None = None
+    # Training's default shift is the checkpoint's scheduler config (its render shift), this flavour's recipe, with
+    # `training_shift` the fallback before the checkpoint is on disk (`contracts.shifts.training_shift`)
+    training_shift_from_checkpoint: bool = False
     # Caption tokens the first text encoder keeps after the template (the family's `max_text_tokens`)
     text_tokens: int = 512
     # Transformer config keys this flavour sets over its checkpoint's (a mode of the same weights: Kandinsky 5 Pro's

@@ -213,3 +213,53 @@ def test_check_reads_the_released_lite_as_the_release_ships_it(
         "datasets": [{"id": "clips", "instance_data_dir": str(tmp_path / "clips")}]})
     main(["check", "--no-estimates", str(config)])
     assert ("visual_token_type_num_embeddings 0" in capsys.readouterr().err) == refused
+
+
+def test_a_checkpoint_whose_scheduler_says_10_trains_and_renders_at_10(
+        tiny: Path, data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Kandinsky 6's recipe trains at its render shift: a checkpoint whose scheduler config says 10 (the original
+    sampler's default scheduler_scale) trains at 10 (`at_training_shift`, what `train_lora` draws with) and renders at
+    10; `check` prints both with their source, and warns, naming both, when a config makes them differ. Before:
+    training drew at the flavour's 5.0 whatever the checkpoint said."""
+    from dataclasses import replace
+
+    from loraflow.training.batches import step_draws
+    from loraflow.training.loop import at_training_shift
+    from loraflow.validation.validate import render_settings
+
+    model = tmp_path / "shift-10"
+    shutil.copytree(tiny, model)
+    scheduler = model / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "shift": 10.0}))
+    config = config_at(tmp_path / "run", model, data)
+    family, source = get_family(config), model_source(config)
+    trained = at_training_shift(config, family, source)
+    assert trained.flavour.training_shift == 10.0
+    assert render_settings(config, family, source).flow_shift == 10.0
+    shape = (1, 16, 5, 4, 4)
+    at = {shift: step_draws(config, replace(family, flavour=replace(family.flavour, training_shift=shift)), 0, shape)
+          for shift in (5.0, 10.0)}
+    drawn = step_draws(config, trained, 0, shape).sigma
+    assert drawn.equal(at[10.0].sigma) and not drawn.equal(at[5.0].sigma)
+    assert main(["check", "--no-estimates", str(tmp_path / "run" / "config.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "sigma shift: training 10 (the checkpoint's scheduler/scheduler_config.json" in out
+    assert "renders 10 (the checkpoint's scheduler/scheduler_config.json)" in out and "warning: training" not in out
+    config_at(tmp_path / "apart", model, data, validation_flow_shift=3.0)
+    assert main(["check", "--no-estimates", str(tmp_path / "apart" / "config.yaml")]) == 0
+    assert ("warning: training draws sigmas at shift 10 (the checkpoint's scheduler/scheduler_config.json (flavour "
+            "'lite-t2v' trains at its render shift)), renders sample at shift 3 (validation_flow_shift)"
+            ) in capsys.readouterr().out
+
+
+def test_validation_renders_at_the_releases_size_by_default(tiny: Path, data: Path, tmp_path: Path) -> None:
+    """Left out, validation renders 864x480 x 121 frames at 24 fps, the release's (spec.py cites the preset)."""
+    from loraflow.validation.validate import render_settings
+
+    values = demo_dict(tiny, data, tmp_path, model_family="kandinsky6")
+    for key in ("model_flavour", "validation_resolution", "validation_num_video_frames"):
+        values.pop(key)
+    config = load_config(write_config(tmp_path / "default.yaml", values))
+    settings = render_settings(config, get_family(config), model_source(config))
+    assert (settings.width, settings.height, settings.num_frames) == (864, 480, 121)
+    assert config.flavour.fps == 24.0

@@ -56,8 +56,12 @@ SOURCES = {
                                     "pipeline/pipeline.py Kandinsky6Pipeline fps=24.0)"),
     "num_frames": cite("diffusers 0.42.1", "pipeline_kandinsky6_ti2va.py __call__ num_frames=121: 5 s at 24 fps and "
                                            "the first frame (kandinsky-6 README.md: 5-second clips)"),
-    "size": cite("diffusers 0.42.1", "pipeline_kandinsky6_ti2va.py __call__ height=512, width=768 (the kandinsky-6 "
-                                     "fork's pipeline/config.py GenerationConfig height 512, width 768)"),
+    "size": cite("kandinsky-6", "comfyui/kandinsky6/register.py:11-13 @8195e72: Lite's sizes are those of the "
+                                "original's preset k6_lite_121_480_864 (121 frames, 480x864), the release's render "
+                                "size in every example (the model card's \"native 480x864\", as issue 58 quotes it); "
+                                "diffusers 0.42.1 pipeline_kandinsky6_ti2va.py:651-652 __call__ height=512, "
+                                "width=768 and the fork's pipeline/config.py:125-126 GenerationConfig are code "
+                                "defaults no example uses"),
     "text_tokens": cite("kandinsky-6", "comfyui/kandinsky6/nodes.py _tokenize_k6: \"Canonical K6 admits at most 1024 "
                                        "caption tokens after its 129-token prompt prefix\" (diffusers 0.42.1 "
                                        "__call__ max_sequence_length=1024; the fork's TextEmbedderConfig max_length "
@@ -65,8 +69,11 @@ SOURCES = {
     "conditioning_frames": cite("diffusers 0.42.1", "pipeline_kandinsky6_ti2va.py __call__ step 6: the image is an "
                                                     "appended tail frame (`tail_cond`); every generated latent frame "
                                                     "is noised and stepped"),
-    "training_shift": cite("loraflow", "the render shift: no release states a training shift (the original "
-                                       "repository ships no trainer)"),
+    "training_shift": cite("loraflow", "the render shift, the checkpoint's scheduler_config.json once on disk "
+                                       "(training_shift_from_checkpoint): no release states a training shift (the "
+                                       "original repository ships no trainer; KozlovKY/kandinsky-6@60c4ff6 "
+                                       "kandinsky/pipeline/config.py:131 GenerationConfig scheduler_scale 10.0 is "
+                                       "its sampler's default, which a checkpoint's scheduler config overrides)"),
 }
 
 
@@ -95,9 +102,10 @@ def _flavour(task: str, size: str, stage: str) -> Flavour:
                       f"{_TABLE}: {steps} steps"),
     }
     classes = {**CLASSES, "scheduler": SCHEDULERS["piflow" if distilled else "flow"]}
-    return Flavour(name(task, size, stage), task, 24.0, 121, (512, 768), 5.0, guidance, PARTS,
+    return Flavour(name(task, size, stage), task, 24.0, 121, (480, 864), 5.0, guidance, PARTS,
                    repo=repo(size, stage), steps=steps, text_tokens=TEXT_TOKENS, sources=tuple(sources.items()),
-                   classes=classes, sound_required=_sound_required(task, size) if distilled else "",
+                   classes=classes, training_shift_from_checkpoint=True,
+                   sound_required=_sound_required(task, size) if distilled else "",
                    transformer_problem=partial(_i2v_token_types, name(task, size, stage)) if task == "i2v" else None)
 
 
