@@ -120,7 +120,8 @@ def audio_latents(context: AssetExecutionContext, loraflow: LoraflowResource) ->
         data_version=DataVersion(report.data_version),
         metadata={"dataset": dataset, **md.counts(report), "device": report.device,
                   "without_audio": len(report.quarantined), "clips_without_audio": config.clips_without_audio,
-                  "reasons": md.md_table(report.quarantined)},
+                  "reasons": md.md_table(report.quarantined), "clipped": len(report.clipped),
+                  "clipped_sound": md.md_table(report.clipped)},
     )
 
 

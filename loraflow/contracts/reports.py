@@ -104,6 +104,7 @@ class NoAudio:
 @dataclass(frozen=True, kw_only=True)
 class AudioLatentsReport(StageReport):
     quarantined: tuple[NoAudio, ...] = ()  # the clips without sound: they train video-only or not (the config says)
+    clipped: tuple[NoAudio, ...] = ()  # clips with a latent whose sound was over full scale and clipped (`detail`)
     device: str
 
 
