@@ -288,3 +288,22 @@ def test_an_audio_latent_that_is_not_finite_is_refused_and_the_others_stored(
     assert good.status == OK
     expected = s16(tone(1.2, RATE, 440, amplitude=0.1)[:SAMPLES])
     np.testing.assert_array_equal(stored_latent(store, good), encoded(audio_model, expected))
+
+
+def test_a_dataset_taken_out_of_the_config_leaves_no_audio_rows(
+        tiny_k5: Path, audio_model: Path, tmp_path: Path) -> None:
+    """Two datasets with sound, then a config without the second: the next clips run drops its audio_latents manifest
+    part with its clips and latents parts, so training reads no audio row of it (its shards stay for `store.clean`)."""
+    folders = []
+    for name in ("kept", "gone"):
+        folder = tmp_path / name
+        folder.mkdir()
+        write_with_sound(folder / f"{name}.mov", FRAMES, tone(1.2, RATE, 440)[None], RATE)
+        (folder / f"{name}.txt").write_text("a sound\n")
+        folders.append({"instance_data_dir": str(folder), "video": {"num_frames": FRAMES}})
+    both = clips_config(tiny_k5, tmp_path, folders)
+    _, store = run_clips(both)
+    A.encode_audio(both, audio_model, store)
+    assert {r.dataset for r in read_audio_rows(store).values()} == {"d0", "d1"}
+    run_clips(clips_config(tiny_k5, tmp_path, folders[:1]))
+    assert {r.dataset for r in read_audio_rows(store).values()} == {"d0"}
