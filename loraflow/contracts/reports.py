@@ -70,6 +70,7 @@ class BadLatent:
     clip_key: str
     dataset: str
     reason: str
+    detail: str = ""  # the clip, what was not finite, and the precision to try
 
 
 @dataclass(frozen=True)

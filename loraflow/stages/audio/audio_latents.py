@@ -58,7 +58,13 @@ from loraflow.kernels.devices import free_models, pick_device
 from loraflow.keys import content_key, data_version
 from loraflow.media.frames import decode_audio, probe
 from loraflow.media.types import ClipAudio, MediaError, Probe
-from loraflow.pipelines.base import component_fingerprint, load_component, scaled_posterior
+from loraflow.pipelines.base import (
+    component_fingerprint,
+    load_component,
+    non_finite,
+    non_finite_detail,
+    scaled_posterior,
+)
 from loraflow.pipelines.sources import ModelSource, as_source
 from loraflow.store import Store
 
@@ -185,12 +191,10 @@ def _row(planned: PlannedAudio, vae: torch.nn.Module, device: torch.device) -> d
     if tuple(latent.shape[1:]) != (length,):
         raise RuntimeError(f"{clip.source}: audio latent {tuple(latent.shape)}, expected {length} frames: a loraflow "
                            "bug")
-    if not torch.isfinite(latent).all():
-        return {**row, "status": "non_finite_latent", "detail": (
-            f"{clip.source} (clip {clip.key}, frames {clip.indices[0]}-{clip.indices[-1]}): the audio VAE, in "
-            f"{str(next(vae.parameters()).dtype).removeprefix('torch.')}, encoded its finite waveform (peak "
-            f"{sound.peak:.2f}) to {int((~torch.isfinite(latent)).sum())} non-finite values; not stored. It already "
-            "runs in float32, the widest precision: check the checkpoint's audio_vae weights")}
+    bad = non_finite({"audio_latent": latent})
+    if bad:
+        what = f"{clip.source} (clip {clip.key}, frames {clip.indices[0]}-{clip.indices[-1]}, peak {sound.peak:.2f})"
+        return {**row, "status": "non_finite_latent", "detail": non_finite_detail(what, COMPONENT, vae.dtype, bad)}
     detail = ""
     if sound.clipped_s:
         detail = (f"clipped: its sound peaks at {sound.peak:.2f}, over full scale (1.0), for {sound.clipped_s:.2f} s "
