@@ -99,7 +99,8 @@ def _audio_stream(container: Any, path: Path, audio_stream: int | None) -> tuple
         raise MediaError("no_audio", f"{path}: `audio_stream: {audio_stream}` names no track: the file has "
                          f"{len(tracks)} audio track(s) (0-{len(tracks) - 1}); set the dataset's audio_stream to one "
                          "of them or leave it unset for FFmpeg's pick")
-    stream = tracks[audio_stream] if audio_stream is not None else container.streams.best("audio")
+    # best() is None only where FFmpeg has no decoder for any of them: the first one then says so when decoded
+    stream = tracks[audio_stream] if audio_stream is not None else container.streams.best("audio") or tracks[0]
     flags = [flag.name for flag in av.stream.Disposition if flag & stream.disposition]
     why = "audio_stream" if audio_stream is not None else "FFmpeg's pick"
     position = tracks.index(stream)
