@@ -28,6 +28,7 @@ from loraflow.assets import metadata as md
 from loraflow.assets.dataset_files import dataset_files
 from loraflow.assets.partitions import DATASETS
 from loraflow.assets.resources import LoraflowResource
+from loraflow.contracts.reports import ClipsReport
 
 # Declarative automation, for Dagster's `default_automation_condition_sensor` (off until switched on, like
 # dataset_watch): once upstream is new, text_embeds re-embeds (a dataset the sensor or `recache` re-cached) and
@@ -72,8 +73,20 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
             "quarantine": md.md_table(report.quarantined),
             "preview": md.md_image(clip_preview(store.only_parts([dataset])),
                                   "first frame of each clip (i2i: its source image below)"),
+            **_scene_metadata(report),
         },
     )
+
+
+def _scene_metadata(report: ClipsReport) -> dict[str, MetadataValue]:
+    """`video.scene_cuts: detect`: per file the scenes found and used, and the frames on both sides of each cut."""
+    from loraflow.media.previews import cut_strips
+
+    if not report.scenes:
+        return {}
+    return {"scenes": md.md_table([{"file": r.file, "scenes_found": r.scenes, "scenes_used": r.used,
+                                    "cuts_at_frames": ", ".join(map(str, r.cuts)) or "none"} for r in report.scenes]),
+            "scene_cuts": md.md_image(cut_strips(report.scenes), "the frames before and after each scene cut")}
 
 
 @asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",

@@ -57,6 +57,17 @@ class VideoSettings(StrictModel):
     frame_extraction: Literal["head", "chunk", "slide", "uniform", "full"] = setting("head", run_key="always")
     frame_stride: int = setting(1, run_key="always", ge=1, description="slide: start offset between clips, in frames")
     frame_sample: int = setting(1, run_key="always", ge=1, description="uniform: number of clips spread over the video")
+    # Long recordings (docs/footage.md). Unset, they leave every run its key.
+    scene_cuts: Literal["detect", "off"] = setting(
+        "off", run_key="when_set", description="detect: find hard cuts (PySceneDetect's content detector) and choose "
+        "clips inside scenes only, each scene as if it were a video of its own (frame_extraction, min_frames and "
+        "max_frames apply per scene); off: the whole file is one scene")
+    scene_threshold: float = setting(
+        27.0, run_key="when_set", gt=0, description="scene_cuts detect: the frame-to-frame change (mean HSV "
+        "difference, 0-255) that counts as a cut; PySceneDetect's `threshold`: lower finds more cuts")
+    min_scene_len: float = setting(
+        0.6, run_key="when_set", ge=0, description="scene_cuts detect: seconds a scene lasts at least; cuts closer "
+        "together are merged (a camera flash is no scene); PySceneDetect's `min_scene_len`")
 
     @field_validator("num_frames")
     @classmethod

@@ -36,6 +36,15 @@ class PairedImage:
 
 
 @dataclass(frozen=True)
+class ClipScene:
+    """Where a clip of a long recording sits (`video.scene_cuts: detect`): its scene and its span of the source."""
+
+    number: int  # the scene, from 1 (the caption file NAME.nnnn.txt of scene nnnn: captions.read_scene_captions)
+    start_s: float  # the clip's first frame, seconds after the file's first frame
+    end_s: float  # the end of its last frame (that frame's time and one frame of the source)
+
+
+@dataclass(frozen=True)
 class ClipRow:
     """One clip of a source file: which frames, at which bucket size and crop, with the file's captions."""
 
@@ -56,6 +65,7 @@ class ClipRow:
     source_version: str = ""
     condition: PairedImage | None = None
     mask: PairedImage | None = None
+    scene: ClipScene | None = None  # scene cuts on; off, the row has no scene columns (its manifest as it was)
 
     @property
     def condition_key(self) -> str:
@@ -75,6 +85,8 @@ class ClipRow:
             if image is not None:
                 row |= {column: image.key, f"{column}_path": image.path, f"{column}_resize": list(image.resize),
                         f"{column}_box": list(image.box)}
+        if self.scene is not None:
+            row |= {"scene": self.scene.number, "start_s": self.scene.start_s, "end_s": self.scene.end_s}
         return row
 
     @classmethod
@@ -82,11 +94,12 @@ class ClipRow:
         paired = {column: PairedImage(row[column], row[f"{column}_path"], tuple(row[f"{column}_resize"]),
                                       tuple(row[f"{column}_box"]))
                   for column in PAIRED_COLUMNS if row.get(column)}  # a clip without one has no such columns
+        scene = ClipScene(row["scene"], row["start_s"], row["end_s"]) if row.get("scene") is not None else None
         return cls(key=row["key"], dataset=row["dataset"], source=row["source"], path=row["path"],
                    bucket=row["bucket"], height=row["height"], width=row["width"], num_frames=row["num_frames"],
                    indices=tuple(row["indices"]), resize=tuple(row["resize"]), box=tuple(row["box"]),
                    captions=tuple(row["captions"]), repeats=row["repeats"],
-                   source_version=row.get("source_version") or "", **paired)
+                   source_version=row.get("source_version") or "", scene=scene, **paired)
 
 
 def read_clips(store: Store, parts: Iterable[str] | None = None) -> list[ClipRow]:

@@ -16,6 +16,9 @@ file too large to fit both is not read past that size). A caption holding a cont
 tabs and line ends are text) quarantines the file as `caption_control_chars`: such a file is seldom a caption (a NUL
 is mostly UTF-16 saved without its byte-order mark, or binary data), and stripping the characters would train on a
 guess, so the user is told to fix the file.
+With `video.scene_cuts: detect`, a scene may have its own caption file beside the video's, NAME.nnnn.txt for scene
+nnnn (from 1, four digits: `a.0003.txt` is the third scene of a.mp4); scenes without one take the file's captions
+(`read_scene_captions`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import itertools
 import json
 import re
 import stat
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -48,7 +52,41 @@ def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
         return _checked([path.stem.replace("_", " ").replace("-", " ").strip()], path.name, dataset)
     if dataset.caption_strategy == "metadata":
         return _metadata_captions(path, dataset)
-    caption_file = _caption_file(path)
+    return _textfile_captions(_caption_file(path), dataset)
+
+
+def read_scene_captions(path: Path, dataset: DatasetConfig, scenes: Iterable[int]) -> dict[int, tuple[str, ...]]:
+    """Captions of each of a file's `scenes` (numbers from 1; `video.scene_cuts: detect`). textfile: scene n's own
+    caption file NAME.nnnn.txt (n in four digits: `a.0003.txt` is scene 3 of a.mp4) where there is one, else the
+    file's NAME.txt, which is then needed (missing_caption names both); every other strategy: the file's captions,
+    for every scene. An own caption file is read under the rules of NAME.txt."""
+    shared: tuple[str, ...] | None = None
+    captions = {}
+    for number in scenes:
+        own = _caption_file(_scene_path(path, number), required=False) if dataset.caption_strategy == \
+            "textfile" else None
+        if own is not None:
+            captions[number] = tuple(_textfile_captions(own, dataset))
+            continue
+        if shared is None:
+            try:
+                shared = tuple(read_captions(path, dataset))
+            except MediaError as exc:
+                if exc.reason != "missing_caption" or dataset.caption_strategy != "textfile":
+                    raise
+                own_name = printable(_scene_path(path, number).with_suffix(".txt").name)
+                raise MediaError("missing_caption", f"{exc}, nor {own_name} for its scene {number} (video.scene_cuts "
+                                 "detect)") from None
+        captions[number] = shared
+    return captions
+
+
+def _scene_path(path: Path, number: int) -> Path:
+    """NAME.nnnn.EXT beside `path` (NAME.EXT): its scene `number` as a file, whose caption file is NAME.nnnn.txt."""
+    return path.with_name(f"{path.stem}.{number:04d}{path.suffix}")
+
+
+def _textfile_captions(caption_file: Path, dataset: DatasetConfig) -> list[str]:
     if problem := link_outside(caption_file, dataset):
         raise problem
     most = dataset.max_captions_per_file * (dataset.max_caption_chars + 2) * 4 + 4  # 4 bytes per character at most
@@ -66,8 +104,9 @@ def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
 _CAPTION_SUFFIXES = tuple("".join(letters) for letters in itertools.product(*zip(".txt", ".TXT")))
 
 
-def _caption_file(path: Path) -> Path:
-    """The caption file beside `path`: NAME.txt, the extension in any case; none, or two, quarantine the file."""
+def _caption_file(path: Path, required: bool = True) -> Path | None:
+    """The caption file beside `path`: NAME.txt, the extension in any case; two quarantine the file, and so does
+    none where `required` (else: None)."""
     found: dict[tuple[int, int], Path] = {}
     for suffix in _CAPTION_SUFFIXES:
         candidate = path.with_suffix(suffix)
@@ -77,6 +116,8 @@ def _caption_file(path: Path) -> Path:
             continue
         if stat.S_ISREG(info.st_mode):  # one file under two spellings (a case-insensitive disk) is one file
             found.setdefault((info.st_dev, info.st_ino), candidate)
+    if not found and not required:
+        return None
     if not found:
         raise MediaError("missing_caption", f"{printable(path.name)}: no caption file "
                          f"{printable(path.with_suffix('.txt').name)} (caption_strategy textfile)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +30,8 @@ from tqdm import tqdm
 
 from loraflow.config import DatasetConfig, LoraflowConfig, select_datasets
 from loraflow.config.dataset import DEFAULT_MAX_UPSCALE, is_mask_dataset
-from loraflow.contracts.clip_rows import ClipRow, DroppedFile, PairedImage, source_version
-from loraflow.contracts.reports import ClipsReport, DropReason
+from loraflow.contracts.clip_rows import ClipRow, ClipScene, DroppedFile, PairedImage, source_version
+from loraflow.contracts.reports import ClipsReport, DropReason, SceneRow
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.media.frames import ProbeCache, decode_frames
 from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
@@ -38,7 +39,7 @@ from loraflow.pipelines import bucket_multiple
 from loraflow.pipelines.sources import ModelSource
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
-from loraflow.stages.clips.captions import read_captions
+from loraflow.stages.clips.captions import read_captions, read_scene_captions
 from loraflow.stages.clips.dataset_folder import Listing, link_outside, list_folder, printable, read_or_quarantine
 from loraflow.store import Store
 
@@ -50,16 +51,24 @@ log = logging.getLogger(__name__)
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
 def plan_clips(
     path: Path, info: Probe, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
-    images_allowed: bool = False,
+    images_allowed: bool = False, cuts: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """The clips a source yields: frame indices, bucket size and crop, before any decoding.
 
     `images_allowed`: the dataset i2v validation renders from (`config.render_dataset_id`) may hold images.
+    `cuts`: the video's scene cuts (`video.scene_cuts: detect`, the first frame of each new scene): each clip then
+    lies inside one scene, whose number (from 1) its plan says; None: the file is one scene, the plans say none.
     """
     video = dataset.video
     is_image = info.is_image or dataset.dataset_type == "image"
     _check_aspect(path, info, dataset)
-    clips = [[0]] if is_image else _video_clips(path, info, dataset, video.frame_rate or family.flavour.fps)
+    fps = video.frame_rate or family.flavour.fps
+    if is_image:
+        clips: list[tuple[list[int], int | None]] = [([0], None if cuts is None else 1)]
+    elif cuts is None:
+        clips = [(indices, None) for indices in _video_clips(path, info, dataset, fps)]
+    else:
+        clips = _scene_clips(path, info, dataset, fps, cuts)
     height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, bucket_multiple(family, model),
                                         dataset.resolution_type, dataset.crop_aspect, dataset.crop_aspect_buckets)
     problem = family.size_problem(model, height, width)
@@ -68,24 +77,53 @@ def plan_clips(
                          f"dataset '{dataset.id}'")
     _check_source_size(path, info, dataset, (height, width))
     planned = []
-    for indices in clips:
+    for indices, scene in clips:
         if video.bucket_strategy == "resolution_frames" and len(indices) > 1:
             indices = indices[: buckets.frames_for_bucket(len(indices), video.frame_interval)]
-        planned.append({"indices": indices, "height": height, "width": width})
+        planned.append({"indices": indices, "height": height, "width": width, "scene": scene})
     _check_clip_lengths(path, {len(p["indices"]) for p in planned}, family, images_allowed, is_image)
     return planned
 
 
 def _video_clips(path: Path, info: Probe, dataset: DatasetConfig, target_fps: float | None) -> list[list[int]]:
     """A video's clips as source frame indices; a drop for its length names both rates and both frame counts."""
-    video = dataset.video
     timeline = buckets.resampled_indices(info.num_frames, info.fps, target_fps, info.frame_times)
     counts = f"{path.name}: {buckets.resampling_note(info.num_frames, info.fps, target_fps, len(timeline))}; "
+    return _timeline_clips(timeline, dataset, counts)
+
+
+def _scene_clips(path: Path, info: Probe, dataset: DatasetConfig, target_fps: float | None,
+                 cuts: Sequence[int]) -> list[tuple[list[int], int]]:
+    """The clips of each scene (numbered from 1), each scene taken as a video of its own; a scene too short or too
+    long for the dataset yields none, and a file none of whose scenes yields a clip is dropped, saying why for each."""
+    timeline = buckets.resampled_indices(info.num_frames, info.fps, target_fps, info.frame_times)
+    scenes = buckets.scene_timelines(timeline, cuts)
+    bounds = [0, *cuts, info.num_frames]
+    clips, skipped = [], []
+    for number, scene in enumerate(scenes, 1):
+        where = f"scene {number} (frames {bounds[number - 1]}-{bounds[number] - 1}): "
+        try:
+            clips += [(indices, number) for indices in _timeline_clips(scene, dataset, where)]
+        except MediaError as exc:
+            skipped.append(exc)
+    if not clips:
+        note = buckets.resampling_note(info.num_frames, info.fps, target_fps, len(timeline))
+        shown = "; ".join(str(exc) for exc in skipped[:3]) + ("; ..." if len(skipped) > 3 else "")
+        raise MediaError(skipped[0].reason, f"{path.name}: {note}; none of its {len(scenes)} scenes (video.scene_cuts "
+                         f"detect) yields a clip: {shown}")
+    return clips
+
+
+def _timeline_clips(timeline: list[int], dataset: DatasetConfig, counts: str) -> list[list[int]]:
+    """The clips of a (resampled) timeline under the dataset's clip mode; `counts` starts each drop's message."""
+    video = dataset.video
     if video.min_frames and len(timeline) < video.min_frames:
         raise MediaError("too_short", f"{counts}{len(timeline)} < min_frames {video.min_frames}")
     if video.max_frames and len(timeline) > video.max_frames and video.frame_extraction != "full":
         raise MediaError("too_long", f"{counts}{len(timeline)} > max_frames {video.max_frames}")
     try:
+        if not timeline:
+            raise buckets.TooShort
         return buckets.select_clips(timeline, video.num_frames, video.frame_extraction, video.max_frames,
                                     video.frame_stride, video.frame_sample)
     except buckets.TooShort:
@@ -151,12 +189,16 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFam
     """The file's clips; `sources`: the conditioning dataset holding its i2i source image or its loss mask."""
     check_name(path)
     identity = read_or_quarantine(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
-    captions = tuple(read_captions(path, dataset))
+    scenes_on = dataset.video.scene_cuts == "detect"
+    captions = None if scenes_on else tuple(read_captions(path, dataset))  # scenes: read once the scenes are known
     info = probes.probe(path, identity)
+    cuts = _cuts(path, identity, info, dataset, probes) if scenes_on else None
     source = _source_image(path, dataset, sources, probes) if sources else None
     column = "mask" if is_mask_dataset(sources) else "condition"
+    plans = plan_clips(path, info, dataset, family, model, images_allowed, cuts)
+    by_scene = read_scene_captions(path, dataset, sorted({p["scene"] for p in plans})) if scenes_on else {}
     rows = []
-    for plan in plan_clips(path, info, dataset, family, model, images_allowed):
+    for plan in plans:
         size = (plan["height"], plan["width"])
         paired = {column: source[0]} if source else {}  # t2v/t2i keys stay as they were
         key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style,
@@ -166,10 +208,31 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFam
             key=key, dataset=dataset.id, source=identity["path"], path=str(path),
             bucket=buckets.bucket_label(*size, len(plan["indices"])), height=size[0], width=size[1],
             num_frames=len(plan["indices"]), indices=tuple(plan["indices"]), resize=crop.resize, box=crop.box,
-            captions=captions, repeats=dataset.repeats, source_version=source_version(identity),
+            captions=by_scene[plan["scene"]] if scenes_on else captions, repeats=dataset.repeats,
+            source_version=source_version(identity),
+            scene=_clip_scene(plan["scene"], plan["indices"], info) if scenes_on else None,
             **({column: _paired_image(source, size, dataset.crop_style, key)} if source else {}),
         ))
     return rows
+
+
+def _cuts(path: Path, identity: dict[str, Any], info: Probe, dataset: DatasetConfig,
+          probes: ProbeCache) -> tuple[int, ...] | None:
+    """A video's scene cuts (cached with its probe); None for an image, which is one scene."""
+    if info.is_image or dataset.dataset_type == "image":
+        return None
+    return probes.scenes(path, identity, info, dataset.video.scene_threshold, dataset.video.min_scene_len)
+
+
+def _clip_scene(number: int, indices: Sequence[int], info: Probe) -> ClipScene:
+    """The clip's scene and its span of the source in seconds (a VFR file by its frame times)."""
+    if info.is_image:
+        return ClipScene(number, 0.0, 0.0)
+
+    def time(i: int) -> float:
+        return info.frame_times[i] if info.frame_times else i / info.fps
+
+    return ClipScene(number, round(time(indices[0]), 6), round(time(indices[-1]) + 1 / info.fps, 6))
 
 
 def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
@@ -310,7 +373,18 @@ def build_clips(
         buckets=tuple(tally_buckets([(r.dataset, r.height, r.width, r.num_frames) for r in manifest],
                                     _geometry(model, family))),
         dropped=dropped_table(quarantine),
+        scenes=scene_table(manifest, probes),
     )
+
+
+def scene_table(manifest: list[ClipRow], probes: ProbeCache) -> tuple[SceneRow, ...]:
+    """Per file with scene cuts on: the scenes its cut list says, and those yielding a clip."""
+    used: dict[tuple[str, str, str], set[int]] = {}
+    for row in manifest:
+        if row.scene is not None and row.path in probes.scene_lists:
+            used.setdefault((row.dataset, row.source, row.path), set()).add(row.scene.number)
+    return tuple(SceneRow(dataset, source, len(probes.scene_lists[path]) + 1, len(numbers),
+                          probes.scene_lists[path], path) for (dataset, source, path), numbers in used.items())
 
 
 def _plan_dataset(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource,
