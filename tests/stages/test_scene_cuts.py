@@ -12,12 +12,14 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 import loraflow.media.frames as frames
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.media.frames import ProbeCache
 from loraflow.stages.clips import buckets
+from tests.contracts.test_clip_rows import CLIP_COLUMNS, SCENE_COLUMNS
 from tests.factory import clips_config, run_clips
 from tests.media_factory import read_index, write_footage
 
@@ -45,7 +47,8 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_clips_lie_inside_scenes_on_both_sides_of_the_cut_and_the_fade_is_no_cut(
         tiny_k5: Path, tmp_path: Path, fresh_process: None) -> None:
     footage(tmp_path / "data")
-    report, store = run_clips(scene_config(tiny_k5, tmp_path, tmp_path / "data", scene_cuts="detect"))
+    config = scene_config(tiny_k5, tmp_path, tmp_path / "data", scene_cuts="detect")
+    report, store = run_clips(config)
     clips = read_clips(store)
     assert [(c.indices[0], c.indices[-1], c.scene.number) for c in clips] == [
         (0, 16, 1), (17, 33, 1),  # scene 1: frames 0-39, two chunks of 17
@@ -62,6 +65,8 @@ def test_clips_lie_inside_scenes_on_both_sides_of_the_cut_and_the_fade_is_no_cut
     assert [source_of(stored[c.key]["frames"][0]) for c in clips[:3]] == [BLUE, BLUE, YELLOW]
     (row,) = report.scenes
     assert (row.file, row.scenes, row.used, row.cuts) == ("long.mp4", 2, 2, (CUT,))
+    manifest = pq.read_schema(Path(config.cache_dir) / "clips" / "manifest" / "d0.parquet")
+    assert {f.name: str(f.type) for f in manifest} == {**CLIP_COLUMNS, **SCENE_COLUMNS}  # the columns, pinned
 
 
 def test_without_scene_cuts_a_chunk_spans_the_cut(tiny_k5: Path, tmp_path: Path, fresh_process: None) -> None:
@@ -209,3 +214,15 @@ def test_the_clips_asset_shows_the_scenes_and_the_cut(tiny_k5: Path, tmp_path: P
     png = base64.b64decode(meta["scene_cuts"].split("base64,", 1)[1].rstrip(")"))
     tiles = strip_tiles(np.asarray(Image.open(io.BytesIO(png)).convert("RGB")))
     assert [source_of(tile) for tile in tiles] == [BLUE] * CUT_FRAMES + [YELLOW] * CUT_FRAMES
+
+
+def test_a_caption_for_a_scene_the_file_lacks_is_reported_and_the_file_kept(tiny_k5: Path, tmp_path: Path,
+                                                                             fresh_process: None) -> None:
+    data = tmp_path / "data"
+    footage(data).with_suffix(".txt").write_text("a long recording\n", encoding="utf-8")
+    (data / "long.0003.txt").write_text("a third scene\n", encoding="utf-8")  # there are two
+    report, store = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data),
+                                                                "video": {"num_frames": 17, "scene_cuts": "detect"}}]))
+    (row,) = report.quarantined
+    assert (row.reason, Path(row.file).name) == ("not_used", "long.0003.txt") and "has 2 scenes" in row.detail
+    assert {c.scene.number for c in read_clips(store)} == {1, 2}

@@ -19,6 +19,7 @@ Masked loss pairs each file with its mask image the same way, into `mask*` colum
 
 from __future__ import annotations
 
+import glob
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -40,7 +41,14 @@ from loraflow.pipelines.sources import ModelSource
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.stages.clips.captions import read_captions, read_scene_captions
-from loraflow.stages.clips.dataset_folder import Listing, link_outside, list_folder, printable, read_or_quarantine
+from loraflow.stages.clips.dataset_folder import (
+    SCENE_CAPTION,
+    Listing,
+    link_outside,
+    list_folder,
+    printable,
+    read_or_quarantine,
+)
 from loraflow.store import Store
 
 if TYPE_CHECKING:  # planning needs the family's plain spec only (`plan_family`); base imports torch
@@ -181,7 +189,25 @@ def plan_files(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: 
                                    sources=config.source_images(dataset))
         except MediaError as exc:
             quarantine.append(dropped(dataset.id, path, exc))
+        quarantine += _unmatched_scene_captions(path, dataset, probes)
     return manifest, quarantine
+
+
+def _unmatched_scene_captions(path: Path, dataset: DatasetConfig, probes: ProbeCache) -> list[DroppedFile]:
+    """A `not_used` row for each scene caption file NAME.nnnn.txt beside `path` whose scene the cut list lacks."""
+    cuts = probes.scene_lists.get(str(path))
+    if cuts is None or dataset.caption_strategy != "textfile":
+        return []
+    rows, video = [], dataset.video
+    for caption in sorted(path.parent.glob(f"{glob.escape(path.stem)}.*")):
+        scene = SCENE_CAPTION.match(caption.stem)
+        if caption.suffix.lower() == ".txt" and scene and scene["stem"] == path.stem and \
+                not 1 <= int(scene["scene"]) <= len(cuts) + 1:
+            rows.append(dropped(dataset.id, caption, MediaError(
+                "not_used", f"{printable(caption.name)}: the caption of scene {int(scene['scene'])}, but "
+                f"{printable(path.name)} has {len(cuts) + 1} scenes (scene_threshold {video.scene_threshold:g}, "
+                f"min_scene_len {video.min_scene_len:g} s); nothing reads it: rename or remove it")))
+    return rows
 
 
 def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,

@@ -30,7 +30,7 @@ from loraflow.config.dataset import DatasetConfig
 from loraflow.media.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 
 T = TypeVar("T")
-SCENE_CAPTION = re.compile(r"^(?P<stem>.+)\.(?P<scene>\d{4})$")  # a scene's caption file's stem: NAME.nnnn
+SCENE_CAPTION = re.compile(r"^(?P<stem>.+)\.(?P<scene>\d{4,})$")  # a scene's caption file's stem: NAME.nnnn
 
 MEDIA_EXTENSIONS = VIDEO_EXTENSIONS | IMAGE_EXTENSIONS
 # Formats FFmpeg or Pillow read that datasets do not take: named, so that each is reported with how to convert it.
