@@ -100,8 +100,10 @@ class DatasetConfig(StrictModel):
         "is ignored), paired by `conditioning_data` with any flavour's files (contracts/masks.py); unset: i2i source "
         "images")
     instance_data_dir: str | None = setting(None, run_key="always")
-    caption_strategy: Literal["textfile", "filename", "instanceprompt", "metadata"] = setting(
-        "textfile", run_key="always")
+    caption_strategy: Literal["textfile", "filename", "instanceprompt", "metadata", "auto"] = setting(
+        "textfile", run_key="always", description="auto: NAME.txt beside the file where there is one (a user's caption "
+        "always wins), else each clip is captioned from its frames by a Qwen2.5-VL (the `captions` asset; "
+        "caption_model_path, caption_prompt)")
     instance_prompt: str | None = setting(None, run_key="always")
     metadata_file: str | None = setting(
         None, run_key="always", description="caption_strategy metadata: .jsonl/.csv/.parquet of file -> caption(s); a "

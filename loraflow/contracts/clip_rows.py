@@ -12,7 +12,7 @@ always written (a clip without a paired image has no `condition*`/`mask*` column
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,9 +102,25 @@ class ClipRow:
                    source_version=row.get("source_version") or "", scene=scene, **paired)
 
 
-def read_clips(store: Store, parts: Iterable[str] | None = None) -> list[ClipRow]:
-    """The current clips (of the datasets `parts`; None: every dataset) as the stage wrote them."""
-    return [ClipRow.from_row(row) for row in store.read_manifest("clips", parts=parts)]
+def read_clips(store: Store, parts: Iterable[str] | None = None, captioned: bool = True) -> list[ClipRow]:
+    """The current clips (of the datasets `parts`; None: every dataset) as the stage wrote them. `captioned`: a clip
+    without captions (`caption_strategy: auto`, no user caption) takes its caption from the `captions` stage's
+    manifest where that has one (stages/captions/captions.py); without, it keeps none (`uncaptioned()` lists them)."""
+    clips = [ClipRow.from_row(row) for row in store.read_manifest("clips", parts=parts)]
+    waiting = {clip.dataset for clip in clips if not clip.captions}
+    if not captioned or not waiting:
+        return clips
+    there = [part for part in store.manifest_parts("captions") if part in waiting]
+    made = {row["clip"]: row["caption"] for row in store.read_manifest("captions", parts=there)} if there else {}
+    return [replace(clip, captions=(made[clip.key],)) if not clip.captions and clip.key in made else clip
+            for clip in clips]
+
+
+def uncaptioned(clips: Iterable[ClipRow]) -> str:
+    """"" when every clip has a caption; else what to run, per dataset (`caption_strategy: auto`, not captioned yet)."""
+    missing = sorted({clip.dataset for clip in clips if not clip.captions})
+    return "".join(f"dataset '{d}' (caption_strategy auto) has clips without a caption yet: materialize the `captions` "
+                   f"asset for it (partition '{d}'; `loraflow cache CONFIG --dataset {d}`) first\n" for d in missing)
 
 
 def source_version(identity: Mapping[str, Any]) -> str:

@@ -74,6 +74,12 @@ class ClipsReport(StageReport):
         return None if None in sizes else sum(sizes)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CaptionsReport(StageReport):
+    captioner: str  # the model's folder or Hub id ("": nothing to caption)
+    prompt: str
+
+
 # -- latents --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BadLatent:

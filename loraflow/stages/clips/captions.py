@@ -2,20 +2,21 @@
 
 `textfile` reads NAME.txt beside the file (the extension in any case: cameras and Windows tools write `.TXT`), one
 caption per non-empty line;
-`filename` uses the file's stem; `instanceprompt` the dataset's `instance_prompt`; `metadata` looks the file
-up in `metadata_file` (.jsonl, .csv or .parquet with a file column - file_name, file, filename or path -
-holding the dataset-relative path or the bare name, and a caption column - caption, captions, text or
-prompt - holding a string or a list; repeated rows add captions). Rules, the same for every strategy: an
-empty caption trains on the empty prompt; a missing caption (no .txt, not in the metadata) quarantines the
-file as `missing_caption`, two caption files (`a.txt` and `a.TXT`) as `ambiguous_caption`; a caption file that is
-not UTF-8 quarantines it as `caption_not_utf8` (a byte-order mark is read: UTF-16 as Windows editors save "Unicode"
-text, and UTF-8); a caption file or a relative metadata_file that leads outside the dataset folder as `link_outside`
-(unread; `allow_links_outside`). Limits the dataset sets: more than `max_captions_per_file` captions quarantine the
-file as `too_many_captions`, a caption longer than `max_caption_chars` characters as `caption_too_long` (a caption
-file too large to fit both is not read past that size). A caption holding a control character (NUL, ESC, DEL, ...;
-tabs and line ends are text) quarantines the file as `caption_control_chars`: such a file is seldom a caption (a NUL
-is mostly UTF-16 saved without its byte-order mark, or binary data), and stripping the characters would train on a
-guess, so the user is told to fix the file.
+`filename` uses the file's stem; `instanceprompt` the dataset's `instance_prompt`; `metadata` looks the file up in
+`metadata_file` (.jsonl, .csv or .parquet with a file column - file_name, file, filename or path - holding the
+dataset-relative path or the bare name, and a caption column - caption, captions, text or prompt - holding a string or a
+list; repeated rows add captions); `auto` reads NAME.txt as textfile does where there is one, and leaves a file without
+one to the `captions` stage (no captions here: `()`, which that stage fills). Rules, the same for every strategy: an
+empty caption trains on the empty prompt; a missing caption (no .txt, not in the metadata) quarantines the file as
+`missing_caption`, two caption files (`a.txt` and `a.TXT`) as `ambiguous_caption`; a caption file that is not UTF-8
+quarantines it as `caption_not_utf8` (a byte-order mark is read: UTF-16 as Windows editors save "Unicode" text, and
+UTF-8); a caption file or a relative metadata_file that leads outside the dataset folder as `link_outside` (unread;
+`allow_links_outside`). Limits the dataset sets: more than `max_captions_per_file` captions quarantine the file as
+`too_many_captions`, a caption longer than `max_caption_chars` characters as `caption_too_long` (a caption file too
+large to fit both is not read past that size). A caption holding a control character (NUL, ESC, DEL, ...; tabs and line
+ends are text) quarantines the file as `caption_control_chars`: such a file is seldom a caption (a NUL is mostly UTF-16
+saved without its byte-order mark, or binary data), and stripping the characters would train on a guess, so the user is
+told to fix the file.
 With `video.scene_cuts: detect`, a scene may have its own caption file beside the video's, NAME.nnnn.txt for scene
 nnnn (from 1, four digits: `a.0003.txt` is the third scene of a.mp4); scenes without one take the file's captions
 (`read_scene_captions`).
@@ -42,6 +43,8 @@ from loraflow.config.dataset import DatasetConfig
 from loraflow.media.types import MediaError
 from loraflow.stages.clips.dataset_folder import link_outside, printable, read_or_quarantine
 
+TEXT_FILES = ("textfile", "auto")  # the strategies that read NAME.txt (and scenes' NAME.nnnn.txt)
+
 
 def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     """Captions for a file. Rule: textfile = one caption per non-empty line; an empty file is the empty
@@ -52,6 +55,9 @@ def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
         return _checked([path.stem.replace("_", " ").replace("-", " ").strip()], path.name, dataset)
     if dataset.caption_strategy == "metadata":
         return _metadata_captions(path, dataset)
+    if dataset.caption_strategy == "auto":  # a user's caption file wins; none: [], captioned by the `captions` stage
+        found = _caption_file(path, required=False)
+        return [] if found is None else _textfile_captions(found, dataset)
     return _textfile_captions(_caption_file(path), dataset)
 
 
@@ -63,8 +69,8 @@ def read_scene_captions(path: Path, dataset: DatasetConfig, scenes: Iterable[int
     shared: tuple[str, ...] | None = None
     captions = {}
     for number in scenes:
-        own = _caption_file(_scene_path(path, number), required=False) if dataset.caption_strategy == \
-            "textfile" else None
+        own = _caption_file(_scene_path(path, number), required=False) if dataset.caption_strategy in \
+            TEXT_FILES else None
         if own is not None:
             captions[number] = tuple(_textfile_captions(own, dataset))
             continue

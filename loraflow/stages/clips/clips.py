@@ -40,7 +40,7 @@ from loraflow.pipelines import bucket_multiple
 from loraflow.pipelines.sources import ModelSource
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
-from loraflow.stages.clips.captions import read_captions, read_scene_captions
+from loraflow.stages.clips.captions import TEXT_FILES, read_captions, read_scene_captions
 from loraflow.stages.clips.dataset_folder import (
     SCENE_CAPTION,
     Listing,
@@ -196,7 +196,7 @@ def plan_files(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: 
 def _unmatched_scene_captions(path: Path, dataset: DatasetConfig, probes: ProbeCache) -> list[DroppedFile]:
     """A `not_used` row for each scene caption file NAME.nnnn.txt beside `path` whose scene the cut list lacks."""
     cuts = probes.scene_lists.get(str(path))
-    if cuts is None or dataset.caption_strategy != "textfile":
+    if cuts is None or dataset.caption_strategy not in TEXT_FILES:
         return []
     rows, video = [], dataset.video
     for caption in sorted(path.parent.glob(f"{glob.escape(path.stem)}.*")):

@@ -137,7 +137,7 @@ def _unused(path: Path, dataset: DatasetConfig, root: Path, media_stems: set[tup
     if strategy == "metadata" and path.resolve() == (root / (dataset.metadata_file or "")).resolve():
         return None  # an absolute metadata_file stays absolute under the join
     caption = path.suffix.lower() == ".txt"
-    if caption and strategy == "textfile":
+    if caption and strategy in ("textfile", "auto"):
         if (path.parent, path.stem) in media_stems:
             return None
         scene = SCENE_CAPTION.match(path.stem)
