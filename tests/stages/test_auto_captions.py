@@ -170,3 +170,54 @@ def test_the_captions_asset_materializes_after_clips(tiny_k5: Path, tiny_vl: Pat
     meta = {k: v.value for k, v in done.asset_materializations_for_node("captions")[0].metadata.items()}
     assert (meta["computed"], meta["captioned_clips"], meta["captioner"]) == (2, 2, str(tiny_vl))
     assert all(c[0] for c in captioned(config)[1].values())
+
+
+def test_with_scene_cuts_a_scene_of_its_own_caption_keeps_it_and_export_writes_one_per_scene(
+        tiny_k5: Path, tiny_vl: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraflow.stages.captions.captions import export_captions
+    from tests.stages.test_scene_cuts import footage
+
+    monkeypatch.setattr(ProbeCache, "_memory", OrderedDict())
+    data = tmp_path / "data"
+    footage(data)
+    (data / "long.0001.txt").write_text("the blue scene\n", encoding="utf-8")
+    config = clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "caption_strategy": "auto",
+                                               "video": {"num_frames": 17, "frame_extraction": "chunk",
+                                                         "scene_cuts": "detect"}}],
+                          caption_model_path=str(tiny_vl), caption_max_new_tokens=6)
+    run_clips(config)
+    report, _ = captioned(config)
+    store = Store(config.cache_dir)
+    by_scene = {}
+    for clip in read_clips(store):
+        by_scene.setdefault(clip.scene.number, set()).add(clip.captions)
+    assert by_scene[1] == {("the blue scene",)} and report.computed == 4  # scene 2's four chunks, captioned
+    written, kept = export_captions(config, store, tmp_path / "out")
+    assert [p.name for p in written] == ["long.0002.txt"] and kept == []
+
+
+def test_the_generated_captions_train(tiny_k5: Path, tiny_vl: Path, tmp_path: Path) -> None:
+    """clips -> captions -> latents and text_embeds -> one training step: the batches find each generated caption's
+    embedding (a missing one fails the step, naming text_embeds)."""
+    import math
+
+    from loraflow.config import load_config
+    from loraflow.stages.latents.latents import encode_latents
+    from loraflow.stages.text.text_embeds import encode_texts
+    from loraflow.training.batches import training_texts
+    from tests.factory import demo_dict, train, write_config
+
+    data = tmp_path / "data"
+    videos(data, 2, captions=False, num_frames=17)
+    settings = demo_dict(tiny_k5, data, tmp_path, max_train_steps=1, checkpointing_steps=100,
+                         caption_model_path=str(tiny_vl), caption_max_new_tokens=6, caption_prefix="sks, ")
+    settings["datasets"][0]["caption_strategy"] = "auto"
+    config = load_config(write_config(tmp_path / "config.yaml", settings))
+    family, model, store = get_family(config), model_source(config), Store(config.cache_dir)
+    run_clips(config)
+    build_captions(config, model, store)
+    encode_latents(config, family, model, store)
+    encode_texts(config, family, model, store)
+    texts = {text for text, _ in training_texts(read_clips(store))}
+    assert any(t.startswith("sks, ") for t in texts)
+    assert math.isfinite(train(config).final_loss)
