@@ -226,3 +226,15 @@ def test_a_caption_for_a_scene_the_file_lacks_is_reported_and_the_file_kept(tiny
     (row,) = report.quarantined
     assert (row.reason, Path(row.file).name) == ("not_used", "long.0003.txt") and "has 2 scenes" in row.detail
     assert {c.scene.number for c in read_clips(store)} == {1, 2}
+
+
+def test_an_image_beside_the_footage_is_one_scene(tiny_k5: Path, tmp_path: Path, fresh_process: None) -> None:
+    from tests.media_factory import write_image
+
+    data = tmp_path / "data"
+    footage(data)
+    write_image(data / "still.png", 96, 64)
+    report, store = run_clips(scene_config(tiny_k5, tmp_path, data, scene_cuts="detect"))
+    rows = {(Path(c.path).name, c.scene.number) for c in read_clips(store)}
+    assert ("still.png", 1) in rows and ("long.mp4", 2) in rows and report.quarantined == ()
+    assert [r.file for r in report.scenes] == ["long.mp4"]  # an image has no cuts to show

@@ -243,10 +243,10 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFam
 
 
 def _cuts(path: Path, identity: dict[str, Any], info: Probe, dataset: DatasetConfig,
-          probes: ProbeCache) -> tuple[int, ...] | None:
-    """A video's scene cuts (cached with its probe); None for an image, which is one scene."""
+          probes: ProbeCache) -> tuple[int, ...]:
+    """A video's scene cuts (cached with its probe); an image is one scene, without cuts."""
     if info.is_image or dataset.dataset_type == "image":
-        return None
+        return ()
     return probes.scenes(path, identity, info, dataset.video.scene_threshold, dataset.video.min_scene_len)
 
 
