@@ -221,3 +221,25 @@ def test_the_generated_captions_train(tiny_k5: Path, tiny_vl: Path, tmp_path: Pa
     texts = {text for text, _ in training_texts(read_clips(store))}
     assert any(t.startswith("sks, ") for t in texts)
     assert math.isfinite(train(config).final_loss)
+
+
+def test_check_estimates_the_captioners_weights_for_an_auto_config(tiny_k5: Path, tiny_vl: Path,
+                                                                   tmp_path: Path) -> None:
+    """The captions row: the captioner's weights and buffers as it loads on an accelerator (bf16); none without an
+    auto dataset."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from loraflow.estimates import estimate
+    from loraflow.estimates.inputs import component_configs
+
+    data = tmp_path / "data"
+    videos(data, 1, captions=False, num_frames=6)
+    config = auto_config(tiny_k5, tmp_path, data, tiny_vl)
+    configs = component_configs({c: Path(tiny_k5) / c for c in config.flavour.components})
+    rows = {e.stage: e for e in estimate(config, get_family(config), configs, (5, 64, 96), "cuda")}
+    vl = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(tiny_vl), dtype=torch.bfloat16)
+    loaded = sum(t.numel() * t.element_size() for t in [*vl.parameters(), *vl.buffers()])
+    assert rows["captions"].parts == {"weights": loaded}
+    plain = clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}])
+    assert "captions" not in {e.stage for e in estimate(plain, get_family(plain), configs, (5, 64, 96), "cuda")}
