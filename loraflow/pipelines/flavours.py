@@ -149,6 +149,9 @@ class FamilySpec:
     render_size: Callable[..., tuple[int, int] | None] | None = None
     # The prompt templates its text side offers (config `kandinsky5_prompt_template`), the default first; () none
     prompt_templates: tuple[str, ...] = ()
+    # (flavour, transformer config, (frames, height, width), caption tokens) -> `loraflow check`'s line on what the
+    # family's attention leaves out of a training step; unset: every token attends
+    attention_note: Callable[..., str] | None = None
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.flavours]

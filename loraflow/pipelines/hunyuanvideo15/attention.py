@@ -38,6 +38,8 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 
+from loraflow.kernels.attention_backend import MASKLESS
+
 
 class KeyMaskProcessor:
     """A drop-in for the main blocks' `HunyuanVideo15AttnProcessor2_0` (`set_attention_backend` sets its backend)."""
@@ -78,8 +80,11 @@ class KeyMaskProcessor:
         if attention_mask is not None:  # (B, L_text) -> every video token valid, then the text's: (B, 1, 1, L)
             keys = torch.nn.functional.pad(attention_mask, (tokens - attention_mask.shape[1], 0), value=True)
             mask = keys.bool().view(batch, 1, 1, tokens)
+        backend = self._attention_backend
+        if mask is not None and backend is not None and str(getattr(backend, "value", backend)) in MASKLESS:
+            backend = None  # flash takes no mask: this call runs diffusers' default (torch's SDPA chooses)
         out = dispatch_attention_fn(query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
-                                    backend=self._attention_backend, parallel_config=self._parallel_config)
+                                    backend=backend, parallel_config=self._parallel_config)
         out = out.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
             return out, None
