@@ -490,16 +490,19 @@ def text_batch(family: ModelFamily, shape: tuple[int, ...]) -> dict[str, torch.T
     from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 
     tokens, name = TEXT_TOKENS[family.name], family.flavour.name
+    seeded = torch.Generator().manual_seed(0)  # the same batch in every process and test order
     qwen, second = encoder_width(name, "text_encoder"), encoder_width(name, "text_encoder_2")
     if family.name.startswith("kandinsky"):
-        text = {"text_embeds": torch.randn(1, tokens, qwen), "pooled_embeds": torch.randn(1, second)}
+        text = {"text_embeds": torch.randn(1, tokens, qwen, generator=seeded),
+                "pooled_embeds": torch.randn(1, second, generator=seeded)}
     else:
-        text = {"text_embeds": torch.randn(1, tokens, qwen), "text_mask": torch.ones(1, tokens),
-                "byt5_embeds": torch.randn(1, 256, second), "byt5_mask": torch.ones(1, 256)}
+        text = {"text_embeds": torch.randn(1, tokens, qwen, generator=seeded), "text_mask": torch.ones(1, tokens),
+                "byt5_embeds": torch.randn(1, 256, second, generator=seeded), "byt5_mask": torch.ones(1, 256)}
     if family.flavour.edits_image or family.image_condition_name:  # HV1.5 i2v: the first frame's latent, SigLIP
-        text["image_latent"] = torch.randn(*shape[:2], 1, *shape[3:])
+        text["image_latent"] = torch.randn(*shape[:2], 1, *shape[3:], generator=seeded)
     if family.image_condition_name == "first_frame" and family.name == "hunyuanvideo-1.5":
-        text["image_embeds"] = torch.randn(1, hunyuanvideo15.IMAGE_TOKENS, encoder_width(name, "image_encoder"))
+        text["image_embeds"] = torch.randn(1, hunyuanvideo15.IMAGE_TOKENS, encoder_width(name, "image_encoder"),
+                                           generator=seeded)
     return text
 
 
@@ -512,7 +515,7 @@ def released_batch(config: LoraflowConfig, family: ModelFamily) -> tuple[
 
     shape = latent_shape(family)
     text, draws = text_batch(family, shape), step_draws(config, family, 0, shape)
-    return shape, text, draws, torch.randn(shape)
+    return shape, text, draws, torch.randn(shape, generator=torch.Generator().manual_seed(1))
 
 
 def released_transformer(case: Case, config: LoraflowConfig, family: ModelFamily) -> tuple[torch.nn.Module, list]:

@@ -89,9 +89,11 @@ def measured_training_peak(config: LoraflowConfig, latent_shape: tuple[int, ...]
                                    config.train_batch_size, CPU)
         text.update(image_conditions([family.example_image_condition(transformer_config, latent_shape)] *
                                      config.train_batch_size))
-        draws = StepDraws(drop_caption=False, noise=torch.randn(shape), sigma=torch.full(shape[:1], 0.5), seed=0)
+        seeded = torch.Generator().manual_seed(0)
+        draws = StepDraws(drop_caption=False, noise=torch.randn(shape, generator=seeded),
+                          sigma=torch.full(shape[:1], 0.5), seed=0)
         with routing(transformer, family, config, draws.seed):
-            batch = MicroBatch([], torch.randn(shape), text, draws)
+            batch = MicroBatch([], torch.randn(shape, generator=seeded), text, draws)
             flow_terms(transformer, family, batch, CPU, autocast).flow.backward()
 
     step()

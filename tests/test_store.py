@@ -294,11 +294,11 @@ def test_a_full_disk_is_one_message_and_leaves_no_temporary_file(tmp_path: Path)
     import subprocess
     import sys
 
-    from tests.factory import REPO
+    from tests.factory import REPO, missing_input
 
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "--mount", "--map-root-user", "true"]).returncode:
-        pytest.skip("needs a mount namespace (unshare) for a private tmpfs")
+        missing_input("needs a mount namespace (unshare --mount --map-root-user) for a private tmpfs")  # CI: fails
     disk = tmp_path / "disk"
     disk.mkdir()
     (tmp_path / "full.py").write_text(DISK_FULL)

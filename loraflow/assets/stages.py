@@ -26,7 +26,7 @@ from dagster import (
 
 from loraflow.assets import metadata as md
 from loraflow.assets.dataset_files import dataset_files
-from loraflow.assets.partitions import DATASETS
+from loraflow.assets.partitions import DATASETS, existing_partition
 from loraflow.assets.resources import LoraflowResource
 
 # Declarative automation, for Dagster's `default_automation_condition_sensor` (off until switched on, like
@@ -51,7 +51,7 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
 
     config = loraflow.load()
     store = loraflow.store(config)
-    dataset = loraflow.dataset(config, context.partition_key)
+    dataset = loraflow.dataset(config, existing_partition(context.instance, context.partition_key))
     with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):
         report = build_clips(config, plan_family(config), loraflow.model(config), store, datasets=[dataset])
     for row in report.quarantined:
@@ -83,7 +83,7 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
     from loraflow.stages.latents.latents import encode_latents
 
     config = loraflow.load()
-    dataset = loraflow.dataset(config, context.partition_key)
+    dataset = loraflow.dataset(config, existing_partition(context.instance, context.partition_key))
     store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)
     with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):  # it reads the clips part too
         report = encode_latents(config, family, model, store, datasets=[dataset])
@@ -107,7 +107,7 @@ def audio_latents(context: AssetExecutionContext, loraflow: LoraflowResource) ->
     from loraflow.stages.audio.audio_latents import encode_audio
 
     config = loraflow.load()
-    dataset = loraflow.dataset(config, context.partition_key)
+    dataset = loraflow.dataset(config, existing_partition(context.instance, context.partition_key))
     if not config.train_audio:  # one version while off, as teacher_features
         return MaterializeResult(data_version=DataVersion("off"), metadata={
             "dataset": dataset, "computed": 0, "reused": 0, "status": "off: train_audio is false"})
@@ -120,7 +120,8 @@ def audio_latents(context: AssetExecutionContext, loraflow: LoraflowResource) ->
         data_version=DataVersion(report.data_version),
         metadata={"dataset": dataset, **md.counts(report), "device": report.device,
                   "without_audio": len(report.quarantined), "clips_without_audio": config.clips_without_audio,
-                  "reasons": md.md_table(report.quarantined)},
+                  "reasons": md.md_table(report.quarantined), "clipped": len(report.clipped),
+                  "clipped_sound": md.md_table(report.clipped)},
     )
 
 

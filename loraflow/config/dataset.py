@@ -128,6 +128,11 @@ class DatasetConfig(StrictModel):
     crop_aspect_buckets: tuple[float, ...] = setting(
         (), run_key="always", description="crop_aspect closest: width/height ratios")
     video: VideoSettings = setting(VideoSettings(), run_key="always")
+    audio_stream: int | None = setting(
+        None, run_key="when_set", ge=0, description="train_audio: which audio track of each video the audio_latents "
+        "stage reads, counted among the file's audio tracks from 0 (ffmpeg's -map 0:a:N); unset: the one FFmpeg picks "
+        "(its default-disposition track, else its best), as ffmpeg and players do; a file without that track gets a "
+        "no_audio row")
     crop_style: Literal["center", "random", "none"] = setting("center", run_key="always")
     repeats: int = setting(1, run_key="always", ge=1, description="how many times each clip is seen per epoch")
     # unused, yet part of every run key since the first runs: declaring it neutral now would move them all

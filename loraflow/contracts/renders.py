@@ -23,6 +23,7 @@ from loraflow.store import Store
 # Part of the i2i prompt image key, so of every i2i validation text key: the validation stage's CODE_VERSION when
 # the key moved here. It stays, so that moving the function re-encodes nothing.
 PROMPT_IMAGE_VERSION = "validation-2"
+FIXED_POINT_TRIES = 8  # size buckets tried for one that renders at its own size (one step suffices in practice)
 
 
 def render_settings(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
@@ -59,7 +60,18 @@ def validation_size(config: LoraflowConfig, family: ModelFamily, model: ModelSou
     if store is None:
         raise ValueError(f"{family.name} {family.flavour.name} sizes validation from its image: give the store")
     height, width = condition_frame(store, conditioning_clip(config, family, store)).shape[:2]
-    return spec.render_size(family.flavour, model, height, width) or family.flavour.size
+    size = spec.render_size(family.flavour, model, height, width)
+    # The pipeline sizes the render from the image it is given, and validation gives it the frame already fitted to
+    # `size`: a bucket the rule does not map to itself would be replaced. HunyuanVideo 1.5's does not always (it
+    # compares bucket ratios rounded to 5 digits with the exact one: a 112x64 frame (HxW) gives 80x48, and an 80x48
+    # image, 1.66667 - 1.666666... > 0, 64x48), so the default is the bucket that keeps its own size.
+    for _ in range(FIXED_POINT_TRIES):
+        again = size and spec.render_size(family.flavour, model, *size)
+        if not again or again == size:
+            return size or family.flavour.size
+        size = again
+    raise RuntimeError(f"{family.name} {family.flavour.name}: no size bucket renders at its own size from a "
+                       f"{width}x{height} image within {FIXED_POINT_TRIES} steps; set validation_resolution")
 
 
 def render_shift(config: LoraflowConfig, family: ModelFamily, model: ModelSource) -> float:

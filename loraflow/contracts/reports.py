@@ -70,6 +70,7 @@ class BadLatent:
     clip_key: str
     dataset: str
     reason: str
+    detail: str = ""  # the clip, what was not finite, and the precision to try
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class NoAudio:
 @dataclass(frozen=True, kw_only=True)
 class AudioLatentsReport(StageReport):
     quarantined: tuple[NoAudio, ...] = ()  # the clips without sound: they train video-only or not (the config says)
+    clipped: tuple[NoAudio, ...] = ()  # clips with a latent whose sound was over full scale and clipped (`detail`)
     device: str
 
 

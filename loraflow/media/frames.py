@@ -41,7 +41,7 @@ import numpy as np
 
 from loraflow.keys import content_key
 from loraflow.media.decode_worker import decode_local, probe_local  # light: it imports decord and PyAV when it decodes
-from loraflow.media.types import ClipAudio, MediaError, Probe
+from loraflow.media.types import ClipAudio, DecoderCrash, MediaError, Probe
 
 if TYPE_CHECKING:  # annotations only
     from loraflow.store import Store
@@ -94,13 +94,31 @@ def decode_frames(
     return frames[np.searchsorted(unique, wanted)]
 
 
-def decode_audio(path: str | Path, start_s: float, num_samples: int, rate: int, timeout_s: float = 60.0) -> ClipAudio:
-    """The sound of `num_samples` samples at `rate` from `start_s` seconds after the file's first video frame, mono
-    (media/audio_worker.py says how). Raises MediaError: "no_audio" (no audio track), "undecodable" (none of the
-    span decodes), or as `decode_frames` for a file that hangs or crashes the decoder."""
+def decode_audio(path: str | Path, start_s: float, num_samples: int, rate: int, timeout_s: float = 60.0,
+                 audio_stream: int | None = None) -> ClipAudio:
+    """The sound of `num_samples` samples at `rate` from `start_s` seconds after the file's first video frame, mono,
+    of the track `audio_stream` names (None: FFmpeg's pick; media/audio_worker.py says how). Raises MediaError:
+    "no_audio" (no audio track, or not the one named), "undecodable" (none of the span decodes), "decoder_crash" (the
+    decoder crashed reading the track: a fault of the file or of FFmpeg/PyAV, which the same call repeats), or as
+    `decode_frames` for a file that hangs the decoder or a worker killed from outside."""
     path = Path(path)
     _stat_key(path)  # a missing or empty file says so here, as for frames
-    return _run_in_worker(("audio", str(path), float(start_s), int(num_samples), int(rate)), path, timeout_s)["audio"]
+    request = ("audio", str(path), float(start_s), int(num_samples), int(rate), audio_stream)
+    try:
+        return _run_in_worker(request, path, timeout_s)["audio"]
+    except DecoderCrash as crash:
+        if crash.exit_code not in _DECODER_FAULTS:
+            raise
+        fault = signal.Signals(-crash.exit_code).name
+        raise MediaError("decoder_crash", f"{path}: reading its audio track crashed the decoder ({fault}, worker exit "
+                         f"code {crash.exit_code}); the picture is not at fault. Re-encode the sound (ffmpeg -i in.mp4 "
+                         "-c:v copy -c:a aac -ac 2 out.mp4) or name another track with the dataset's audio_stream"
+                         ) from None
+
+
+# A worker that died of these crashed on what it read (the same request crashes it again); another end (SIGKILL: the
+# kernel short of memory, a user) is not the file's.
+_DECODER_FAULTS = frozenset(-s for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL))
 
 
 def _check_size(size: tuple[int, int], path: Path) -> tuple[int, int]:
@@ -271,10 +289,11 @@ class _Worker:
                 reply = self._receive_frames(reply)
         except EOFError:
             code = self.kill()
-            raise MediaError(
+            raise DecoderCrash(
                 "unreadable",
                 f"{path}: the decoder crashed on this file (worker exit code {code}); it is corrupt — "
                 "re-encode it (e.g. ffmpeg -i in.mp4 -c:v libx264 out.mp4) or remove it",
+                exit_code=code,
             ) from None
         self.in_call = False
         return reply

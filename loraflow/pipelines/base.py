@@ -235,6 +235,23 @@ def image_conditions(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tenso
     return {c: stacked(rows, c) for c in IMAGE_CONDITION_COLUMNS if rows and c in rows[0]}
 
 
+def non_finite(tensors: Mapping[str, Any]) -> dict[str, int]:
+    """Of these tensors or arrays (name -> values), those holding NaN or inf, and how many such values each holds."""
+    counts = {name: int((~torch.isfinite(torch.as_tensor(v))).sum()) for name, v in tensors.items()}
+    return {name: n for name, n in counts.items() if n}
+
+
+def non_finite_detail(what: str, model: str, dtype: torch.dtype, bad: Mapping[str, int]) -> str:
+    """Why a cached row was refused: `what` (the clip, its file and frames) gave `bad` non-finite values in `model`
+    run in `dtype`, and the precision to try."""
+    precision = str(dtype).removeprefix("torch.")
+    values = ", ".join(f"{n} in {name}" for name, n in bad.items())
+    fix = (f"run the {model} in float32" if dtype != torch.float32 else
+           f"float32 is the widest precision the {model} runs in: check the clip's frames and the checkpoint's "
+           f"{model} weights (a fine-tuned or converted {model} that overflows)")
+    return f"{what}: the {model}, in {precision}, gave non-finite values ({values}); not stored; {fix}"
+
+
 def scaled_posterior(posterior: Any, sampling: str, scale: float, shift: float = 0.0) -> torch.Tensor:
     """The VAE posterior as the family's pipeline scales latents, (x - shift) * scale, in float32.
 

@@ -227,7 +227,9 @@ def test_the_launched_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
         "world, device = join(2)\n"
         "barrier(world)\n"
         "Path(sys.argv[1], f'rank{world.rank}').touch()\n"
-        "while not Path(sys.argv[1], 'done').exists():\n"
+        "for _ in range(6000):  # 600 s at most: a rank whose test died does not wait forever\n"
+        "    if Path(sys.argv[1], 'done').exists():\n"
+        "        break\n"
         "    time.sleep(0.1)\n"
         "leave()\n")
     command = launch_command(str(tmp_path / "unused.yaml"), 2)

@@ -262,7 +262,8 @@ def _decode_cropped(path: str, indices: tuple[int, ...], resize: tuple[int, int]
     return np.ascontiguousarray(frames[:, top : top + height, left : left + width])
 
 
-DATASET_STAGES = ("clips", "quarantine", "latents", "latents_quarantine")  # one manifest part per dataset id
+# one manifest part per dataset id
+DATASET_STAGES = ("clips", "quarantine", "latents", "latents_quarantine", "audio_latents", "teacher_features")
 
 
 def drop_removed_datasets(config: LoraflowConfig, store: Store) -> list[str]:
