@@ -135,6 +135,13 @@ def check(config_path: str, estimate: bool = True) -> int:
     for d in config.training_datasets:
         print(f"  {d.id}: at most {d.max_captions_per_file} caption(s) per file (max_captions_per_file), "
               f"{d.max_caption_chars} characters each (max_caption_chars)")
+    if plan.clips:
+        print(f"  one clip's text as the text encoder gets it: {plan.example_caption!r}")
+    print_shifts(config, family, source)
+    if config.train_audio and family.spec.compose_prompt is not None and plan.without_audio_caption:
+        print(f"\nwarning: train_audio: {plan.without_audio_caption} of {plan.clips} clip(s) have no audio caption "
+              "(NAME.audio.txt beside the file; the `audio_caption` column of a metadata_file): they train their "
+              "sound with the plain caption, which does not describe it (docs/families.md, Kandinsky 6 captions)")
     if plan.dropped:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
@@ -147,6 +154,18 @@ def check(config_path: str, estimate: bool = True) -> int:
         print("\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
     return 0
+
+
+def print_shifts(config: LoraflowConfig, family: FamilyPlan, source: ModelSource | None) -> None:
+    """The sigma shift training draws with and the one renders sample with, each with its source; a warning when
+    they differ (`contracts.shifts`: one rule for every family)."""
+    from loraflow.contracts.shifts import render_shift, shifts_warning, training_shift
+
+    training, render = training_shift(config, family.flavour, source), render_shift(config, family.flavour, source)
+    shown = "per batch" if training.value is None else f"{training.value:g}"
+    print(f"\nsigma shift: training {shown} ({training.source}); renders {render.value:g} ({render.source})")
+    if warning := shifts_warning(training, render):
+        print(f"warning: {warning}")
 
 
 def print_estimates(config: LoraflowConfig, plan: FamilyPlan, source: ModelSource | None, buckets: list) -> None:
@@ -224,6 +243,19 @@ SMALLER = {"latents": " (smaller buckets: `resolution` of the dataset)",
                          "`validation_resolution`, `validation_num_video_frames`)"}
 
 
+def released_problems(config: LoraflowConfig, family: FamilyPlan) -> list[str]:
+    """What the flavour cannot run in the released checkpoint's transformer config, before it is downloaded (the
+    flavour's own repository only: another's config is unknown until it is on disk)."""
+    from loraflow.pipelines.released import FLAVOURS, released_config
+    from loraflow.pipelines.sources import transformer_problem
+
+    flavour = family.flavour
+    if flavour.name not in FLAVOURS or config.pretrained_model_name_or_path != flavour.repo:
+        return []
+    problem = transformer_problem(released_config(flavour.name, "transformer"), flavour)
+    return [f"{flavour.repo} (released config, loraflow/pipelines/released/): {problem}"] if problem else []
+
+
 def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str], ModelSource | None,
                                                                           LatentGeometry | None]:
     """Print a table of the model's components (where, cached or not, size, what a run downloads) and return the
@@ -234,8 +266,8 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
 
     try:
         statuses = component_status(config)
-    except FileNotFoundError as exc:
-        return [str(exc)], None, None
+    except FileNotFoundError as exc:  # offline, not in the cache: what the released config says, too
+        return [str(exc), *released_problems(config, family)], None, None
     print(f"\nmodel {config.pretrained_model_name_or_path}" + (f" @ {config.revision}" if config.revision else ""))
     print(table([(s.component, s.state, human_bytes(s.size), s.where) for s in statuses],
                 ("component", "state", "size", "from")))
@@ -243,14 +275,14 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
     if fetched:  # nothing wrong: the first stage that needs the model downloads it
         print(f"  a run downloads {human_bytes(fetched)} into the Hugging Face cache (configs, tokenizers, "
               "safetensors)")
-        return [], None, None
+        return released_problems(config, family), None, None
     try:
         source = model_source(config, download=False)
         check_layout(source, family.flavour)  # components there, of the classes the flavour loads, readable
     except ModelRefused as exc:
         return exc.problems, None, None
-    except FileNotFoundError as exc:
-        return [str(exc)], None, None
+    except FileNotFoundError as exc:  # not on disk: what the released config says, too
+        return [str(exc), *released_problems(config, family)], None, None
     return [], source, latent_geometry(source, family)
 
 

@@ -114,7 +114,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         False, run_key="when_set", description="train the sound with the picture (a flavour with an audio VAE: "
         "Kandinsky 6): each clip's audio over its own time span, encoded by the checkpoint's audio VAE (the "
         "`audio_latents` stage), denoised with its picture at one noise level, the LoRA on both streams and the "
-        "attentions between them; false: the picture alone, no audio read")
+        "attentions between them; false: the picture alone, no audio read. Kandinsky 6's π-Flow distilled flavours "
+        "always train it (default true there; false is refused: the original samples them with both streams only)")
     clips_without_audio: Literal["video_only", "leave_out"] = setting(
         "video_only", run_key="when_set", description="with `train_audio`: a clip without usable sound (no track, a "
         "track that starts late or ends early, a source rate that would put it out of sync, a track that does not "
@@ -141,6 +142,10 @@ class ConfigFields(GuideFeatures, TrainingOptions):
 
     # validation_*: what validation renders, never part of the run (a new prompt re-renders, never retrains)
     validation_prompt: str | None = setting(None, run_key="never")
+    validation_audio_prompt: str | None = setting(
+        None, run_key="never", description="what `validation_prompt`'s render sounds like, for a family whose prompt "
+        "describes the sound (Kandinsky 6): composed into the release's prompt `validation_prompt "
+        "<AUDCAP>validation_audio_prompt<ENDAUDCAP>`, as each clip's audio caption is (docs/families.md)")
     validation_resolution: str | None = setting(
         None, run_key="never", description="WIDTHxHEIGHT in pixels; default: the flavour's release "
         "size (docs/families.md), and where the pipeline sizes the render from its image (HunyuanVideo 1.5 i2v) "

@@ -19,7 +19,7 @@ from loraflow.config.dataset import DatasetConfig, is_mask_dataset
 from loraflow.config.errors import ConfigError, describe
 from loraflow.config.fields import ConfigFields
 from loraflow.config.validation_adapters import ValidationAdapter, check_adapters
-from loraflow.pipelines import family_flavour, family_spec
+from loraflow.pipelines import family_flavour, family_spec, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
@@ -41,6 +41,17 @@ class LoraflowConfig(ConfigFields):
             return {**data, "fp32_modules_storage": "bf16"}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sound_of_distilled(cls, data: Any) -> Any:
+        """`train_audio` left out is true for a flavour that never runs its picture without its sound
+        (`Flavour.sound_required`: Kandinsky 6's π-Flow checkpoints); an explicit false is refused below."""
+        if isinstance(data, dict) and "train_audio" not in data:
+            flavour = known_flavour(data.get("model_family"), data.get("model_flavour"))
+            if flavour is not None and flavour.sound_required:
+                return {**data, "train_audio": True}
+        return data
+
     @model_validator(mode="after")
     def _adapter_kind(self) -> LoraflowConfig:
         if (self.lora_type == "lycoris") != (self.lycoris_config is not None):
@@ -60,6 +71,12 @@ class LoraflowConfig(ConfigFields):
         if self.user_prompt_library and DEFAULT_PROMPT_NAME in self.user_prompt_library and self.validation_prompt:
             raise ValueError(f"`user_prompt_library` may not use the shortname '{DEFAULT_PROMPT_NAME}': "
                              "it names `validation_prompt`; rename the library entry")
+        if self.validation_audio_prompt is not None and family_spec(self.model_family).compose_prompt is None:
+            raise ValueError(f"`validation_audio_prompt`: {self.model_family}'s prompts do not describe the sound; "
+                             "remove it")
+        if self.validation_audio_prompt is not None and not self.validation_prompt:
+            raise ValueError("`validation_audio_prompt` describes the sound of `validation_prompt`'s render: set "
+                             "`validation_prompt` too")
         if self.validation_steps and not self.validation_prompts:
             raise ValueError(f"`validation_steps` {self.validation_steps} renders the validation prompts during "
                              "training, but there are none: set `validation_prompt` or `user_prompt_library`, or "
@@ -130,6 +147,8 @@ class LoraflowConfig(ConfigFields):
             raise ValueError(f"`kandinsky5_prompt_template: {self.kandinsky5_prompt_template}`: flavour "
                              f"'{flavour.name}' encodes with its own template only (the Kandinsky 5 Video and t2i "
                              "flavours offer the diffusers one): remove it")
+        if flavour.sound_required and not self.train_audio:
+            raise ValueError(f"`train_audio: false`: flavour '{flavour.name}' {flavour.sound_required}")
         if self.train_audio and "audio_vae" not in flavour.components:
             raise ValueError(f"`train_audio`: flavour '{flavour.name}' has no audio VAE and generates no sound (a "
                              "Kandinsky 6 flavour does): remove it")
@@ -300,6 +319,9 @@ class LoraflowConfig(ConfigFields):
     def validation_prompts(self) -> dict[str, str]:
         """Every prompt validation renders, by shortname: `validation_prompt` first, then the library."""
         prompts = {DEFAULT_PROMPT_NAME: self.validation_prompt} if self.validation_prompt else {}
+        compose = family_spec(self.model_family).compose_prompt
+        if prompts and self.validation_audio_prompt and compose is not None:  # validated: only such a family
+            prompts[DEFAULT_PROMPT_NAME] = compose(self.validation_prompt or "", self.validation_audio_prompt, ())
         return {**prompts, **(self.user_prompt_library or {})}
 
     @property

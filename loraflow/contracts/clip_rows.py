@@ -56,6 +56,9 @@ class ClipRow:
     source_version: str = ""
     condition: PairedImage | None = None
     mask: PairedImage | None = None
+    # The file's audio caption, where the family composes it into `captions` (Kandinsky 6: `FamilySpec.compose_prompt`;
+    # `captions` are then the composed texts); "" none, and the manifest has no such column
+    audio_caption: str = ""
 
     @property
     def condition_key(self) -> str:
@@ -70,6 +73,8 @@ class ClipRow:
             "indices": list(self.indices), "resize": list(self.resize), "box": list(self.box),
             "captions": list(self.captions), "repeats": self.repeats, "source_version": self.source_version,
         }
+        if self.audio_caption:
+            row["audio_caption"] = self.audio_caption
         for column in PAIRED_COLUMNS:
             image = getattr(self, column)
             if image is not None:
@@ -86,7 +91,8 @@ class ClipRow:
                    bucket=row["bucket"], height=row["height"], width=row["width"], num_frames=row["num_frames"],
                    indices=tuple(row["indices"]), resize=tuple(row["resize"]), box=tuple(row["box"]),
                    captions=tuple(row["captions"]), repeats=row["repeats"],
-                   source_version=row.get("source_version") or "", **paired)
+                   source_version=row.get("source_version") or "", audio_caption=row.get("audio_caption") or "",
+                   **paired)
 
 
 def read_clips(store: Store, parts: Iterable[str] | None = None) -> list[ClipRow]:

@@ -12,11 +12,12 @@ import numpy as np
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts import shifts
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.contracts.holdout import split_clips
 from loraflow.keys import content_key
 from loraflow.pipelines import plan_family
-from loraflow.pipelines.base import ModelFamily, Rendered, RenderSettings, TextRow, scheduler_shift
+from loraflow.pipelines.base import ModelFamily, Rendered, RenderSettings, TextRow
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
@@ -76,11 +77,10 @@ def validation_size(config: LoraflowConfig, family: ModelFamily, model: ModelSou
 
 def render_shift(config: LoraflowConfig, family: ModelFamily, model: ModelSource) -> float:
     """`validation_flow_shift`, else the shift of the checkpoint's own scheduler config (what its pipeline renders
-    with: a checkpoint knows its shift better than a table), else the flavour's."""
-    if config.validation_flow_shift is not None:
-        return config.validation_flow_shift
-    from_checkpoint = scheduler_shift(model)
-    return from_checkpoint if from_checkpoint is not None else family.flavour.flow_shift
+    with: a checkpoint knows its shift better than a table), else the flavour's (`contracts.shifts`)."""
+    shift = shifts.render_shift(config, family.flavour, model).value
+    assert shift is not None
+    return shift
 
 
 def negative_prompt(config: LoraflowConfig, family: ModelFamily) -> str:

@@ -371,13 +371,6 @@ def set_lora_scale(transformer: torch.nn.Module, scale: float | None) -> None:
     transformer.set_adapters([LORA_ADAPTER], [scale])
 
 
-def scheduler_shift(model: ModelSource | str | Path) -> float | None:
-    """The sigma shift the checkpoint's own scheduler config names (what its pipeline renders with), or None."""
-    config = as_source(model).folder("scheduler") / "scheduler_config.json"
-    shift = json.loads(config.read_text()).get("shift") if config.is_file() else None
-    return float(shift) if shift is not None else None
-
-
 def set_flavour_config(transformer: torch.nn.Module, flavour: Flavour) -> torch.nn.Module:
     """The transformer as the flavour runs it: its mode's config keys (`Flavour.transformer_config`: Kandinsky 5 Pro's
     SD or HD attention) set over the checkpoint's. Only config the forward's callers read (the pipeline's

@@ -68,12 +68,22 @@ class Flavour:
     # The sigma shift training draws with when `flow_schedule_shift` is unset (`training.batches.step_draws`); left
     # out, the render shift. Two numbers: a guide's training default and a release's render shift differ.
     training_shift: float | None = None
+    # Training's default shift is the checkpoint's scheduler config (its render shift), this flavour's recipe, with
+    # `training_shift` the fallback before the checkpoint is on disk (`contracts.shifts.training_shift`)
+    training_shift_from_checkpoint: bool = False
     # Caption tokens the first text encoder keeps after the template (the family's `max_text_tokens`)
     text_tokens: int = 512
     # Transformer config keys this flavour sets over its checkpoint's (a mode of the same weights: Kandinsky 5 Pro's
     # SD and HD attention): applied where the transformer loads, for training and renders, and where planning and
     # estimates read its config (`configured`)
     transformer_config: tuple[tuple[str, Any], ...] = ()
+    # Why this flavour never trains or renders its picture without its sound ("": it may), for `train_audio: false`'s
+    # refusal: Kandinsky 6's π-Flow distilled checkpoints, whose original sampler runs both streams or nothing
+    sound_required: str = ""
+    # A checkpoint's transformer config -> why this flavour cannot run it ("" it can), asked where its config.json
+    # is read before anything loads (`sources.check_layout`, `loraflow check`): Kandinsky 6 i2v needs the I2VA token
+    # types. None: any config of the right class runs.
+    transformer_problem: Callable[[Mapping[str, Any]], str] | None = field(default=None, hash=False, compare=False)
     # (field, citation) for each number above: loraflow/pipelines/citations.py
     sources: tuple[tuple[str, str], ...] = ()
     # component -> the classes its model_index.json entry may name, "library.Class" (`sources.component_problems`):
@@ -149,6 +159,10 @@ class FamilySpec:
     render_size: Callable[..., tuple[int, int] | None] | None = None
     # The prompt templates its text side offers (config `kandinsky5_prompt_template`), the default first; () none
     prompt_templates: tuple[str, ...] = ()
+    # (caption, audio caption, speech lines) -> the text its text encoder gets, for a family whose release captions
+    # the sound in the prompt (Kandinsky 6); None: the family reads no audio captions (`a.audio.txt`, `a.speech.txt`,
+    # the `audio_caption` and `speech` metadata columns are not its: the clips stage lists them as not used)
+    compose_prompt: Callable[[str, str, tuple[str, ...]], str] | None = None
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.flavours]

@@ -17,7 +17,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -356,8 +356,23 @@ def check_layout(model: ModelSource | str | Path, flavour: Flavour) -> None:
             f"(expected sub-folders: {', '.join(flavour.components)})"
         )
     problems = [p for c in flavour.components for p in component_problems(source, c, index[c], flavour)]
+    if not problems and (problem := transformer_problem(source.folder("transformer") / "config.json", flavour)):
+        problems.append(f"{source}: {problem}")
     if problems:
         raise ModelRefused(problems)
+
+
+def transformer_problem(config: Path | Mapping[str, Any], flavour: Flavour) -> str:
+    """Why the flavour cannot run this transformer config (a config.json, or its contents):
+    `Flavour.transformer_problem` ("" it can, or the flavour asks nothing, or there is no config.json to read)."""
+    if flavour.transformer_problem is None:
+        return ""
+    if isinstance(config, Path):
+        try:
+            config = json.loads(config.read_text())
+        except (OSError, ValueError):  # none, or unreadable: the component's own checks say so
+            return ""
+    return flavour.transformer_problem(config) if isinstance(config, Mapping) else ""
 
 
 def component_problems(source: ModelSource, component: str, entry: Any, flavour: Flavour) -> list[str]:

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -33,6 +34,7 @@ from loraflow.config import LoraflowConfig
 from loraflow.config.run_key import run_key_settings
 from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
 from loraflow.contracts.reports import LoraReport, TrainStep
+from loraflow.contracts.shifts import training_shift
 from loraflow.contracts.teacher_features import teacher_keys
 from loraflow.kernels.devices import free_models, peak_memory_gib
 from loraflow.kernels.flow_matching import flow_mse, lr_at, noisy_sample
@@ -80,8 +82,18 @@ log = logging.getLogger(__name__)
 
 
 # 1. the run ----------------------------------------------------------------------------------------------------
+def at_training_shift(config: LoraflowConfig, family: ModelFamily, model: ModelSource) -> ModelFamily:
+    """The family with its flavour's `training_shift` the run's default (`contracts.shifts.training_shift`: the
+    checkpoint's scheduler config where the flavour's recipe says so), which `step_draws` reads."""
+    shift = training_shift(config, family.flavour, model).value
+    if shift is None or shift == family.flavour.training_shift:
+        return family
+    return replace(family, flavour=replace(family.flavour, training_shift=shift))
+
+
 def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store) -> LoraReport:
     """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
+    family = at_training_shift(config, family, model)
     # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
     world, device = join(config.num_processes, config.fsdp)
     changed = changed_sources(store, config.dataset_folders) if world.main else []

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loraflow.config import LoraflowConfig
-from loraflow.contracts.clip_rows import DroppedFile
+from loraflow.contracts.clip_rows import ClipRow, DroppedFile
 from loraflow.contracts.reports import BucketRow
 from loraflow.media.frames import ProbeCache
 from loraflow.stages.clips.buckets import LatentGeometry, tally_buckets
-from loraflow.stages.clips.clips import plan_files
+from loraflow.stages.clips.clips import plan_files, reads_sound_captions
 from loraflow.stages.clips.dataset_folder import list_folder
 
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
@@ -29,6 +29,11 @@ class BucketPlan:
     buckets: list[BucketRow] = field(default_factory=list)
     dropped: list[DroppedFile] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # datasets that cannot be planned at all
+    # one clip's first caption as the text encoder gets it (the family's composed prompt; a clip with an audio
+    # caption where there is one), "" without clips; how many clips, how many of them without an audio caption
+    example_caption: str = ""
+    clips: int = 0
+    without_audio_caption: int = 0  # clips with no audio caption (NAME.audio.txt, `audio_caption`)
 
 
 def plan_buckets(config: LoraflowConfig, family: FamilyPlan | ModelFamily, geometry: LatentGeometry | None,
@@ -36,11 +41,11 @@ def plan_buckets(config: LoraflowConfig, family: FamilyPlan | ModelFamily, geome
     """Probe every source file (metadata and one frame, no full decode) and plan its clips (`model`: the checkpoint
     on disk, for sizes that depend on it; None: as the config names it)."""
     plan = BucketPlan()
-    clips_seen: list[tuple[str, int, int, int]] = []
+    planned: list[ClipRow] = []
     probes = ProbeCache()  # in memory: checking a config writes nothing to its cache
     for dataset in config.training_datasets:
         try:
-            listing = list_folder(dataset)
+            listing = list_folder(dataset, reads_sound_captions(family))
         except FileNotFoundError as exc:
             plan.problems.append(str(exc))
             continue
@@ -49,8 +54,11 @@ def plan_buckets(config: LoraflowConfig, family: FamilyPlan | ModelFamily, geome
         clips, dropped = plan_files(config, family, model or config.pretrained_model_name_or_path, dataset, listing,
                                     probes, progress)
         plan.dropped += dropped
-        clips_seen += [(c.dataset, c.height, c.width, c.num_frames) for c in clips]
-    plan.buckets = tally_buckets(clips_seen, geometry)
+        planned += clips
+    shown = next((c for c in planned if c.audio_caption), planned[0] if planned else None)
+    plan.example_caption = shown.captions[0] if shown else ""
+    plan.clips, plan.without_audio_caption = len(planned), sum(not c.audio_caption for c in planned)
+    plan.buckets = tally_buckets([(c.dataset, c.height, c.width, c.num_frames) for c in planned], geometry)
     return plan
 
 

@@ -16,6 +16,14 @@ file too large to fit both is not read past that size). A caption holding a cont
 tabs and line ends are text) quarantines the file as `caption_control_chars`: such a file is seldom a caption (a NUL
 is mostly UTF-16 saved without its byte-order mark, or binary data), and stripping the characters would train on a
 guess, so the user is told to fix the file.
+
+Sound captions, read only for a family that puts them in its prompt (`FamilySpec.compose_prompt`: Kandinsky 6): the
+audio caption (what the clip sounds like) is `NAME.audio.txt` beside the file (textfile; its lines joined by spaces)
+or the metadata row's `audio_caption` column; speech (the spoken lines, one per line or list item) `NAME.speech.txt`
+or the `speech` column. Both are optional: a clip without them keeps its plain captions. `NAME.audio.txt` where a
+video or image `NAME.audio.*` is beside it is that file's own caption, never another's sound: a file whose sound
+caption would be one (`a.mp4` beside `a.audio.mp4` and `a.audio.txt`) is quarantined as `ambiguous_caption`. The
+caption limits hold for them as for captions.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import itertools
 import json
 import re
 import stat
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -35,8 +44,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from loraflow.config.dataset import DatasetConfig
-from loraflow.media.types import MediaError
-from loraflow.stages.clips.dataset_folder import link_outside, printable, read_or_quarantine
+from loraflow.media.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
+from loraflow.stages.clips.dataset_folder import SOUND_CAPTION_KINDS, link_outside, printable, read_or_quarantine
 
 
 def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
@@ -51,7 +60,7 @@ def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     caption_file = _caption_file(path)
     if problem := link_outside(caption_file, dataset):
         raise problem
-    most = dataset.max_captions_per_file * (dataset.max_caption_chars + 2) * 4 + 4  # 4 bytes per character at most
+    most = _most_bytes(dataset)
     data = read_or_quarantine(lambda: _read_at_most(caption_file, most), caption_file)
     if len(data) > most:
         size = caption_file.stat().st_size / 2**20
@@ -62,15 +71,56 @@ def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     return _checked(_clean(_text(data, caption_file).splitlines()), printable(caption_file.name), dataset)
 
 
+def read_sound_captions(path: Path, dataset: DatasetConfig) -> tuple[str, tuple[str, ...]]:
+    """A file's audio caption ("" none) and spoken lines (() none): NAME.audio.txt / NAME.speech.txt (textfile), the
+    `audio_caption` / `speech` columns (metadata); other strategies have none. Missing is no problem; a file that
+    breaks the caption rules quarantines the source as a caption file does."""
+    if dataset.caption_strategy == "metadata":
+        row = _metadata_row(path, dataset)
+        audio = _checked([" ".join(row.audio)] if row.audio else [], f"{printable(path.name)} audio_caption", dataset)
+        return (audio[0] if audio else ""), _checked(list(row.speech), f"{printable(path.name)} speech", dataset)
+    if dataset.caption_strategy != "textfile":
+        return "", ()
+    kinds = {kind: [line for line in _sound_caption_lines(path, kind, dataset) if line] for kind in SOUND_CAPTION_KINDS}
+    audio = kinds["audio"]
+    return (" ".join(audio) if audio else ""), tuple(kinds["speech"])
+
+
+def _sound_caption_lines(path: Path, kind: str, dataset: DatasetConfig) -> list[str]:
+    """The non-empty lines of NAME.<kind>.txt beside `path` ([] when there is none)."""
+    try:
+        caption_file = _caption_file(path, f".{kind}")
+    except MediaError as exc:
+        if exc.reason == "missing_caption":
+            return []
+        raise
+    twin = f"{path.stem}.{kind}"
+    if any(path.with_name(twin + ext).is_file() for e in MEDIA_SUFFIXES for ext in (e, e.upper())):
+        raise MediaError("ambiguous_caption", f"{printable(path.name)}: {printable(caption_file.name)} is the caption "
+                         f"of {printable(twin)}.*, beside it, not this file's {kind} caption; rename one of them")
+    if problem := link_outside(caption_file, dataset):
+        raise problem
+    data = read_or_quarantine(lambda: _read_at_most(caption_file, _most_bytes(dataset)), caption_file)
+    return _checked(_clean(_text(data, caption_file).splitlines()), printable(caption_file.name), dataset)
+
+
+MEDIA_SUFFIXES = tuple(sorted(VIDEO_EXTENSIONS | IMAGE_EXTENSIONS))
+
+
+def _most_bytes(dataset: DatasetConfig) -> int:
+    return dataset.max_captions_per_file * (dataset.max_caption_chars + 2) * 4 + 4  # 4 bytes per character at most
+
+
 # every case of ".txt": .txt, .TXT, .Txt, ...
 _CAPTION_SUFFIXES = tuple("".join(letters) for letters in itertools.product(*zip(".txt", ".TXT")))
 
 
-def _caption_file(path: Path) -> Path:
-    """The caption file beside `path`: NAME.txt, the extension in any case; none, or two, quarantine the file."""
+def _caption_file(path: Path, kind: str = "") -> Path:
+    """The caption file beside `path`: NAME.txt (`kind` ".audio": NAME.audio.txt), the extension in any case; none,
+    or two, quarantine the file."""
     found: dict[tuple[int, int], Path] = {}
     for suffix in _CAPTION_SUFFIXES:
-        candidate = path.with_suffix(suffix)
+        candidate = path.with_suffix(kind + suffix)
         try:
             info = candidate.stat()
         except OSError:
@@ -79,7 +129,7 @@ def _caption_file(path: Path) -> Path:
             found.setdefault((info.st_dev, info.st_ino), candidate)
     if not found:
         raise MediaError("missing_caption", f"{printable(path.name)}: no caption file "
-                         f"{printable(path.with_suffix('.txt').name)} (caption_strategy textfile)")
+                         f"{printable(path.with_suffix(kind + '.txt').name)} (caption_strategy textfile)")
     if len(found) > 1:
         names = ", ".join(printable(p.name) for p in sorted(found.values()))
         raise MediaError("ambiguous_caption", f"{printable(path.name)}: {len(found)} caption files ({names}); keep one")
@@ -136,9 +186,26 @@ def _text(data: bytes, path: Path) -> str:
 
 FILE_COLUMNS = ("file_name", "file", "filename", "path")
 CAPTION_COLUMNS = ("caption", "captions", "text", "prompt")
+SOUND_COLUMNS = {"audio": "audio_caption", "speech": "speech"}  # read only where the family composes its prompt
+
+
+@dataclass(frozen=True)
+class MetadataRow:
+    """What the metadata file says of one file, its rows together."""
+
+    captions: tuple[str, ...]
+    audio: tuple[str, ...] = ()  # the distinct non-empty `audio_caption` values
+    speech: tuple[str, ...] = ()
 
 
 def _metadata_captions(path: Path, dataset: DatasetConfig) -> list[str]:
+    row = _metadata_row(path, dataset)
+    relative = path.relative_to(Path(dataset.instance_data_dir or "")).as_posix()
+    where = f"{printable(relative)} in {printable(Path(dataset.metadata_file or '').name)}"
+    return _checked(_clean(list(row.captions)), where, dataset)
+
+
+def _metadata_row(path: Path, dataset: DatasetConfig) -> MetadataRow:
     root = Path(dataset.instance_data_dir or "")
     given = Path(dataset.metadata_file or "")
     meta = given if given.is_absolute() else root / given
@@ -154,13 +221,14 @@ def _metadata_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     relative = path.relative_to(root).as_posix()
     for name in (relative, path.name):
         if name in table:
-            return _checked(_clean(list(table[name])), f"{printable(relative)} in {printable(meta.name)}", dataset)
+            return table[name]
     raise MediaError("missing_caption", f"{relative}: not in metadata_file {meta.name}; add a row for it")
 
 
 @lru_cache(maxsize=8)
-def _load_metadata(path: str, size: int, mtime_ns: int) -> tuple[dict[str, tuple[str, ...]], tuple[str, str] | None]:
-    """file -> captions, read once per file version; a broken file is an error every source reports."""
+def _load_metadata(path: str, size: int, mtime_ns: int) -> tuple[dict[str, MetadataRow], tuple[str, str] | None]:
+    """file -> its captions (and sound captions), read once per file version; a broken file is an error every
+    source reports."""
     meta = Path(path)
     try:
         rows = _metadata_rows(meta)
@@ -177,16 +245,22 @@ def _load_metadata(path: str, size: int, mtime_ns: int) -> tuple[dict[str, tuple
     if rows and (file_col is None or caption_col is None):
         return {}, ("bad_metadata", f"{meta.name}: needs a file column ({', '.join(FILE_COLUMNS)}) and a caption "
                                     f"column ({', '.join(CAPTION_COLUMNS)}); found {sorted(columns)}")
-    table: dict[str, list[str]] = {}
+    table: dict[str, dict[str, list[str]]] = {}
     for number, row in enumerate(rows, 1):
         if row.get(file_col) is None:
             return {}, ("bad_metadata", f"{meta.name}: row {number} has no `{file_col}` (the file column row 1 "
                                         "uses); give every row one")
-        value = row.get(caption_col)
-        items = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
-        captions = [str(c) for c in items if c is not None]
-        table.setdefault(str(row[file_col]).removeprefix("./"), []).extend(captions)
-    return {k: tuple(v) for k, v in table.items()}, None
+        entry = table.setdefault(str(row[file_col]).removeprefix("./"), {"captions": [], "audio": [], "speech": []})
+        entry["captions"] += _items(row.get(caption_col))
+        for kind, column in SOUND_COLUMNS.items():
+            entry[kind] += [v for v in _items(row.get(column)) if v.strip() and v not in entry[kind]]
+    return {k: MetadataRow(tuple(v["captions"]), tuple(v["audio"]), tuple(v["speech"])) for k, v in table.items()}, None
+
+
+def _items(value: Any) -> list[str]:
+    """A metadata cell as strings: a list's items, one string, or none."""
+    items = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+    return [str(c) for c in items if c is not None]
 
 
 def _metadata_rows(meta: Path) -> list[dict[str, Any]]:

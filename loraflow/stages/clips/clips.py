@@ -5,7 +5,9 @@ missing clips at their bucket size -> store frames -> manifest row with captions
 used becomes a quarantine row with a reason; every other file proceeds. Every folder entry that is no media file
 (a broken link, a GIF, a stray note: `dataset_folder`) gets a quarantine row too.
 
-Captions: stages/clips/captions.py (each caption_strategy, and its rules).
+Captions: stages/clips/captions.py (each caption_strategy, and its rules). A family whose release captions the sound
+in its prompt (`FamilySpec.compose_prompt`, Kandinsky 6) gets each caption composed with the file's audio caption and
+speech (`read_sound_captions`): the row's `captions` are then what the text encoder reads.
 
 i2v: the conditioning image is the first frame of the stored clip (`condition_frame`), i.e. source frame
 indices[0] after cropping, so it always matches the clip's first latent frame.
@@ -34,11 +36,11 @@ from loraflow.contracts.reports import ClipsReport, DropReason
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.media.frames import ProbeCache, decode_frames
 from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
-from loraflow.pipelines import bucket_multiple
+from loraflow.pipelines import bucket_multiple, family_spec
 from loraflow.pipelines.sources import ModelSource
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
-from loraflow.stages.clips.captions import read_captions
+from loraflow.stages.clips.captions import read_captions, read_sound_captions
 from loraflow.stages.clips.dataset_folder import Listing, link_outside, list_folder, printable, read_or_quarantine
 from loraflow.store import Store
 
@@ -151,7 +153,7 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFam
     """The file's clips; `sources`: the conditioning dataset holding its i2i source image or its loss mask."""
     check_name(path)
     identity = read_or_quarantine(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
-    captions = tuple(read_captions(path, dataset))
+    captions, audio_caption = composed_captions(path, dataset, family)
     info = probes.probe(path, identity)
     source = _source_image(path, dataset, sources, probes) if sources else None
     column = "mask" if is_mask_dataset(sources) else "condition"
@@ -167,9 +169,24 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFam
             bucket=buckets.bucket_label(*size, len(plan["indices"])), height=size[0], width=size[1],
             num_frames=len(plan["indices"]), indices=tuple(plan["indices"]), resize=crop.resize, box=crop.box,
             captions=captions, repeats=dataset.repeats, source_version=source_version(identity),
+            audio_caption=audio_caption,
             **({column: _paired_image(source, size, dataset.crop_style, key)} if source else {}),
         ))
     return rows
+
+
+def composed_captions(path: Path, dataset: DatasetConfig,
+                      family: FamilyPlan | ModelFamily) -> tuple[tuple[str, ...], str]:
+    """The file's captions as its family's text encoder reads them, and its audio caption ("" none): each caption
+    composed with the audio caption and speech where the family composes its prompt; the plain captions else."""
+    captions = tuple(read_captions(path, dataset))
+    compose = family_spec(family.name).compose_prompt
+    if compose is None:
+        return captions, ""
+    audio, speech = read_sound_captions(path, dataset)
+    if not audio and not speech:
+        return captions, ""  # the plain captions: their text keys stay as they were
+    return tuple(compose(caption, audio, speech) for caption in captions), audio
 
 
 def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
@@ -185,6 +202,11 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
     except MediaError as exc:
         raise MediaError(exc.reason, f"{relative}: its {_paired_word(sources)} {identity['path']}: {exc}") from None
     return identity, found, info
+
+
+def reads_sound_captions(family: FamilyPlan | ModelFamily) -> bool:
+    """Whether the family reads NAME.audio.txt and NAME.speech.txt (`FamilySpec.compose_prompt`)."""
+    return family_spec(family.name).compose_prompt is not None
 
 
 def check_name(path: Path) -> Path:
@@ -317,7 +339,7 @@ def build_clips(
 def _plan_dataset(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource,
                   dataset: DatasetConfig, probes: ProbeCache) -> tuple[list[ClipRow], list[DroppedFile]]:
     """A dataset's clips, and a quarantine row for every entry of its folder that yields none."""
-    planned = plan_files(config, family, model, dataset, list_folder(dataset), probes)
+    planned = plan_files(config, family, model, dataset, list_folder(dataset, reads_sound_captions(family)), probes)
     probes.commit()
     return planned
 

@@ -11,7 +11,9 @@ hidden file named like media: the dataset_watch sensor does not watch hidden fil
 they are read),
 `unreadable` (a folder the OS will not list) and `not_used` (any other file nothing reads: a caption whose video is
 gone, `.txt` files under a caption_strategy other than textfile, notes; `.txt` in any case, as cameras and Windows
-tools write `.TXT`). Other hidden entries (.DS_Store, .git) are not data: neither read nor listed.
+tools write `.TXT`). Other hidden entries (.DS_Store, .git) are not data: neither read nor listed. A sound caption
+(`a.audio.txt`, `a.speech.txt` beside `a.mp4`: stages/clips/captions.py) is read where the family reads them
+(`sound_captions`) and is `not_used` elsewhere; `a.audio.txt` beside a video `a.audio.*` is that video's caption.
 """
 
 from __future__ import annotations
@@ -37,14 +39,18 @@ OTHER_MEDIA_EXTENSIONS = frozenset({
 })
 
 
+SOUND_CAPTION_KINDS = ("audio", "speech")  # NAME.audio.txt, NAME.speech.txt
+
+
 @dataclass
 class Listing:
     files: list[Path] = field(default_factory=list)  # media files: each becomes clips or its own quarantine row
     others: list[tuple[Path, MediaError]] = field(default_factory=list)  # every other entry, with why
 
 
-def list_folder(dataset: DatasetConfig) -> Listing:
-    """Walk `instance_data_dir` (links to folders not followed), sorting every entry into files and others."""
+def list_folder(dataset: DatasetConfig, sound_captions: bool = False) -> Listing:
+    """Walk `instance_data_dir` (links to folders not followed), sorting every entry into files and others;
+    `sound_captions`: the family reads NAME.audio.txt and NAME.speech.txt (`FamilySpec.compose_prompt`)."""
     root = Path(dataset.instance_data_dir or "")
     if not root.is_dir():
         raise FileNotFoundError(f"dataset '{dataset.id}': instance_data_dir {root} is not a folder")
@@ -62,7 +68,7 @@ def list_folder(dataset: DatasetConfig) -> Listing:
                 listing.files.append(here / name)
             else:
                 plain.append(here / name)
-    listing.others += [(p, e) for p in plain if (e := _unused(p, dataset, root, media_stems))]
+    listing.others += [(p, e) for p in plain if (e := _unused(p, dataset, root, media_stems, sound_captions))]
     listing.files.sort()
     listing.others.sort(key=lambda item: item[0])
     return listing
@@ -128,7 +134,8 @@ def _unstattable(path: Path, exc: OSError) -> MediaError:
     return MediaError("unreadable", f"{name}: {exc.strerror or exc}; check that the file is still there and readable")
 
 
-def _unused(path: Path, dataset: DatasetConfig, root: Path, media_stems: set[tuple[Path, str]]) -> MediaError | None:
+def _unused(path: Path, dataset: DatasetConfig, root: Path, media_stems: set[tuple[Path, str]],
+            sound_captions: bool = False) -> MediaError | None:
     """None for a caption or metadata file a source reads; otherwise why nothing reads the file."""
     name, strategy = printable(path.name), dataset.caption_strategy
     if strategy == "metadata" and path.resolve() == (root / (dataset.metadata_file or "")).resolve():
@@ -137,6 +144,12 @@ def _unused(path: Path, dataset: DatasetConfig, root: Path, media_stems: set[tup
     if caption and strategy == "textfile":
         if (path.parent, path.stem) in media_stems:
             return None
+        owner, _, kind = path.stem.rpartition(".")
+        if kind in SOUND_CAPTION_KINDS and (path.parent, owner) in media_stems:
+            if sound_captions:
+                return None
+            return MediaError("not_used", f"{name}: the {kind} caption of {printable(owner)}.*, which this model "
+                                          "family does not read (its prompts do not describe the sound)")
         return MediaError("not_used", f"{name}: a caption with no video or image named {printable(path.stem)}.* "
                                       "beside it; nothing reads it")
     if caption:
