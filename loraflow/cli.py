@@ -14,6 +14,7 @@ from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_conf
 from loraflow.pipelines.sources import HubUnreachable
 
 if TYPE_CHECKING:
+    from loraflow.contracts.reports import CaptionsReport
     from loraflow.pipelines import FamilyPlan
     from loraflow.pipelines.sources import ModelSource
     from loraflow.stages.clips.buckets import LatentGeometry
@@ -305,9 +306,35 @@ def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> in
               f"quarantined {len(report.quarantined)}")
         return 0
     clips, latents, audio = fanout.cache_dataset(config_path, config, family, model, dataset, workers)
+    captions = _auto_captions(config, model, dataset)
     print(f"'{dataset}' cached by {workers} worker(s): clips computed {clips.computed}, reused {clips.reused}; "
           f"latents {latents.computed + latents.reused} listed (data version {latents.data_version})"
-          + (f"; audio latents computed {audio.computed}, reused {audio.reused}" if audio else ""))
+          + (f"; audio latents computed {audio.computed}, reused {audio.reused}" if audio else "")
+          + (f"; captions computed {captions.computed}, reused {captions.reused}" if captions else ""))
+    return 0
+
+
+def _auto_captions(config: LoraflowConfig, model: ModelSource, dataset: str) -> CaptionsReport | None:
+    """A `caption_strategy: auto` dataset's captions, as its `cache_dataset` run makes them; None for the others."""
+    from loraflow.stages.captions.captions import auto_datasets, build_captions
+    from loraflow.store import Store
+
+    if dataset not in auto_datasets(config):
+        return None
+    store = Store(config.cache_dir)
+    with store.part_lock(dataset):
+        return build_captions(config, model, store, [dataset])
+
+
+def export_captions(config_path: str, folder: str, datasets: list[str] | None) -> int:
+    """`loraflow captions export DIR`: the generated captions as user caption files (stages/captions/captions.py)."""
+    from loraflow.stages.captions.captions import export_captions as export
+    from loraflow.store import Store
+
+    config = load_config(config_path)
+    written, kept = export(config, Store(config.cache_dir), Path(folder), datasets)
+    print(f"captions export: {len(written)} caption file(s) written under {folder}"
+          + (f"; {len(kept)} already there kept (e.g. {kept[0]})" if kept else ""))
     return 0
 
 
@@ -383,6 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     cacher.add_argument("--dataset", required=True, help="a training dataset's id")
     cacher.add_argument("--workers", type=int, default=1, help="latents worker processes (one GPU each where any)")
     cacher.add_argument("--shard", help="INDEX/COUNT: be that one worker (no clips, no manifest)")
+    captioner = sub.add_parser("captions", help="caption_strategy auto: the captions the `captions` asset made")
+    captions_sub = captioner.add_subparsers(dest="action", required=True)
+    exporter = captions_sub.add_parser("export", help="write each as its user caption file under DIR, laid out as "
+                                       "the dataset folder (NAME.txt; with scene cuts NAME.nnnn.txt): edited and in "
+                                       "the dataset folder, it is a user caption; files already there are kept")
+    exporter.add_argument("dir")
+    exporter.add_argument("--config", default=os.environ.get("LORAFLOW_CONFIG", DEMO_CONFIG))
+    exporter.add_argument("--dataset", action="append", help="a dataset id (repeatable); default: every auto dataset")
     importer = sub.add_parser("import-simpletuner", help="convert a SimpleTuner config.json (+ multidatabackend.json)")
     importer.add_argument("config_json")
     importer.add_argument("backend_json", nargs="?", help="default: the file its data_backend_config names")
@@ -409,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             return partitions(args.config)
         if args.command == "cache":
             return cache(args.config, args.dataset, args.workers, args.shard)
+        if args.command == "captions":
+            return export_captions(args.config, args.dir, args.dataset)
         if args.command == "import-simpletuner":
             return import_simpletuner(args.config_json, args.backend_json, args.output, args.force)
         if args.command == "post-hoc-ema":

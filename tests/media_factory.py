@@ -347,3 +347,27 @@ def _encode_track(out: av.container.OutputContainer, audio: av.audio.stream.Audi
         frame.pts = start + round(track.offset_s * track.rate)
         out.mux(audio.encode(frame))
     out.mux(audio.encode(None))
+
+
+def write_footage(path: Path, segments: Sequence[tuple[int, tuple[int, int, int]]], fades: dict[int, int] | None = None,
+                  width: int = 96, height: int = 64, fps: int = 24) -> Path:
+    """A recording of `segments` (frame count, RGB colour of its source) joined by hard cuts, except where `fades`
+    says segment n's last `fades[n]` frames dissolve into segment n + 1's colour (a fade, not a cut). The left half
+    of each frame is its source's colour and the right half carries the index code (`read_index` samples the right
+    half), so which source a decoded frame came from and which frame it is are both readable."""
+    colours: list[np.ndarray] = []
+    for number, (count, colour) in enumerate(segments):
+        ramp = (fades or {}).get(number, 0)
+        here, after = np.asarray(colour, np.float64), np.asarray(segments[min(number + 1, len(segments) - 1)][1])
+        for i in range(count):
+            weight = max(0, i - (count - ramp) + 1) / (ramp + 1) if ramp else 0.0
+            colours.append((1 - weight) * here + weight * after)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=fps, options={**_QUIET, "preset": "veryfast"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i, colour in enumerate(colours):
+            frame = index_frame(i, width, height)
+            frame[:, : width // 2] = np.round(colour).astype(np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode(None))
+    return path

@@ -28,6 +28,7 @@ from loraflow.assets import metadata as md
 from loraflow.assets.dataset_files import dataset_files
 from loraflow.assets.partitions import DATASETS, existing_partition
 from loraflow.assets.resources import LoraflowResource
+from loraflow.contracts.reports import ClipsReport
 
 # Declarative automation, for Dagster's `default_automation_condition_sensor` (off until switched on, like
 # dataset_watch): once upstream is new, text_embeds re-embeds (a dataset the sensor or `recache` re-cached) and
@@ -72,8 +73,20 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
             "quarantine": md.md_table(report.quarantined),
             "preview": md.md_image(clip_preview(store.only_parts([dataset])),
                                   "first frame of each clip (i2i: its source image below)"),
+            **_scene_metadata(report),
         },
     )
+
+
+def _scene_metadata(report: ClipsReport) -> dict[str, MetadataValue]:
+    """`video.scene_cuts: detect`: per file the scenes found and used, and the frames on both sides of each cut."""
+    from loraflow.media.previews import cut_strips
+
+    if not report.scenes:
+        return {}
+    return {"scenes": md.md_table([{"file": r.file, "scenes_found": r.scenes, "scenes_used": r.used,
+                                    "cuts_at_frames": ", ".join(map(str, r.cuts)) or "none"} for r in report.scenes]),
+            "scene_cuts": md.md_image(cut_strips(report.scenes), "the frames before and after each scene cut")}
 
 
 @asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",
@@ -125,9 +138,39 @@ def audio_latents(context: AssetExecutionContext, loraflow: LoraflowResource) ->
     )
 
 
-@asset(deps=[clips], pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
-       description="Text embeddings of every distinct text of every dataset.")
-def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
+# In the code location only where a dataset has `caption_strategy: auto` (jobs.graph), as audio_latents: every other
+# config's graph stays as it was; there, `cache_dataset` captions the dataset too and text_embeds reads the captions.
+@asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",
+       description="One dataset (caption_strategy auto): each clip without a user caption, captioned from its frames "
+                   "by a Qwen2.5-VL (caption_model_path, else the checkpoint's own), cached by content.")
+def captions(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
+    from loraflow.stages.captions.captions import build_captions
+
+    config = loraflow.load()
+    store = loraflow.store(config)
+    dataset = loraflow.dataset(config, context.partition_key)
+    with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):  # it reads the clips part too
+        report = build_captions(config, loraflow.model(config), store, datasets=[dataset])
+    made = store.read_manifest("captions", parts=[dataset])
+    return MaterializeResult(
+        data_version=DataVersion(report.data_version),
+        metadata={"dataset": dataset, **md.counts(report), "captioned_clips": len(made), "captioner": report.captioner,
+                  "prompt": report.prompt,
+                  "captions": md.md_table([{"clip": r["clip"][:12], "caption": r["caption"]} for r in made], limit=20)},
+    )
+
+
+def _text_asset(deps: list[AssetsDefinition]) -> AssetsDefinition:
+    """The `text_embeds` asset reading `deps`: a config with `caption_strategy: auto` reads the captions too."""
+    @asset(name="text_embeds", deps=deps, pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
+           description="Text embeddings of every distinct text of every dataset.")
+    def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
+        return _embed(loraflow)
+
+    return text_embeds
+
+
+def _embed(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.pipelines import get_family
     from loraflow.stages.text.text_embeds import encode_texts
 
@@ -142,6 +185,10 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
                   "tokens_histogram": md.md_table(report.tokens_histogram),
                   "truncated": md.md_table(report.truncated)},
     )
+
+
+text_embeds = _text_asset([clips])
+text_embeds_captioned = _text_asset([clips, captions])  # with caption_strategy auto
 
 
 @asset(deps=[latents], pool="gpu", group_name="loraflow",
@@ -262,3 +309,12 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
 ALL_ASSETS = [dataset_files, clips, latents, text_embeds, teacher_features, lora, validation]
 # with `train_audio`: the sound's asset, and the lora asset that reads it (one `lora` key either way)
 SOUND_ASSETS = [lora_with_sound if asset is lora else asset for asset in ALL_ASSETS] + [audio_latents]
+
+
+def assets_for(sound: bool, auto_captions: bool) -> list[AssetsDefinition]:
+    """The code location's assets: ALL_ASSETS, with `train_audio` SOUND_ASSETS; with a `caption_strategy: auto`
+    dataset also the captions asset, and the text_embeds asset that reads it (one `text_embeds` key either way)."""
+    chosen = SOUND_ASSETS if sound else ALL_ASSETS
+    if not auto_captions:
+        return chosen
+    return [text_embeds_captioned if asset is text_embeds else asset for asset in chosen] + [captions]

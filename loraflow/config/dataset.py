@@ -57,6 +57,17 @@ class VideoSettings(StrictModel):
     frame_extraction: Literal["head", "chunk", "slide", "uniform", "full"] = setting("head", run_key="always")
     frame_stride: int = setting(1, run_key="always", ge=1, description="slide: start offset between clips, in frames")
     frame_sample: int = setting(1, run_key="always", ge=1, description="uniform: number of clips spread over the video")
+    # Long recordings (docs/footage.md). Unset, they leave every run its key.
+    scene_cuts: Literal["detect", "off"] = setting(
+        "off", run_key="when_set", description="detect: find hard cuts (PySceneDetect's content detector) and choose "
+        "clips inside scenes only, each scene as if it were a video of its own (frame_extraction, min_frames and "
+        "max_frames apply per scene); off: the whole file is one scene")
+    scene_threshold: float = setting(
+        27.0, run_key="when_set", gt=0, description="scene_cuts detect: the frame-to-frame change (mean HSV "
+        "difference, 0-255) that counts as a cut; PySceneDetect's `threshold`: lower finds more cuts")
+    min_scene_len: float = setting(
+        0.6, run_key="when_set", ge=0, description="scene_cuts detect: seconds a scene lasts at least; cuts closer "
+        "together are merged (a camera flash is no scene); PySceneDetect's `min_scene_len`")
 
     @field_validator("num_frames")
     @classmethod
@@ -89,8 +100,10 @@ class DatasetConfig(StrictModel):
         "is ignored), paired by `conditioning_data` with any flavour's files (contracts/masks.py); unset: i2i source "
         "images")
     instance_data_dir: str | None = setting(None, run_key="always")
-    caption_strategy: Literal["textfile", "filename", "instanceprompt", "metadata"] = setting(
-        "textfile", run_key="always")
+    caption_strategy: Literal["textfile", "filename", "instanceprompt", "metadata", "auto"] = setting(
+        "textfile", run_key="always", description="auto: NAME.txt beside the file where there is one (a user's caption "
+        "always wins), else each clip is captioned from its frames by a Qwen2.5-VL (the `captions` asset; "
+        "caption_model_path, caption_prompt)")
     instance_prompt: str | None = setting(None, run_key="always")
     metadata_file: str | None = setting(
         None, run_key="always", description="caption_strategy metadata: .jsonl/.csv/.parquet of file -> caption(s); a "

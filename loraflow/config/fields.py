@@ -70,6 +70,21 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     vision_encoder_path: str | None = setting(
         None, run_key="when_set", description="flavours with a vision encoder (HunyuanVideo 1.5 i2v): a folder laid "
         "out as a checkpoint's image_encoder/; hunyuanvideo-1.5: default $HUNYUANVIDEO_VISION_ENCODER_PATH")
+    # caption_strategy auto (stages/captions/captions.py, docs/footage.md); unset, they leave every run its key
+    caption_model_path: str | None = setting(
+        None, run_key="when_set", description="caption_strategy auto: a Qwen2.5-VL folder or Hub id "
+        "(Qwen2_5_VLForConditionalGeneration with its processor); unset: the checkpoint's own first text encoder where "
+        "it is that full model (Kandinsky 5, Kandinsky 6), with the checkpoint's tokenizer folder as processor")
+    caption_prompt: str = setting(
+        "Describe this video in one sentence: the subject, what happens, the setting and the camera.",
+        run_key="when_set", min_length=1, description="caption_strategy auto: what the captioner is asked, shown the "
+        "clip's frames")
+    caption_max_new_tokens: int = setting(
+        77, run_key="when_set", ge=1, description="caption_strategy auto: the longest caption, in tokens (greedy "
+        "decoding)")
+    caption_prefix: str = setting(
+        "", run_key="when_set", description="caption_strategy auto: put before every generated caption (a trigger "
+        "word: 'sks, '); user caption files are taken as written")
     output_dir: str = setting("output", run_key="never")
     cache_dir: str = setting(
         "cache", run_key="never", description="store root: a local path or an fsspec URL (s3://...)")

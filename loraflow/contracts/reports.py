@@ -44,11 +44,24 @@ class BucketRow:
     latent_bytes: int | None = 0  # None when the VAE config is not readable
 
 
+@dataclass(frozen=True)
+class SceneRow:
+    """The scenes of one file with scene cuts on (`video.scene_cuts: detect`): found, and used (yielding a clip)."""
+
+    dataset: str
+    file: str  # the dataset-relative path
+    scenes: int
+    used: int
+    cuts: tuple[int, ...]  # the first frame of each scene after the first
+    path: str  # where the file is on this machine (the cut strip decodes its frames around each cut)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClipsReport(StageReport):
     quarantined: tuple[DroppedFile, ...] = ()
     buckets: tuple[BucketRow, ...]
     dropped: tuple[DropReason, ...]
+    scenes: tuple[SceneRow, ...] = ()  # scene cuts on: per file
 
     @property
     def clips(self) -> int:
@@ -59,6 +72,12 @@ class ClipsReport(StageReport):
         """What the latents stage will write (an estimate); None when the VAE config is not readable."""
         sizes = [r.latent_bytes for r in self.buckets]
         return None if None in sizes else sum(sizes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptionsReport(StageReport):
+    captioner: str  # the model's folder or Hub id ("": nothing to caption)
+    prompt: str
 
 
 # -- latents --------------------------------------------------------------------------------------------------

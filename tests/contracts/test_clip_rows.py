@@ -25,6 +25,8 @@ CLIP_COLUMNS = {"key": "string", "dataset": "string", "source": "string", "path"
                 "box": INTS, "captions": "list<element: string>", "repeats": "int64",
                 "source_version": "string"}  # added by issue 42 (a manifest without it reads as before)
 MASK_COLUMNS = {"mask": "string", "mask_path": "string", "mask_resize": INTS, "mask_box": INTS}
+# with `video.scene_cuts: detect` only (issue 60; tests/stages/test_scene_cuts.py): ClipRow.scene, after the others
+SCENE_COLUMNS = {"scene": "int64", "start_s": "double", "end_s": "double"}
 QUARANTINE_COLUMNS = {"dataset": "string", "file": "string", "reason": "string", "detail": "string"}
 
 
@@ -53,7 +55,7 @@ def test_the_typed_rows_are_the_manifest_columns(tiny_k5: Path, tmp_path: Path) 
 
     manifest = tmp_path / "cache" / "clips" / "manifest" / "v.parquet"
     assert columns(manifest) == {**CLIP_COLUMNS, **MASK_COLUMNS}  # names, order and types as always written
-    assert [f.name for f in fields(ClipRow)] == [*CLIP_COLUMNS, *PAIRED_COLUMNS]
+    assert [f.name for f in fields(ClipRow)] == [*CLIP_COLUMNS, *PAIRED_COLUMNS, "scene"]  # scene: SCENE_COLUMNS
     assert [f"mask_{f.name}" if f.name != "key" else "mask" for f in fields(PairedImage)] == [*MASK_COLUMNS]
     rows = store.read_manifest("clips")
     assert [clip.to_row() for clip in read_clips(store)] == rows and len(rows) == 1  # nothing lost either way

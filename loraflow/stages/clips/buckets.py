@@ -7,6 +7,7 @@ check`'s plan (bucket_plan.py), which both use them.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import random
@@ -104,6 +105,16 @@ def select_clips(
         usable = min(len(timeline), max_frames or len(timeline))
         return [timeline[: round_down_4k1(usable)]]
     return [timeline[s : s + num_frames] for s in clip_starts(len(timeline), num_frames, mode, stride, samples)]
+
+
+def scene_timelines(timeline: Sequence[int], cuts: Sequence[int]) -> list[list[int]]:
+    """The resampled timeline split at the scene cuts (each the first source frame of a new scene, sorted): one list
+    a scene, in order, with the timeline's frames of that scene (a scene with none of them: an empty list), so a
+    clip chosen inside one list never spans a cut."""
+    scenes: list[list[int]] = [[] for _ in range(len(cuts) + 1)]
+    for frame in timeline:
+        scenes[bisect.bisect_right(cuts, frame)].append(frame)
+    return scenes
 
 
 def frames_for_bucket(frames: int, frame_interval: int | None) -> int:

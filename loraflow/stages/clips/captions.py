@@ -2,20 +2,24 @@
 
 `textfile` reads NAME.txt beside the file (the extension in any case: cameras and Windows tools write `.TXT`), one
 caption per non-empty line;
-`filename` uses the file's stem; `instanceprompt` the dataset's `instance_prompt`; `metadata` looks the file
-up in `metadata_file` (.jsonl, .csv or .parquet with a file column - file_name, file, filename or path -
-holding the dataset-relative path or the bare name, and a caption column - caption, captions, text or
-prompt - holding a string or a list; repeated rows add captions). Rules, the same for every strategy: an
-empty caption trains on the empty prompt; a missing caption (no .txt, not in the metadata) quarantines the
-file as `missing_caption`, two caption files (`a.txt` and `a.TXT`) as `ambiguous_caption`; a caption file that is
-not UTF-8 quarantines it as `caption_not_utf8` (a byte-order mark is read: UTF-16 as Windows editors save "Unicode"
-text, and UTF-8); a caption file or a relative metadata_file that leads outside the dataset folder as `link_outside`
-(unread; `allow_links_outside`). Limits the dataset sets: more than `max_captions_per_file` captions quarantine the
-file as `too_many_captions`, a caption longer than `max_caption_chars` characters as `caption_too_long` (a caption
-file too large to fit both is not read past that size). A caption holding a control character (NUL, ESC, DEL, ...;
-tabs and line ends are text) quarantines the file as `caption_control_chars`: such a file is seldom a caption (a NUL
-is mostly UTF-16 saved without its byte-order mark, or binary data), and stripping the characters would train on a
-guess, so the user is told to fix the file.
+`filename` uses the file's stem; `instanceprompt` the dataset's `instance_prompt`; `metadata` looks the file up in
+`metadata_file` (.jsonl, .csv or .parquet with a file column - file_name, file, filename or path - holding the
+dataset-relative path or the bare name, and a caption column - caption, captions, text or prompt - holding a string or a
+list; repeated rows add captions); `auto` reads NAME.txt as textfile does where there is one, and leaves a file without
+one to the `captions` stage (no captions here: `()`, which that stage fills). Rules, the same for every strategy: an
+empty caption trains on the empty prompt; a missing caption (no .txt, not in the metadata) quarantines the file as
+`missing_caption`, two caption files (`a.txt` and `a.TXT`) as `ambiguous_caption`; a caption file that is not UTF-8
+quarantines it as `caption_not_utf8` (a byte-order mark is read: UTF-16 as Windows editors save "Unicode" text, and
+UTF-8); a caption file or a relative metadata_file that leads outside the dataset folder as `link_outside` (unread;
+`allow_links_outside`). Limits the dataset sets: more than `max_captions_per_file` captions quarantine the file as
+`too_many_captions`, a caption longer than `max_caption_chars` characters as `caption_too_long` (a caption file too
+large to fit both is not read past that size). A caption holding a control character (NUL, ESC, DEL, ...; tabs and line
+ends are text) quarantines the file as `caption_control_chars`: such a file is seldom a caption (a NUL is mostly UTF-16
+saved without its byte-order mark, or binary data), and stripping the characters would train on a guess, so the user is
+told to fix the file.
+With `video.scene_cuts: detect`, a scene may have its own caption file beside the video's, NAME.nnnn.txt for scene
+nnnn (from 1, four digits: `a.0003.txt` is the third scene of a.mp4); scenes without one take the file's captions
+(`read_scene_captions`).
 
 Sound captions, read only for a family that puts them in its prompt (`FamilySpec.compose_prompt`: Kandinsky 6): the
 audio caption (what the clip sounds like) is `NAME.audio.txt` beside the file (textfile; its lines joined by spaces)
@@ -35,6 +39,7 @@ import itertools
 import json
 import re
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -47,6 +52,8 @@ from loraflow.config.dataset import DatasetConfig
 from loraflow.media.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 from loraflow.stages.clips.dataset_folder import SOUND_CAPTION_KINDS, link_outside, printable, read_or_quarantine
 
+TEXT_FILES = ("textfile", "auto")  # the strategies that read NAME.txt (and scenes' NAME.nnnn.txt)
+
 
 def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
     """Captions for a file. Rule: textfile = one caption per non-empty line; an empty file is the empty
@@ -57,7 +64,44 @@ def read_captions(path: Path, dataset: DatasetConfig) -> list[str]:
         return _checked([path.stem.replace("_", " ").replace("-", " ").strip()], path.name, dataset)
     if dataset.caption_strategy == "metadata":
         return _metadata_captions(path, dataset)
-    caption_file = _caption_file(path)
+    if dataset.caption_strategy == "auto":  # a user's caption file wins; none: [], captioned by the `captions` stage
+        found = _caption_file(path, required=False)
+        return [] if found is None else _textfile_captions(found, dataset)
+    return _textfile_captions(_caption_file(path), dataset)
+
+
+def read_scene_captions(path: Path, dataset: DatasetConfig, scenes: Iterable[int]) -> dict[int, tuple[str, ...]]:
+    """Captions of each of a file's `scenes` (numbers from 1; `video.scene_cuts: detect`). textfile: scene n's own
+    caption file NAME.nnnn.txt (n in four digits: `a.0003.txt` is scene 3 of a.mp4) where there is one, else the
+    file's NAME.txt, which is then needed (missing_caption names both); every other strategy: the file's captions,
+    for every scene. An own caption file is read under the rules of NAME.txt."""
+    shared: tuple[str, ...] | None = None
+    captions = {}
+    for number in scenes:
+        own = _caption_file(_scene_path(path, number), required=False) if dataset.caption_strategy in \
+            TEXT_FILES else None
+        if own is not None:
+            captions[number] = tuple(_textfile_captions(own, dataset))
+            continue
+        if shared is None:
+            try:
+                shared = tuple(read_captions(path, dataset))
+            except MediaError as exc:
+                if exc.reason != "missing_caption" or dataset.caption_strategy != "textfile":
+                    raise
+                own_name = printable(_scene_path(path, number).with_suffix(".txt").name)
+                raise MediaError("missing_caption", f"{exc}, nor {own_name} for its scene {number} (video.scene_cuts "
+                                 "detect)") from None
+        captions[number] = shared
+    return captions
+
+
+def _scene_path(path: Path, number: int) -> Path:
+    """NAME.nnnn.EXT beside `path` (NAME.EXT): its scene `number` as a file, whose caption file is NAME.nnnn.txt."""
+    return path.with_name(f"{path.stem}.{number:04d}{path.suffix}")
+
+
+def _textfile_captions(caption_file: Path, dataset: DatasetConfig) -> list[str]:
     if problem := link_outside(caption_file, dataset):
         raise problem
     most = _most_bytes(dataset)
@@ -79,7 +123,7 @@ def read_sound_captions(path: Path, dataset: DatasetConfig) -> tuple[str, tuple[
         row = _metadata_row(path, dataset)
         audio = _checked([" ".join(row.audio)] if row.audio else [], f"{printable(path.name)} audio_caption", dataset)
         return (audio[0] if audio else ""), _checked(list(row.speech), f"{printable(path.name)} speech", dataset)
-    if dataset.caption_strategy != "textfile":
+    if dataset.caption_strategy not in TEXT_FILES:
         return "", ()
     kinds = {kind: [line for line in _sound_caption_lines(path, kind, dataset) if line] for kind in SOUND_CAPTION_KINDS}
     audio = kinds["audio"]
@@ -115,9 +159,9 @@ def _most_bytes(dataset: DatasetConfig) -> int:
 _CAPTION_SUFFIXES = tuple("".join(letters) for letters in itertools.product(*zip(".txt", ".TXT")))
 
 
-def _caption_file(path: Path, kind: str = "") -> Path:
-    """The caption file beside `path`: NAME.txt (`kind` ".audio": NAME.audio.txt), the extension in any case; none,
-    or two, quarantine the file."""
+def _caption_file(path: Path, kind: str = "", required: bool = True) -> Path | None:
+    """The caption file beside `path`: NAME.txt (`kind` ".audio": NAME.audio.txt), the extension in any case; two
+    quarantine the file, and so does none where `required` (else: None)."""
     found: dict[tuple[int, int], Path] = {}
     for suffix in _CAPTION_SUFFIXES:
         candidate = path.with_suffix(kind + suffix)
@@ -127,6 +171,8 @@ def _caption_file(path: Path, kind: str = "") -> Path:
             continue
         if stat.S_ISREG(info.st_mode):  # one file under two spellings (a case-insensitive disk) is one file
             found.setdefault((info.st_dev, info.st_ino), candidate)
+    if not found and not required:
+        return None
     if not found:
         raise MediaError("missing_caption", f"{printable(path.name)}: no caption file "
                          f"{printable(path.with_suffix(kind + '.txt').name)} (caption_strategy textfile)")

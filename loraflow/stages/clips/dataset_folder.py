@@ -10,16 +10,18 @@ hidden file named like media: the dataset_watch sensor does not watch hidden fil
 `allow_links_outside: true`; captions, metadata files and masks are held to the same test, `link_outside()`, where
 they are read),
 `unreadable` (a folder the OS will not list) and `not_used` (any other file nothing reads: a caption whose video is
-gone, `.txt` files under a caption_strategy other than textfile, notes; `.txt` in any case, as cameras and Windows
-tools write `.TXT`). Other hidden entries (.DS_Store, .git) are not data: neither read nor listed. A sound caption
-(`a.audio.txt`, `a.speech.txt` beside `a.mp4`: stages/clips/captions.py) is read where the family reads them
-(`sound_captions`) and is `not_used` elsewhere; `a.audio.txt` beside a video `a.audio.*` is that video's caption.
+gone, a scene's caption NAME.nnnn.txt while `video.scene_cuts` is off, `.txt` files under a caption_strategy other
+than textfile, notes; `.txt` in any case, as cameras and Windows tools write `.TXT`). Other hidden entries
+(.DS_Store, .git) are not data: neither read nor listed. A sound caption (`a.audio.txt`, `a.speech.txt` beside
+`a.mp4`: stages/clips/captions.py) is read where the family reads them (`sound_captions`) and is `not_used`
+elsewhere; `a.audio.txt` beside a video `a.audio.*` is that video's caption.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from loraflow.config.dataset import DatasetConfig
 from loraflow.media.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 
 T = TypeVar("T")
+SCENE_CAPTION = re.compile(r"^(?P<stem>.+)\.(?P<scene>\d{4,})$")  # a scene's caption file's stem: NAME.nnnn
 
 MEDIA_EXTENSIONS = VIDEO_EXTENSIONS | IMAGE_EXTENSIONS
 # Formats FFmpeg or Pillow read that datasets do not take: named, so that each is reported with how to convert it.
@@ -141,7 +144,7 @@ def _unused(path: Path, dataset: DatasetConfig, root: Path, media_stems: set[tup
     if strategy == "metadata" and path.resolve() == (root / (dataset.metadata_file or "")).resolve():
         return None  # an absolute metadata_file stays absolute under the join
     caption = path.suffix.lower() == ".txt"
-    if caption and strategy == "textfile":
+    if caption and strategy in ("textfile", "auto"):
         if (path.parent, path.stem) in media_stems:
             return None
         owner, _, kind = path.stem.rpartition(".")
@@ -150,6 +153,13 @@ def _unused(path: Path, dataset: DatasetConfig, root: Path, media_stems: set[tup
                 return None
             return MediaError("not_used", f"{name}: the {kind} caption of {printable(owner)}.*, which this model "
                                           "family does not read (its prompts do not describe the sound)")
+        scene = SCENE_CAPTION.match(path.stem)
+        if scene and (path.parent, scene["stem"]) in media_stems:
+            if dataset.video.scene_cuts == "detect":
+                return None  # a scene's own caption (captions.read_scene_captions)
+            return MediaError("not_used", f"{name}: the caption of scene {int(scene['scene'])} of "
+                              f"{printable(scene['stem'])}.*, but scene cuts are off; nothing reads it (`video."
+                              "scene_cuts: detect` would)")
         return MediaError("not_used", f"{name}: a caption with no video or image named {printable(path.stem)}.* "
                                       "beside it; nothing reads it")
     if caption:
