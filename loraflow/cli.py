@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from loraflow.stages.clips.buckets import LatentGeometry
 
 DEMO_CONFIG = "configs/demo.yaml"
+LORA_PATHS = ("lora_path", "comfyui_lora_path", "musubi_lora_path")  # the lora stage's files: diffusers, its twins
 
 
 def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
@@ -60,9 +61,9 @@ def run_demo(config_path: str) -> int:
 
 
 def demo_summary(results: list) -> list[str]:
-    """One line per materialization (computed / reused), then where the LoRA (the diffusers file, and the ComfyUI file
-    for ComfyUI's models/loras), the video and its contact sheet (base frames over LoRA frames: the quickest look at
-    what training did) are."""
+    """One line per materialization (computed / reused), then where the LoRA (the diffusers file, the ComfyUI file
+    for ComfyUI's models/loras, the musubi-tuner file for its --lora_weight), the video and its contact sheet (base
+    frames over LoRA frames: the quickest look at what training did) are."""
     lines, paths = [], []
     for result in results:
         for event in result.get_asset_materialization_events():
@@ -71,8 +72,7 @@ def demo_summary(results: list) -> list[str]:
             counts = {k: meta[k].value for k in ("computed", "reused") if k in meta}
             lines.append(f"{stage + where:>26}  computed {counts.get('computed', '-')}, "
                          f"reused {counts.get('reused', '-')}")
-            paths += [f"{name}: {meta[name].value}" for name in ("lora_path", "comfyui_lora_path", "video")
-                      if name in meta]
+            paths += [f"{name}: {meta[name].value}" for name in LORA_PATHS + ("video",) if name in meta]
             if "video" in meta:  # validate() writes the sheet beside the renders
                 paths.append(f"contact_sheet: {Path(meta['video'].value).with_name('contact_sheet.png')}")
     return lines + paths

@@ -242,6 +242,8 @@ def _train(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materi
             "lora_path": MetadataValue.path(report.lora_path),  # diffusers' load_lora_weights
             **({"comfyui_lora_path": MetadataValue.path(report.comfyui_lora_path)}  # ComfyUI's models/loras
                if report.comfyui_lora_path else {}),
+            **({"musubi_lora_path": MetadataValue.path(report.musubi_lora_path)}  # musubi-tuner's --lora_weight
+               if report.musubi_lora_path else {}),
             "final_loss": md.number(float("nan") if report.final_loss is None else report.final_loss),
             "peak_gib": md.number(report.peak_gib),  # CUDA only: 0 on the CPU
             **md.estimated_peak(config, family, model, "lora", store, "cuda" if report.peak_gib else "cpu"),

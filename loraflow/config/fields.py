@@ -103,10 +103,12 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     lora_dropout: float = setting(0.0, run_key="always", ge=0, lt=1)
     lora_include_ffn: bool = setting(False, run_key="always", description="also adapt the feed-forward layers")
     # export formats, not part of the run: a finished run converts its file on reuse (training/checkpoints.py)
-    lora_format: Literal["diffusers", "comfyui"] | None = setting(
+    lora_format: Literal["diffusers", "comfyui", "musubi"] | None = setting(
         None, run_key="never", description="unset: the diffusers file and, for every adapter kind ComfyUI applies as "
-        "peft does (not DoRA; not LoKr/LoHa on HunyuanVideo 1.5), the ComfyUI file beside it; diffusers: the "
-        "diffusers file only; comfyui: both, an error where ComfyUI cannot apply the adapter")
+        "peft does (not DoRA; not LoKr/LoHa on HunyuanVideo 1.5), the ComfyUI file beside it, and for a plain LoRA "
+        "of a family musubi-tuner loads (Kandinsky 5, HunyuanVideo 1.5) the musubi-tuner file; diffusers: the "
+        "diffusers file only; comfyui / musubi: the diffusers file and that one, an error where it cannot be "
+        "written (docs/lora-files.md)")
     # Tencent-Hunyuan/HunyuanVideo-1.5 train.py's `i2v_prob` (its default 0.3); unset keeps runs from before it
     i2v_prob: float | None = setting(
         None, run_key="when_set", ge=0, le=1, description="HunyuanVideo 1.5 and Kandinsky 6 i2v flavours: train "
@@ -298,8 +300,9 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     use_dora: bool = setting(
         False, run_key="when_set", description="DoRA (peft `use_dora`): a learned magnitude per output row")
     init_lora: str | None = setting(
-        None, run_key="never", description="start training from this LoRA file (diffusers/peft or ComfyUI key "
-        "names, the same rank and targets); its content hash, not its path, is part of the run's inputs")
+        None, run_key="never", description="start training from this LoRA file (diffusers/peft, ComfyUI or "
+        "musubi-tuner key names, the same rank and targets); its content hash, not its path, is part of the run's "
+        "inputs")
     use_ema: bool = setting(
         False, run_key="when_set", description="also keep an EMA of the adapter, written beside the LoRA as "
         "pytorch_lora_weights_ema.safetensors (and in every checkpoint); the LoRA itself is unchanged")

@@ -338,8 +338,12 @@ class LoraflowConfig(ConfigFields):
 
     @property
     def dataset_folders(self) -> dict[str, str]:
-        """Each training dataset's id -> its folder (`instance_data_dir`, required of every one)."""
-        return {d.id: d.instance_data_dir or "" for d in self.training_datasets}
+        """Each training dataset's id -> its folder (`instance_data_dir`; a Hugging Face dataset's: `as_folder`)."""
+        return {d.id: self.folder_dataset(d).instance_data_dir or "" for d in self.training_datasets}
+
+    def folder_dataset(self, dataset: DatasetConfig) -> DatasetConfig:
+        """`dataset` as the clips stage reads it (`DatasetConfig.as_folder`)."""
+        return dataset.as_folder(self.cache_dir)
 
     def source_images(self, dataset: DatasetConfig) -> DatasetConfig | None:
         """The conditioning dataset i2i pairs `dataset`'s images with (its `conditioning_data`), if any."""

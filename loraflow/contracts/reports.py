@@ -191,6 +191,7 @@ class LoraReport(StageReport):
     samples_per_s: float  # median over the steps
     peak_gib: float
     comfyui_lora_path: str | None = None  # where the ComfyUI file was written
+    musubi_lora_path: str | None = None  # where the musubi-tuner file was written
 
     @property
     def final_loss(self) -> float | None:
@@ -198,10 +199,9 @@ class LoraReport(StageReport):
 
     def summary(self) -> dict[str, Any]:
         """The report as JSON values, as a launched trainer hands it to Dagster: the history stays in the run
-        folder's history.json, the data version goes beside, comfyui_lora_path only where exported."""
+        folder's history.json, the data version goes beside, comfyui_ / musubi_lora_path only where exported."""
         left_out = {"data_version", "quarantined", "history"}
-        if self.comfyui_lora_path is None:
-            left_out.add("comfyui_lora_path")
+        left_out |= {name for name in ("comfyui_lora_path", "musubi_lora_path") if getattr(self, name) is None}
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
         return values | {"final_loss": self.final_loss}
 

@@ -49,6 +49,8 @@ class ModelFamily(Protocol):
     max_text_tokens: int  # the first text encoder keeps at most this many caption tokens (more: truncated)
     tread_layout: TokenLayout  # where the transformer keeps its visual tokens, for TREAD routing
     comfyui_names: tuple[ComfyRule, ...]  # diffusers module -> ComfyUI module (the ComfyUI file)
+    # diffusers module -> the module of musubi-tuner's model (the musubi file); () where musubi has no loader
+    musubi_names: tuple[ComfyRule, ...]
     # components the latents stage loads beside the VAE for `image_condition` (HV1.5 i2v's SigLIP); ()
     image_condition_components: tuple[str, ...]
     # what `image_condition` caches ("" nothing), for the latent key where it has no components, whose fingerprints

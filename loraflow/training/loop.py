@@ -51,15 +51,15 @@ from loraflow.training.checkpoints import (
     LORA_FILE,
     LoraExport,
     adapter_config,
-    comfyui_twin,
-    export_comfyui,
     export_lora,
+    export_twins,
     latest_checkpoint,
     lora_state,
     optimizer_state,
     resume_optimizer,
     save_checkpoint,
     writes_comfyui,
+    writes_musubi,
 )
 from loraflow.training.launch.distributed import (
     average_gradients_,
@@ -107,12 +107,14 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
     out = run.out
     finished = (out / LORA_FILE).is_file()
     check_same_everywhere("the run folder", lambda: content_key(run=out.name, finished=finished), world, device)
-    comfyui = writes_comfyui(config, family)  # `lora_format: comfyui` that cannot be: an error before any training
+    # `lora_format: comfyui` / `musubi` that cannot be: an error before any training
+    twins = writes_comfyui(config, family), writes_musubi(config, family)
     if finished:
-        if comfyui and world.main:  # a run finished without its ComfyUI files gets them, converted (no retraining)
+        if world.main:  # a run finished without its ComfyUI / musubi files gets them, converted (no retraining)
+            reuse = LoraExport({}, family, *twins)
             for lora_file in (out / LORA_FILE, out / EMA_LORA_FILE):
-                if lora_file.is_file() and not comfyui_twin(lora_file).is_file():
-                    export_comfyui(lora_file, family)
+                if lora_file.is_file():
+                    export_twins(lora_file, reuse)
         return lora_report(out, upstream, computed=0)
     samples = build_samples(config, store)
     check_same_everywhere("the samples", lambda: content_key(samples=[(s.latent_key, s.text_key) for s in samples]),
@@ -127,7 +129,7 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
     start, rows = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
     history = [TrainStep(**row) for row in rows]
     # 3. steps
-    export = LoraExport(adapter_config(trained.transformer), family, comfyui)  # users' files: checkpoints, the end
+    export = LoraExport(adapter_config(trained.transformer), family, *twins)  # users' files: checkpoints, the end
     history = run_steps(run, plan, trained, optimizer, start, history, export)
     check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, [gathered(p) for p in params]),
                           world, device)

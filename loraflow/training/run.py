@@ -35,7 +35,7 @@ from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 from loraflow.training.batches import training_texts
-from loraflow.training.checkpoints import LORA_FILE, comfyui_twin
+from loraflow.training.checkpoints import LORA_FILE, comfyui_twin, musubi_twin
 from loraflow.training.options.adapters import init_lora_version
 
 if TYPE_CHECKING:
@@ -101,9 +101,10 @@ def lora_report(out: Path, upstream: dict[str, str], computed: int, resumed_at: 
     rows = json.loads((out / "history.json").read_text())  # written before the adapter: always there
     history = tuple(TrainStep(**row) for row in rows)
     speeds = [row.samples_per_s for row in history if row.samples_per_s is not None]
-    comfyui = comfyui_twin(out / LORA_FILE)
+    comfyui, musubi = comfyui_twin(out / LORA_FILE), musubi_twin(out / LORA_FILE)
     return LoraReport(data_version=out.name, computed=computed, reused=0 if computed else 1, history=history,
                       lora_path=str(out / LORA_FILE), run_dir=str(out), inputs=upstream, resumed_at_step=resumed_at,
                       samples_per_s=float(np.median(speeds)) if speeds else 0.0,
                       peak_gib=max((row.peak_gib or 0.0 for row in history), default=0.0),
-                      comfyui_lora_path=str(comfyui) if comfyui.is_file() else None)
+                      comfyui_lora_path=str(comfyui) if comfyui.is_file() else None,
+                      musubi_lora_path=str(musubi) if musubi.is_file() else None)

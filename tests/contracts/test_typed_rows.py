@@ -76,6 +76,8 @@ def test_the_trainers_summary_keeps_its_keys(tmp_path: Path) -> None:
     assert report.summary() == {**{k: getattr(report, k) for k in keys}, "final_loss": 0.75}
     exported = LoraReport(**{**vars(report), "comfyui_lora_path": "c.safetensors"})
     assert list(exported.summary()) == [*keys, "comfyui_lora_path", "final_loss"]
+    both = LoraReport(**{**vars(exported), "musubi_lora_path": "m.safetensors"})
+    assert list(both.summary()) == [*keys, "comfyui_lora_path", "musubi_lora_path", "final_loss"]
 
 
 def test_a_prompts_result_json_has_adapters_only_where_they_rendered() -> None:

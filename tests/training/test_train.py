@@ -161,18 +161,24 @@ def test_a_config_change_starts_a_new_run_and_a_rerun_computes_nothing(baseline,
 
 
 def test_a_finished_run_without_its_comfyui_file_gets_it_on_reuse(baseline, caches: dict[str, Path]) -> None:
-    """A run finished before the ComfyUI file was written by default (or under `lora_format: diffusers`): reused with
-    the default, its ComfyUI file is converted from the diffusers file, nothing retrained."""
+    """A run finished before the ComfyUI and musubi-tuner files were written by default (or under `lora_format:
+    diffusers`): reused with the default, they are converted from the diffusers file, nothing retrained."""
     from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
+    from loraflow.pipelines.musubi import MUSUBI_LORA_FILE
 
     config, first = baseline
     run = Path(first.run_dir)
     assert config.lora_format is None and first.comfyui_lora_path == str(run / COMFYUI_LORA_FILE)
+    assert first.musubi_lora_path == str(run / MUSUBI_LORA_FILE)  # and musubi-tuner's (Kandinsky 5: it loads it)
+    musubi = load_file(run / MUSUBI_LORA_FILE)
     (run / COMFYUI_LORA_FILE).unlink()
+    (run / MUSUBI_LORA_FILE).unlink()
     one_file = train(make_config(caches, Path(config.output_dir), lora_format="diffusers"))  # the opt-out
-    assert one_file.computed == 0 and one_file.comfyui_lora_path is None
+    assert one_file.computed == 0 and one_file.comfyui_lora_path is None and one_file.musubi_lora_path is None
     again = train(config)
     assert again.computed == 0 and again.run_dir == str(run)
+    converted = load_file(again.musubi_lora_path)
+    assert converted.keys() == musubi.keys() and all(torch.equal(converted[k], musubi[k]) for k in musubi)
     comfy = load_file(again.comfyui_lora_path)
     ranks = {v.shape[0] for k, v in comfy.items() if k.endswith("lora_down.weight")}
     alphas = {float(v) for k, v in comfy.items() if k.endswith(".alpha")}

@@ -95,6 +95,15 @@ HUNYUANVIDEO15_COMFYUI_NAMES = (
     ComfyRule(_BLOCK + r"ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.0"),
     ComfyRule(_BLOCK + r"ff_context\.net\.2", r"double_blocks.\1.txt_mlp.2"),
 )
+# musubi-tuner's HunyuanVideo 1.5 model keeps Tencent's split names (kohya-ss/musubi-tuner hunyuan_video_1_5/
+# hunyuan_video_1_5_modules.py `MMDoubleStreamBlock`, `MLP` at 30c658c4f4b0): diffusers' renames above, undone
+_MUSUBI_PARTS = {"attn.to_q": "img_attn_q", "attn.to_k": "img_attn_k", "attn.to_v": "img_attn_v",
+                 "attn.add_q_proj": "txt_attn_q", "attn.add_k_proj": "txt_attn_k", "attn.add_v_proj": "txt_attn_v",
+                 "attn.to_out.0": "img_attn_proj", "attn.to_add_out": "txt_attn_proj",
+                 "ff.net.0.proj": "img_mlp.fc1", "ff.net.2": "img_mlp.fc2",
+                 "ff_context.net.0.proj": "txt_mlp.fc1", "ff_context.net.2": "txt_mlp.fc2"}
+HUNYUANVIDEO15_MUSUBI_NAMES = tuple(ComfyRule(_BLOCK + diffusers.replace(".", r"\."), rf"double_blocks.\1.{musubi}")
+                                    for diffusers, musubi in _MUSUBI_PARTS.items())
 
 
 def chat(text: str) -> list[dict[str, str]]:
@@ -133,6 +142,7 @@ class HunyuanVideo15:
     tread_layout: TokenLayout = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0,
                                             depth="num_layers")
     comfyui_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_COMFYUI_NAMES  # the ComfyUI file
+    musubi_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_MUSUBI_NAMES  # the musubi-tuner file
     text_twin: ClassVar[None] = None  # no other family encodes its texts alike
 
     @property

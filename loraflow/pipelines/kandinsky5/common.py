@@ -42,6 +42,9 @@ KANDINSKY5_COMFYUI_NAMES = (
         r"((?:text|visual)_transformer_blocks\.\d+\.(?:self_attention|cross_attention|feed_forward)\.\w+)", r"\1"
     ),
 )
+# musubi-tuner's Kandinsky 5 DiT (kohya-ss/musubi-tuner kandinsky5/models/dit.py, nn.py at 30c658c4f4b0) keeps the
+# same module names too: its names are the diffusers ones (pipelines/musubi.py)
+KANDINSKY5_MUSUBI_NAMES = KANDINSKY5_COMFYUI_NAMES
 
 
 def template_crop(tokenizer: Any, template: str) -> int:
@@ -165,6 +168,7 @@ class Kandinsky5Shared:
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1,
                                             depth="num_visual_blocks")
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # one transformer class: one ComfyUI file
+    musubi_names: tuple[ComfyRule, ...] = KANDINSKY5_MUSUBI_NAMES  # and one musubi-tuner file
     # Video i2v's image is latent frame 0 itself (`conditioning_frames`), and Image i2i's source latent needs the VAE
     # only: no component and nothing cached beside the latent (i2i names its `image_condition`: "source_image")
     image_condition_components: tuple[str, ...] = ()

@@ -121,6 +121,7 @@ class Kandinsky6(Kandinsky5Shared):
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=5, rope_token_dim=0,
                                             output_index=0, depth="num_visual_blocks")
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY6_COMFYUI_NAMES
+    musubi_names: tuple[ComfyRule, ...] = ()  # musubi-tuner has no Kandinsky 6 model (pipelines/musubi.py)
     image_condition_components: tuple[str, ...] = ()  # the VAE alone encodes the image
     # i2v: "first_frame", the latents stage caches each clip's first frame encoded alone (the appended tail frame);
     # `make_family` sets it from the flavour

@@ -16,7 +16,7 @@ from loraflow.contracts.reports import BucketRow
 from loraflow.media.frames import ProbeCache
 from loraflow.stages.clips.buckets import LatentGeometry, tally_buckets
 from loraflow.stages.clips.clips import plan_files, reads_sound_captions
-from loraflow.stages.clips.dataset_folder import list_folder
+from loraflow.stages.clips.hub_dataset import readable
 
 if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
     from loraflow.pipelines import FamilyPlan
@@ -44,9 +44,9 @@ def plan_buckets(config: LoraflowConfig, family: FamilyPlan | ModelFamily, geome
     planned: list[ClipRow] = []
     probes = ProbeCache()  # in memory: checking a config writes nothing to its cache
     for dataset in config.training_datasets:
-        try:
-            listing = list_folder(dataset, reads_sound_captions(family))
-        except FileNotFoundError as exc:
+        try:  # a Hugging Face dataset's rows are written to its folder first (hub_dataset.readable)
+            dataset, listing = readable(dataset, config.cache_dir, reads_sound_captions(family))
+        except (FileNotFoundError, ValueError, ImportError) as exc:
             plan.problems.append(str(exc))
             continue
         if not listing.files:

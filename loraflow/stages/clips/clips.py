@@ -43,14 +43,8 @@ from loraflow.pipelines.sources import ModelSource
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
 from loraflow.stages.clips.captions import TEXT_FILES, read_captions, read_scene_captions, read_sound_captions
-from loraflow.stages.clips.dataset_folder import (
-    SCENE_CAPTION,
-    Listing,
-    link_outside,
-    list_folder,
-    printable,
-    read_or_quarantine,
-)
+from loraflow.stages.clips.dataset_folder import SCENE_CAPTION, Listing, link_outside, printable, read_or_quarantine
+from loraflow.stages.clips.hub_dataset import readable
 from loraflow.store import Store
 
 if TYPE_CHECKING:  # planning needs the family's plain spec only (`plan_family`); base imports torch
@@ -447,8 +441,10 @@ def scene_table(manifest: list[ClipRow], probes: ProbeCache) -> tuple[SceneRow, 
 
 def _plan_dataset(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource,
                   dataset: DatasetConfig, probes: ProbeCache) -> tuple[list[ClipRow], list[DroppedFile]]:
-    """A dataset's clips, and a quarantine row for every entry of its folder that yields none."""
-    planned = plan_files(config, family, model, dataset, list_folder(dataset, reads_sound_captions(family)), probes)
+    """A dataset's clips, and a quarantine row for every entry of its folder (or row of its Hugging Face dataset)
+    that yields none."""
+    folder_dataset, listing = readable(dataset, config.cache_dir, reads_sound_captions(family))
+    planned = plan_files(config, family, model, folder_dataset, listing, probes)
     probes.commit()
     return planned
 
