@@ -115,6 +115,8 @@ def check(config_path: str, estimate: bool = True) -> int:
           f"{len(config.training_datasets)} training dataset(s))")
     family = plan_family(config)
     problems, source, geometry = model_problems(config, family)
+    # a model folder that is there but refused is not built, not even on the meta device for an estimate
+    refused = bool(problems) and (Path(config.pretrained_model_name_or_path) / "model_index.json").is_file()
     if source is not None and config.validation_size is not None:  # a local folder's was checked at load
         problem = family.validation_size_problem(source, *config.validation_size)
         problems += [problem] if problem else []
@@ -130,7 +132,9 @@ def check(config_path: str, estimate: bool = True) -> int:
     print(f"  total: {sum(b.clips for b in plan.buckets)} clip(s) in {len(plan.buckets)} bucket(s), frames "
           f"{human_bytes(sum(b.frames_bytes for b in plan.buckets))}, latents {human_bytes(latent_total)}"
           + ("" if geometry else " (unknown: no readable vae/config.json)"))
-    if estimate:
+    if estimate and refused:
+        print("\nestimates: left out until the model's problems below are fixed")
+    elif estimate:
         print_estimates(config, family, source, plan.buckets)
     print("\ncaption limits (a file past them is dropped):")
     for d in config.training_datasets:

@@ -378,7 +378,8 @@ def transformer_problem(config: Path | Mapping[str, Any], flavour: Flavour) -> s
 def component_problems(source: ModelSource, component: str, entry: Any, flavour: Flavour) -> list[str]:
     """Why one component cannot be loaded ([] when it can): its model_index.json entry names a class the flavour
     does not load (the entry picks the Python module and class from_pretrained imports: nothing else is imported);
-    its folder holds weights only as pickles; a .safetensors header does not describe its file."""
+    its folder holds weights only as pickles; its config.json is unreadable or past its family's released sizes
+    (`released.size_problems`); a .safetensors header does not describe its file."""
     found = ".".join(entry) if isinstance(entry, list) and all(isinstance(e, str) for e in entry) else repr(entry)
     expected = flavour.classes.get(component, ())
     if found not in expected:
@@ -390,7 +391,7 @@ def component_problems(source: ModelSource, component: str, entry: Any, flavour:
     problem = weights_problem(f"{source} {component}/", [f.name for f in files])
     if problem:
         return [problem]
-    problems = []
+    problems = config_problems(source.folder(component) / "config.json", flavour, component)
     for file in files:
         if file.suffix == ".safetensors":
             try:
@@ -398,3 +399,15 @@ def component_problems(source: ModelSource, component: str, entry: Any, flavour:
             except UnreadableSafetensors as exc:
                 problems.append(str(exc))
     return problems
+
+
+def config_problems(path: Path, flavour: Flavour, component: str) -> list[str]:
+    """Why a component's config.json cannot be built from ([] when it can, or when the component has none)."""
+    from loraflow.pipelines.released import read_model_config, size_problems
+
+    if not path.is_file():
+        return []
+    try:
+        return size_problems(read_model_config(path), path, flavour.name, component)
+    except ValueError as exc:
+        return [str(exc)]
