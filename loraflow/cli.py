@@ -182,7 +182,8 @@ def print_estimates(config: LoraflowConfig, plan: FamilyPlan, source: ModelSourc
     import functools
 
     from loraflow import estimates
-    from loraflow.pipelines import get_family
+    from loraflow.kernels.attention_backend import describe_choice
+    from loraflow.pipelines import family_spec, get_family
     from loraflow.pipelines.released import FOLDER, released_config
 
     print("\nestimates (no model loads; loraflow/estimates/ says how each is computed):")
@@ -221,6 +222,11 @@ def print_estimates(config: LoraflowConfig, plan: FamilyPlan, source: ModelSourc
     print(f"  fit: {estimates.FIT_MARKS}")
     print(table(estimates.estimate_rows(stages),
                 ("stage", "peak GiB", "TFLOP", *(f"{gb}GB" for gb in estimates.CARDS_GB), "note")))
+    nabla = configs["transformer"].get("attention_type") == "nabla"
+    print(f"  attention kernel: {describe_choice(config.attention_backend, nabla)}")
+    attention_note = family_spec(config.model_family).attention_note
+    if attention_note is not None:
+        print(f"  {attention_note(config.flavour, configs['transformer'], bucket, plan.max_text_tokens)}")
     if card is None:
         return
     for stage in stages:

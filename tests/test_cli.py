@@ -575,3 +575,30 @@ def test_loss_optimizer_and_flow_schedule_options_import_under_their_names() -> 
     for variant in ("sdnq-muon", "adamw_schedulefree+no_kahan", "adamw_schedulefree+aggressive"):
         (key, value, why), = import_simpletuner({"optimizer": variant}, []).unmapped
         assert (key, value) == ("optimizer", variant) and "set optimizer: " in why
+
+
+def test_check_names_the_attention_kernel_and_what_hunyuanvideo_t2v_leaves_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """HunyuanVideo 1.5 720p t2v by its repository id, not downloaded: check says which attention kernel `auto`
+    takes on the card, and the attention FLOPs a step saves by leaving out the 729 zero image tokens (no mask at
+    batch 1: pipelines/hunyuanvideo15/attention.py), by the SDPA formula over the released config's 54 blocks of 16
+    heads of 128 (released/hv15-720p-t2v.transformer.json), computed here on its own."""
+    from loraflow.pipelines import family_flavour
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # empty: the model is not on disk
+    monkeypatch.setenv("LORAFLOW_ESTIMATES_CACHE", str(tmp_path / "estimates"))
+    config = write_config(tmp_path / "hv.yaml", {
+        "model_family": "hunyuanvideo-1.5", "model_flavour": "t2v-720p",
+        "pretrained_model_name_or_path": family_flavour("hunyuanvideo-1.5", "t2v-720p").repo,
+        "base_model_precision": "fp8-layerwise", "gradient_checkpointing": True, "validation_resolution": "768x512",
+        "datasets": [{"id": "clips", "instance_data_dir": str(tmp_path / "clips"), "resolution": 512,
+                      "video": {"num_frames": 61, "min_frames": 61}}]})
+    assert main(["check", str(config)]) == 2  # the model is not in the cache, the dataset folder is not there
+    out = capsys.readouterr().out.split("estimates (no model loads")[1]
+    assert "attention kernel: auto: on CUDA the first of sdpa_cudnn, sdpa_flash" in out
+    video = 16 * 32 * 32  # 61 frames -> 16 latent frames; 512 / 16 = 32 patches a side
+    kept = video + 1000 + 256  # the caption's tokens (check's largest text) and the glyphs'
+    saved = 3 * 4 * 16 * 128 * 54 * ((kept + 729) ** 2 - kept ** 2)
+    assert f"t2v's 729 zero image tokens are left out: {saved / 1e12:.4g} TFLOP of attention a step saved" in out
+    assert f"{video} video + 1256 text tokens" in out

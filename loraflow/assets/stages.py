@@ -247,6 +247,10 @@ def _train(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materi
             "final_loss": md.number(float("nan") if report.final_loss is None else report.final_loss),
             "peak_gib": md.number(report.peak_gib),  # CUDA only: 0 on the CPU
             **md.estimated_peak(config, family, model, "lora", store, "cuda" if report.peak_gib else "cpu"),
+            # training/flops.py: model TFLOP/s (recompute left out) and MFU over the card's peak (None on the CPU)
+            **({"attention_backend": report.attention_backend} if report.attention_backend else {}),
+            **({"tflops": md.number(report.tflops)} if report.tflops is not None else {}),
+            **({"mfu": md.number(report.mfu)} if report.mfu is not None else {}),
             "loss": md.loss_words(history),
             **masked_loss_metadata(config),  # with a mask dataset: which datasets, how often
             "loss_curve": md.md_image(loss_plot(history), "training loss per step"),

@@ -260,6 +260,16 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         None, run_key="never", gt=0, description="memory of the GPU this config must fit, in GB (counted as GiB): "
         "`loraflow check` names, for each stage that does not fit it, the switches that would; validation chooses its "
         "render's offload and VAE tiling to fit it; default: the CUDA GPU of the machine running, if any")
+    attention_backend: Literal["auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math",
+                               "flex"] = setting(
+        "auto", run_key="never", description="the attention kernel of training and renders (diffusers' attention "
+        "dispatcher): auto: flex for NABLA checkpoints, on CUDA the first of sdpa_cudnn, sdpa_flash, sdpa_efficient, "
+        "sdpa_math that runs on the card, on the CPU sdpa (torch chooses); a kernel this machine lacks is refused "
+        "before the first step, naming those it has. Kernels differ in rounding only (not in the run key)")
+    gpu_peak_tflops: float | None = setting(
+        None, run_key="never", gt=0, description="the GPU's dense bf16 peak in TFLOP/s, for the MFU in each step's "
+        "log line and the lora asset; default: the card's by name (H100, H200, A100, L40S, RTX 3090/4090/5090), "
+        "else only the FLOP rate is logged")
     group_offload_type: Literal["block_level", "leaf_level"] = setting("block_level", run_key="never")
     group_offload_blocks_per_group: int = setting(
         1, run_key="never", ge=1, description="block_level: blocks moved together")

@@ -173,6 +173,9 @@ class TrainStep:
     peak_gib: float | None = None  # CUDA only
     crepa_loss: float | None = None  # CREPA's weighted term (crepa_enabled), apart from `loss`, the flow loss
     audio_loss: float | None = None  # train_audio: the audio term within `loss` (training/loop.py `FlowTerms`)
+    tflops: float | None = None  # model TFLOP/s (training/flops.py: counted, checkpoint recompute left out)
+    mfu: float | None = None  # tflops over the card's peak (gpu_peak_tflops); None: the CPU or an unknown card
+    recompute_tflop: float | None = None  # gradient checkpointing's recomputed forward, TFLOP per step; None: none
 
     def json_row(self) -> dict[str, float]:
         """Its history.json row, also what the `report_to` sink logs: the numbers measured (a CPU run has no
@@ -192,6 +195,9 @@ class LoraReport(StageReport):
     peak_gib: float
     comfyui_lora_path: str | None = None  # where the ComfyUI file was written
     musubi_lora_path: str | None = None  # where the musubi-tuner file was written
+    attention_backend: str | None = None  # the kernel the run's attention ran (kernels/attention_backend.py)
+    tflops: float | None = None  # median model TFLOP/s over the steps
+    mfu: float | None = None  # median MFU over the steps (None: peak unknown)
 
     @property
     def final_loss(self) -> float | None:
@@ -201,7 +207,8 @@ class LoraReport(StageReport):
         """The report as JSON values, as a launched trainer hands it to Dagster: the history stays in the run
         folder's history.json, the data version goes beside, comfyui_ / musubi_lora_path only where exported."""
         left_out = {"data_version", "quarantined", "history"}
-        left_out |= {name for name in ("comfyui_lora_path", "musubi_lora_path") if getattr(self, name) is None}
+        left_out |= {name for name in ("comfyui_lora_path", "musubi_lora_path", "attention_backend", "tflops", "mfu")
+                     if getattr(self, name) is None}
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
         return values | {"final_loss": self.final_loss}
 

@@ -28,7 +28,7 @@ nothing. Each number is then computed so:
   tiles) and `conv3d_columns` (the CPU 3D convolution's column buffer; none on CUDA).
 - TFLOP: torch's flop-counter formulas over the same fake step (matmuls and convolutions; backward = 2x forward;
   a checkpointed block's forward is counted again when it is recomputed). The CPU flash-attention kernel that SDPA
-  takes on fake CPU tensors has no formula in the counter: `attention_flops` gives it the counter's SDPA one,
+  takes on fake CPU tensors has no formula in the counter: `training.flops.attention_flops` gives it the SDPA one,
   4 * B * heads * N_q * N_kv * d forward (QK^T and PV, 2 flops per multiply-add) and twice that backward.
   NABLA checkpoints (flex attention at their sparsity) run dense attention plus NABLA's measured block masks
   (`attention_stand_in`); their rows say so.

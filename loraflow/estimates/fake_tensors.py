@@ -101,9 +101,10 @@ COUNTS = DEVICE, HOST, DEVICE_IN_PLACE, HOST_IN_PLACE = range(4)
 def _counter_mode() -> type:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-    formulas = {**flop_registry, **{op: shape_wrapper(f) for op, f in attention_flops().items()}}
+    from loraflow.training.flops import flop_formulas
+
+    formulas = flop_formulas()
     attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     convolution, to_copy = torch.ops.aten.convolution, torch.ops.aten._to_copy.default
 
@@ -188,25 +189,6 @@ def _counter_mode() -> type:
             return out
 
     return StepCounter
-
-
-def attention_flops() -> dict:
-    """Formulas for the CPU flash-attention kernel that SDPA takes on (fake) CPU tensors, which torch's flop counter
-    lacks: its own SDPA formulas, 4 * B * H * N_q * N_kv * d forward (two batched matmuls, 2 flops per
-    multiply-add) and 2x that backward (four matmuls plus the recomputed scores)."""
-    import torch
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
-    aten = torch.ops.aten
-
-    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001 (shapes)
-        return sdpa_flop_count(query, key, value)
-
-    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001 (shapes)
-        return sdpa_backward_flop_count(grad_out, query, key, value)
-
-    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
 
 
 def attention_workspace(query: torch.Tensor, key: torch.Tensor, device_type: str) -> int:

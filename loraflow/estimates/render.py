@@ -153,7 +153,8 @@ def render_plan(config: LoraflowConfig, phases: RenderPhases | None, card_gb: fl
 
     asked = RenderPlan(precision=config.base_model_precision, kept=config.fp32_modules_storage,
                        blocks_to_swap=config.blocks_to_swap,
-                       offload_all=config.enable_group_offload, vae_tiling=config.vae_enable_tiling)
+                       offload_all=config.enable_group_offload, vae_tiling=config.vae_enable_tiling,
+                       attention_backend=config.attention_backend)
     if card_gb is None or phases is None:
         return asked
     tilings = [False, True] if phases.decode_tiled is not None else [False]

@@ -332,7 +332,16 @@ def load_pipeline(pipeline: type, model: ModelSource | str | Path, lora_path: st
     if lora_path is not None:
         load_lora_file(pipe.transformer, lora_path)
     place(pipe, plan, blocks, device, own_transformer=own)
+    if own:  # a training transformer keeps the backend training set
+        from loraflow.kernels.attention_backend import apply_attention_backend
+
+        apply_attention_backend(pipe.transformer, plan.attention_backend, device, needs_flex_attention(transformer))
     return pipe
+
+
+def needs_flex_attention(transformer: torch.nn.Module) -> bool:
+    """The checkpoint attends with NABLA (Kandinsky 5's 10 s checkpoints), whose block mask only flex takes."""
+    return transformer.config.get("attention_type") == "nabla"
 
 
 def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path, adapter_name: str = LORA_ADAPTER) -> None:

@@ -163,6 +163,9 @@ class FamilySpec:
     # the sound in the prompt (Kandinsky 6); None: the family reads no audio captions (`a.audio.txt`, `a.speech.txt`,
     # the `audio_caption` and `speech` metadata columns are not its: the clips stage lists them as not used)
     compose_prompt: Callable[[str, str, tuple[str, ...]], str] | None = None
+    # (flavour, transformer config, (frames, height, width), caption tokens) -> `loraflow check`'s line on what the
+    # family's attention leaves out of a training step; unset: every token attends
+    attention_note: Callable[..., str] | None = None
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.flavours]

@@ -36,6 +36,7 @@ from loraflow.contracts.clip_rows import changed_sources, changed_sources_warnin
 from loraflow.contracts.reports import LoraReport, TrainStep
 from loraflow.contracts.shifts import training_shift
 from loraflow.contracts.teacher_features import teacher_keys
+from loraflow.kernels.attention_backend import attention_backend_of
 from loraflow.kernels.devices import free_models, peak_memory_gib
 from loraflow.kernels.flow_matching import flow_mse, lr_at, noisy_sample
 from loraflow.kernels.losses import LossType
@@ -61,6 +62,7 @@ from loraflow.training.checkpoints import (
     writes_comfyui,
     writes_musubi,
 )
+from loraflow.training.flops import MicroStepFlops, StepRate, card_peak_tflops, step_flops
 from loraflow.training.launch.distributed import (
     average_gradients_,
     barrier,
@@ -76,7 +78,7 @@ from loraflow.training.options.optimizers import averaged_weights, exported, mak
 from loraflow.training.options.progress_renders import ProgressRenders
 from loraflow.training.options.tracking import open_sink
 from loraflow.training.row_cache import RowCache, prefetched
-from loraflow.training.run import RunContext, lora_report, run_dir, upstream_versions
+from loraflow.training.run import ATTENTION_FILE, RunContext, lora_report, run_dir, upstream_versions
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,9 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
     # 2. model: precision, LoRA (resumed), memory features (training/model_setup.py), optimizer (resumed)
     checkpoint = latest_checkpoint(out)
     trained = setup_model(run, checkpoint)
+    if world.main:
+        write_json(out / ATTENTION_FILE, {"backend": attention_backend_of(trained.transformer),
+                                          "setting": config.attention_backend, "device": device.type})
     params = trained.trainable.params
     optimizer = make_optimizer(config, params, trained.transformer)
     start, rows = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
@@ -161,13 +166,16 @@ def run_steps(run: RunContext, plan: BatchPlan, trained: TrainingModel, optimize
     renders.at_startup(start)  # validation_on_startup; resets the peak memory itself
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    peak = card_peak_tflops(torch.cuda.get_device_name(device), config.gpu_peak_tflops) \
+        if device.type == "cuda" else None
+    flops: dict[tuple, MicroStepFlops] = {}  # micro-batch shapes -> their counted FLOPs
     trained.transformer.train()
     try:
         for step in range(start, config.max_train_steps):
             began = time.perf_counter()
             lr = lr_at(step, config.learning_rate, config.lr_warmup_steps, config.max_train_steps, config.lr_scheduler)
             set_lr(optimizer, lr)
-            losses, seen = micro_steps(run, trained, batches, step)  # flow loss, CREPA term (weighted), audio term
+            losses, seen, counted = micro_steps(run, trained, batches, step, flops)  # flow, CREPA, audio terms
             if config.train_audio:  # a step without sound left the audio stream's gradients None on this rank
                 trained.trainable.fill_missing()
             average_gradients_(trained.trainable.gradients(), world)
@@ -179,8 +187,10 @@ def run_steps(run: RunContext, plan: BatchPlan, trained: TrainingModel, optimize
             if world.main:
                 extra = {} if trained.crepa is None else {"crepa_loss": crepa_sum}
                 extra |= {"audio_loss": audio_sum} if config.train_audio else {}
-                history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
-                                         time.perf_counter() - began, seen, device, sink, extra))
+                seconds = time.perf_counter() - began
+                rate = StepRate.of(counted, seconds, peak)  # this rank's FLOPs: each rank trains its share
+                history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm, seconds, seen,
+                                         device, sink, extra, rate, peak))
             if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
                 save_step(run, step + 1, trained, optimizer, history, export)
             due = renders.every and (step + 1) % renders.every == 0
@@ -204,20 +214,23 @@ def micro_batches(run: RunContext, plan: BatchPlan, start: int, crepa: bool) -> 
                       range(start * accum, config.max_train_steps * accum))
 
 
-def micro_steps(run: RunContext, trained: TrainingModel, batches: Iterator[MicroBatch],
-                step: int) -> tuple[list[float], int]:
+def micro_steps(run: RunContext, trained: TrainingModel, batches: Iterator[MicroBatch], step: int,
+                flops: dict[tuple, MicroStepFlops]) -> tuple[list[float], int, list[MicroStepFlops]]:
     """Forward and backward of optimizer step `step`'s micro-steps, gradients accumulated in `trained.trainable`;
     a loss that is not finite stops the run before any update. Returns the mean flow loss, CREPA term and audio term
-    (`train_audio`: within the flow loss; 0 for a micro-batch without sound), and the samples seen."""
+    (`train_audio`: within the flow loss; 0 for a micro-batch without sound), the samples seen, and each micro-step's
+    FLOPs (counted at the first micro-step of each shape, remembered in `flops`)."""
     config, family, device, transformer = run.config, run.family, run.device, trained.transformer
     accum, autocast = config.gradient_accumulation_steps, uses_autocast(config, device)
     loss_type = LossType(config.loss_type, config.huber_c, config.huber_schedule)
-    losses, seen = [0.0, 0.0, 0.0], 0
+    losses, seen, counted = [0.0, 0.0, 0.0], 0, []
     for micro in range(step * accum, (step + 1) * accum):
         batch = next(batches)
         if config.lora_dropout:  # peft's dropout draws from the global RNG
             torch.manual_seed(step_seed(config.seed, run.world.micro_step(micro), "lora_dropout"))
-        with routing(transformer, family, config, batch.draws.seed):
+        shape = batch_shape(batch)
+        counter = step_flops() if shape not in flops else None  # a new shape: its FLOPs counted once
+        with routing(transformer, family, config, batch.draws.seed), counter or nullcontext():
             terms = flow_terms(transformer, family, batch, device, autocast, trained.crepa, loss_type)
             loss, term = terms.flow, terms.crepa
             total = loss if term is None else loss + term
@@ -226,24 +239,37 @@ def micro_steps(run: RunContext, trained: TrainingModel, batches: Iterator[Micro
                                          "Lower learning_rate, or check the latent and text caches")
             if config.fsdp:  # reduce-scatter once per step, as DDP's all-reduce: the same sums in order
                 transformer.set_requires_gradient_sync(micro == (step + 1) * accum - 1)
+            if counter is not None:
+                counter.in_backward = True
             (total / accum if accum > 1 else total).backward()
+        if counter is not None:
+            flops[shape] = counter.counted()
+        counted.append(flops[shape])
         trained.trainable.collect()
         losses = [value + (0.0 if part is None else part.item() / accum)
                   for value, part in zip(losses, (loss, term, terms.audio))]
         seen += len(batch.samples)
-    return losses, seen
+    return losses, seen, counted
+
+
+def batch_shape(batch: MicroBatch) -> tuple:
+    """What a micro-step's FLOPs depend on: the shapes of its latents, texts, teacher features and sound."""
+    parts = [batch.x0, *batch.text.values(), batch.teacher, *(() if batch.audio is None else (batch.audio.x0,))]
+    return tuple(tuple(t.shape) for t in parts if isinstance(t, torch.Tensor))
 
 
 def _log_step(step: int, total: int, loss: float, lr: float, grad_norm: float, seconds: float, seen: int,
-              device: torch.device, sink: Any, extra: dict[str, float]) -> TrainStep:
+              device: torch.device, sink: Any, extra: dict[str, float], rate: StepRate,
+              peak: float | None) -> TrainStep:
     """One greppable line, one point per number in the `report_to` sink, one history row. `loss` is the flow loss
     alone; `extra` holds a regulariser's term (crepa_loss) and the audio term within the flow loss (audio_loss), each
-    logged as its own series."""
+    logged as its own series; `rate` the step's FLOP rate and MFU against `peak` (training/flops.py)."""
     row = TrainStep(step=step, loss=loss, lr=lr, grad_norm=grad_norm, ms=seconds * 1000, samples_per_s=seen / seconds,
-                    peak_gib=peak_memory_gib(device) if device.type == "cuda" else None, **extra)
-    log.info("step %d/%d | loss %.4f%s | lr %.1e | grad %.3f | %.0f ms | %.2f samples/s | %s GiB", step, total, loss,
-             "".join(f" | {k} {v:.4f}" for k, v in extra.items()), lr, grad_norm, row.ms, row.samples_per_s,
-             "-" if row.peak_gib is None else f"{row.peak_gib:.1f}")
+                    peak_gib=peak_memory_gib(device) if device.type == "cuda" else None, **extra,
+                    tflops=rate.tflops, mfu=rate.mfu, recompute_tflop=rate.recompute_tflop or None)
+    log.info("step %d/%d | loss %.4f%s | lr %.1e | grad %.3f | %.0f ms | %.2f samples/s | %s GiB%s", step, total,
+             loss, "".join(f" | {k} {v:.4f}" for k, v in extra.items()), lr, grad_norm, row.ms, row.samples_per_s,
+             "-" if row.peak_gib is None else f"{row.peak_gib:.1f}", rate.line(peak))
     if sink is not None:
         sink.log({k: v for k, v in row.json_row().items() if k != "step"}, step)
     return row

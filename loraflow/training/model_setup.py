@@ -9,6 +9,7 @@ kernels/quantize.py); LoRA weights and gradients are always fp32.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,17 +17,20 @@ from typing import Any
 import torch
 
 from loraflow.config import LoraflowConfig
+from loraflow.kernels.attention_backend import apply_attention_backend
 from loraflow.kernels.checkpointing import enable_checkpointing
 from loraflow.kernels.offload import swap_blocks
 from loraflow.kernels.quantize import ONE_BYTE_PRECISIONS, frozen_dtype, store_frozen
 from loraflow.kernels.tread import resolve_routes
-from loraflow.pipelines.base import ModelFamily, load_component, set_flavour_config
+from loraflow.pipelines.base import ModelFamily, load_component, needs_flex_attention, set_flavour_config
 from loraflow.pipelines.sources import ModelSource
 from loraflow.training.launch.distributed import broadcast_, gathered, parallelize
 from loraflow.training.options.adapters import ADAPTER_PARAMETERS, add_adapter, start_adapter
 from loraflow.training.options.crepa_training import Crepa, make_crepa
 from loraflow.training.options.ema import AdapterEma, make_ema
 from loraflow.training.run import RunContext
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ def setup_model(run: RunContext, checkpoint: Path | None) -> TrainingModel:
     then sharded under FSDP."""
     config, family, device = run.config, run.family, run.device
     transformer, params = load_transformer(config, family, run.model, device)
+    backend = apply_attention_backend(transformer, config.attention_backend, device, needs_flex_attention(transformer))
+    log.info("attention: %s (attention_backend: %s) on %s", backend, config.attention_backend, device.type)
     start_adapter(transformer, checkpoint, config.init_lora, family)
     ema = make_ema(config, transformer, checkpoint, device)  # use_ema; from the weights just loaded
     enable_offload(transformer, config, family, device)
@@ -103,7 +109,7 @@ def prepare_transformer(transformer: torch.nn.Module, config: LoraflowConfig,
     # before the adapter: peft wraps the int8 layers, the casting hooks sit on the base layers only; LoRA stays fp32
     store_frozen(transformer, config.base_model_precision, config.fp32_modules_storage)
     if config.tread_config is not None:  # fail before the first step, naming the route
-        if transformer.config.get("attention_type") == "nabla":  # Kandinsky 5's 10 s checkpoints
+        if needs_flex_attention(transformer):  # Kandinsky 5's 10 s checkpoints
             raise ValueError("tread_config: this transformer uses NABLA attention, whose block mask covers every "
                              "visual token in a fixed order; TREAD hands its blocks a random subset. Remove "
                              "tread_config for this checkpoint")

@@ -6,7 +6,8 @@ A run lives in output_dir/runs/<key>, keyed by the input caches' data versions a
 numbers (`run_key_settings`) and the training code version:
     checkpoints/step-NNNNNNN/   lora + optimizer .safetensors, state.json (written as .tmp, then renamed)
     history.json, tensorboard/  per step: loss, lr, grad norm, ms, samples/s, peak GiB (CUDA), crepa_loss (CREPA),
-                                audio_loss (train_audio);
+                                audio_loss (train_audio), TFLOP/s and MFU (training/flops.py);
+    attention.json              the attention kernel the run ran (attention_backend)
                                 the event files per `report_to` (training/options/tracking.py)
     crepa_projector.safetensors CREPA's projector (also in each checkpoint; training/options/crepa_training.py)
     pytorch_lora_weights_ema.safetensors   use_ema: the adapter's EMA (also in each checkpoint; training/options/ema.py)
@@ -101,10 +102,17 @@ def lora_report(out: Path, upstream: dict[str, str], computed: int, resumed_at: 
     rows = json.loads((out / "history.json").read_text())  # written before the adapter: always there
     history = tuple(TrainStep(**row) for row in rows)
     speeds = [row.samples_per_s for row in history if row.samples_per_s is not None]
+    rates, mfus = ([getattr(row, k) for row in history if getattr(row, k) is not None] for k in ("tflops", "mfu"))
+    attention = out / ATTENTION_FILE
     comfyui, musubi = comfyui_twin(out / LORA_FILE), musubi_twin(out / LORA_FILE)
     return LoraReport(data_version=out.name, computed=computed, reused=0 if computed else 1, history=history,
                       lora_path=str(out / LORA_FILE), run_dir=str(out), inputs=upstream, resumed_at_step=resumed_at,
                       samples_per_s=float(np.median(speeds)) if speeds else 0.0,
                       peak_gib=max((row.peak_gib or 0.0 for row in history), default=0.0),
                       comfyui_lora_path=str(comfyui) if comfyui.is_file() else None,
-                      musubi_lora_path=str(musubi) if musubi.is_file() else None)
+                      musubi_lora_path=str(musubi) if musubi.is_file() else None,
+                      attention_backend=json.loads(attention.read_text())["backend"] if attention.is_file() else None,
+                      tflops=float(np.median(rates)) if rates else None, mfu=float(np.median(mfus)) if mfus else None)
+
+
+ATTENTION_FILE = "attention.json"  # the attention kernel the run's last process ran: {"backend", "setting", "device"}

@@ -52,6 +52,7 @@ def test_history_rows_keep_the_keys_a_run_measured() -> None:
     """history.json and the report_to sink: a CPU run without CREPA logs no peak_gib and no crepa_loss (no nulls)."""
     import torch
 
+    from loraflow.training.flops import MicroStepFlops, StepRate
     from loraflow.training.loop import _log_step
 
     class Sink:
@@ -59,11 +60,13 @@ def test_history_rows_keep_the_keys_a_run_measured() -> None:
             self.logged = (values, step)
 
     sink = Sink()
-    row = _log_step(3, 10, 0.5, 1e-4, 0.25, 0.2, 4, torch.device("cpu"), sink, {})
-    assert row == TrainStep(step=3, loss=0.5, lr=1e-4, grad_norm=0.25, ms=200.0, samples_per_s=20.0)
-    assert list(row.json_row()) == ["step", "loss", "lr", "grad_norm", "ms", "samples_per_s"]
-    assert sink.logged == ({"loss": 0.5, "lr": 1e-4, "grad_norm": 0.25, "ms": 200.0, "samples_per_s": 20.0}, 3)
-    crepa = _log_step(3, 10, 0.5, 1e-4, 0.25, 0.2, 4, torch.device("cpu"), None, {"crepa_loss": -0.125})
+    rate = StepRate.of([MicroStepFlops(model=10**12, recompute=0)], 0.2, None)  # the CPU: no peak, no MFU
+    row = _log_step(3, 10, 0.5, 1e-4, 0.25, 0.2, 4, torch.device("cpu"), sink, {}, rate, None)
+    assert row == TrainStep(step=3, loss=0.5, lr=1e-4, grad_norm=0.25, ms=200.0, samples_per_s=20.0, tflops=5.0)
+    assert list(row.json_row()) == ["step", "loss", "lr", "grad_norm", "ms", "samples_per_s", "tflops"]
+    assert sink.logged == ({"loss": 0.5, "lr": 1e-4, "grad_norm": 0.25, "ms": 200.0, "samples_per_s": 20.0,
+                            "tflops": 5.0}, 3)
+    crepa = _log_step(3, 10, 0.5, 1e-4, 0.25, 0.2, 4, torch.device("cpu"), None, {"crepa_loss": -0.125}, rate, None)
     assert crepa.json_row()["crepa_loss"] == -0.125 and TrainStep(**crepa.json_row()) == crepa
 
 

@@ -133,11 +133,12 @@ def reference_velocity(transformer, x_t, sigma, text_row, image_latent, image_em
     mask = torch.zeros_like(x_t[:, :1])
     mask[:, :, 0] = 1
     qwen = torch.from_numpy(np.array(text_row["text_embeds"]))[None]
-    byt5 = torch.from_numpy(np.array(text_row["byt5_embeds"]))[None]
-    return transformer(
+    byt5_valid = torch.from_numpy(np.array(text_row["byt5_mask"])).bool()
+    byt5 = torch.from_numpy(np.array(text_row["byt5_embeds"]))[None, byt5_valid]  # the valid glyph tokens alone:
+    return transformer(  # a sample's padding reaches none of its valid tokens (training passes none to attention)
         hidden_states=torch.cat([x_t, cond, mask], 1), image_embeds=image_embeds, timestep=sigma * 1000,
         encoder_hidden_states=qwen, encoder_attention_mask=torch.ones(qwen.shape[:2]),
-        encoder_hidden_states_2=byt5, encoder_attention_mask_2=torch.from_numpy(np.array(text_row["byt5_mask"]))[None],
+        encoder_hidden_states_2=byt5, encoder_attention_mask_2=torch.ones(byt5.shape[:2]),
         return_dict=False,
     )[0]
 

@@ -101,6 +101,16 @@ def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Pa
     assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)  # it did train
 
 
+def test_every_step_counts_its_flops_and_the_run_names_its_attention_kernel(baseline) -> None:
+    """training/flops.py: each history row has the step's model TFLOP/s (no MFU on the CPU: no peak), the report
+    their median and the kernel the run's attention ran (attention.json; on the CPU `auto` is torch's SDPA)."""
+    config, report = baseline
+    rates = sorted(row.tflops for row in report.history)
+    assert len(rates) == 2 and rates[0] > 0 and all(row.mfu is None for row in report.history)
+    assert report.tflops == (rates[0] + rates[1]) / 2 and report.mfu is None
+    assert report.attention_backend == "sdpa" and "tflops" in report.summary() and "mfu" not in report.summary()
+
+
 def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tmp_path: Path) -> None:
     config = make_config(caches, tmp_path / "out", lora_rank=8, lora_include_ffn=True)
     family = get_family(config)

@@ -42,7 +42,7 @@ from loraflow.pipelines.base import (
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.hunyuanvideo15.attention import key_mask_attention
-from loraflow.pipelines.hunyuanvideo15.spec import SPEC, TEXT_TOKENS
+from loraflow.pipelines.hunyuanvideo15.spec import GLYPH_TOKENS, IMAGE_TOKENS, SPEC, TEXT_TOKENS
 from loraflow.pipelines.sources import ModelSource
 
 if TYPE_CHECKING:
@@ -60,8 +60,6 @@ SYSTEM_MESSAGE = (
 )
 MAX_TEXT_TOKENS = TEXT_TOKENS  # the pipeline's tokenizer_max_length (after the template): every flavour's
 HIDDEN_LAYER = -3  # hidden_states[-3]: the pipeline skips the last two decoder layers
-GLYPH_TOKENS = 256  # the pipeline's tokenizer_2_max_length (ByT5)
-IMAGE_TOKENS = 729  # SigLIP so400m/14-384 tokens; all zero for t2v (the DiT then masks them out)
 IMAGE_COMPONENTS = ("image_encoder", "feature_extractor")  # SigLIP, loaded by the latents stage for i2v
 TEXT_SIGNATURE = content_key(system=SYSTEM_MESSAGE, max_tokens=MAX_TEXT_TOKENS, layer=HIDDEN_LAYER,
                              glyph_tokens=GLYPH_TOKENS, glyph="extract_glyph_texts")

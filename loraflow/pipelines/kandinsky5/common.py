@@ -96,15 +96,10 @@ def uses_nabla(transformer: torch.nn.Module) -> bool:
 
 def use_flex_attention(transformer: torch.nn.Module) -> None:
     """NABLA's mask is a flex-attention BlockMask, which only diffusers' "flex" backend takes (the default native
-    backend fails on it). Once per model, and for this model only: `set_attention_backend` also makes its backend
-    the process-wide default of every other model (diffusers' registry), which is put back."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    backend fails on it): this model's attention runs flex (kernels/attention_backend.py, for this model only)."""
+    from loraflow.kernels.attention_backend import set_attention_backend
 
-    if not transformer.__dict__.get("_loraflow_flex"):
-        default = _AttentionBackendRegistry._active_backend
-        transformer.set_attention_backend("flex")  # each attention processor of this model keeps "flex"
-        _AttentionBackendRegistry.set_active_backend(default)
-        transformer.__dict__["_loraflow_flex"] = True
+    set_attention_backend(transformer, "flex")
 
 
 def nabla_params(pipeline: type, transformer: torch.nn.Module, hidden: torch.Tensor) -> dict[str, Any] | None:
