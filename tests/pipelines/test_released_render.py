@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from loraflow.estimates.fake_tensors import fake_mode, fresh_saves, known_values, released_model
+from loraflow.kernels.attention_backend import attention_backend_of
 from loraflow.kernels.quantize import frozen_dtype, store_frozen
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import RenderSettings
@@ -94,7 +95,7 @@ def test_nabla_velocity_at_released_size(eager_flex: None) -> None:
     (call,) = seen
     blocks = shape[2] * (shape[3] // 2) * (shape[4] // 2) // 64  # NABLA's 64-token blocks of 2x2 patches
     assert tuple(call["sparse_params"]["sta_mask"].shape) == (1, 1, blocks, blocks)
-    assert kandinsky5.uses_nabla(transformer) and transformer.__dict__.get("_loraflow_flex")
+    assert kandinsky5.uses_nabla(transformer) and attention_backend_of(transformer) == "flex"
 
 
 def test_fp8_layerwise_training_step_at_released_size() -> None:
