@@ -55,7 +55,8 @@ def test_the_typed_rows_are_the_manifest_columns(tiny_k5: Path, tmp_path: Path) 
 
     manifest = tmp_path / "cache" / "clips" / "manifest" / "v.parquet"
     assert columns(manifest) == {**CLIP_COLUMNS, **MASK_COLUMNS}  # names, order and types as always written
-    assert [f.name for f in fields(ClipRow)] == [*CLIP_COLUMNS, *PAIRED_COLUMNS, "scene"]  # scene: SCENE_COLUMNS
+    # audio_caption: a column only where a family composes it (Kandinsky 6); scene: SCENE_COLUMNS
+    assert [f.name for f in fields(ClipRow)] == [*CLIP_COLUMNS, *PAIRED_COLUMNS, "audio_caption", "scene"]
     assert [f"mask_{f.name}" if f.name != "key" else "mask" for f in fields(PairedImage)] == [*MASK_COLUMNS]
     rows = store.read_manifest("clips")
     assert [clip.to_row() for clip in read_clips(store)] == rows and len(rows) == 1  # nothing lost either way

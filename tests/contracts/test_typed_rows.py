@@ -43,7 +43,8 @@ def test_manifests_from_before_a_column_was_added_read_with_its_meaning(tmp_path
 def test_a_tiled_fallback_is_listed_under_its_tiled_key_as_approximate() -> None:
     from loraflow.stages.latents.latents import PlannedLatent
 
-    planned = PlannedLatent(key="exact", tiled_key="tiled", clip_key="c0", bucket="b", dataset="d")
+    planned = PlannedLatent(key="exact", tiled_key="tiled", clip_key="c0", bucket="b", dataset="d", source="0.mp4",
+                            frames="0-0")
     assert planned.listed(False) == LatentRow("exact", "c0", "b", "d", approximate=False)
     assert planned.listed(True) == LatentRow("tiled", "c0", "b", "d", approximate=True)
 

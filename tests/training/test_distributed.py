@@ -99,7 +99,8 @@ def test_ranks_hold_identical_weights_and_only_rank_0_writes(two_ranks: dict) ->
     assert all(torch.equal(exported[f"transformer.{k}"], v) for k, v in rank0.items())
     writes = {r: (probe / f"rank{r}.writes").read_text().split() for r in (0, 1)}
     assert writes[1] == []
-    assert sorted(writes[0]) == ["export_lora", "open_sink", "save_checkpoint", "write_json"]
+    # write_json: the run's attention.json, then its history.json
+    assert sorted(writes[0]) == ["export_lora", "open_sink", "save_checkpoint", "write_json", "write_json"]
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-0000002"]
 
 
