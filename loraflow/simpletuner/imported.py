@@ -79,7 +79,9 @@ class Imported:
 
 
 def _one_line(text: str) -> str:
-    return text.replace("\r", "\\r").replace("\n", "\\n")
+    """A comment's text on one YAML line: newlines, control characters and lone surrogates (JSON allows them)
+    written as escapes, which YAML's reader would otherwise refuse."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def to_yaml(imported: Imported, sources: list[str]) -> str:
