@@ -234,3 +234,13 @@ def test_user_prompt_library_is_found_as_simpletuner_finds_it(tmp_path: Path) ->
                                  base_dir=tmp_path / "config")
     assert missing.config["user_prompt_library"] == str(tmp_path / "config" / "other.json")
     assert any("was not found" in note for note in missing.notes)
+
+
+def test_the_docs_list_every_simpletuner_default_with_its_source() -> None:
+    from loraflow.simpletuner import defaults
+
+    table = (Path(__file__).parents[1] / "docs" / "simpletuner.md").read_text()
+    written = (*defaults.TRAINING, *defaults.LORA_TARGETS.values(), defaults.CROP_STYLE, defaults.CROP_ASPECT,
+               defaults.CAPTION_COLUMN, defaults.LYCORIS_FILE)
+    for default in written:
+        assert f"| `{default.key}` | `{default.value}` | {default.source} |" in table, default.key

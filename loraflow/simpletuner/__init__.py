@@ -114,6 +114,9 @@ def _setting(key: str, value: Any, settings: dict[str, Any], family: str | None,
             out.skip(key, value, f"only {ONLY_VALUE[key]!r} is supported")
     elif key in defaults.RENAMED:
         _renamed(key, value, settings, out)
+    elif key == "max_grad_norm" and value in (0, "0"):
+        out.skip(key, value, "0: SimpleTuner does not clip (trainer.py:7141); loraflow always clips: set a large "
+                             "max_grad_norm (e.g. 1e9) for the same")
     elif key == "base_model_precision" and value not in BASE_PRECISIONS:
         out.skip(key, value, f"loraflow stores the base in one of {', '.join(BASE_PRECISIONS)} (fp8-layerwise: "
                              "fp8 weights, bf16 compute; int8: torchao weight-only)")
@@ -196,6 +199,9 @@ def _defaults(settings: dict[str, Any], family: str | None, base_dir: Path | Non
     if lora_type == "lycoris" and "lycoris_config" not in settings:
         _lycoris(defaults.LYCORIS_FILE.value, family, base_dir, out)
         out.notes.append(f"lycoris_config unset: {defaults.LYCORIS_FILE.comment()} is read")
+    if settings.get("optimizer", "adamw_bf16") == "prodigy":
+        out.notes.append("optimizer prodigy: SimpleTuner does not clip gradients with it (trainer.py:7140); loraflow "
+                         "clips at max_grad_norm: set a large one (e.g. 1e9) for the same")
     out.left += [f"{key}: {why}" for key, why in defaults.LEFT.items() if key not in given]
 
 
