@@ -104,12 +104,14 @@ SIMPLETUNER_KEYS = ["model_family", "model_flavour", "validation_resolution", "l
                     "text_encoder_1_precision", "scheduled_sampling_sampler", "base_model_precision",
                     "checkpoint_step_interval", "user_prompt_library", "musubi_blocks_to_swap", "crepa_enabled",
                     "pretrained_model_name_or_path", "resolution", "resolution_type", "minimum_image_size",
-                    "text_encoder_2_precision", "validation_adapter_mode", "init_lora", "output_dir"]
+                    "text_encoder_2_precision", "validation_adapter_mode", "init_lora", "output_dir",
+                    "data_backend_config", "--model_family", "max_grad_norm", "peft_lora_target_modules"]
 DATASET_KEYS = ["id", "type", "dataset_type", "crop", "crop_style", "crop_aspect", "crop_aspect_buckets", "video",
                 "huggingface", "conditioning", "conditioning_data", "conditioning_type", "resolution",
                 "resolution_type", "minimum_image_size", "caption_strategy", "dataset_name", "instance_data_dir"]
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | st.sampled_from(
-    ["kandinsky5_video", "kandinsky5-image", "hunyuanvideo", "lycoris", "area", "true", "mask", "854x480", "0"])
+    ["kandinsky5_video", "kandinsky5-image", "hunyuanvideo", "lycoris", "area", "true", "mask", "854x480", "0",
+     "config/datasets.json", "datasets.json"])
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 
@@ -120,8 +122,8 @@ def keyed(names: list[str]) -> st.SearchStrategy[dict[str, Any]]:
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(config=keyed(SIMPLETUNER_KEYS) | json_values,
-       backends=st.lists(keyed(DATASET_KEYS) | json_values, max_size=3) | json_values)
-def test_any_json_imports_or_is_a_message_never_a_traceback(config: Any, backends: Any, tmp_path: Path,
+       backends=st.lists(keyed(DATASET_KEYS) | json_values, max_size=3) | json_values, second=st.booleans())
+def test_any_json_imports_or_is_a_message_never_a_traceback(config: Any, backends: Any, second: bool, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """Random nested JSON as config.json and as the dataset list: exit 0 with YAML that reads back, or exit 2 with
     messages (an exception here is the traceback a user would see)."""
@@ -129,7 +131,8 @@ def test_any_json_imports_or_is_a_message_never_a_traceback(config: Any, backend
     config_json.parent.mkdir(exist_ok=True)
     config_json.write_text(json.dumps(config))
     backend_json.write_text(json.dumps(backends))
-    code, err, out = _import(tmp_path, capsys, str(config_json), str(backend_json))
+    # without the second argument, the file config.json's data_backend_config names (if any) is searched for
+    code, err, out = _import(tmp_path, capsys, str(config_json), *[str(backend_json)] * second)
     assert code in (0, 2), err
     if out.exists():
         assert isinstance(yaml.safe_load(out.read_text()), dict)  # the comments never break the YAML
@@ -244,3 +247,12 @@ def test_the_docs_list_every_simpletuner_default_with_its_source() -> None:
                defaults.CAPTION_COLUMN, defaults.LYCORIS_FILE)
     for default in written:
         assert f"| `{default.key}` | `{default.value}` | {default.source} |" in table, default.key
+
+
+def test_where_simpletuner_does_not_clip_the_import_says_so() -> None:
+    """SimpleTuner skips clipping with prodigy or max_grad_norm 0 (trainer.py:7138-7142); loraflow always clips."""
+    prodigy = import_simpletuner({**K5_VIDEO, "optimizer": "prodigy"}, VIDEOS)
+    assert any("optimizer prodigy: SimpleTuner does not clip" in note for note in prodigy.notes)
+    zero = import_simpletuner({**K5_VIDEO, "max_grad_norm": 0}, VIDEOS)
+    assert "max_grad_norm" not in zero.config  # not loraflow's refused 0, nor SimpleTuner's 2.0 default
+    assert [(key, value) for key, value, _ in zero.unmapped] == [("max_grad_norm", 0)]
