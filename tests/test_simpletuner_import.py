@@ -256,3 +256,17 @@ def test_where_simpletuner_does_not_clip_the_import_says_so() -> None:
     zero = import_simpletuner({**K5_VIDEO, "max_grad_norm": 0}, VIDEOS)
     assert "max_grad_norm" not in zero.config  # not loraflow's refused 0, nor SimpleTuner's 2.0 default
     assert [(key, value) for key, value, _ in zero.unmapped] == [("max_grad_norm", 0)]
+
+
+def test_lycoris_without_its_file_reads_simpletuners_default_file_or_says_what_to_set(tmp_path: Path) -> None:
+    (tmp_path / "config").mkdir()
+    settings = {"model_family": "kandinsky5-image", "lora_type": "lycoris",
+                "peft_lora_target_modules": ["to_key"]}  # SimpleTuner reads the list for standard LoRAs only
+    with pytest.raises(ValueError, match="lora_type lycoris without lycoris_config: SimpleTuner then reads "
+                                         "config/lycoris_config.json"):
+        import_simpletuner(settings, VIDEOS, base_dir=tmp_path / "config")
+    (tmp_path / "config" / "lycoris_config.json").write_text(json.dumps({"algo": "lokr", "linear_dim": 8}))
+    imported = import_simpletuner(settings, VIDEOS, base_dir=tmp_path / "config")
+    assert imported.config["lycoris_config"] == {"algo": "lokr", "linear_dim": 8}
+    assert "peft_lora_target_modules" not in imported.config
+    assert [key for key, _, _ in imported.unmapped] == ["peft_lora_target_modules"]

@@ -114,6 +114,8 @@ def _setting(key: str, value: Any, settings: dict[str, Any], family: str | None,
             out.skip(key, value, f"only {ONLY_VALUE[key]!r} is supported")
     elif key in defaults.RENAMED:
         _renamed(key, value, settings, out)
+    elif key == "peft_lora_target_modules" and settings.get("lora_type", "standard") != "standard":
+        out.skip(key, value, "SimpleTuner reads it for lora_type standard only (helpers/models/common.py:953)")
     elif key == "max_grad_norm" and value in (0, "0"):
         out.skip(key, value, "0: SimpleTuner does not clip (trainer.py:7141); loraflow always clips: set a large "
                              "max_grad_norm (e.g. 1e9) for the same")
@@ -197,8 +199,13 @@ def _defaults(settings: dict[str, Any], family: str | None, base_dir: Path | Non
     if family in defaults.LORA_TARGETS_LEFT and lora_type == "standard":
         out.notes.append(f"LoRA targets: {defaults.LORA_TARGETS_LEFT[family]}")
     if lora_type == "lycoris" and "lycoris_config" not in settings:
+        if find(defaults.LYCORIS_FILE.value, base_dir) is None:
+            raise ImportProblem(f"lora_type lycoris without lycoris_config: SimpleTuner then reads "
+                                f"{defaults.LYCORIS_FILE.value} ({defaults.LYCORIS_FILE.comment()}), which is not "
+                                "there: set lycoris_config to the LyCORIS JSON file")
         _lycoris(defaults.LYCORIS_FILE.value, family, base_dir, out)
-        out.notes.append(f"lycoris_config unset: {defaults.LYCORIS_FILE.comment()} is read")
+        out.notes.append(f"lycoris_config unset: {defaults.LYCORIS_FILE.value}, {defaults.LYCORIS_FILE.comment()}, "
+                         "is read")
     if settings.get("optimizer", "adamw_bf16") == "prodigy":
         out.notes.append("optimizer prodigy: SimpleTuner does not clip gradients with it (trainer.py:7140); loraflow "
                          "clips at max_grad_norm: set a large one (e.g. 1e9) for the same")
