@@ -361,7 +361,7 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
         settings = simpletuner.read_json(config_json)
         backends = simpletuner.read_json(backend_json) if backend_json else None
         imported = simpletuner.import_simpletuner(settings, backends, base_dir=Path(config_json).parent)
-    except (FileNotFoundError, ValueError) as exc:
+    except simpletuner.ImportProblem as exc:  # not SimpleTuner's shape: the file or key, and what to do
         print(f"import-simpletuner: {exc}", file=sys.stderr)
         return 2
     text = simpletuner.to_yaml(imported, [s for s in (config_json, backend_json) if s])
@@ -378,6 +378,8 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
         print(f"  - {key} = {value!r}: {why}", file=sys.stderr)
     for note in imported.notes:
         print(f"note: {note}", file=sys.stderr)
+    for left in imported.left:
+        print(f"SimpleTuner default not taken: {left}", file=sys.stderr)
     parse_config(imported.config, out_path or "imported config", Path(out_path or ".").parent)
     return 0
 

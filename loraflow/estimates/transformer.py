@@ -125,7 +125,7 @@ def adapter(config: LoraflowConfig, family: ModelFamily) -> Callable[[torch.nn.M
 
     def add(model: torch.nn.Module) -> None:
         with torch.random.fork_rng(devices=[]):  # add_adapter seeds torch's generator: the caller's is left as it was
-            add_adapter(model, config, family.lora_targets(config.lora_include_ffn))
+            add_adapter(model, config, family)
 
     return add
 

@@ -150,7 +150,12 @@ class FamilySpec:
     vae_temporal_factor: int  # frames per latent frame after the first (1: an image VAE)
     module: str
     tiny_module: str = ""  # "": `module` holds `tiny` too
-    simpletuner_names: tuple[str, ...] = ()  # SimpleTuner's `model_family` values that import as this family
+    # SimpleTuner's `model_family` values that import as this family: its registered names and its model metadata
+    # keys (simpletuner/helpers/models/model_metadata.json: kandinsky5_video), either case (registry.py `get`)
+    simpletuner_names: tuple[str, ...] = ()
+    # The class names of its transformer's feed-forward modules, as a LyCORIS `apply_preset` names them
+    # (`target_module`); a preset naming one of them trains the feed-forward (lora_include_ffn)
+    ffn_classes: tuple[str, ...] = ()
     # Flavours whose bucket sizes only the family module can judge (`ModelFamily.size_problem`: Kandinsky 5 Image
     # i2i asks its tokenizer); for every other flavour any bucket size trains.
     size_checked: tuple[str, ...] = ()

@@ -179,7 +179,7 @@ def run_steps(run: RunContext, plan: BatchPlan, trained: TrainingModel, optimize
             if config.train_audio:  # a step without sound left the audio stream's gradients None on this rank
                 trained.trainable.fill_missing()
             average_gradients_(trained.trainable.gradients(), world)
-            grad_norm = trained.trainable.step(optimizer, config.max_grad_norm)  # the same on every rank
+            grad_norm = trained.trainable.step(optimizer, config.max_grad_norm, config.grad_clip_method)  # same on all
             if trained.ema is not None:
                 trained.ema.after_step(step + 1, get_peft_model_state_dict(trained.transformer))
             loss_sum, crepa_sum, audio_sum, seen = sum_over_ranks([*(x / world.size for x in losses), seen],

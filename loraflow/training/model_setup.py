@@ -65,7 +65,7 @@ def setup_model(run: RunContext, checkpoint: Path | None) -> TrainingModel:
 
 def add_lora(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> list[torch.nn.Parameter]:
     """The configured adapter added to the family's LoRA targets; returns its parameters, fp32 and trainable."""
-    add_adapter(transformer, config, family.lora_targets(config.lora_include_ffn))  # LoRA, DoRA, LoKr or LoHa
+    add_adapter(transformer, config, family)  # LoRA, DoRA, LoKr or LoHa
     params = [p for n, p in transformer.named_parameters() if any(k in n for k in ADAPTER_PARAMETERS)]
     for p in params:
         p.data = p.data.float()  # fp32 LoRA params even when the base model is bf16 or fp8
@@ -181,14 +181,18 @@ class Trainable:
             elif not self.offloaded and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
-        """Clip, step, zero; returns the gradient norm before clipping."""
+    def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float, method: str = "norm") -> float:
+        """Clip (`grad_clip_method`: the total norm to max_grad_norm, or each element to +-max_grad_norm), step, zero;
+        returns the gradient norm before clipping."""
         if self.offloaded:
             self.resident()
             for p, grad in zip(self.params, self.grads):
                 p.grad = grad
             self.grads = [None] * len(self.params)
-        norm = gathered(torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)).item()
+        limit = max_grad_norm if method == "norm" else float("inf")  # value: the norm measured, nothing scaled
+        norm = gathered(torch.nn.utils.clip_grad_norm_(self.params, limit)).item()
+        if method == "value":  # not under FSDP (config validation): plain tensors
+            torch.nn.utils.clip_grad_value_(self.params, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.sync_copies()

@@ -152,6 +152,7 @@ SPEC = FamilySpec(
     module="loraflow.pipelines.hunyuanvideo15.family",
     tiny_module="loraflow.pipelines.hunyuanvideo15.tiny",
     simpletuner_names=("hunyuanvideo", "hunyuanvideo-1.5"),
+    ffn_classes=("FeedForward",),  # diffusers attention.FeedForward (transformer_hunyuan_video15.py ff, ff_context)
     render_size=render_size,
     attention_note=attention_note,
 )

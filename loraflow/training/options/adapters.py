@@ -44,10 +44,19 @@ if TYPE_CHECKING:
 ADAPTER_PARAMETERS = ("lora_", "lokr_", "hada_")  # peft's LoRA (and DoRA's magnitude), LoKr, LoHa
 
 
-def add_adapter(transformer: torch.nn.Module, config: LoraflowConfig, targets: list[str] | str) -> None:
-    """The configured adapter on `transformer`, its init drawn from `config.seed` (same seed, same adapter)."""
+def adapter_targets(config: LoraflowConfig, family: ModelFamily) -> list[str] | str:
+    """peft `target_modules`: the config's `peft_lora_target_modules` (SimpleTuner's key), else the family's."""
+    if config.peft_lora_target_modules:
+        return list(config.peft_lora_target_modules)
+    return family.lora_targets(config.lora_include_ffn)
+
+
+def add_adapter(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> None:
+    """The configured adapter on `transformer` (`adapter_targets`), its init drawn from `config.seed` (same seed,
+    same adapter)."""
     from peft import LoraConfig
 
+    targets = adapter_targets(config, family)
     torch.manual_seed(config.seed)
     if config.lycoris_config is None:
         transformer.add_adapter(LoraConfig(

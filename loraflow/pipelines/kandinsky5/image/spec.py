@@ -61,6 +61,7 @@ SPEC = FamilySpec(
     prompt_templates=("original", "diffusers"),  # kandinsky5/common.py: the original's, diffusers 0.42.1's
     module="loraflow.pipelines.kandinsky5.image.family",
     tiny_module="loraflow.pipelines.kandinsky5.image.tiny",
-    simpletuner_names=("kandinsky5-image",),
+    simpletuner_names=("kandinsky5-image", "kandinsky5_image"),
+    ffn_classes=("Kandinsky5FeedForward",),  # diffusers transformer_kandinsky.py
     size_checked=("i2i-lite-sft", "i2i-lite-pretrain"),
 )

@@ -187,5 +187,6 @@ SPEC = FamilySpec(
     prompt_templates=("original", "diffusers"),  # kandinsky5/common.py: the original's, diffusers 0.42.1's
     module="loraflow.pipelines.kandinsky5.video.family",
     tiny_module="loraflow.pipelines.kandinsky5.video.tiny",
-    simpletuner_names=("kandinsky5-video",),
+    simpletuner_names=("kandinsky5-video", "kandinsky5_video"),
+    ffn_classes=("Kandinsky5FeedForward",),  # diffusers transformer_kandinsky.py
 )
