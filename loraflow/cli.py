@@ -24,11 +24,21 @@ LORA_PATHS = ("lora_path", "comfyui_lora_path", "musubi_lora_path")  # the lora 
 
 
 def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
-    """Build what the demo config points at: the tiny model and the generated dataset (idempotent)."""
-    from loraflow.demo.dataset import make_demo_dataset, make_demo_edits
+    """Build what the demo config points at: the tiny model and the generated dataset (idempotent). The dataset goes
+    only into folders the demo owns (`demo.dataset.claim_folder`): a folder of someone's files is refused, naming it,
+    before anything is written."""
+    from loraflow.demo.dataset import FolderNotTheDemos, check_claimable, make_demo_dataset, make_demo_edits
     from loraflow.demo.tiny import build_tiny
 
     config = load_config(config_path)
+    for dataset in config.training_datasets:  # every folder refused before anything is written or built
+        sources = config.source_images(dataset)
+        for entry in (dataset, *([sources] if sources else [])):
+            try:
+                if entry.instance_data_dir:  # a Hub dataset has no folder to write
+                    check_claimable(entry.instance_data_dir)
+            except FolderNotTheDemos as exc:
+                raise FolderNotTheDemos(f"dataset '{entry.id}' of {config_path}: {exc}") from None
     build_tiny(config.model_family, config.pretrained_model_name_or_path, flavour=config.model_flavour, world=True)
     for dataset in config.training_datasets:
         sources = config.source_images(dataset)  # i2i: edit pairs, the sources in their own folder
