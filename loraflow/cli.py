@@ -161,7 +161,7 @@ def check(config_path: str, estimate: bool = True) -> int:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
                     ("dataset", "file", "reason", "detail")))
-    changed = changed_sources(Store(config.cache_dir), config.dataset_folders)
+    changed = changed_sources(Store(config.cache_dir, config.dataset_sources), config.dataset_folders)
     if changed:  # a warning, not a problem: training on the caches as they are is allowed
         print(f"\nwarning: {changed_sources_warning(changed)}")
     if problems:
@@ -341,7 +341,7 @@ def _auto_captions(config: LoraflowConfig, model: ModelSource, dataset: str) -> 
 
     if dataset not in auto_datasets(config):
         return None
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.dataset_sources)
     with store.part_lock(dataset):
         return build_captions(config, model, store, [dataset])
 
@@ -352,7 +352,7 @@ def export_captions(config_path: str, folder: str, datasets: list[str] | None) -
     from loraflow.store import Store
 
     config = load_config(config_path)
-    written, kept = export(config, Store(config.cache_dir), Path(folder), datasets)
+    written, kept = export(config, Store(config.cache_dir, config.dataset_sources), Path(folder), datasets)
     print(f"captions export: {len(written)} caption file(s) written under {folder}"
           + (f"; {len(kept)} already there kept (e.g. {kept[0]})" if kept else ""))
     return 0
