@@ -349,9 +349,9 @@ class LoraflowConfig(ConfigFields):
         folder. The store keys each dataset's manifest parts by it (`Store(cache_dir, sources)`), so two configs
         sharing one cache_dir with one id and other folders never read each other's clips."""
         def where(dataset: DatasetConfig) -> dict[str, Any]:
-            folder = self.folder_dataset(dataset).instance_data_dir or ""
+            folder = dataset.instance_data_dir  # a Hub dataset's default folder is under the shared cache_dir
             hub = [dataset.dataset_name, dataset.split, dataset.revision] if dataset.type != "local" else None
-            return {"folder": os.path.realpath(folder) if "://" not in folder else folder, "hub": hub}
+            return {"folder": os.path.realpath(folder) if folder and "://" not in folder else folder, "hub": hub}
 
         fingerprints = {}
         for dataset in self.training_datasets:
