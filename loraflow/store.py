@@ -326,16 +326,17 @@ class Store:
 
     def _part_file(self, stage: str, part: str) -> str | None:
         """The file holding one part's rows (None: none). With `sources`: the file keyed by the dataset's source, or
-        an unkeyed one (a cache written before parts were keyed) until the stage writes the keyed one. Without: the
-        unkeyed file, or the one keyed file; parts of one id from several sources need the config's store."""
+        an unkeyed one (a cache written before parts were keyed) until the stage writes the keyed one. Without (a
+        store that knows no config): the unkeyed file, else the one keyed file; one id from several sources raises
+        (which is current is the config's to say: an object store's times are too coarse to tell the last written)."""
         if self.sources is not None and part in self.sources:
             return next((p for p in (self._manifest_path(stage, part), self._legacy_path(stage, part))
                          if self.fs.exists(p)), None)
         files = self._listed_parts(stage).get(part, [])
         if len(files) > 1 and not files[0].endswith(f"/{part_file_stem(part)}.parquet"):
             raise ValueError(f"stage '{stage}' of the store at {self.url} holds manifests of dataset '{part}' from "
-                             f"{len(files)} sources (configs sharing the store): read it with the sources of one "
-                             "config (Store(cache_dir, config.dataset_sources))")
+                             f"{len(files)} sources (configs sharing the store): open it with one config's sources, "
+                             "Store(cache_dir, config.dataset_sources)")
         return files[0] if files else None
 
     @contextlib.contextmanager
@@ -367,6 +368,15 @@ class Store:
         if self._is_local():
             return Path(self.root) / ".locks"
         return Path(tempfile.gettempdir()) / "loraflow-locks" / _digest(self.fs.unstrip_protocol(self.root))
+
+    def keyed(self, sources: Mapping[str, str]) -> Store:
+        """This store with its manifest parts keyed by `sources`; itself when it has its own (a config's store). What
+        each stage that writes parts does first, so no part is written unkeyed whoever opened the store."""
+        if self.sources is not None:
+            return self
+        view = copy.copy(self)
+        view.sources = dict(sources)
+        return view
 
     def only_parts(self, parts: Iterable[str]) -> Store:
         """This store, with `read_manifest` restricted to the given parts (one dataset's view of its clips)."""
