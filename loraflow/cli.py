@@ -24,11 +24,21 @@ LORA_PATHS = ("lora_path", "comfyui_lora_path", "musubi_lora_path")  # the lora 
 
 
 def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
-    """Build what the demo config points at: the tiny model and the generated dataset (idempotent)."""
-    from loraflow.demo.dataset import make_demo_dataset, make_demo_edits
+    """Build what the demo config points at: the tiny model and the generated dataset (idempotent). The dataset goes
+    only into folders the demo owns (`demo.dataset.claim_folder`): a folder of someone's files is refused, naming it,
+    before anything is written."""
+    from loraflow.demo.dataset import FolderNotTheDemos, check_claimable, make_demo_dataset, make_demo_edits
     from loraflow.demo.tiny import build_tiny
 
     config = load_config(config_path)
+    for dataset in config.training_datasets:  # every folder refused before anything is written or built
+        sources = config.source_images(dataset)
+        for entry in (dataset, *([sources] if sources else [])):
+            try:
+                if entry.instance_data_dir:  # a Hub dataset has no folder to write
+                    check_claimable(entry.instance_data_dir)
+            except FolderNotTheDemos as exc:
+                raise FolderNotTheDemos(f"dataset '{entry.id}' of {config_path}: {exc}") from None
     build_tiny(config.model_family, config.pretrained_model_name_or_path, flavour=config.model_flavour, world=True)
     for dataset in config.training_datasets:
         sources = config.source_images(dataset)  # i2i: edit pairs, the sources in their own folder
@@ -151,7 +161,7 @@ def check(config_path: str, estimate: bool = True) -> int:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
                     ("dataset", "file", "reason", "detail")))
-    changed = changed_sources(Store(config.cache_dir), config.dataset_folders)
+    changed = changed_sources(Store(config.cache_dir, config.dataset_sources), config.dataset_folders)
     if changed:  # a warning, not a problem: training on the caches as they are is allowed
         print(f"\nwarning: {changed_sources_warning(changed)}")
     if problems:
@@ -331,7 +341,7 @@ def _auto_captions(config: LoraflowConfig, model: ModelSource, dataset: str) -> 
 
     if dataset not in auto_datasets(config):
         return None
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.dataset_sources)
     with store.part_lock(dataset):
         return build_captions(config, model, store, [dataset])
 
@@ -342,7 +352,7 @@ def export_captions(config_path: str, folder: str, datasets: list[str] | None) -
     from loraflow.store import Store
 
     config = load_config(config_path)
-    written, kept = export(config, Store(config.cache_dir), Path(folder), datasets)
+    written, kept = export(config, Store(config.cache_dir, config.dataset_sources), Path(folder), datasets)
     print(f"captions export: {len(written)} caption file(s) written under {folder}"
           + (f"; {len(kept)} already there kept (e.g. {kept[0]})" if kept else ""))
     return 0

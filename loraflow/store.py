@@ -3,8 +3,13 @@
 Layout under the root:
     <stage>/shards/<uuid>.parquet     committed rows; every row has a `key` column
     <stage>/manifest.parquet          the stage's current item set (what downstream stages read), or
-    <stage>/manifest/<part>.parquet   the same, one file per part: clips and latents keep one per dataset, so
-                                      two datasets cached at once never replace each other's list
+    <stage>/manifest/<part>/<source>.parquet
+                                      the same, one file per part: clips and latents keep one per dataset, so
+                                      two datasets cached at once never replace each other's list, keyed by the
+                                      dataset's source too (`sources`), so two configs sharing the store with one
+                                      dataset id and other folders never read each other's list
+    <stage>/manifest/<part>.parquet   a part written before parts were keyed by source, or by a store that was not
+                                      given the sources: read while the keyed file is missing, replaced by it
 
 A shard is written to a temporary name and renamed into place, so a reader never sees half a shard: the
 set of keys in committed shards is the resume point of a killed run. A write that fails removes its temporary file
@@ -134,10 +139,15 @@ def _compression(table: pa.Table, name: str) -> str:
 class Store:
     """put/get/keys over Parquet shards under one fsspec root."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, sources: Mapping[str, str] | None = None) -> None:
+        """`sources`: each dataset id -> the fingerprint of its source (`LoraflowConfig.dataset_sources`): this store
+        reads and writes the manifest parts of those datasets from those sources only, and lists no other part. A
+        store shared by configs is safe this way: shards are keyed by content, a config's manifests by its sources.
+        None (a store that knows no config): every part, by id."""
         # no listing cache (s3fs keeps one per client): other processes and hosts commit shards to the same folders
         self.fs, self.root = fsspec.core.url_to_fs(root, use_listings_cache=False)
         self.url = root
+        self.sources = None if sources is None else dict(sources)
         self.parts: frozenset[str] | None = None  # see only_parts
         self._index: dict[str, list[list[str]]] = {}  # shard path -> its keys, per row group
         self._footers: dict[str, pq.FileMetaData] = {}  # shard path -> its Parquet footer
@@ -262,11 +272,14 @@ class Store:
         """
         table = pa.Table.from_pylist(list(rows))
         if part is None:
-            for name in self.manifest_parts(stage):
-                self._remove(self._manifest_path(stage, name))
+            for path in filter(None, (self._part_file(stage, name) for name in self.manifest_parts(stage))):
+                self._remove(path)
             self._write_atomic(table, self._manifest_path(stage))
         else:
-            self._write_atomic(table, self._manifest_path(stage, part))
+            path = self._manifest_path(stage, part)
+            self._write_atomic(table, path)
+            if path != self._legacy_path(stage, part):  # the keyed part replaces the one of no source
+                self._remove(self._legacy_path(stage, part))
             self._remove(self._manifest_path(stage))
 
     def read_manifest(self, stage: str, parts: Iterable[str] | None = None) -> list[dict[str, Any]]:
@@ -285,20 +298,46 @@ class Store:
                 raise FileNotFoundError(f"stage '{stage}' has no manifest for {', '.join(missing)} at {self.url}: "
                                         "materialize it for those first")
             names = [n for n in names if n in parts]
-        return [row for name in names for row in self._read_table(stage, self._manifest_path(stage, name))]
+        paths = [self._part_file(stage, name) or self._manifest_path(stage, name) for name in names]
+        return [row for path in paths for row in self._read_table(stage, path)]
 
     def manifest_parts(self, stage: str) -> list[str]:
-        """Names of the stage's manifest parts, sorted."""
-        paths = self._parquet_files(f"{self._dir(stage)}/manifest")
-        return sorted(unquote(p.rsplit("/", 1)[-1].removesuffix(".parquet")) for p in paths)
+        """Names of the stage's manifest parts, sorted: with `sources`, those of its datasets only (a part another
+        config wrote into a shared store, or one of a dataset taken out of the config, is not this store's)."""
+        if self.sources is not None:
+            return sorted(name for name in self.sources if self._part_file(stage, name) is not None)
+        return sorted(self._listed_parts(stage))
 
-    def drop_parts(self, stage: str, keep: Iterable[str]) -> list[str]:
-        """Remove the manifest parts not in `keep` (their shards stay until `clean`); return their names."""
-        keep = set(keep)
-        gone = [name for name in self.manifest_parts(stage) if name not in keep]
-        for name in gone:
-            self._remove(self._manifest_path(stage, name))
-        return gone
+    def _listed_parts(self, stage: str) -> dict[str, list[str]]:
+        """Every part file of the stage by part name, whoever wrote it: the unkeyed file first, then the keyed ones."""
+        folder = f"{self._dir(stage)}/manifest"
+        try:
+            entries = self.fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            return {}
+        found: dict[str, list[str]] = {}
+        for entry in sorted(entries, key=lambda e: e["type"] == "directory"):  # files (unkeyed) first
+            name = unquote(entry["name"].rstrip("/").rsplit("/", 1)[-1])
+            if entry["type"] == "directory":
+                found.setdefault(name, []).extend(self._parquet_files(entry["name"]))
+            elif name.endswith(".parquet"):
+                found.setdefault(name.removesuffix(".parquet"), []).append(entry["name"])
+        return {name: files for name, files in found.items() if files}
+
+    def _part_file(self, stage: str, part: str) -> str | None:
+        """The file holding one part's rows (None: none). With `sources`: the file keyed by the dataset's source, or
+        an unkeyed one (a cache written before parts were keyed) until the stage writes the keyed one. Without (a
+        store that knows no config): the unkeyed file, else the one keyed file; one id from several sources raises
+        (which is current is the config's to say: an object store's times are too coarse to tell the last written)."""
+        if self.sources is not None and part in self.sources:
+            return next((p for p in (self._manifest_path(stage, part), self._legacy_path(stage, part))
+                         if self.fs.exists(p)), None)
+        files = self._listed_parts(stage).get(part, [])
+        if len(files) > 1 and not files[0].endswith(f"/{part_file_stem(part)}.parquet"):
+            raise ValueError(f"stage '{stage}' of the store at {self.url} holds manifests of dataset '{part}' from "
+                             f"{len(files)} sources (configs sharing the store): open it with one config's sources, "
+                             "Store(cache_dir, config.dataset_sources)")
+        return files[0] if files else None
 
     @contextlib.contextmanager
     def part_lock(self, part: str, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
@@ -330,6 +369,15 @@ class Store:
             return Path(self.root) / ".locks"
         return Path(tempfile.gettempdir()) / "loraflow-locks" / _digest(self.fs.unstrip_protocol(self.root))
 
+    def keyed(self, sources: Mapping[str, str]) -> Store:
+        """This store with its manifest parts keyed by `sources`; itself when it has its own (a config's store). What
+        each stage that writes parts does first, so no part is written unkeyed whoever opened the store."""
+        if self.sources is not None:
+            return self
+        view = copy.copy(self)
+        view.sources = dict(sources)
+        return view
+
     def only_parts(self, parts: Iterable[str]) -> Store:
         """This store, with `read_manifest` restricted to the given parts (one dataset's view of its clips)."""
         view = copy.copy(self)
@@ -337,8 +385,14 @@ class Store:
         return view
 
     def _manifest_path(self, stage: str, part: str | None = None) -> str:
+        """Where this store writes the stage's manifest, or one part of it (keyed by its source when known)."""
         if part is None:
             return f"{self._dir(stage)}/manifest.parquet"
+        if self.sources is not None and part in self.sources:
+            return f"{self._dir(stage)}/manifest/{part_file_stem(part)}/{self.sources[part]}.parquet"
+        return self._legacy_path(stage, part)
+
+    def _legacy_path(self, stage: str, part: str) -> str:
         return f"{self._dir(stage)}/manifest/{part_file_stem(part)}.parquet"  # any dataset id is a file name
 
     def _read_table(self, stage: str, path: str) -> list[dict[str, Any]]:
@@ -354,8 +408,9 @@ class Store:
             pass
 
     def manifest_keys(self, stage: str) -> set[str]:
-        """Every key the stage's manifest lists, in all its parts (a view's restriction does not apply here)."""
-        paths = [self._manifest_path(stage, n) for n in self.manifest_parts(stage)] or [self._manifest_path(stage)]
+        """Every key the stage's manifest lists, in all its parts, from every source (neither a view's restriction
+        nor `sources` applies here: `clean` keeps what any config sharing the store lists)."""
+        paths = [p for files in self._listed_parts(stage).values() for p in files] or [self._manifest_path(stage)]
         return {row["key"] for path in paths if self.fs.exists(path) for row in self._read_table(stage, path)}
 
     def clean(self, stage: str, keep: set[str] | None = None) -> int:

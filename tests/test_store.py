@@ -187,17 +187,35 @@ def test_odd_part_names_and_empty_parts_round_trip(store: Store) -> None:
     assert store.read_manifest("stage") == [{"key": "x"}]
 
 
-def test_drop_parts_and_clean_keep_what_any_part_lists(store: Store) -> None:
-    for key in ("a1", "b1", "gone"):
+def test_clean_keeps_what_any_part_of_any_source_lists(store: Store) -> None:
+    for key in ("a1", "b1", "theirs", "gone"):
         store.put("stage", [{"key": key, "x": 1}])
-    store.write_manifest("stage", [{"key": "a1"}], part="a")
+    Store(store.url, {"a": "my-source"}).write_manifest("stage", [{"key": "a1"}], part="a")
+    Store(store.url, {"a": "their-source"}).write_manifest("stage", [{"key": "theirs"}], part="a")
     store.write_manifest("stage", [{"key": "b1"}], part="b")
-    assert store.only_parts(["a"]).clean("stage") == 1  # a view's restriction does not narrow what clean keeps
-    assert store.keys("stage") == {"a1", "b1"}
-    assert store.drop_parts("stage", keep=["a"]) == ["b"]
-    assert store.keys("stage") == {"a1", "b1"}  # dropping a part lists nothing new and deletes no shard
-    assert store.read_manifest("stage") == [{"key": "a1"}]
-    assert store.clean("stage") == 1 and store.keys("stage") == {"a1"}
+    assert store.only_parts(["b"]).clean("stage") == 1  # a view's restriction does not narrow what clean keeps
+    assert store.keys("stage") == {"a1", "b1", "theirs"}  # nor do the sources: another config's part keeps its rows
+
+
+def test_a_store_with_sources_reads_and_lists_its_own_datasets_parts_only(store: Store) -> None:
+    mine, theirs = Store(store.url, {"a": "folder-1"}), Store(store.url, {"a": "folder-2", "b": "folder-3"})
+    mine.write_manifest("stage", [{"key": "mine"}], part="a")
+    theirs.write_manifest("stage", [{"key": "theirs"}], part="a")  # one id, another source: beside it, not over it
+    theirs.write_manifest("stage", [{"key": "b1"}], part="b")
+    assert mine.manifest_parts("stage") == ["a"] and mine.read_manifest("stage") == [{"key": "mine"}]
+    assert theirs.read_manifest("stage") == [{"key": "theirs"}, {"key": "b1"}]
+    with pytest.raises(ValueError, match="holds manifests of dataset 'a' from 2 sources"):
+        store.read_manifest("stage", parts=["a"])  # a store without sources does not pick one
+    assert store.read_manifest("stage", parts=["b"]) == [{"key": "b1"}]  # the one source of b: no doubt
+    assert store.manifest_parts("stage") == ["a", "b"]
+
+
+def test_a_part_written_before_parts_were_keyed_is_read_until_the_keyed_one_replaces_it(store: Store) -> None:
+    store.write_manifest("stage", [{"key": "old"}], part="a")  # unkeyed: what loraflow wrote before sources
+    keyed = Store(store.url, {"a": "folder-1"})
+    assert keyed.manifest_parts("stage") == ["a"] and keyed.read_manifest("stage") == [{"key": "old"}]
+    keyed.write_manifest("stage", [{"key": "new"}], part="a")
+    assert keyed.read_manifest("stage") == store.read_manifest("stage") == [{"key": "new"}]  # the old one is gone
 
 
 def test_a_cache_dir_with_glob_characters_in_its_name_resumes(tmp_path: Path) -> None:

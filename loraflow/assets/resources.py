@@ -44,13 +44,9 @@ class LoraflowResource(ConfigurableResource):
             raise Failure(description=str(exc), metadata={"config": self.config_path}, allow_retries=False) from None
 
     def store(self, config: LoraflowConfig) -> Store:
-        """The config's store. Manifest parts of datasets no longer in the config are dropped first, so no
-        stage (an unpartitioned one run on its own included) reads their rows; their shards stay."""
-        from loraflow.stages.clips.clips import drop_removed_datasets
-
-        store = Store(config.cache_dir)
-        drop_removed_datasets(config, store)
-        return store
+        """The config's store, keyed by its datasets' sources: no stage reads the manifest parts of a dataset taken
+        out of the config, nor those another config sharing the cache_dir wrote (`Store`'s `sources`)."""
+        return Store(config.cache_dir, config.dataset_sources)
 
     def dataset(self, config: LoraflowConfig, partition_key: str) -> str:
         """The dataset a partition stands for; a partition whose dataset left the config fails without retries."""

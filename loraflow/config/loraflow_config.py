@@ -19,6 +19,7 @@ from loraflow.config.dataset import DatasetConfig, is_mask_dataset
 from loraflow.config.errors import ConfigError, describe
 from loraflow.config.fields import ConfigFields
 from loraflow.config.validation_adapters import ValidationAdapter, check_adapters
+from loraflow.keys import content_key
 from loraflow.pipelines import family_flavour, family_spec, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
@@ -340,6 +341,24 @@ class LoraflowConfig(ConfigFields):
     def dataset_folders(self) -> dict[str, str]:
         """Each training dataset's id -> its folder (`instance_data_dir`; a Hugging Face dataset's: `as_folder`)."""
         return {d.id: self.folder_dataset(d).instance_data_dir or "" for d in self.training_datasets}
+
+    @property
+    def dataset_sources(self) -> dict[str, str]:
+        """Each training dataset's id -> a fingerprint of where its files come from: its folder resolved (links
+        followed), a Hugging Face dataset's name, split and revision too, and its i2i source images' or masks'
+        folder. The store keys each dataset's manifest parts by it (`Store(cache_dir, sources)`), so two configs
+        sharing one cache_dir with one id and other folders never read each other's clips."""
+        def where(dataset: DatasetConfig) -> dict[str, Any]:
+            folder = dataset.instance_data_dir  # a Hub dataset's default folder is under the shared cache_dir
+            hub = [dataset.dataset_name, dataset.split, dataset.revision] if dataset.type != "local" else None
+            return {"folder": os.path.realpath(folder) if folder and "://" not in folder else folder, "hub": hub}
+
+        fingerprints = {}
+        for dataset in self.training_datasets:
+            paired = self.source_images(dataset)
+            fingerprints[dataset.id] = content_key(source=where(dataset),
+                                                   paired=where(paired) if paired else None)[:16]
+        return fingerprints
 
     def folder_dataset(self, dataset: DatasetConfig) -> DatasetConfig:
         """`dataset` as the clips stage reads it (`DatasetConfig.as_folder`)."""

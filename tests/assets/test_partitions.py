@@ -121,10 +121,15 @@ def test_a_dataset_removed_from_the_config_is_no_longer_read_or_cached(setup, ti
     root, _, instance, store = setup
     cats_only = two_dataset_config(tiny_k5, root, keep=("cats",), max_train_steps=2, checkpointing_steps=2)
     resource = LoraflowResource(config_path=str(cats_only))
-    resource.store(resource.load())  # what every asset and check of this config does first
-    assert {r["dataset"] for r in store.read_manifest("clips")} == {"cats"}
-    assert {r["dataset"] for r in store.read_manifest("latents")} == {"cats"}
-    assert store.keys("clips") >= {r["key"] for r in store.read_manifest("clips")}
+    files = {p: p.stat().st_mtime_ns for p in (root / "cache").rglob("*") if p.is_file()}
+    cats_store = resource.store(resource.load())  # what every asset and check of this config does first
+    assert {p: p.stat().st_mtime_ns for p in (root / "cache").rglob("*") if p.is_file()} == files  # a getter
+    assert {r["dataset"] for r in cats_store.read_manifest("clips")} == {"cats"}
+    assert {r["dataset"] for r in cats_store.read_manifest("latents")} == {"cats"}
+    assert cats_store.keys("clips") >= {r["key"] for r in cats_store.read_manifest("clips")}
+    both = LoraflowResource(config_path=str(two_dataset_config(tiny_k5, root, max_train_steps=2)))
+    # the dogs' parts are still the two-dataset config's: taking a dataset out of one config deletes nothing
+    assert {r["dataset"] for r in both.store(both.load()).read_manifest("latents")} == {"cats", "dogs"}
     failed = cache(setup, "dogs", resource)
     assert not failed.success
     types = [e.event_type for e in failed.all_events]

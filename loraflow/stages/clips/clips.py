@@ -376,30 +376,19 @@ def _decode_cropped(path: str, indices: tuple[int, ...], resize: tuple[int, int]
     return np.ascontiguousarray(frames[:, top : top + height, left : left + width])
 
 
-# one manifest part per dataset id
-DATASET_STAGES = ("clips", "quarantine", "latents", "latents_quarantine", "audio_latents", "teacher_features")
-
-
-def drop_removed_datasets(config: LoraflowConfig, store: Store) -> list[str]:
-    """Drop the manifest parts of datasets no longer in the config, so no stage reads their rows again.
-    Their shards stay until an explicit `store.clean`: a dataset added back costs nothing to re-plan."""
-    ids = [d.id for d in config.training_datasets]
-    return sorted({name for stage in DATASET_STAGES for name in store.drop_parts(stage, ids)})
-
-
 def build_clips(
     config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource, store: Store,
     datasets: list[str] | None = None,
 ) -> ClipsReport:
     """Plan the datasets (`datasets` ids; None: every training dataset), decode what the store lacks, and write
     each dataset's manifest part of current clips (one dataset's run never touches another's part)."""
+    store = store.keyed(config.dataset_sources)  # its parts keyed by the datasets' sources, whoever opened it
     selected = select_datasets(config, datasets)
     for dataset in selected:  # a missing source folder fails like a missing dataset folder, before any work
         sources = config.source_images(dataset)
         if sources is not None and not Path(sources.instance_data_dir or "").is_dir():
             raise FileNotFoundError(f"dataset '{sources.id}' (source images of '{dataset.id}'): instance_data_dir "
                                     f"{sources.instance_data_dir} is not a folder")
-    drop_removed_datasets(config, store)
     manifest, quarantine = [], []
     probes = ProbeCache(store)
     for dataset in selected:
