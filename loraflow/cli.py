@@ -105,6 +105,7 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
 def check(config_path: str, estimate: bool = True) -> int:
     """Validate the config (every problem at once), say where each model component is and what a run would
     download, then plan buckets without loading a model."""
+    from loraflow.config.validation_adapters import adapter_problems
     from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
     from loraflow.pipelines import nabla_note, plan_family
     from loraflow.stages.clips.bucket_plan import human_bytes, plan_buckets
@@ -120,6 +121,8 @@ def check(config_path: str, estimate: bool = True) -> int:
     if source is not None and config.validation_size is not None:  # a local folder's was checked at load
         problem = family.validation_size_problem(source, *config.validation_size)
         problems += [problem] if problem else []
+    problems += adapter_problems(config.validation_adapters_key, config.validation_adapters,
+                                 None if source is None else source.folder("transformer"))
     plan = plan_buckets(config, family, geometry, source)
     problems += plan.problems
     rows = [(b.dataset, b.bucket, b.clips, human_bytes(b.frames_bytes), human_bytes(b.latent_bytes))

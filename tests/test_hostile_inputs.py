@@ -153,3 +153,60 @@ def test_an_unreadable_model_config_is_named_by_check(spoil: Any, words: str, mo
     result = run_cli("check", str(config_for(model, demo_data, tmp_path)))
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"{path} {words}" in result.stderr and "Traceback" not in result.stderr
+
+
+# -- item 4: finite adapters and renders -----------------------------------------------------------------------------
+
+def lora_of(model: Path, path: Path, fill: float = 0.01, module: str | None = None) -> Path:
+    """A diffusers-format LoRA file of rank 2 on the model transformer's first linear layer (or `module`, of a 4x4
+    weight: another family's), its values all `fill`."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from loraflow.safetensors_header import read_header, tensor_entries
+
+    (weights,) = (model / "transformer").glob("*.safetensors")
+    shapes = {n: e["shape"] for n, e in tensor_entries(read_header(weights)).items()}
+    name = module or next(n.removesuffix(".weight") for n, s in sorted(shapes.items())
+                          if n.endswith(".weight") and len(s) == 2)
+    out, inner = shapes.get(f"{name}.weight", [4, 4])
+    save_file({f"transformer.{name}.lora_A.weight": np.full((2, inner), fill, np.float32),
+               f"transformer.{name}.lora_B.weight": np.full((out, 2), fill, np.float32)}, str(path))
+    return path
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda model, path: lora_of(model, path, float("nan")), "2 tensor(s) hold NaN or infinite values (e.g. "
+                                                             "transformer."),
+    (lambda model, path: lora_of(model, path, float("-inf")), "2 tensor(s) hold NaN or infinite values"),
+    (lambda model, path: lora_of(model, path, module="blocks.0.attn.to_q"),
+     "adapts 1 module(s) the model's transformer"),
+])
+def test_a_broken_or_foreign_validation_adapter_is_refused_by_check(make: Any, words: str, model: Path,
+                                                                   demo_data: Path, tmp_path: Path) -> None:
+    """A NaN adapter rendered an all-black video and the step succeeded; another family's passed `check` and failed
+    late in peft. A good one passes."""
+    good = lora_of(model, tmp_path / "good.safetensors")
+    result = run_cli("check", str(config_for(model, demo_data, tmp_path, validation_adapter_path=str(good))),
+                     "--no-estimates")
+    assert result.returncode == 0, result.stderr[-2000:]
+    bad = make(model, tmp_path / "bad.safetensors")
+    result = run_cli("check", str(config_for(model, demo_data, tmp_path, validation_adapter_path=str(bad))),
+                     "--no-estimates")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"`validation_adapter_path` {bad}" in result.stderr and words in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_render_all_of_one_value_is_flagged() -> None:
+    import numpy as np
+
+    from loraflow.contracts.reports import PromptRenders
+    from loraflow.validation.validate import flat_renders
+
+    moving = np.random.default_rng(0).integers(0, 255, (5, 8, 8, 3), dtype=np.uint8)
+    videos = {"base": moving, "LoRA": np.zeros_like(moving), "grey": np.full_like(moving, 128)}
+    assert flat_renders(videos) == ["LoRA", "grey"]
+    row = dict(name="a", prompt="a cat", base="b.mp4", lora="l.mp4", contact_sheet="c.png", mean_abs_pixel_change=1.0)
+    assert "flat" not in PromptRenders(**row).json_row()  # result.json as it was where nothing is flat
+    assert PromptRenders(**row, flat=["LoRA"]).json_row()["flat"] == ["LoRA"]

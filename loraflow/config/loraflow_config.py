@@ -87,8 +87,7 @@ class LoraflowConfig(ConfigFields):
         if self.validation_adapter_path and self.validation_adapter_config:
             raise ValueError("give either `validation_adapter_path` (one adapter) or `validation_adapter_config` "
                              "(several), not both")
-        check_adapters("validation_adapter_path" if self.validation_adapter_path else "validation_adapter_config",
-                       self.validation_adapters)
+        check_adapters(self.validation_adapters_key, self.validation_adapters)
         if self.eval_dataset_id is not None:
             ids = [d.id for d in self.training_datasets]
             if self.eval_dataset_id not in ids:
@@ -331,6 +330,11 @@ class LoraflowConfig(ConfigFields):
             return self.validation_adapter_config or ()
         return (ValidationAdapter(path=self.validation_adapter_path, label=self.validation_adapter_name,
                                   strength=self.validation_adapter_strength),)
+
+    @property
+    def validation_adapters_key(self) -> str:
+        """The key that gives `validation_adapters`, for messages."""
+        return "validation_adapter_path" if self.validation_adapter_path else "validation_adapter_config"
 
     @property
     def training_datasets(self) -> tuple[DatasetConfig, ...]:
