@@ -210,3 +210,18 @@ def test_a_render_all_of_one_value_is_flagged() -> None:
     row = dict(name="a", prompt="a cat", base="b.mp4", lora="l.mp4", contact_sheet="c.png", mean_abs_pixel_change=1.0)
     assert "flat" not in PromptRenders(**row).json_row()  # result.json as it was where nothing is flat
     assert PromptRenders(**row, flat=["LoRA"]).json_row()["flat"] == ["LoRA"]
+
+
+def test_check_fails_when_a_dataset_ends_with_no_clip(tiny_k5: Path, demo_data: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """`check` exited 0 when every file of a dataset was dropped (training later blamed the eval holdout)."""
+    from loraflow.cli import main
+    from tests.factory import videos
+
+    data = tmp_path / "uncaptioned"
+    videos(data, 2, captions=False)
+    settings = demo_dict(tiny_k5, demo_data, tmp_path)
+    settings["datasets"].insert(1, {**settings["datasets"][0], "id": "uncaptioned", "instance_data_dir": str(data)})
+    assert main(["check", "--no-estimates", str(write_config(tmp_path / "config.yaml", settings))]) == 2
+    err = capsys.readouterr().err
+    assert "dataset 'uncaptioned': none of its 2 file(s) gives a clip" in err and "`disabled: true`" in err
