@@ -20,12 +20,14 @@ from tests.factory import REPO, demo_dict, write_config
 GIB = 1 << 30
 
 
-def run_cli(*args: str, memory: int | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m loraflow.cli ARGS` in a fresh process (under an address-space cap of `memory` bytes)."""
+def run_cli(*args: str, memory: int | None = None, timeout: float = 120,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m loraflow.cli ARGS` in a fresh process (under an address-space cap of `memory` bytes; with `env`
+    over this one's environment)."""
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, "-m", "loraflow.cli", *args], cwd=REPO, capture_output=True, text=True,
                           env=env, timeout=timeout, preexec_fn=cap if memory else None)
 
@@ -225,3 +227,146 @@ def test_check_fails_when_a_dataset_ends_with_no_clip(tiny_k5: Path, demo_data: 
     assert main(["check", "--no-estimates", str(write_config(tmp_path / "config.yaml", settings))]) == 2
     err = capsys.readouterr().err
     assert "dataset 'uncaptioned': none of its 2 file(s) gives a clip" in err and "`disabled: true`" in err
+
+
+# -- item 5: the last tracebacks and the wrong words -----------------------------------------------------------------
+
+@pytest.mark.parametrize(("key", "value"), [("model_family", ["x"]), ("model_flavour", ["x"]),
+                                            ("model_family", {"a": 1})])
+def test_a_family_or_flavour_that_is_no_name_is_named_by_check(key: str, value: Any, tiny_k5: Path, demo_data: Path,
+                                                              tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`model_family: [x]` was a TypeError (unhashable type) from the flavour lookup, before validation."""
+    from loraflow.cli import main
+
+    assert main(["check", "--no-estimates", str(config_for(tiny_k5, demo_data, tmp_path, **{key: value}))]) == 2
+    assert f"{key}: Input should be a valid string (got {value!r})" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda p: os.mkfifo(p), "is a FIFO (a named pipe), not a file"),
+    (lambda p: p.mkdir(), "is a folder, not a file"),
+    (lambda p: p.symlink_to("/dev/null"), "is a device, not a file"),
+    (lambda p: p.symlink_to(p.with_name("gone.yaml")), "is a link that leads nowhere"),
+    (lambda p: None, "does not exist"),
+])
+def test_a_config_path_that_is_no_file_is_called_what_it_is(make: Any, words: str, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    """A FIFO, a device or a folder given as the config was said not to exist."""
+    from loraflow.cli import main
+
+    path = tmp_path / "config.yaml"
+    make(path)
+    assert main(["check", str(path)]) == 2
+    assert f"config file {path} {words}: give the config's YAML or JSON file" in capsys.readouterr().err
+
+
+def test_a_dataset_folder_become_a_file_after_caching_is_named_by_check(tiny_k5: Path, demo_data: Path,
+                                                                        tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    """The stale-source check raised NotADirectoryError (a regression) when instance_data_dir became a file."""
+    from loraflow.cli import main
+    from loraflow.config import load_config
+    from tests.factory import run_clips
+
+    run_clips(load_config(config_for(tiny_k5, demo_data, tmp_path)))
+    settings = demo_dict(tiny_k5, demo_data, tmp_path)
+    file = next(demo_data.glob("*.mp4"))
+    settings["datasets"][0]["instance_data_dir"] = str(file)
+    assert main(["check", "--no-estimates", str(write_config(tmp_path / "file.yaml", settings))]) == 2
+    out, err = capsys.readouterr()
+    assert f"instance_data_dir {file} is not a folder" in err
+    assert "source file(s) changed since it was cached" in out and "(deleted)" in out
+
+
+@pytest.mark.parametrize("text", ['{"step": 3, "optim', "[1, 2]", '{"step": "3", "optimizer": {}, "history": []}'])
+def test_a_truncated_checkpoint_state_is_named_with_the_folder_to_delete(text: str, tmp_path: Path) -> None:
+    import torch
+
+    from loraflow.training.checkpoints import resume_optimizer
+
+    checkpoint = tmp_path / "checkpoints" / "step-0000003"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "state.json").write_text(text)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(RuntimeError) as caught:
+        resume_optimizer(checkpoint, optimizer)
+    assert f"checkpoint file {checkpoint / 'state.json'} is unreadable (" in str(caught.value)
+    assert f"delete its folder {checkpoint} to resume from the one before it" in str(caught.value)
+
+
+def test_an_s3_cache_that_does_not_answer_is_one_message(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    """No network for an s3:// cache_dir was a botocore traceback (EndpointConnectionError). A closed local port
+    stands for the network: nothing leaves the machine."""
+    config = config_for(tiny_k5, demo_data, tmp_path, cache_dir="s3://loraflow-test-bucket/cache")
+    result = run_cli("check", str(config), "--no-estimates", env={
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret",
+        "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "standard"})
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "loraflow check: the cache (`cache_dir`) did not answer (EndpointConnectionError" in result.stderr
+    assert "set `cache_dir` to a local folder" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_text_encoder_config_its_class_refuses_is_named_by_check(model: Path, demo_data: Path,
+                                                                  tmp_path: Path) -> None:
+    """A value transformers rejects (an unknown rope_type) was a KeyError from inside transformers, in the
+    estimates."""
+    path = model / "text_encoder" / "config.json"
+    config = json.loads(path.read_text())
+    config["text_config"]["rope_scaling"] = {"rope_type": "bogus"}
+    path.write_text(json.dumps(config))
+    result = run_cli("check", str(config_for(model, demo_data, tmp_path)), timeout=600,
+                     env={"LORAFLOW_ESTIMATES_CACHE": str(tmp_path / "estimates")})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (f"{path}: the transformers class Qwen2_5_VLForConditionalGeneration refuses it (KeyError: 'bogus'): "
+            "fix the value it names") in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# `loraflow cache` on a 200 KiB tmpfs in a mount namespace of its own ($1: the disk): the latents worker fills it.
+CACHE_ON_A_FULL_DISK = 'mount -t tmpfs -o size=200k tmpfs "$1" && exec "$2" -m loraflow.cli cache "$3" --dataset "$4"'
+
+
+def test_cache_on_a_full_disk_is_one_message_per_process(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
+    """The latents worker said the disk was full, then the parent raised a RuntimeError traceback."""
+    from tests.factory import missing_input
+
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--mount", "--map-root-user", "true"]).returncode:
+        missing_input("needs a mount namespace (unshare --mount --map-root-user) for a private tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    config = config_for(tiny_k5, demo_data, tmp_path, cache_dir=str(disk / "cache"))
+    done = subprocess.run([unshare, "--mount", "--map-root-user", "sh", "-c", CACHE_ON_A_FULL_DISK, "sh", str(disk),
+                           sys.executable, str(config), "demo-videos"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"the disk holding {disk}/cache/latents/shards is full" in done.stderr
+    assert "loraflow cache: latents worker(s) 0/1 of dataset 'demo-videos' failed" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_video_of_zero_duration_is_named_by_its_frames(tmp_path: Path) -> None:
+    """17 frames all at one timestamp were called "9 frames" (or "17 frames at 408 fps"): a rate made up."""
+    from fractions import Fraction
+
+    import av
+
+    from loraflow.media.frames import probe
+    from loraflow.media.types import MediaError
+    from tests.media_factory import index_frame
+
+    path = tmp_path / "still.mp4"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        for i in [*range(17), None]:
+            frame = None if i is None else av.VideoFrame.from_ndarray(index_frame(i, 96, 64), format="rgb24")
+            if frame is not None:
+                frame.pts, frame.time_base = 0, Fraction(1, 24)
+            for packet in stream.encode(frame):
+                packet.pts = packet.dts = 0
+                out.mux(packet)
+    with pytest.raises(MediaError) as caught:
+        probe(path)
+    assert caught.value.reason == "zero_duration"
+    assert "its 17 frames all carry one timestamp (the video lasts 0 s)" in str(caught.value)

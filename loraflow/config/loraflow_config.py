@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError, model_validator
 
-from loraflow.config.config_files import read_json_file, read_yaml_file
+from loraflow.config.config_files import not_a_file, read_json_file, read_yaml_file
 from loraflow.config.dataset import DatasetConfig, is_mask_dataset
 from loraflow.config.errors import ConfigError, describe
 from loraflow.config.fields import ConfigFields
@@ -416,8 +416,8 @@ def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | 
 def load_config(path: str | Path) -> LoraflowConfig:
     """Read a YAML or JSON config file (JSON is YAML) and validate it."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError([f"config file {path} does not exist"], str(path))
+    if problem := not_a_file(path):
+        raise ConfigError([f"config file {path} {problem}: give the config's YAML or JSON file"], str(path))
     try:
         data = read_yaml_file(path) or {}
     except ValueError as exc:

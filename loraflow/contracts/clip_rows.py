@@ -158,7 +158,7 @@ def changed_sources(store: Store, folders: Mapping[str, str]) -> list[ChangedSou
         folder = folders[clip.dataset]
         try:
             now = source_version(file_identity(Path(folder) / clip.source, folder))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # or the dataset folder is now a file
             judged[(clip.dataset, clip.source)] = "deleted"
             continue
         judged[(clip.dataset, clip.source)] = "" if now == clip.source_version else "changed"

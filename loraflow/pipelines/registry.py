@@ -66,8 +66,10 @@ def flavour_names(family: str) -> list[str]:
 
 
 def known_flavour(family: str | None, flavour: str | None) -> Flavour | None:
-    """The flavour a config's two keys pick, or None when either names nothing registered (validation says so)."""
-    if family not in FAMILIES or (flavour is not None and flavour not in flavour_names(family)):
+    """The flavour a config's two keys pick, or None when either names nothing registered (or is no name: a list,
+    a number; validation says so)."""
+    if not isinstance(family, str) or family not in FAMILIES or (
+            flavour is not None and (not isinstance(flavour, str) or flavour not in flavour_names(family))):
         return None
     return family_flavour(family, flavour)
 
