@@ -347,6 +347,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit code; as the process itself (`loraflow ...`, `python -m loraflow.cli`:
+    `argv` None) exit with it, without finalizing the interpreter (`exit_process`)."""
+    code = run_command(argv)
+    if argv is None:
+        exit_process(code)
+    return code
+
+
+def exit_process(code: int) -> None:
+    """Exit after atexit's handlers and a flush of the streams, skipping the interpreter's finalization (when no
+    other thread of ours runs). A C++ thread holding a Python thread state that wakes while the interpreter
+    finalizes (torch's autograd device threads pt_autograd_0..7, which check's first estimates start) is ended by
+    pthread_exit, whose unwinding through its C++ frames aborts the process: "terminate called without an active
+    exception", exit 134, in 2 of ~156 checks (pytorch/pytorch#38228)."""
+    import atexit
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)  # a thread of ours still works: the interpreter joins it, as it always did
+    atexit._run_exitfuncs()  # logging, the media workers, temporary folders: what finalization would run of ours
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code)
+
+
+def run_command(argv: list[str] | None) -> int:
     from loraflow.atomic import DiskFull
 
     args = build_parser().parse_args(argv)
