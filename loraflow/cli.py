@@ -100,7 +100,7 @@ def check(config_path: str, estimate: bool = True) -> int:
     from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
     from loraflow.pipelines import nabla_note, plan_family
     from loraflow.stages.clips.bucket_plan import human_bytes, plan_buckets
-    from loraflow.store import Store
+    from loraflow.store import CacheFileRefused, Store
 
     config = load_config(config_path)
     print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
@@ -145,7 +145,11 @@ def check(config_path: str, estimate: bool = True) -> int:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
                     ("dataset", "file", "reason", "detail")))
-    changed = changed_sources(Store(config.cache_dir), config.dataset_folders)
+    try:
+        changed = changed_sources(Store(config.cache_dir), config.dataset_folders)
+    except CacheFileRefused as exc:  # a truncated or foreign cache file crashed check
+        problems.append(str(exc))
+        changed = []
     if changed:  # a warning, not a problem: training on the caches as they are is allowed
         print(f"\nwarning: {changed_sources_warning(changed)}")
     if problems:
