@@ -6,10 +6,10 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loraflow.check_report import table
 from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
 from loraflow.pipelines.sources import HubUnreachable
 
@@ -102,23 +102,15 @@ def partitions(config_path: str) -> int:
     return 0
 
 
-def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
-    """Plain aligned columns; numbers right-aligned."""
-    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [all(str(row[i]).replace(".", "", 1).isdigit() for row in rows) if rows else False
-               for i in range(len(header))]
-    return "\n".join("  " + "  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in
-                                      enumerate(zip(r, widths))).rstrip() for r in cells)
-
-
 def check(config_path: str, estimate: bool = True) -> int:
     """Validate the config (every problem at once), say where each model component is and what a run would
     download, then plan buckets without loading a model."""
+    from loraflow.check_report import print_estimates, print_shifts
+    from loraflow.config.validation_adapters import adapter_problems
     from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
     from loraflow.pipelines import nabla_note, plan_family
     from loraflow.stages.clips.bucket_plan import human_bytes, plan_buckets
-    from loraflow.store import Store
+    from loraflow.store import CacheFileRefused, Store
 
     config = load_config(config_path)
     print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
@@ -130,6 +122,8 @@ def check(config_path: str, estimate: bool = True) -> int:
     if source is not None and config.validation_size is not None:  # a local folder's was checked at load
         problem = family.validation_size_problem(source, *config.validation_size)
         problems += [problem] if problem else []
+    problems += adapter_problems(config.validation_adapters_key, config.validation_adapters,
+                                 None if source is None else source.folder("transformer"))
     plan = plan_buckets(config, family, geometry, source)
     problems += plan.problems
     rows = [(b.dataset, b.bucket, b.clips, human_bytes(b.frames_bytes), human_bytes(b.latent_bytes))
@@ -145,7 +139,7 @@ def check(config_path: str, estimate: bool = True) -> int:
     if estimate and refused:
         print("\nestimates: left out until the model's problems below are fixed")
     elif estimate:
-        print_estimates(config, family, source, plan.buckets)
+        problems += print_estimates(config, family, source, plan.buckets)
     print("\ncaption limits (a file past them is dropped):")
     for d in config.training_datasets:
         print(f"  {d.id}: at most {d.max_captions_per_file} caption(s) per file (max_captions_per_file), "
@@ -161,7 +155,11 @@ def check(config_path: str, estimate: bool = True) -> int:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
                     ("dataset", "file", "reason", "detail")))
-    changed = changed_sources(Store(config.cache_dir, config.dataset_sources), config.dataset_folders)
+    try:
+        changed = changed_sources(Store(config.cache_dir, config.dataset_sources), config.dataset_folders)
+    except CacheFileRefused as exc:  # a truncated or foreign cache file crashed check
+        problems.append(str(exc))
+        changed = []
     if changed:  # a warning, not a problem: training on the caches as they are is allowed
         print(f"\nwarning: {changed_sources_warning(changed)}")
     if problems:
@@ -169,99 +167,6 @@ def check(config_path: str, estimate: bool = True) -> int:
         print("\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
     return 0
-
-
-def print_shifts(config: LoraflowConfig, family: FamilyPlan, source: ModelSource | None) -> None:
-    """The sigma shift training draws with and the one renders sample with, each with its source; a warning when
-    they differ (`contracts.shifts`: one rule for every family)."""
-    from loraflow.contracts.shifts import render_shift, shifts_warning, training_shift
-
-    training, render = training_shift(config, family.flavour, source), render_shift(config, family.flavour, source)
-    shown = "per batch" if training.value is None else f"{training.value:g}"
-    print(f"\nsigma shift: training {shown} ({training.source}); renders {render.value:g} ({render.source})")
-    if warning := shifts_warning(training, render):
-        print(f"warning: {warning}")
-
-
-def print_estimates(config: LoraflowConfig, plan: FamilyPlan, source: ModelSource | None, buckets: list) -> None:
-    """Estimated accelerator peak and TFLOP per stage for the largest bucket (loraflow/estimates/: how each is
-    computed), which common cards it fits, and, where training does not fit the user's card, the switches that
-    would, each with its estimate. No weights are read. The family module (torch, diffusers: seconds to import) is
-    imported only to compute an estimate: one remembered (`estimates.remembered`, a check of an unchanged config) is
-    found from the config, the model's config files and `plan`. `check --no-estimates` leaves this out."""
-    import functools
-
-    from loraflow import estimates
-    from loraflow.kernels.attention_backend import describe_choice
-    from loraflow.pipelines import family_spec, get_family
-    from loraflow.pipelines.released import FOLDER, released_config
-
-    print("\nestimates (no model loads; loraflow/estimates/ says how each is computed):")
-    released = estimates.released_configs(config) if source is None else None
-    if source is not None:
-        configs = estimates.component_configs({c: source.folder(c) for c in config.flavour.components})
-    elif released:  # the released model, not downloaded yet: its config files as loraflow holds them
-        configs = {c: released_config(config.flavour.name, c) for c in released}
-        print(f"  from the released config files in {FOLDER.relative_to(Path(estimates.__file__).parents[2])}/ "
-              f"({', '.join(released.values())}), not from the model: it is not on disk")
-    else:
-        print("  estimate needs the model's config files: the components' config.json on disk (download the model, "
-              "which the first stage does, or point `pretrained_model_name_or_path` at a local folder)")
-        return
-    family = functools.cache(lambda: get_family(config))
-    labels = [b.bucket for b in buckets]
-    if not labels:
-        labels = estimates.configured_buckets(config, plan, source or config.pretrained_model_name_or_path)
-        print(f"  no clips yet: estimated at the bucket{'s' * (len(labels) > 1)} the datasets ask for "
-              f"({', '.join(labels)}: a square source at `resolution`, `video.num_frames` frames)")
-    bucket = estimates.largest_bucket(labels)
-    frames, height, width = bucket
-    card, named = estimates.card_gb(config)
-    inputs = {"configs": configs, "bucket": bucket, "card": card}
-    stages, reused = estimates.remembered(config, "stages", inputs,
-                                          lambda: estimates.estimate(config, family(), configs, bucket))
-    if reused is not None:
-        print(f"  reused from {reused}: this config, model configs, bucket and card, with this loraflow, were "
-              "estimated before (delete the file to estimate again)")
-    print(f"  largest bucket {width}x{height}@{frames}, batch {config.train_batch_size}, "
-          f"{plan.max_text_tokens} text tokens; GiB peak on the accelerator, TFLOP of one step (lora: forward + "
-          "backward; latents: one clip; validation: one denoise call)")
-    if config.train_audio:
-        print("  train_audio: the picture only; the sound's tokens (hundreds beside the picture's thousands), the "
-              "audio VAE and the vocoder are not counted (docs/families.md)")
-    print(f"  fit: {estimates.FIT_MARKS}")
-    print(table(estimates.estimate_rows(stages),
-                ("stage", "peak GiB", "TFLOP", *(f"{gb}GB" for gb in estimates.CARDS_GB), "note")))
-    nabla = config.flavour.configured(configs["transformer"]).get("attention_type") == "nabla"  # K5 Pro: its mode's
-    print(f"  attention kernel: {describe_choice(config.attention_backend, nabla)}")
-    attention_note = family_spec(config.model_family).attention_note
-    if attention_note is not None:
-        print(f"  {attention_note(config.flavour, configs['transformer'], bucket, plan.max_text_tokens)}")
-    if card is None:
-        return
-    for stage in stages:
-        if not stage.parts:
-            continue
-        if stage.fits(card):
-            print(f"  {stage.stage} fits {card:.3g} GB ({named}): {stage.peak_gib:.3g} GiB")
-            continue
-        print(f"  {stage.stage} needs {stage.peak_gib:.3g} GiB; {card:.3g} GB ({named}) is short. Switches, each with "
-              f"its estimated peak{SMALLER.get(stage.stage, '')}:")
-        rows, _ = estimates.remembered(config, f"switches-{stage.stage}", inputs, lambda: estimates.switches(
-            config, family(), configs, bucket, stage.stage, now=stage))
-        for label, changed in rows:
-            host = f" (+ {changed.host / estimates.GIB:.3g} GiB of CPU memory)" if changed.host else ""
-            fits = "fits" if changed.fits(card) else "tight" if changed.mark(card) == "tight" else "does not fit"
-            print(f"    {label:<40} {changed.peak_gib:.3g} GiB{host} {fits}")
-        if not rows:
-            print("    none left to switch")
-
-
-# what else lowers a stage's peak, beside its switches
-SMALLER = {"latents": " (smaller buckets: `resolution` of the dataset)",
-           "lora": " (smaller buckets: `resolution` of the dataset)",
-           "validation": " (the render's own offload and tiling are already chosen for the card; smaller renders: "
-                         "`validation_resolution`, `validation_num_video_frames`)"}
 
 
 def released_problems(config: LoraflowConfig, family: FamilyPlan) -> list[str]:
@@ -325,7 +230,11 @@ def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> in
         print(f"latents shard {shard} of '{dataset}': computed {report.computed}, reused {report.reused}, "
               f"quarantined {len(report.quarantined)}")
         return 0
-    clips, latents, audio = fanout.cache_dataset(config_path, config, family, model, dataset, workers)
+    try:
+        clips, latents, audio = fanout.cache_dataset(config_path, config, family, model, dataset, workers)
+    except fanout.WorkersFailed as exc:  # each worker printed its own message (a full disk, ...): no traceback
+        print(f"loraflow cache: {exc}", file=sys.stderr)
+        return 1
     captions = _auto_captions(config, model, dataset)
     print(f"'{dataset}' cached by {workers} worker(s): clips computed {clips.computed}, reused {clips.reused}; "
           f"latents {latents.computed + latents.reused} listed (data version {latents.data_version})"
@@ -454,6 +363,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit code; as the process itself (`loraflow ...`, `python -m loraflow.cli`:
+    `argv` None) exit with it, without finalizing the interpreter (`exit_process`)."""
+    code = run_command(argv)
+    if argv is None:
+        exit_process(code)
+    return code
+
+
+def exit_process(code: int) -> None:
+    """Exit after atexit's handlers and a flush of the streams, skipping the interpreter's finalization (when no
+    other thread of ours runs). A C++ thread holding a Python thread state that wakes while the interpreter
+    finalizes (torch's autograd device threads pt_autograd_0..7, which check's first estimates start) is ended by
+    pthread_exit, whose unwinding through its C++ frames aborts the process: "terminate called without an active
+    exception", exit 134, in 2 of ~156 checks (pytorch/pytorch#38228)."""
+    import atexit
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)  # a thread of ours still works: the interpreter joins it, as it always did
+    atexit._run_exitfuncs()  # logging, the media workers, temporary folders: what finalization would run of ours
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code)
+
+
+def run_command(argv: list[str] | None) -> int:
     from loraflow.atomic import DiskFull
 
     args = build_parser().parse_args(argv)
@@ -479,6 +417,18 @@ def main(argv: list[str] | None = None) -> int:
     except (HubUnreachable, DiskFull) as exc:  # no network, no space: what to do, no traceback from inside a library
         print(f"loraflow {args.command}: {exc}", file=sys.stderr)
         return 1
+    except remote_store_errors() as exc:  # an s3:// cache_dir that does not answer (no network, no credentials)
+        print(f"loraflow {args.command}: the cache (`cache_dir`) did not answer ({type(exc).__name__}: {exc}): check "
+              "the network, the endpoint (AWS_ENDPOINT_URL) and the credentials, or set `cache_dir` to a local "
+              "folder", file=sys.stderr)
+        return 1
+
+
+def remote_store_errors() -> tuple[type[BaseException], ...]:
+    """What a remote store's client raises when the store does not answer or takes no credentials: botocore's
+    errors (s3fs), once it has been imported (only an s3:// store imports it)."""
+    botocore = sys.modules.get("botocore.exceptions")
+    return (botocore.BotoCoreError,) if botocore is not None else ()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ The format (huggingface/safetensors README): 8 bytes of header length N (little-
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the tensors' bytes. A corrupt
 or hostile file (a header length of 2^40, a header that is not JSON, offsets past the end) then fails in one message
 naming it, in `loraflow check` as in the stage that reads it, instead of a MemoryError or a loader's traceback minutes
-later. Cheap: the tensors' bytes are never read. No torch here: config validation uses it.
+later. Cheap: the tensors' bytes are never read (but by `non_finite_tensors`, which tests a float file's values by
+their bits). No torch here: config validation uses it.
 """
 
 from __future__ import annotations
@@ -126,3 +127,42 @@ def read_adapter_header(path: str | Path, key: str) -> dict[str, Any]:
         raise UnreadableSafetensors(f"`{key}` {path}: {len(other)} tensor(s) are not floating point (e.g. {name!r} "
                                     f"is {dtype}): not a LoRA's weights, which are {', '.join(FLOAT_DTYPES)}")
     return header
+
+
+# Each float dtype's exponent bits as an unsigned integer of its width: all of them set is an infinity or a NaN.
+_EXPONENT_BITS = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
+                  "BF16": ("<u2", 0x7F80)}
+_CHUNK = 1 << 22  # values tested at a time: a hostile file's one huge tensor costs tens of MiB at most
+
+
+def non_finite_tensors(path: str | Path, header: dict[str, Any]) -> dict[str, int]:
+    """Of a float file's tensors (`read_adapter_header`'s header), those holding NaN or inf and how many each holds,
+    read by their bits (numpy, no torch: `check` reads an adapter's values so)."""
+    import numpy as np
+
+    found = {}
+    with open(path, "rb") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")
+        for name, entry in tensor_entries(header).items():
+            dtype, mask = _EXPONENT_BITS[entry["dtype"]]
+            width = np.dtype(dtype).itemsize
+            begin, end = entry["data_offsets"]
+            count = 0
+            for offset in range(begin, end, _CHUNK * width):
+                f.seek(start + offset)
+                values = np.frombuffer(f.read(min(_CHUNK * width, end - offset)), dtype)
+                count += int(np.count_nonzero((values & np.array(mask, dtype)) == mask))
+            if count:
+                found[name] = count
+    return found
+
+
+def non_finite_problem(path: str | Path, key: str, header: dict[str, Any], fix: str) -> str:
+    """`key` FILE: how many of its tensors hold NaN or inf, one named ("" when none does); `fix`: what to do."""
+    broken = non_finite_tensors(path, header)
+    if not broken:
+        return ""
+    name, count = next(iter(broken.items()))
+    total = math.prod(header[name]["shape"])
+    return (f"`{key}` {path}: {len(broken)} tensor(s) hold NaN or infinite values (e.g. {name}: {count} of {total}): "
+            f"the file is broken; {fix}")

@@ -35,6 +35,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import re
 import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -52,6 +53,20 @@ from loraflow.keys import part_file_stem
 
 SHAPE_SUFFIX = "__shape"
 ROW_GROUP_BYTES = 4 << 20  # a training batch reads a few rows of a shard: groups small enough to skip the rest
+# Rows of one file the store writes: a shard is one stage's commit (a batch of latents, a few thousand text or probe
+# rows), a manifest part one row per item of a dataset. A Parquet file past it is not the store's own and is refused
+# from its footer, unread (a stray 10^7-row file cost 2 GB and 40 s, read whole).
+MAX_FILE_ROWS = 1_000_000
+SHARD_NAME = re.compile(r"[0-9a-f]{32}\.parquet")  # `put`'s names (uuid4 hex): any other file in shards/ is not read
+
+
+class CacheFileRefused(ValueError):
+    """A file in the cache that the store did not write or can no longer read (truncated, another schema, tensor
+    metadata that does not fit its cells): the message names it and what to do."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path} in the cache {why}: delete it (the stage that wrote it rebuilds what is missing: "
+                         "`loraflow cache CONFIG --dataset ID`, or the stage's job)")
 
 
 TENSOR_META = b"loraflow.tensor"  # field metadata of a raw-bytes tensor column: {"dtype": "<f4", "shape": [...]}
@@ -158,8 +173,8 @@ class Store:
         return f"{self.root.rstrip('/')}/{stage}"
 
     def shard_paths(self, stage: str) -> list[str]:
-        """The stage's committed shards, sorted."""
-        return self._parquet_files(f"{self._dir(stage)}/shards")
+        """The stage's committed shards, sorted: the files named as `put` names them (any other is not read)."""
+        return [p for p in self._parquet_files(f"{self._dir(stage)}/shards") if SHARD_NAME.fullmatch(p.rsplit("/")[-1])]
 
     def _parquet_files(self, folder: str) -> list[str]:
         # listed, not globbed: a cache_dir with [ or * in its name is a name, not a pattern
@@ -197,7 +212,8 @@ class Store:
     def _shard_keys(self, stage: str, shard: str) -> list[list[str]]:
         """The shard's keys, one list per row group (read once: a committed shard never changes)."""
         if shard not in self._index:
-            with self._open(shard) as parquet:
+            with _reading(shard), self._open(shard) as parquet:
+                _own_file(shard, parquet, key=True)
                 keys = parquet.read(columns=["key"]).column("key").to_pylist()
                 sizes = [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)]
                 self._footers[shard] = parquet.metadata
@@ -251,13 +267,14 @@ class Store:
         rows: dict[str, dict[str, Any]] = {}
         for shard in sorted(groups_of):
             groups = sorted(groups_of[shard])
-            with self._open(shard) as parquet:
-                table = parquet.read_row_groups(groups, columns=_with_shapes(parquet.schema_arrow, columns))
-            hits = [i for i, k in enumerate(table.column("key").to_pylist()) if k in wanted and k not in rows]
-            if len(hits) < table.num_rows:  # most reads want every row they read: take() would copy them all
-                table = table.take(hits)
-            for row in table_to_rows(table):
-                rows[row["key"]] = row
+            with _reading(shard):
+                with self._open(shard) as parquet:
+                    table = parquet.read_row_groups(groups, columns=_with_shapes(parquet.schema_arrow, columns))
+                hits = [i for i, k in enumerate(table.column("key").to_pylist()) if k in wanted and k not in rows]
+                if len(hits) < table.num_rows:  # most reads want every row they read: take() would copy them all
+                    table = table.take(hits)
+                for row in table_to_rows(table):
+                    rows[row["key"]] = row
         missing = wanted - rows.keys()
         if missing:
             raise KeyError(f"{stage}: {len(missing)} key(s) not in the store at {self.url}, e.g. {sorted(missing)[0]}")
@@ -398,8 +415,14 @@ class Store:
     def _read_table(self, stage: str, path: str) -> list[dict[str, Any]]:
         if not self.fs.exists(path):
             raise FileNotFoundError(f"stage '{stage}' has no manifest at {self.url}: materialize it first")
-        with self.fs.open(path, "rb") as f:
-            return pq.read_table(f).to_pylist()
+        with _reading(path), self.fs.open(path, "rb") as f:
+            parquet = pq.ParquetFile(f)
+            _own_file(path, parquet)
+            return parquet.read().to_pylist()
+
+    def manifest_file(self, stage: str, part: str | None = None) -> str:
+        """Where the stage's manifest (or its `part`) is, for messages."""
+        return self._manifest_path(stage, part)
 
     def _remove(self, path: str) -> None:
         try:
@@ -439,3 +462,27 @@ def _with_shapes(schema: pa.Schema, columns: list[str] | None) -> list[str] | No
 
 def _digest(url: str) -> str:
     return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Reading a cache file: what a truncated or foreign file raises inside pyarrow (or in `_cells`) names it."""
+    try:
+        yield
+    except CacheFileRefused:
+        raise
+    except (pa.ArrowException, ValueError, KeyError, IndexError) as exc:
+        raise CacheFileRefused(path, f"is not readable ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _own_file(path: str, parquet: pq.ParquetFile, key: bool = False) -> None:
+    """Refuse, from its footer alone, a Parquet file the store did not write: more rows than it writes to one file,
+    or (`key`: a shard) no string `key` column."""
+    rows = parquet.metadata.num_rows
+    if rows > MAX_FILE_ROWS:
+        raise CacheFileRefused(path, f"holds {rows} rows, more than the {MAX_FILE_ROWS} of any file loraflow writes: "
+                               "it is not the store's own, and was not read")
+    schema = parquet.schema_arrow
+    if key and ("key" not in schema.names or not pa.types.is_string(schema.field("key").type)
+                and not pa.types.is_large_string(schema.field("key").type)):
+        raise CacheFileRefused(path, "has no string `key` column: it is not a shard loraflow wrote")

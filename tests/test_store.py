@@ -91,7 +91,7 @@ def old_tensor_shard(path: Path, rows: list[dict]) -> None:
 
 def test_a_store_written_before_raw_bytes_cells_reads_as_written(tmp_path) -> None:
     latent = np.random.default_rng(0).standard_normal((2, 16, 3, 4, 6), dtype=np.float32)
-    old_tensor_shard(tmp_path / "latents" / "shards" / "old.parquet",
+    old_tensor_shard(tmp_path / "latents" / "shards" / f"{0:032x}.parquet",
                      [{"key": f"old{i}", "latent": latent[i], "latent_logvar": -latent[i]} for i in range(2)])
     store = Store(str(tmp_path))
     store.put("latents", [{"key": "new", "latent": latent[0] + 1, "latent_logvar": latent[1]}])
@@ -113,7 +113,7 @@ def test_a_cell_of_another_length_than_its_shape_raises(tmp_path) -> None:
     table = rows_to_table([{"key": "a", "latent": np.zeros((2, 3), np.float32)}])
     field = table.schema.field("latent").with_metadata({b"loraflow.tensor": b'{"dtype": "<f4", "shape": [2, 2]}'})
     (tmp_path / "stage" / "shards").mkdir(parents=True)
-    pq.write_table(table.cast(table.schema.set(1, field)), tmp_path / "stage" / "shards" / "a.parquet")
+    pq.write_table(table.cast(table.schema.set(1, field)), tmp_path / "stage" / "shards" / f"{0:032x}.parquet")
     with pytest.raises(ValueError, match="a cell of 24 bytes, but float32 \\(2, 2\\) is 16"):
         Store(str(tmp_path)).get("stage", ["a"])
 

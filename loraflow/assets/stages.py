@@ -298,6 +298,9 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
         if report.condition_image:  # i2v's first frame, i2i's source image
             start = md.md_image(report.condition_image, "the conditioning image").value
             sheets.insert(0, f"**every render starts from**\n\n{start}")
+        flat = {p.name: p.flat for p in report.prompts if p.flat}
+        if flat:  # all one value: a NaN model, LoRA or adapter rendered a black video, and the step succeeded
+            metadata["flat_renders"] = MetadataValue.json(flat)
         metadata |= {"video": MetadataValue.path(report.prompts[0].lora),
                      "base_video": MetadataValue.path(report.prompts[0].base),
                      "preview": MetadataValue.md("\n\n".join(sheets))}

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError, model_validator
 
-from loraflow.config.config_files import read_json_file, read_yaml_file
+from loraflow.config.config_files import not_a_file, read_json_file, read_yaml_file
 from loraflow.config.dataset import DatasetConfig, is_mask_dataset
 from loraflow.config.errors import ConfigError, describe
 from loraflow.config.fields import ConfigFields
@@ -88,8 +88,7 @@ class LoraflowConfig(ConfigFields):
         if self.validation_adapter_path and self.validation_adapter_config:
             raise ValueError("give either `validation_adapter_path` (one adapter) or `validation_adapter_config` "
                              "(several), not both")
-        check_adapters("validation_adapter_path" if self.validation_adapter_path else "validation_adapter_config",
-                       self.validation_adapters)
+        check_adapters(self.validation_adapters_key, self.validation_adapters)
         if self.eval_dataset_id is not None:
             ids = [d.id for d in self.training_datasets]
             if self.eval_dataset_id not in ids:
@@ -334,6 +333,11 @@ class LoraflowConfig(ConfigFields):
                                   strength=self.validation_adapter_strength),)
 
     @property
+    def validation_adapters_key(self) -> str:
+        """The key that gives `validation_adapters`, for messages."""
+        return "validation_adapter_path" if self.validation_adapter_path else "validation_adapter_config"
+
+    @property
     def training_datasets(self) -> tuple[DatasetConfig, ...]:
         return tuple(d for d in self.datasets if d.dataset_type in ("video", "image") and not d.disabled)
 
@@ -431,8 +435,8 @@ def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | 
 def load_config(path: str | Path) -> LoraflowConfig:
     """Read a YAML or JSON config file (JSON is YAML) and validate it."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError([f"config file {path} does not exist"], str(path))
+    if problem := not_a_file(path):
+        raise ConfigError([f"config file {path} {problem}: give the config's YAML or JSON file"], str(path))
     try:
         data = read_yaml_file(path) or {}
     except ValueError as exc:

@@ -112,7 +112,7 @@ def read_clips(store: Store, parts: Iterable[str] | None = None, captioned: bool
     """The current clips (of the datasets `parts`; None: every dataset) as the stage wrote them. `captioned`: a clip
     without captions (`caption_strategy: auto`, no user caption) takes its caption from the `captions` stage's
     manifest where that has one (stages/captions/captions.py); without, it keeps none (`uncaptioned()` lists them)."""
-    clips = [ClipRow.from_row(row) for row in store.read_manifest("clips", parts=parts)]
+    clips = [_clip(store, row) for row in store.read_manifest("clips", parts=parts)]
     waiting = {clip.dataset for clip in clips if not clip.captions}
     if not captioned or not waiting:
         return clips
@@ -120,6 +120,20 @@ def read_clips(store: Store, parts: Iterable[str] | None = None, captioned: bool
     made = {row["clip"]: row["caption"] for row in store.read_manifest("captions", parts=there)} if there else {}
     return [replace(clip, captions=(made[clip.key],)) if not clip.captions and clip.key in made else clip
             for clip in clips]
+
+
+def _clip(store: Store, row: Mapping[str, Any]) -> ClipRow:
+    """A clips manifest row as a ClipRow; a row of another schema names its manifest file (CacheFileRefused)."""
+    from loraflow.store import CacheFileRefused
+
+    try:
+        return ClipRow.from_row(row)
+    except (KeyError, TypeError, ValueError) as exc:
+        parts = store.manifest_parts("clips")
+        named = [row["dataset"]] if row.get("dataset") in parts else parts  # its own part, else every one it may be
+        where = " or ".join(store.manifest_file("clips", part) for part in named) or store.manifest_file("clips")
+        raise CacheFileRefused(where, f"is not a clips manifest loraflow wrote ({type(exc).__name__}: "
+                               f"{str(exc)[:100]})") from None
 
 
 def uncaptioned(clips: Iterable[ClipRow]) -> str:
@@ -158,7 +172,7 @@ def changed_sources(store: Store, folders: Mapping[str, str]) -> list[ChangedSou
         folder = folders[clip.dataset]
         try:
             now = source_version(file_identity(Path(folder) / clip.source, folder))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # or the dataset folder is now a file
             judged[(clip.dataset, clip.source)] = "deleted"
             continue
         judged[(clip.dataset, clip.source)] = "" if now == clip.source_version else "changed"

@@ -226,13 +226,14 @@ class PromptRenders:
     animation: str | None = None  # preview.webp, base beside LoRA; None for an image family's stills
     mean_abs_pixel_change: float
     adapters: dict[str, str] | None = None  # other adapters' renders by name (`validation_adapter_*`)
+    flat: list[str] | None = None  # the renders all of one value (all black: NaN in the model, LoRA or an adapter)
 
     def json_row(self) -> dict[str, Any]:
-        """Its result.json: `adapters` only where other adapters rendered, as the files always had it."""
-        row = asdict(self)
-        if self.adapters is None:
-            del row["adapters"]
-        return row
+        """Its result.json: `adapters` and `flat` only where there are any, as the files always had it."""
+        return {key: value for key, value in asdict(self).items() if value is not None or key not in OPTIONAL}
+
+
+OPTIONAL = ("adapters", "flat")  # PromptRenders' fields a result.json holds only where they are set
 
 
 @dataclass(frozen=True)

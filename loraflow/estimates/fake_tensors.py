@@ -17,6 +17,30 @@ if TYPE_CHECKING:
     import torch
 
 
+class ConfigRefused(ValueError):
+    """A component's config.json that its own class will not build (a value the library rejects): names the class
+    (`class_name`) and the library's words."""
+
+    def __init__(self, cls: type, error: Exception) -> None:
+        self.class_name = cls.__name__
+        super().__init__(f"the {cls.__module__.split('.')[0]} class {cls.__name__} refuses it "
+                         f"({type(error).__name__}: {str(error)[:300]})")
+
+
+# what a library's class raises of a config it cannot build (a KeyError: an unknown rope_type, a TypeError: a list
+# where a number goes, ...)
+_REFUSALS = (TypeError, ValueError, KeyError, IndexError, AttributeError, AssertionError, ZeroDivisionError)
+
+
+@contextmanager
+def building(cls: type) -> Iterator[None]:
+    """Building `cls` from a config: what it raises of the config becomes `ConfigRefused`."""
+    try:
+        yield
+    except _REFUSALS as exc:
+        raise ConfigRefused(cls, exc) from None
+
+
 def model_class(component_config: Mapping[str, Any]) -> type:
     """The class a component's config.json names (`_class_name` for diffusers, `architectures[0]` for
     transformers)."""
@@ -37,7 +61,8 @@ def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter:
     config = {k: v for k, v in component_config.items() if not k.startswith("_")}
     keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
     with torch.device("meta"):
-        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
+        with building(cls):
+            model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
         for module_name, module in model.named_modules():
             for name, p in list(module._parameters.items()):
                 if p is not None and p.is_floating_point() and not keep & set(module_name.split(".")):
@@ -318,10 +343,12 @@ def model_from_config(config: dict[str, Any]) -> Any:
     from transformers.initialization import no_init_weights
 
     if "_class_name" in config:
-        return getattr(diffusers, config["_class_name"]).from_config(config)
+        cls = getattr(diffusers, config["_class_name"])
+        with building(cls):
+            return cls.from_config(config)
     cls = getattr(transformers, config["architectures"][0])
     fields = {k: v for k, v in config.items() if k != "architectures"}
-    with no_init_weights():
+    with no_init_weights(), building(cls):
         return cls._from_config(cls.config_class(**fields))
 
 

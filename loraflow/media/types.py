@@ -26,6 +26,7 @@ REASONS = frozenset(
         "not_media",
         "no_video_stream",
         "zero_frames",
+        "zero_duration",
         "truncated",
         "unsupported_codec",
         "decode_timeout",

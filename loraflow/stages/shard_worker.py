@@ -49,6 +49,10 @@ def cache_shard(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
     return encode_latents(config, family, model, store, datasets=[dataset], shard=shard)
 
 
+class WorkersFailed(RuntimeError):
+    """Latents workers that exited non-zero, each having printed why: `loraflow cache` says so without a traceback."""
+
+
 def run_workers(config_path: str, dataset: str, count: int) -> dict[int, int]:
     """Run `loraflow cache --shard i/count` for every i as local processes at once; wait for all; return the exit
     code of each shard that failed. Each worker gets an equal part of the CPU's threads and dies with this process."""
@@ -76,8 +80,9 @@ def cache_dataset(config_path: str, config: LoraflowConfig, family: ModelFamily,
         clips = build_clips(config, family, model, store, datasets=[dataset])
     failed = run_workers(config_path, dataset, workers)
     if failed:
-        raise RuntimeError(f"latents worker(s) {', '.join(f'{i}/{workers}' for i in failed)} of dataset '{dataset}' "
-                           f"failed (exit codes {', '.join(map(str, failed.values()))}); run again to resume them")
+        raise WorkersFailed(f"latents worker(s) {', '.join(f'{i}/{workers}' for i in failed)} of dataset '{dataset}' "
+                            f"failed (exit codes {', '.join(map(str, failed.values()))}; each worker's message is "
+                            "above: a full disk, ...); fix that, then run again to resume them")
     with store.part_lock(dataset):  # every latent is committed: this writes the manifest parts
         latents = encode_latents(config, family, model, store, datasets=[dataset])
         return clips, latents, encode_audio(config, model, store, [dataset]) if config.train_audio else None

@@ -95,7 +95,7 @@ def load_lora(checkpoint: Path, transformer: torch.nn.Module) -> None:
 
 def resume_optimizer(checkpoint: Path, optimizer: torch.optim.Optimizer) -> tuple[int, list[dict]]:
     """Load AdamW's state; return (the step to continue from, the history so far)."""
-    state = json.loads((checkpoint / "state.json").read_text())
+    state = load_state(checkpoint / "state.json")
     tensors = load_tensors(checkpoint / "optimizer.safetensors")
     optimizer.load_state_dict(_unflatten_optimizer(tensors, state["optimizer"]))
     for param, entry in optimizer.state.items():  # under FSDP: each rank keeps its slice of the full moments
@@ -109,8 +109,25 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (SafetensorError, OSError) as err:
-        raise RuntimeError(f"checkpoint file {path} is unreadable ({err}); delete its folder {path.parent} to "
-                           "resume from the one before it") from err
+        raise unreadable_checkpoint(path, str(err)) from err
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's state.json: an object of its step, optimizer scalars and history (a truncated one names itself
+    and the folder to delete)."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise unreadable_checkpoint(path, str(err)) from None
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("optimizer"), dict)
+            and isinstance(state.get("history"), list)):
+        raise unreadable_checkpoint(path, "not an object of step, optimizer and history")
+    return state
+
+
+def unreadable_checkpoint(path: Path, why: str) -> RuntimeError:
+    return RuntimeError(f"checkpoint file {path} is unreadable ({why}); delete its folder {path.parent} to resume "
+                        "from the one before it")
 
 
 def lora_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -53,6 +53,10 @@ def plan_buckets(config: LoraflowConfig, family: FamilyPlan | ModelFamily, geome
             plan.problems.append(f"dataset '{dataset.id}': no video/image files under {dataset.instance_data_dir}")
         clips, dropped = plan_files(config, family, model or config.pretrained_model_name_or_path, dataset, listing,
                                     probes, progress)
+        if listing.files and not clips:  # check passed it, and training blamed the eval holdout
+            plan.problems.append(f"dataset '{dataset.id}': none of its {len(listing.files)} file(s) gives a clip "
+                                 f"(each is dropped, with its reason, in the list above): fix them, or set "
+                                 f"`disabled: true` on dataset '{dataset.id}'")
         plan.dropped += dropped
         planned += clips
     shown = next((c for c in planned if c.audio_caption), planned[0] if planned else None)

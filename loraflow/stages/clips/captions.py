@@ -14,9 +14,11 @@ UTF-8); a caption file or a relative metadata_file that leads outside the datase
 `allow_links_outside`). Limits the dataset sets: more than `max_captions_per_file` captions quarantine the file as
 `too_many_captions`, a caption longer than `max_caption_chars` characters as `caption_too_long` (a caption file too
 large to fit both is not read past that size). A caption holding a control character (NUL, ESC, DEL, ...; tabs and line
-ends are text) quarantines the file as `caption_control_chars`: such a file is seldom a caption (a NUL is mostly UTF-16
-saved without its byte-order mark, or binary data), and stripping the characters would train on a guess, so the user is
-told to fix the file.
+ends are text), a bidi control (U+202A-U+202E, U+2066-U+2069) or a zero-width character (U+200B-U+200D, U+2060, and
+U+FEFF past a caption's start; a leading byte-order mark is dropped) quarantines the file as `caption_control_chars`:
+such a file is seldom a caption (a NUL is mostly UTF-16 saved without its byte-order mark, or binary data), a bidi or
+invisible character makes the caption shown differ from the one trained on (a spoof), and stripping the characters
+would train on a guess, so the user is told to fix the file.
 With `video.scene_cuts: detect`, a scene may have its own caption file beside the video's, NAME.nnnn.txt for scene
 nnnn (from 1, four digits: `a.0003.txt` is the third scene of a.mp4); scenes without one take the file's captions
 (`read_scene_captions`).
@@ -189,8 +191,24 @@ def _read_at_most(path: Path, most: int) -> bytes:
 
 
 # Control characters but tab and the line ends (line ends split a caption file's captions; a metadata caption may
-# hold them).
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+# hold them), the bidi controls (embeddings, overrides, isolates: a displayed caption can be spoofed by them) and the
+# zero-width characters (a byte-order mark only past a caption's start: a leading one is the mark, and dropped).
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u200b-\u200d\u2060]"
+                      r"|(?!^)\ufeff")
+
+
+def _what_control(character: str) -> str:
+    """What the control character `character` mostly means in a caption, and what to do."""
+    code = ord(character)
+    if code == 0:
+        return "a NUL mostly means UTF-16 saved without its byte-order mark, or not text"
+    if code == 0x1B:
+        return "an ESC begins a terminal colour or cursor code: is it a log?"
+    if 0x202A <= code <= 0x202E or 0x2066 <= code <= 0x2069:
+        return "a bidi control reorders the text around it: the caption shown is not the caption trained on"
+    if code in (0x200B, 0x200C, 0x200D, 0x2060, 0xFEFF):
+        return "a zero-width character is invisible: the caption shown is not the caption trained on"
+    return "not text"
 
 
 def _checked(captions: list[str], where: str, dataset: DatasetConfig) -> list[str]:
@@ -206,10 +224,9 @@ def _checked(captions: list[str], where: str, dataset: DatasetConfig) -> list[st
                              f"hundred tokens: shorten it, or raise the limit on dataset '{dataset.id}'")
         if control := _CONTROL.search(caption):
             raise MediaError("caption_control_chars", f"{where}: caption {number} holds the control character "
-                             f"U+{ord(control.group()):04X} at character {control.start() + 1} (a NUL mostly means "
-                             "UTF-16 saved without its byte-order mark, or not text): re-save it as UTF-8 text "
-                             "without it")
-    return captions
+                             f"U+{ord(control.group()):04X} at character {control.start() + 1} "
+                             f"({_what_control(control.group())}): re-save it as UTF-8 text without it")
+    return [caption.removeprefix("\ufeff") for caption in captions]
 
 
 def _clean(captions: list[str]) -> list[str]:

@@ -34,7 +34,7 @@ import torch
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.comfyui import PREFIX, SCALED_FACTOR, ComfyRule, comfyui_name, module_scale
 from loraflow.pipelines.musubi import MUSUBI_PREFIX, musubi_key
-from loraflow.safetensors_header import read_adapter_header
+from loraflow.safetensors_header import non_finite_problem, read_adapter_header
 
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
@@ -110,15 +110,12 @@ def load_init_lora(path: str, transformer: torch.nn.Module, family: ModelFamily)
 
     from loraflow.training.checkpoints import adapter_config
 
-    read_adapter_header(path, "init_lora")  # checked at load; read again: the file may have changed since
+    header = read_adapter_header(path, "init_lora")  # checked at load; read again: the file may have changed since
+    # training would start from NaN values and its first loss be NaN
+    if problem := non_finite_problem(path, "init_lora", header, "export the LoRA again, or remove init_lora"):
+        raise ValueError(problem)
     wanted, config = get_peft_model_state_dict(transformer), adapter_config(transformer)
     found = load_file(path)
-    broken = {k: int((~torch.isfinite(v)).sum()) for k, v in found.items() if not torch.isfinite(v).all()}
-    if broken:  # training would start from them and its first loss be NaN
-        name, count = next(iter(broken.items()))
-        raise ValueError(f"`init_lora` {path}: {len(broken)} tensor(s) hold NaN or infinite values (e.g. {name}: "
-                         f"{count} of {found[name].numel()}): the file is broken; export the LoRA again, or remove "
-                         "init_lora")
     if any(k.startswith(PREFIX) for k in found):
         state = _from_down_up(found, wanted, config, family.comfyui_names, lambda name: PREFIX + name, "ComfyUI",
                               path)
