@@ -32,9 +32,11 @@ def commit(tree: Path = ROOT) -> str:
     return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
 
 
-def write(path: Path, result: dict[str, Any], indent: int = 2, made_at: str | None = None) -> None:
-    """`result` as JSON at `path`, its `commit` first (`made_at`, else this checkout's HEAD)."""
-    body = {"commit": made_at or commit(), **{k: v for k, v in result.items() if k != "commit"}}
+def write(path: Path, result: dict[str, Any], indent: int = 2, made_at: str | None = None, quick: bool = False) -> None:
+    """`result` as JSON at `path`, its `commit` first (`made_at`, else this checkout's HEAD); `quick`: marked as a
+    `--quick` run (that the benchmark runs, not a number to quote)."""
+    body = {"commit": made_at or commit(), **({"quick": True} if quick else {}),
+            **{k: v for k, v in result.items() if k != "commit"}}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
     partial.write_text(json.dumps(body, indent=indent) + "\n")
