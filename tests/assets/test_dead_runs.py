@@ -15,14 +15,17 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, materialize
+from dagster import DagsterEventType, DagsterInstance, DagsterRun, DagsterRunStatus, materialize
+from dagster._core.events import EngineEventData
+from dagster._core.storage.tags import GRPC_INFO_TAG
 
 from loraflow.assets.resources import LoraflowResource
-from loraflow.assets.runs.dead_runs import WATCH_INTERVAL_S, reap_dead_runs
+from loraflow.assets.runs.dead_runs import CODE_SERVER_GRACE_S, WATCH_INTERVAL_S, reap_dead_runs
 from loraflow.assets.stages import clips
 from loraflow.store import Store
 from tests.dagster_dev import (
@@ -193,6 +196,33 @@ def test_the_guard_gives_a_free_slot_to_one_waiting_step_only(tmp_path: Path) ->
         assert storage.claim_concurrency_slot("gpu", first, "latents").is_claimed
         storage.free_concurrency_slot_for_step(first, "latents")
         assert storage.claim_concurrency_slot("gpu", second, "latents").is_claimed
+
+
+def failure_messages(instance: DagsterInstance, run_id: str) -> list[str]:
+    return [e.message for e in instance.all_logs(run_id, of_type={DagsterEventType.RUN_FAILURE})]
+
+
+def test_a_code_servers_dead_run_is_left_to_it_so_it_fails_once(tmp_path: Path) -> None:
+    """test_dead_runs_pg's doubled failure, call by call on a real SQLite instance: a UI run (launched by a code
+    server, `dagster/grpc_info`) whose recorded process is gone. The guard's pass leaves it to its code server, which
+    reports it failed (as `_check_for_orphaned_runs` does), and a pass after the grace skips it as finished: one
+    failure. A CLI run (no tag) dead alike is failed at once; a code server's run that nobody reported, a pass after
+    the grace. Before, the first pass failed the UI run too: with the code server's report, two failures."""
+    with project_instance(tmp_path) as instance:
+        def dead_run(tags: dict[str, str]) -> DagsterRun:
+            run = instance.add_run(DagsterRun(job_name="cache_dataset", run_id=str(uuid.uuid4()),
+                                              status=DagsterRunStatus.STARTED, tags=tags))
+            process = subprocess.Popen([sys.executable, "-c", ""])
+            process.wait()  # exited and reaped: the pid is gone
+            instance.report_engine_event("Started process for run", run, EngineEventData.in_process(process.pid))
+            return run
+
+        ui, cli, orphan = dead_run({GRPC_INFO_TAG: "{}"}), dead_run({}), dead_run({GRPC_INFO_TAG: "{}"})
+        assert reap_dead_runs(instance, now=100.0) == [cli.run_id]
+        assert status(instance, ui.run_id) == status(instance, orphan.run_id) == DagsterRunStatus.STARTED
+        instance.report_run_failed(ui)  # its code server, between the guard's passes
+        assert reap_dead_runs(instance, now=100.0 + CODE_SERVER_GRACE_S) == [orphan.run_id]
+        assert [len(failure_messages(instance, run.run_id)) for run in (ui, cli, orphan)] == [1, 1, 1]
 
 
 def test_a_killed_cli_run_frees_its_slot_and_its_step_dies_with_it(cached, spawn) -> None:
