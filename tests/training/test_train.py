@@ -161,13 +161,22 @@ def test_a_config_change_starts_a_new_run_and_a_rerun_computes_nothing(baseline,
     assert again.computed == 0 and again.reused == 1 and again.data_version == first.data_version
     runtime_only = make_config(caches, Path(config.output_dir), checkpointing_steps=1, gradient_checkpointing=True)
     assert train(runtime_only).computed == 0  # how a run computes is not what it computes
-    changed = make_config(caches, Path(config.output_dir), lora_rank=2, lora_alpha=8)
+    changed = make_config(caches, Path(config.output_dir), lora_rank=2, lora_alpha=8, checkpointing_steps=1)
     report = train(changed)
     assert report.computed == 2 and report.run_dir != first.run_dir
-    assert {v.shape[0] for k, v in load_file(report.lora_path).items() if "lora_A" in k} == {2}
+    saved = load_file(report.lora_path)
+    assert {v.shape[0] for k, v in saved.items() if "lora_A" in k} == {2}
     with safe_open(report.lora_path, "pt") as f:  # unit scale: 8/2 is in lora_B, the header says alpha = rank
         header = json.loads(f.metadata()["lora_adapter_metadata"])
     assert header["transformer.r"] == 2 and header["transformer.lora_alpha"] == 2
+    # on the tensors: a checkpoint holds the adapter as trained (at alpha / r = 4) beside the file written from it,
+    # whose lora_B is it times 4 (exact: a power of two) and lora_A the trained one
+    [checkpoint] = Path(report.run_dir, "checkpoints").glob("step-*")
+    trained, saved = load_file(checkpoint / "lora.safetensors"), load_file(checkpoint / T.LORA_FILE)
+    assert len(trained) == len(saved) > 0 and any(".lora_B." in key for key in saved)
+    for key, tensor in saved.items():
+        [twin] = [k for k in trained if k.endswith(key.removeprefix("transformer."))]
+        assert torch.equal(tensor, trained[twin] * 4 if ".lora_B." in key else trained[twin]), key
 
 
 def test_a_finished_run_without_its_comfyui_file_gets_it_on_reuse(baseline, caches: dict[str, Path]) -> None:
