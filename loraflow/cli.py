@@ -50,7 +50,7 @@ def run_demo(config_path: str) -> int:
         print(f"demo: {exc}", file=sys.stderr)
         return 2
     with home_instance() as instance:
-        # The resource names this config explicitly: the code location's default was fixed when it was imported.
+        # The resource names this config explicitly, whatever LORAFLOW_CONFIG says.
         results = materialize_everything(LoraflowResource(config_path=config_path), instance)
     if not results[-1].success:
         return 1

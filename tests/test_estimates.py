@@ -172,7 +172,7 @@ def test_vae_encode_peak_tiny(tiny_k5: Path, demo_data: Path, tmp_path: Path) ->
     vae_config = json.loads((tiny_k5 / "vae" / "config.json").read_text())
     estimate = estimates.vae_encode(config, family, vae_config, *BUCKET, device_type="cpu")
     vae = load_component(model_source(config), "vae", torch.float32, "cpu")
-    prepare_vae(vae, config)
+    prepare_vae(vae, config, family)
     frames = torch.zeros((1, *BUCKET, 3), dtype=torch.uint8)
 
     def encode() -> None:
@@ -214,7 +214,7 @@ def test_an_encode_traced_once_per_tile_shape_is_the_encode_traced_tile_by_tile(
 
     mode = estimates.transformer.estimate_mode()
     vae = fake_tensors.fake_model(fake_tensors.meta_model(vae_config, torch.float32), mode)
-    prepare_vae(vae, config)
+    prepare_vae(vae, config, family)
     inputs = []  # each encoder's and down block's
     for module in (vae.encoder, *vae.encoder.down_blocks):
         module.register_forward_pre_hook(lambda m, args: inputs.append((id(m), tuple(args[0].shape))))

@@ -142,7 +142,7 @@ def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[
 
     mode = estimate_mode()
     vae = fake_model(meta_model(vae_config, torch.float32), mode)
-    prepare_vae(vae, config)
+    prepare_vae(vae, config, family)
 
     def encode() -> None:
         with torch.no_grad():

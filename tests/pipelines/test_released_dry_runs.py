@@ -116,12 +116,14 @@ def test_vae_encode_at_released_size(flavour: str, patch_conv: bool) -> None:
     """A real-size clip (the flavour's validation frames and size) through the released VAE as the latents stage
     encodes it (`family.vae_encode`, with `enable_patch_conv` for `vae_enable_patch_conv`): the latent the training
     dry run above feeds the transformer. (HunyuanVideo 1.5's mid-block mask, built one token row at a time by
-    diffusers, took minutes on fake tensors: `hunyuanvideo15.frame_causal_mask` builds it one frame at a time.)"""
+    diffusers, took minutes on fake tensors: `setup_vae` has `hunyuanvideo15.frame_causal_mask` build it one frame at a
+    time.)"""
     case = next(c for c in CASES if c.flavour == flavour)
     family = get_family(dry_config(case))
     clip = torch.zeros(1, family.flavour.num_frames, *family.flavour.size, 3, dtype=torch.uint8)
     with fake_mode(), torch.no_grad():
         vae = as_loaded(released_model(flavour, "vae"), torch.float32)  # the latents stage loads it in fp32
+        family.setup_vae(vae)
         if patch_conv:
             assert enable_patch_conv(vae) > 0
         latent = family.vae_encode(vae, clip, "mode")

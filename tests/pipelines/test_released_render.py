@@ -144,6 +144,7 @@ def fake_pipeline(family: Any, flavour: str, plan: RenderPlan = RenderPlan(), mo
         transformer = as_loaded(released_model(flavour, "transformer", **depth(released)), dtype)
         store_frozen(transformer, plan.precision, plan.kept)
         vae = as_loaded(released_model(flavour, "vae"), dtype)
+        family.setup_vae(vae)  # as the family's `load_renderer` does
         pipe = pipeline(transformer=transformer, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
                         tokenizer_2=None, **real)
         place(pipe, plan, family.tread_layout.blocks, torch.device("cpu"))
