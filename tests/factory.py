@@ -287,8 +287,8 @@ def loss_and_grads(config: LoraflowConfig, batch: MicroBatch) -> tuple[float, to
 
     from loraflow.pipelines import get_family
     from loraflow.pipelines.sources import model_source
-    from loraflow.training.loop import flow_terms
     from loraflow.training.model_setup import Trainable, enable_offload, load_transformer
+    from loraflow.training.step import flow_terms
 
     cpu, family = torch.device("cpu"), get_family(config)
     transformer, params = load_transformer(config, family, model_source(config), cpu)

@@ -36,9 +36,9 @@ from loraflow.pipelines.sources import model_source
 from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.stages.latents.latents import prepare_vae
 from loraflow.training.batches import MicroBatch, StepDraws
-from loraflow.training.loop import flow_terms, routing, uses_autocast
 from loraflow.training.model_setup import _offload_hooks, enable_offload, load_transformer
 from loraflow.training.options.optimizers import make_optimizer
+from loraflow.training.step import flow_terms, routing, uses_autocast
 from tests.factory import demo_dict, write_config
 
 CPU = torch.device("cpu")

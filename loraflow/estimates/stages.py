@@ -108,7 +108,7 @@ def traced_step(config: LoraflowConfig, family: ModelFamily, transformer_config:
     import torch
     from peft.tuners.lycoris_utils import LycorisLayer
 
-    from loraflow.training.loop import uses_autocast
+    from loraflow.training.step import uses_autocast
 
     mode = estimate_mode()
     transformer = fake_transformer(config, family, transformer_config, mode, config.base_model_precision)

@@ -169,7 +169,7 @@ def velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shap
 
     from loraflow.pipelines.base import image_conditions
     from loraflow.training.batches import MicroBatch, StepDraws
-    from loraflow.training.loop import flow_terms, routing
+    from loraflow.training.step import flow_terms, routing
 
     device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
 

@@ -30,9 +30,9 @@ from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.released import released_config
 from loraflow.stages.teacher.teacher_features import patch_features
-from loraflow.training import loop as T
 from loraflow.training.batches import MicroBatch
 from loraflow.training.options.crepa_training import Crepa
+from loraflow.training.step import flow_terms, routing, uses_autocast
 from tests.factory import (
     DEPTH,
     Case,
@@ -96,8 +96,8 @@ def test_training_step_at_released_size(case: Case) -> None:
         batch = MicroBatch([], x0, text, draws, teacher)
         transformer.train()
         # the values HV1.5's forward asks (are the image tokens all zero, which text tokens are valid) are the batch's
-        with known_values(), T.routing(transformer, family, config, batch.draws.seed):
-            terms = T.flow_terms(transformer, family, batch, torch.device("cpu"), T.uses_autocast(
+        with known_values(), routing(transformer, family, config, batch.draws.seed):
+            terms = flow_terms(transformer, family, batch, torch.device("cpu"), uses_autocast(
                 config, torch.device("cpu")), crepa)
             loss, term = terms.flow, terms.crepa
             (loss if term is None else loss + term).backward()

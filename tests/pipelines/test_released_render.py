@@ -40,8 +40,8 @@ from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.kandinsky5.video.family import I2V_MIN_FRAMES
 from loraflow.pipelines.released import released_config
 from loraflow.pipelines.render_memory import RenderPlan, place
-from loraflow.training import loop as T
 from loraflow.training.batches import MicroBatch
+from loraflow.training.step import flow_terms, routing, uses_autocast
 from tests.factory import (
     DEPTH,
     Case,
@@ -107,9 +107,9 @@ def test_fp8_layerwise_training_step_at_released_size() -> None:
     with fake_mode():
         transformer, params = released_transformer(case, config, family)
         transformer.train()
-        with fresh_saves(), known_values(), T.routing(transformer, family, config, draws.seed):
-            loss = T.flow_terms(transformer, family, MicroBatch([], x0, text, draws), torch.device("cpu"),
-                                T.uses_autocast(config, torch.device("cpu"))).flow
+        with fresh_saves(), known_values(), routing(transformer, family, config, draws.seed):
+            loss = flow_terms(transformer, family, MicroBatch([], x0, text, draws), torch.device("cpu"),
+                                uses_autocast(config, torch.device("cpu"))).flow
             loss.backward()
     assert loss.shape == () and loss.dtype == torch.float32
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)

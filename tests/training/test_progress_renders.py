@@ -28,7 +28,7 @@ from loraflow.training.launch.distributed import World
 from loraflow.training.model_setup import load_transformer
 from loraflow.training.options import progress_renders as PR
 from loraflow.training.options.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
-from loraflow.training.run import run_dir, upstream_versions
+from loraflow.training.run import RunContext, current_run_dir, run_dir, upstream_versions
 from loraflow.validation import validate as V
 from tests.factory import demo_dict, make_config, same_lora_file, train
 
@@ -47,7 +47,7 @@ def test_renders_every_n_steps_and_the_same_lora_as_without(own_caches: dict[str
     settings = {"max_train_steps": 4, **RENDERS}
     rendered = make_config(own_caches, tmp_path / "rendered", validation_steps=2, **settings)
     plain = make_config(own_caches, tmp_path / "plain", **settings)
-    upstream = upstream_versions(Store(plain.cache_dir))
+    upstream = upstream_versions(Store(plain.cache_dir), plain, get_family(plain))
     assert run_dir(rendered, upstream).name == run_dir(plain, upstream).name  # not part of the run
     with_renders, without = train(rendered), train(plain)
     run = Path(with_renders.run_dir)
@@ -112,7 +112,8 @@ def test_rendering_leaves_training_as_it_was(own_caches: dict[str, Path], tmp_pa
     before = {k: v.clone() for k, v in transformer.state_dict().items()}
     rngs = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
     out = tmp_path / "run"
-    renders = ProgressRenders(config, family, model_source(config), store, out, transformer, World())
+    run = RunContext(config, family, model_source(config), store, {}, out, World(), CPU)
+    renders = ProgressRenders(run, transformer)
     renders.after_step(3)
     assert (step_folder(out / "validation", 3) / "result.json").is_file()
     after = transformer.state_dict()
@@ -163,7 +164,7 @@ def test_two_ranks_render_once_and_the_lora_asset_shows_the_renders(own_caches: 
     (event,) = result.get_asset_materialization_events()
     shown = event.materialization.metadata["renders_during_training"].value
     assert shown.startswith("![first validation prompt, per step](data:image/png;base64,")
-    run = run_dir(config, upstream_versions(Store(config.cache_dir)))
+    run = current_run_dir(config, get_family(config), Store(config.cache_dir))
     assert sorted(p.name for p in (run / "validation").glob("step-*")) == ["step-0000001", "step-0000002"]
     assert not list(run.glob("validation/**/*.tmp*"))  # every write finished (one writer: rank 0)
 
