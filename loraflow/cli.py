@@ -106,7 +106,7 @@ def check(config_path: str, estimate: bool = True) -> int:
     """Validate the config (every problem at once), say where each model component is and what a run would
     download, then plan buckets without loading a model."""
     from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
-    from loraflow.pipelines import nabla_note, plan_family
+    from loraflow.pipelines import bucket_note, plan_family
     from loraflow.stages.clips.bucket_plan import human_bytes, plan_buckets
     from loraflow.store import Store
 
@@ -125,7 +125,7 @@ def check(config_path: str, estimate: bool = True) -> int:
     rows = [(b.dataset, b.bucket, b.clips, human_bytes(b.frames_bytes), human_bytes(b.latent_bytes))
             for b in plan.buckets]
     print("\nbucket plan (WIDTHxHEIGHT@FRAMES; bytes of stored uint8 frames and float32 latents):")
-    if note := nabla_note(family, source or config.pretrained_model_name_or_path):
+    if note := bucket_note(family, source or config.pretrained_model_name_or_path):
         print(f"  {note}")
     print(table(rows, ("dataset", "bucket", "clips", "frames", "latents")) if rows else "  no clips")
     latent_total = None if geometry is None else sum(b.latent_bytes or 0 for b in plan.buckets)

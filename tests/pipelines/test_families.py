@@ -38,7 +38,7 @@ from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from loraflow.demo.tiny import build_tiny
-from loraflow.pipelines import family_specs, load_family, plan_family
+from loraflow.pipelines import FamilyPlanning, family_specs, load_family, plan_family
 from loraflow.pipelines.base import ModelFamily, load_component
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
@@ -368,11 +368,12 @@ def test_flavour_defaults(module: Any, flavour: str | None, expected: tuple) -> 
 @pytest.mark.parametrize(("family", "flavour"), [(spec.name, flavour) for spec in family_specs()
                                                  for flavour in spec.flavour_names()])
 def test_the_plan_answers_as_the_family(family: str, flavour: str) -> None:
-    """What planning and `loraflow check` ask the plain `FamilyPlan` (no torch: a remembered estimate is found from
-    it) the family object answers alike, for every flavour."""
+    """What planning and `loraflow check` ask (`FamilyPlanning`, one protocol) the plain `FamilyPlan` (no torch: a
+    remembered estimate is found from it) and the family object answer alike, for every flavour."""
     plan = plan_family(SimpleNamespace(model_family=family, model_flavour=flavour))
     loaded = load_family(family, flavour)
-    asked = ("name", "spatial_multiple", "vae_temporal_factor", "max_text_tokens")
+    asked = tuple(FamilyPlanning.__annotations__)
+    assert asked == ("name", "flavour", "spatial_multiple", "vae_temporal_factor", "max_text_tokens")
     assert [getattr(plan, a) for a in asked] == [getattr(loaded, a) for a in asked]
 
 
