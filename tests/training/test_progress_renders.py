@@ -26,11 +26,10 @@ from loraflow.store import Store
 from loraflow.training import loop as T
 from loraflow.training.launch.distributed import World
 from loraflow.training.model_setup import load_transformer
-from loraflow.training.options import progress_renders as PR
 from loraflow.training.options.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
 from loraflow.training.run import RunContext, current_run_dir, run_dir, upstream_versions
 from loraflow.validation import validate as V
-from tests.factory import demo_dict, make_config, same_lora_file, train
+from tests.factory import capture_renders, demo_dict, make_config, same_lora_file, train
 
 CPU = torch.device("cpu")
 RENDERS = {"validation_resolution": "64x48", "validation_num_video_frames": 5, "validation_num_inference_steps": 2,
@@ -70,12 +69,7 @@ def test_the_last_render_is_what_validation_renders(own_caches: dict[str, Path],
     """The frames rendered at the last step equal the validation stage's LoRA render (the diffusers pipeline with
     the exported file at scale 1, same seed; i2v: same first frame); with lora_dropout, only if both run the
     adapter in eval mode. Frames, not mp4s: libx264's threads make the encoded bytes vary with machine load."""
-    written: dict[str, list[np.ndarray]] = {"progress": [], "validation": []}
-    for module, key in ((PR, "progress"), (V, "validation")):
-        keep = module.write_media
-        monkeypatch.setattr(module, "write_media",
-                            lambda frames, stem, fps, sound=None, keep=keep, key=key: written[key].append(frames)
-                            or keep(frames, stem, fps, sound))
+    written = capture_renders(monkeypatch)
     config = make_config(own_caches, tmp_path / "out", max_train_steps=2, validation_steps=2, **{**RENDERS, **flavour})
     report = train(config)
     V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), report.lora_path)
