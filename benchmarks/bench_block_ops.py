@@ -12,15 +12,13 @@ only that block's own work is counted. Step times are this CPU's at tiny widths,
 compare the rows with each other, within one run.
 
     python benchmarks/bench_block_ops.py           # writes benchmarks/results/block_ops_cpu.json (compile: minutes)
-    python benchmarks/bench_block_ops.py --quick   # the operation counts only, into a temporary file
+    python benchmarks/bench_block_ops.py --quick   # the operation counts only
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +27,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results" / "block_ops_cpu.json"
+RESULTS = "block_ops_cpu.json"
 SETUPS = {  # name -> the config keys that change a block's operations
     "lora": {},
     "lora + ffn": {"lora_include_ffn": True},
@@ -37,14 +35,6 @@ SETUPS = {  # name -> the config keys that change a block's operations
     "lora + ffn + checkpointing": {"lora_include_ffn": True, "gradient_checkpointing": True},
     "lora + fp8-layerwise": {"base_model_precision": "fp8-layerwise"},
 }
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def prepared(tiny: Path, **settings: Any) -> tuple[Any, Any, Any]:
@@ -66,8 +56,8 @@ def micro_step(config: Any, family: Any, transformer: Any) -> Any:
     """One forward + backward of a fixed batch; returns a function that runs it again."""
     import torch
 
-    from loraflow.training import loop as T
     from loraflow.training.batches import MicroBatch, step_draws
+    from loraflow.training.step import flow_terms, uses_autocast
 
     generator = torch.Generator().manual_seed(0)
     shape = (1, 16, 3, 8, 8)
@@ -76,8 +66,8 @@ def micro_step(config: Any, family: Any, transformer: Any) -> Any:
     batch = MicroBatch([], torch.randn(shape, generator=generator), text, step_draws(config, family, 0, shape))
 
     def run() -> None:
-        T.flow_terms(transformer, family, batch, torch.device("cpu"), T.uses_autocast(config, torch.device("cpu"))
-                     ).flow.backward()
+        flow_terms(transformer, family, batch, torch.device("cpu"), uses_autocast(config, torch.device("cpu"))
+                   ).flow.backward()
 
     return run
 
@@ -130,15 +120,14 @@ def step_ms(run: Any, rounds: int = 5, steps: int = 4) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the counts only (no timing, no compile)")
-    parser.add_argument("--out", type=Path, default=None, help="the results file (default: benchmarks/results/...)")
     args = parser.parse_args()
     import torch
 
+    from benchmarks import record
     from loraflow.demo.tiny import build_tiny
 
     torch.manual_seed(0)
-    result: dict[str, Any] = {"commit": commit(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                              "setups": {}}
+    result: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "setups": {}}
     with tempfile.TemporaryDirectory() as folder:
         tiny = build_tiny("kandinsky5-video", Path(folder) / "k5")
         for name, settings in SETUPS.items():
@@ -162,9 +151,8 @@ def main() -> None:
             result["regional_compile"] = {"first_step_s": round(first, 1), "step_ms": round(compiled, 2),
                                           "eager_step_ms": eager, "eager_over_compiled": round(eager / compiled, 2)}
             print(f"regional compile: first step {first:.1f} s, then {compiled:.2f} ms per step (eager {eager} ms)")
-    out = args.out or (Path(tempfile.gettempdir()) / "block_ops_quick.json" if args.quick else RESULTS)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out = record.results_path(RESULTS)
+    record.write(out, result, indent=1, quick=args.quick)
     print(f"wrote {out}")
 
 

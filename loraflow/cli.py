@@ -60,7 +60,7 @@ def run_demo(config_path: str) -> int:
         print(f"demo: {exc}", file=sys.stderr)
         return 2
     with home_instance() as instance:
-        # The resource names this config explicitly: the code location's default was fixed when it was imported.
+        # The resource names this config explicitly, whatever LORAFLOW_CONFIG says.
         results = materialize_everything(LoraflowResource(config_path=config_path), instance)
     if not results[-1].success:
         return 1
@@ -108,7 +108,7 @@ def check(config_path: str, estimate: bool = True) -> int:
     from loraflow.check_report import print_estimates, print_shifts
     from loraflow.config.validation_adapters import adapter_problems
     from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
-    from loraflow.pipelines import nabla_note, plan_family
+    from loraflow.pipelines import bucket_note, plan_family
     from loraflow.stages.clips.bucket_plan import human_bytes, plan_buckets
     from loraflow.store import CacheFileRefused, Store
 
@@ -129,7 +129,7 @@ def check(config_path: str, estimate: bool = True) -> int:
     rows = [(b.dataset, b.bucket, b.clips, human_bytes(b.frames_bytes), human_bytes(b.latent_bytes))
             for b in plan.buckets]
     print("\nbucket plan (WIDTHxHEIGHT@FRAMES; bytes of stored uint8 frames and float32 latents):")
-    if note := nabla_note(family, source or config.pretrained_model_name_or_path):
+    if note := bucket_note(family, source or config.pretrained_model_name_or_path):
         print(f"  {note}")
     print(table(rows, ("dataset", "bucket", "clips", "frames", "latents")) if rows else "  no clips")
     latent_total = None if geometry is None else sum(b.latent_bytes or 0 for b in plan.buckets)

@@ -72,6 +72,12 @@ def write_config(path: Path, data: dict[str, Any]) -> Path:
     return path
 
 
+def config_for(model: Path, data: Path, root: Path, name: str = "config.yaml", **overrides: Any) -> LoraflowConfig:
+    """The suite's config (`demo_dict`: `model`, the dataset `data`, under `root`) with `overrides`, written as
+    root/<name> and loaded."""
+    return load_config(write_config(root / name, demo_dict(model, data, root, **overrides)))
+
+
 def make_config(caches: dict[str, Path], output: Path, **overrides: Any) -> LoraflowConfig:
     """The suite's config on `caches` ("model", "data" and "root": the cache under root/cache), 2 steps, writing into
     `output`; written beside it as <output>.yaml (what a launched process or an asset reads)."""
@@ -214,7 +220,7 @@ def demo_clips(model: Path, data: Path, root: Path) -> tuple[LoraflowConfig, Any
     store)."""
     from loraflow.pipelines import get_family
 
-    config = load_config(write_config(root / "config.yaml", demo_dict(model, data, root)))
+    config = config_for(model, data, root)
     return config, get_family(config), run_clips(config)[1]
 
 
@@ -270,6 +276,21 @@ def train(config: LoraflowConfig):
     return loop.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
 
 
+def capture_renders(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[np.ndarray]]:
+    """The frames the renders during training ("progress") and the validation stage ("validation") hand write_media,
+    in order, each still written (frames, not mp4s: the encoded bytes vary with libx264's threads)."""
+    from loraflow.training.options import progress_renders
+    from loraflow.validation import validate
+
+    written: dict[str, list[np.ndarray]] = {"progress": [], "validation": []}
+    for module, key in ((progress_renders, "progress"), (validate, "validation")):
+        keep = module.write_media
+        monkeypatch.setattr(module, "write_media",
+                            lambda frames, stem, fps, sound=None, keep=keep, key=key: written[key].append(frames)
+                            or keep(frames, stem, fps, sound))
+    return written
+
+
 def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> MicroBatch:
     """The micro-batch training draws at `micro_step`."""
     from loraflow.pipelines import get_family
@@ -287,8 +308,8 @@ def loss_and_grads(config: LoraflowConfig, batch: MicroBatch) -> tuple[float, to
 
     from loraflow.pipelines import get_family
     from loraflow.pipelines.sources import model_source
-    from loraflow.training.loop import flow_terms
     from loraflow.training.model_setup import Trainable, enable_offload, load_transformer
+    from loraflow.training.step import flow_terms
 
     cpu, family = torch.device("cpu"), get_family(config)
     transformer, params = load_transformer(config, family, model_source(config), cpu)

@@ -123,7 +123,7 @@ def test_check_shows_no_library_warning_of_its_fake_run(tiny_k5: Path, demo_data
 def test_check_prints_the_estimates_and_the_switch_that_fits_the_named_card(
         tiny_k5: Path, demo_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A card (`gpu_memory_gb`) whose usable share (90%, less 0.5 GiB of CUDA context) is between the tiny step's
-    estimate with and without gradient checkpointing (tests/test_estimates.py measures both): check says training is
+    estimate with and without gradient checkpointing (tests/estimates/ measures both): check says training is
     short of it and that checkpointing fits."""
     # 0.0012 GiB usable: the tiny step estimates 0.00169 GiB, 0.000988 with checkpointing (with Kandinsky 5 Video's
     # 256 text tokens since issue 44)

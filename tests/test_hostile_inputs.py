@@ -38,7 +38,8 @@ def model(tiny_k5: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(tiny_k5, tmp_path / "model"))
 
 
-def config_for(model: Path, demo_data: Path, root: Path, **overrides: Any) -> Path:
+def config_file(model: Path, demo_data: Path, root: Path, **overrides: Any) -> Path:
+    """The file `factory.config_for` loads, for the CLI and the stages to read."""
     return write_config(root / "config.yaml", demo_dict(model, demo_data, root, **overrides))
 
 
@@ -65,7 +66,7 @@ def test_a_model_config_of_absurd_sizes_is_refused_by_check_in_a_small_memory_ca
     for key, value in values.items():
         config[key] = {**config[key], **value} if isinstance(value, dict) else value
     path.write_text(json.dumps(config))
-    result = run_cli("check", str(config_for(model, demo_data, tmp_path)), memory=2 * GIB)
+    result = run_cli("check", str(config_file(model, demo_data, tmp_path)), memory=2 * GIB)
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"{path}: {words}" in result.stderr and "Traceback" not in result.stderr
     assert "estimates: left out until the model's problems below are fixed" in result.stdout
@@ -135,7 +136,7 @@ def test_a_lying_safetensors_header_in_the_model_is_refused_by_check_naming_file
     """They passed `check` and failed late, in the loader (or cost 800 MB and 10-30 s: 10^6 tensors)."""
     (weights,) = (model / "transformer").glob("*.safetensors")
     rewrite_header(weights, edit)
-    result = run_cli("check", str(config_for(model, demo_data, tmp_path)), "--no-estimates")
+    result = run_cli("check", str(config_file(model, demo_data, tmp_path)), "--no-estimates")
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"{weights} is not a readable safetensors file" in result.stderr and words in result.stderr
     assert "Traceback" not in result.stderr
@@ -152,7 +153,7 @@ def test_an_unreadable_model_config_is_named_by_check(spoil: Any, words: str, mo
                                                       tmp_path: Path) -> None:
     path = model / "vae" / "config.json"
     spoil(path)
-    result = run_cli("check", str(config_for(model, demo_data, tmp_path)))
+    result = run_cli("check", str(config_file(model, demo_data, tmp_path)))
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"{path} {words}" in result.stderr and "Traceback" not in result.stderr
 

@@ -86,7 +86,7 @@ def graph(resource: LoraflowResource) -> tuple[list, list]:
 
 
 def build_defs(resource: LoraflowResource, **extra: object) -> Definitions:
-    """The assets, checks and jobs with this resource (the code location's default config was fixed at import)."""
+    """The assets, checks and jobs with this resource (a config of its own, beside the code location's)."""
     from loraflow.assets.checks import ALL_CHECKS
 
     assets, jobs = graph(resource)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from dagster import ConfigurableResource, Failure, InitResourceContext
+from pydantic import Field
 
 from loraflow.config import ConfigError, LoraflowConfig, load_config
 from loraflow.pipelines.sources import HubUnreachable, ModelRefused, ModelSource, model_source
@@ -16,7 +17,8 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 class LoraflowResource(ConfigurableResource):
     """Typed: swap the config (and so the store URL: local, memory://, s3://) per deployment or test."""
 
-    config_path: str = os.environ.get("LORAFLOW_CONFIG", DEFAULT_CONFIG)
+    # LORAFLOW_CONFIG as it is when the resource is built (the code location builds it when Dagster loads it)
+    config_path: str = Field(default_factory=lambda: os.environ.get("LORAFLOW_CONFIG", DEFAULT_CONFIG))
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """Every step sets up this resource before its work: a step worker dies with its run's process from here on

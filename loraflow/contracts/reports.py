@@ -172,7 +172,7 @@ class TrainStep:
     samples_per_s: float | None = None  # None in histories written before it was logged
     peak_gib: float | None = None  # CUDA only
     crepa_loss: float | None = None  # CREPA's weighted term (crepa_enabled), apart from `loss`, the flow loss
-    audio_loss: float | None = None  # train_audio: the audio term within `loss` (training/loop.py `FlowTerms`)
+    audio_loss: float | None = None  # train_audio: the audio term within `loss` (training/step.py `FlowTerms`)
     tflops: float | None = None  # model TFLOP/s (training/flops.py: counted, checkpoint recompute left out)
     mfu: float | None = None  # tflops over the card's peak (gpu_peak_tflops); None: the CPU or an unknown card
     recompute_tflop: float | None = None  # gradient checkpointing's recomputed forward, TFLOP per step; None: none

@@ -107,6 +107,7 @@ def render_phases(config: LoraflowConfig, family: ModelFamily, component_configs
     mode = estimate_mode()
     dtype = frozen_dtype(precision)  # the VAE computes in the transformer's dtype (`load_pipeline`)
     vae = fake_model(meta_model(component_configs["vae"], dtype), mode)
+    family.setup_vae(vae)
     moved = weights_bytes(vae) + sum(weights_bytes(meta_model(component_configs[c], torch.float32))
                                      for c in family.image_condition_components if c in component_configs)
 

@@ -108,7 +108,7 @@ def traced_step(config: LoraflowConfig, family: ModelFamily, transformer_config:
     import torch
     from peft.tuners.lycoris_utils import LycorisLayer
 
-    from loraflow.training.loop import uses_autocast
+    from loraflow.training.step import uses_autocast
 
     mode = estimate_mode()
     transformer = fake_transformer(config, family, transformer_config, mode, config.base_model_precision)
@@ -142,7 +142,7 @@ def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[
 
     mode = estimate_mode()
     vae = fake_model(meta_model(vae_config, torch.float32), mode)
-    prepare_vae(vae, config)
+    prepare_vae(vae, config, family)
 
     def encode() -> None:
         with torch.no_grad():

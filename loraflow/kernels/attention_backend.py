@@ -107,7 +107,7 @@ def apply_attention_backend(transformer: Any, setting: str, device: Any, needs_f
     dtype = next(transformer.parameters()).dtype
 
     if device.type == "cuda" and dtype not in (torch.float16, torch.bfloat16):
-        dtype = torch.bfloat16  # the forward runs under bf16 autocast on CUDA (training/loop.py `uses_autocast`)
+        dtype = torch.bfloat16  # the forward runs under bf16 autocast on CUDA (training/step.py `uses_autocast`)
     name = choose_backend(setting, device, dtype, head_dim_of(transformer), needs_flex)
     set_attention_backend(transformer, name)
     return name

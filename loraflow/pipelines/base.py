@@ -96,6 +96,11 @@ class ModelFamily(Protocol):
         """uint8 (B, F, H, W, 3) -> scaled latents (B, C, T, h, w), or (B, 2C, T, h, w) mean and logvar
         (`scaled_posterior`)."""
 
+    def setup_vae(self, vae: torch.nn.Module) -> None:
+        """Ready a VAE of this family just loaded (the latents stage's, a render's, the estimates' fake ones), before it
+        encodes or decodes: HunyuanVideo 1.5's builds its mid-block mask a frame at a time (`frame_causal_mask`);
+        nothing elsewhere. This VAE only: the class stays as diffusers made it."""
+
     def image_condition(
         self, vae: torch.nn.Module, parts: Sequence[Any], clip: Mapping[str, Any]
     ) -> dict[str, np.ndarray] | None:

@@ -133,6 +133,16 @@ class Flavour:
 
 
 @dataclass(frozen=True)
+class BucketBlocks:
+    """Bucket sides in blocks of `factor` times the family's spatial multiple, and what asks it: `attention` and
+    `blocks` name it for `loraflow check`'s note, `short` in a refusal of a validation size."""
+    factor: int
+    attention: str
+    blocks: str
+    short: str
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """A family's plain data, the `SPEC` at the top of its registered module; nothing here imports torch.
 
@@ -171,6 +181,9 @@ class FamilySpec:
     # (flavour, transformer config, (frames, height, width), caption tokens) -> `loraflow check`'s line on what the
     # family's attention leaves out of a training step; unset: every token attends
     attention_note: Callable[..., str] | None = None
+    # (flavour, the transformer's config as the flavour runs it) -> the blocks bucket sides come in (Kandinsky 5's
+    # NABLA checkpoints: kandinsky5/nabla_buckets.py), None where the spatial multiple is all; unset: never any
+    bucket_rule: Callable[[Flavour, Mapping[str, Any]], BucketBlocks | None] | None = None
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.flavours]
@@ -180,6 +193,11 @@ class FamilySpec:
 
     def flavour_names(self) -> list[str]:
         return sorted(f.name for f in self.flavours)
+
+    def bucket_blocks(self, flavour: Flavour, transformer_config: Mapping[str, Any]) -> BucketBlocks | None:
+        """The blocks the bucket sides of `flavour` come in, for a checkpoint of this transformer config (its own,
+        before the flavour's mode is set over it); None: multiples of `spatial_multiple` train."""
+        return None if self.bucket_rule is None else self.bucket_rule(flavour, flavour.configured(transformer_config))
 
     def peer_flavour(self, name: str) -> str | None:
         """The flavour another trainer calls `name` (`Flavour.peer_names`), None when none does."""

@@ -2,9 +2,10 @@
 
 `train_lora` plans the run (its folder and identity: training/run.py), sets up the model (training/model_setup.py),
 runs the optimizer steps (`run_steps`: lr, micro-steps, finite check, step, log, checkpoint) and writes the adapter.
+A micro-step's loss is training/step.py's.
 
 With `train_audio` (Kandinsky 6) a micro-batch with sound trains both streams in one call, at one sigma per sample
-(`flow_terms`): the loss is the video's flow-matching term plus the audio's, each its own mean.
+(step.py `flow_terms`): the loss is the video's flow-matching term plus the audio's, each its own mean.
 
 Resume is exact (training/batches.py: samples, batches, draws): an epoch's batch order comes from (seed, epoch) and
 every random draw of a micro-step (caption dropout, noise, sigmas, TREAD's tokens, LoRA dropout, scheduled
@@ -20,10 +21,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from peft import get_peft_model_state_dict
@@ -38,10 +39,8 @@ from loraflow.contracts.shifts import training_shift
 from loraflow.contracts.teacher_features import teacher_keys
 from loraflow.kernels.attention_backend import attention_backend_of
 from loraflow.kernels.devices import free_models, peak_memory_gib
-from loraflow.kernels.flow_matching import flow_mse, lr_at, noisy_sample
+from loraflow.kernels.flow_matching import lr_at
 from loraflow.kernels.losses import LossType
-from loraflow.kernels.scheduled_sampling import roll_out
-from loraflow.kernels.tread import tread_routing
 from loraflow.keys import content_key, tensors_fingerprint
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.sources import ModelSource
@@ -72,13 +71,14 @@ from loraflow.training.launch.distributed import (
     sum_over_ranks,
 )
 from loraflow.training.model_setup import TrainingModel, setup_model
-from loraflow.training.options.crepa_training import Crepa, capturing, projector_state
+from loraflow.training.options.crepa_training import projector_state
 from loraflow.training.options.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE
 from loraflow.training.options.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.training.options.progress_renders import ProgressRenders
 from loraflow.training.options.tracking import open_sink
 from loraflow.training.row_cache import RowCache, prefetched
 from loraflow.training.run import ATTENTION_FILE, RunContext, lora_report, run_dir, upstream_versions
+from loraflow.training.step import flow_terms, routing, uses_autocast
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def run_steps(run: RunContext, plan: BatchPlan, trained: TrainingModel, optimize
     config, world, device = run.config, run.world, run.device
     batches = micro_batches(run, plan, start, trained.crepa is not None)
     sink = open_sink(config.report_to, run.out, start, run_key_settings(config)) if world.main else None
-    renders = ProgressRenders(config, run.family, run.model, run.store, run.out, trained.transformer, world)
+    renders = ProgressRenders(run, trained.transformer)
     renders.at_startup(start)  # validation_on_startup; resets the peak memory itself
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -286,85 +286,3 @@ def save_step(run: RunContext, step: int, trained: TrainingModel, optimizer: tor
         save_checkpoint(run.out, step, lora, moments, [row.json_row() for row in history],
                         run.config.checkpoints_total_limit, extra, export)
     barrier(run.world)  # no rank runs ahead of the newest checkpoint
-
-
-# 3. one micro-step ---------------------------------------------------------------------------------------------
-def uses_autocast(config: LoraflowConfig, device: torch.device) -> bool:
-    """Whether the forward runs under bf16 autocast (mixed_precision; `auto`: on CUDA, or with bf16 weights)."""
-    auto = device.type == "cuda" or config.base_model_precision != "no_change"  # bf16 weights need bf16 compute
-    return config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and auto)
-
-
-class FlowTerms(NamedTuple):
-    """A micro-step's loss terms: the video's flow-matching term, the audio's (a batch with sound; else None) and
-    CREPA's weighted term (None when off)."""
-    video: torch.Tensor
-    audio: torch.Tensor | None
-    crepa: torch.Tensor | None
-
-    @property
-    def flow(self) -> torch.Tensor:
-        """The flow-matching loss trained: the video term plus the audio term, each its stream's own mean, so each
-        stream weighs the same however many latent elements it has (a released 5 s clip: 16 x 31 x 64 x 96 video
-        against 40 x 218 audio; one mean over both would leave the sound 0.3% of the loss). Lightricks' LTX-2
-        trainer sums its two streams' means alike (Lightricks/LTX-2@4e277dd, packages/ltx-trainer/src/ltx_trainer/
-        training_strategies/flexible.py `compute_loss`); no Kandinsky 6 trainer is released."""
-        return self.video if self.audio is None else self.video + self.audio
-
-
-def flow_terms(
-    transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
-    crepa: Crepa | None = None, loss: LossType = LossType(),
-) -> FlowTerms:
-    """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32); i2v: frame 0
-    of x_t is x0's (the image) and the loss covers the generated frames only (`noisy_sample`, `flow_mse`),
-    each element weighted by the batch's loss masks when it has them (`flow_mse`'s `mask`).
-    Scheduled sampling replaces x_t by the model's own rollout (the target stays); with CREPA, also its weighted
-    term. `loss`: the config's loss_type (kernels/losses.py).
-
-    A batch with sound (`batch.audio`): its audio latents are noised at the same sigma as its video (the
-    transformer takes one timestep for both, as the pipeline steps both with one; pipelines/kandinsky6/family.py),
-    both are predicted in one call, and the audio term is the same loss against its own noise - x0, unmasked."""
-    x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
-    text = {k: v.to(device) for k, v in batch.text.items()}
-    given, last = family.flavour.conditioning_frames, family.flavour.last_frame_given
-    x_t = noisy_sample(x0, noise, sigma, given, last)
-    if batch.draws.rollout is not None:
-        x_t = rolled_out(transformer, family, x_t, x0, noise, sigma, batch.draws.rollout, text, autocast)
-    sound = None if batch.audio is None else (batch.audio.x0.to(device), batch.audio.noise.to(device))
-    joint = {} if sound is None else {"audio": noisy_sample(*sound, sigma)}
-    with capturing(crepa, transformer) as capture, torch.autocast(device.type, dtype=torch.bfloat16,
-                                                                  enabled=autocast):
-        prediction = family.velocity(transformer, x_t, sigma, text, **joint)
-    audio = None
-    if sound is not None:
-        prediction, heard = prediction
-        audio = flow_mse(heard, *sound, loss=loss, sigma=sigma)
-    term = None if crepa is None else crepa.term(transformer, capture, batch.teacher, tuple(x0.shape[2:]))
-    return FlowTerms(flow_mse(prediction, x0, noise, given, last, loss, sigma, batch.mask), audio, term)
-
-
-def rolled_out(transformer: torch.nn.Module, family: ModelFamily, x_t: torch.Tensor, x0: torch.Tensor,
-               noise: torch.Tensor, sigma: torch.Tensor, offsets: torch.Tensor, text: dict[str, torch.Tensor],
-               autocast: bool) -> torch.Tensor:
-    """Scheduled sampling's input: the current model's no-grad Euler rollout from the later sigma. In eval mode:
-    LoRA dropout off, so the rollout is the model's own prediction and draws nothing from the global RNG."""
-    def predict(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
-            return family.velocity(transformer, x, at, text).float()
-
-    transformer.eval()
-    try:
-        return roll_out(predict, x_t, x0, noise, sigma, offsets.to(x_t.device), family.flavour.conditioning_frames,
-                        family.flavour.last_frame_given)
-    finally:
-        transformer.train()
-
-
-def routing(transformer: torch.nn.Module, family: ModelFamily, config: LoraflowConfig,
-            seed: int) -> AbstractContextManager:
-    """TREAD for one forward + backward (a checkpoint recompute reuses the subset), or nothing."""
-    if config.tread_config is None:
-        return nullcontext()
-    return tread_routing(transformer, family.tread_layout, config.tread_config.routes,
-                         torch.Generator().manual_seed(seed))

@@ -61,24 +61,24 @@ class RunContext:
     device: torch.device
 
 
-def upstream_versions(store: Store, config: LoraflowConfig | None = None,
-                      family: ModelFamily | None = None) -> dict[str, str]:
+def upstream_versions(store: Store, config: LoraflowConfig, family: ModelFamily) -> dict[str, str]:
     """The data versions training reads: the lineage of an adapter.
 
     Only the texts training reads (captions and the empty prompt): a new validation prompt re-renders, never retrains.
-    With CREPA on (`config`, and its `family` as the caller resolved it), the teacher features too (other teacher
-    weights in the same folder: a new run); with `train_audio`, every clip's audio row (a latent, or why none).
+    With CREPA on, the teacher features too (of `family` as the caller resolved it; other teacher weights in the same
+    folder: a new run); with `train_audio`, every clip's audio row (a latent, or why none); with `init_lora`, the
+    tensors training starts from.
     """
     read = set(training_texts(read_clips(store)))
     text_keys = [key for item, key in text_lookup(store).items() if item in read]
     versions = {"latents": data_version(r.key for r in read_latent_rows(store)),
                 "text_embeds": data_version(text_keys)}
-    if config is not None and config.crepa_enabled:
+    if config.crepa_enabled:
         versions["teacher_features"] = teacher_version(config, family, store)
-    if config is not None and config.train_audio:
+    if config.train_audio:
         # the status too: a clip whose decoding timed out (not stored, tried again) trains otherwise once it decodes
         versions["audio_latents"] = data_version(f"{r.key}:{r.status}" for r in read_audio_rows(store).values())
-    if config is not None and config.init_lora is not None:  # the tensors training starts from
+    if config.init_lora is not None:  # the tensors training starts from
         versions["init_lora"] = init_lora_version(config.init_lora)
     return versions
 
@@ -89,9 +89,14 @@ def run_dir(config: LoraflowConfig, upstream: dict[str, str]) -> Path:
     return Path(config.output_dir) / "runs" / key
 
 
+def current_run_dir(config: LoraflowConfig, family: ModelFamily, store: Store) -> Path:
+    """The folder of the run the current caches and config make (trained or not)."""
+    return run_dir(config, upstream_versions(store, config, family))
+
+
 def current_lora_path(config: LoraflowConfig, family: ModelFamily, store: Store) -> str:
     """The finished adapter of the run the current caches and config make; FileNotFoundError when not trained."""
-    path = run_dir(config, upstream_versions(store, config, family)) / LORA_FILE
+    path = current_run_dir(config, family, store) / LORA_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no LoRA trained for the current caches and config ({path}): materialize `lora` first")
     return str(path)

@@ -55,7 +55,7 @@ def test_every_stage_materializes_with_metadata(dag_run) -> None:
     lora = metadata(first, "lora")
     assert Path(lora["lora_path"]).is_file() and np.isfinite(lora["final_loss"])
     assert (lora["optimizer"], lora["loss_type"]) == ("adamw", "l2")  # what trained it (issue 32)
-    # the estimate beside the measured peak (tests/test_estimates.py compares them): tiny models, well under 1 GiB
+    # the estimate beside the measured peak (tests/estimates/ compares them): tiny models, well under 1 GiB
     for meta, parts in ((latents, {"weights", "activations"}), (lora, {"weights", "lora", "optimizer", "activations"})):
         assert 0 < meta["est_peak_gib"] < 1 and set(meta["est_peak_parts_gib"]) == parts
     validation = metadata(first, "validation")

@@ -235,8 +235,9 @@ def test_a_killed_cli_run_frees_its_slot_and_its_step_dies_with_it(cached, spawn
         stop_step_kill_run(killed.pid, step_pid)
         killed.wait()
         assert materializations(instance, run_id) == []  # stopped mid-step, then gone: nothing reported
-        # Loading the definitions reaps before returning, so before a CLI run's step asks for the slot.
-        finished(spawn("load", sys.executable, "-c", "import loraflow.definitions"), run_s())
+        # Loading the code location (as Dagster's CLI calls `defs`) reaps before returning, so before a CLI run's step
+        # asks for the slot.
+        finished(spawn("load", sys.executable, "-c", "from loraflow.definitions import defs; defs()"), run_s())
         assert instance.get_run_by_id(run_id).status == DagsterRunStatus.FAILURE
         assert gpu_claims(instance) == []
         print(f"the next run finished in {finished(materialize_latents(spawn, 'again'), run_s()):.1f} s")

@@ -314,8 +314,9 @@ def test_recache_requests_a_run_per_dataset_partition(tmp_path: Path) -> None:
 
 
 def test_definitions_wire_partitions_jobs_checks_sensor_schedule_and_retries() -> None:
-    from loraflow.definitions import defs
+    from loraflow.definitions import code_location
 
+    defs = code_location()
     assert {s.name for s in defs.schedules} == {"recache"}
     assert {s.name for s in defs.sensors} == {"dataset_watch"}
     graph = defs.resolve_asset_graph()

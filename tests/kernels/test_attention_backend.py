@@ -34,13 +34,6 @@ def test_the_cpu_has_sdpa_flash_and_math_and_refuses_cuda_kernels() -> None:
         choose_backend("sdpa_flash", CPU, torch.float32, 64, needs_flex=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_hv15(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loraflow.demo.tiny import build_tiny
-
-    return build_tiny("hunyuanvideo-1.5", tmp_path_factory.mktemp("models") / "hunyuanvideo-1.5")
-
-
 @pytest.mark.parametrize("alike", [True, False])
 def test_the_cpus_kernels_give_the_same_hunyuanvideo_output(tiny_hv15: Path, alike: bool) -> None:
     """HunyuanVideo 1.5 through loraflow's attention (pipelines/hunyuanvideo15/attention.py) under sdpa, sdpa_flash

@@ -17,13 +17,6 @@ from loraflow.pipelines.hunyuanvideo15.attention import KeyMaskProcessor, key_ma
 from tests.numerics import FLOAT64_AGREEMENT, assert_float64_close
 
 
-@pytest.fixture(scope="module")
-def tiny_hv15(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loraflow.demo.tiny import build_tiny
-
-    return build_tiny("hunyuanvideo-1.5", tmp_path_factory.mktemp("models") / "hunyuanvideo-1.5")
-
-
 def forward_and_grads(transformer: torch.nn.Module, batch: int = 2, alike: bool = False, t2v: bool = True,
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One forward and backward. Padded text: by default the second sample's text and the first's glyphs (rows of

@@ -19,12 +19,11 @@ import torch
 
 import loraflow.stages.latents.latents as L
 from loraflow.assets.checks import clips_without_latents
-from loraflow.config import load_config
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.stages.clips.clips import build_clips
 from loraflow.store import Store
-from tests.factory import demo_dict, uninterrupted_latents, write_config
+from tests.factory import config_for, uninterrupted_latents
 
 
 def out_of_memory_unless_tiling(vae: torch.nn.Module) -> None:
@@ -37,7 +36,7 @@ def out_of_memory_unless_tiling(vae: torch.nn.Module) -> None:
 
 def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
         tiny_k5: Path, demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = load_config(write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))
+    config = config_for(tiny_k5, demo_data, tmp_path)
     family, store = get_family(config), Store(config.cache_dir)
     build_clips(config, family, model_source(config), store)
     exact = {r.clip_key: r for r in L.latent_rows(config, get_family(config), model_source(config), store)}
@@ -82,7 +81,7 @@ def test_a_clip_whose_latent_is_not_finite_is_quarantined_and_the_others_stored(
     module, as a VAE run in too narrow a precision overflows): that clip is quarantined (non_finite_latent, its detail
     naming its file, its frames and the precision) and not stored, the other clips are stored as a clean run stores
     them, and the blocking check does not count the quarantined one as missing."""
-    config = load_config(write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))
+    config = config_for(tiny_k5, demo_data, tmp_path)
     family, store = get_family(config), Store(config.cache_dir)
     build_clips(config, family, model_source(config), store)
     planned = {r.clip_key: r for r in L.latent_rows(config, family, model_source(config), store)}

@@ -26,10 +26,11 @@ import torch
 from safetensors.torch import load_file
 
 from loraflow.assets.runs.launch import launch_command
+from loraflow.pipelines import get_family
 from loraflow.store import Store
 from loraflow.training import loop as T
 from loraflow.training.launch.distributed import World, join
-from loraflow.training.run import run_dir, upstream_versions
+from loraflow.training.run import current_run_dir
 from tests.factory import REPO, TWO_RANK_SETTINGS, make_config, run_ranks, same_lora_file, train
 
 # Runs train_lora as one rank, recording what this rank writes and keeping its trained LoRA for the test.
@@ -86,7 +87,7 @@ def two_ranks(own_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     (root / "probe.py").write_text(PROBE)
     launch(root / "two.yaml", str(root / "probe.py"), str(root / "two.yaml"), str(root))
     return {"config": config, "yaml": root / "two.yaml", "probe": root,
-            "run": run_dir(config, upstream_versions(Store(config.cache_dir)))}
+            "run": current_run_dir(config, get_family(config), Store(config.cache_dir))}
 
 
 def test_ranks_hold_identical_weights_and_only_rank_0_writes(two_ranks: dict) -> None:

@@ -35,7 +35,8 @@ from loraflow.training import batches as D
 from loraflow.training import loop as T
 from loraflow.training import model_setup
 from loraflow.training.model_setup import Trainable, load_transformer
-from loraflow.training.run import run_dir, upstream_versions
+from loraflow.training.run import current_run_dir, run_dir, upstream_versions
+from loraflow.training.step import flow_terms, uses_autocast
 from tests.factory import (
     REPO,
     SHORT_CAPTION,
@@ -120,7 +121,7 @@ def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tm
     optimizer = torch.optim.AdamW(params, lr=3e-2)
     losses = []
     for _ in range(30):
-        loss = T.flow_terms(transformer, family, batch, CPU, autocast=False).flow
+        loss = flow_terms(transformer, family, batch, CPU, autocast=False).flow
         loss.backward()
         trainable.collect()
         trainable.step(optimizer, 1.0)
@@ -131,7 +132,7 @@ def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tm
 def test_a_killed_run_resumes_to_the_same_bits(caches: dict[str, Path], tmp_path: Path) -> None:
     settings = {"max_train_steps": 24, "checkpointing_steps": 2, "checkpoints_total_limit": 1, "lora_dropout": 0.1}
     killed = make_config(caches, tmp_path / "killed", **settings)
-    run = run_dir(killed, upstream_versions(Store(killed.cache_dir)))
+    run = current_run_dir(killed, get_family(killed), Store(killed.cache_dir))
     code = ("import sys; from loraflow.config import load_config; from loraflow.training.loop import train_lora; "
             "from loraflow.pipelines import get_family; from loraflow.pipelines.sources import model_source; "
             "from loraflow.store import Store; "
@@ -274,7 +275,7 @@ def test_streams_need_cuda_and_fp8_keeps_lora_fp32(caches: dict[str, Path], tmp_
     transformer, params = load_transformer(config, get_family(config), model_source(config), CPU)
     dtypes = {p.dtype for n, p in transformer.named_parameters() if "lora_" not in n}
     assert torch.float8_e4m3fn in dtypes and {p.dtype for p in params} == {torch.float32}
-    assert T.uses_autocast(config, CPU)
+    assert uses_autocast(config, CPU)
     report = train(config)
     assert report.computed == 2 and np.isfinite(report.history[-1].loss)
 
@@ -306,7 +307,8 @@ def test_a_new_validation_prompt_encodes_one_text_and_retrains_nothing(baseline,
     shutil.copytree(caches["root"] / "cache", tmp_path / "cache")
     moved = {"cache_dir": str(tmp_path / "cache")}
     store = Store(tmp_path / "cache")
-    assert upstream_versions(store) == upstream_versions(Store(config.cache_dir))
+    family = get_family(config)
+    assert upstream_versions(store, config, family) == upstream_versions(Store(config.cache_dir), config, family)
     prompted = make_config(caches, Path(config.output_dir), validation_prompt="a red ball rolls", **moved)
     # the new prompt, nothing else
     assert encode_texts(prompted, get_family(prompted), model_source(prompted), store).computed == 1

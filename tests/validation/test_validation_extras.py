@@ -28,7 +28,7 @@ from loraflow.training import loop as T
 from loraflow.training.options import progress_renders as PR
 from loraflow.training.options.progress_renders import step_folder
 from loraflow.validation import validate as V
-from tests.factory import demo_dict, make_config, same_lora_file, train
+from tests.factory import capture_renders, demo_dict, make_config, same_lora_file, train
 
 
 def save_lora_header(path: Path) -> None:
@@ -45,20 +45,9 @@ def plain(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     return train(make_config(caches, tmp_path_factory.mktemp("plain") / "out", max_train_steps=1, **RENDERS))
 
 
-def capture(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[np.ndarray]]:
-    """The frames each module hands to write_media, in order (frames: mp4 bytes vary with libx264's threads)."""
-    written: dict[str, list[np.ndarray]] = {"progress": [], "validation": []}
-    for module, key in ((PR, "progress"), (V, "validation")):
-        keep = module.write_media
-        monkeypatch.setattr(module, "write_media",
-                            lambda frames, stem, fps, sound=None, keep=keep, key=key: written[key].append(frames)
-                            or keep(frames, stem, fps, sound))
-    return written
-
-
 def test_validation_on_startup_renders_the_base_at_step_0_and_trains_the_same_lora(
         caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    written = capture(monkeypatch)
+    written = capture_renders(monkeypatch)
     config = make_config(caches, tmp_path / "startup", validation_on_startup=True, max_train_steps=1, **RENDERS)
     report = train(config)
     assert Path(report.run_dir).name == Path(plain.run_dir).name  # not part of the run
@@ -78,7 +67,7 @@ def test_validation_renders_other_adapters_beside_the_trained_one(
         caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The trained file given again as another adapter renders the LoRA's frames (its own peft name, same numbers);
     at strength 0.5 it renders something else; the adapters' content and strength key the validation run."""
-    written = capture(monkeypatch)
+    written = capture_renders(monkeypatch)
     lora = Path(plain.lora_path)
     adapters = [{"label": "again", "path": str(lora)}, {"label": "half", "path": str(lora.parent), "strength": 0.5}]
     config = make_config(caches, tmp_path / "out", max_train_steps=1, validation_adapter_config=adapters, **RENDERS)

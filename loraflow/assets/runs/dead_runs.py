@@ -20,9 +20,10 @@ by nothing and is watched by nothing (nor is a run whose code server died with i
   container with a PID namespace of its own and the host's name), as with Dagster's default run launcher, which
   starts every run on the machine of its code server.
 
-The guard runs in every main process that loads loraflow.definitions (dagster's CLI, the code server of
-`dagster dev`): once while it loads them, so before the CLI's own run asks for its slot, then on a thread every
-WATCH_INTERVAL_S while that process lives, so a run already waiting for the slot of a run that dies goes on too.
+The guard runs in every main process that loads the code location (`loraflow.definitions.defs`: dagster's CLI, the
+code server of `dagster dev`): once while it loads it, so before the CLI's own run asks for its slot, then on a
+thread every WATCH_INTERVAL_S while that process lives, so a run already waiting for the slot of a run that dies goes
+on too. Importing loraflow.definitions starts nothing.
 
 Freeing a dead run's slot while another process's step asks for one can strand that step: Dagster assigns a waiting
 step a slot only when the step is added while a slot is unassigned, or when an assigned step is removed, and a step

@@ -230,6 +230,13 @@ class HunyuanVideo15:
         return ""  # any bucket size trains
 
     # 2. latents ----------------------------------------------------------------------------------
+    def setup_vae(self, vae: torch.nn.Module) -> None:
+        """Each mid-block attention of this VAE builds its mask with `frame_causal_mask` (an attribute of the block,
+        which its forward looks up before the class's staticmethod)."""
+        for block in vae.modules():
+            if isinstance(block, HunyuanVideo15AttnBlock):
+                block.prepare_causal_attention_mask = frame_causal_mask
+
     def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
         """uint8 (B, F, H, W, 3) -> (B, 32, T, H/16, W/16); `latent_dist.mode()` * scaling, as the i2v pipeline
         encodes its image (HVI:386-387) and the decoder divides by scaling only (HV:825). Distribution:
@@ -337,7 +344,9 @@ class HunyuanVideo15:
     ) -> HunyuanVideo15Pipeline:
         """The t2v pipeline, or for i2v the image-to-video one (which also loads image_encoder, feature_extractor)."""
         pipeline = HunyuanVideo15ImageToVideoPipeline if self.flavour.image_is_first_frame else HunyuanVideo15Pipeline
-        return load_pipeline(pipeline, model, lora_path, device, transformer, plan, self.tread_layout.blocks)
+        pipe = load_pipeline(pipeline, model, lora_path, device, transformer, plan, self.tread_layout.blocks)
+        self.setup_vae(pipe.vae)
+        return pipe
 
     @torch.no_grad()
     def render(
@@ -396,9 +405,6 @@ def frame_causal_mask(n_frame: int, n_hw: int, dtype: torch.dtype, device: torch
         mask[frame * n_hw:(frame + 1) * n_hw, :(frame + 1) * n_hw] = 0
     return mask if batch_size is None else mask.unsqueeze(0).expand(batch_size, -1, -1)
 
-
-# every HV1.5 VAE in the process (encode, validation decode, the estimates' fake ones) builds its mask so
-HunyuanVideo15AttnBlock.prepare_causal_attention_mask = staticmethod(frame_causal_mask)
 
 
 def make_family(flavour: str | None) -> HunyuanVideo15:

@@ -244,6 +244,9 @@ class Kandinsky5Shared:
     def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         return ""  # any bucket size trains
 
+    def setup_vae(self, vae: torch.nn.Module) -> None:
+        """Nothing: Kandinsky's VAEs (HunyuanVideo's, Flux's) run as diffusers loads them."""
+
     def image_condition(self, vae: torch.nn.Module, parts: Sequence[Any], clip: Mapping[str, Any]) -> None:
         """Nothing cached beside the latent: video i2v's image is latent frame 0 itself (`conditioning_frames`);
         Image i2i overrides this with its source image's latent."""

@@ -18,9 +18,8 @@ from loraflow.stages.clips.buckets import LatentGeometry, tally_buckets
 from loraflow.stages.clips.clips import plan_files, reads_sound_captions
 from loraflow.stages.clips.hub_dataset import readable
 
-if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
-    from loraflow.pipelines import FamilyPlan
-    from loraflow.pipelines.base import ModelFamily
+if TYPE_CHECKING:  # planning asks the plain protocol (`FamilyPlanning`): no torch
+    from loraflow.pipelines import FamilyPlanning
     from loraflow.pipelines.sources import ModelSource
 
 
@@ -36,7 +35,7 @@ class BucketPlan:
     without_audio_caption: int = 0  # clips with no audio caption (NAME.audio.txt, `audio_caption`)
 
 
-def plan_buckets(config: LoraflowConfig, family: FamilyPlan | ModelFamily, geometry: LatentGeometry | None,
+def plan_buckets(config: LoraflowConfig, family: FamilyPlanning, geometry: LatentGeometry | None,
                  model: ModelSource | None = None, progress: bool = True) -> BucketPlan:
     """Probe every source file (metadata and one frame, no full decode) and plan its clips (`model`: the checkpoint
     on disk, for sizes that depend on it; None: as the config names it)."""

@@ -22,9 +22,8 @@ from loraflow.contracts.reports import BucketRow
 from loraflow.pipelines import nearest_multiple
 from loraflow.pipelines.sources import ModelSource, as_source
 
-if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
-    from loraflow.pipelines import FamilyPlan
-    from loraflow.pipelines.base import ModelFamily
+if TYPE_CHECKING:  # planning asks the plain protocol (`FamilyPlanning`): no torch
+    from loraflow.pipelines import FamilyPlanning
 
 # Sources at most 5% faster than the target fps are taken 1:1, not resampled: 25 -> 24 fps would drop every 25th
 # frame (a judder each second, and a 49-frame clip becomes 47, too short for 49), while playing 25 fps footage 4%
@@ -217,7 +216,7 @@ class LatentGeometry:
         return c * t * h * w * LATENT_BYTES
 
 
-def latent_geometry(model: ModelSource | str | Path, family: FamilyPlan | ModelFamily) -> LatentGeometry:
+def latent_geometry(model: ModelSource | str | Path, family: FamilyPlanning) -> LatentGeometry:
     """Read the VAE's factors from its config.json (no weights): the family gives the temporal factor.
 
     Video VAEs name `spatial_compression_ratio`; image VAEs (AutoencoderKL) downsample once per block after
@@ -230,7 +229,7 @@ def latent_geometry(model: ModelSource | str | Path, family: FamilyPlan | ModelF
     return vae_geometry(json.loads(path.read_text()), family)
 
 
-def vae_geometry(vae: dict, family: ModelFamily) -> LatentGeometry:
+def vae_geometry(vae: dict, family: FamilyPlanning) -> LatentGeometry:
     """`latent_geometry` of a VAE config dict."""
     spatial = vae.get("spatial_compression_ratio") or 2 ** (len(vae["block_out_channels"]) - 1)
     return LatentGeometry(

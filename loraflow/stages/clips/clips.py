@@ -25,6 +25,7 @@ import glob
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,16 +48,25 @@ from loraflow.stages.clips.dataset_folder import SCENE_CAPTION, Listing, link_ou
 from loraflow.stages.clips.hub_dataset import readable
 from loraflow.store import Store
 
-if TYPE_CHECKING:  # planning needs the family's plain spec only (`plan_family`); base imports torch
-    from loraflow.pipelines import FamilyPlan
-    from loraflow.pipelines.base import ModelFamily
+if TYPE_CHECKING:  # planning asks the plain protocol (`FamilyPlanning`): no torch
+    from loraflow.pipelines import FamilyPlanning
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
+@dataclass(frozen=True)
+class ClipPlan:
+    """One clip a source yields, before decoding: its source frame indices, its bucket size, and its scene (from 1;
+    None: the file is one scene)."""
+    indices: list[int]
+    height: int
+    width: int
+    scene: int | None
+
+
 def plan_clips(
-    path: Path, info: Probe, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
+    path: Path, info: Probe, dataset: DatasetConfig, family: FamilyPlanning, model: ModelSource | str,
     images_allowed: bool = False, cuts: Sequence[int] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[ClipPlan]:
     """The clips a source yields: frame indices, bucket size and crop, before any decoding.
 
     `images_allowed`: the dataset i2v validation renders from (`config.render_dataset_id`) may hold images.
@@ -84,8 +94,8 @@ def plan_clips(
     for indices, scene in clips:
         if video.bucket_strategy == "resolution_frames" and len(indices) > 1:
             indices = indices[: buckets.frames_for_bucket(len(indices), video.frame_interval)]
-        planned.append({"indices": indices, "height": height, "width": width, "scene": scene})
-    _check_clip_lengths(path, {len(p["indices"]) for p in planned}, family, images_allowed, is_image)
+        planned.append(ClipPlan(indices, height, width, scene))
+    _check_clip_lengths(path, {len(p.indices) for p in planned}, family, images_allowed, is_image)
     return planned
 
 
@@ -159,7 +169,7 @@ def _check_source_size(path: Path, info: Probe, dataset: DatasetConfig, bucket: 
                      "lower `minimum_image_size` (0 keeps every size)")
 
 
-def _check_clip_lengths(path: Path, lengths: set[int], family: FamilyPlan | ModelFamily, images_allowed: bool,
+def _check_clip_lengths(path: Path, lengths: set[int], family: FamilyPlanning, images_allowed: bool,
                         is_image: bool) -> None:
     """What the flavour can train on, by the planned lengths (`frame_extraction: full` ignores `num_frames`)."""
     if family.flavour.num_frames == 1 and lengths - {1}:
@@ -171,7 +181,7 @@ def _check_clip_lengths(path: Path, lengths: set[int], family: FamilyPlan | Mode
                          "after a clean first frame, so it needs videos")
 
 
-def plan_files(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
+def plan_files(config: LoraflowConfig, family: FamilyPlanning, model: ModelSource | str,
                dataset: DatasetConfig, listing: Listing, probes: ProbeCache,
                progress: bool = False) -> tuple[list[ClipRow], list[DroppedFile]]:
     """The one per-file planner, for the clips stage and `loraflow check`'s plan (bucket_plan.py): the clips of
@@ -206,7 +216,7 @@ def _unmatched_scene_captions(path: Path, dataset: DatasetConfig, probes: ProbeC
     return rows
 
 
-def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
+def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlanning, model: ModelSource | str,
                probes: ProbeCache, images_allowed: bool, sources: DatasetConfig | None = None) -> list[ClipRow]:
     """The file's clips; `sources`: the conditioning dataset holding its i2i source image or its loss mask."""
     check_name(path)
@@ -220,37 +230,37 @@ def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFam
     column = "mask" if is_mask_dataset(sources) else "condition"
     plans = plan_clips(path, info, dataset, family, model, images_allowed, cuts)
     by_scene = {number: compose_sound(captions, path, dataset, family) for number, captions in
-                read_scene_captions(path, dataset, sorted({p["scene"] for p in plans})).items()} if scenes_on else {}
+                read_scene_captions(path, dataset, sorted({p.scene for p in plans})).items()} if scenes_on else {}
     rows = []
     for plan in plans:
         if scenes_on:
-            captions, audio_caption = by_scene[plan["scene"]]
-        size = (plan["height"], plan["width"])
+            captions, audio_caption = by_scene[plan.scene]
+        size = (plan.height, plan.width)
         paired = {column: source[0]} if source else {}  # t2v/t2i keys stay as they were
-        key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style,
+        key = content_key(source=identity, indices=plan.indices, size=size, crop=dataset.crop_style,
                           code=CODE_VERSION, **paired)
         crop = buckets.crop_plan((info.height, info.width), size, dataset.crop_style, seed=key)
         rows.append(ClipRow(
             key=key, dataset=dataset.id, source=identity["path"], path=str(path),
-            bucket=buckets.bucket_label(*size, len(plan["indices"])), height=size[0], width=size[1],
-            num_frames=len(plan["indices"]), indices=tuple(plan["indices"]), resize=crop.resize, box=crop.box,
+            bucket=buckets.bucket_label(*size, len(plan.indices)), height=size[0], width=size[1],
+            num_frames=len(plan.indices), indices=tuple(plan.indices), resize=crop.resize, box=crop.box,
             captions=captions, repeats=dataset.repeats,
             source_version=source_version(identity), audio_caption=audio_caption,
-            scene=_clip_scene(plan["scene"], plan["indices"], info) if scenes_on else None,
+            scene=_clip_scene(plan.scene, plan.indices, info) if scenes_on else None,
             **({column: _paired_image(source, size, dataset.crop_style, key)} if source else {}),
         ))
     return rows
 
 
 def composed_captions(path: Path, dataset: DatasetConfig,
-                      family: FamilyPlan | ModelFamily) -> tuple[tuple[str, ...], str]:
+                      family: FamilyPlanning) -> tuple[tuple[str, ...], str]:
     """The file's captions as its family's text encoder reads them, and its audio caption ("" none): each caption
     composed with the audio caption and speech where the family composes its prompt; the plain captions else."""
     return compose_sound(tuple(read_captions(path, dataset)), path, dataset, family)
 
 
 def compose_sound(captions: tuple[str, ...], path: Path, dataset: DatasetConfig,
-                  family: FamilyPlan | ModelFamily) -> tuple[tuple[str, ...], str]:
+                  family: FamilyPlanning) -> tuple[tuple[str, ...], str]:
     """`captions` (the file's, or one scene's) composed with the file's audio caption and speech where the family
     composes its prompt; the plain captions else. With the audio caption ("" none)."""
     compose = family_spec(family.name).compose_prompt
@@ -296,7 +306,7 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
     return identity, found, info
 
 
-def reads_sound_captions(family: FamilyPlan | ModelFamily) -> bool:
+def reads_sound_captions(family: FamilyPlanning) -> bool:
     """Whether the family reads NAME.audio.txt and NAME.speech.txt (`FamilySpec.compose_prompt`)."""
     return family_spec(family.name).compose_prompt is not None
 
@@ -377,7 +387,7 @@ def _decode_cropped(path: str, indices: tuple[int, ...], resize: tuple[int, int]
 
 
 def build_clips(
-    config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource, store: Store,
+    config: LoraflowConfig, family: FamilyPlanning, model: ModelSource, store: Store,
     datasets: list[str] | None = None,
 ) -> ClipsReport:
     """Plan the datasets (`datasets` ids; None: every training dataset), decode what the store lacks, and write
@@ -428,7 +438,7 @@ def scene_table(manifest: list[ClipRow], probes: ProbeCache) -> tuple[SceneRow, 
                           probes.scene_lists[path], path) for (dataset, source, path), numbers in used.items())
 
 
-def _plan_dataset(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource,
+def _plan_dataset(config: LoraflowConfig, family: FamilyPlanning, model: ModelSource,
                   dataset: DatasetConfig, probes: ProbeCache) -> tuple[list[ClipRow], list[DroppedFile]]:
     """A dataset's clips, and a quarantine row for every entry of its folder (or row of its Hugging Face dataset)
     that yields none."""
@@ -457,7 +467,7 @@ def _decode_missing(todo: list[ClipRow], store: Store, shard_clips: int = 8) -> 
     return failed
 
 
-def _geometry(model: ModelSource, family: FamilyPlan | ModelFamily) -> LatentGeometry | None:
+def _geometry(model: ModelSource, family: FamilyPlanning) -> LatentGeometry | None:
     """The VAE's factors for the latent estimate; None (estimate unknown) when the checkpoint has no vae config."""
     try:
         return latent_geometry(model, family)

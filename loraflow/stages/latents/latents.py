@@ -86,8 +86,10 @@ def latent_rows(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
     ]
 
 
-def prepare_vae(vae: torch.nn.Module, config: LoraflowConfig) -> None:
-    """The configured memory features of the VAE (also applied by `loraflow.estimates` to its fake VAE)."""
+def prepare_vae(vae: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> None:
+    """The VAE as the family runs it (`setup_vae`), with the configured memory features (also applied by
+    `loraflow.estimates` to its fake VAE)."""
+    family.setup_vae(vae)
     if config.vae_enable_patch_conv:
         enable_patch_conv(vae)
     if config.vae_enable_tiling:
@@ -112,7 +114,7 @@ def encode_latents(
     device = pick_device()
     if todo:
         vae = load_component(model, "vae", torch.float32, str(device))
-        prepare_vae(vae, config)
+        prepare_vae(vae, config, family)
         image = [load_component(model, c, torch.float32, str(device))
                  for c in family.image_condition_components]  # [] or (image encoder, its processor)
         quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling, image,
