@@ -190,11 +190,11 @@ def test_a_broken_or_foreign_validation_adapter_is_refused_by_check(make: Any, w
     """A NaN adapter rendered an all-black video and the step succeeded; another family's passed `check` and failed
     late in peft. A good one passes."""
     good = lora_of(model, tmp_path / "good.safetensors")
-    result = run_cli("check", str(config_for(model, demo_data, tmp_path, validation_adapter_path=str(good))),
+    result = run_cli("check", str(config_file(model, demo_data, tmp_path, validation_adapter_path=str(good))),
                      "--no-estimates")
     assert result.returncode == 0, result.stderr[-2000:]
     bad = make(model, tmp_path / "bad.safetensors")
-    result = run_cli("check", str(config_for(model, demo_data, tmp_path, validation_adapter_path=str(bad))),
+    result = run_cli("check", str(config_file(model, demo_data, tmp_path, validation_adapter_path=str(bad))),
                      "--no-estimates")
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"`validation_adapter_path` {bad}" in result.stderr and words in result.stderr
@@ -239,7 +239,7 @@ def test_a_family_or_flavour_that_is_no_name_is_named_by_check(key: str, value: 
     """`model_family: [x]` was a TypeError (unhashable type) from the flavour lookup, before validation."""
     from loraflow.cli import main
 
-    assert main(["check", "--no-estimates", str(config_for(tiny_k5, demo_data, tmp_path, **{key: value}))]) == 2
+    assert main(["check", "--no-estimates", str(config_file(tiny_k5, demo_data, tmp_path, **{key: value}))]) == 2
     assert f"{key}: Input should be a valid string (got {value!r})" in capsys.readouterr().err
 
 
@@ -269,7 +269,7 @@ def test_a_dataset_folder_become_a_file_after_caching_is_named_by_check(tiny_k5:
     from loraflow.config import load_config
     from tests.factory import run_clips
 
-    run_clips(load_config(config_for(tiny_k5, demo_data, tmp_path)))
+    run_clips(load_config(config_file(tiny_k5, demo_data, tmp_path)))
     settings = demo_dict(tiny_k5, demo_data, tmp_path)
     file = next(demo_data.glob("*.mp4"))
     settings["datasets"][0]["instance_data_dir"] = str(file)
@@ -298,7 +298,7 @@ def test_a_truncated_checkpoint_state_is_named_with_the_folder_to_delete(text: s
 def test_an_s3_cache_that_does_not_answer_is_one_message(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
     """No network for an s3:// cache_dir was a botocore traceback (EndpointConnectionError). A closed local port
     stands for the network: nothing leaves the machine."""
-    config = config_for(tiny_k5, demo_data, tmp_path, cache_dir="s3://loraflow-test-bucket/cache")
+    config = config_file(tiny_k5, demo_data, tmp_path, cache_dir="s3://loraflow-test-bucket/cache")
     result = run_cli("check", str(config), "--no-estimates", env={
         "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "secret",
         "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "standard"})
@@ -315,7 +315,7 @@ def test_a_text_encoder_config_its_class_refuses_is_named_by_check(model: Path, 
     config = json.loads(path.read_text())
     config["text_config"]["rope_scaling"] = {"rope_type": "bogus"}
     path.write_text(json.dumps(config))
-    result = run_cli("check", str(config_for(model, demo_data, tmp_path)), timeout=600,
+    result = run_cli("check", str(config_file(model, demo_data, tmp_path)), timeout=600,
                      env={"LORAFLOW_ESTIMATES_CACHE": str(tmp_path / "estimates")})
     assert result.returncode == 2, result.stderr[-2000:]
     assert (f"{path}: the transformers class Qwen2_5_VLForConditionalGeneration refuses it (KeyError: 'bogus'): "
@@ -336,7 +336,7 @@ def test_cache_on_a_full_disk_is_one_message_per_process(tiny_k5: Path, demo_dat
         missing_input("needs a mount namespace (unshare --mount --map-root-user) for a private tmpfs")
     disk = tmp_path / "disk"
     disk.mkdir()
-    config = config_for(tiny_k5, demo_data, tmp_path, cache_dir=str(disk / "cache"))
+    config = config_file(tiny_k5, demo_data, tmp_path, cache_dir=str(disk / "cache"))
     done = subprocess.run([unshare, "--mount", "--map-root-user", "sh", "-c", CACHE_ON_A_FULL_DISK, "sh", str(disk),
                            sys.executable, str(config), "demo-videos"], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -394,7 +394,7 @@ def test_the_command_exits_without_finalizing_the_interpreter(tiny_k5: Path, dem
     interpreter finalizes is ended by pthread_exit, which aborts in C++ frames (pytorch/pytorch#38228). As the
     process, the command runs atexit's handlers and exits without finalizing, so no thread meets a finalizing
     interpreter. The exit code is kept."""
-    for argv, code in ((["check", "--no-estimates", str(config_for(tiny_k5, demo_data, tmp_path))], 0),
+    for argv, code in ((["check", "--no-estimates", str(config_file(tiny_k5, demo_data, tmp_path))], 0),
                        (["check", str(tmp_path / "none.yaml")], 2)):
         done = subprocess.run([sys.executable, "-c", AS_THE_PROCESS, *argv], cwd=REPO, capture_output=True, text=True,
                               timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -404,7 +404,7 @@ def test_the_command_exits_without_finalizing_the_interpreter(tiny_k5: Path, dem
 
 def check_runs(count: int, tiny_k5: Path, demo_data: Path, tmp_path: Path) -> None:
     """`count` checks in a row, each computing its estimates afresh (what starts the autograd threads): none aborts."""
-    config = config_for(tiny_k5, demo_data, tmp_path)
+    config = config_file(tiny_k5, demo_data, tmp_path)
     for run in range(count):
         result = run_cli("check", str(config), timeout=600,
                          env={"LORAFLOW_ESTIMATES_CACHE": str(tmp_path / f"estimates-{run}")})
@@ -495,7 +495,7 @@ def test_a_tampered_clips_manifest_is_a_problem_in_check(spoil: Any, words: str,
     from loraflow.config import load_config
     from tests.factory import run_clips
 
-    config = config_for(tiny_k5, demo_data, tmp_path)
+    config = config_file(tiny_k5, demo_data, tmp_path)
     _, store = run_clips(load_config(config))
     (part,) = (tmp_path / "cache" / "clips" / "manifest").glob("*.parquet")
     spoil(part)
