@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 
 from loraflow.pipelines.citations import cite
-from loraflow.pipelines.flavours import QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
-from loraflow.pipelines.sources import ModelSource
+from loraflow.pipelines.flavours import QWEN_TOKENIZERS, TWO_ENCODER_PARTS, ComponentFolders, FamilySpec, Flavour
 
 _SIGLIP_PARTS = ("image_encoder", "feature_extractor")
 # The guide's environment variables; read as diffusers component folders, not the original release's
@@ -84,7 +83,7 @@ def _flavour(name: str, shift: float, steps: int = 30) -> Flavour:
                    sources=tuple(sources.items()), classes=CLASSES)
 
 
-def render_size(flavour: Flavour, model: ModelSource, height: int, width: int) -> tuple[int, int] | None:
+def render_size(flavour: Flavour, model: ComponentFolders, height: int, width: int) -> tuple[int, int] | None:
     """(height, width) the flavour's pipeline renders at when validation asks for (height, width); None: unknown
     until the checkpoint's configs are here. t2v renders as asked. i2v takes no size: it crop-resizes the image to
     the size bucket of transformer `target_size` (patches of the VAE's spatial factor) closest to the image's aspect
