@@ -222,7 +222,7 @@ def print_estimates(config: LoraflowConfig, plan: FamilyPlan, source: ModelSourc
     print(f"  fit: {estimates.FIT_MARKS}")
     print(table(estimates.estimate_rows(stages),
                 ("stage", "peak GiB", "TFLOP", *(f"{gb}GB" for gb in estimates.CARDS_GB), "note")))
-    nabla = configs["transformer"].get("attention_type") == "nabla"
+    nabla = config.flavour.configured(configs["transformer"]).get("attention_type") == "nabla"  # the mode as run
     print(f"  attention kernel: {describe_choice(config.attention_backend, nabla)}")
     attention_note = family_spec(config.model_family).attention_note
     if attention_note is not None:
