@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
@@ -37,7 +36,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _home = Path(tempfile.mkdtemp(prefix=f"dagster-home-{os.environ['PYTEST_XDIST_WORKER']}-"))
     shutil.copyfile(REPO / ".dagster" / "dagster.yaml", _home / "dagster.yaml")
     os.environ["DAGSTER_HOME"] = str(_home)
-    atexit.register(shutil.rmtree, _home, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The worker's DAGSTER_HOME goes with its session (an xdist worker ends without running atexit handlers: the
+    folders were left in /tmp, one per worker per run)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_home, ignore_errors=True)
 
 
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:

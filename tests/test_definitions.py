@@ -55,6 +55,8 @@ for module in pkgutil.walk_packages([str(package)], "loraflow."):
     importlib.import_module(module.name)
 report["everything"] = {"threads": [t.name for t in threading.enumerate() if t.ident not in threads],
                         "changed": changed(measured)}
+loraflow.definitions.defs()  # what Dagster calls when it loads the code location
+report["loaded"] = [t.name for t in threading.enumerate() if t.ident not in threads]
 print(json.dumps(report))
 """
 
@@ -62,8 +64,8 @@ print(json.dumps(report))
 def test_importing_loraflow_starts_no_thread_and_patches_no_diffusers_class(tmp_path: Path) -> None:
     """Diffusers never patches another library's classes at import, and Dagster's examples keep definitions.py
     declarative: importing loraflow.definitions, or any loraflow module, starts no thread (the dead-run guard starts
-    when Dagster loads the code location) and leaves every diffusers class as diffusers made it (HunyuanVideo 1.5's
-    VAE mask is set on each loaded VAE: `setup_vae`)."""
+    when Dagster loads the code location: `defs()`, which the test then calls) and leaves every diffusers class as
+    diffusers made it (HunyuanVideo 1.5's VAE mask is set on each loaded VAE: `setup_vae`)."""
     home = tmp_path / "home"
     home.mkdir()
     shutil.copyfile(REPO / ".dagster" / "dagster.yaml", home / "dagster.yaml")
@@ -75,6 +77,7 @@ def test_importing_loraflow_starts_no_thread_and_patches_no_diffusers_class(tmp_
     assert report["classes"] > 100  # the diffusers classes loraflow names were there to measure
     assert report["definitions"] == {"threads": [], "changed": []}
     assert report["everything"] == {"threads": [], "changed": []}
+    assert report["loaded"] == ["loraflow-dead-runs"]  # loading the code location starts the guard, as before
 
 
 def test_the_code_location_reads_loraflow_config_when_it_loads(tmp_path: Path, monkeypatch) -> None:

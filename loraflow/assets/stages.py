@@ -45,7 +45,8 @@ def _log_waiting(context: AssetExecutionContext, dataset: str) -> None:
 @asset(deps=[dataset_files], partitions_def=DATASETS, group_name="loraflow",
        description="One dataset: probe videos/images, choose clips, bucket, decode only the kept frames.")
 def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.media.previews import clip_preview
+    from loraflow.contracts.clip_rows import stored_clips
+    from loraflow.media.previews import PREVIEW_CLIPS, clip_preview
     from loraflow.pipelines import plan_family
     from loraflow.stages.clips.bucket_plan import human_bytes
     from loraflow.stages.clips.clips import build_clips
@@ -71,7 +72,7 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
             "dropped": md.md_table(report.dropped),
             "quarantined": len(report.quarantined),
             "quarantine": md.md_table(report.quarantined),
-            "preview": md.md_image(clip_preview(store.only_parts([dataset])),
+            "preview": md.md_image(clip_preview(stored_clips(store.only_parts([dataset]), PREVIEW_CLIPS)),
                                   "first frame of each clip (i2i: its source image below)"),
             **_scene_metadata(report),
         },

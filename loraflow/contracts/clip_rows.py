@@ -136,6 +136,14 @@ def _clip(store: Store, row: Mapping[str, Any]) -> ClipRow:
                                f"{str(exc)[:100]})") from None
 
 
+def stored_clips(store: Store, limit: int) -> list[dict[str, Any]]:
+    """The stored rows (`frames`; i2i: `condition_frames`) of the first `limit` current clips, in manifest order: what
+    the clips asset's preview shows (`media.previews.clip_preview`)."""
+    keys = [clip.key for clip in read_clips(store, captioned=False)][:limit]
+    stored = store.get("clips", keys)
+    return [stored[key] for key in keys]
+
+
 def uncaptioned(clips: Iterable[ClipRow]) -> str:
     """"" when every clip has a caption; else what to run, per dataset (`caption_strategy: auto`, not captioned yet)."""
     missing = sorted({clip.dataset for clip in clips if not clip.captions})

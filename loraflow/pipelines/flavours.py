@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from pathlib import Path
+from typing import Any, Literal, Protocol, get_args
 
 Task = Literal["t2v", "i2v", "t2i", "i2i"]
 # The components of a diffusers pipeline with two text encoders (Kandinsky 5, HunyuanVideo 1.5 and its guider)
@@ -130,6 +131,13 @@ class Flavour:
     def prompt_sees_image(self) -> bool:
         """Prompts are encoded together with the image (Kandinsky 5 i2i), so a text key names its image too."""
         return self.task == "i2i"
+
+
+class ComponentFolders(Protocol):
+    """What a spec's functions ask of a checkpoint (`sources.ModelSource` answers it): where a component's folder is."""
+
+    def folder(self, component: str) -> Path:
+        """The component's folder (its config.json and weights)."""
 
 
 @dataclass(frozen=True)

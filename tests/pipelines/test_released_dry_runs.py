@@ -104,8 +104,7 @@ def test_training_step_at_released_size(case: Case) -> None:
         assert loss.shape == () and loss.dtype == torch.float32
         assert (term is not None) == config.crepa_enabled
         dead = {id(p) for n, p in transformer.named_parameters() if n.startswith(DEAD)}
-        # a π-Flow Kandinsky 6 trains its sound (issue 58); this batch is the picture's alone
-        if getattr(family, "trains_audio", False):
+        if config.train_audio:  # a π-Flow Kandinsky 6 trains its sound (issue 58); this batch is the picture's alone
             dead |= {id(p) for n, p in transformer.named_parameters() if re.search(r"audio_|av_cross|va_cross", n)}
         assert all(p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == torch.float32
                    for p in params if id(p) not in dead)

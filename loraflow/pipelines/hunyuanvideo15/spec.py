@@ -13,11 +13,9 @@ with --sparse_attn). docs/families.md lists every release, and why the super-res
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Protocol
 
 from loraflow.pipelines.citations import cite
-from loraflow.pipelines.flavours import QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.flavours import QWEN_TOKENIZERS, TWO_ENCODER_PARTS, ComponentFolders, FamilySpec, Flavour
 
 _SIGLIP_PARTS = ("image_encoder", "feature_extractor")
 # The guide's environment variables; read as diffusers component folders, not the original release's
@@ -83,13 +81,6 @@ def _flavour(name: str, shift: float, steps: int = 30) -> Flavour:
                    repo=f"hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{folder}",
                    folder_variables=_GUIDE_FOLDERS, steps=steps, text_tokens=TEXT_TOKENS,
                    sources=tuple(sources.items()), classes=CLASSES)
-
-
-class ComponentFolders(Protocol):
-    """What `render_size` reads of a `sources.ModelSource` (spec.py does not import sources: sources' layout check
-    reads the released configs, whose module reads the specs)."""
-
-    def folder(self, component: str) -> Path: ...
 
 
 def render_size(flavour: Flavour, model: ComponentFolders, height: int, width: int) -> tuple[int, int] | None:
