@@ -294,6 +294,8 @@ class Store:
             self._write_atomic(table, self._manifest_path(stage))
         else:
             path = self._manifest_path(stage, part)
+            if self.sources is None or part not in self.sources:  # the file a read of this part reads
+                path = self._part_file(stage, part) or path
             self._write_atomic(table, path)
             if path != self._legacy_path(stage, part):  # the keyed part replaces the one of no source
                 self._remove(self._legacy_path(stage, part))

@@ -207,6 +207,8 @@ def test_a_store_with_sources_reads_and_lists_its_own_datasets_parts_only(store:
     with pytest.raises(ValueError, match="holds manifests of dataset 'a' from 2 sources"):
         store.read_manifest("stage", parts=["a"])  # a store without sources does not pick one
     assert store.read_manifest("stage", parts=["b"]) == [{"key": "b1"}]  # the one source of b: no doubt
+    store.write_manifest("stage", [{"key": "b2"}], part="b")  # into the file it reads
+    assert theirs.read_manifest("stage", parts=["b"]) == [{"key": "b2"}]
     assert store.manifest_parts("stage") == ["a", "b"]
 
 
