@@ -151,3 +151,17 @@ def test_a_render_all_of_one_value_is_flagged_in_result_json(
     report = V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), plain.lora_path)
     assert report.prompts[0].flat is None
     assert "flat" not in json.loads((Path(report.prompts[0].contact_sheet).parent / "result.json").read_text())
+
+
+def test_a_nan_validation_adapter_is_refused_before_any_render(
+        caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It rendered an all-black video and the step succeeded (issue 62 item 4)."""
+    from safetensors.torch import load_file
+
+    broken = tmp_path / "nan.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(plain.lora_path).items()}, broken)
+    written = capture(monkeypatch)
+    config = make_config(caches, tmp_path / "out", max_train_steps=1, validation_adapter_path=str(broken), **RENDERS)
+    with pytest.raises(ValueError, match=f"`validation_adapter_path` {broken}: .* tensor\\(s\\) hold NaN"):
+        V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), plain.lora_path)
+    assert written["validation"] == []
