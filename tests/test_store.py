@@ -2,6 +2,7 @@ import json
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -341,3 +342,64 @@ def test_a_full_disk_is_one_message_and_leaves_no_temporary_file(tmp_path: Path)
     assert kind == "DiskFull" and f"{disk}/run/checkpoints is full" in message
     assert report["checkpoint left"] == []
     assert report["small checkpoint after"] is None and report["small checkpoint after left"] == []
+
+
+# -- issue 62 item 3: cache files read only when they are the store's own --------------------------------------------
+
+def stray(path: Path, rows: int) -> Path:
+    """A Parquet file of `rows` rows (a `key` column of nulls: cheap to write, 10^7 rows in a few MB)."""
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"key": pa.nulls(rows, pa.string())}), path)
+    return path
+
+
+def test_a_stray_parquet_file_among_the_shards_is_not_read(tmp_path: Path) -> None:
+    """A stray 10^7-row Parquet file in the cache was read whole (2 GB, 40 s). Another name than the store's is not
+    read at all; the store's kind of name with more rows than the store writes is refused from its footer."""
+    from loraflow.store import CacheFileRefused
+
+    Store(str(tmp_path)).put("latents", [{"key": k, "x": np.zeros(4, np.float32)} for k in ("a", "b")])
+    stray(tmp_path / "latents" / "shards" / "notes.parquet", 10**7)
+    assert Store(str(tmp_path)).keys("latents") == {"a", "b"}
+    posing = stray(tmp_path / "latents" / "shards" / f"{'f' * 32}.parquet", 10**7)
+    with pytest.raises(CacheFileRefused) as caught:
+        Store(str(tmp_path)).keys("latents")
+    assert f"{posing} in the cache holds 10000000 rows, more than the 1000000" in str(caught.value)
+    assert "delete it" in str(caught.value)
+
+
+def spoil_cells(shard: Path) -> None:
+    """Rewrite a shard's tensor column metadata to say another shape than its cells hold."""
+    import pyarrow.parquet as pq
+
+    from loraflow.store import TENSOR_META
+
+    table = pq.read_table(shard)
+    field = table.schema.field("x")
+    meta = {**field.metadata, TENSOR_META: json.dumps({"dtype": "<f4", "shape": [8]}).encode()}
+    pq.write_table(table.cast(table.schema.set(table.schema.get_field_index("x"), field.with_metadata(meta))), shard)
+
+
+def other_schema(shard: Path) -> None:
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"name": ["a"], "x": [1.0]}), shard)
+
+
+@pytest.mark.parametrize(("spoil", "words"), [
+    (lambda shard: shard.write_bytes(shard.read_bytes()[:200]), "is not readable (ArrowInvalid"),
+    (other_schema, "has no string `key` column: it is not a shard loraflow wrote"),
+    (spoil_cells, "is not readable (ValueError: column 'x': a cell of 16 bytes, but float32 (8,) is 32"),
+])
+def test_a_tampered_shard_is_named_with_what_to_do(spoil: Any, words: str, tmp_path: Path) -> None:
+    """Truncated shards and tensor metadata that does not fit its cells were raw pyarrow or ValueError text naming
+    no file."""
+    from loraflow.store import CacheFileRefused
+
+    shard = Path(Store(str(tmp_path)).put("latents", [{"key": "a", "x": np.zeros(4, np.float32)}]))
+    spoil(shard)
+    with pytest.raises(CacheFileRefused) as caught:
+        Store(str(tmp_path)).get("latents", ["a"])
+    assert f"{shard} in the cache {words}" in str(caught.value) and "delete it" in str(caught.value)

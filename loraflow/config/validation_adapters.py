@@ -114,7 +114,8 @@ def adapter_problems(key: str, adapters: tuple[ValidationAdapter, ...], transfor
         if missing:
             problems.append(f"`{key}` {path} adapts {len(missing)} module(s) the model's transformer "
                             f"({transformer}) has not (e.g. {', '.join(missing[:2])}): it is an adapter of another "
-                            "model family or size; give one trained on this model, or leave it out")
+                            "model family or size, or in another format than diffusers/peft (ComfyUI's); give one "
+                            "trained on this model, as loraflow exports it, or leave it out")
     return problems
 
 

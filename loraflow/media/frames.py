@@ -48,8 +48,9 @@ if TYPE_CHECKING:  # annotations only
     from loraflow.store import Store
 
 logger = logging.getLogger(__name__)
-PROBE_VERSION = 3  # bump when a probe would describe the same file differently (2: VFR frame times; 3: streams
-# without a frame index counted from their first keyframe, as decoders show them)
+PROBE_VERSION = 4  # bump when a probe would describe the same file differently (2: VFR frame times; 3: streams
+# without a frame index counted from their first keyframe, as decoders show them; 4: frames all at one timestamp are
+# refused as zero_duration, not given a made-up rate)
 PROBE_BATCH = 256  # new probes per committed shard (ProbeCache with a store)
 PROBE_CACHE_MAX = 4096  # probes (and cut lists) kept in memory
 SCENES_VERSION = 1  # bump when the same file and settings would give other cuts (another detector, another mapping)

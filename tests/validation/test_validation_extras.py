@@ -121,3 +121,36 @@ def test_the_validation_options_import_under_simpletuners_names(tmp_path: Path) 
     off = import_simpletuner({**single, "validation_adapter_mode": "none"}, [])
     assert not any(k.startswith("validation_adapter") for k in off.config)
     assert sorted(k for k, _, _ in off.unmapped) == sorted(k for k in single if k.startswith("validation_adapter"))
+
+
+def test_a_render_all_of_one_value_is_flagged_in_result_json(
+        caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path) -> None:
+    """A NaN LoRA renders an all-black video, and the step succeeded saying nothing (issue 62 item 4): the renders
+    are flagged in the prompt's result.json and the report (the base too: it runs the LoRA's layers at scale 0, and
+    0 x NaN is NaN). A LoRA that renders a moving picture is not flagged."""
+    from safetensors.torch import load_file
+
+    broken = tmp_path / "nan.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(plain.lora_path).items()}, broken)
+    config = make_config(caches, tmp_path / "out", max_train_steps=1, **RENDERS)
+    report = V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), str(broken))
+    (prompt,) = report.prompts
+    assert prompt.flat == ["base", "LoRA"]
+    assert json.loads((Path(prompt.contact_sheet).parent / "result.json").read_text())["flat"] == ["base", "LoRA"]
+    report = V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), plain.lora_path)
+    assert report.prompts[0].flat is None
+    assert "flat" not in json.loads((Path(report.prompts[0].contact_sheet).parent / "result.json").read_text())
+
+
+def test_a_nan_validation_adapter_is_refused_before_any_render(
+        caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It rendered an all-black video and the step succeeded (issue 62 item 4)."""
+    from safetensors.torch import load_file
+
+    broken = tmp_path / "nan.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(plain.lora_path).items()}, broken)
+    written = capture(monkeypatch)
+    config = make_config(caches, tmp_path / "out", max_train_steps=1, validation_adapter_path=str(broken), **RENDERS)
+    with pytest.raises(ValueError, match=f"`validation_adapter_path` {broken}: .* tensor\\(s\\) hold NaN"):
+        V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), plain.lora_path)
+    assert written["validation"] == []
