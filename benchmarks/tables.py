@@ -52,8 +52,8 @@ def seed_guides() -> str:
         cells.append(gib(row["peak_gib"], row["host_gib"]))
     return markdown(["seed guide, imported", "bucket", "+ `gradient_checkpointing: true`",
                      "+ `gradient_checkpointing_cpu_offload: true` (+ CPU memory)"], list(rows.values()),
-                    "GiB on the accelerator, `loraflow check`'s estimate before download (fake tensors): "
-                    f"`estimates_released.json` `seed_guides`, commit {commit_of(made, 'seed_guides')}.")
+                    "GiB on the accelerator, `loraflow check`'s estimate before download (fake tensors): the seed "
+                    f"guides of `estimates_released.json`, commit {commit_of(made, 'seed_guides')}.")
 
 
 VARIANTS = {"bf16": "no switch (bf16)", "bf16+checkpointing": "gradient checkpointing",
