@@ -149,7 +149,7 @@ def test_a_nan_validation_adapter_is_refused_before_any_render(
 
     broken = tmp_path / "nan.safetensors"
     save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(plain.lora_path).items()}, broken)
-    written = capture(monkeypatch)
+    written = capture_renders(monkeypatch)
     config = make_config(caches, tmp_path / "out", max_train_steps=1, validation_adapter_path=str(broken), **RENDERS)
     with pytest.raises(ValueError, match=f"`validation_adapter_path` {broken}: .* tensor\\(s\\) hold NaN"):
         V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), plain.lora_path)
