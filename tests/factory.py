@@ -211,7 +211,7 @@ def run_clips(config: LoraflowConfig) -> tuple[Any, Any]:
     from loraflow.store import Store
 
     family = get_family(config)
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.dataset_sources)
     return build_clips(config, family, model_source(config), store), store
 
 
@@ -260,7 +260,7 @@ def build_caches(tiny_k5: Path, demo_data: Path, root: Path) -> dict[str, Path]:
     shutil.copy(demo_data / "clip_00.mp4", data / "clip_00b.mp4")  # same bucket as clip_00, another text length
     (data / "clip_00b.txt").write_text(SHORT_CAPTION)
     config = make_config({"model": tiny_k5, "data": data, "root": root}, root / "output")
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.dataset_sources)
     for op in (build_clips, encode_latents, encode_texts):
         op(config, family, model_source(config), store)
     return {"model": tiny_k5, "data": data, "root": root}
@@ -273,7 +273,8 @@ def train(config: LoraflowConfig):
     from loraflow.store import Store
     from loraflow.training import loop
 
-    return loop.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
+    store = Store(config.cache_dir, config.dataset_sources)  # the config's own parts, as the lora asset opens it
+    return loop.train_lora(config, get_family(config), model_source(config), store)
 
 
 def capture_renders(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[np.ndarray]]:
@@ -297,7 +298,7 @@ def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> MicroBatch:
     from loraflow.store import Store
     from loraflow.training import batches
 
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.dataset_sources)
     plan = batches.BatchPlan(batches.build_samples(config, store), config.train_batch_size, config.seed)
     return batches.load_micro_batch(config, get_family(config), store, plan(micro_step), micro_step)
 

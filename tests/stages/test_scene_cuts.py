@@ -19,6 +19,7 @@ import loraflow.media.frames as frames
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.media.frames import ProbeCache
 from loraflow.stages.clips import buckets
+from loraflow.store import Store
 from tests.contracts.test_clip_rows import CLIP_COLUMNS, SCENE_COLUMNS
 from tests.factory import clips_config, run_clips
 from tests.media_factory import read_index, write_footage
@@ -65,7 +66,7 @@ def test_clips_lie_inside_scenes_on_both_sides_of_the_cut_and_the_fade_is_no_cut
     assert [source_of(stored[c.key]["frames"][0]) for c in clips[:3]] == [BLUE, BLUE, YELLOW]
     (row,) = report.scenes
     assert (row.file, row.scenes, row.used, row.cuts) == ("long.mp4", 2, 2, (CUT,))
-    manifest = pq.read_schema(Path(config.cache_dir) / "clips" / "manifest" / "d0.parquet")
+    manifest = pq.read_schema(Store(config.cache_dir, config.dataset_sources).manifest_file("clips", "d0"))
     assert {f.name: str(f.type) for f in manifest} == {**CLIP_COLUMNS, **SCENE_COLUMNS}  # the columns, pinned
 
 
