@@ -33,6 +33,7 @@ import shutil
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,7 @@ def put_before_raw_cells(root: Path, rows: list[dict[str, Any]]) -> None:
     storage = pa.FixedSizeListArray.from_arrays(flat, rows[0]["latent"].size)
     latent = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(flat.type, rows[0]["latent"].shape), storage)
     table = pa.table({"key": [r["key"] for r in rows], "latent": latent})
-    path = root / "latents" / "shards" / f"{rows[0]['key']}.parquet"
+    path = root / "latents" / "shards" / f"{uuid.uuid4().hex}.parquet"  # the store reads only its own shard names
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path, compression="zstd", use_dictionary=["key"],
                    row_group_size=max(1, ROW_GROUP_BYTES * table.num_rows // table.nbytes))
