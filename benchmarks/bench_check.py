@@ -20,6 +20,7 @@ this first, before's second, this second), so that both meet the same load: the 
     .venv/bin/python benchmarks/bench_check.py      # writes benchmarks/results/check_cpu.json (minutes)
     git worktree add /tmp/before HEAD~1 && cp -r .loraflow /tmp/before/ && \
         .venv/bin/python benchmarks/bench_check.py --before /tmp/before
+    .venv/bin/python benchmarks/bench_check.py --quick   # the demo config only: that it runs
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-OUT = ROOT / "benchmarks" / "results" / "check_cpu.json"
+from benchmarks import record  # noqa: E402
+
+OUT = record.results_path("check_cpu.json")
 RELEASED = {"kandinsky5-video t2v-pro-sft-5s-hd": ("kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers",
                                                    "kandinsky5-video", "t2v-pro-sft-5s-hd"),
             "hunyuanvideo-1.5 t2v-720p": ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v",
@@ -100,11 +103,14 @@ def first_and_second(name: str, config: Path, cache: Path, trees: dict[str, Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", type=Path, help="a checkout of an earlier commit, checked interleaved")
+    parser.add_argument("--quick", action="store_true", help="the demo config only: that it runs")
     args = parser.parse_args()
     trees = {"before": args.before.resolve(), "now": ROOT} if args.before else {"now": ROOT}
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
         for name, config in configs(Path(tmp)).items():
+            if args.quick and name != "demo":
+                continue
             times = first_and_second(name, config, Path(tmp) / "estimates" / name.replace(" ", "-"), trees)
             row = {"config": name, **times["now"]}
             if name == "demo":
@@ -114,13 +120,12 @@ def main() -> None:
                 row["before"] = times["before"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     host = {"cores": os.cpu_count(), "load_average_1m_at_end": round(os.getloadavg()[0], 2)}
-    result = {"commit": commit, "host": host, "rows": rows}
+    result = {"host": host, "rows": rows}
     if args.before:
         result["before"] = subprocess.run(["git", "log", "-1", "--format=%H"], cwd=args.before, capture_output=True,
                                           text=True).stdout.strip() or str(args.before)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    record.write(OUT, result, quick=args.quick)
 
 
 if __name__ == "__main__":

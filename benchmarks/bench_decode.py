@@ -40,8 +40,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: loraflow comes from this checkout
-RESULTS = ROOT / "benchmarks" / "results" / "decode_cpu.json"
-TS_RESULTS = ROOT / "benchmarks" / "results" / "decode_ts_cpu.json"
+from benchmarks import record  # noqa: E402
+
+RESULTS = record.results_path("decode_cpu.json")
+TS_RESULTS = record.results_path("decode_ts_cpu.json")
 CLIP = ROOT / "benchmarks" / "out" / "bench_720p.mp4"  # benchmarks/out/ is git-ignored
 WIDTH, HEIGHT, FRAMES, FPS = 1280, 720, 132, 24
 KEEP_SIZE = (288, 512)  # (H, W)
@@ -234,13 +236,16 @@ def main() -> None:
     parser.add_argument("--ts", action="store_true", help="kept frames of the clip as .mp4 and as .ts")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="one run of each: that it runs")
     args = parser.parse_args()
+    if args.quick:
+        args.runs = 1
     if args.measure:
         print(json.dumps(measure_one(args.measure, args.file)))
         return
     clip = make_clip(CLIP)
     if args.ts:
-        return measure_ts(clip, args.runs, args.out if args.out != RESULTS else TS_RESULTS)
+        return measure_ts(clip, args.runs, args.out if args.out != RESULTS else TS_RESULTS, args.quick)
     load_before = round(os.getloadavg()[0], 2)  # other work on the machine inflates every number
     names = ["full_decode_1thread", "kept_first49", "kept_spread49", "kept_pyav_first49",
              "all_then_select_pyav", "all_then_select_decord"]  # fmt: skip
@@ -265,12 +270,11 @@ def main() -> None:
         "python_av_decord_import_baseline": baseline(args.runs),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    record.write(args.out, report, quick=args.quick)
     print_table(report)
 
 
-def measure_ts(clip: Path, runs: int, out: Path) -> None:
+def measure_ts(clip: Path, runs: int, out: Path, quick: bool) -> None:
     load_before = round(os.getloadavg()[0], 2)
     results = {f"{name}_{path.suffix[1:]}": summarize([run_child(name, path) for _ in range(runs)])
                for path in (clip, remux_ts(clip)) for name in ("kept_first49", "kept_spread49")}
@@ -284,7 +288,7 @@ def measure_ts(clip: Path, runs: int, out: Path) -> None:
         "python_av_decord_import_baseline": baseline(runs),
         "results": results,
     }
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    record.write(out, report, quick=quick)
     print_table(report)
 
 

@@ -10,23 +10,29 @@ and fewer below). Bytes: the released transformers' kept modules (loraflow/pipel
 read).
 
     python benchmarks/bench_fp32_modules.py      # writes benchmarks/results/fp32_modules_cpu.json
+    python benchmarks/bench_fp32_modules.py --quick   # Kandinsky 5 Lite's kept bytes only: that it runs
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results" / "fp32_modules_cpu.json"
+from benchmarks import record  # noqa: E402
+
+RESULTS = record.results_path("fp32_modules_cpu.json")
 SIGMAS = (0.9, 0.5, 0.1)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="Kandinsky 5 Lite's kept bytes only: that it runs")
+    quick = parser.parse_args().quick
     import torch
 
     from loraflow.config import parse_config
@@ -64,7 +70,7 @@ def main() -> None:
         rows[storage] = {"relative_error_vs_fp32_model": [round(e, 6) for e in errors]}
         print(storage, rows[storage], flush=True)
     released = {}
-    for flavour in ("t2v-lite-sft-5s", "t2v-pro-sft-5s-hd"):
+    for flavour in ("t2v-lite-sft-5s",) if quick else ("t2v-lite-sft-5s", "t2v-pro-sft-5s-hd"):
         model = meta_model(released_config(flavour, "transformer"), torch.bfloat16)
         count = sum(p.numel() for n, p in model.named_parameters() if keep & set(n.split(".")))
         released[flavour] = {"kept_parameters": count, **{f"{s}_gib": round(count * b / 2**30, 2)
@@ -72,9 +78,9 @@ def main() -> None:
         print(flavour, released[flavour], flush=True)
     magnitudes = {"median": kept.median().item(), "below_fp8_normal_2^-6": (kept < 2**-6).float().mean().item()}
     model = "tiny Kandinsky 5 Video (loraflow/pipelines/kandinsky5/tiny_parts.py)"
-    RESULTS.write_text(json.dumps({"device": "CPU", "model": model,
-                                   "base_model_precision": "bf16", "sigmas": SIGMAS, "storage": rows,
-                                   "tiny_kept_weight_magnitudes": magnitudes, "released": released}, indent=1) + "\n")
+    result = {"device": "CPU", "model": model, "base_model_precision": "bf16", "sigmas": SIGMAS, "storage": rows,
+              "tiny_kept_weight_magnitudes": magnitudes, "released": released}
+    record.write(RESULTS, result, indent=1, quick=quick)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,12 @@ torch ended up imported. `--before DIR`: the same statements on another tree (an
 `git archive c2246c0 loraflow tests | tar -x -C DIR`), interleaved with this one's, so both see the same load.
 
     .venv/bin/python benchmarks/bench_imports.py [--before DIR]   # writes benchmarks/results/imports_cpu.json
+    .venv/bin/python benchmarks/bench_imports.py --quick          # one round: that it runs
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -22,7 +22,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "imports_cpu.json"
+sys.path.insert(0, str(ROOT))
+from benchmarks import record  # noqa: E402
+
+RESULTS = record.results_path("imports_cpu.json")
 ENTRY_POINTS = {
     "loraflow CLI (import loraflow.cli)": "import loraflow.cli",
     "Dagster step process / code server (import loraflow.definitions)": "import loraflow.definitions",
@@ -55,7 +58,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--before", type=Path, help="another tree to time beside this one")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="one round: that it runs")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 1
     trees = {"this tree": ROOT, **({f"before ({args.before})": args.before} if args.before else {})}
     keys = [(tree, name) for tree in trees for name in ENTRY_POINTS]
     times: dict[tuple[str, str], list[float]] = {key: [] for key in keys}
@@ -74,8 +80,9 @@ def main() -> None:
     result = {"benchmark": "import time of each entry point, fresh interpreter each, CPU", "rounds": args.rounds,
               "rows": rows, "load_average_1min_per_round": load, "cpu_count": os.cpu_count(),
               "machine": platform.machine(), "python": platform.python_version()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.before:
+        result["before_commit"] = record.commit(args.before)
+    record.write(args.out, result, indent=1, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import shutil
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,12 @@ from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: loraflow comes from this checkout
-RESULTS = ROOT / "benchmarks" / "results" / "latents_cpu.json"
+from benchmarks import record  # noqa: E402
+
+RESULTS = record.results_path("latents_cpu.json")
 WORK = ROOT / "benchmarks" / "out" / "latents"  # git-ignored
 K5_LITE_5S_LATENT = (16, 31, 64, 96)  # (C, T, h, w): 121 frames at 512x768 through the 4x/8x VAE
+QUICK_LATENT = (16, 5, 16, 24)  # --quick: a small latent, that the benchmark runs
 ITEMS, BATCH, READ_BATCHES = 96, 16, 9
 
 
@@ -57,7 +61,7 @@ def shard_bytes(cache: Path) -> int:
 
 
 # 1. the stage on the tiny default -----------------------------------------------------------------------------
-def tiny_stage() -> dict[str, Any]:
+def tiny_stage(runs: int = 3) -> dict[str, Any]:
     import yaml
 
     from loraflow.config import parse_config
@@ -80,11 +84,11 @@ def tiny_stage() -> dict[str, Any]:
     result: dict[str, Any] = {}
     for sampling, config in configs.items():
         first = []
-        for _ in range(3):
+        for _ in range(runs):
             shutil.rmtree(WORK / "cache" / "latents", ignore_errors=True)
             report, seconds = timed(lambda: encode_latents(config, family, model_source(config), store))
             first.append(seconds)
-        cached = [timed(lambda: encode_latents(config, family, model_source(config), store)) for _ in range(3)]
+        cached = [timed(lambda: encode_latents(config, family, model_source(config), store)) for _ in range(runs)]
         assert all(r.computed == 0 for r, _ in cached), "a rerun with nothing changed computed latents"
         row = store.get("latents", [store.read_manifest("latents")[0]["key"]])
         result[sampling] = {
@@ -121,7 +125,7 @@ def put_before_raw_cells(root: Path, rows: list[dict[str, Any]]) -> None:
     storage = pa.FixedSizeListArray.from_arrays(flat, rows[0]["latent"].size)
     latent = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(flat.type, rows[0]["latent"].shape), storage)
     table = pa.table({"key": [r["key"] for r in rows], "latent": latent})
-    path = root / "latents" / "shards" / f"{rows[0]['key']}.parquet"
+    path = root / "latents" / "shards" / f"{uuid.uuid4().hex}.parquet"  # the store reads only its own shard names
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(table, path, compression="zstd", use_dictionary=["key"],
                    row_group_size=max(1, ROW_GROUP_BYTES * table.num_rows // table.nbytes))
@@ -177,12 +181,12 @@ def store_vs_npy(latents: list) -> dict[str, Any]:
     return out
 
 
-def real_size(items: int) -> dict[str, Any]:
+def real_size(items: int, shape: tuple[int, ...] = K5_LITE_5S_LATENT) -> dict[str, Any]:
     import numpy as np
 
     rng = np.random.default_rng(0)
-    latents = [rng.standard_normal(K5_LITE_5S_LATENT, dtype=np.float32) for _ in range(items)]
-    return {"shape": list(K5_LITE_5S_LATENT), "float32": store_vs_npy(latents)}
+    latents = [rng.standard_normal(shape, dtype=np.float32) for _ in range(items)]
+    return {"shape": list(shape), "float32": store_vs_npy(latents)}
 
 
 def main() -> None:
@@ -192,6 +196,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch and Arrow CPU threads")
     parser.add_argument("--items", type=int, default=ITEMS, help="latents written per store/npy run")
+    parser.add_argument("--quick", action="store_true", help=f"{BATCH} small latents {QUICK_LATENT}: that it runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pa.set_cpu_count(args.threads)
@@ -200,10 +205,10 @@ def main() -> None:
     started = time.perf_counter()
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "threads": args.threads, "torch": torch.__version__, "pyarrow": pa.__version__},
-              "tiny_kandinsky5_video": tiny_stage(), "store_vs_npy_k5_lite_5s_latent": real_size(args.items)}
+              "tiny_kandinsky5_video": tiny_stage(1 if args.quick else 3),
+              "store_vs_npy_k5_lite_5s_latent": real_size(BATCH, QUICK_LATENT) if args.quick else real_size(args.items)}
     result["total_s"] = round(time.perf_counter() - started, 1)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    record.write(RESULTS, result, quick=args.quick)
     print(json.dumps(result, indent=2))
     shutil.rmtree(WORK, ignore_errors=True)
 

@@ -28,9 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: loraflow and tests/servers.py come from this checkout
 
-from bench_latents import BATCH, K5_LITE_5S_LATENT, READ_BATCHES, timed  # noqa: E402
+from bench_latents import BATCH, K5_LITE_5S_LATENT, QUICK_LATENT, READ_BATCHES, timed  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results" / "s3_read_cpu.json"
+from benchmarks import record  # noqa: E402
+
+RESULTS = record.results_path("s3_read_cpu.json")
 WORK = ROOT / "benchmarks" / "out" / "s3_read"  # git-ignored
 ITEMS = 48
 
@@ -47,11 +49,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=ITEMS, help="latents written to each store")
     parser.add_argument("--batches", type=int, default=READ_BATCHES, help="timed 16-key batches per store")
+    parser.add_argument("--quick", action="store_true", help=f"{BATCH} small latents, 2 batches: that it runs")
     args = parser.parse_args()
+    shape = QUICK_LATENT if args.quick else K5_LITE_5S_LATENT
+    if args.quick:
+        args.items, args.batches = BATCH, 2
     pa.set_cpu_count(1)
     shutil.rmtree(WORK, ignore_errors=True)
     rng = np.random.default_rng(0)
-    rows = [{"key": f"k{i:04d}", "latent": rng.standard_normal(K5_LITE_5S_LATENT, dtype=np.float32)}
+    rows = [{"key": f"k{i:04d}", "latent": rng.standard_normal(shape, dtype=np.float32)}
             for i in range(args.items)]
     item_mb = rows[0]["latent"].nbytes / 1e6
     with s3() as env:
@@ -59,7 +65,7 @@ def main() -> None:
         stores = {"local": Store(str(WORK / "cache")), "s3": Store(make_bucket(env, f"bench-{uuid.uuid4().hex[:8]}"))}
         out = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                            "pyarrow": pa.__version__, "s3fs": s3fs.__version__},
-               "items": len(rows), "item_mb": round(item_mb, 2), "shape": list(K5_LITE_5S_LATENT), "batch": BATCH}
+               "items": len(rows), "item_mb": round(item_mb, 2), "shape": list(shape), "batch": BATCH}
         for way, store in stores.items():
             _, seconds = timed(lambda: [store.put("latents", rows[s : s + SHARD_CLIPS])
                                         for s in range(0, len(rows), SHARD_CLIPS)])
@@ -78,7 +84,7 @@ def main() -> None:
             out[way].update(read16_ms=round(median * 1e3, 1), read16_mb_per_s=round(BATCH * item_mb / median, 1))
         out["s3_vs_local_time"] = round(statistics.median(times["s3"]) / statistics.median(times["local"]), 2)
     shutil.rmtree(WORK, ignore_errors=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    record.write(RESULTS, out, quick=args.quick)
     print(json.dumps(out, indent=2))
 
 

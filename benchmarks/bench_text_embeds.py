@@ -23,6 +23,7 @@ encoders ~30x slower than one (spin-waiting), which measures the neighbours, not
 
     .venv/bin/python benchmarks/bench_text_embeds.py     # writes benchmarks/results/text_embeds_cpu.json
     .venv/bin/python benchmarks/bench_text_embeds.py --threads 2
+    .venv/bin/python benchmarks/bench_text_embeds.py --quick      # 20 captions, 8 at real width: that it runs
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,9 @@ from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: loraflow comes from this checkout
-RESULTS = ROOT / "benchmarks" / "results" / "text_embeds_cpu.json"
+from benchmarks import record  # noqa: E402
+
+RESULTS = record.results_path("text_embeds_cpu.json")
 WORK = ROOT / "benchmarks" / "out" / "text_embeds"  # git-ignored
 CAPTIONS, REAL_CAPTIONS, REAL_DIM, BATCH = 200, 40, 3584, 16
 WORDS = ("a woman in a red coat walks slowly along the wet street at night while neon signs reflect in "
@@ -85,7 +89,7 @@ def median_s(fn: Any, runs: int = 7) -> float:
     return statistics.median(times)
 
 
-def tiny_pipeline() -> dict[str, Any]:
+def tiny_pipeline(count: int) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -94,6 +98,7 @@ def tiny_pipeline() -> dict[str, Any]:
     from loraflow.pipelines import get_family
     from loraflow.stages.text.text_embeds import encode_texts
     from loraflow.store import Store
+    from tests.factory import clip_row
 
     model = build_tiny("kandinsky5-video", WORK / "model")
     (WORK / "data").mkdir()
@@ -101,8 +106,8 @@ def tiny_pipeline() -> dict[str, Any]:
                            "cache_dir": str(WORK / "cache"), "output_dir": str(WORK / "output"),
                            "datasets": [{"id": "d", "instance_data_dir": str(WORK / "data")}]})
     family, store = get_family(config), Store(config.cache_dir)
-    texts = captions(CAPTIONS)
-    store.write_manifest("clips", [{"key": f"k{i}", "path": f"clip{i}.mp4", "captions": [t]}
+    texts = captions(count)
+    store.write_manifest("clips", [clip_row(f"k{i}", "d", f"clip{i}.mp4", captions=(t,)).to_row()
                                    for i, t in enumerate(texts)])
     first = encode_texts(config, family, model_source(config), store)
     second_s = median_s(lambda: encode_texts(config, family, model_source(config), store), runs=3)
@@ -127,8 +132,8 @@ def tiny_pipeline() -> dict[str, Any]:
     return {
         "texts": len(manifest), "text_dim": int(rows[batch[0]]["text_embeds"].shape[1]),
         "tokens_median": statistics.median(tokens), "tokens_max": max(tokens),
-        "encode_first_run_texts_per_s": first.facts["texts_per_s"], "encode_first_run_s": first.facts["seconds"],
-        "second_run_all_cached_s": round(second_s, 3), "tokens_histogram": first.tables["tokens_histogram"],
+        "encode_first_run_texts_per_s": first.texts_per_s, "encode_first_run_s": first.seconds,
+        "second_run_all_cached_s": round(second_s, 3), "tokens_histogram": [asdict(b) for b in first.tokens_histogram],
         "parquet": ours, "torch_save_same_tokens": same_size, "torch_save_padded": padded_size,
         "ratio_bytes_vs_same_tokens": round(ours["bytes"] / same_size["bytes"], 3),
         "ratio_disk_vs_same_tokens": round(ours["disk"] / same_size["disk"], 3),
@@ -176,17 +181,18 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    torch.set_num_threads(parser.parse_args().threads)
+    parser.add_argument("--quick", action="store_true", help="20 captions, 8 at real width: that it runs")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
-    tiny = tiny_pipeline()
+    tiny = tiny_pipeline(BATCH + 4 if args.quick else CAPTIONS)
     # real Qwen token counts are ~1.3 per word, not one per byte as in the tiny tokenizer
-    real_tokens = [max(4, int(len(c.split()) * 1.3)) for c in captions(REAL_CAPTIONS)]
+    real_tokens = [max(4, int(len(c.split()) * 1.3)) for c in captions(8 if args.quick else REAL_CAPTIONS)]
     result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__},
               "tiny_kandinsky5_video": tiny, "real_width_synthetic": real_width(real_tokens)}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    record.write(RESULTS, result, quick=args.quick)
     print(json.dumps(result, indent=2))
     shutil.rmtree(WORK, ignore_errors=True)
 

@@ -10,6 +10,7 @@ stays bf16 under int8, so it is listed beside them, computed, not measured.
 The CPU has no int8 matmul fast path here: the time column says what the CPU does, not what a GPU does.
 
     .venv/bin/python benchmarks/bench_text_precision.py   # writes benchmarks/results/text_precision_cpu.json
+    .venv/bin/python benchmarks/bench_text_precision.py --quick   # 16 tokens, one forward: that it runs
 """
 
 from __future__ import annotations
@@ -25,18 +26,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results" / "text_precision_cpu.json"
+from benchmarks import record  # noqa: E402
+
+RESULTS = record.results_path("text_precision_cpu.json")
 QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4}
 LAYERS, VOCAB = 28, 152064
+# --quick: a layer at a quarter of the widths (the real one's random init takes most of a minute)
+QUICK = {"hidden_size": 896, "intermediate_size": 4736, "num_attention_heads": 7, "num_key_value_heads": 1}
 
 
-def layer_model(precision: str):
+def layer_model(precision: str, sizes: dict[str, int]):
     import torch
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     from loraflow.stages.text.text_embeds import quantize_int8
 
-    config = Qwen2_5_VLTextConfig(**QWEN7B, num_hidden_layers=1, vocab_size=16, max_position_embeddings=4096,
+    config = Qwen2_5_VLTextConfig(**sizes, num_hidden_layers=1, vocab_size=16, max_position_embeddings=4096,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                    "mrope_section": [16, 24, 24]},
                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -46,7 +51,7 @@ def layer_model(precision: str):
     if precision != "fp32":
         model.to(torch.bfloat16)
     if precision == "int8-torchao":
-        quantize_int8(model)
+        quantize_int8(model, "text_encoder_1_precision")
     return model.layers[0], model
 
 
@@ -58,10 +63,10 @@ def weight_bytes(module) -> int:
     return total
 
 
-def run(precision: str, hidden, repeats: int):
+def run(precision: str, hidden, repeats: int, sizes: dict[str, int]):
     import torch
 
-    layer, model = layer_model(precision)
+    layer, model = layer_model(precision, sizes)
     x = hidden.to(torch.float32 if precision == "fp32" else torch.bfloat16)
     position_ids = torch.arange(x.shape[1])[None].expand(3, 1, -1)
     with torch.no_grad():
@@ -80,13 +85,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="a quarter-width layer, 16 tokens: that it runs")
     args = parser.parse_args()
+    sizes = QUICK if args.quick else QWEN7B
+    if args.quick:
+        args.tokens, args.repeats = 16, 1
     import torch
 
-    hidden = torch.randn(1, args.tokens, QWEN7B["hidden_size"], generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(1, args.tokens, sizes["hidden_size"], generator=torch.Generator().manual_seed(1))
     rows, reference = [], None
     for precision in ("fp32", "bf16", "int8-torchao"):
-        nbytes, seconds, out = run(precision, hidden, args.repeats)
+        nbytes, seconds, out = run(precision, hidden, args.repeats, sizes)
         reference = out if reference is None else reference
         cosine = torch.nn.functional.cosine_similarity(out.flatten(1), reference.flatten(1)).item()
         rows.append({"precision": precision, "layer_weight_mb": round(nbytes / 1e6, 1),
@@ -95,14 +104,13 @@ def main() -> None:
         print(rows[-1], flush=True)
     result = {
         "benchmark": "text_encoder_1_precision on one real-size Qwen2.5-VL-7B decoder layer (random weights), CPU",
-        "tokens": args.tokens, "repeats": args.repeats, "rows": rows,
+        "layer": sizes, "tokens": args.tokens, "repeats": args.repeats, "rows": rows,
         "int8_vs_bf16_bytes": round(rows[2]["layer_weight_mb"] / rows[1]["layer_weight_mb"], 3),
         "token_embedding_gb_bf16": round(VOCAB * QWEN7B["hidden_size"] * 2 / 1e9, 2),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    record.write(args.out, result, indent=1, quick=args.quick)
     print(json.dumps({k: result[k] for k in ("int8_vs_bf16_bytes", "token_embedding_gb_bf16")}))
 
 

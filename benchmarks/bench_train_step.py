@@ -12,6 +12,7 @@ quartile of the step times is kept (first steps skipped as warm-up); each side's
 overhead = best ours / best bare - 1 (goal <= 5%). Every round is in the JSON with the load average.
 
     .venv/bin/python benchmarks/bench_train_step.py          # writes benchmarks/results/train_step_cpu.json
+    .venv/bin/python benchmarks/bench_train_step.py --quick  # one round of 8 steps: that it runs, not a number
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from loraflow.pipelines.sources import model_source
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results" / "train_step_cpu.json"
+from benchmarks import record  # noqa: E402
+
+RESULTS = record.results_path("train_step_cpu.json")
 
 
 def build_caches(root: Path) -> Path:
@@ -70,7 +73,7 @@ def ours(config_path: Path, steps: int, round_: int) -> list[float]:
     config = parse_config({**base.model_dump(mode="json", exclude_none=True), "max_train_steps": steps,
                            "output_dir": str(config_path.parent / f"out-{round_}")})
     report = train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
-    return [row["ms"] for row in report.tables["history"]]
+    return [step.ms for step in report.history]
 
 
 def bare(config_path: Path, steps: int, prep: bool = False) -> list[float]:
@@ -129,7 +132,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="one round of 8 steps (2 warm-up): that it runs")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 8, 1, 2
     logging.disable(logging.INFO)  # ours logs a line per step; the bare loop does not
     import torch
 
@@ -159,8 +165,7 @@ def main() -> None:
         "note": "shared 2-core machine: each side's best round is compared (load only adds time); the family's "
                 "velocity looks diffusers' transformer.dtype up once per model (it walks every module per call)",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    record.write(args.out, result, indent=1, quick=args.quick)
     print(json.dumps({k: result[k] for k in ("overhead_pct", "overhead_vs_prep_pct", "goal_pct")}))
 
 

@@ -31,7 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-RESULTS = ROOT / "benchmarks" / "results" / "estimates_released.json"
+from benchmarks import record  # noqa: E402
+
+RESULTS = record.results_path("estimates_released.json")
 FOLKLORE = {"kandinsky5-video": "~13 GB (the seed guide, Kandinsky 5 Lite)",
             "hunyuanvideo-1.5": "24-32 GB at 480p (the seed guide)"}
 VARIANTS = {
@@ -63,9 +65,11 @@ def main(sections: tuple[str, ...] = SECTIONS) -> None:
     report = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     report["device"] = "CPU (fake tensors)"
     compute = {"rows": training_rows, "seed_guides": seed_rows, "renders": render_rows, "swap": swap_row}
+    made_at = report.setdefault("commits", {})  # section -> the commit it was computed at
     for section in sections:
         report[section] = compute[section]()
-        RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+        made_at[section] = record.commit()
+        record.write(RESULTS, report, indent=1)
 
 
 def training_rows() -> list[dict]:

@@ -6,27 +6,39 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loraflow.check_report import table
 from loraflow.config import ConfigError, LoraflowConfig, load_config, parse_config
 from loraflow.pipelines.sources import HubUnreachable
 
 if TYPE_CHECKING:
+    from loraflow.contracts.reports import CaptionsReport
     from loraflow.pipelines import FamilyPlan
     from loraflow.pipelines.sources import ModelSource
     from loraflow.stages.clips.buckets import LatentGeometry
 
 DEMO_CONFIG = "configs/demo.yaml"
+LORA_PATHS = ("lora_path", "comfyui_lora_path", "musubi_lora_path")  # the lora stage's files: diffusers, its twins
 
 
 def prepare_demo(config_path: str = DEMO_CONFIG) -> None:
-    """Build what the demo config points at: the tiny model and the generated dataset (idempotent)."""
-    from loraflow.demo.dataset import make_demo_dataset, make_demo_edits
+    """Build what the demo config points at: the tiny model and the generated dataset (idempotent). The dataset goes
+    only into folders the demo owns (`demo.dataset.claim_folder`): a folder of someone's files is refused, naming it,
+    before anything is written."""
+    from loraflow.demo.dataset import FolderNotTheDemos, check_claimable, make_demo_dataset, make_demo_edits
     from loraflow.demo.tiny import build_tiny
 
     config = load_config(config_path)
+    for dataset in config.training_datasets:  # every folder refused before anything is written or built
+        sources = config.source_images(dataset)
+        for entry in (dataset, *([sources] if sources else [])):
+            try:
+                if entry.instance_data_dir:  # a Hub dataset has no folder to write
+                    check_claimable(entry.instance_data_dir)
+            except FolderNotTheDemos as exc:
+                raise FolderNotTheDemos(f"dataset '{entry.id}' of {config_path}: {exc}") from None
     build_tiny(config.model_family, config.pretrained_model_name_or_path, flavour=config.model_flavour, world=True)
     for dataset in config.training_datasets:
         sources = config.source_images(dataset)  # i2i: edit pairs, the sources in their own folder
@@ -48,7 +60,7 @@ def run_demo(config_path: str) -> int:
         print(f"demo: {exc}", file=sys.stderr)
         return 2
     with home_instance() as instance:
-        # The resource names this config explicitly: the code location's default was fixed when it was imported.
+        # The resource names this config explicitly, whatever LORAFLOW_CONFIG says.
         results = materialize_everything(LoraflowResource(config_path=config_path), instance)
     if not results[-1].success:
         return 1
@@ -59,9 +71,9 @@ def run_demo(config_path: str) -> int:
 
 
 def demo_summary(results: list) -> list[str]:
-    """One line per materialization (computed / reused), then where the LoRA (the diffusers file, and the ComfyUI file
-    for ComfyUI's models/loras), the video and its contact sheet (base frames over LoRA frames: the quickest look at
-    what training did) are."""
+    """One line per materialization (computed / reused), then where the LoRA (the diffusers file, the ComfyUI file
+    for ComfyUI's models/loras, the musubi-tuner file for its --lora_weight), the video and its contact sheet (base
+    frames over LoRA frames: the quickest look at what training did) are."""
     lines, paths = [], []
     for result in results:
         for event in result.get_asset_materialization_events():
@@ -70,8 +82,7 @@ def demo_summary(results: list) -> list[str]:
             counts = {k: meta[k].value for k in ("computed", "reused") if k in meta}
             lines.append(f"{stage + where:>26}  computed {counts.get('computed', '-')}, "
                          f"reused {counts.get('reused', '-')}")
-            paths += [f"{name}: {meta[name].value}" for name in ("lora_path", "comfyui_lora_path", "video")
-                      if name in meta]
+            paths += [f"{name}: {meta[name].value}" for name in LORA_PATHS + ("video",) if name in meta]
             if "video" in meta:  # validate() writes the sheet beside the renders
                 paths.append(f"contact_sheet: {Path(meta['video'].value).with_name('contact_sheet.png')}")
     return lines + paths
@@ -91,55 +102,64 @@ def partitions(config_path: str) -> int:
     return 0
 
 
-def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
-    """Plain aligned columns; numbers right-aligned."""
-    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    numeric = [all(str(row[i]).replace(".", "", 1).isdigit() for row in rows) if rows else False
-               for i in range(len(header))]
-    return "\n".join("  " + "  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in
-                                      enumerate(zip(r, widths))).rstrip() for r in cells)
-
-
 def check(config_path: str, estimate: bool = True) -> int:
     """Validate the config (every problem at once), say where each model component is and what a run would
     download, then plan buckets without loading a model."""
+    from loraflow.check_report import print_estimates, print_shifts
+    from loraflow.config.validation_adapters import adapter_problems
     from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
-    from loraflow.pipelines import nabla_note, plan_family
+    from loraflow.pipelines import bucket_note, plan_family
     from loraflow.stages.clips.bucket_plan import human_bytes, plan_buckets
-    from loraflow.store import Store
+    from loraflow.store import CacheFileRefused, Store
 
     config = load_config(config_path)
     print(f"{config_path}: config ok ({config.model_family}, flavour {config.model_flavour or 'default'}, "
           f"{len(config.training_datasets)} training dataset(s))")
     family = plan_family(config)
     problems, source, geometry = model_problems(config, family)
+    # a model folder that is there but refused is not built, not even on the meta device for an estimate
+    refused = bool(problems) and (Path(config.pretrained_model_name_or_path) / "model_index.json").is_file()
     if source is not None and config.validation_size is not None:  # a local folder's was checked at load
         problem = family.validation_size_problem(source, *config.validation_size)
         problems += [problem] if problem else []
+    problems += adapter_problems(config.validation_adapters_key, config.validation_adapters,
+                                 None if source is None else source.folder("transformer"))
     plan = plan_buckets(config, family, geometry, source)
     problems += plan.problems
     rows = [(b.dataset, b.bucket, b.clips, human_bytes(b.frames_bytes), human_bytes(b.latent_bytes))
             for b in plan.buckets]
     print("\nbucket plan (WIDTHxHEIGHT@FRAMES; bytes of stored uint8 frames and float32 latents):")
-    if note := nabla_note(family, source or config.pretrained_model_name_or_path):
+    if note := bucket_note(family, source or config.pretrained_model_name_or_path):
         print(f"  {note}")
     print(table(rows, ("dataset", "bucket", "clips", "frames", "latents")) if rows else "  no clips")
     latent_total = None if geometry is None else sum(b.latent_bytes or 0 for b in plan.buckets)
     print(f"  total: {sum(b.clips for b in plan.buckets)} clip(s) in {len(plan.buckets)} bucket(s), frames "
           f"{human_bytes(sum(b.frames_bytes for b in plan.buckets))}, latents {human_bytes(latent_total)}"
           + ("" if geometry else " (unknown: no readable vae/config.json)"))
-    if estimate:
-        print_estimates(config, family, source, plan.buckets)
+    if estimate and refused:
+        print("\nestimates: left out until the model's problems below are fixed")
+    elif estimate:
+        problems += print_estimates(config, family, source, plan.buckets)
     print("\ncaption limits (a file past them is dropped):")
     for d in config.training_datasets:
         print(f"  {d.id}: at most {d.max_captions_per_file} caption(s) per file (max_captions_per_file), "
               f"{d.max_caption_chars} characters each (max_caption_chars)")
+    if plan.clips:
+        print(f"  one clip's text as the text encoder gets it: {plan.example_caption!r}")
+    print_shifts(config, family, source)
+    if config.train_audio and family.spec.compose_prompt is not None and plan.without_audio_caption:
+        print(f"\nwarning: train_audio: {plan.without_audio_caption} of {plan.clips} clip(s) have no audio caption "
+              "(NAME.audio.txt beside the file; the `audio_caption` column of a metadata_file): they train their "
+              "sound with the plain caption, which does not describe it (docs/families.md, Kandinsky 6 captions)")
     if plan.dropped:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
                     ("dataset", "file", "reason", "detail")))
-    changed = changed_sources(Store(config.cache_dir), config.dataset_folders)
+    try:
+        changed = changed_sources(Store(config.cache_dir, config.dataset_sources), config.dataset_folders)
+    except CacheFileRefused as exc:  # a truncated or foreign cache file crashed check
+        problems.append(str(exc))
+        changed = []
     if changed:  # a warning, not a problem: training on the caches as they are is allowed
         print(f"\nwarning: {changed_sources_warning(changed)}")
     if problems:
@@ -149,79 +169,17 @@ def check(config_path: str, estimate: bool = True) -> int:
     return 0
 
 
-def print_estimates(config: LoraflowConfig, plan: FamilyPlan, source: ModelSource | None, buckets: list) -> None:
-    """Estimated accelerator peak and TFLOP per stage for the largest bucket (loraflow/estimates/: how each is
-    computed), which common cards it fits, and, where training does not fit the user's card, the switches that
-    would, each with its estimate. No weights are read. The family module (torch, diffusers: seconds to import) is
-    imported only to compute an estimate: one remembered (`estimates.remembered`, a check of an unchanged config) is
-    found from the config, the model's config files and `plan`. `check --no-estimates` leaves this out."""
-    import functools
+def released_problems(config: LoraflowConfig, family: FamilyPlan) -> list[str]:
+    """What the flavour cannot run in the released checkpoint's transformer config, before it is downloaded (the
+    flavour's own repository only: another's config is unknown until it is on disk)."""
+    from loraflow.pipelines.released import FLAVOURS, released_config
+    from loraflow.pipelines.sources import transformer_problem
 
-    from loraflow import estimates
-    from loraflow.pipelines import get_family
-    from loraflow.pipelines.released import FOLDER, released_config
-
-    print("\nestimates (no model loads; loraflow/estimates/ says how each is computed):")
-    released = estimates.released_configs(config) if source is None else None
-    if source is not None:
-        configs = estimates.component_configs({c: source.folder(c) for c in config.flavour.components})
-    elif released:  # the released model, not downloaded yet: its config files as loraflow holds them
-        configs = {c: released_config(config.flavour.name, c) for c in released}
-        print(f"  from the released config files in {FOLDER.relative_to(Path(estimates.__file__).parents[2])}/ "
-              f"({', '.join(released.values())}), not from the model: it is not on disk")
-    else:
-        print("  estimate needs the model's config files: the components' config.json on disk (download the model, "
-              "which the first stage does, or point `pretrained_model_name_or_path` at a local folder)")
-        return
-    family = functools.cache(lambda: get_family(config))
-    labels = [b.bucket for b in buckets]
-    if not labels:
-        labels = estimates.configured_buckets(config, plan, source or config.pretrained_model_name_or_path)
-        print(f"  no clips yet: estimated at the bucket{'s' * (len(labels) > 1)} the datasets ask for "
-              f"({', '.join(labels)}: a square source at `resolution`, `video.num_frames` frames)")
-    bucket = estimates.largest_bucket(labels)
-    frames, height, width = bucket
-    card, named = estimates.card_gb(config)
-    inputs = {"configs": configs, "bucket": bucket, "card": card}
-    stages, reused = estimates.remembered(config, "stages", inputs,
-                                          lambda: estimates.estimate(config, family(), configs, bucket))
-    if reused is not None:
-        print(f"  reused from {reused}: this config, model configs, bucket and card, with this loraflow, were "
-              "estimated before (delete the file to estimate again)")
-    print(f"  largest bucket {width}x{height}@{frames}, batch {config.train_batch_size}, "
-          f"{plan.max_text_tokens} text tokens; GiB peak on the accelerator, TFLOP of one step (lora: forward + "
-          "backward; latents: one clip; validation: one denoise call)")
-    if config.train_audio:
-        print("  train_audio: the picture only; the sound's tokens (hundreds beside the picture's thousands), the "
-              "audio VAE and the vocoder are not counted (docs/families.md)")
-    print(f"  fit: {estimates.FIT_MARKS}")
-    print(table(estimates.estimate_rows(stages),
-                ("stage", "peak GiB", "TFLOP", *(f"{gb}GB" for gb in estimates.CARDS_GB), "note")))
-    if card is None:
-        return
-    for stage in stages:
-        if not stage.parts:
-            continue
-        if stage.fits(card):
-            print(f"  {stage.stage} fits {card:.3g} GB ({named}): {stage.peak_gib:.3g} GiB")
-            continue
-        print(f"  {stage.stage} needs {stage.peak_gib:.3g} GiB; {card:.3g} GB ({named}) is short. Switches, each with "
-              f"its estimated peak{SMALLER.get(stage.stage, '')}:")
-        rows, _ = estimates.remembered(config, f"switches-{stage.stage}", inputs, lambda: estimates.switches(
-            config, family(), configs, bucket, stage.stage, now=stage))
-        for label, changed in rows:
-            host = f" (+ {changed.host / estimates.GIB:.3g} GiB of CPU memory)" if changed.host else ""
-            fits = "fits" if changed.fits(card) else "tight" if changed.mark(card) == "tight" else "does not fit"
-            print(f"    {label:<40} {changed.peak_gib:.3g} GiB{host} {fits}")
-        if not rows:
-            print("    none left to switch")
-
-
-# what else lowers a stage's peak, beside its switches
-SMALLER = {"latents": " (smaller buckets: `resolution` of the dataset)",
-           "lora": " (smaller buckets: `resolution` of the dataset)",
-           "validation": " (the render's own offload and tiling are already chosen for the card; smaller renders: "
-                         "`validation_resolution`, `validation_num_video_frames`)"}
+    flavour = family.flavour
+    if flavour.name not in FLAVOURS or config.pretrained_model_name_or_path != flavour.repo:
+        return []
+    problem = transformer_problem(released_config(flavour.name, "transformer"), flavour)
+    return [f"{flavour.repo} (released config, loraflow/pipelines/released/): {problem}"] if problem else []
 
 
 def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str], ModelSource | None,
@@ -234,8 +192,8 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
 
     try:
         statuses = component_status(config)
-    except FileNotFoundError as exc:
-        return [str(exc)], None, None
+    except FileNotFoundError as exc:  # offline, not in the cache: what the released config says, too
+        return [str(exc), *released_problems(config, family)], None, None
     print(f"\nmodel {config.pretrained_model_name_or_path}" + (f" @ {config.revision}" if config.revision else ""))
     print(table([(s.component, s.state, human_bytes(s.size), s.where) for s in statuses],
                 ("component", "state", "size", "from")))
@@ -243,14 +201,14 @@ def model_problems(config: LoraflowConfig, family: FamilyPlan) -> tuple[list[str
     if fetched:  # nothing wrong: the first stage that needs the model downloads it
         print(f"  a run downloads {human_bytes(fetched)} into the Hugging Face cache (configs, tokenizers, "
               "safetensors)")
-        return [], None, None
+        return released_problems(config, family), None, None
     try:
         source = model_source(config, download=False)
         check_layout(source, family.flavour)  # components there, of the classes the flavour loads, readable
     except ModelRefused as exc:
         return exc.problems, None, None
-    except FileNotFoundError as exc:
-        return [str(exc)], None, None
+    except FileNotFoundError as exc:  # not on disk: what the released config says, too
+        return [str(exc), *released_problems(config, family)], None, None
     return [], source, latent_geometry(source, family)
 
 
@@ -272,10 +230,40 @@ def cache(config_path: str, dataset: str, workers: int, shard: str | None) -> in
         print(f"latents shard {shard} of '{dataset}': computed {report.computed}, reused {report.reused}, "
               f"quarantined {len(report.quarantined)}")
         return 0
-    clips, latents, audio = fanout.cache_dataset(config_path, config, family, model, dataset, workers)
+    try:
+        clips, latents, audio = fanout.cache_dataset(config_path, config, family, model, dataset, workers)
+    except fanout.WorkersFailed as exc:  # each worker printed its own message (a full disk, ...): no traceback
+        print(f"loraflow cache: {exc}", file=sys.stderr)
+        return 1
+    captions = _auto_captions(config, model, dataset)
     print(f"'{dataset}' cached by {workers} worker(s): clips computed {clips.computed}, reused {clips.reused}; "
           f"latents {latents.computed + latents.reused} listed (data version {latents.data_version})"
-          + (f"; audio latents computed {audio.computed}, reused {audio.reused}" if audio else ""))
+          + (f"; audio latents computed {audio.computed}, reused {audio.reused}" if audio else "")
+          + (f"; captions computed {captions.computed}, reused {captions.reused}" if captions else ""))
+    return 0
+
+
+def _auto_captions(config: LoraflowConfig, model: ModelSource, dataset: str) -> CaptionsReport | None:
+    """A `caption_strategy: auto` dataset's captions, as its `cache_dataset` run makes them; None for the others."""
+    from loraflow.stages.captions.captions import auto_datasets, build_captions
+    from loraflow.store import Store
+
+    if dataset not in auto_datasets(config):
+        return None
+    store = Store(config.cache_dir, config.dataset_sources)
+    with store.part_lock(dataset):
+        return build_captions(config, model, store, [dataset])
+
+
+def export_captions(config_path: str, folder: str, datasets: list[str] | None) -> int:
+    """`loraflow captions export DIR`: the generated captions as user caption files (stages/captions/captions.py)."""
+    from loraflow.stages.captions.captions import export_captions as export
+    from loraflow.store import Store
+
+    config = load_config(config_path)
+    written, kept = export(config, Store(config.cache_dir, config.dataset_sources), Path(folder), datasets)
+    print(f"captions export: {len(written)} caption file(s) written under {folder}"
+          + (f"; {len(kept)} already there kept (e.g. {kept[0]})" if kept else ""))
     return 0
 
 
@@ -292,7 +280,7 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
         settings = simpletuner.read_json(config_json)
         backends = simpletuner.read_json(backend_json) if backend_json else None
         imported = simpletuner.import_simpletuner(settings, backends, base_dir=Path(config_json).parent)
-    except (FileNotFoundError, ValueError) as exc:
+    except simpletuner.ImportProblem as exc:  # not SimpleTuner's shape: the file or key, and what to do
         print(f"import-simpletuner: {exc}", file=sys.stderr)
         return 2
     text = simpletuner.to_yaml(imported, [s for s in (config_json, backend_json) if s])
@@ -309,6 +297,8 @@ def import_simpletuner(config_json: str, backend_json: str | None, out_path: str
         print(f"  - {key} = {value!r}: {why}", file=sys.stderr)
     for note in imported.notes:
         print(f"note: {note}", file=sys.stderr)
+    for left in imported.left:
+        print(f"SimpleTuner default not taken: {left}", file=sys.stderr)
     parse_config(imported.config, out_path or "imported config", Path(out_path or ".").parent)
     return 0
 
@@ -351,6 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     cacher.add_argument("--dataset", required=True, help="a training dataset's id")
     cacher.add_argument("--workers", type=int, default=1, help="latents worker processes (one GPU each where any)")
     cacher.add_argument("--shard", help="INDEX/COUNT: be that one worker (no clips, no manifest)")
+    captioner = sub.add_parser("captions", help="caption_strategy auto: the captions the `captions` asset made")
+    captions_sub = captioner.add_subparsers(dest="action", required=True)
+    exporter = captions_sub.add_parser("export", help="write each as its user caption file under DIR, laid out as "
+                                       "the dataset folder (NAME.txt; with scene cuts NAME.nnnn.txt): edited and in "
+                                       "the dataset folder, it is a user caption; files already there are kept")
+    exporter.add_argument("dir")
+    exporter.add_argument("--config", default=os.environ.get("LORAFLOW_CONFIG", DEMO_CONFIG))
+    exporter.add_argument("--dataset", action="append", help="a dataset id (repeatable); default: every auto dataset")
     importer = sub.add_parser("import-simpletuner", help="convert a SimpleTuner config.json (+ multidatabackend.json)")
     importer.add_argument("config_json")
     importer.add_argument("backend_json", nargs="?", help="default: the file its data_backend_config names")
@@ -365,6 +363,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit code; as the process itself (`loraflow ...`, `python -m loraflow.cli`:
+    `argv` None) exit with it, without finalizing the interpreter (`exit_process`)."""
+    code = run_command(argv)
+    if argv is None:
+        exit_process(code)
+    return code
+
+
+def exit_process(code: int) -> None:
+    """Exit after atexit's handlers and a flush of the streams, skipping the interpreter's finalization (when no
+    other thread of ours runs). A C++ thread holding a Python thread state that wakes while the interpreter
+    finalizes (torch's autograd device threads pt_autograd_0..7, which check's first estimates start) is ended by
+    pthread_exit, whose unwinding through its C++ frames aborts the process: "terminate called without an active
+    exception", exit 134, in 2 of ~156 checks (pytorch/pytorch#38228)."""
+    import atexit
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)  # a thread of ours still works: the interpreter joins it, as it always did
+    atexit._run_exitfuncs()  # logging, the media workers, temporary folders: what finalization would run of ours
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code)
+
+
+def run_command(argv: list[str] | None) -> int:
     from loraflow.atomic import DiskFull
 
     args = build_parser().parse_args(argv)
@@ -377,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             return partitions(args.config)
         if args.command == "cache":
             return cache(args.config, args.dataset, args.workers, args.shard)
+        if args.command == "captions":
+            return export_captions(args.config, args.dir, args.dataset)
         if args.command == "import-simpletuner":
             return import_simpletuner(args.config_json, args.backend_json, args.output, args.force)
         if args.command == "post-hoc-ema":
@@ -388,6 +417,18 @@ def main(argv: list[str] | None = None) -> int:
     except (HubUnreachable, DiskFull) as exc:  # no network, no space: what to do, no traceback from inside a library
         print(f"loraflow {args.command}: {exc}", file=sys.stderr)
         return 1
+    except remote_store_errors() as exc:  # an s3:// cache_dir that does not answer (no network, no credentials)
+        print(f"loraflow {args.command}: the cache (`cache_dir`) did not answer ({type(exc).__name__}: {exc}): check "
+              "the network, the endpoint (AWS_ENDPOINT_URL) and the credentials, or set `cache_dir` to a local "
+              "folder", file=sys.stderr)
+        return 1
+
+
+def remote_store_errors() -> tuple[type[BaseException], ...]:
+    """What a remote store's client raises when the store does not answer or takes no credentials: botocore's
+    errors (s3fs), once it has been imported (only an s3:// store imports it)."""
+    botocore = sys.modules.get("botocore.exceptions")
+    return (botocore.BotoCoreError,) if botocore is not None else ()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,13 @@
 Layout under the root:
     <stage>/shards/<uuid>.parquet     committed rows; every row has a `key` column
     <stage>/manifest.parquet          the stage's current item set (what downstream stages read), or
-    <stage>/manifest/<part>.parquet   the same, one file per part: clips and latents keep one per dataset, so
-                                      two datasets cached at once never replace each other's list
+    <stage>/manifest/<part>/<source>.parquet
+                                      the same, one file per part: clips and latents keep one per dataset, so
+                                      two datasets cached at once never replace each other's list, keyed by the
+                                      dataset's source too (`sources`), so two configs sharing the store with one
+                                      dataset id and other folders never read each other's list
+    <stage>/manifest/<part>.parquet   a part written before parts were keyed by source, or by a store that was not
+                                      given the sources: read while the keyed file is missing, replaced by it
 
 A shard is written to a temporary name and renamed into place, so a reader never sees half a shard: the
 set of keys in committed shards is the resume point of a killed run. A write that fails removes its temporary file
@@ -30,6 +35,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import re
 import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -47,6 +53,20 @@ from loraflow.keys import part_file_stem
 
 SHAPE_SUFFIX = "__shape"
 ROW_GROUP_BYTES = 4 << 20  # a training batch reads a few rows of a shard: groups small enough to skip the rest
+# Rows of one file the store writes: a shard is one stage's commit (a batch of latents, a few thousand text or probe
+# rows), a manifest part one row per item of a dataset. A Parquet file past it is not the store's own and is refused
+# from its footer, unread (a stray 10^7-row file cost 2 GB and 40 s, read whole).
+MAX_FILE_ROWS = 1_000_000
+SHARD_NAME = re.compile(r"[0-9a-f]{32}\.parquet")  # `put`'s names (uuid4 hex): any other file in shards/ is not read
+
+
+class CacheFileRefused(ValueError):
+    """A file in the cache that the store did not write or can no longer read (truncated, another schema, tensor
+    metadata that does not fit its cells): the message names it and what to do."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path} in the cache {why}: delete it (the stage that wrote it rebuilds what is missing: "
+                         "`loraflow cache CONFIG --dataset ID`, or the stage's job)")
 
 
 TENSOR_META = b"loraflow.tensor"  # field metadata of a raw-bytes tensor column: {"dtype": "<f4", "shape": [...]}
@@ -134,10 +154,15 @@ def _compression(table: pa.Table, name: str) -> str:
 class Store:
     """put/get/keys over Parquet shards under one fsspec root."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, sources: Mapping[str, str] | None = None) -> None:
+        """`sources`: each dataset id -> the fingerprint of its source (`LoraflowConfig.dataset_sources`): this store
+        reads and writes the manifest parts of those datasets from those sources only, and lists no other part. A
+        store shared by configs is safe this way: shards are keyed by content, a config's manifests by its sources.
+        None (a store that knows no config): every part, by id."""
         # no listing cache (s3fs keeps one per client): other processes and hosts commit shards to the same folders
         self.fs, self.root = fsspec.core.url_to_fs(root, use_listings_cache=False)
         self.url = root
+        self.sources = None if sources is None else dict(sources)
         self.parts: frozenset[str] | None = None  # see only_parts
         self._index: dict[str, list[list[str]]] = {}  # shard path -> its keys, per row group
         self._footers: dict[str, pq.FileMetaData] = {}  # shard path -> its Parquet footer
@@ -148,8 +173,8 @@ class Store:
         return f"{self.root.rstrip('/')}/{stage}"
 
     def shard_paths(self, stage: str) -> list[str]:
-        """The stage's committed shards, sorted."""
-        return self._parquet_files(f"{self._dir(stage)}/shards")
+        """The stage's committed shards, sorted: the files named as `put` names them (any other is not read)."""
+        return [p for p in self._parquet_files(f"{self._dir(stage)}/shards") if SHARD_NAME.fullmatch(p.rsplit("/")[-1])]
 
     def _parquet_files(self, folder: str) -> list[str]:
         # listed, not globbed: a cache_dir with [ or * in its name is a name, not a pattern
@@ -187,7 +212,8 @@ class Store:
     def _shard_keys(self, stage: str, shard: str) -> list[list[str]]:
         """The shard's keys, one list per row group (read once: a committed shard never changes)."""
         if shard not in self._index:
-            with self._open(shard) as parquet:
+            with _reading(shard), self._open(shard) as parquet:
+                _own_file(shard, parquet, key=True)
                 keys = parquet.read(columns=["key"]).column("key").to_pylist()
                 sizes = [parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)]
                 self._footers[shard] = parquet.metadata
@@ -241,13 +267,14 @@ class Store:
         rows: dict[str, dict[str, Any]] = {}
         for shard in sorted(groups_of):
             groups = sorted(groups_of[shard])
-            with self._open(shard) as parquet:
-                table = parquet.read_row_groups(groups, columns=_with_shapes(parquet.schema_arrow, columns))
-            hits = [i for i, k in enumerate(table.column("key").to_pylist()) if k in wanted and k not in rows]
-            if len(hits) < table.num_rows:  # most reads want every row they read: take() would copy them all
-                table = table.take(hits)
-            for row in table_to_rows(table):
-                rows[row["key"]] = row
+            with _reading(shard):
+                with self._open(shard) as parquet:
+                    table = parquet.read_row_groups(groups, columns=_with_shapes(parquet.schema_arrow, columns))
+                hits = [i for i, k in enumerate(table.column("key").to_pylist()) if k in wanted and k not in rows]
+                if len(hits) < table.num_rows:  # most reads want every row they read: take() would copy them all
+                    table = table.take(hits)
+                for row in table_to_rows(table):
+                    rows[row["key"]] = row
         missing = wanted - rows.keys()
         if missing:
             raise KeyError(f"{stage}: {len(missing)} key(s) not in the store at {self.url}, e.g. {sorted(missing)[0]}")
@@ -262,11 +289,16 @@ class Store:
         """
         table = pa.Table.from_pylist(list(rows))
         if part is None:
-            for name in self.manifest_parts(stage):
-                self._remove(self._manifest_path(stage, name))
+            for path in filter(None, (self._part_file(stage, name) for name in self.manifest_parts(stage))):
+                self._remove(path)
             self._write_atomic(table, self._manifest_path(stage))
         else:
-            self._write_atomic(table, self._manifest_path(stage, part))
+            path = self._manifest_path(stage, part)
+            if self.sources is None or part not in self.sources:  # the file a read of this part reads
+                path = self._part_file(stage, part) or path
+            self._write_atomic(table, path)
+            if path != self._legacy_path(stage, part):  # the keyed part replaces the one of no source
+                self._remove(self._legacy_path(stage, part))
             self._remove(self._manifest_path(stage))
 
     def read_manifest(self, stage: str, parts: Iterable[str] | None = None) -> list[dict[str, Any]]:
@@ -285,20 +317,46 @@ class Store:
                 raise FileNotFoundError(f"stage '{stage}' has no manifest for {', '.join(missing)} at {self.url}: "
                                         "materialize it for those first")
             names = [n for n in names if n in parts]
-        return [row for name in names for row in self._read_table(stage, self._manifest_path(stage, name))]
+        paths = [self._part_file(stage, name) or self._manifest_path(stage, name) for name in names]
+        return [row for path in paths for row in self._read_table(stage, path)]
 
     def manifest_parts(self, stage: str) -> list[str]:
-        """Names of the stage's manifest parts, sorted."""
-        paths = self._parquet_files(f"{self._dir(stage)}/manifest")
-        return sorted(unquote(p.rsplit("/", 1)[-1].removesuffix(".parquet")) for p in paths)
+        """Names of the stage's manifest parts, sorted: with `sources`, those of its datasets only (a part another
+        config wrote into a shared store, or one of a dataset taken out of the config, is not this store's)."""
+        if self.sources is not None:
+            return sorted(name for name in self.sources if self._part_file(stage, name) is not None)
+        return sorted(self._listed_parts(stage))
 
-    def drop_parts(self, stage: str, keep: Iterable[str]) -> list[str]:
-        """Remove the manifest parts not in `keep` (their shards stay until `clean`); return their names."""
-        keep = set(keep)
-        gone = [name for name in self.manifest_parts(stage) if name not in keep]
-        for name in gone:
-            self._remove(self._manifest_path(stage, name))
-        return gone
+    def _listed_parts(self, stage: str) -> dict[str, list[str]]:
+        """Every part file of the stage by part name, whoever wrote it: the unkeyed file first, then the keyed ones."""
+        folder = f"{self._dir(stage)}/manifest"
+        try:
+            entries = self.fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            return {}
+        found: dict[str, list[str]] = {}
+        for entry in sorted(entries, key=lambda e: e["type"] == "directory"):  # files (unkeyed) first
+            name = unquote(entry["name"].rstrip("/").rsplit("/", 1)[-1])
+            if entry["type"] == "directory":
+                found.setdefault(name, []).extend(self._parquet_files(entry["name"]))
+            elif name.endswith(".parquet"):
+                found.setdefault(name.removesuffix(".parquet"), []).append(entry["name"])
+        return {name: files for name, files in found.items() if files}
+
+    def _part_file(self, stage: str, part: str) -> str | None:
+        """The file holding one part's rows (None: none). With `sources`: the file keyed by the dataset's source, or
+        an unkeyed one (a cache written before parts were keyed) until the stage writes the keyed one. Without (a
+        store that knows no config): the unkeyed file, else the one keyed file; one id from several sources raises
+        (which is current is the config's to say: an object store's times are too coarse to tell the last written)."""
+        if self.sources is not None and part in self.sources:
+            return next((p for p in (self._manifest_path(stage, part), self._legacy_path(stage, part))
+                         if self.fs.exists(p)), None)
+        files = self._listed_parts(stage).get(part, [])
+        if len(files) > 1 and not files[0].endswith(f"/{part_file_stem(part)}.parquet"):
+            raise ValueError(f"stage '{stage}' of the store at {self.url} holds manifests of dataset '{part}' from "
+                             f"{len(files)} sources (configs sharing the store): open it with one config's sources, "
+                             "Store(cache_dir, config.dataset_sources)")
+        return files[0] if files else None
 
     @contextlib.contextmanager
     def part_lock(self, part: str, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
@@ -330,6 +388,15 @@ class Store:
             return Path(self.root) / ".locks"
         return Path(tempfile.gettempdir()) / "loraflow-locks" / _digest(self.fs.unstrip_protocol(self.root))
 
+    def keyed(self, sources: Mapping[str, str]) -> Store:
+        """This store with its manifest parts keyed by `sources`; itself when it has its own (a config's store). What
+        each stage that writes parts does first, so no part is written unkeyed whoever opened the store."""
+        if self.sources is not None:
+            return self
+        view = copy.copy(self)
+        view.sources = dict(sources)
+        return view
+
     def only_parts(self, parts: Iterable[str]) -> Store:
         """This store, with `read_manifest` restricted to the given parts (one dataset's view of its clips)."""
         view = copy.copy(self)
@@ -337,15 +404,27 @@ class Store:
         return view
 
     def _manifest_path(self, stage: str, part: str | None = None) -> str:
+        """Where this store writes the stage's manifest, or one part of it (keyed by its source when known)."""
         if part is None:
             return f"{self._dir(stage)}/manifest.parquet"
+        if self.sources is not None and part in self.sources:
+            return f"{self._dir(stage)}/manifest/{part_file_stem(part)}/{self.sources[part]}.parquet"
+        return self._legacy_path(stage, part)
+
+    def _legacy_path(self, stage: str, part: str) -> str:
         return f"{self._dir(stage)}/manifest/{part_file_stem(part)}.parquet"  # any dataset id is a file name
 
     def _read_table(self, stage: str, path: str) -> list[dict[str, Any]]:
         if not self.fs.exists(path):
             raise FileNotFoundError(f"stage '{stage}' has no manifest at {self.url}: materialize it first")
-        with self.fs.open(path, "rb") as f:
-            return pq.read_table(f).to_pylist()
+        with _reading(path), self.fs.open(path, "rb") as f:
+            parquet = pq.ParquetFile(f)
+            _own_file(path, parquet)
+            return parquet.read().to_pylist()
+
+    def manifest_file(self, stage: str, part: str | None = None) -> str:
+        """Where the stage's manifest (or its `part`) is, for messages."""
+        return self._manifest_path(stage, part)
 
     def _remove(self, path: str) -> None:
         try:
@@ -354,8 +433,9 @@ class Store:
             pass
 
     def manifest_keys(self, stage: str) -> set[str]:
-        """Every key the stage's manifest lists, in all its parts (a view's restriction does not apply here)."""
-        paths = [self._manifest_path(stage, n) for n in self.manifest_parts(stage)] or [self._manifest_path(stage)]
+        """Every key the stage's manifest lists, in all its parts, from every source (neither a view's restriction
+        nor `sources` applies here: `clean` keeps what any config sharing the store lists)."""
+        paths = [p for files in self._listed_parts(stage).values() for p in files] or [self._manifest_path(stage)]
         return {row["key"] for path in paths if self.fs.exists(path) for row in self._read_table(stage, path)}
 
     def clean(self, stage: str, keep: set[str] | None = None) -> int:
@@ -384,3 +464,27 @@ def _with_shapes(schema: pa.Schema, columns: list[str] | None) -> list[str] | No
 
 def _digest(url: str) -> str:
     return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """Reading a cache file: what a truncated or foreign file raises inside pyarrow (or in `_cells`) names it."""
+    try:
+        yield
+    except CacheFileRefused:
+        raise
+    except (pa.ArrowException, ValueError, KeyError, IndexError) as exc:
+        raise CacheFileRefused(path, f"is not readable ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _own_file(path: str, parquet: pq.ParquetFile, key: bool = False) -> None:
+    """Refuse, from its footer alone, a Parquet file the store did not write: more rows than it writes to one file,
+    or (`key`: a shard) no string `key` column."""
+    rows = parquet.metadata.num_rows
+    if rows > MAX_FILE_ROWS:
+        raise CacheFileRefused(path, f"holds {rows} rows, more than the {MAX_FILE_ROWS} of any file loraflow writes: "
+                               "it is not the store's own, and was not read")
+    schema = parquet.schema_arrow
+    if key and ("key" not in schema.names or not pa.types.is_string(schema.field("key").type)
+                and not pa.types.is_large_string(schema.field("key").type)):
+        raise CacheFileRefused(path, "has no string `key` column: it is not a shard loraflow wrote")

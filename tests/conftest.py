@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import shutil
@@ -15,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from loraflow.config import LoraflowConfig, load_config, parse_config
+from loraflow.config import LoraflowConfig, parse_config
 from tests.factory import (
     REPO,
     build_caches,
+    config_for,
     demo_dict,
     fill_validation_store,
     random_lora,
@@ -36,7 +36,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _home = Path(tempfile.mkdtemp(prefix=f"dagster-home-{os.environ['PYTEST_XDIST_WORKER']}-"))
     shutil.copyfile(REPO / ".dagster" / "dagster.yaml", _home / "dagster.yaml")
     os.environ["DAGSTER_HOME"] = str(_home)
-    atexit.register(shutil.rmtree, _home, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The worker's DAGSTER_HOME goes with its session (an xdist worker ends without running atexit handlers: the
+    folders were left in /tmp, one per worker per run)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_home, ignore_errors=True)
 
 
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
@@ -93,6 +99,15 @@ def tiny_k5(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return built_once(tmp_path_factory, "models",
                       lambda root: build_tiny("kandinsky5-video", root / "kandinsky5-video"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hv15(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny HunyuanVideo 1.5 t2v checkpoint (read only)."""
+    from loraflow.demo.tiny import build_tiny
+
+    return built_once(tmp_path_factory, "models",
+                      lambda root: build_tiny("hunyuanvideo-1.5", root / "hunyuanvideo-1.5"))
 
 
 @pytest.fixture(scope="session")
@@ -174,7 +189,7 @@ def own_caches(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="module")
 def validation_inputs(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Any, Path]:
     """(validation's config dict, its store filled by `fill_validation_store`, a LoRA of random B), built once per
-    module (tests/validation/test_validate.py, test_render_memory.py)."""
+    module (tests/validation/test_validate.py, tests/pipelines/test_render_memory.py)."""
     from loraflow.store import Store
 
     root = tmp_path_factory.mktemp("validate")
@@ -187,7 +202,7 @@ def validation_inputs(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture
 def demo_config(tiny_k5: Path, demo_data: Path, tmp_path: Path) -> LoraflowConfig:
-    return load_config(write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))
+    return config_for(tiny_k5, demo_data, tmp_path)
 
 
 # Real servers for the tests of a deployment past one machine (tests/servers.py), started once per session on demand.

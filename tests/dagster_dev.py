@@ -71,7 +71,38 @@ def kill_group(process: subprocess.Popen) -> None:
 # -- watching runs ----------------------------------------------------------------------------------------------------
 
 PARTITION = "demo-videos"  # the demo dataset's partition
-RUN_S = 180  # one latents run on 2 busy cores takes 15-30 s; a run blocked for good takes forever
+# A wait for a run's next event (created, its step started, finished) may take RUN_FACTOR times what one unobstructed
+# latents run took from its command to its exit in the same module (`time_a_latents_run`, at its start: the host's
+# load scales both), at least MIN_RUN_S; a run blocked for good takes forever. Not a fixed limit that a loaded host
+# reaches (it was 180 s, met under load with the tests going right).
+RUN_FACTOR, MIN_RUN_S = 4, 60.0
+HANG_S = 1800  # the timed run itself: a guard against a hang only
+_timed_run_s: list[float] = []
+
+
+def time_a_latents_run(home: Path, config: Path, log: Path) -> float:
+    """Seconds of one `dagster asset materialize --select latents` of PARTITION with nothing in its way (its latents
+    are forgotten after: each test starts without them); run_s() is derived from it from then on."""
+    from tests.factory import forget_latents
+
+    env = {**os.environ, "DAGSTER_HOME": str(home), "LORAFLOW_CONFIG": str(config), "CUDA_VISIBLE_DEVICES": ""}
+    command = [str(Path(sys.executable).with_name("dagster")), "asset", "materialize", "-m", "loraflow.definitions",
+               "--select", "latents", "--partition", PARTITION]
+    began = time.monotonic()
+    with log.open("wb") as out:
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=HANG_S)
+    seconds = time.monotonic() - began
+    assert done.returncode == 0, log.read_text(errors="replace")[-3000:]
+    forget_latents(config)
+    _timed_run_s[:] = [seconds]
+    return seconds
+
+
+def run_s() -> float:
+    """How long a wait for one run's next event may take here (RUN_FACTOR times the timed run)."""
+    if not _timed_run_s:
+        pytest.fail("no latents run timed yet: the module's fixture calls time_a_latents_run first")
+    return max(MIN_RUN_S, RUN_FACTOR * _timed_run_s[0])
 
 
 def wait_until(what: str, condition: Callable[[], Any], timeout_s: float, log: Path | None = None) -> Any:

@@ -72,6 +72,12 @@ def write_config(path: Path, data: dict[str, Any]) -> Path:
     return path
 
 
+def config_for(model: Path, data: Path, root: Path, name: str = "config.yaml", **overrides: Any) -> LoraflowConfig:
+    """The suite's config (`demo_dict`: `model`, the dataset `data`, under `root`) with `overrides`, written as
+    root/<name> and loaded."""
+    return load_config(write_config(root / name, demo_dict(model, data, root, **overrides)))
+
+
 def make_config(caches: dict[str, Path], output: Path, **overrides: Any) -> LoraflowConfig:
     """The suite's config on `caches` ("model", "data" and "root": the cache under root/cache), 2 steps, writing into
     `output`; written beside it as <output>.yaml (what a launched process or an asset reads)."""
@@ -205,7 +211,7 @@ def run_clips(config: LoraflowConfig) -> tuple[Any, Any]:
     from loraflow.store import Store
 
     family = get_family(config)
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.dataset_sources)
     return build_clips(config, family, model_source(config), store), store
 
 
@@ -214,7 +220,7 @@ def demo_clips(model: Path, data: Path, root: Path) -> tuple[LoraflowConfig, Any
     store)."""
     from loraflow.pipelines import get_family
 
-    config = load_config(write_config(root / "config.yaml", demo_dict(model, data, root)))
+    config = config_for(model, data, root)
     return config, get_family(config), run_clips(config)[1]
 
 
@@ -254,7 +260,7 @@ def build_caches(tiny_k5: Path, demo_data: Path, root: Path) -> dict[str, Path]:
     shutil.copy(demo_data / "clip_00.mp4", data / "clip_00b.mp4")  # same bucket as clip_00, another text length
     (data / "clip_00b.txt").write_text(SHORT_CAPTION)
     config = make_config({"model": tiny_k5, "data": data, "root": root}, root / "output")
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.dataset_sources)
     for op in (build_clips, encode_latents, encode_texts):
         op(config, family, model_source(config), store)
     return {"model": tiny_k5, "data": data, "root": root}
@@ -267,7 +273,23 @@ def train(config: LoraflowConfig):
     from loraflow.store import Store
     from loraflow.training import loop
 
-    return loop.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
+    store = Store(config.cache_dir, config.dataset_sources)  # the config's own parts, as the lora asset opens it
+    return loop.train_lora(config, get_family(config), model_source(config), store)
+
+
+def capture_renders(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[np.ndarray]]:
+    """The frames the renders during training ("progress") and the validation stage ("validation") hand write_media,
+    in order, each still written (frames, not mp4s: the encoded bytes vary with libx264's threads)."""
+    from loraflow.training.options import progress_renders
+    from loraflow.validation import validate
+
+    written: dict[str, list[np.ndarray]] = {"progress": [], "validation": []}
+    for module, key in ((progress_renders, "progress"), (validate, "validation")):
+        keep = module.write_media
+        monkeypatch.setattr(module, "write_media",
+                            lambda frames, stem, fps, sound=None, keep=keep, key=key: written[key].append(frames)
+                            or keep(frames, stem, fps, sound))
+    return written
 
 
 def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> MicroBatch:
@@ -276,7 +298,7 @@ def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> MicroBatch:
     from loraflow.store import Store
     from loraflow.training import batches
 
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.dataset_sources)
     plan = batches.BatchPlan(batches.build_samples(config, store), config.train_batch_size, config.seed)
     return batches.load_micro_batch(config, get_family(config), store, plan(micro_step), micro_step)
 
@@ -287,8 +309,8 @@ def loss_and_grads(config: LoraflowConfig, batch: MicroBatch) -> tuple[float, to
 
     from loraflow.pipelines import get_family
     from loraflow.pipelines.sources import model_source
-    from loraflow.training.loop import flow_terms
     from loraflow.training.model_setup import Trainable, enable_offload, load_transformer
+    from loraflow.training.step import flow_terms
 
     cpu, family = torch.device("cpu"), get_family(config)
     transformer, params = load_transformer(config, family, model_source(config), cpu)
@@ -490,16 +512,19 @@ def text_batch(family: ModelFamily, shape: tuple[int, ...]) -> dict[str, torch.T
     from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 
     tokens, name = TEXT_TOKENS[family.name], family.flavour.name
+    seeded = torch.Generator().manual_seed(0)  # the same batch in every process and test order
     qwen, second = encoder_width(name, "text_encoder"), encoder_width(name, "text_encoder_2")
     if family.name.startswith("kandinsky"):
-        text = {"text_embeds": torch.randn(1, tokens, qwen), "pooled_embeds": torch.randn(1, second)}
+        text = {"text_embeds": torch.randn(1, tokens, qwen, generator=seeded),
+                "pooled_embeds": torch.randn(1, second, generator=seeded)}
     else:
-        text = {"text_embeds": torch.randn(1, tokens, qwen), "text_mask": torch.ones(1, tokens),
-                "byt5_embeds": torch.randn(1, 256, second), "byt5_mask": torch.ones(1, 256)}
+        text = {"text_embeds": torch.randn(1, tokens, qwen, generator=seeded), "text_mask": torch.ones(1, tokens),
+                "byt5_embeds": torch.randn(1, 256, second, generator=seeded), "byt5_mask": torch.ones(1, 256)}
     if family.flavour.edits_image or family.image_condition_name:  # HV1.5 i2v: the first frame's latent, SigLIP
-        text["image_latent"] = torch.randn(*shape[:2], 1, *shape[3:])
+        text["image_latent"] = torch.randn(*shape[:2], 1, *shape[3:], generator=seeded)
     if family.image_condition_name == "first_frame" and family.name == "hunyuanvideo-1.5":
-        text["image_embeds"] = torch.randn(1, hunyuanvideo15.IMAGE_TOKENS, encoder_width(name, "image_encoder"))
+        text["image_embeds"] = torch.randn(1, hunyuanvideo15.IMAGE_TOKENS, encoder_width(name, "image_encoder"),
+                                           generator=seeded)
     return text
 
 
@@ -512,7 +537,7 @@ def released_batch(config: LoraflowConfig, family: ModelFamily) -> tuple[
 
     shape = latent_shape(family)
     text, draws = text_batch(family, shape), step_draws(config, family, 0, shape)
-    return shape, text, draws, torch.randn(shape)
+    return shape, text, draws, torch.randn(shape, generator=torch.Generator().manual_seed(1))
 
 
 def released_transformer(case: Case, config: LoraflowConfig, family: ModelFamily) -> tuple[torch.nn.Module, list]:

@@ -11,6 +11,7 @@ whether a frame was rotated and whether channels are in RGB order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -288,26 +289,85 @@ def write_with_sound(path: Path, num_frames: int, sound: np.ndarray, rate: int, 
                      fps: int = 24, width: int = 64, height: int = 64, offset_s: float = 0.0,
                      codec: str = "pcm_s16le") -> Path:
     """Index frames (H.264) with a sound track: `sound` float (channels, N) in [-1, 1] at `rate`, channel `layout`
-    ("mono", "stereo", "5.1"), its first sample `offset_s` after the first frame (a track that starts late).
-    pcm_s16le (exact: `s16` says what it stores; in a .mov or .mkv), pcm_f32le (float as given, NaN too; mono) or aac
-    (lossy, as phones write; in an .mp4)."""
+    ("mono", "stereo", "5.1", "7.1"), its first sample `offset_s` after the first frame (a track that starts late).
+    pcm_s16le (exact: `s16` says what it stores; in a .mov or .mkv), pcm_f32le (float as given, NaN and over full scale
+    too), flac (16-bit, exact like s16; in a .mkv) or aac (lossy, as phones write; in an .mp4)."""
+    track = Track(sound, rate, layout, codec=codec, offset_s=offset_s)
+    return write_with_tracks(path, num_frames, [track], fps=fps, width=width, height=height)
+
+
+@dataclass(frozen=True)
+class Track:
+    """One sound track for `write_with_tracks` (the fields as `write_with_sound` takes them); `disposition` names
+    av.stream.Disposition flags ("default", "comment"), none: the muxer's own choice."""
+
+    sound: np.ndarray
+    rate: int
+    layout: str = "mono"
+    codec: str = "pcm_s16le"
+    offset_s: float = 0.0
+    disposition: tuple[str, ...] = ()
+
+
+def write_with_tracks(path: Path, num_frames: int, tracks: Sequence[Track], *, fps: int = 24, width: int = 64,
+                      height: int = 64) -> Path:
+    """Index frames (H.264) and the sound `tracks`, in that order of streams."""
     with av.open(str(path), "w") as out:
         video = out.add_stream("libx264", rate=fps, options=_QUIET)
         video.width, video.height, video.pix_fmt = width, height, "yuv420p"
-        audio = out.add_stream(codec, rate=rate)
-        audio.layout = layout
+        streams = []
+        for track in tracks:
+            audio = out.add_stream(track.codec, rate=track.rate)
+            audio.layout = track.layout
+            if track.codec == "aac":  # 64 kb/s a channel (FFmpeg's default is 128 kb/s for all of them: 16 for 7.1)
+                audio.bit_rate = 64_000 * audio.codec_context.channels
+            if track.disposition:
+                audio.disposition = sum(getattr(av.stream.Disposition, name) for name in track.disposition)
+            streams.append(audio)
         for i in range(num_frames):
             out.mux(video.encode(av.VideoFrame.from_ndarray(index_frame(i, width, height), format="rgb24")))
         out.mux(video.encode(None))
-        fmt = audio.codec_context.format.name  # s16 (packed) for PCM, fltp for AAC
-        chunk = audio.codec_context.frame_size or 1024
-        for start in range(0, sound.shape[1], chunk):
-            part = sound[:, start:start + chunk]
-            if fmt == "s16":
-                part = np.round(np.clip(part, -1, 1) * 32767).astype(np.int16).T.reshape(1, -1)
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(part, part.dtype if fmt == "s16" else np.float32),
-                                               format=fmt, layout=layout)
-            frame.sample_rate, frame.pts, frame.time_base = rate, start + round(offset_s * rate), Fraction(1, rate)
-            out.mux(audio.encode(frame))
-        out.mux(audio.encode(None))
+        for track, audio in zip(tracks, streams, strict=True):
+            _encode_track(out, audio, track)
+    return path
+
+
+def _encode_track(out: av.container.OutputContainer, audio: av.audio.stream.AudioStream, track: Track) -> None:
+    # Frames go in packed (one interleaved plane; the encoder converts to its own format, fltp for AAC): PyAV 18.1
+    # counts 9 planes in an 8-channel planar frame and its from_ndarray fails on one
+    fmt = "s16" if audio.codec_context.format.name.startswith("s16") else "flt"
+    chunk = audio.codec_context.frame_size or 1024
+    for start in range(0, track.sound.shape[1], chunk):
+        part = track.sound[:, start:start + chunk]
+        if fmt == "s16":
+            part = np.round(np.clip(part, -1, 1) * 32767).astype(np.int16)
+        samples = np.ascontiguousarray(part.T.reshape(1, -1), np.int16 if fmt == "s16" else np.float32)
+        frame = av.AudioFrame.from_ndarray(samples, format=fmt, layout=track.layout)
+        frame.sample_rate, frame.time_base = track.rate, Fraction(1, track.rate)
+        frame.pts = start + round(track.offset_s * track.rate)
+        out.mux(audio.encode(frame))
+    out.mux(audio.encode(None))
+
+
+def write_footage(path: Path, segments: Sequence[tuple[int, tuple[int, int, int]]], fades: dict[int, int] | None = None,
+                  width: int = 96, height: int = 64, fps: int = 24) -> Path:
+    """A recording of `segments` (frame count, RGB colour of its source) joined by hard cuts, except where `fades`
+    says segment n's last `fades[n]` frames dissolve into segment n + 1's colour (a fade, not a cut). The left half
+    of each frame is its source's colour and the right half carries the index code (`read_index` samples the right
+    half), so which source a decoded frame came from and which frame it is are both readable."""
+    colours: list[np.ndarray] = []
+    for number, (count, colour) in enumerate(segments):
+        ramp = (fades or {}).get(number, 0)
+        here, after = np.asarray(colour, np.float64), np.asarray(segments[min(number + 1, len(segments) - 1)][1])
+        for i in range(count):
+            weight = max(0, i - (count - ramp) + 1) / (ramp + 1) if ramp else 0.0
+            colours.append((1 - weight) * here + weight * after)
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=fps, options={**_QUIET, "preset": "veryfast"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i, colour in enumerate(colours):
+            frame = index_frame(i, width, height)
+            frame[:, : width // 2] = np.round(colour).astype(np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode(None))
     return path

@@ -123,7 +123,7 @@ def test_check_shows_no_library_warning_of_its_fake_run(tiny_k5: Path, demo_data
 def test_check_prints_the_estimates_and_the_switch_that_fits_the_named_card(
         tiny_k5: Path, demo_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A card (`gpu_memory_gb`) whose usable share (90%, less 0.5 GiB of CUDA context) is between the tiny step's
-    estimate with and without gradient checkpointing (tests/test_estimates.py measures both): check says training is
+    estimate with and without gradient checkpointing (tests/estimates/ measures both): check says training is
     short of it and that checkpointing fits."""
     # 0.0012 GiB usable: the tiny step estimates 0.00169 GiB, 0.000988 with checkpointing (with Kandinsky 5 Video's
     # 256 text tokens since issue 44)
@@ -381,7 +381,8 @@ def test_flag_style_config_finds_its_backend_file_and_translates_crop(
     captured = capsys.readouterr()
     imported = yaml.safe_load(captured.out)
     assert imported["offload_during_startup"] == "true"  # carried as written; the config model parses it
-    assert (imported["datasets"][0]["crop_style"], imported["datasets"][0]["crop_aspect"]) == ("center", "square")
+    # crop: true without crop_style: SimpleTuner's default random (data_backend/factory.py:560), not center
+    assert (imported["datasets"][0]["crop_style"], imported["datasets"][0]["crop_aspect"]) == ("random", "square")
     unmapped = [line.split(":")[0] for line in captured.err.splitlines() if line.startswith("  - ")]
     assert unmapped == ["  - report_to = 'comet_ml'", "  - push_to_hub = 'false'"]
     config = load_config(write_config(tmp_path / "out.yaml", imported))
@@ -463,7 +464,7 @@ def test_resolution_and_minimum_image_size_are_carried_in_pixels_and_converted_f
     assert (px["resolution_type"], px["resolution"], px["minimum_image_size"]) == ("pixel_area", 480, 480)
     side = 1025  # sqrt(1.05e6) = 1024.7: SimpleTuner's megapixels are 1000**2 pixels (its pixel_area conversion)
     assert (mp["resolution_type"], mp["resolution"], mp["minimum_image_size"]) == ("area", side, side)
-    assert not imported.unmapped and len(imported.notes) == 2
+    assert not imported.unmapped and sum("megapixels" in note for note in imported.notes) == 2
     config = LoraflowConfig.model_validate({**imported.config, "pretrained_model_name_or_path": "m"})
     assert [d.minimum_image_size for d in config.datasets] == [480, side]
 
@@ -567,11 +568,38 @@ def test_loss_optimizer_and_flow_schedule_options_import_under_their_names() -> 
     for optimizer in ("prodigy", "muon"):
         assert import_simpletuner({"optimizer": optimizer}, []).config["optimizer"] == optimizer
     auto = import_simpletuner({"flow_schedule_auto_shift": True, "flow_schedule_shift": 0}, [])
-    assert auto.config == {"flow_schedule_auto_shift": True, "datasets": []}
+    assert auto.config["flow_schedule_auto_shift"] is True and "flow_schedule_shift" not in auto.config
     assert auto.unmapped[0][0] == "flow_schedule_shift" and "auto shift" in auto.unmapped[0][2]
-    static = import_simpletuner({"flow_schedule_auto_shift": True, "flow_schedule_shift": 3.0}, [])
-    assert static.config == {"flow_schedule_shift": 3.0, "datasets": []}
+    static = import_simpletuner({"flow_schedule_auto_shift": True, "flow_schedule_shift": 2.0}, [])
+    assert static.config["flow_schedule_shift"] == 2.0 and "flow_schedule_auto_shift" not in static.config
     assert static.unmapped[0][0] == "flow_schedule_auto_shift"
     for variant in ("sdnq-muon", "adamw_schedulefree+no_kahan", "adamw_schedulefree+aggressive"):
         (key, value, why), = import_simpletuner({"optimizer": variant}, []).unmapped
         assert (key, value) == ("optimizer", variant) and "set optimizer: " in why
+
+
+def test_check_names_the_attention_kernel_and_what_hunyuanvideo_t2v_leaves_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """HunyuanVideo 1.5 720p t2v by its repository id, not downloaded: check says which attention kernel `auto`
+    takes on the card, and the attention FLOPs a step saves by leaving out the 729 zero image tokens (no mask at
+    batch 1: pipelines/hunyuanvideo15/attention.py), by the SDPA formula over the released config's 54 blocks of 16
+    heads of 128 (released/hv15-720p-t2v.transformer.json), computed here on its own."""
+    from loraflow.pipelines import family_flavour
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # empty: the model is not on disk
+    monkeypatch.setenv("LORAFLOW_ESTIMATES_CACHE", str(tmp_path / "estimates"))
+    config = write_config(tmp_path / "hv.yaml", {
+        "model_family": "hunyuanvideo-1.5", "model_flavour": "t2v-720p",
+        "pretrained_model_name_or_path": family_flavour("hunyuanvideo-1.5", "t2v-720p").repo,
+        "base_model_precision": "fp8-layerwise", "gradient_checkpointing": True, "validation_resolution": "768x512",
+        "datasets": [{"id": "clips", "instance_data_dir": str(tmp_path / "clips"), "resolution": 512,
+                      "video": {"num_frames": 61, "min_frames": 61}}]})
+    assert main(["check", str(config)]) == 2  # the model is not in the cache, the dataset folder is not there
+    out = capsys.readouterr().out.split("estimates (no model loads")[1]
+    assert "attention kernel: auto: on CUDA the first of sdpa_cudnn, sdpa_flash" in out
+    video = 16 * 32 * 32  # 61 frames -> 16 latent frames; 512 / 16 = 32 patches a side
+    kept = video + 1000 + 256  # the caption's tokens (check's largest text) and the glyphs'
+    saved = 3 * 4 * 16 * 128 * 54 * ((kept + 729) ** 2 - kept ** 2)
+    assert f"t2v's 729 zero image tokens are left out: {saved / 1e12:.4g} TFLOP of attention a step saved" in out
+    assert f"{video} video + 1256 text tokens" in out

@@ -236,3 +236,18 @@ def test_the_flavour_table_is_the_flavours() -> None:
     shown = re.search(r"<!-- flavour table: .*? -->\n(.*?)<!-- end of the flavour table -->", text, flags=re.S)
     assert shown, "docs/families.md lost its flavour table markers"
     assert shown.group(1) == flavour_table()
+
+
+def test_every_table_from_a_results_json_is_its_json() -> None:
+    """The marked tables of docs/benchmarks.md (`<!-- table:NAME -->`) are what benchmarks/tables.py
+    writes from benchmarks/results/: a number edited by hand, or a JSON rerun without `benchmarks/tables.py`, fails."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks import tables
+
+    marked = {path.name: [m.group(2) for m in tables.MARKED.finditer(path.read_text())] for path in tables.DOCS}
+    assert all(marked.values()), f"a file without marked tables: {marked}"
+    assert set(tables.TABLES) == {name for names in marked.values() for name in names}, "a table in no file"
+    stale = {path.name: tables.differing(path) for path in tables.DOCS}
+    assert not any(stale.values()), f"tables differing from their JSON (run benchmarks/tables.py): {stale}"

@@ -109,8 +109,10 @@ def test_a_run_killed_mid_measurement_leaves_the_json_of_the_ones_before(tmp_pat
                             "--out", str(out), "--work", str(tmp_path / "work")], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     try:
+        deadline = time.monotonic() + 600  # a guard, not a measurement: the smoke run writes it within seconds
         while not out.exists():  # written atomically: once there, it is whole
             assert run.poll() is None, "run.py ended before it wrote any JSON"
+            assert time.monotonic() < deadline, "run.py wrote no JSON within 600 s"
             time.sleep(0.05)
         run.send_signal(signal.SIGKILL)  # its child measures train_k5_plain (it dies with run.py)
     finally:

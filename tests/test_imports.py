@@ -82,6 +82,14 @@ def test_loraflow_has_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def test_the_estimates_import_the_training_step_not_the_loop() -> None:
+    """`loraflow.estimates` runs one micro-step's loss (training/step.py) on fake tensors; the loop (optimizer,
+    checkpoints, launch, renders) is none of its business."""
+    estimates = {m: imports for m, imports in import_graph().items() if m.split(".")[:2] == ["loraflow", "estimates"]}
+    assert not [m for m, imports in estimates.items() if "loraflow.training.loop" in imports]
+    assert any("loraflow.training.step" in imports for imports in estimates.values())
+
+
 def with_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """`graph` plus what Python runs first: importing `a.b.c` runs package `a.b`'s __init__ (loraflow.config's
     imports the whole config model), unless the importer is inside `a.b` already."""

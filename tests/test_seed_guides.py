@@ -15,6 +15,7 @@ from loraflow.config import ConfigError, parse_config
 from loraflow.pipelines import family_flavour, family_spec
 from loraflow.pipelines.flavours import NOT_DIFFUSERS
 from loraflow.simpletuner import BACKEND_KEYS, ONLY_VALUE, import_simpletuner, simpletuner_families
+from loraflow.simpletuner.paths import FILE_KEYS
 from tests.factory import GUIDES, SEEDS, combine, missing_input
 
 
@@ -45,13 +46,16 @@ def test_every_key_of_a_guide_is_carried_or_skipped_for_a_true_reason(guide: Pat
             multiple = family_spec(family).spatial_multiple
             assert all(int(side) % multiple == 0 for side in imported.config[key].split("x")), key
             assert f"validation_resolution {value} became {imported.config[key]}" in "\n".join(imported.notes)
+        elif key in FILE_KEYS:  # found where SimpleTuner reads it (its folder, config/'s parent): written absolute
+            assert imported.config[key] == str((tmp_path / value).resolve()), key
         else:
             assert imported.config[key] == value, key
     for index, entry in enumerate(backends):
         dataset = imported.config["datasets"][index]
         for key, value in entry.items():
-            if key == "crop":  # SimpleTuner's switch for the crop keys, carried by them
-                assert dataset.get("crop_style", "center") == entry.get("crop_style", "center")
+            if key == "crop":  # SimpleTuner's switch for the crop keys, carried by them (its default style: random)
+                style = entry.get("crop_style", "random") if value is True else "center"
+                assert dataset.get("crop_style", "center") == style
             else:
                 assert dataset[key] == value, f"datasets[{index}].{key}"
     assert all(why != "no loraflow equivalent" for _, why in skipped.values()), skipped  # each with its own reason

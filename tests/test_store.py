@@ -2,6 +2,7 @@ import json
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -91,7 +92,7 @@ def old_tensor_shard(path: Path, rows: list[dict]) -> None:
 
 def test_a_store_written_before_raw_bytes_cells_reads_as_written(tmp_path) -> None:
     latent = np.random.default_rng(0).standard_normal((2, 16, 3, 4, 6), dtype=np.float32)
-    old_tensor_shard(tmp_path / "latents" / "shards" / "old.parquet",
+    old_tensor_shard(tmp_path / "latents" / "shards" / f"{0:032x}.parquet",
                      [{"key": f"old{i}", "latent": latent[i], "latent_logvar": -latent[i]} for i in range(2)])
     store = Store(str(tmp_path))
     store.put("latents", [{"key": "new", "latent": latent[0] + 1, "latent_logvar": latent[1]}])
@@ -113,7 +114,7 @@ def test_a_cell_of_another_length_than_its_shape_raises(tmp_path) -> None:
     table = rows_to_table([{"key": "a", "latent": np.zeros((2, 3), np.float32)}])
     field = table.schema.field("latent").with_metadata({b"loraflow.tensor": b'{"dtype": "<f4", "shape": [2, 2]}'})
     (tmp_path / "stage" / "shards").mkdir(parents=True)
-    pq.write_table(table.cast(table.schema.set(1, field)), tmp_path / "stage" / "shards" / "a.parquet")
+    pq.write_table(table.cast(table.schema.set(1, field)), tmp_path / "stage" / "shards" / f"{0:032x}.parquet")
     with pytest.raises(ValueError, match="a cell of 24 bytes, but float32 \\(2, 2\\) is 16"):
         Store(str(tmp_path)).get("stage", ["a"])
 
@@ -187,17 +188,37 @@ def test_odd_part_names_and_empty_parts_round_trip(store: Store) -> None:
     assert store.read_manifest("stage") == [{"key": "x"}]
 
 
-def test_drop_parts_and_clean_keep_what_any_part_lists(store: Store) -> None:
-    for key in ("a1", "b1", "gone"):
+def test_clean_keeps_what_any_part_of_any_source_lists(store: Store) -> None:
+    for key in ("a1", "b1", "theirs", "gone"):
         store.put("stage", [{"key": key, "x": 1}])
-    store.write_manifest("stage", [{"key": "a1"}], part="a")
+    Store(store.url, {"a": "my-source"}).write_manifest("stage", [{"key": "a1"}], part="a")
+    Store(store.url, {"a": "their-source"}).write_manifest("stage", [{"key": "theirs"}], part="a")
     store.write_manifest("stage", [{"key": "b1"}], part="b")
-    assert store.only_parts(["a"]).clean("stage") == 1  # a view's restriction does not narrow what clean keeps
-    assert store.keys("stage") == {"a1", "b1"}
-    assert store.drop_parts("stage", keep=["a"]) == ["b"]
-    assert store.keys("stage") == {"a1", "b1"}  # dropping a part lists nothing new and deletes no shard
-    assert store.read_manifest("stage") == [{"key": "a1"}]
-    assert store.clean("stage") == 1 and store.keys("stage") == {"a1"}
+    assert store.only_parts(["b"]).clean("stage") == 1  # a view's restriction does not narrow what clean keeps
+    assert store.keys("stage") == {"a1", "b1", "theirs"}  # nor do the sources: another config's part keeps its rows
+
+
+def test_a_store_with_sources_reads_and_lists_its_own_datasets_parts_only(store: Store) -> None:
+    mine, theirs = Store(store.url, {"a": "folder-1"}), Store(store.url, {"a": "folder-2", "b": "folder-3"})
+    mine.write_manifest("stage", [{"key": "mine"}], part="a")
+    theirs.write_manifest("stage", [{"key": "theirs"}], part="a")  # one id, another source: beside it, not over it
+    theirs.write_manifest("stage", [{"key": "b1"}], part="b")
+    assert mine.manifest_parts("stage") == ["a"] and mine.read_manifest("stage") == [{"key": "mine"}]
+    assert theirs.read_manifest("stage") == [{"key": "theirs"}, {"key": "b1"}]
+    with pytest.raises(ValueError, match="holds manifests of dataset 'a' from 2 sources"):
+        store.read_manifest("stage", parts=["a"])  # a store without sources does not pick one
+    assert store.read_manifest("stage", parts=["b"]) == [{"key": "b1"}]  # the one source of b: no doubt
+    store.write_manifest("stage", [{"key": "b2"}], part="b")  # into the file it reads
+    assert theirs.read_manifest("stage", parts=["b"]) == [{"key": "b2"}]
+    assert store.manifest_parts("stage") == ["a", "b"]
+
+
+def test_a_part_written_before_parts_were_keyed_is_read_until_the_keyed_one_replaces_it(store: Store) -> None:
+    store.write_manifest("stage", [{"key": "old"}], part="a")  # unkeyed: what loraflow wrote before sources
+    keyed = Store(store.url, {"a": "folder-1"})
+    assert keyed.manifest_parts("stage") == ["a"] and keyed.read_manifest("stage") == [{"key": "old"}]
+    keyed.write_manifest("stage", [{"key": "new"}], part="a")
+    assert keyed.read_manifest("stage") == store.read_manifest("stage") == [{"key": "new"}]  # the old one is gone
 
 
 def test_a_cache_dir_with_glob_characters_in_its_name_resumes(tmp_path: Path) -> None:
@@ -294,11 +315,11 @@ def test_a_full_disk_is_one_message_and_leaves_no_temporary_file(tmp_path: Path)
     import subprocess
     import sys
 
-    from tests.factory import REPO
+    from tests.factory import REPO, missing_input
 
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "--mount", "--map-root-user", "true"]).returncode:
-        pytest.skip("needs a mount namespace (unshare) for a private tmpfs")
+        missing_input("needs a mount namespace (unshare --mount --map-root-user) for a private tmpfs")  # CI: fails
     disk = tmp_path / "disk"
     disk.mkdir()
     (tmp_path / "full.py").write_text(DISK_FULL)
@@ -321,3 +342,64 @@ def test_a_full_disk_is_one_message_and_leaves_no_temporary_file(tmp_path: Path)
     assert kind == "DiskFull" and f"{disk}/run/checkpoints is full" in message
     assert report["checkpoint left"] == []
     assert report["small checkpoint after"] is None and report["small checkpoint after left"] == []
+
+
+# -- issue 62 item 3: cache files read only when they are the store's own --------------------------------------------
+
+def stray(path: Path, rows: int) -> Path:
+    """A Parquet file of `rows` rows (a `key` column of nulls: cheap to write, 10^7 rows in a few MB)."""
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"key": pa.nulls(rows, pa.string())}), path)
+    return path
+
+
+def test_a_stray_parquet_file_among_the_shards_is_not_read(tmp_path: Path) -> None:
+    """A stray 10^7-row Parquet file in the cache was read whole (2 GB, 40 s). Another name than the store's is not
+    read at all; the store's kind of name with more rows than the store writes is refused from its footer."""
+    from loraflow.store import CacheFileRefused
+
+    Store(str(tmp_path)).put("latents", [{"key": k, "x": np.zeros(4, np.float32)} for k in ("a", "b")])
+    stray(tmp_path / "latents" / "shards" / "notes.parquet", 10**7)
+    assert Store(str(tmp_path)).keys("latents") == {"a", "b"}
+    posing = stray(tmp_path / "latents" / "shards" / f"{'f' * 32}.parquet", 10**7)
+    with pytest.raises(CacheFileRefused) as caught:
+        Store(str(tmp_path)).keys("latents")
+    assert f"{posing} in the cache holds 10000000 rows, more than the 1000000" in str(caught.value)
+    assert "delete it" in str(caught.value)
+
+
+def spoil_cells(shard: Path) -> None:
+    """Rewrite a shard's tensor column metadata to say another shape than its cells hold."""
+    import pyarrow.parquet as pq
+
+    from loraflow.store import TENSOR_META
+
+    table = pq.read_table(shard)
+    field = table.schema.field("x")
+    meta = {**field.metadata, TENSOR_META: json.dumps({"dtype": "<f4", "shape": [8]}).encode()}
+    pq.write_table(table.cast(table.schema.set(table.schema.get_field_index("x"), field.with_metadata(meta))), shard)
+
+
+def other_schema(shard: Path) -> None:
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"name": ["a"], "x": [1.0]}), shard)
+
+
+@pytest.mark.parametrize(("spoil", "words"), [
+    (lambda shard: shard.write_bytes(shard.read_bytes()[:200]), "is not readable (ArrowInvalid"),
+    (other_schema, "has no string `key` column: it is not a shard loraflow wrote"),
+    (spoil_cells, "is not readable (ValueError: column 'x': a cell of 16 bytes, but float32 (8,) is 32"),
+])
+def test_a_tampered_shard_is_named_with_what_to_do(spoil: Any, words: str, tmp_path: Path) -> None:
+    """Truncated shards and tensor metadata that does not fit its cells were raw pyarrow or ValueError text naming
+    no file."""
+    from loraflow.store import CacheFileRefused
+
+    shard = Path(Store(str(tmp_path)).put("latents", [{"key": "a", "x": np.zeros(4, np.float32)}]))
+    spoil(shard)
+    with pytest.raises(CacheFileRefused) as caught:
+        Store(str(tmp_path)).get("latents", ["a"])
+    assert f"{shard} in the cache {words}" in str(caught.value) and "delete it" in str(caught.value)

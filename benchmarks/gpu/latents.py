@@ -62,7 +62,8 @@ def one_clip(smoke: bool, size: tuple[int, int], frames: int) -> dict[str, Any]:
     config = stage_config(Path("unused-model"), Path("unused-data"), Path("unused/cache"), max(size), frames)
     with torch.device(device):
         vae = AutoencoderKLHunyuanVideo15.from_config(vae_config(smoke)).eval()
-    prepare_vae(vae, config)
+    family = get_family(config)
+    prepare_vae(vae, config, family)
     clip = torch.randint(0, 256, (1, frames, *size, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     clip = clip.to(device)
     if device.type == "cuda":
@@ -70,7 +71,7 @@ def one_clip(smoke: bool, size: tuple[int, int], frames: int) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     began = time.perf_counter()
     with torch.no_grad():
-        latent = get_family(config).vae_encode(vae, clip, config.latent_sampling)
+        latent = family.vae_encode(vae, clip, config.latent_sampling)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began

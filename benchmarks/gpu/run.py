@@ -117,8 +117,9 @@ def compared(result: dict[str, Any], estimate: dict[str, Any] | None) -> dict[st
 def write_estimates(path: Path, measurements: list[Measurement], smoke: bool, write_json: Any) -> None:
     """Every measurement's estimate, computed here on the CPU (fake tensors: minutes at released size) so that a GPU
     run spends none of its time on them; the commit they were made on beside them."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    report: dict[str, Any] = {"commit": commit.stdout.strip(), "smoke": smoke, "estimates": {}}
+    from benchmarks import record
+
+    report: dict[str, Any] = {"commit": record.commit(), "smoke": smoke, "estimates": {}}
     with tempfile.TemporaryDirectory() as work:
         if smoke:
             build_smoke_models(Path(work), measurements)
@@ -297,14 +298,18 @@ def main() -> None:
 
     if args.estimate_only:
         return write_estimates(args.estimates, [m for m in REGISTRY if m.name in chosen], args.smoke, write_json)
-    ready = json.loads(args.estimates.read_text())["estimates"] if args.estimates.is_file() and not args.smoke \
-        else {}
+    from benchmarks import record
+
+    made = json.loads(args.estimates.read_text()) if args.estimates.is_file() and not args.smoke else {}
+    ready = made.get("estimates", {})
     device = device_name(args.smoke)
     out = args.out or (Path(tempfile.gettempdir()) / "gpu_cpu-smoke.json" if args.smoke else
                        ROOT / "benchmarks" / "results" / f"gpu_{re.sub(r'[^a-z0-9]+', '-', device.lower())}.json")
     budget = args.budget or (900.0 if args.smoke else 480.0)
     deadline = time.monotonic() + budget
-    report: dict[str, Any] = {"device": device, "smoke": args.smoke, "budget_s": budget, "results": {}}
+    # a lent machine's copy of the tree has no git: the estimates' commit (made here) names the code then
+    report: dict[str, Any] = {"commit": record.commit(), "estimates_commit": made.get("commit", "unknown"),
+                              "device": device, "smoke": args.smoke, "budget_s": budget, "results": {}}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(1) as estimates:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

@@ -124,10 +124,10 @@ def run_variant(model: str, model_path: str, variant: str, steps: int, warmup: i
     from safetensors.torch import save_file
 
     from loraflow.pipelines import get_family
-    from loraflow.training import loop as T
     from loraflow.training.checkpoints import lora_state
     from loraflow.training.model_setup import Trainable, enable_offload, load_transformer
     from loraflow.training.options.optimizers import WEIGHT_DECAY
+    from loraflow.training.step import uses_autocast
 
     config = variant_config(model, model_path, variant, smoke)
     device = torch.device("cpu" if smoke else "cuda")
@@ -138,7 +138,7 @@ def run_variant(model: str, model_path: str, variant: str, steps: int, warmup: i
         trainable = Trainable(transformer, params, device)
         optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=WEIGHT_DECAY)
         batch = random_batch(model, transformer.config, smoke)
-        autocast = T.uses_autocast(config, device)
+        autocast = uses_autocast(config, device)
         times, losses = [], []
         for k in range(warmup + steps):
             if device.type == "cuda":
@@ -209,10 +209,10 @@ def latent_shape(spec: dict[str, Any]) -> tuple[int, int, int, int]:
 def one_step(transformer: Any, family: Any, config: Any, batch: Any, device: Any, autocast: bool, trainable: Any,
              optimizer: Any, seed: int = 0) -> Any:
     """What train_lora's loop does for one micro-step of batch 1: routed forward, backward, collect, clip + step."""
-    from loraflow.training import loop as T
+    from loraflow.training.step import flow_terms, routing
 
-    with T.routing(transformer, family, config, seed=seed):
-        loss = T.flow_terms(transformer, family, batch, device, autocast).flow
+    with routing(transformer, family, config, seed=seed):
+        loss = flow_terms(transformer, family, batch, device, autocast).flow
         loss.backward()
     trainable.collect()
     trainable.step(optimizer, 1.0)

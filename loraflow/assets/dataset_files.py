@@ -11,7 +11,7 @@ the `lora` stage also warns, naming the files), and from the UI's "Observe sourc
 # No `from __future__ import annotations` here: Dagster inspects the real annotations of observe functions.
 from dagster import DataVersionsByPartition, OpExecutionContext, observable_source_asset
 
-from loraflow.assets.partitions import DATASETS
+from loraflow.assets.partitions import DATASETS, existing_partition
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.sensors import dataset_state
 
@@ -22,7 +22,7 @@ from loraflow.assets.sensors import dataset_state
 def dataset_files(context: OpExecutionContext, loraflow: LoraflowResource) -> DataVersionsByPartition:
     config = loraflow.load()
     datasets = {d.id: d for d in config.training_datasets}
-    partitions = [context.partition_key] if context.has_partition_key else \
+    partitions = [existing_partition(context.instance, context.partition_key)] if context.has_partition_key else \
         context.instance.get_dynamic_partitions(DATASETS.name)
     return DataVersionsByPartition({i: dataset_state(config, datasets[i])["hash"] for i in partitions
                                     if i in datasets})

@@ -37,14 +37,17 @@ TRANSIENT = RetryPolicy(max_retries=2, delay=10, backoff=Backoff.EXPONENTIAL)
 CACHED = ("dataset_files", "clips", "latents")
 
 
-def cache_job(sound: bool = False) -> Any:  # a Dagster UnresolvedAssetJobDefinition (not exported by dagster)
+def cache_job(sound: bool = False, auto_captions: bool = False) -> Any:  # an UnresolvedAssetJobDefinition
     """The `cache_dataset` job: one dataset (the partition), its folder observed, clips and latents and their checks;
-    with `sound` (a `train_audio` config, Kandinsky 6) the clips' sound as audio latents too, in the same run."""
+    with `sound` (a `train_audio` config, Kandinsky 6) the clips' sound as audio latents too, in the same run; with
+    `auto_captions` (a `caption_strategy: auto` dataset) the clips' captions too."""
     return define_asset_job(
-        "cache_dataset", AssetSelection.assets(*CACHED, *(["audio_latents"] if sound else [])),
+        "cache_dataset", AssetSelection.assets(*CACHED, *(["audio_latents"] if sound else []),
+                                               *(["captions"] if auto_captions else [])),
         op_retry_policy=TRANSIENT,
         description="One dataset (the partition): its folder observed, clips and latents"
-                    + (", the clips' sound as audio latents (train_audio)," if sound else "") + " and their checks")
+                    + (", the clips' sound as audio latents (train_audio)," if sound else "")
+                    + (", the clips' captions (caption_strategy auto)," if auto_captions else "") + " and their checks")
 
 
 train_and_validate = define_asset_job(
@@ -58,24 +61,32 @@ JOBS = [cache_job(), train_and_validate]
 def trains_audio(config_path: str) -> bool:
     """Whether the code location's config trains sound (`train_audio`). A config that does not load: False (the code
     location still loads, to show the problem; every run fails on it, as for the recache schedule)."""
+    return _graph_options(config_path)[0]
+
+
+def _graph_options(config_path: str) -> tuple[bool, bool]:
+    """(train_audio, a dataset with caption_strategy auto) of the config; a config that does not load: neither."""
     try:
-        return load_config(config_path).train_audio
+        config = load_config(config_path)
     except ConfigError:
-        return False
+        return False, False
+    return config.train_audio, any(d.caption_strategy == "auto" for d in config.training_datasets)
 
 
 def graph(resource: LoraflowResource) -> tuple[list, list]:
     """(assets, jobs) of the code location: with `train_audio`, the audio_latents asset too (which lora then reads),
-    cached by the `cache_dataset` job; every other config has the six assets and two jobs, unchanged."""
-    from loraflow.assets.stages import ALL_ASSETS, SOUND_ASSETS
+    cached by the `cache_dataset` job; with a `caption_strategy: auto` dataset the captions asset too (which
+    text_embeds then reads), also in `cache_dataset`; every other config has the six assets and two jobs, unchanged."""
+    from loraflow.assets.stages import ALL_ASSETS, assets_for
 
-    if not trains_audio(resource.config_path):
+    sound, auto_captions = _graph_options(resource.config_path)
+    if not sound and not auto_captions:
         return ALL_ASSETS, JOBS
-    return SOUND_ASSETS, [cache_job(sound=True), train_and_validate]
+    return assets_for(sound, auto_captions), [cache_job(sound, auto_captions), train_and_validate]
 
 
 def build_defs(resource: LoraflowResource, **extra: object) -> Definitions:
-    """The assets, checks and jobs with this resource (the code location's default config was fixed at import)."""
+    """The assets, checks and jobs with this resource (a config of its own, beside the code location's)."""
     from loraflow.assets.checks import ALL_CHECKS
 
     assets, jobs = graph(resource)

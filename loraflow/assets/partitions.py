@@ -8,7 +8,7 @@ config), as do `loraflow demo` and `loraflow partitions`.
 
 from __future__ import annotations
 
-from dagster import DagsterInstance, DynamicPartitionsDefinition
+from dagster import DagsterInstance, DynamicPartitionsDefinition, Failure
 
 from loraflow.config import LoraflowConfig
 
@@ -34,3 +34,15 @@ def sync_partitions(instance: DagsterInstance, config: LoraflowConfig) -> tuple[
     for key in deleted:
         instance.delete_dynamic_partition(DATASETS.name, key)
     return added, deleted
+
+
+def existing_partition(instance: DagsterInstance, partition_key: str) -> str:
+    """The run's partition key, which must be one the instance holds. Dagster itself accepts a run of a partition it
+    does not have (`dagster job execute --tags '{"dagster/partition": ...}'` before `loraflow partitions`) and fails it
+    only when the first output is stored, with "Partition range ... Nonexistent partition keys" and a traceback; the
+    first step of each dataset's run asks here instead and says what to do."""
+    if not instance.has_dynamic_partition(DATASETS.name, partition_key):
+        raise Failure(description=f"partition '{partition_key}' does not exist in this Dagster instance (DAGSTER_HOME "
+                                  "names it): run `loraflow partitions` (a partition per training dataset of "
+                                  "$LORAFLOW_CONFIG) once, then launch the job again", allow_retries=False)
+    return partition_key

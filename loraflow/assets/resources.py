@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from dagster import ConfigurableResource, Failure, InitResourceContext
+from pydantic import Field
 
 from loraflow.config import ConfigError, LoraflowConfig, load_config
 from loraflow.pipelines.sources import HubUnreachable, ModelRefused, ModelSource, model_source
@@ -16,7 +17,8 @@ DEFAULT_CONFIG = "configs/demo.yaml"
 class LoraflowResource(ConfigurableResource):
     """Typed: swap the config (and so the store URL: local, memory://, s3://) per deployment or test."""
 
-    config_path: str = os.environ.get("LORAFLOW_CONFIG", DEFAULT_CONFIG)
+    # LORAFLOW_CONFIG as it is when the resource is built (the code location builds it when Dagster loads it)
+    config_path: str = Field(default_factory=lambda: os.environ.get("LORAFLOW_CONFIG", DEFAULT_CONFIG))
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         """Every step sets up this resource before its work: a step worker dies with its run's process from here on
@@ -44,13 +46,9 @@ class LoraflowResource(ConfigurableResource):
             raise Failure(description=str(exc), metadata={"config": self.config_path}, allow_retries=False) from None
 
     def store(self, config: LoraflowConfig) -> Store:
-        """The config's store. Manifest parts of datasets no longer in the config are dropped first, so no
-        stage (an unpartitioned one run on its own included) reads their rows; their shards stay."""
-        from loraflow.stages.clips.clips import drop_removed_datasets
-
-        store = Store(config.cache_dir)
-        drop_removed_datasets(config, store)
-        return store
+        """The config's store, keyed by its datasets' sources: no stage reads the manifest parts of a dataset taken
+        out of the config, nor those another config sharing the cache_dir wrote (`Store`'s `sources`)."""
+        return Store(config.cache_dir, config.dataset_sources)
 
     def dataset(self, config: LoraflowConfig, partition_key: str) -> str:
         """The dataset a partition stands for; a partition whose dataset left the config fails without retries."""

@@ -73,7 +73,7 @@ def _scan(folder: str, parts: tuple[str, ...], found: list[tuple[tuple[str, ...]
 def dataset_state(config: Any, dataset: Any) -> dict[str, Any]:
     """`folder_state` of the dataset's folder; i2i: its source images' folder too, so a changed source image
     re-caches its targets."""
-    state = folder_state(dataset.instance_data_dir or "")
+    state = folder_state(config.folder_dataset(dataset).instance_data_dir or "")
     sources = config.source_images(dataset)
     if sources is None or state["hash"] == MISSING:
         return state

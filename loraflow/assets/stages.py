@@ -26,8 +26,9 @@ from dagster import (
 
 from loraflow.assets import metadata as md
 from loraflow.assets.dataset_files import dataset_files
-from loraflow.assets.partitions import DATASETS
+from loraflow.assets.partitions import DATASETS, existing_partition
 from loraflow.assets.resources import LoraflowResource
+from loraflow.contracts.reports import ClipsReport
 
 # Declarative automation, for Dagster's `default_automation_condition_sensor` (off until switched on, like
 # dataset_watch): once upstream is new, text_embeds re-embeds (a dataset the sensor or `recache` re-cached) and
@@ -44,14 +45,15 @@ def _log_waiting(context: AssetExecutionContext, dataset: str) -> None:
 @asset(deps=[dataset_files], partitions_def=DATASETS, group_name="loraflow",
        description="One dataset: probe videos/images, choose clips, bucket, decode only the kept frames.")
 def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
-    from loraflow.media.previews import clip_preview
+    from loraflow.contracts.clip_rows import stored_clips
+    from loraflow.media.previews import PREVIEW_CLIPS, clip_preview
     from loraflow.pipelines import plan_family
     from loraflow.stages.clips.bucket_plan import human_bytes
     from loraflow.stages.clips.clips import build_clips
 
     config = loraflow.load()
     store = loraflow.store(config)
-    dataset = loraflow.dataset(config, context.partition_key)
+    dataset = loraflow.dataset(config, existing_partition(context.instance, context.partition_key))
     with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):
         report = build_clips(config, plan_family(config), loraflow.model(config), store, datasets=[dataset])
     for row in report.quarantined:
@@ -70,10 +72,22 @@ def clips(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materia
             "dropped": md.md_table(report.dropped),
             "quarantined": len(report.quarantined),
             "quarantine": md.md_table(report.quarantined),
-            "preview": md.md_image(clip_preview(store.only_parts([dataset])),
+            "preview": md.md_image(clip_preview(stored_clips(store.only_parts([dataset]), PREVIEW_CLIPS)),
                                   "first frame of each clip (i2i: its source image below)"),
+            **_scene_metadata(report),
         },
     )
+
+
+def _scene_metadata(report: ClipsReport) -> dict[str, MetadataValue]:
+    """`video.scene_cuts: detect`: per file the scenes found and used, and the frames on both sides of each cut."""
+    from loraflow.media.previews import cut_strips
+
+    if not report.scenes:
+        return {}
+    return {"scenes": md.md_table([{"file": r.file, "scenes_found": r.scenes, "scenes_used": r.used,
+                                    "cuts_at_frames": ", ".join(map(str, r.cuts)) or "none"} for r in report.scenes]),
+            "scene_cuts": md.md_image(cut_strips(report.scenes), "the frames before and after each scene cut")}
 
 
 @asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",
@@ -83,7 +97,7 @@ def latents(context: AssetExecutionContext, loraflow: LoraflowResource) -> Mater
     from loraflow.stages.latents.latents import encode_latents
 
     config = loraflow.load()
-    dataset = loraflow.dataset(config, context.partition_key)
+    dataset = loraflow.dataset(config, existing_partition(context.instance, context.partition_key))
     store, family, model = loraflow.store(config), get_family(config), loraflow.model(config)
     with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):  # it reads the clips part too
         report = encode_latents(config, family, model, store, datasets=[dataset])
@@ -107,7 +121,7 @@ def audio_latents(context: AssetExecutionContext, loraflow: LoraflowResource) ->
     from loraflow.stages.audio.audio_latents import encode_audio
 
     config = loraflow.load()
-    dataset = loraflow.dataset(config, context.partition_key)
+    dataset = loraflow.dataset(config, existing_partition(context.instance, context.partition_key))
     if not config.train_audio:  # one version while off, as teacher_features
         return MaterializeResult(data_version=DataVersion("off"), metadata={
             "dataset": dataset, "computed": 0, "reused": 0, "status": "off: train_audio is false"})
@@ -120,13 +134,44 @@ def audio_latents(context: AssetExecutionContext, loraflow: LoraflowResource) ->
         data_version=DataVersion(report.data_version),
         metadata={"dataset": dataset, **md.counts(report), "device": report.device,
                   "without_audio": len(report.quarantined), "clips_without_audio": config.clips_without_audio,
-                  "reasons": md.md_table(report.quarantined)},
+                  "reasons": md.md_table(report.quarantined), "clipped": len(report.clipped),
+                  "clipped_sound": md.md_table(report.clipped)},
     )
 
 
-@asset(deps=[clips], pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
-       description="Text embeddings of every distinct text of every dataset.")
-def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
+# In the code location only where a dataset has `caption_strategy: auto` (jobs.graph), as audio_latents: every other
+# config's graph stays as it was; there, `cache_dataset` captions the dataset too and text_embeds reads the captions.
+@asset(deps=[clips], partitions_def=DATASETS, pool="gpu", group_name="loraflow",
+       description="One dataset (caption_strategy auto): each clip without a user caption, captioned from its frames "
+                   "by a Qwen2.5-VL (caption_model_path, else the checkpoint's own), cached by content.")
+def captions(context: AssetExecutionContext, loraflow: LoraflowResource) -> MaterializeResult:
+    from loraflow.stages.captions.captions import build_captions
+
+    config = loraflow.load()
+    store = loraflow.store(config)
+    dataset = loraflow.dataset(config, context.partition_key)
+    with store.part_lock(dataset, on_wait=lambda: _log_waiting(context, dataset)):  # it reads the clips part too
+        report = build_captions(config, loraflow.model(config), store, datasets=[dataset])
+    made = store.read_manifest("captions", parts=[dataset])
+    return MaterializeResult(
+        data_version=DataVersion(report.data_version),
+        metadata={"dataset": dataset, **md.counts(report), "captioned_clips": len(made), "captioner": report.captioner,
+                  "prompt": report.prompt,
+                  "captions": md.md_table([{"clip": r["clip"][:12], "caption": r["caption"]} for r in made], limit=20)},
+    )
+
+
+def _text_asset(deps: list[AssetsDefinition]) -> AssetsDefinition:
+    """The `text_embeds` asset reading `deps`: a config with `caption_strategy: auto` reads the captions too."""
+    @asset(name="text_embeds", deps=deps, pool="gpu", group_name="loraflow", automation_condition=AFTER_UPSTREAM,
+           description="Text embeddings of every distinct text of every dataset.")
+    def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
+        return _embed(loraflow)
+
+    return text_embeds
+
+
+def _embed(loraflow: LoraflowResource) -> MaterializeResult:
     from loraflow.pipelines import get_family
     from loraflow.stages.text.text_embeds import encode_texts
 
@@ -141,6 +186,10 @@ def text_embeds(loraflow: LoraflowResource) -> MaterializeResult:
                   "tokens_histogram": md.md_table(report.tokens_histogram),
                   "truncated": md.md_table(report.truncated)},
     )
+
+
+text_embeds = _text_asset([clips])
+text_embeds_captioned = _text_asset([clips, captions])  # with caption_strategy auto
 
 
 @asset(deps=[latents], pool="gpu", group_name="loraflow",
@@ -194,9 +243,15 @@ def _train(context: AssetExecutionContext, loraflow: LoraflowResource) -> Materi
             "lora_path": MetadataValue.path(report.lora_path),  # diffusers' load_lora_weights
             **({"comfyui_lora_path": MetadataValue.path(report.comfyui_lora_path)}  # ComfyUI's models/loras
                if report.comfyui_lora_path else {}),
+            **({"musubi_lora_path": MetadataValue.path(report.musubi_lora_path)}  # musubi-tuner's --lora_weight
+               if report.musubi_lora_path else {}),
             "final_loss": md.number(float("nan") if report.final_loss is None else report.final_loss),
             "peak_gib": md.number(report.peak_gib),  # CUDA only: 0 on the CPU
             **md.estimated_peak(config, family, model, "lora", store, "cuda" if report.peak_gib else "cpu"),
+            # training/flops.py: model TFLOP/s (recompute left out) and MFU over the card's peak (None on the CPU)
+            **({"attention_backend": report.attention_backend} if report.attention_backend else {}),
+            **({"tflops": md.number(report.tflops)} if report.tflops is not None else {}),
+            **({"mfu": md.number(report.mfu)} if report.mfu is not None else {}),
             "loss": md.loss_words(history),
             **masked_loss_metadata(config),  # with a mask dataset: which datasets, how often
             "loss_curve": md.md_image(loss_plot(history), "training loss per step"),
@@ -244,6 +299,9 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
         if report.condition_image:  # i2v's first frame, i2i's source image
             start = md.md_image(report.condition_image, "the conditioning image").value
             sheets.insert(0, f"**every render starts from**\n\n{start}")
+        flat = {p.name: p.flat for p in report.prompts if p.flat}
+        if flat:  # all one value: a NaN model, LoRA or adapter rendered a black video, and the step succeeded
+            metadata["flat_renders"] = MetadataValue.json(flat)
         metadata |= {"video": MetadataValue.path(report.prompts[0].lora),
                      "base_video": MetadataValue.path(report.prompts[0].base),
                      "preview": MetadataValue.md("\n\n".join(sheets))}
@@ -261,3 +319,12 @@ def validation(loraflow: LoraflowResource) -> MaterializeResult:
 ALL_ASSETS = [dataset_files, clips, latents, text_embeds, teacher_features, lora, validation]
 # with `train_audio`: the sound's asset, and the lora asset that reads it (one `lora` key either way)
 SOUND_ASSETS = [lora_with_sound if asset is lora else asset for asset in ALL_ASSETS] + [audio_latents]
+
+
+def assets_for(sound: bool, auto_captions: bool) -> list[AssetsDefinition]:
+    """The code location's assets: ALL_ASSETS, with `train_audio` SOUND_ASSETS; with a `caption_strategy: auto`
+    dataset also the captions asset, and the text_embeds asset that reads it (one `text_embeds` key either way)."""
+    chosen = SOUND_ASSETS if sound else ALL_ASSETS
+    if not auto_captions:
+        return chosen
+    return [text_embeds_captioned if asset is text_embeds else asset for asset in chosen] + [captions]

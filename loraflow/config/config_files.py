@@ -9,6 +9,7 @@ which validating, or printing in an error, never finishes. Each problem is a Val
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,21 @@ from yaml.nodes import MappingNode, Node, ScalarNode
 
 MAX_CONFIG_BYTES = 1 << 20  # 1 MiB: the seed guides' configs are a few KB, a dataset list of a thousand entries 0.5 MB
 MAX_CONFIG_VALUES = 100_000  # a config of a hundred datasets holds a few thousand
+
+
+def not_a_file(path: Path) -> str:
+    """What `path` is, where a file was wanted ("" when it is a file; a link: what it leads to): "does not exist",
+    "is a folder", "is a FIFO (a named pipe)", ... (a FIFO or a device was said not to exist)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "is a link that leads nowhere" if path.is_symlink() else "does not exist"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    kinds = ((stat.S_ISREG, ""), (stat.S_ISDIR, "is a folder, not a file"),
+             (stat.S_ISFIFO, "is a FIFO (a named pipe), not a file"), (stat.S_ISCHR, "is a device, not a file"),
+             (stat.S_ISBLK, "is a device, not a file"), (stat.S_ISSOCK, "is a socket, not a file"))
+    return next((said for test, said in kinds if test(mode)), "is not a regular file")
 
 
 def read_config_text(path: Path, what: str) -> str:
@@ -36,8 +52,8 @@ def read_config_text(path: Path, what: str) -> str:
 def read_json_file(path: Path, key: str, instead: str) -> Any:
     """The JSON file a config key names (`dataset_backend_config`, `user_prompt_library`, ...); `instead`: what to
     give when there is no such file."""
-    if not path.is_file():
-        raise ValueError(f"`{key}` file {path} does not exist; {instead}")
+    if problem := not_a_file(path):
+        raise ValueError(f"`{key}` file {path} {problem}; {instead}")
     try:
         return json.loads(read_config_text(path, f"`{key}` file"))
     except (json.JSONDecodeError, RecursionError) as exc:

@@ -70,6 +70,21 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     vision_encoder_path: str | None = setting(
         None, run_key="when_set", description="flavours with a vision encoder (HunyuanVideo 1.5 i2v): a folder laid "
         "out as a checkpoint's image_encoder/; hunyuanvideo-1.5: default $HUNYUANVIDEO_VISION_ENCODER_PATH")
+    # caption_strategy auto (stages/captions/captions.py, docs/footage.md); unset, they leave every run its key
+    caption_model_path: str | None = setting(
+        None, run_key="when_set", description="caption_strategy auto: a Qwen2.5-VL folder or Hub id "
+        "(Qwen2_5_VLForConditionalGeneration with its processor); unset: the checkpoint's own first text encoder where "
+        "it is that full model (Kandinsky 5, Kandinsky 6), with the checkpoint's tokenizer folder as processor")
+    caption_prompt: str = setting(
+        "Describe this video in one sentence: the subject, what happens, the setting and the camera.",
+        run_key="when_set", min_length=1, description="caption_strategy auto: what the captioner is asked, shown the "
+        "clip's frames")
+    caption_max_new_tokens: int = setting(
+        77, run_key="when_set", ge=1, description="caption_strategy auto: the longest caption, in tokens (greedy "
+        "decoding)")
+    caption_prefix: str = setting(
+        "", run_key="when_set", description="caption_strategy auto: put before every generated caption (a trigger "
+        "word: 'sks, '); user caption files are taken as written")
     output_dir: str = setting("output", run_key="never")
     cache_dir: str = setting(
         "cache", run_key="never", description="store root: a local path or an fsspec URL (s3://...)")
@@ -88,10 +103,12 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     lora_dropout: float = setting(0.0, run_key="always", ge=0, lt=1)
     lora_include_ffn: bool = setting(False, run_key="always", description="also adapt the feed-forward layers")
     # export formats, not part of the run: a finished run converts its file on reuse (training/checkpoints.py)
-    lora_format: Literal["diffusers", "comfyui"] | None = setting(
+    lora_format: Literal["diffusers", "comfyui", "musubi"] | None = setting(
         None, run_key="never", description="unset: the diffusers file and, for every adapter kind ComfyUI applies as "
-        "peft does (not DoRA; not LoKr/LoHa on HunyuanVideo 1.5), the ComfyUI file beside it; diffusers: the "
-        "diffusers file only; comfyui: both, an error where ComfyUI cannot apply the adapter")
+        "peft does (not DoRA; not LoKr/LoHa on HunyuanVideo 1.5), the ComfyUI file beside it, and for a plain LoRA "
+        "of a family musubi-tuner loads (Kandinsky 5, HunyuanVideo 1.5) the musubi-tuner file; diffusers: the "
+        "diffusers file only; comfyui / musubi: the diffusers file and that one, an error where it cannot be "
+        "written (docs/lora-files.md)")
     # Tencent-Hunyuan/HunyuanVideo-1.5 train.py's `i2v_prob` (its default 0.3); unset keeps runs from before it
     i2v_prob: float | None = setting(
         None, run_key="when_set", ge=0, le=1, description="HunyuanVideo 1.5 and Kandinsky 6 i2v flavours: train "
@@ -114,7 +131,8 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         False, run_key="when_set", description="train the sound with the picture (a flavour with an audio VAE: "
         "Kandinsky 6): each clip's audio over its own time span, encoded by the checkpoint's audio VAE (the "
         "`audio_latents` stage), denoised with its picture at one noise level, the LoRA on both streams and the "
-        "attentions between them; false: the picture alone, no audio read")
+        "attentions between them; false: the picture alone, no audio read. Kandinsky 6's π-Flow distilled flavours "
+        "always train it (default true there; false is refused: the original samples them with both streams only)")
     clips_without_audio: Literal["video_only", "leave_out"] = setting(
         "video_only", run_key="when_set", description="with `train_audio`: a clip without usable sound (no track, a "
         "track that starts late or ends early, a source rate that would put it out of sync, a track that does not "
@@ -141,6 +159,10 @@ class ConfigFields(GuideFeatures, TrainingOptions):
 
     # validation_*: what validation renders, never part of the run (a new prompt re-renders, never retrains)
     validation_prompt: str | None = setting(None, run_key="never")
+    validation_audio_prompt: str | None = setting(
+        None, run_key="never", description="what `validation_prompt`'s render sounds like, for a family whose prompt "
+        "describes the sound (Kandinsky 6): composed into the release's prompt `validation_prompt "
+        "<AUDCAP>validation_audio_prompt<ENDAUDCAP>`, as each clip's audio caption is (docs/families.md)")
     validation_resolution: str | None = setting(
         None, run_key="never", description="WIDTHxHEIGHT in pixels; default: the flavour's release "
         "size (docs/families.md), and where the pipeline sizes the render from its image (HunyuanVideo 1.5 i2v) "
@@ -238,6 +260,16 @@ class ConfigFields(GuideFeatures, TrainingOptions):
         None, run_key="never", gt=0, description="memory of the GPU this config must fit, in GB (counted as GiB): "
         "`loraflow check` names, for each stage that does not fit it, the switches that would; validation chooses its "
         "render's offload and VAE tiling to fit it; default: the CUDA GPU of the machine running, if any")
+    attention_backend: Literal["auto", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math",
+                               "flex"] = setting(
+        "auto", run_key="never", description="the attention kernel of training and renders (diffusers' attention "
+        "dispatcher): auto: flex for NABLA checkpoints, on CUDA the first of sdpa_cudnn, sdpa_flash, sdpa_efficient, "
+        "sdpa_math that runs on the card, on the CPU sdpa (torch chooses); a kernel this machine lacks is refused "
+        "before the first step, naming those it has. Kernels differ in rounding only (not in the run key)")
+    gpu_peak_tflops: float | None = setting(
+        None, run_key="never", gt=0, description="the GPU's dense bf16 peak in TFLOP/s, for the MFU in each step's "
+        "log line and the lora asset; default: the card's by name (H100, H200, A100, L40S, RTX 3090/4090/5090), "
+        "else only the FLOP rate is logged")
     group_offload_type: Literal["block_level", "leaf_level"] = setting("block_level", run_key="never")
     group_offload_blocks_per_group: int = setting(
         1, run_key="never", ge=1, description="block_level: blocks moved together")
@@ -278,8 +310,9 @@ class ConfigFields(GuideFeatures, TrainingOptions):
     use_dora: bool = setting(
         False, run_key="when_set", description="DoRA (peft `use_dora`): a learned magnitude per output row")
     init_lora: str | None = setting(
-        None, run_key="never", description="start training from this LoRA file (diffusers/peft or ComfyUI key "
-        "names, the same rank and targets); its content hash, not its path, is part of the run's inputs")
+        None, run_key="never", description="start training from this LoRA file (diffusers/peft, ComfyUI or "
+        "musubi-tuner key names, the same rank and targets); its content hash, not its path, is part of the run's "
+        "inputs")
     use_ema: bool = setting(
         False, run_key="when_set", description="also keep an EMA of the adapter, written beside the LoRA as "
         "pytorch_lora_weights_ema.safetensors (and in every checkpoint); the LoRA itself is unchanged")

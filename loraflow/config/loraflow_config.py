@@ -14,12 +14,13 @@ from typing import Any
 
 from pydantic import ValidationError, model_validator
 
-from loraflow.config.config_files import read_json_file, read_yaml_file
+from loraflow.config.config_files import not_a_file, read_json_file, read_yaml_file
 from loraflow.config.dataset import DatasetConfig, is_mask_dataset
 from loraflow.config.errors import ConfigError, describe
 from loraflow.config.fields import ConfigFields
 from loraflow.config.validation_adapters import ValidationAdapter, check_adapters
-from loraflow.pipelines import family_flavour, family_spec
+from loraflow.keys import content_key
+from loraflow.pipelines import family_flavour, family_spec, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
@@ -41,6 +42,17 @@ class LoraflowConfig(ConfigFields):
             return {**data, "fp32_modules_storage": "bf16"}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sound_of_distilled(cls, data: Any) -> Any:
+        """`train_audio` left out is true for a flavour that never runs its picture without its sound
+        (`Flavour.sound_required`: Kandinsky 6's π-Flow checkpoints); an explicit false is refused below."""
+        if isinstance(data, dict) and "train_audio" not in data:
+            flavour = known_flavour(data.get("model_family"), data.get("model_flavour"))
+            if flavour is not None and flavour.sound_required:
+                return {**data, "train_audio": True}
+        return data
+
     @model_validator(mode="after")
     def _adapter_kind(self) -> LoraflowConfig:
         if (self.lora_type == "lycoris") != (self.lycoris_config is not None):
@@ -60,6 +72,12 @@ class LoraflowConfig(ConfigFields):
         if self.user_prompt_library and DEFAULT_PROMPT_NAME in self.user_prompt_library and self.validation_prompt:
             raise ValueError(f"`user_prompt_library` may not use the shortname '{DEFAULT_PROMPT_NAME}': "
                              "it names `validation_prompt`; rename the library entry")
+        if self.validation_audio_prompt is not None and family_spec(self.model_family).compose_prompt is None:
+            raise ValueError(f"`validation_audio_prompt`: {self.model_family}'s prompts do not describe the sound; "
+                             "remove it")
+        if self.validation_audio_prompt is not None and not self.validation_prompt:
+            raise ValueError("`validation_audio_prompt` describes the sound of `validation_prompt`'s render: set "
+                             "`validation_prompt` too")
         if self.validation_steps and not self.validation_prompts:
             raise ValueError(f"`validation_steps` {self.validation_steps} renders the validation prompts during "
                              "training, but there are none: set `validation_prompt` or `user_prompt_library`, or "
@@ -70,8 +88,7 @@ class LoraflowConfig(ConfigFields):
         if self.validation_adapter_path and self.validation_adapter_config:
             raise ValueError("give either `validation_adapter_path` (one adapter) or `validation_adapter_config` "
                              "(several), not both")
-        check_adapters("validation_adapter_path" if self.validation_adapter_path else "validation_adapter_config",
-                       self.validation_adapters)
+        check_adapters(self.validation_adapters_key, self.validation_adapters)
         if self.eval_dataset_id is not None:
             ids = [d.id for d in self.training_datasets]
             if self.eval_dataset_id not in ids:
@@ -130,6 +147,8 @@ class LoraflowConfig(ConfigFields):
             raise ValueError(f"`kandinsky5_prompt_template: {self.kandinsky5_prompt_template}`: flavour "
                              f"'{flavour.name}' encodes with its own template only (the Kandinsky 5 Video and t2i "
                              "flavours offer the diffusers one): remove it")
+        if flavour.sound_required and not self.train_audio:
+            raise ValueError(f"`train_audio: false`: flavour '{flavour.name}' {flavour.sound_required}")
         if self.train_audio and "audio_vae" not in flavour.components:
             raise ValueError(f"`train_audio`: flavour '{flavour.name}' has no audio VAE and generates no sound (a "
                              "Kandinsky 6 flavour does): remove it")
@@ -300,6 +319,9 @@ class LoraflowConfig(ConfigFields):
     def validation_prompts(self) -> dict[str, str]:
         """Every prompt validation renders, by shortname: `validation_prompt` first, then the library."""
         prompts = {DEFAULT_PROMPT_NAME: self.validation_prompt} if self.validation_prompt else {}
+        compose = family_spec(self.model_family).compose_prompt
+        if prompts and self.validation_audio_prompt and compose is not None:  # validated: only such a family
+            prompts[DEFAULT_PROMPT_NAME] = compose(self.validation_prompt or "", self.validation_audio_prompt, ())
         return {**prompts, **(self.user_prompt_library or {})}
 
     @property
@@ -311,13 +333,40 @@ class LoraflowConfig(ConfigFields):
                                   strength=self.validation_adapter_strength),)
 
     @property
+    def validation_adapters_key(self) -> str:
+        """The key that gives `validation_adapters`, for messages."""
+        return "validation_adapter_path" if self.validation_adapter_path else "validation_adapter_config"
+
+    @property
     def training_datasets(self) -> tuple[DatasetConfig, ...]:
         return tuple(d for d in self.datasets if d.dataset_type in ("video", "image") and not d.disabled)
 
     @property
     def dataset_folders(self) -> dict[str, str]:
-        """Each training dataset's id -> its folder (`instance_data_dir`, required of every one)."""
-        return {d.id: d.instance_data_dir or "" for d in self.training_datasets}
+        """Each training dataset's id -> its folder (`instance_data_dir`; a Hugging Face dataset's: `as_folder`)."""
+        return {d.id: self.folder_dataset(d).instance_data_dir or "" for d in self.training_datasets}
+
+    @property
+    def dataset_sources(self) -> dict[str, str]:
+        """Each training dataset's id -> a fingerprint of where its files come from: its folder resolved (links
+        followed), a Hugging Face dataset's name, split and revision too, and its i2i source images' or masks'
+        folder. The store keys each dataset's manifest parts by it (`Store(cache_dir, sources)`), so two configs
+        sharing one cache_dir with one id and other folders never read each other's clips."""
+        def where(dataset: DatasetConfig) -> dict[str, Any]:
+            folder = dataset.instance_data_dir  # a Hub dataset's default folder is under the shared cache_dir
+            hub = [dataset.dataset_name, dataset.split, dataset.revision] if dataset.type != "local" else None
+            return {"folder": os.path.realpath(folder) if folder and "://" not in folder else folder, "hub": hub}
+
+        fingerprints = {}
+        for dataset in self.training_datasets:
+            paired = self.source_images(dataset)
+            fingerprints[dataset.id] = content_key(source=where(dataset),
+                                                   paired=where(paired) if paired else None)[:16]
+        return fingerprints
+
+    def folder_dataset(self, dataset: DatasetConfig) -> DatasetConfig:
+        """`dataset` as the clips stage reads it (`DatasetConfig.as_folder`)."""
+        return dataset.as_folder(self.cache_dir)
 
     def source_images(self, dataset: DatasetConfig) -> DatasetConfig | None:
         """The conditioning dataset i2i pairs `dataset`'s images with (its `conditioning_data`), if any."""
@@ -386,8 +435,8 @@ def parse_config(data: dict[str, Any], source: str = "config", base_dir: Path | 
 def load_config(path: str | Path) -> LoraflowConfig:
     """Read a YAML or JSON config file (JSON is YAML) and validate it."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError([f"config file {path} does not exist"], str(path))
+    if problem := not_a_file(path):
+        raise ConfigError([f"config file {path} {problem}: give the config's YAML or JSON file"], str(path))
     try:
         data = read_yaml_file(path) or {}
     except ValueError as exc:

@@ -39,6 +39,15 @@ class TrainingOptions(StrictModel):
         None, run_key="when_set", ge=0, le=999, description="musubi-tuner's range: shifted sigmas are mapped "
         "linearly onto [min_timestep, max_timestep] / 1000; default 0")
     max_timestep: int | None = setting(None, run_key="when_set", ge=1, le=1000, description="default 1000")
+    # SimpleTuner's names (its default clips per value: `import-simpletuner` writes it where a config leaves it unset)
+    grad_clip_method: Literal["norm", "value"] = setting(
+        "norm", run_key="when_set", description="norm: scale the gradient down to a total norm of max_grad_norm; "
+        "value: clamp each gradient element to [-max_grad_norm, max_grad_norm] (SimpleTuner's default, "
+        "torch.nn.utils.clip_grad_value_)")
+    peft_lora_target_modules: tuple[str, ...] | None = setting(
+        None, run_key="when_set", description="lora_type standard: the module-name suffixes peft adapts (its "
+        "`target_modules`) instead of the family's attention projections, e.g. SimpleTuner's Kandinsky 5 "
+        "[to_key, to_query, to_value]; unset: the family's (docs/families.md)")
 
     @model_validator(mode="after")
     def _schedules(self) -> TrainingOptions:
@@ -58,7 +67,23 @@ class TrainingOptions(StrictModel):
                                                            or getattr(self, "fsdp", False)):
             raise ValueError("optimizer muon orthogonalises whole LoRA matrices: not with crepa_enabled (the "
                              "projector trains too) or fsdp (sharded matrices); untested together: choose adamw")
+        self._adapter_options()
         return self
+
+    def _adapter_options(self) -> None:
+        if self.grad_clip_method == "value" and getattr(self, "fsdp", False):
+            raise ValueError("`grad_clip_method: value` with fsdp: the sharded gradients are clipped by norm only "
+                             "(SimpleTuner skips value clipping under FSDP): set grad_clip_method: norm")
+        targets = self.peft_lora_target_modules
+        if targets is None:
+            return
+        if not targets or any(not t.strip() for t in targets):
+            raise ValueError("`peft_lora_target_modules` lists module-name suffixes (e.g. to_query): none may be "
+                             "empty; remove the key for the family's own")
+        if getattr(self, "lora_type", "standard") != "standard" or getattr(self, "lora_include_ffn", False):
+            raise ValueError("`peft_lora_target_modules` names every adapted module of a lora_type standard LoRA: "
+                             "not with lora_type lycoris or lora_include_ffn (add the feed-forward's names to the "
+                             "list instead)")
 
 
 def trained_with(config: TrainingOptions) -> dict[str, str]:

@@ -12,6 +12,7 @@ Config validation (this module's top half) runs without torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,47 @@ def check_adapters(key: str, adapters: tuple[ValidationAdapter, ...]) -> None:
                              f"({', '.join(RESERVED_NAMES)}): give it another `label`")
         if names.count(adapter.name.lower()) > 1:
             raise ValueError(f"two validation adapters are named {adapter.name!r}: give each its own `label`")
+
+
+# The parts of a LoRA file's tensor names past the module they adapt (peft's, diffusers' older and LyCORIS names).
+_ADAPTER_PARTS = frozenset({"lora_A", "lora_B", "lora_down", "lora_up", "lora", "lora_magnitude_vector", "alpha",
+                            "dora_scale", "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b",
+                            "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"})
+
+
+def adapted_modules(names: Iterable[str]) -> set[str]:
+    """The transformer modules a LoRA file's tensors adapt (`transformer.` prefixes dropped)."""
+    modules = set()
+    for name in names:
+        parts = name.removeprefix("transformer.").split(".")
+        cut = next((i for i, part in enumerate(parts) if part in _ADAPTER_PARTS), len(parts))
+        modules.add(".".join(parts[:cut]))
+    return modules
+
+
+def adapter_problems(key: str, adapters: tuple[ValidationAdapter, ...], transformer: Path | None) -> list[str]:
+    """Why an adapter cannot render ([] when each can), read before any render and in `loraflow check`: its values
+    hold NaN or inf (it rendered an all-black video, and the step succeeded), or it adapts modules the model's
+    transformer lacks (another family's adapter, or another size's: it failed late, in peft). `transformer`: the
+    model's transformer folder, whose safetensors headers name its modules (None: not on disk, not compared)."""
+    from loraflow.safetensors_header import non_finite_problem, read_header, tensor_entries
+
+    weights = {} if transformer is None else {
+        name for file in sorted(transformer.glob("*.safetensors")) for name in tensor_entries(read_header(file))}
+    modules = {name.rsplit(".", 1)[0] for name in weights}
+    problems = []
+    for adapter in adapters:
+        path = adapter_file(key, adapter.path)
+        header = read_adapter_header(path, key)
+        if problem := non_finite_problem(path, key, header, "export the adapter again, or leave it out"):
+            problems.append(problem)
+        missing = sorted(adapted_modules(tensor_entries(header)) - modules) if modules else []
+        if missing:
+            problems.append(f"`{key}` {path} adapts {len(missing)} module(s) the model's transformer "
+                            f"({transformer}) has not (e.g. {', '.join(missing[:2])}): it is an adapter of another "
+                            "model family or size, or in another format than diffusers/peft (ComfyUI's); give one "
+                            "trained on this model, as loraflow exports it, or leave it out")
+    return problems
 
 
 # -- the validation stage's side (torch inside) -----------------------------------------------------------------

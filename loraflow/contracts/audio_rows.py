@@ -26,7 +26,10 @@ REASONS = {
     "out_of_sync": "the clip's frames span another time of the source than they play (a source rate taken 1:1): "
                    "its sound would drift from its picture",
     "undecodable": "the audio track does not decode over the clip",
-    "decode_timeout": "decoding the audio took too long or crashed the decoder (not stored: the next run tries again)",
+    "decoder_crash": "reading the track crashed the decoder (stored: the next run does not read it again)",
+    "non_finite_latent": "the audio VAE encoded the clip's sound to NaN or inf (not trained on)",
+    "decode_timeout": "decoding the audio took too long or its worker was killed (not stored: the next run tries "
+                      "again)",
 }
 # `clips_without_audio`: a clip whose row is not OK trains its video alone, or is left out of training
 CLIPS_WITHOUT_AUDIO = ("video_only", "leave_out")
@@ -40,7 +43,8 @@ class AudioRow:
     clip_key: str
     dataset: str
     status: str  # OK, or a key of REASONS
-    detail: str  # what was found and what to do ("" when ok)
+    detail: str  # what was found and what to do ("" when ok, unless its sound was clipped: then how much)
+    track: str = ""  # the audio track read, in words ("a:1 of 2 (default; FFmpeg's pick), stream #2: aac ...")
 
     @property
     def ok(self) -> bool:
@@ -51,7 +55,7 @@ class AudioRow:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> AudioRow:
-        return cls(row["key"], row["clip_key"], row["dataset"], row["status"], row["detail"])
+        return cls(row["key"], row["clip_key"], row["dataset"], row["status"], row["detail"], row.get("track") or "")
 
 
 def read_audio_rows(store: Store, parts: Iterable[str] | None = None) -> dict[str, AudioRow]:

@@ -12,7 +12,7 @@ always written (a clip without a paired image has no `condition*`/`mask*` column
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,15 @@ class PairedImage:
 
 
 @dataclass(frozen=True)
+class ClipScene:
+    """Where a clip of a long recording sits (`video.scene_cuts: detect`): its scene and its span of the source."""
+
+    number: int  # the scene, from 1 (the caption file NAME.nnnn.txt of scene nnnn: captions.read_scene_captions)
+    start_s: float  # the clip's first frame, seconds after the file's first frame
+    end_s: float  # the end of its last frame (that frame's time and one frame of the source)
+
+
+@dataclass(frozen=True)
 class ClipRow:
     """One clip of a source file: which frames, at which bucket size and crop, with the file's captions."""
 
@@ -56,6 +65,10 @@ class ClipRow:
     source_version: str = ""
     condition: PairedImage | None = None
     mask: PairedImage | None = None
+    # The file's audio caption, where the family composes it into `captions` (Kandinsky 6: `FamilySpec.compose_prompt`;
+    # `captions` are then the composed texts); "" none, and the manifest has no such column
+    audio_caption: str = ""
+    scene: ClipScene | None = None  # scene cuts on; off, the row has no scene columns (its manifest as it was)
 
     @property
     def condition_key(self) -> str:
@@ -70,11 +83,15 @@ class ClipRow:
             "indices": list(self.indices), "resize": list(self.resize), "box": list(self.box),
             "captions": list(self.captions), "repeats": self.repeats, "source_version": self.source_version,
         }
+        if self.audio_caption:
+            row["audio_caption"] = self.audio_caption
         for column in PAIRED_COLUMNS:
             image = getattr(self, column)
             if image is not None:
                 row |= {column: image.key, f"{column}_path": image.path, f"{column}_resize": list(image.resize),
                         f"{column}_box": list(image.box)}
+        if self.scene is not None:
+            row |= {"scene": self.scene.number, "start_s": self.scene.start_s, "end_s": self.scene.end_s}
         return row
 
     @classmethod
@@ -82,16 +99,56 @@ class ClipRow:
         paired = {column: PairedImage(row[column], row[f"{column}_path"], tuple(row[f"{column}_resize"]),
                                       tuple(row[f"{column}_box"]))
                   for column in PAIRED_COLUMNS if row.get(column)}  # a clip without one has no such columns
+        scene = ClipScene(row["scene"], row["start_s"], row["end_s"]) if row.get("scene") is not None else None
         return cls(key=row["key"], dataset=row["dataset"], source=row["source"], path=row["path"],
                    bucket=row["bucket"], height=row["height"], width=row["width"], num_frames=row["num_frames"],
                    indices=tuple(row["indices"]), resize=tuple(row["resize"]), box=tuple(row["box"]),
                    captions=tuple(row["captions"]), repeats=row["repeats"],
-                   source_version=row.get("source_version") or "", **paired)
+                   source_version=row.get("source_version") or "", audio_caption=row.get("audio_caption") or "",
+                   scene=scene, **paired)
 
 
-def read_clips(store: Store, parts: Iterable[str] | None = None) -> list[ClipRow]:
-    """The current clips (of the datasets `parts`; None: every dataset) as the stage wrote them."""
-    return [ClipRow.from_row(row) for row in store.read_manifest("clips", parts=parts)]
+def read_clips(store: Store, parts: Iterable[str] | None = None, captioned: bool = True) -> list[ClipRow]:
+    """The current clips (of the datasets `parts`; None: every dataset) as the stage wrote them. `captioned`: a clip
+    without captions (`caption_strategy: auto`, no user caption) takes its caption from the `captions` stage's
+    manifest where that has one (stages/captions/captions.py); without, it keeps none (`uncaptioned()` lists them)."""
+    clips = [_clip(store, row) for row in store.read_manifest("clips", parts=parts)]
+    waiting = {clip.dataset for clip in clips if not clip.captions}
+    if not captioned or not waiting:
+        return clips
+    there = [part for part in store.manifest_parts("captions") if part in waiting]
+    made = {row["clip"]: row["caption"] for row in store.read_manifest("captions", parts=there)} if there else {}
+    return [replace(clip, captions=(made[clip.key],)) if not clip.captions and clip.key in made else clip
+            for clip in clips]
+
+
+def _clip(store: Store, row: Mapping[str, Any]) -> ClipRow:
+    """A clips manifest row as a ClipRow; a row of another schema names its manifest file (CacheFileRefused)."""
+    from loraflow.store import CacheFileRefused
+
+    try:
+        return ClipRow.from_row(row)
+    except (KeyError, TypeError, ValueError) as exc:
+        parts = store.manifest_parts("clips")
+        named = [row["dataset"]] if row.get("dataset") in parts else parts  # its own part, else every one it may be
+        where = " or ".join(store.manifest_file("clips", part) for part in named) or store.manifest_file("clips")
+        raise CacheFileRefused(where, f"is not a clips manifest loraflow wrote ({type(exc).__name__}: "
+                               f"{str(exc)[:100]})") from None
+
+
+def stored_clips(store: Store, limit: int) -> list[dict[str, Any]]:
+    """The stored rows (`frames`; i2i: `condition_frames`) of the first `limit` current clips, in manifest order: what
+    the clips asset's preview shows (`media.previews.clip_preview`)."""
+    keys = [clip.key for clip in read_clips(store, captioned=False)][:limit]
+    stored = store.get("clips", keys)
+    return [stored[key] for key in keys]
+
+
+def uncaptioned(clips: Iterable[ClipRow]) -> str:
+    """"" when every clip has a caption; else what to run, per dataset (`caption_strategy: auto`, not captioned yet)."""
+    missing = sorted({clip.dataset for clip in clips if not clip.captions})
+    return "".join(f"dataset '{d}' (caption_strategy auto) has clips without a caption yet: materialize the `captions` "
+                   f"asset for it (partition '{d}'; `loraflow cache CONFIG --dataset {d}`) first\n" for d in missing)
 
 
 def source_version(identity: Mapping[str, Any]) -> str:
@@ -123,7 +180,7 @@ def changed_sources(store: Store, folders: Mapping[str, str]) -> list[ChangedSou
         folder = folders[clip.dataset]
         try:
             now = source_version(file_identity(Path(folder) / clip.source, folder))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # or the dataset folder is now a file
             judged[(clip.dataset, clip.source)] = "deleted"
             continue
         judged[(clip.dataset, clip.source)] = "" if now == clip.source_version else "changed"

@@ -12,17 +12,19 @@ import numpy as np
 from PIL import Image
 
 from loraflow.config import LoraflowConfig
+from loraflow.contracts import shifts
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.contracts.holdout import split_clips
 from loraflow.keys import content_key
 from loraflow.pipelines import plan_family
-from loraflow.pipelines.base import ModelFamily, Rendered, RenderSettings, TextRow, scheduler_shift
+from loraflow.pipelines.base import ModelFamily, Rendered, RenderSettings, TextRow
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
 # Part of the i2i prompt image key, so of every i2i validation text key: the validation stage's CODE_VERSION when
 # the key moved here. It stays, so that moving the function re-encodes nothing.
 PROMPT_IMAGE_VERSION = "validation-2"
+FIXED_POINT_TRIES = 8  # size buckets tried for one that renders at its own size (one step suffices in practice)
 
 
 def render_settings(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
@@ -59,16 +61,26 @@ def validation_size(config: LoraflowConfig, family: ModelFamily, model: ModelSou
     if store is None:
         raise ValueError(f"{family.name} {family.flavour.name} sizes validation from its image: give the store")
     height, width = condition_frame(store, conditioning_clip(config, family, store)).shape[:2]
-    return spec.render_size(family.flavour, model, height, width) or family.flavour.size
+    size = spec.render_size(family.flavour, model, height, width)
+    # The pipeline sizes the render from the image it is given, and validation gives it the frame already fitted to
+    # `size`: a bucket the rule does not map to itself would be replaced. HunyuanVideo 1.5's does not always (it
+    # compares bucket ratios rounded to 5 digits with the exact one: a 112x64 frame (HxW) gives 80x48, and an 80x48
+    # image, 1.66667 - 1.666666... > 0, 64x48), so the default is the bucket that keeps its own size.
+    for _ in range(FIXED_POINT_TRIES):
+        again = size and spec.render_size(family.flavour, model, *size)
+        if not again or again == size:
+            return size or family.flavour.size
+        size = again
+    raise RuntimeError(f"{family.name} {family.flavour.name}: no size bucket renders at its own size from a "
+                       f"{width}x{height} image within {FIXED_POINT_TRIES} steps; set validation_resolution")
 
 
 def render_shift(config: LoraflowConfig, family: ModelFamily, model: ModelSource) -> float:
     """`validation_flow_shift`, else the shift of the checkpoint's own scheduler config (what its pipeline renders
-    with: a checkpoint knows its shift better than a table), else the flavour's."""
-    if config.validation_flow_shift is not None:
-        return config.validation_flow_shift
-    from_checkpoint = scheduler_shift(model)
-    return from_checkpoint if from_checkpoint is not None else family.flavour.flow_shift
+    with: a checkpoint knows its shift better than a table), else the flavour's (`contracts.shifts`)."""
+    shift = shifts.render_shift(config, family.flavour, model).value
+    assert shift is not None
+    return shift
 
 
 def negative_prompt(config: LoraflowConfig, family: ModelFamily) -> str:

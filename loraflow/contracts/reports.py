@@ -44,11 +44,24 @@ class BucketRow:
     latent_bytes: int | None = 0  # None when the VAE config is not readable
 
 
+@dataclass(frozen=True)
+class SceneRow:
+    """The scenes of one file with scene cuts on (`video.scene_cuts: detect`): found, and used (yielding a clip)."""
+
+    dataset: str
+    file: str  # the dataset-relative path
+    scenes: int
+    used: int
+    cuts: tuple[int, ...]  # the first frame of each scene after the first
+    path: str  # where the file is on this machine (the cut strip decodes its frames around each cut)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClipsReport(StageReport):
     quarantined: tuple[DroppedFile, ...] = ()
     buckets: tuple[BucketRow, ...]
     dropped: tuple[DropReason, ...]
+    scenes: tuple[SceneRow, ...] = ()  # scene cuts on: per file
 
     @property
     def clips(self) -> int:
@@ -61,6 +74,12 @@ class ClipsReport(StageReport):
         return None if None in sizes else sum(sizes)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CaptionsReport(StageReport):
+    captioner: str  # the model's folder or Hub id ("": nothing to caption)
+    prompt: str
+
+
 # -- latents --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BadLatent:
@@ -70,6 +89,7 @@ class BadLatent:
     clip_key: str
     dataset: str
     reason: str
+    detail: str = ""  # the clip, what was not finite, and the precision to try
 
 
 @dataclass(frozen=True)
@@ -104,6 +124,7 @@ class NoAudio:
 @dataclass(frozen=True, kw_only=True)
 class AudioLatentsReport(StageReport):
     quarantined: tuple[NoAudio, ...] = ()  # the clips without sound: they train video-only or not (the config says)
+    clipped: tuple[NoAudio, ...] = ()  # clips with a latent whose sound was over full scale and clipped (`detail`)
     device: str
 
 
@@ -151,7 +172,10 @@ class TrainStep:
     samples_per_s: float | None = None  # None in histories written before it was logged
     peak_gib: float | None = None  # CUDA only
     crepa_loss: float | None = None  # CREPA's weighted term (crepa_enabled), apart from `loss`, the flow loss
-    audio_loss: float | None = None  # train_audio: the audio term within `loss` (training/loop.py `FlowTerms`)
+    audio_loss: float | None = None  # train_audio: the audio term within `loss` (training/step.py `FlowTerms`)
+    tflops: float | None = None  # model TFLOP/s (training/flops.py: counted, checkpoint recompute left out)
+    mfu: float | None = None  # tflops over the card's peak (gpu_peak_tflops); None: the CPU or an unknown card
+    recompute_tflop: float | None = None  # gradient checkpointing's recomputed forward, TFLOP per step; None: none
 
     def json_row(self) -> dict[str, float]:
         """Its history.json row, also what the `report_to` sink logs: the numbers measured (a CPU run has no
@@ -170,6 +194,10 @@ class LoraReport(StageReport):
     samples_per_s: float  # median over the steps
     peak_gib: float
     comfyui_lora_path: str | None = None  # where the ComfyUI file was written
+    musubi_lora_path: str | None = None  # where the musubi-tuner file was written
+    attention_backend: str | None = None  # the kernel the run's attention ran (kernels/attention_backend.py)
+    tflops: float | None = None  # median model TFLOP/s over the steps
+    mfu: float | None = None  # median MFU over the steps (None: peak unknown)
 
     @property
     def final_loss(self) -> float | None:
@@ -177,10 +205,10 @@ class LoraReport(StageReport):
 
     def summary(self) -> dict[str, Any]:
         """The report as JSON values, as a launched trainer hands it to Dagster: the history stays in the run
-        folder's history.json, the data version goes beside, comfyui_lora_path only where exported."""
+        folder's history.json, the data version goes beside, comfyui_ / musubi_lora_path only where exported."""
         left_out = {"data_version", "quarantined", "history"}
-        if self.comfyui_lora_path is None:
-            left_out.add("comfyui_lora_path")
+        left_out |= {name for name in ("comfyui_lora_path", "musubi_lora_path", "attention_backend", "tflops", "mfu")
+                     if getattr(self, name) is None}
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
         return values | {"final_loss": self.final_loss}
 
@@ -198,13 +226,14 @@ class PromptRenders:
     animation: str | None = None  # preview.webp, base beside LoRA; None for an image family's stills
     mean_abs_pixel_change: float
     adapters: dict[str, str] | None = None  # other adapters' renders by name (`validation_adapter_*`)
+    flat: list[str] | None = None  # the renders all of one value (all black: NaN in the model, LoRA or an adapter)
 
     def json_row(self) -> dict[str, Any]:
-        """Its result.json: `adapters` only where other adapters rendered, as the files always had it."""
-        row = asdict(self)
-        if self.adapters is None:
-            del row["adapters"]
-        return row
+        """Its result.json: `adapters` and `flat` only where there are any, as the files always had it."""
+        return {key: value for key, value in asdict(self).items() if value is not None or key not in OPTIONAL}
+
+
+OPTIONAL = ("adapters", "flat")  # PromptRenders' fields a result.json holds only where they are set
 
 
 @dataclass(frozen=True)

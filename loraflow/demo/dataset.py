@@ -4,6 +4,10 @@ Five short H.264 MP4 clips (different aspect ratios and lengths, coloured shapes
 known direction) and two still PNGs, each with a `.txt` caption of the same stem. Everything is
 drawn with numpy and encoded with PyAV, so no download is needed and the pipeline's real decode
 path (probe, decode_frames) runs on real files.
+
+The demo writes only into folders it owns: one it creates (or finds empty) is marked with DEMO_MARKER before any file
+goes in, and a folder holding anything without that mark is refused (`claim_folder`): `loraflow demo --config` on a
+user's config overwrote the user's clips and captions, which share the demo's file names.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from loraflow.media.writers import save_png, write_mp4
 
 FPS = 24
 _MANIFEST = ".demo_manifest.json"  # written last: its presence means the set is complete
+DEMO_MARKER = ".loraflow-demo"  # written first into a folder the demo owns: the demo may rewrite what is in it
 _VERSION = 5  # bump when the drawing or encoding changes, so old sets are rebuilt
 
 # Named colours, so captions can say what is on screen.
@@ -82,8 +87,7 @@ def make_demo_dataset(out_dir: str | Path, seed: int = 0) -> Path:
     left to right on a blue background", the demo's validation prompt); other seeds draw the
     colours from the seed. Idempotent: a complete set written with the same seed is left untouched.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = claim_folder(out_dir)
     expected = _expected_files()
     if _is_complete(out, seed, expected):
         return out
@@ -108,9 +112,9 @@ def make_demo_edits(targets_dir: str | Path, sources_dir: str | Path) -> tuple[P
     """Image-editing pairs for i2i: targets (PNG + caption, the instruction "make the circle green") and their
     sources (the PNG before the edit, same name). Returns (targets, sources). Files already there are left as they
     are: their size and mtime key the clips, so a second call re-caches nothing."""
-    targets, sources = Path(targets_dir), Path(sources_dir)
-    for folder in (targets, sources):
-        folder.mkdir(parents=True, exist_ok=True)
+    for folder in (targets_dir, sources_dir):  # both refused before either is written
+        check_claimable(folder)
+    targets, sources = claim_folder(targets_dir), claim_folder(sources_dir)
     for stem, width, height, shape, before, after, background in _EDITS:
         item = _Clip(stem, width, height, 1, shape, "center", (before, background))
         for folder, colour in ((sources, before), (targets, after)):
@@ -121,6 +125,38 @@ def make_demo_edits(targets_dir: str | Path, sources_dir: str | Path) -> tuple[P
             caption = f"make the {shape} {after}\n"
             write_atomic(targets / f"{stem}.txt", lambda p: p.write_text(caption, encoding="utf-8"))
     return targets, sources
+
+
+class FolderNotTheDemos(ValueError):
+    """A folder the demo would write into holds files it did not write."""
+
+
+def check_claimable(folder: str | Path) -> None:
+    """Raise FolderNotTheDemos unless the demo may write into `folder`: it is absent, empty, marked with DEMO_MARKER,
+    or a demo set written before the mark existed (its `.demo_manifest.json`). Writes nothing."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise FolderNotTheDemos(f"{folder} is a file, not a folder: the demo writes its dataset into a folder it "
+                                "creates; point the dataset's instance_data_dir at a new folder")
+    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if names and DEMO_MARKER not in names and _MANIFEST not in names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise FolderNotTheDemos(
+            f"{folder} holds files the demo did not write ({shown}), and the demo's files would replace them: the "
+            f"demo writes only into a folder it creates (marked by {DEMO_MARKER}). Point the dataset's "
+            "instance_data_dir at a new folder, or run `loraflow demo` without --config to use .loraflow/")
+
+
+def claim_folder(folder: str | Path) -> Path:
+    """`folder`, the demo's to write into: created (or taken empty) and marked with DEMO_MARKER before any file goes
+    in, so a demo killed half-way still owns it; a folder with anything else in it raises (`check_claimable`)."""
+    folder = Path(folder)
+    check_claimable(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / DEMO_MARKER).is_file():
+        note = "written by `loraflow demo`: the files of this folder are the demo's, rewritten when it runs\n"
+        write_atomic(folder / DEMO_MARKER, lambda p: p.write_text(note, encoding="utf-8"))
+    return folder
 
 
 def world_clips(seed: int, count: int, sizes: tuple[tuple[int, int], ...], frames: int,

@@ -14,7 +14,7 @@ nothing. Each number is then computed so:
 - LoRA: every parameter the configured adapter trains, built by training's own `add_adapter` (LoRA, DoRA's
   magnitude vectors, LoKr, LoHa: what peft leaves requiring grad, not a name prefix).
 - optimizer: AdamW's two moments per LoRA parameter, fp32 (8 bytes per parameter) or bf16 with adamw_bf16 (4).
-- activations: the peak of the bytes alive during one fake forward + backward of `training.loop.flow_terms` (LoRA
+- activations: the peak of the bytes alive during one fake forward + backward of `training.step.flow_terms` (LoRA
   gradients and the batch's device copies included), counted by `StepCounter` from the storages every op
   returns. With gradient checkpointing diffusers' own checkpointing runs, so the saved block inputs and one
   block's recompute are what is counted. Activation offload (`gradient_checkpointing_cpu_offload`) runs too,
@@ -28,11 +28,11 @@ nothing. Each number is then computed so:
   tiles) and `conv3d_columns` (the CPU 3D convolution's column buffer; none on CUDA).
 - TFLOP: torch's flop-counter formulas over the same fake step (matmuls and convolutions; backward = 2x forward;
   a checkpointed block's forward is counted again when it is recomputed). The CPU flash-attention kernel that SDPA
-  takes on fake CPU tensors has no formula in the counter: `attention_flops` gives it the counter's SDPA one,
+  takes on fake CPU tensors has no formula in the counter: `training.flops.attention_flops` gives it the SDPA one,
   4 * B * heads * N_q * N_kv * d forward (QK^T and PV, 2 flops per multiply-add) and twice that backward.
   NABLA checkpoints (flex attention at their sparsity) run dense attention plus NABLA's measured block masks
   (`attention_stand_in`); their rows say so.
-- TREAD: the fake step is routed as `train_lora` routes it (`training.loop.routing`), so the tokens a route takes out
+- TREAD: the fake step is routed as `train_lora` routes it (`training.step.routing`), so the tokens a route takes out
   skip its blocks in the fake step itself: the activations those blocks keep and their FLOPs (attention included)
   shrink with the selection ratio, and the routing's gathers and scatters are counted.
 - i2v and i2i: the fake batch carries what the latents stage caches (`example_image_condition`: the conditioning
@@ -46,7 +46,7 @@ nothing. Each number is then computed so:
   card (parked), plus the least of tiling, blocks swapped, every block streamed that fits it. Without a card, what the
   config asks. The pipeline's own small tensors (latents, the two guidance predictions) are left out.
 
-The fake step runs on the CPU: with bf16 autocast where a CUDA run uses it (`training.loop.uses_autocast`), so the
+The fake step runs on the CPU: with bf16 autocast where a CUDA run uses it (`training.step.uses_autocast`), so the
 activation dtypes are those of a GPU run. What is left out is said where it is: allocator rounding and
 fragmentation (CUDA rounds to 512 bytes), CUDA/cuDNN workspaces and the CUDA context (about 0.5 GiB per process):
 a stage fits a card when its peak and CUDA_CONTEXT are under FIT_SHARE (90%) of it, which keeps room for them.

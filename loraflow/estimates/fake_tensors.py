@@ -17,6 +17,30 @@ if TYPE_CHECKING:
     import torch
 
 
+class ConfigRefused(ValueError):
+    """A component's config.json that its own class will not build (a value the library rejects): names the class
+    (`class_name`) and the library's words."""
+
+    def __init__(self, cls: type, error: Exception) -> None:
+        self.class_name = cls.__name__
+        super().__init__(f"the {cls.__module__.split('.')[0]} class {cls.__name__} refuses it "
+                         f"({type(error).__name__}: {str(error)[:300]})")
+
+
+# what a library's class raises of a config it cannot build (a KeyError: an unknown rope_type, a TypeError: a list
+# where a number goes, ...)
+_REFUSALS = (TypeError, ValueError, KeyError, IndexError, AttributeError, AssertionError, ZeroDivisionError)
+
+
+@contextmanager
+def building(cls: type) -> Iterator[None]:
+    """Building `cls` from a config: what it raises of the config becomes `ConfigRefused`."""
+    try:
+        yield
+    except _REFUSALS as exc:
+        raise ConfigRefused(cls, exc) from None
+
+
 def model_class(component_config: Mapping[str, Any]) -> type:
     """The class a component's config.json names (`_class_name` for diffusers, `architectures[0]` for
     transformers)."""
@@ -37,7 +61,8 @@ def meta_model(component_config: Mapping[str, Any], dtype: torch.dtype, adapter:
     config = {k: v for k, v in component_config.items() if not k.startswith("_")}
     keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
     with torch.device("meta"):
-        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
+        with building(cls):
+            model = cls.from_config(config) if hasattr(cls, "from_config") else cls(cls.config_class(**config))
         for module_name, module in model.named_modules():
             for name, p in list(module._parameters.items()):
                 if p is not None and p.is_floating_point() and not keep & set(module_name.split(".")):
@@ -101,9 +126,10 @@ COUNTS = DEVICE, HOST, DEVICE_IN_PLACE, HOST_IN_PLACE = range(4)
 def _counter_mode() -> type:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-    formulas = {**flop_registry, **{op: shape_wrapper(f) for op, f in attention_flops().items()}}
+    from loraflow.training.flops import flop_formulas
+
+    formulas = flop_formulas()
     attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     convolution, to_copy = torch.ops.aten.convolution, torch.ops.aten._to_copy.default
 
@@ -188,25 +214,6 @@ def _counter_mode() -> type:
             return out
 
     return StepCounter
-
-
-def attention_flops() -> dict:
-    """Formulas for the CPU flash-attention kernel that SDPA takes on (fake) CPU tensors, which torch's flop counter
-    lacks: its own SDPA formulas, 4 * B * H * N_q * N_kv * d forward (two batched matmuls, 2 flops per
-    multiply-add) and 2x that backward (four matmuls plus the recomputed scores)."""
-    import torch
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
-    aten = torch.ops.aten
-
-    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001 (shapes)
-        return sdpa_flop_count(query, key, value)
-
-    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001 (shapes)
-        return sdpa_backward_flop_count(grad_out, query, key, value)
-
-    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
 
 
 def attention_workspace(query: torch.Tensor, key: torch.Tensor, device_type: str) -> int:
@@ -336,10 +343,12 @@ def model_from_config(config: dict[str, Any]) -> Any:
     from transformers.initialization import no_init_weights
 
     if "_class_name" in config:
-        return getattr(diffusers, config["_class_name"]).from_config(config)
+        cls = getattr(diffusers, config["_class_name"])
+        with building(cls):
+            return cls.from_config(config)
     cls = getattr(transformers, config["architectures"][0])
     fields = {k: v for k, v in config.items() if k != "architectures"}
-    with no_init_weights():
+    with no_init_weights(), building(cls):
         return cls._from_config(cls.config_class(**fields))
 
 

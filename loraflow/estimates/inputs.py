@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
-    from loraflow.pipelines import FamilyPlan
-    from loraflow.pipelines.base import ModelFamily
+    from loraflow.pipelines import FamilyPlanning
     from loraflow.pipelines.sources import ModelSource
 
 
@@ -33,7 +32,7 @@ def released_configs(config: LoraflowConfig) -> dict[str, str] | None:
     return {c: released.file_name(flavour.name, c) for c in flavour.components if c in released.FLAVOURS[flavour.name]}
 
 
-def configured_buckets(config: LoraflowConfig, family: FamilyPlan | ModelFamily,
+def configured_buckets(config: LoraflowConfig, family: FamilyPlanning,
                        model: ModelSource | str) -> list[str]:
     """The bucket label each training dataset asks for before it has clips: a square source at its `resolution`
     (bucketed as `stages.clips.clips.plan_clips` buckets one: in multiples of 128 px for a NABLA transformer) and its

@@ -107,6 +107,7 @@ def render_phases(config: LoraflowConfig, family: ModelFamily, component_configs
     mode = estimate_mode()
     dtype = frozen_dtype(precision)  # the VAE computes in the transformer's dtype (`load_pipeline`)
     vae = fake_model(meta_model(component_configs["vae"], dtype), mode)
+    family.setup_vae(vae)
     moved = weights_bytes(vae) + sum(weights_bytes(meta_model(component_configs[c], torch.float32))
                                      for c in family.image_condition_components if c in component_configs)
 
@@ -153,7 +154,8 @@ def render_plan(config: LoraflowConfig, phases: RenderPhases | None, card_gb: fl
 
     asked = RenderPlan(precision=config.base_model_precision, kept=config.fp32_modules_storage,
                        blocks_to_swap=config.blocks_to_swap,
-                       offload_all=config.enable_group_offload, vae_tiling=config.vae_enable_tiling)
+                       offload_all=config.enable_group_offload, vae_tiling=config.vae_enable_tiling,
+                       attention_backend=config.attention_backend)
     if card_gb is None or phases is None:
         return asked
     tilings = [False, True] if phases.decode_tiled is not None else [False]

@@ -1,5 +1,6 @@
-"""The estimates of the three stages that are not a render: the lora stage's optimizer step (`training_step`), the
-latents stage's VAE encode (`vae_encode`) and the text_embeds stage's encoders (`text_encoders`)."""
+"""The estimates of the stages that are not a render: the lora stage's optimizer step (`training_step`), the
+latents stage's VAE encode (`vae_encode`), the text_embeds stage's encoders (`text_encoders`) and the captions
+stage's captioner (`captioner_weights`, with `caption_strategy: auto`)."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def traced_step(config: LoraflowConfig, family: ModelFamily, transformer_config:
     import torch
     from peft.tuners.lycoris_utils import LycorisLayer
 
-    from loraflow.training.loop import uses_autocast
+    from loraflow.training.step import uses_autocast
 
     mode = estimate_mode()
     transformer = fake_transformer(config, family, transformer_config, mode, config.base_model_precision)
@@ -141,7 +142,7 @@ def vae_encode(config: LoraflowConfig, family: ModelFamily, vae_config: Mapping[
 
     mode = estimate_mode()
     vae = fake_model(meta_model(vae_config, torch.float32), mode)
-    prepare_vae(vae, config)
+    prepare_vae(vae, config, family)
 
     def encode() -> None:
         with torch.no_grad():
@@ -168,6 +169,28 @@ def text_encoders(config: LoraflowConfig, family: ModelFamily,
              for name in encoders]
     weights = max(sizes, default=0) if config.offload_during_startup else sum(sizes)
     return StageEstimate("text_embeds", {"weights": weights}, None, "weights only")
+
+
+def captioner_weights(config: LoraflowConfig, component_configs: Mapping[str, Mapping[str, Any]]) -> StageEstimate:
+    """The captions stage (`caption_strategy: auto`): the captioner's weights in bf16, as it loads on an accelerator
+    (stages/captions/captions.py), from `caption_model_path`'s config.json or the checkpoint's text encoder's. Its
+    activations (a few frames' vision tokens, a short greedy decode, no grad) are left out."""
+    import json
+    from pathlib import Path
+
+    from loraflow.stages.captions.captions import CAPTIONER_CLASS
+
+    if config.caption_model_path:
+        file = Path(config.caption_model_path) / "config.json"
+        if not file.is_file():
+            return StageEstimate("captions", note="caption_model_path is no local folder (a Hub id?): not estimated")
+        captioner = json.loads(file.read_text())
+    else:
+        captioner = component_configs.get("text_encoder") or {}
+        if CAPTIONER_CLASS not in captioner.get("architectures", []):
+            return StageEstimate("captions", note="the text encoder is no full Qwen2.5-VL: set caption_model_path")
+    weights = _encoder_bytes(json.dumps(captioner, sort_keys=True), "bf16")
+    return StageEstimate("captions", {"weights": weights}, None, "weights only (bf16)")
 
 
 @functools.lru_cache(maxsize=16)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from loraflow.estimates.fit import CARDS_GB, GIB, StageEstimate, card_gb
 from loraflow.estimates.inputs import component_configs, largest_bucket
 from loraflow.estimates.render import validation
-from loraflow.estimates.stages import text_encoders, training_step, vae_encode
+from loraflow.estimates.stages import captioner_weights, text_encoders, training_step, vae_encode
 from loraflow.estimates.transformer import offloaded, stored_weights
 
 if TYPE_CHECKING:
@@ -31,9 +31,13 @@ def stage_estimate(config: LoraflowConfig, family: ModelFamily, model: ModelSour
 
 def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, Mapping[str, Any]],
              bucket: tuple[int, int, int], device_type: str = "cuda",
-             stages: tuple[str, ...] = STAGES) -> list[StageEstimate]:
-    """`stages` for the config's largest bucket (frames, height, width) and its validation size, from the
-    components' config dicts only (`component_configs`, or a released config: no weights are read)."""
+             stages: tuple[str, ...] | None = None) -> list[StageEstimate]:
+    """`stages` (None: STAGES, and `captions` where a dataset has `caption_strategy: auto`) for the config's largest
+    bucket (frames, height, width) and its validation size, from the components' config dicts only
+    (`component_configs`, or a released config: no weights are read)."""
+    if stages is None:
+        auto = any(d.caption_strategy == "auto" for d in config.training_datasets)
+        stages = ("captions", *STAGES) if auto else STAGES
     from loraflow.pipelines import plan_family
     from loraflow.stages.clips.buckets import vae_geometry
 
@@ -46,7 +50,8 @@ def estimate(config: LoraflowConfig, family: ModelFamily, configs: Mapping[str, 
     sized_by_image = config.validation_size is None and plan_family(config).spec.render_size is not None
     val_height, val_width = (height, width) if sized_by_image else (config.validation_size or family.flavour.size)
     val_frames = config.validation_num_video_frames or family.flavour.num_frames
-    run = {"latents": lambda: vae_encode(config, family, configs["vae"], frames, height, width, device_type),
+    run = {"captions": lambda: captioner_weights(config, configs),
+           "latents": lambda: vae_encode(config, family, configs["vae"], frames, height, width, device_type),
            "text_embeds": lambda: text_encoders(config, family, configs),
            "lora": lambda: training_step(config, family, configs["transformer"], latent, device_type),
            "validation": lambda: validation(config, family, configs, geometry.shape(val_frames, val_height, val_width),
@@ -59,6 +64,7 @@ KEPT = {"fp32_modules_storage": "bf16"}  # what a config that switches to a bf16
 # Validation renders in training's precision and chooses its offload and tiling itself (`render_plan`); what is left
 # to switch is the precision, which training shares.
 SWITCHES: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    "captions": (),  # caption_model_path: a smaller Qwen2.5-VL (the estimate's note says which it read)
     "latents": (
         ("vae_enable_tiling: true", {"vae_enable_tiling": True}),
         ("vae_enable_patch_conv: true", {"vae_enable_patch_conv": True}),

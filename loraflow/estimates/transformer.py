@@ -89,7 +89,7 @@ def offloaded(blocks: list[int], every_block: bool, blocks_to_swap: int, per_gro
 
 # The depths a transformer call is traced at: what a training step or a render's denoise call allocates at its peak,
 # its FLOPs and its host bytes are a + b * depth from 3 blocks up (measured: Kandinsky 5 Lite's training step at 3,
-# 4, 5 and 32 blocks, to the byte; tests/test_estimates.py holds each family to it at 6), so two shallow traces give
+# 4, 5 and 32 blocks, to the byte; tests/estimates/ holds each family to it at 6), so two shallow traces give
 # the real depth's in a fraction of the time.
 SHALLOW = (3, 4)
 
@@ -125,7 +125,7 @@ def adapter(config: LoraflowConfig, family: ModelFamily) -> Callable[[torch.nn.M
 
     def add(model: torch.nn.Module) -> None:
         with torch.random.fork_rng(devices=[]):  # add_adapter seeds torch's generator: the caller's is left as it was
-            add_adapter(model, config, family.lora_targets(config.lora_include_ffn))
+            add_adapter(model, config, family)
 
     return add
 
@@ -169,7 +169,7 @@ def velocity_call(family: ModelFamily, transformer: torch.nn.Module, latent_shap
 
     from loraflow.pipelines.base import image_conditions
     from loraflow.training.batches import MicroBatch, StepDraws
-    from loraflow.training.loop import flow_terms, routing
+    from loraflow.training.step import flow_terms, routing
 
     device = torch.device("cpu")  # fake tensors on the CPU stand for the accelerator's
 

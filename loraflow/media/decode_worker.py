@@ -227,6 +227,10 @@ def _raise_truncated(path: Path, detail: str) -> NoReturn:
 def _describe(path: Path, container: Any, stream: Any, first: Any, num_frames: int, stamps: list[int]) -> Probe:
     if num_frames == 0:
         raise MediaError("zero_frames", f"{path}: the video stream has no frames; remove the file")
+    if num_frames > 1 and len(stamps) > 1 and stamps[0] == stamps[-1]:  # sorted: every frame at one time
+        raise MediaError("zero_duration", f"{path}: its {num_frames} frames all carry one timestamp (the video lasts "
+                         "0 s), so its frame rate is unknown and any clip of it a guess; re-encode it at its real "
+                         "rate (ffmpeg -r FPS -i FILE OUT.mp4)")
     fps, is_vfr, duration_s = _timing(num_frames, stamps, stream)
     rotation = _rotation_cw(first)
     width, height = _display_size(first.width, first.height, stream, rotation)

@@ -41,16 +41,22 @@ import numpy as np
 
 from loraflow.keys import content_key
 from loraflow.media.decode_worker import decode_local, probe_local  # light: it imports decord and PyAV when it decodes
-from loraflow.media.types import ClipAudio, MediaError, Probe
+from loraflow.media.scenes_worker import DETECTOR, detect_cuts_local  # light: it imports PySceneDetect when it detects
+from loraflow.media.types import ClipAudio, DecoderCrash, MediaError, Probe
 
 if TYPE_CHECKING:  # annotations only
     from loraflow.store import Store
 
 logger = logging.getLogger(__name__)
-PROBE_VERSION = 3  # bump when a probe would describe the same file differently (2: VFR frame times; 3: streams
-# without a frame index counted from their first keyframe, as decoders show them)
+PROBE_VERSION = 4  # bump when a probe would describe the same file differently (2: VFR frame times; 3: streams
+# without a frame index counted from their first keyframe, as decoders show them; 4: frames all at one timestamp are
+# refused as zero_duration, not given a made-up rate)
 PROBE_BATCH = 256  # new probes per committed shard (ProbeCache with a store)
-PROBE_CACHE_MAX = 4096  # probes kept in memory
+PROBE_CACHE_MAX = 4096  # probes (and cut lists) kept in memory
+SCENES_VERSION = 1  # bump when the same file and settings would give other cuts (another detector, another mapping)
+# The cut detector's time limit: 60 s and this many seconds a second of video (it decodes every frame; a damaged file
+# that hangs it is stopped all the same)
+SCENE_SECONDS_PER_SECOND = 2.0
 
 # --------------------------------------------------------------------------------------------
 # Public API (runs in the caller's process; the work happens in a worker process)
@@ -94,13 +100,31 @@ def decode_frames(
     return frames[np.searchsorted(unique, wanted)]
 
 
-def decode_audio(path: str | Path, start_s: float, num_samples: int, rate: int, timeout_s: float = 60.0) -> ClipAudio:
-    """The sound of `num_samples` samples at `rate` from `start_s` seconds after the file's first video frame, mono
-    (media/audio_worker.py says how). Raises MediaError: "no_audio" (no audio track), "undecodable" (none of the
-    span decodes), or as `decode_frames` for a file that hangs or crashes the decoder."""
+def decode_audio(path: str | Path, start_s: float, num_samples: int, rate: int, timeout_s: float = 60.0,
+                 audio_stream: int | None = None) -> ClipAudio:
+    """The sound of `num_samples` samples at `rate` from `start_s` seconds after the file's first video frame, mono,
+    of the track `audio_stream` names (None: FFmpeg's pick; media/audio_worker.py says how). Raises MediaError:
+    "no_audio" (no audio track, or not the one named), "undecodable" (none of the span decodes), "decoder_crash" (the
+    decoder crashed reading the track: a fault of the file or of FFmpeg/PyAV, which the same call repeats), or as
+    `decode_frames` for a file that hangs the decoder or a worker killed from outside."""
     path = Path(path)
     _stat_key(path)  # a missing or empty file says so here, as for frames
-    return _run_in_worker(("audio", str(path), float(start_s), int(num_samples), int(rate)), path, timeout_s)["audio"]
+    request = ("audio", str(path), float(start_s), int(num_samples), int(rate), audio_stream)
+    try:
+        return _run_in_worker(request, path, timeout_s)["audio"]
+    except DecoderCrash as crash:
+        if crash.exit_code not in _DECODER_FAULTS:
+            raise
+        fault = signal.Signals(-crash.exit_code).name
+        raise MediaError("decoder_crash", f"{path}: reading its audio track crashed the decoder ({fault}, worker exit "
+                         f"code {crash.exit_code}); the picture is not at fault. Re-encode the sound (ffmpeg -i in.mp4 "
+                         "-c:v copy -c:a aac -ac 2 out.mp4) or name another track with the dataset's audio_stream"
+                         ) from None
+
+
+# A worker that died of these crashed on what it read (the same request crashes it again); another end (SIGKILL: the
+# kernel short of memory, a user) is not the file's.
+_DECODER_FAULTS = frozenset(-s for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL))
 
 
 def _check_size(size: tuple[int, int], path: Path) -> tuple[int, int]:
@@ -118,64 +142,129 @@ def _check_indices(wanted: list[int], info: Probe, path: Path) -> None:
         )
 
 
-class ProbeCache:
-    """The one probe cache: a file version (path, size, mtime) is probed once per process, and with a store once ever.
+class _StageRows:
+    """The rows of one store stage a pass reads (every stored row in one read, on the first hit) and adds to
+    (PROBE_BATCH at a time, not a shard each: a shard per row cost an fsync per file and left 100k shards for the
+    next run to index). A killed pass loses at most PROBE_BATCH rows, which the next one redoes."""
 
-    In memory, every instance shares one bounded map, so decoding reuses what planning probed; a changed file (size
-    or mtime) is probed again. With a store (the clips stage), probes also go to its `probes` stage, keyed by the
-    file's dataset-relative identity (keys.file_identity), for the next run: committed PROBE_BATCH at a time, not one
-    shard each (a shard per probe cost an fsync per file and left 100k shards for the next run to index), and read in
-    one pass over the stage the first time one is needed, not a shard read per file. A killed pass loses at most
-    PROBE_BATCH probes, which the next one redoes.
-    """
-
-    _memory: ClassVar[OrderedDict[tuple[str, int, int], Probe]] = OrderedDict()
-    _lock: ClassVar[threading.Lock] = threading.Lock()
-
-    def __init__(self, store: Store | None = None) -> None:
-        self.store = store
-        self.stored = store.keys("probes") if store is not None else set()
+    def __init__(self, store: Store | None, stage: str) -> None:
+        self.store, self.stage = store, stage
+        self.stored = store.keys(stage) if store is not None else set()
         self.pending: list[dict[str, Any]] = []
         self.kept: set[str] = set()  # keys this pass stored (or will, at its next commit)
-        self._rows: dict[str, dict[str, Any]] | None = None  # every stored probe, read on the first hit
+        self._rows: dict[str, dict[str, Any]] | None = None
 
-    def probe(self, path: str | Path, identity: dict[str, Any] | None = None, timeout_s: float = 60.0) -> Probe:
-        """`identity`: the file's keys.file_identity, to store the probe under (needs a store)."""
-        path = Path(path)
-        here = _stat_key(path)
-        key = None if identity is None or self.store is None else _stored_probe_key(identity)
-        with self._lock:
-            result = self._memory.get(here)
-            if result is not None:
-                self._memory.move_to_end(here)
-        if result is None:
-            result = self._stored(key) if key in self.stored else Probe(
-                **_run_in_worker(("probe", str(path)), path, timeout_s)["probe"])
-            with self._lock:
-                self._memory[here] = result
-                while len(self._memory) > PROBE_CACHE_MAX:
-                    self._memory.popitem(last=False)
-        if key is not None and key not in self.stored and key not in self.kept:  # whoever probed it in this process
-            self._keep(key, result)
-        return result
-
-    def _stored(self, key: str) -> Probe:
+    def row(self, key: str | None) -> dict[str, Any] | None:
+        if key not in self.stored:
+            return None
         if self._rows is None:
-            self._rows = self.store.get("probes", self.stored)
-        row = self._rows[key]
-        return Probe(**{k: tuple(v) if k == "frame_times" else v for k, v in row.items() if k != "key"})
+            self._rows = self.store.get(self.stage, self.stored)
+        return self._rows[key]
 
-    def _keep(self, key: str, result: Probe) -> None:
-        self.pending.append({"key": key, **dataclasses.asdict(result)})
+    def keep(self, key: str | None, row: dict[str, Any]) -> None:
+        if key is None or key in self.stored or key in self.kept:
+            return
+        self.pending.append({"key": key, **row})
         self.kept.add(key)
         if len(self.pending) >= PROBE_BATCH:
             self.commit()
 
     def commit(self) -> None:
-        """Store the probes made since the last commit."""
         if self.store is not None:
-            self.store.put("probes", self.pending)
+            self.store.put(self.stage, self.pending)
         self.pending = []
+
+
+class ProbeCache:
+    """The one probe cache: a file version (path, size, mtime) is probed once per process, and with a store once ever;
+    and so is its scene cut list (`scenes`), once per detector setting.
+
+    In memory, every instance shares one bounded map, so decoding reuses what planning probed; a changed file (size
+    or mtime) is probed again. With a store (the clips stage), probes also go to its `probes` stage and cut lists to
+    its `scenes` stage, keyed by the file's dataset-relative identity (keys.file_identity), for the next run
+    (`_StageRows`: committed in batches, read in one pass).
+    """
+
+    _memory: ClassVar[OrderedDict[tuple[Any, ...], Any]] = OrderedDict()  # probes and cut lists by file version
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, store: Store | None = None) -> None:
+        self._probes = _StageRows(store, "probes")
+        self._scenes = _StageRows(store, "scenes")
+        self.scene_lists: dict[str, tuple[int, ...]] = {}  # path -> the cut list this pass used (`scenes`)
+
+    @property
+    def pending(self) -> list[dict[str, Any]]:
+        """The probes made since the last commit."""
+        return self._probes.pending
+
+    def probe(self, path: str | Path, identity: dict[str, Any] | None = None, timeout_s: float = 60.0) -> Probe:
+        """`identity`: the file's keys.file_identity, to store the probe under (needs a store)."""
+        path = Path(path)
+        key = None if identity is None or self._probes.store is None else _stored_probe_key(identity)
+
+        def probed() -> Probe:
+            row = self._probes.row(key)
+            if row is not None:
+                return Probe(**{k: tuple(v) if k == "frame_times" else v for k, v in row.items() if k != "key"})
+            return Probe(**_run_in_worker(("probe", str(path)), path, timeout_s)["probe"])
+
+        result = self._remembered(_stat_key(path), probed)
+        self._probes.keep(key, dataclasses.asdict(result))  # whoever probed it in this process
+        return result
+
+    def scenes(self, path: str | Path, identity: dict[str, Any] | None, info: Probe, threshold: float,
+               min_scene_len_s: float) -> tuple[int, ...]:
+        """The frame indices where a new scene starts (PySceneDetect's hard cuts, media/scenes_worker.py): () for one
+        scene. Detected once per file version and setting, and with a store once ever. The detector decodes every
+        frame, so its time limit grows with the video's length."""
+        path = Path(path)
+        settings = {"detector": DETECTOR, "threshold": float(threshold), "min_scene_len": float(min_scene_len_s)}
+        key = None if identity is None or self._scenes.store is None else content_key(
+            identity=identity, scenes=SCENES_VERSION, **settings)
+
+        def detected() -> tuple[int, ...]:
+            row = self._scenes.row(key)
+            if row is not None:
+                return tuple(row["cuts"])
+            timeout_s = 60.0 + SCENE_SECONDS_PER_SECOND * info.duration_s
+            times = _run_in_worker(("scenes", str(path), settings["threshold"], settings["min_scene_len"]), path,
+                                   timeout_s)["cuts"]
+            return cut_frames(times, info)
+
+        cuts = self._remembered((*_stat_key(path), *settings.values()), detected)
+        self._scenes.keep(key, {"cuts": list(cuts)})
+        self.scene_lists[str(path)] = cuts
+        return cuts
+
+    def _remembered(self, here: tuple[Any, ...], compute: Any) -> Any:
+        with self._lock:
+            result = self._memory.get(here)
+            if result is not None:
+                self._memory.move_to_end(here)
+                return result
+        result = compute()
+        with self._lock:
+            self._memory[here] = result
+            while len(self._memory) > PROBE_CACHE_MAX:
+                self._memory.popitem(last=False)
+        return result
+
+    def commit(self) -> None:
+        """Store the probes and cut lists made since the last commit."""
+        self._probes.commit()
+        self._scenes.commit()
+
+
+def cut_frames(times: Sequence[float], info: Probe) -> tuple[int, ...]:
+    """Cut times (seconds after the first frame) as the indices of the first frames of their scenes: the frame
+    nearest in time (a VFR file by its frame times), without repeats, never frame 0."""
+    if info.frame_times:
+        stamps = np.asarray(info.frame_times, np.float64)
+        found = [int(np.abs(stamps - t).argmin()) for t in times]
+    else:
+        found = [round(t * info.fps) for t in times]
+    return tuple(sorted({i for i in found if 0 < i < info.num_frames}))
 
 
 def _stored_probe_key(identity: dict[str, Any]) -> str:
@@ -271,10 +360,11 @@ class _Worker:
                 reply = self._receive_frames(reply)
         except EOFError:
             code = self.kill()
-            raise MediaError(
+            raise DecoderCrash(
                 "unreadable",
                 f"{path}: the decoder crashed on this file (worker exit code {code}); it is corrupt — "
                 "re-encode it (e.g. ffmpeg -i in.mp4 -c:v libx264 out.mp4) or remove it",
+                exit_code=code,
             ) from None
         self.in_call = False
         return reply
@@ -398,6 +488,9 @@ def _answer(request: tuple[Any, ...], replies: Connection) -> None:
     try:
         if op == "probe":
             replies.send({"kind": "ok", "probe": dataclasses.asdict(probe_local(path))})
+            return
+        if op == "scenes":
+            replies.send({"kind": "ok", "cuts": detect_cuts_local(path, *request[2:])})
             return
         if op == "audio":
             from loraflow.media.audio_worker import clip_audio_local

@@ -11,17 +11,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from loraflow.atomic import write_atomic
-from loraflow.contracts.clip_rows import read_clips
 from loraflow.media.types import Sound
-from loraflow.store import Store
 
 THUMB = 96
+PREVIEW_CLIPS = 12  # clips in the clips asset's preview
 SHEET_ROW_HEIGHT = 128  # px per row of frames: small enough to embed in the asset's metadata
 MAX_SHEET_WIDTH = 960  # px: 80% of a 1280 px window, less the dialog's 2 x 20 px padding, less a margin
 MAX_LABEL_WIDTH = 160  # px: longer labels (prompt shortnames) are cut with an ellipsis
@@ -36,21 +35,82 @@ SPECTROGRAM_FFT = 1024  # samples a window: 23 ms at 44.1 kHz
 SPECTROGRAM_RANGE_DB = 80  # the colour scale's depth below the loudest bin
 
 
-def clip_preview(store: Store, limit: int = 12) -> Image.Image:
-    """First frame of up to `limit` clips side by side, each fitted into a THUMB x THUMB cell; i2i: each clip's
-    source image in a second row below it."""
-    keys = [clip.key for clip in read_clips(store)][:limit]
-    stored = store.get("clips", keys)
-    rows = [[np.asarray(stored[k]["frames"][0]) for k in keys]]
-    if keys and stored[keys[0]].get("condition_frames") is not None:
-        rows.append([np.asarray(stored[k]["condition_frames"][0]) for k in keys])
-    canvas = Image.new("RGB", (THUMB * max(1, len(keys)), THUMB * len(rows)), "black")
+def clip_preview(clips: Sequence[Mapping[str, Any]]) -> Image.Image:
+    """First frame of each stored clip row (`contracts.clip_rows.stored_clips`: at most PREVIEW_CLIPS) side by side,
+    each fitted into a THUMB x THUMB cell; i2i: each clip's source image (`condition_frames`) in a second row below
+    it."""
+    rows = [[np.asarray(clip["frames"][0]) for clip in clips]]
+    if clips and clips[0].get("condition_frames") is not None:
+        rows.append([np.asarray(clip["condition_frames"][0]) for clip in clips])
+    canvas = Image.new("RGB", (THUMB * max(1, len(clips)), THUMB * len(rows)), "black")
     for r, frames in enumerate(rows):
         for i, frame in enumerate(frames):
             thumb = Image.fromarray(frame)
             thumb.thumbnail((THUMB, THUMB))
             canvas.paste(thumb, (i * THUMB + (THUMB - thumb.width) // 2, r * THUMB + (THUMB - thumb.height) // 2))
     return canvas
+
+
+# -- scene cuts: the frames on both sides of each ---------------------------------------------------------------
+CUT_FRAMES = 3  # frames shown on each side of a cut
+MAX_CUTS_SHOWN = 12  # cuts drawn, over every file (the table lists them all)
+CUT_BAR = 4  # px of red between a cut's two sides
+
+
+class CutFile(Protocol):
+    """What a cut strip needs of a file (the clips report's `SceneRow`): its name, where it is, its cuts."""
+
+    file: str  # shown
+    path: str  # decoded
+    cuts: tuple[int, ...]  # the first frame of each scene after the first
+
+
+def cut_strips(scenes: Sequence[CutFile]) -> Image.Image:
+    """For each cut of each file (the clips report's `scenes`; the first MAX_CUTS_SHOWN): a line naming it, then the
+    CUT_FRAMES frames before it, a red bar, and the CUT_FRAMES frames from it on, each tile at most THUMB px tall and
+    the line at most MAX_SHEET_WIDTH wide. Decodes those frames only, at the tiles' size."""
+    from loraflow.media.frames import decode_frames, probe
+
+    cuts = [(row, number, cut) for row in scenes for number, cut in enumerate(row.cuts, 1)][:MAX_CUTS_SHOWN]
+    lines = []
+    for row, number, cut in cuts:
+        info = probe(row.path)
+        room = (MAX_SHEET_WIDTH - CUT_BAR - 2 * GAP * CUT_FRAMES) / (2 * CUT_FRAMES)
+        height = max(2, min(THUMB, round(room * info.height / info.width)))
+        size = (height, max(2, round(height * info.width / info.height)))
+        before = list(range(max(0, cut - CUT_FRAMES), cut))
+        after = list(range(cut, min(info.num_frames, cut + CUT_FRAMES)))
+        shown = decode_frames(row.path, before + after, size)
+        seconds = cut / info.fps if info.fps else 0.0
+        label = f"{row.file}: cut {number} of {len(row.cuts)}, at frame {cut} ({seconds:.2f} s): scene {number} | " \
+                f"scene {number + 1}"
+        lines.append(_cut_line(label, list(shown[: len(before)]), list(shown[len(before):])))
+    if not lines:
+        return Image.new("RGB", (1, 1), "white")
+    canvas = Image.new("RGB", (max(line.width for line in lines), sum(line.height + BLOCK_GAP for line in lines)),
+                       "white")
+    y = 0
+    for line in lines:
+        canvas.paste(line, (0, y))
+        y += line.height + BLOCK_GAP
+    return canvas
+
+
+def _cut_line(label: str, before: list[np.ndarray], after: list[np.ndarray]) -> Image.Image:
+    tiles = [Image.fromarray(frame) for frame in [*before, *after]]
+    height, width = tiles[0].height, tiles[0].width
+    line_width = len(tiles) * (width + GAP) + CUT_BAR + GAP
+    line = Image.new("RGB", (max(line_width, 1), TEXT_HEIGHT + height), "white")
+    draw = ImageDraw.Draw(line)
+    draw.text((4, 3), _fit(draw, label, line_width - 8), fill="black", font=_font())
+    x = 0
+    for i, tile in enumerate(tiles):
+        if i == len(before):
+            draw.rectangle((x, TEXT_HEIGHT, x + CUT_BAR - 1, TEXT_HEIGHT + height - 1), fill=(255, 0, 0))
+            x += CUT_BAR + GAP
+        line.paste(tile, (x, TEXT_HEIGHT))
+        x += width + GAP
+    return line
 
 
 # -- renders: a still sheet and an animation ------------------------------------------------------------------

@@ -26,6 +26,7 @@ REASONS = frozenset(
         "not_media",
         "no_video_stream",
         "zero_frames",
+        "zero_duration",
         "truncated",
         "unsupported_codec",
         "decode_timeout",
@@ -45,6 +46,20 @@ class MediaError(Exception):
     def __reduce__(self) -> tuple[Any, ...]:
         # Default exception pickling replays only `args`; keep `reason` across processes.
         return (MediaError, (self.reason, str(self)))
+
+
+class DecoderCrash(MediaError):
+    """The worker process died during a call (reason "unreadable"): `exit_code` is its exit status, minus the signal
+    that ended it (-11: a segmentation fault; -9: killed from outside, e.g. by the kernel short of memory)."""
+
+    exit_code: int | None
+
+    def __init__(self, reason: str, message: str, exit_code: int | None = None) -> None:
+        super().__init__(reason, message)
+        self.exit_code = exit_code
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (DecoderCrash, (self.reason, str(self), self.exit_code))
 
 
 @dataclass(frozen=True)
@@ -70,14 +85,18 @@ class Probe:
 @dataclass(frozen=True)
 class ClipAudio:
     """The sound of a time span of a file (media/audio_worker.py): mono float32 samples at `rate` from the span's
-    start, which of them the track covered (a bool per sample; the rest are zeros), the track in words, and the first
-    errors of packets that did not decode (their time is uncovered)."""
+    start, which of them the track covered (a bool per sample; the rest are zeros), the track in words, the first
+    errors of packets that did not decode (their time is uncovered), which track it is, and what was over full
+    scale (clipped)."""
 
     waveform: Any  # np.ndarray (N,) float32; Any: this module stays free of numpy
     rate: int
     covered: Any  # np.ndarray (N,) bool
     source: str  # "aac 6 ch (5.1) at 48000 Hz"
     errors: tuple[str, ...] = ()
+    track: str = ""  # which audio track: "a:1 of 2 (default; FFmpeg's pick), stream #2"
+    peak: float = 0.0  # the loudest channel's largest |sample| over the span, before clipping (over 1: clipped)
+    clipped_s: float = 0.0  # seconds of the span where a channel was over full scale and clipped to [-1, 1]
 
     def uncovered_s(self, until_s: float) -> float:
         """Seconds of the first `until_s` seconds the track does not cover."""

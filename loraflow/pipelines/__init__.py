@@ -8,11 +8,12 @@ the registry's names, which is what callers import.
 
 from loraflow.pipelines.registry import (
     FAMILIES,
-    NABLA_BLOCK,
     FamilyChoice,
     FamilyPlan,
+    FamilyPlanning,
+    bucket_blocks,
     bucket_multiple,
-    checkpoint_uses_nabla,
+    bucket_note,
     describe_families,
     family_flavour,
     family_names,
@@ -22,13 +23,12 @@ from loraflow.pipelines.registry import (
     get_family,
     known_flavour,
     load_family,
-    nabla_note,
     nearest_multiple,
     plan_family,
 )
 
 __all__ = [
-    "FAMILIES", "NABLA_BLOCK", "FamilyChoice", "FamilyPlan", "bucket_multiple", "checkpoint_uses_nabla",
+    "FAMILIES", "FamilyChoice", "FamilyPlan", "FamilyPlanning", "bucket_blocks", "bucket_multiple", "bucket_note",
     "describe_families", "family_flavour", "family_names", "family_spec", "family_specs", "flavour_names",
-    "get_family", "known_flavour", "load_family", "nabla_note", "nearest_multiple", "plan_family",
+    "get_family", "known_flavour", "load_family", "nearest_multiple", "plan_family",
 ]

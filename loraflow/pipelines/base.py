@@ -49,6 +49,8 @@ class ModelFamily(Protocol):
     max_text_tokens: int  # the first text encoder keeps at most this many caption tokens (more: truncated)
     tread_layout: TokenLayout  # where the transformer keeps its visual tokens, for TREAD routing
     comfyui_names: tuple[ComfyRule, ...]  # diffusers module -> ComfyUI module (the ComfyUI file)
+    # diffusers module -> the module of musubi-tuner's model (the musubi file); () where musubi has no loader
+    musubi_names: tuple[ComfyRule, ...]
     # components the latents stage loads beside the VAE for `image_condition` (HV1.5 i2v's SigLIP); ()
     image_condition_components: tuple[str, ...]
     # what `image_condition` caches ("" nothing), for the latent key where it has no components, whose fingerprints
@@ -93,6 +95,11 @@ class ModelFamily(Protocol):
     def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
         """uint8 (B, F, H, W, 3) -> scaled latents (B, C, T, h, w), or (B, 2C, T, h, w) mean and logvar
         (`scaled_posterior`)."""
+
+    def setup_vae(self, vae: torch.nn.Module) -> None:
+        """Ready a VAE of this family just loaded (the latents stage's, a render's, the estimates' fake ones), before it
+        encodes or decodes: HunyuanVideo 1.5's builds its mid-block mask a frame at a time (`frame_causal_mask`);
+        nothing elsewhere. This VAE only: the class stays as diffusers made it."""
 
     def image_condition(
         self, vae: torch.nn.Module, parts: Sequence[Any], clip: Mapping[str, Any]
@@ -235,6 +242,23 @@ def image_conditions(rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tenso
     return {c: stacked(rows, c) for c in IMAGE_CONDITION_COLUMNS if rows and c in rows[0]}
 
 
+def non_finite(tensors: Mapping[str, Any]) -> dict[str, int]:
+    """Of these tensors or arrays (name -> values), those holding NaN or inf, and how many such values each holds."""
+    counts = {name: int((~torch.isfinite(torch.as_tensor(v))).sum()) for name, v in tensors.items()}
+    return {name: n for name, n in counts.items() if n}
+
+
+def non_finite_detail(what: str, model: str, dtype: torch.dtype, bad: Mapping[str, int]) -> str:
+    """Why a cached row was refused: `what` (the clip, its file and frames) gave `bad` non-finite values in `model`
+    run in `dtype`, and the precision to try."""
+    precision = str(dtype).removeprefix("torch.")
+    values = ", ".join(f"{n} in {name}" for name, n in bad.items())
+    fix = (f"run the {model} in float32" if dtype != torch.float32 else
+           f"float32 is the widest precision the {model} runs in: check the clip's frames and the checkpoint's "
+           f"{model} weights (a fine-tuned or converted {model} that overflows)")
+    return f"{what}: the {model}, in {precision}, gave non-finite values ({values}); not stored; {fix}"
+
+
 def scaled_posterior(posterior: Any, sampling: str, scale: float, shift: float = 0.0) -> torch.Tensor:
     """The VAE posterior as the family's pipeline scales latents, (x - shift) * scale, in float32.
 
@@ -313,7 +337,16 @@ def load_pipeline(pipeline: type, model: ModelSource | str | Path, lora_path: st
     if lora_path is not None:
         load_lora_file(pipe.transformer, lora_path)
     place(pipe, plan, blocks, device, own_transformer=own)
+    if own:  # a training transformer keeps the backend training set
+        from loraflow.kernels.attention_backend import apply_attention_backend
+
+        apply_attention_backend(pipe.transformer, plan.attention_backend, device, needs_flex_attention(transformer))
     return pipe
+
+
+def needs_flex_attention(transformer: torch.nn.Module) -> bool:
+    """The checkpoint attends with NABLA (Kandinsky 5's 10 s checkpoints), whose block mask only flex takes."""
+    return transformer.config.get("attention_type") == "nabla"
 
 
 def load_lora_file(transformer: torch.nn.Module, lora_path: str | Path, adapter_name: str = LORA_ADAPTER) -> None:
@@ -352,13 +385,6 @@ def set_lora_scale(transformer: torch.nn.Module, scale: float | None) -> None:
             raise ValueError(f"lora_scale {scale} asked of a pipeline loaded without a LoRA; pass `lora_path`")
         return
     transformer.set_adapters([LORA_ADAPTER], [scale])
-
-
-def scheduler_shift(model: ModelSource | str | Path) -> float | None:
-    """The sigma shift the checkpoint's own scheduler config names (what its pipeline renders with), or None."""
-    config = as_source(model).folder("scheduler") / "scheduler_config.json"
-    shift = json.loads(config.read_text()).get("shift") if config.is_file() else None
-    return float(shift) if shift is not None else None
 
 
 def set_flavour_config(transformer: torch.nn.Module, flavour: Flavour) -> torch.nn.Module:

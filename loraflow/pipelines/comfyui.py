@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,15 +62,15 @@ class _Lora(NamedTuple):
     scale: float  # what peft multiplies B @ A by
 
 
-def comfyui_name(rules: Sequence[ComfyRule], module: str) -> tuple[str, int, int]:
-    """(ComfyUI module, part, parts) for a diffusers module name; no match is an error, never a silent drop."""
+def comfyui_name(rules: Sequence[ComfyRule], module: str, reader: str = "ComfyUI") -> tuple[str, int, int]:
+    """(the reader's module, part, parts) for a diffusers module name (`rules`: the family's table for that reader,
+    ComfyUI's or musubi-tuner's); no match is an error, never a silent drop."""
     for rule in rules:
         match = re.fullmatch(rule.pattern, module)
         if match:
             return match.expand(rule.target), rule.part, rule.parts
-    raise ValueError(
-        f"no ComfyUI name for LoRA module {module!r}; the family's COMFYUI_NAMES table lacks a rule for it"
-    )
+    raise ValueError(f"no {reader} name for LoRA module {module!r}; the family's {reader} names table lacks a rule "
+                     "for it")
 
 
 def alpha_and_rank(adapter_config: Mapping, module: str, rank: int | None = None) -> tuple[float, int]:
@@ -175,9 +175,18 @@ def to_comfyui(
     alpha = peft's scale * rank (for an unfused module: lora_alpha), so ComfyUI's alpha / rank is peft's scale; with
     ComfyUI's strength 1 the file applies exactly the adapter that was trained.
     """
+    return down_up_tensors(state_dict, adapter_config, rules, lambda name: PREFIX + name)
+
+
+def down_up_tensors(
+    state_dict: Mapping[str, torch.Tensor], adapter_config: Mapping | None, rules: Sequence[ComfyRule],
+    stem: Callable[[str], str], reader: str = "ComfyUI",
+) -> dict[str, torch.Tensor]:
+    """sd-scripts' LoRA layout, which ComfyUI and musubi-tuner read: `<stem(name)>.lora_down.weight` (r, in),
+    `.lora_up.weight` (out, r), `.alpha` (fp32 scalar) per module of the reader, named by `rules`."""
     grouped: dict[str, tuple[int, dict[int, _Lora]]] = {}
     for module, lora in _modules(state_dict, adapter_config).items():
-        name, part, parts = comfyui_name(rules, module)
+        name, part, parts = comfyui_name(rules, module, reader)
         count, members = grouped.setdefault(name, (parts, {}))
         if count != parts or part in members:
             raise ValueError(f"ComfyUI module {name!r} gets conflicting parts from {module!r}")
@@ -189,9 +198,9 @@ def to_comfyui(
             down, up, alpha = lora.down, lora.up, lora.scale * lora.down.shape[0]
         else:
             down, up, alpha = _fuse(members, count)
-        tensors[f"{PREFIX}{name}.lora_down.weight"] = down.contiguous()
-        tensors[f"{PREFIX}{name}.lora_up.weight"] = up.contiguous()
-        tensors[f"{PREFIX}{name}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
+        tensors[f"{stem(name)}.lora_down.weight"] = down.contiguous()
+        tensors[f"{stem(name)}.lora_up.weight"] = up.contiguous()
+        tensors[f"{stem(name)}.alpha"] = torch.tensor(alpha, dtype=torch.float32)
     return tensors
 
 
@@ -199,11 +208,15 @@ def save_comfyui_lora(
     state_dict: Mapping[str, torch.Tensor], adapter_config: Mapping | None, rules: Sequence[ComfyRule],
     path: str | Path,
 ) -> Path:
-    """Write `to_comfyui(...)` to `path` (tmp + rename); the LoraConfig goes into the header for the record."""
+    """Write `to_comfyui(...)` to `path` (`save_lora_tensors`)."""
+    return save_lora_tensors(to_comfyui(state_dict, adapter_config, rules), adapter_config, path)
+
+
+def save_lora_tensors(tensors: dict[str, torch.Tensor], adapter_config: Mapping | None, path: str | Path) -> Path:
+    """Write a reader's tensors to `path` (tmp + rename); the LoraConfig goes into the header for the record."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "loraflow_source_format": "peft"}
     if adapter_config:
         metadata["lora_adapter_config"] = json.dumps(dict(adapter_config), sort_keys=True, default=str)
-    tensors = to_comfyui(state_dict, adapter_config, rules)
     return write_atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from pathlib import Path
+from typing import Any, Literal, Protocol, get_args
 
 Task = Literal["t2v", "i2v", "t2i", "i2i"]
 # The components of a diffusers pipeline with two text encoders (Kandinsky 5, HunyuanVideo 1.5 and its guider)
@@ -68,12 +69,22 @@ class Flavour:
     # The sigma shift training draws with when `flow_schedule_shift` is unset (`training.batches.step_draws`); left
     # out, the render shift. Two numbers: a guide's training default and a release's render shift differ.
     training_shift: float | None = None
+    # Training's default shift is the checkpoint's scheduler config (its render shift), this flavour's recipe, with
+    # `training_shift` the fallback before the checkpoint is on disk (`contracts.shifts.training_shift`)
+    training_shift_from_checkpoint: bool = False
     # Caption tokens the first text encoder keeps after the template (the family's `max_text_tokens`)
     text_tokens: int = 512
     # Transformer config keys this flavour sets over its checkpoint's (a mode of the same weights: Kandinsky 5 Pro's
     # SD and HD attention): applied where the transformer loads, for training and renders, and where planning and
     # estimates read its config (`configured`)
     transformer_config: tuple[tuple[str, Any], ...] = ()
+    # Why this flavour never trains or renders its picture without its sound ("": it may), for `train_audio: false`'s
+    # refusal: Kandinsky 6's π-Flow distilled checkpoints, whose original sampler runs both streams or nothing
+    sound_required: str = ""
+    # A checkpoint's transformer config -> why this flavour cannot run it ("" it can), asked where its config.json
+    # is read before anything loads (`sources.check_layout`, `loraflow check`): Kandinsky 6 i2v needs the I2VA token
+    # types. None: any config of the right class runs.
+    transformer_problem: Callable[[Mapping[str, Any]], str] | None = field(default=None, hash=False, compare=False)
     # (field, citation) for each number above: loraflow/pipelines/citations.py
     sources: tuple[tuple[str, str], ...] = ()
     # component -> the classes its model_index.json entry may name, "library.Class" (`sources.component_problems`):
@@ -122,6 +133,23 @@ class Flavour:
         return self.task == "i2i"
 
 
+class ComponentFolders(Protocol):
+    """What a spec's functions ask of a checkpoint (`sources.ModelSource` answers it): where a component's folder is."""
+
+    def folder(self, component: str) -> Path:
+        """The component's folder (its config.json and weights)."""
+
+
+@dataclass(frozen=True)
+class BucketBlocks:
+    """Bucket sides in blocks of `factor` times the family's spatial multiple, and what asks it: `attention` and
+    `blocks` name it for `loraflow check`'s note, `short` in a refusal of a validation size."""
+    factor: int
+    attention: str
+    blocks: str
+    short: str
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """A family's plain data, the `SPEC` at the top of its registered module; nothing here imports torch.
@@ -140,7 +168,12 @@ class FamilySpec:
     vae_temporal_factor: int  # frames per latent frame after the first (1: an image VAE)
     module: str
     tiny_module: str = ""  # "": `module` holds `tiny` too
-    simpletuner_names: tuple[str, ...] = ()  # SimpleTuner's `model_family` values that import as this family
+    # SimpleTuner's `model_family` values that import as this family: its registered names and its model metadata
+    # keys (simpletuner/helpers/models/model_metadata.json: kandinsky5_video), either case (registry.py `get`)
+    simpletuner_names: tuple[str, ...] = ()
+    # The class names of its transformer's feed-forward modules, as a LyCORIS `apply_preset` names them
+    # (`target_module`); a preset naming one of them trains the feed-forward (lora_include_ffn)
+    ffn_classes: tuple[str, ...] = ()
     # Flavours whose bucket sizes only the family module can judge (`ModelFamily.size_problem`: Kandinsky 5 Image
     # i2i asks its tokenizer); for every other flavour any bucket size trains.
     size_checked: tuple[str, ...] = ()
@@ -149,6 +182,16 @@ class FamilySpec:
     render_size: Callable[..., tuple[int, int] | None] | None = None
     # The prompt templates its text side offers (config `kandinsky5_prompt_template`), the default first; () none
     prompt_templates: tuple[str, ...] = ()
+    # (caption, audio caption, speech lines) -> the text its text encoder gets, for a family whose release captions
+    # the sound in the prompt (Kandinsky 6); None: the family reads no audio captions (`a.audio.txt`, `a.speech.txt`,
+    # the `audio_caption` and `speech` metadata columns are not its: the clips stage lists them as not used)
+    compose_prompt: Callable[[str, str, tuple[str, ...]], str] | None = None
+    # (flavour, transformer config, (frames, height, width), caption tokens) -> `loraflow check`'s line on what the
+    # family's attention leaves out of a training step; unset: every token attends
+    attention_note: Callable[..., str] | None = None
+    # (flavour, the transformer's config as the flavour runs it) -> the blocks bucket sides come in (Kandinsky 5's
+    # NABLA checkpoints: kandinsky5/nabla_buckets.py), None where the spatial multiple is all; unset: never any
+    bucket_rule: Callable[[Flavour, Mapping[str, Any]], BucketBlocks | None] | None = None
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.flavours]
@@ -158,6 +201,11 @@ class FamilySpec:
 
     def flavour_names(self) -> list[str]:
         return sorted(f.name for f in self.flavours)
+
+    def bucket_blocks(self, flavour: Flavour, transformer_config: Mapping[str, Any]) -> BucketBlocks | None:
+        """The blocks the bucket sides of `flavour` come in, for a checkpoint of this transformer config (its own,
+        before the flavour's mode is set over it); None: multiples of `spatial_multiple` train."""
+        return None if self.bucket_rule is None else self.bucket_rule(flavour, flavour.configured(transformer_config))
 
     def peer_flavour(self, name: str) -> str | None:
         """The flavour another trainer calls `name` (`Flavour.peer_names`), None when none does."""

@@ -1,5 +1,6 @@
 """The family registry: `FAMILIES` (family name -> the spec module holding its `SPEC`), what a config's two keys pick
-(`get_family`: the adapter; `plan_family`: its plain data for planning), and the NABLA bucket multiple.
+(`get_family`: the adapter; `plan_family`: its plain data for planning, `FamilyPlanning` what planning asks of
+either), and the blocks bucket sides come in (a spec's `bucket_rule`).
 
 A family's `SPEC` (`flavours.FamilySpec`: flavours, default flavour, description, SimpleTuner names) is plain data at
 the top of its `spec.py`, read here when a config is validated; the adapter lives in `SPEC.module` (its `family.py`)
@@ -18,8 +19,22 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from loraflow.pipelines.base import ModelFamily
-    from loraflow.pipelines.flavours import FamilySpec, Flavour
+    from loraflow.pipelines.flavours import BucketBlocks, FamilySpec, Flavour
     from loraflow.pipelines.sources import ModelSource
+
+
+class FamilyPlanning(Protocol):
+    """What planning asks of a family (the clips stage, bucket plans, `loraflow check`, the estimates' inputs):
+    `FamilyPlan` answers it from the family's plain `SPEC` (no torch), and the family object (`ModelFamily`) alike."""
+
+    name: str
+    flavour: Flavour
+    spatial_multiple: int  # pixel sizes must be multiples of this (VAE factor x patch size)
+    vae_temporal_factor: int
+    max_text_tokens: int
+
+    def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
+        """Why a clip of this bucket size cannot be trained ("" when it can), known before decoding."""
 
 
 class FamilyChoice(Protocol):
@@ -67,7 +82,9 @@ def flavour_names(family: str) -> list[str]:
 
 def known_flavour(family: str | None, flavour: str | None) -> Flavour | None:
     """The flavour a config's two keys pick, or None when either names nothing registered (validation says so)."""
-    if family not in FAMILIES or (flavour is not None and flavour not in flavour_names(family)):
+    if not isinstance(family, str) or family not in FAMILIES:  # any YAML value: validation names a wrong one
+        return None
+    if flavour is not None and (not isinstance(flavour, str) or flavour not in flavour_names(family)):
         return None
     return family_flavour(family, flavour)
 
@@ -131,11 +148,12 @@ class FamilyPlan:
         """Why validation cannot render at (height, width) ("" when it can, or cannot tell yet): a size off the
         spatial multiple, or one the flavour's pipeline would silently replace by its own (`FamilySpec.render_size`;
         `model` None: no checkpoint to ask yet)."""
-        multiple = bucket_multiple(self, model)  # no model: NABLA only where the flavour's mode says so
+        blocks = bucket_blocks(self, model)  # no model: blocks only where the flavour's mode asks them
+        multiple = bucket_multiple(self, model)
         asked = f"`validation_resolution` {width}x{height}"
         if height % multiple or width % multiple:
             near = f"{nearest_multiple(width, multiple)}x{nearest_multiple(height, multiple)}"
-            why = "VAE x patch" + ("" if multiple == self.spatial_multiple else " x NABLA's 8-patch blocks")
+            why = "VAE x patch" + ("" if blocks is None else f" x {blocks.short}")
             return f"{asked}: {self.name} needs multiples of {multiple} ({why}); use {near}"
         rendered = model and self.spec.render_size and self.spec.render_size(self.flavour, model, height, width)
         if rendered and rendered != (height, width):
@@ -156,48 +174,47 @@ def plan_family(config: FamilyChoice) -> FamilyPlan:
     return FamilyPlan(spec, spec.flavour(config.model_flavour))
 
 
-# Bucket sizes a NABLA checkpoint can train.
-#
-# diffusers' Kandinsky 5 transformer groups the visual tokens of each latent frame into blocks of 8 x 8 patches
-# (`fractal_flatten`, pixel_size 8), the 64-token blocks of NABLA's flex-attention BlockMask, and the pipeline's STA
-# mask counts H // 8 x W // 8 blocks of the patch grid (`get_sparse_params`): a patch grid that 8 does not divide fails
-# in a reshape, in training as in rendering. musubi-tuner resizes cached latents to fit (`--nabla_resize`); loraflow
-# sizes the buckets before anything is cached, so the frames are cropped once, at the size trained: both sides a
-# multiple of the family's (VAE x patch) times 8. No torch: planning reads only config.json.
-NABLA_BLOCK = 8  # patches per block side (diffusers' fractal_flatten)
+def bucket_blocks(family: FamilyPlanning, model: ModelSource | str | Path | None) -> BucketBlocks | None:
+    """The blocks the family's bucket sides come in for this checkpoint (its spec's `bucket_rule`: Kandinsky 5's
+    NABLA), None where multiples of the spatial multiple train. The rule reads the transformer's config.json on disk,
+    else (not downloaded yet) the flavour's released config, which the download will bring; no model: the flavour's
+    mode alone. No torch."""
+    return _bucket_blocks(family.name, family.flavour, model)
 
 
 @cache
-def checkpoint_uses_nabla(model: ModelSource | str | Path | None, flavour: Flavour) -> bool:
-    """Whether the transformer attends with NABLA as the flavour runs it: the flavour's mode where it sets the
-    attention (Kandinsky 5 Pro SD/HD, `Flavour.transformer_config`), else the checkpoint's config.json on disk, else
-    (not downloaded yet) the flavour's released config, which the download will bring; no model and no mode: no."""
-    mode = dict(flavour.transformer_config)
-    if "attention_type" in mode:
-        return mode["attention_type"] == "nabla"
+def _bucket_blocks(name: str, flavour: Flavour, model: ModelSource | str | Path | None) -> BucketBlocks | None:
+    spec = family_spec(name)
+    if spec.bucket_rule is None:
+        return None
+    return spec.bucket_blocks(flavour, _transformer_config(model, flavour))
+
+
+def _transformer_config(model: ModelSource | str | Path | None, flavour: Flavour) -> dict:
     if model is None:
-        return False
+        return {}
     from loraflow.pipelines.sources import as_source
 
     path = as_source(model).folder("transformer") / "config.json"
     if path.is_file():
-        return json.loads(path.read_text()).get("attention_type") == "nabla"
+        return json.loads(path.read_text())
     from loraflow.pipelines.released import FLAVOURS, released_config
 
-    return flavour.name in FLAVOURS and released_config(flavour.name, "transformer").get("attention_type") == "nabla"
+    return released_config(flavour.name, "transformer") if flavour.name in FLAVOURS else {}
 
 
-def bucket_multiple(family: FamilyPlan | ModelFamily, model: ModelSource | str | Path | None) -> int:
-    """The pixel multiple of bucket sides: the family's, times NABLA's block side for a NABLA checkpoint."""
-    return family.spatial_multiple * (NABLA_BLOCK if checkpoint_uses_nabla(model, family.flavour) else 1)
+def bucket_multiple(family: FamilyPlanning, model: ModelSource | str | Path | None) -> int:
+    """The pixel multiple of bucket sides: the family's, times its blocks' side where its checkpoint asks blocks."""
+    blocks = bucket_blocks(family, model)
+    return family.spatial_multiple * (1 if blocks is None else blocks.factor)
 
 
-def nabla_note(family: FamilyPlan | ModelFamily, model: ModelSource | str | Path) -> str:
-    """`loraflow check`'s line on why the buckets are sized as they are ("" for a checkpoint without NABLA)."""
-    multiple = bucket_multiple(family, model)
-    if multiple == family.spatial_multiple:
+def bucket_note(family: FamilyPlanning, model: ModelSource | str | Path) -> str:
+    """`loraflow check`'s line on why the buckets are sized as they are ("" where the spatial multiple is all)."""
+    blocks = bucket_blocks(family, model)
+    if blocks is None:
         return ""
-    return (f"NABLA attention (the transformer as {family.flavour.name} runs it): bucket sides are multiples of "
-            f"{multiple} px, "
-            f"{family.spatial_multiple} (VAE x patch) x {NABLA_BLOCK} (NABLA's {NABLA_BLOCK}x{NABLA_BLOCK}-patch "
-            f"blocks); a `resolution` off it is rounded to the nearest")
+    return (f"{blocks.attention} (the transformer as {family.flavour.name} runs it): bucket sides are multiples of "
+            f"{family.spatial_multiple * blocks.factor} px, "
+            f"{family.spatial_multiple} (VAE x patch) x {blocks.factor} ({blocks.blocks}); a `resolution` off it is "
+            "rounded to the nearest")

@@ -35,6 +35,7 @@ class RenderPlan:
     offload_all: bool = False  # every block streamed (enable_group_offload: diffusers' group offloading)
     vae_tiling: bool = False  # the VAE decodes in spatial tiles (diffusers' enable_tiling)
     park: bool = False  # the transformer off the accelerator while the VAE runs, and the VAE while it denoises
+    attention_backend: str = "auto"  # the config's attention_backend (kernels/attention_backend.py): no number moves
 
     def numbers(self) -> dict[str, Any]:
         """What changes a render's numbers (the validation key's part): precision and tiling, when not the default

@@ -17,7 +17,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -356,14 +356,30 @@ def check_layout(model: ModelSource | str | Path, flavour: Flavour) -> None:
             f"(expected sub-folders: {', '.join(flavour.components)})"
         )
     problems = [p for c in flavour.components for p in component_problems(source, c, index[c], flavour)]
+    if not problems and (problem := transformer_problem(source.folder("transformer") / "config.json", flavour)):
+        problems.append(f"{source}: {problem}")
     if problems:
         raise ModelRefused(problems)
+
+
+def transformer_problem(config: Path | Mapping[str, Any], flavour: Flavour) -> str:
+    """Why the flavour cannot run this transformer config (a config.json, or its contents):
+    `Flavour.transformer_problem` ("" it can, or the flavour asks nothing, or there is no config.json to read)."""
+    if flavour.transformer_problem is None:
+        return ""
+    if isinstance(config, Path):
+        try:
+            config = json.loads(config.read_text())
+        except (OSError, ValueError):  # none, or unreadable: the component's own checks say so
+            return ""
+    return flavour.transformer_problem(config) if isinstance(config, Mapping) else ""
 
 
 def component_problems(source: ModelSource, component: str, entry: Any, flavour: Flavour) -> list[str]:
     """Why one component cannot be loaded ([] when it can): its model_index.json entry names a class the flavour
     does not load (the entry picks the Python module and class from_pretrained imports: nothing else is imported);
-    its folder holds weights only as pickles; a .safetensors header does not describe its file."""
+    its folder holds weights only as pickles; its config.json is unreadable or past its family's released sizes
+    (`released.size_problems`); a .safetensors header does not describe its file."""
     found = ".".join(entry) if isinstance(entry, list) and all(isinstance(e, str) for e in entry) else repr(entry)
     expected = flavour.classes.get(component, ())
     if found not in expected:
@@ -375,7 +391,7 @@ def component_problems(source: ModelSource, component: str, entry: Any, flavour:
     problem = weights_problem(f"{source} {component}/", [f.name for f in files])
     if problem:
         return [problem]
-    problems = []
+    problems = config_problems(source.folder(component) / "config.json", flavour, component)
     for file in files:
         if file.suffix == ".safetensors":
             try:
@@ -383,3 +399,15 @@ def component_problems(source: ModelSource, component: str, entry: Any, flavour:
             except UnreadableSafetensors as exc:
                 problems.append(str(exc))
     return problems
+
+
+def config_problems(path: Path, flavour: Flavour, component: str) -> list[str]:
+    """Why a component's config.json cannot be built from ([] when it can, or when the component has none)."""
+    from loraflow.pipelines.released import read_model_config, size_problems
+
+    if not path.is_file():
+        return []
+    try:
+        return size_problems(read_model_config(path), path, flavour.name, component)
+    except ValueError as exc:
+        return [str(exc)]

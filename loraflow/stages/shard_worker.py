@@ -45,7 +45,12 @@ def cache_shard(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
 
     if torch.cuda.device_count() > 1:  # N local processes (`run_workers`, Dagster's multiprocess executor) see all
         torch.cuda.set_device(shard.index % torch.cuda.device_count())
-    return encode_latents(config, family, model, Store(config.cache_dir), datasets=[dataset], shard=shard)
+    store = Store(config.cache_dir, config.dataset_sources)
+    return encode_latents(config, family, model, store, datasets=[dataset], shard=shard)
+
+
+class WorkersFailed(RuntimeError):
+    """Latents workers that exited non-zero, each having printed why: `loraflow cache` says so without a traceback."""
 
 
 def run_workers(config_path: str, dataset: str, count: int) -> dict[int, int]:
@@ -70,13 +75,14 @@ def cache_dataset(config_path: str, config: LoraflowConfig, family: ModelFamily,
     from loraflow.stages.clips.clips import build_clips
     from loraflow.stages.latents.latents import encode_latents
 
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.dataset_sources)
     with store.part_lock(dataset, on_wait=lambda: log.info("waiting for another process writing '%s'", dataset)):
         clips = build_clips(config, family, model, store, datasets=[dataset])
     failed = run_workers(config_path, dataset, workers)
     if failed:
-        raise RuntimeError(f"latents worker(s) {', '.join(f'{i}/{workers}' for i in failed)} of dataset '{dataset}' "
-                           f"failed (exit codes {', '.join(map(str, failed.values()))}); run again to resume them")
+        raise WorkersFailed(f"latents worker(s) {', '.join(f'{i}/{workers}' for i in failed)} of dataset '{dataset}' "
+                            f"failed (exit codes {', '.join(map(str, failed.values()))}; each worker's message is "
+                            "above: a full disk, ...); fix that, then run again to resume them")
     with store.part_lock(dataset):  # every latent is committed: this writes the manifest parts
         latents = encode_latents(config, family, model, store, datasets=[dataset])
         return clips, latents, encode_audio(config, model, store, [dataset]) if config.train_audio else None

@@ -2,9 +2,10 @@
 
 `train_lora` plans the run (its folder and identity: training/run.py), sets up the model (training/model_setup.py),
 runs the optimizer steps (`run_steps`: lr, micro-steps, finite check, step, log, checkpoint) and writes the adapter.
+A micro-step's loss is training/step.py's.
 
 With `train_audio` (Kandinsky 6) a micro-batch with sound trains both streams in one call, at one sigma per sample
-(`flow_terms`): the loss is the video's flow-matching term plus the audio's, each its own mean.
+(step.py `flow_terms`): the loss is the video's flow-matching term plus the audio's, each its own mean.
 
 Resume is exact (training/batches.py: samples, batches, draws): an epoch's batch order comes from (seed, epoch) and
 every random draw of a micro-step (caption dropout, noise, sigmas, TREAD's tokens, LoRA dropout, scheduled
@@ -20,9 +21,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from peft import get_peft_model_state_dict
@@ -33,12 +35,12 @@ from loraflow.config import LoraflowConfig
 from loraflow.config.run_key import run_key_settings
 from loraflow.contracts.clip_rows import changed_sources, changed_sources_warning
 from loraflow.contracts.reports import LoraReport, TrainStep
+from loraflow.contracts.shifts import training_shift
 from loraflow.contracts.teacher_features import teacher_keys
+from loraflow.kernels.attention_backend import attention_backend_of
 from loraflow.kernels.devices import free_models, peak_memory_gib
-from loraflow.kernels.flow_matching import flow_mse, lr_at, noisy_sample
+from loraflow.kernels.flow_matching import lr_at
 from loraflow.kernels.losses import LossType
-from loraflow.kernels.scheduled_sampling import roll_out
-from loraflow.kernels.tread import tread_routing
 from loraflow.keys import content_key, tensors_fingerprint
 from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.sources import ModelSource
@@ -49,16 +51,17 @@ from loraflow.training.checkpoints import (
     LORA_FILE,
     LoraExport,
     adapter_config,
-    comfyui_twin,
-    export_comfyui,
     export_lora,
+    export_twins,
     latest_checkpoint,
     lora_state,
     optimizer_state,
     resume_optimizer,
     save_checkpoint,
     writes_comfyui,
+    writes_musubi,
 )
+from loraflow.training.flops import MicroStepFlops, StepRate, card_peak_tflops, step_flops
 from loraflow.training.launch.distributed import (
     average_gradients_,
     barrier,
@@ -68,20 +71,31 @@ from loraflow.training.launch.distributed import (
     sum_over_ranks,
 )
 from loraflow.training.model_setup import TrainingModel, setup_model
-from loraflow.training.options.crepa_training import Crepa, capturing, projector_state
+from loraflow.training.options.crepa_training import projector_state
 from loraflow.training.options.ema import EMA_CHECKPOINT_FILE, EMA_LORA_FILE
 from loraflow.training.options.optimizers import averaged_weights, exported, make_optimizer, set_lr
 from loraflow.training.options.progress_renders import ProgressRenders
 from loraflow.training.options.tracking import open_sink
 from loraflow.training.row_cache import RowCache, prefetched
-from loraflow.training.run import RunContext, lora_report, run_dir, upstream_versions
+from loraflow.training.run import ATTENTION_FILE, RunContext, lora_report, run_dir, upstream_versions
+from loraflow.training.step import flow_terms, routing, uses_autocast
 
 log = logging.getLogger(__name__)
 
 
 # 1. the run ----------------------------------------------------------------------------------------------------
+def at_training_shift(config: LoraflowConfig, family: ModelFamily, model: ModelSource) -> ModelFamily:
+    """The family with its flavour's `training_shift` the run's default (`contracts.shifts.training_shift`: the
+    checkpoint's scheduler config where the flavour's recipe says so), which `step_draws` reads."""
+    shift = training_shift(config, family.flavour, model).value
+    if shift is None or shift == family.flavour.training_shift:
+        return family
+    return replace(family, flavour=replace(family.flavour, training_shift=shift))
+
+
 def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store) -> LoraReport:
     """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
+    family = at_training_shift(config, family, model)
     # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
     world, device = join(config.num_processes, config.fsdp)
     changed = changed_sources(store, config.dataset_folders) if world.main else []
@@ -95,12 +109,14 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
     out = run.out
     finished = (out / LORA_FILE).is_file()
     check_same_everywhere("the run folder", lambda: content_key(run=out.name, finished=finished), world, device)
-    comfyui = writes_comfyui(config, family)  # `lora_format: comfyui` that cannot be: an error before any training
+    # `lora_format: comfyui` / `musubi` that cannot be: an error before any training
+    twins = writes_comfyui(config, family), writes_musubi(config, family)
     if finished:
-        if comfyui and world.main:  # a run finished without its ComfyUI files gets them, converted (no retraining)
+        if world.main:  # a run finished without its ComfyUI / musubi files gets them, converted (no retraining)
+            reuse = LoraExport({}, family, *twins)
             for lora_file in (out / LORA_FILE, out / EMA_LORA_FILE):
-                if lora_file.is_file() and not comfyui_twin(lora_file).is_file():
-                    export_comfyui(lora_file, family)
+                if lora_file.is_file():
+                    export_twins(lora_file, reuse)
         return lora_report(out, upstream, computed=0)
     samples = build_samples(config, store)
     check_same_everywhere("the samples", lambda: content_key(samples=[(s.latent_key, s.text_key) for s in samples]),
@@ -110,12 +126,15 @@ def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, 
     # 2. model: precision, LoRA (resumed), memory features (training/model_setup.py), optimizer (resumed)
     checkpoint = latest_checkpoint(out)
     trained = setup_model(run, checkpoint)
+    if world.main:
+        write_json(out / ATTENTION_FILE, {"backend": attention_backend_of(trained.transformer),
+                                          "setting": config.attention_backend, "device": device.type})
     params = trained.trainable.params
     optimizer = make_optimizer(config, params, trained.transformer)
     start, rows = resume_optimizer(checkpoint, optimizer) if checkpoint is not None else (0, [])
     history = [TrainStep(**row) for row in rows]
     # 3. steps
-    export = LoraExport(adapter_config(trained.transformer), family, comfyui)  # users' files: checkpoints, the end
+    export = LoraExport(adapter_config(trained.transformer), family, *twins)  # users' files: checkpoints, the end
     history = run_steps(run, plan, trained, optimizer, start, history, export)
     check_same_everywhere("the trained LoRA weights", partial(tensors_fingerprint, [gathered(p) for p in params]),
                           world, device)
@@ -143,21 +162,24 @@ def run_steps(run: RunContext, plan: BatchPlan, trained: TrainingModel, optimize
     config, world, device = run.config, run.world, run.device
     batches = micro_batches(run, plan, start, trained.crepa is not None)
     sink = open_sink(config.report_to, run.out, start, run_key_settings(config)) if world.main else None
-    renders = ProgressRenders(config, run.family, run.model, run.store, run.out, trained.transformer, world)
+    renders = ProgressRenders(run, trained.transformer)
     renders.at_startup(start)  # validation_on_startup; resets the peak memory itself
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    peak = card_peak_tflops(torch.cuda.get_device_name(device), config.gpu_peak_tflops) \
+        if device.type == "cuda" else None
+    flops: dict[tuple, MicroStepFlops] = {}  # micro-batch shapes -> their counted FLOPs
     trained.transformer.train()
     try:
         for step in range(start, config.max_train_steps):
             began = time.perf_counter()
             lr = lr_at(step, config.learning_rate, config.lr_warmup_steps, config.max_train_steps, config.lr_scheduler)
             set_lr(optimizer, lr)
-            losses, seen = micro_steps(run, trained, batches, step)  # flow loss, CREPA term (weighted), audio term
+            losses, seen, counted = micro_steps(run, trained, batches, step, flops)  # flow, CREPA, audio terms
             if config.train_audio:  # a step without sound left the audio stream's gradients None on this rank
                 trained.trainable.fill_missing()
             average_gradients_(trained.trainable.gradients(), world)
-            grad_norm = trained.trainable.step(optimizer, config.max_grad_norm)  # the same on every rank
+            grad_norm = trained.trainable.step(optimizer, config.max_grad_norm, config.grad_clip_method)  # same on all
             if trained.ema is not None:
                 trained.ema.after_step(step + 1, get_peft_model_state_dict(trained.transformer))
             loss_sum, crepa_sum, audio_sum, seen = sum_over_ranks([*(x / world.size for x in losses), seen],
@@ -165,8 +187,10 @@ def run_steps(run: RunContext, plan: BatchPlan, trained: TrainingModel, optimize
             if world.main:
                 extra = {} if trained.crepa is None else {"crepa_loss": crepa_sum}
                 extra |= {"audio_loss": audio_sum} if config.train_audio else {}
-                history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm,
-                                         time.perf_counter() - began, seen, device, sink, extra))
+                seconds = time.perf_counter() - began
+                rate = StepRate.of(counted, seconds, peak)  # this rank's FLOPs: each rank trains its share
+                history.append(_log_step(step + 1, config.max_train_steps, loss_sum, lr, grad_norm, seconds, seen,
+                                         device, sink, extra, rate, peak))
             if (step + 1) % config.checkpointing_steps == 0 and step + 1 < config.max_train_steps:
                 save_step(run, step + 1, trained, optimizer, history, export)
             due = renders.every and (step + 1) % renders.every == 0
@@ -190,20 +214,23 @@ def micro_batches(run: RunContext, plan: BatchPlan, start: int, crepa: bool) -> 
                       range(start * accum, config.max_train_steps * accum))
 
 
-def micro_steps(run: RunContext, trained: TrainingModel, batches: Iterator[MicroBatch],
-                step: int) -> tuple[list[float], int]:
+def micro_steps(run: RunContext, trained: TrainingModel, batches: Iterator[MicroBatch], step: int,
+                flops: dict[tuple, MicroStepFlops]) -> tuple[list[float], int, list[MicroStepFlops]]:
     """Forward and backward of optimizer step `step`'s micro-steps, gradients accumulated in `trained.trainable`;
     a loss that is not finite stops the run before any update. Returns the mean flow loss, CREPA term and audio term
-    (`train_audio`: within the flow loss; 0 for a micro-batch without sound), and the samples seen."""
+    (`train_audio`: within the flow loss; 0 for a micro-batch without sound), the samples seen, and each micro-step's
+    FLOPs (counted at the first micro-step of each shape, remembered in `flops`)."""
     config, family, device, transformer = run.config, run.family, run.device, trained.transformer
     accum, autocast = config.gradient_accumulation_steps, uses_autocast(config, device)
     loss_type = LossType(config.loss_type, config.huber_c, config.huber_schedule)
-    losses, seen = [0.0, 0.0, 0.0], 0
+    losses, seen, counted = [0.0, 0.0, 0.0], 0, []
     for micro in range(step * accum, (step + 1) * accum):
         batch = next(batches)
         if config.lora_dropout:  # peft's dropout draws from the global RNG
             torch.manual_seed(step_seed(config.seed, run.world.micro_step(micro), "lora_dropout"))
-        with routing(transformer, family, config, batch.draws.seed):
+        shape = batch_shape(batch)
+        counter = step_flops() if shape not in flops else None  # a new shape: its FLOPs counted once
+        with routing(transformer, family, config, batch.draws.seed), counter or nullcontext():
             terms = flow_terms(transformer, family, batch, device, autocast, trained.crepa, loss_type)
             loss, term = terms.flow, terms.crepa
             total = loss if term is None else loss + term
@@ -212,24 +239,37 @@ def micro_steps(run: RunContext, trained: TrainingModel, batches: Iterator[Micro
                                          "Lower learning_rate, or check the latent and text caches")
             if config.fsdp:  # reduce-scatter once per step, as DDP's all-reduce: the same sums in order
                 transformer.set_requires_gradient_sync(micro == (step + 1) * accum - 1)
+            if counter is not None:
+                counter.in_backward = True
             (total / accum if accum > 1 else total).backward()
+        if counter is not None:
+            flops[shape] = counter.counted()
+        counted.append(flops[shape])
         trained.trainable.collect()
         losses = [value + (0.0 if part is None else part.item() / accum)
                   for value, part in zip(losses, (loss, term, terms.audio))]
         seen += len(batch.samples)
-    return losses, seen
+    return losses, seen, counted
+
+
+def batch_shape(batch: MicroBatch) -> tuple:
+    """What a micro-step's FLOPs depend on: the shapes of its latents, texts, teacher features and sound."""
+    parts = [batch.x0, *batch.text.values(), batch.teacher, *(() if batch.audio is None else (batch.audio.x0,))]
+    return tuple(tuple(t.shape) for t in parts if isinstance(t, torch.Tensor))
 
 
 def _log_step(step: int, total: int, loss: float, lr: float, grad_norm: float, seconds: float, seen: int,
-              device: torch.device, sink: Any, extra: dict[str, float]) -> TrainStep:
+              device: torch.device, sink: Any, extra: dict[str, float], rate: StepRate,
+              peak: float | None) -> TrainStep:
     """One greppable line, one point per number in the `report_to` sink, one history row. `loss` is the flow loss
     alone; `extra` holds a regulariser's term (crepa_loss) and the audio term within the flow loss (audio_loss), each
-    logged as its own series."""
+    logged as its own series; `rate` the step's FLOP rate and MFU against `peak` (training/flops.py)."""
     row = TrainStep(step=step, loss=loss, lr=lr, grad_norm=grad_norm, ms=seconds * 1000, samples_per_s=seen / seconds,
-                    peak_gib=peak_memory_gib(device) if device.type == "cuda" else None, **extra)
-    log.info("step %d/%d | loss %.4f%s | lr %.1e | grad %.3f | %.0f ms | %.2f samples/s | %s GiB", step, total, loss,
-             "".join(f" | {k} {v:.4f}" for k, v in extra.items()), lr, grad_norm, row.ms, row.samples_per_s,
-             "-" if row.peak_gib is None else f"{row.peak_gib:.1f}")
+                    peak_gib=peak_memory_gib(device) if device.type == "cuda" else None, **extra,
+                    tflops=rate.tflops, mfu=rate.mfu, recompute_tflop=rate.recompute_tflop or None)
+    log.info("step %d/%d | loss %.4f%s | lr %.1e | grad %.3f | %.0f ms | %.2f samples/s | %s GiB%s", step, total,
+             loss, "".join(f" | {k} {v:.4f}" for k, v in extra.items()), lr, grad_norm, row.ms, row.samples_per_s,
+             "-" if row.peak_gib is None else f"{row.peak_gib:.1f}", rate.line(peak))
     if sink is not None:
         sink.log({k: v for k, v in row.json_row().items() if k != "step"}, step)
     return row
@@ -246,85 +286,3 @@ def save_step(run: RunContext, step: int, trained: TrainingModel, optimizer: tor
         save_checkpoint(run.out, step, lora, moments, [row.json_row() for row in history],
                         run.config.checkpoints_total_limit, extra, export)
     barrier(run.world)  # no rank runs ahead of the newest checkpoint
-
-
-# 3. one micro-step ---------------------------------------------------------------------------------------------
-def uses_autocast(config: LoraflowConfig, device: torch.device) -> bool:
-    """Whether the forward runs under bf16 autocast (mixed_precision; `auto`: on CUDA, or with bf16 weights)."""
-    auto = device.type == "cuda" or config.base_model_precision != "no_change"  # bf16 weights need bf16 compute
-    return config.mixed_precision == "bf16" or (config.mixed_precision == "auto" and auto)
-
-
-class FlowTerms(NamedTuple):
-    """A micro-step's loss terms: the video's flow-matching term, the audio's (a batch with sound; else None) and
-    CREPA's weighted term (None when off)."""
-    video: torch.Tensor
-    audio: torch.Tensor | None
-    crepa: torch.Tensor | None
-
-    @property
-    def flow(self) -> torch.Tensor:
-        """The flow-matching loss trained: the video term plus the audio term, each its stream's own mean, so each
-        stream weighs the same however many latent elements it has (a released 5 s clip: 16 x 31 x 64 x 96 video
-        against 40 x 218 audio; one mean over both would leave the sound 0.3% of the loss). Lightricks' LTX-2
-        trainer sums its two streams' means alike (Lightricks/LTX-2@4e277dd, packages/ltx-trainer/src/ltx_trainer/
-        training_strategies/flexible.py `compute_loss`); no Kandinsky 6 trainer is released."""
-        return self.video if self.audio is None else self.video + self.audio
-
-
-def flow_terms(
-    transformer: torch.nn.Module, family: ModelFamily, batch: MicroBatch, device: torch.device, autocast: bool,
-    crepa: Crepa | None = None, loss: LossType = LossType(),
-) -> FlowTerms:
-    """MSE between the predicted velocity and noise - x0 at x_t = (1 - sigma) x0 + sigma noise (fp32); i2v: frame 0
-    of x_t is x0's (the image) and the loss covers the generated frames only (`noisy_sample`, `flow_mse`),
-    each element weighted by the batch's loss masks when it has them (`flow_mse`'s `mask`).
-    Scheduled sampling replaces x_t by the model's own rollout (the target stays); with CREPA, also its weighted
-    term. `loss`: the config's loss_type (kernels/losses.py).
-
-    A batch with sound (`batch.audio`): its audio latents are noised at the same sigma as its video (the
-    transformer takes one timestep for both, as the pipeline steps both with one; pipelines/kandinsky6/family.py),
-    both are predicted in one call, and the audio term is the same loss against its own noise - x0, unmasked."""
-    x0, noise, sigma = batch.x0.to(device), batch.draws.noise.to(device), batch.draws.sigma.to(device)
-    text = {k: v.to(device) for k, v in batch.text.items()}
-    given, last = family.flavour.conditioning_frames, family.flavour.last_frame_given
-    x_t = noisy_sample(x0, noise, sigma, given, last)
-    if batch.draws.rollout is not None:
-        x_t = rolled_out(transformer, family, x_t, x0, noise, sigma, batch.draws.rollout, text, autocast)
-    sound = None if batch.audio is None else (batch.audio.x0.to(device), batch.audio.noise.to(device))
-    joint = {} if sound is None else {"audio": noisy_sample(*sound, sigma)}
-    with capturing(crepa, transformer) as capture, torch.autocast(device.type, dtype=torch.bfloat16,
-                                                                  enabled=autocast):
-        prediction = family.velocity(transformer, x_t, sigma, text, **joint)
-    audio = None
-    if sound is not None:
-        prediction, heard = prediction
-        audio = flow_mse(heard, *sound, loss=loss, sigma=sigma)
-    term = None if crepa is None else crepa.term(transformer, capture, batch.teacher, tuple(x0.shape[2:]))
-    return FlowTerms(flow_mse(prediction, x0, noise, given, last, loss, sigma, batch.mask), audio, term)
-
-
-def rolled_out(transformer: torch.nn.Module, family: ModelFamily, x_t: torch.Tensor, x0: torch.Tensor,
-               noise: torch.Tensor, sigma: torch.Tensor, offsets: torch.Tensor, text: dict[str, torch.Tensor],
-               autocast: bool) -> torch.Tensor:
-    """Scheduled sampling's input: the current model's no-grad Euler rollout from the later sigma. In eval mode:
-    LoRA dropout off, so the rollout is the model's own prediction and draws nothing from the global RNG."""
-    def predict(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
-            return family.velocity(transformer, x, at, text).float()
-
-    transformer.eval()
-    try:
-        return roll_out(predict, x_t, x0, noise, sigma, offsets.to(x_t.device), family.flavour.conditioning_frames,
-                        family.flavour.last_frame_given)
-    finally:
-        transformer.train()
-
-
-def routing(transformer: torch.nn.Module, family: ModelFamily, config: LoraflowConfig,
-            seed: int) -> AbstractContextManager:
-    """TREAD for one forward + backward (a checkpoint recompute reuses the subset), or nothing."""
-    if config.tread_config is None:
-        return nullcontext()
-    return tread_routing(transformer, family.tread_layout, config.tread_config.routes,
-                         torch.Generator().manual_seed(seed))

@@ -9,6 +9,7 @@ kernels/quantize.py); LoRA weights and gradients are always fp32.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,17 +17,20 @@ from typing import Any
 import torch
 
 from loraflow.config import LoraflowConfig
+from loraflow.kernels.attention_backend import apply_attention_backend
 from loraflow.kernels.checkpointing import enable_checkpointing
 from loraflow.kernels.offload import swap_blocks
 from loraflow.kernels.quantize import ONE_BYTE_PRECISIONS, frozen_dtype, store_frozen
 from loraflow.kernels.tread import resolve_routes
-from loraflow.pipelines.base import ModelFamily, load_component, set_flavour_config
+from loraflow.pipelines.base import ModelFamily, load_component, needs_flex_attention, set_flavour_config
 from loraflow.pipelines.sources import ModelSource
 from loraflow.training.launch.distributed import broadcast_, gathered, parallelize
 from loraflow.training.options.adapters import ADAPTER_PARAMETERS, add_adapter, start_adapter
 from loraflow.training.options.crepa_training import Crepa, make_crepa
 from loraflow.training.options.ema import AdapterEma, make_ema
 from loraflow.training.run import RunContext
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ def setup_model(run: RunContext, checkpoint: Path | None) -> TrainingModel:
     then sharded under FSDP."""
     config, family, device = run.config, run.family, run.device
     transformer, params = load_transformer(config, family, run.model, device)
+    backend = apply_attention_backend(transformer, config.attention_backend, device, needs_flex_attention(transformer))
+    log.info("attention: %s (attention_backend: %s) on %s", backend, config.attention_backend, device.type)
     start_adapter(transformer, checkpoint, config.init_lora, family)
     ema = make_ema(config, transformer, checkpoint, device)  # use_ema; from the weights just loaded
     enable_offload(transformer, config, family, device)
@@ -59,7 +65,7 @@ def setup_model(run: RunContext, checkpoint: Path | None) -> TrainingModel:
 
 def add_lora(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> list[torch.nn.Parameter]:
     """The configured adapter added to the family's LoRA targets; returns its parameters, fp32 and trainable."""
-    add_adapter(transformer, config, family.lora_targets(config.lora_include_ffn))  # LoRA, DoRA, LoKr or LoHa
+    add_adapter(transformer, config, family)  # LoRA, DoRA, LoKr or LoHa
     params = [p for n, p in transformer.named_parameters() if any(k in n for k in ADAPTER_PARAMETERS)]
     for p in params:
         p.data = p.data.float()  # fp32 LoRA params even when the base model is bf16 or fp8
@@ -103,7 +109,7 @@ def prepare_transformer(transformer: torch.nn.Module, config: LoraflowConfig,
     # before the adapter: peft wraps the int8 layers, the casting hooks sit on the base layers only; LoRA stays fp32
     store_frozen(transformer, config.base_model_precision, config.fp32_modules_storage)
     if config.tread_config is not None:  # fail before the first step, naming the route
-        if transformer.config.get("attention_type") == "nabla":  # Kandinsky 5's 10 s checkpoints
+        if needs_flex_attention(transformer):  # Kandinsky 5's 10 s checkpoints
             raise ValueError("tread_config: this transformer uses NABLA attention, whose block mask covers every "
                              "visual token in a fixed order; TREAD hands its blocks a random subset. Remove "
                              "tread_config for this checkpoint")
@@ -175,14 +181,18 @@ class Trainable:
             elif not self.offloaded and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> float:
-        """Clip, step, zero; returns the gradient norm before clipping."""
+    def step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float, method: str = "norm") -> float:
+        """Clip (`grad_clip_method`: the total norm to max_grad_norm, or each element to +-max_grad_norm), step, zero;
+        returns the gradient norm before clipping."""
         if self.offloaded:
             self.resident()
             for p, grad in zip(self.params, self.grads):
                 p.grad = grad
             self.grads = [None] * len(self.params)
-        norm = gathered(torch.nn.utils.clip_grad_norm_(self.params, max_grad_norm)).item()
+        limit = max_grad_norm if method == "norm" else float("inf")  # value: the norm measured, nothing scaled
+        norm = gathered(torch.nn.utils.clip_grad_norm_(self.params, limit)).item()
+        if method == "value":  # not under FSDP (config validation): plain tensors
+            torch.nn.utils.clip_grad_value_(self.params, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.sync_copies()

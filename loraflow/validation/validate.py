@@ -34,7 +34,13 @@ from PIL import Image
 
 from loraflow.atomic import write_json
 from loraflow.config import LoraflowConfig
-from loraflow.config.validation_adapters import ValidationAdapter, activate, adapter_keys, load_adapters
+from loraflow.config.validation_adapters import (
+    ValidationAdapter,
+    activate,
+    adapter_keys,
+    adapter_problems,
+    load_adapters,
+)
 from loraflow.contracts.holdout import evaluates
 from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_media, render_settings
 from loraflow.contracts.reports import EvalLoss, PromptRenders, ValidationReport
@@ -70,6 +76,8 @@ def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, st
     condition, seen = prompt_image(config, family, store, settings) if prompts else (None, "")
     texts = cached_texts(store, [(t, seen) for t in [*prompts.values(), negative]] if prompts else [])
     adapters = config.validation_adapters
+    if problems := adapter_problems(config.validation_adapters_key, adapters, model.folder("transformer")):
+        raise ValueError("; ".join(problems))  # before any render: a NaN adapter rendered black, and passed
     sound = config.train_audio  # a flavour with an audio VAE (the config checks): render the sound it trained
     out = Path(config.output_dir) / "validation" / content_key(
         lora=safetensors_sha256(lora_path), model={c: component_fingerprint(model, c) for c in ("transformer", "vae")},
@@ -129,6 +137,11 @@ def render_prompt(
         others[adapter.name] = str(write_media(rendered.frames, folder / f"adapter-{i}-{slug(adapter.name)}", fps,
                                                rendered.sound))
     videos = {label: r.frames for label, r in renders.items()}
+    flat = flat_renders(videos)
+    if flat:
+        log.warning("validation prompt %r: the %s render(s) are all one value (%s): NaN or inf in the model, the "
+                    "LoRA or an adapter renders so; look at them before trusting this run", name, ", ".join(flat),
+                    ", ".join(str(videos[label].flat[0]) for label in flat))
     sounds = {label: r.sound for label, r in renders.items()} if sound else None
     save_png(contact_sheet(videos, title=f"{name}: {prompt}", sounds=sounds), folder / "contact_sheet.png")
     base, tuned = videos["base"], videos["LoRA"]
@@ -138,8 +151,15 @@ def render_prompt(
     result = PromptRenders(
         name=name, prompt=prompt, base=str(paths["base"]), lora=str(paths["LoRA"]),
         contact_sheet=str(folder / "contact_sheet.png"), animation=str(animation) if animation else None,
-        mean_abs_pixel_change=float(np.abs(base.astype(np.int16) - tuned).mean()), adapters=others or None)
+        mean_abs_pixel_change=float(np.abs(base.astype(np.int16) - tuned).mean()), adapters=others or None,
+        flat=flat or None)
     write_json(folder / "result.json", result.json_row())
+
+
+def flat_renders(videos: dict[str, np.ndarray]) -> list[str]:
+    """The labels of the renders whose every pixel of every frame is one value (an all-black video: a NaN adapter
+    rendered so, and the step succeeded)."""
+    return [label for label, frames in videos.items() if frames.size and frames.min() == frames.max()]
 
 
 def _report(out: Path, computed: int) -> ValidationReport:

@@ -12,7 +12,7 @@ from dagster import AssetKey, AssetMaterialization, DagsterInstance, evaluate_au
 
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import clips
-from loraflow.definitions import defs
+from loraflow.definitions import code_location
 from tests.factory import demo_dict, write_config
 
 PARTITION = "demo-videos"
@@ -26,6 +26,7 @@ def _requested(result) -> set[str]:
 def test_upstream_updates_re_embed_and_re_render_but_never_start_training(tiny_k5: Path, demo_data: Path,
                                                                          tmp_path: Path) -> None:
     config = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path))
+    defs = code_location()
     with DagsterInstance.ephemeral() as instance:
         instance.add_dynamic_partitions("datasets", [PARTITION])
         tick = evaluate_automation_conditions(defs, instance)

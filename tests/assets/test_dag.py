@@ -55,7 +55,7 @@ def test_every_stage_materializes_with_metadata(dag_run) -> None:
     lora = metadata(first, "lora")
     assert Path(lora["lora_path"]).is_file() and np.isfinite(lora["final_loss"])
     assert (lora["optimizer"], lora["loss_type"]) == ("adamw", "l2")  # what trained it (issue 32)
-    # the estimate beside the measured peak (tests/test_estimates.py compares them): tiny models, well under 1 GiB
+    # the estimate beside the measured peak (tests/estimates/ compares them): tiny models, well under 1 GiB
     for meta, parts in ((latents, {"weights", "activations"}), (lora, {"weights", "lora", "optimizer", "activations"})):
         assert 0 < meta["est_peak_gib"] < 1 and set(meta["est_peak_parts_gib"]) == parts
     validation = metadata(first, "validation")
@@ -98,12 +98,14 @@ def test_second_materialization_reuses_every_item(dag_run) -> None:
     assert stages[:2] == ["clips[demo-videos]", "latents[demo-videos]"] and stages[4:] == ["lora", "validation"]
     assert sorted(stages[2:4]) == ["teacher_features", "text_embeds"]
     assert all("computed 0," in line for line in summary[:6])
-    # the run folder holds both LoRA files: the diffusers one and the ComfyUI one beside it (the default)
-    lora_file, comfyui_file = (Path(line.split(": ", 1)[1]) for line in summary[6:8])
-    assert summary[6].startswith("lora_path: ") and summary[7].startswith("comfyui_lora_path: ")
+    # the run folder holds the three LoRA files: the diffusers one, the ComfyUI and musubi-tuner ones beside it (the
+    # default)
+    lora_file, comfyui_file, musubi_file = (Path(line.split(": ", 1)[1]) for line in summary[6:9])
+    assert [line.split(": ")[0] for line in summary[6:9]] == ["lora_path", "comfyui_lora_path", "musubi_lora_path"]
     assert lora_file.is_file() and comfyui_file == lora_file.with_name("pytorch_lora_weights_comfyui.safetensors")
-    assert comfyui_file.is_file() and summary[8].startswith("video: ")
-    assert Path(summary[9].removeprefix("contact_sheet: ")).is_file()
+    assert musubi_file == lora_file.with_name("pytorch_lora_weights_musubi.safetensors") and musubi_file.is_file()
+    assert comfyui_file.is_file() and summary[9].startswith("video: ")
+    assert Path(summary[10].removeprefix("contact_sheet: ")).is_file()
 
 
 def test_trained_lora_loads_into_the_diffusers_pipeline_and_changes_the_output(dag_run, tiny_k5: Path) -> None:

@@ -15,27 +15,31 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, materialize
+from dagster import DagsterEventType, DagsterInstance, DagsterRun, DagsterRunStatus, materialize
+from dagster._core.events import EngineEventData
+from dagster._core.storage.tags import GRPC_INFO_TAG
 
 from loraflow.assets.resources import LoraflowResource
-from loraflow.assets.runs.dead_runs import WATCH_INTERVAL_S, reap_dead_runs
+from loraflow.assets.runs.dead_runs import CODE_SERVER_GRACE_S, WATCH_INTERVAL_S, reap_dead_runs
 from loraflow.assets.stages import clips
 from loraflow.store import Store
 from tests.dagster_dev import (
     FINISHED,
     PARTITION,
-    RUN_S,
     dagster_dev,
     executor_pid,
     gpu_claims,
     materialization_keys,
     materializations,
+    run_s,
     status,
     step_worker,
+    time_a_latents_run,
     wait_until,
 )
 from tests.factory import REPO, demo_dict, forget_latents, write_config
@@ -56,6 +60,7 @@ def cached(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFact
         result = materialize([clips], partition_key=PARTITION, instance=instance,
                              resources={"loraflow": LoraflowResource(config_path=str(config))})
         assert result.success
+    print(f"an unobstructed latents run: {time_a_latents_run(home, config, root / 'timed.log'):.1f} s")
     return home, config
 
 
@@ -96,8 +101,8 @@ def running_latents(instance: DagsterInstance, spawn: Callable[..., subprocess.P
     """(process, run id, latents step worker pid) of a CLI latents materialization whose latents step has started."""
     before = {r.run_id for r in instance.get_runs()}
     process = materialize_latents(spawn, name)
-    (run_id,) = wait_until(f"run of `{name}` created", lambda: new_runs(instance, before), RUN_S, process.log_path)
-    pid = wait_until(f"latents step of `{name}` started", lambda: step_worker(instance, run_id, "latents"), RUN_S,
+    (run_id,) = wait_until(f"run of `{name}` created", lambda: new_runs(instance, before), run_s(), process.log_path)
+    pid = wait_until(f"latents step of `{name}` started", lambda: step_worker(instance, run_id, "latents"), run_s(),
                      process.log_path)
     return process, run_id, pid
 
@@ -115,7 +120,7 @@ def stop_step_kill_run(process_pid: int, step_pid: int) -> None:
     neither finish its step nor report, so only the signal its run's death sends it (`die_with_run`) ends it."""
     os.kill(step_pid, signal.SIGSTOP)
     os.kill(process_pid, signal.SIGKILL)
-    wait_until(f"step worker {step_pid} (stopped) gone after its run was killed", lambda: not alive(step_pid), RUN_S)
+    wait_until(f"step worker {step_pid} (stopped) gone after its run was killed", lambda: not alive(step_pid), run_s())
 
 
 def finished(process: subprocess.Popen, timeout_s: float) -> float:
@@ -195,6 +200,33 @@ def test_the_guard_gives_a_free_slot_to_one_waiting_step_only(tmp_path: Path) ->
         assert storage.claim_concurrency_slot("gpu", second, "latents").is_claimed
 
 
+def failure_messages(instance: DagsterInstance, run_id: str) -> list[str]:
+    return [e.message for e in instance.all_logs(run_id, of_type={DagsterEventType.RUN_FAILURE})]
+
+
+def test_a_code_servers_dead_run_is_left_to_it_so_it_fails_once(tmp_path: Path) -> None:
+    """test_dead_runs_pg's doubled failure, call by call on a real SQLite instance: a UI run (launched by a code
+    server, `dagster/grpc_info`) whose recorded process is gone. The guard's pass leaves it to its code server, which
+    reports it failed (as `_check_for_orphaned_runs` does), and a pass after the grace skips it as finished: one
+    failure. A CLI run (no tag) dead alike is failed at once; a code server's run that nobody reported, a pass after
+    the grace. Before, the first pass failed the UI run too: with the code server's report, two failures."""
+    with project_instance(tmp_path) as instance:
+        def dead_run(tags: dict[str, str]) -> DagsterRun:
+            run = instance.add_run(DagsterRun(job_name="cache_dataset", run_id=str(uuid.uuid4()),
+                                              status=DagsterRunStatus.STARTED, tags=tags))
+            process = subprocess.Popen([sys.executable, "-c", ""])
+            process.wait()  # exited and reaped: the pid is gone
+            instance.report_engine_event("Started process for run", run, EngineEventData.in_process(process.pid))
+            return run
+
+        ui, cli, orphan = dead_run({GRPC_INFO_TAG: "{}"}), dead_run({}), dead_run({GRPC_INFO_TAG: "{}"})
+        assert reap_dead_runs(instance, now=100.0) == [cli.run_id]
+        assert status(instance, ui.run_id) == status(instance, orphan.run_id) == DagsterRunStatus.STARTED
+        instance.report_run_failed(ui)  # its code server, between the guard's passes
+        assert reap_dead_runs(instance, now=100.0 + CODE_SERVER_GRACE_S) == [orphan.run_id]
+        assert [len(failure_messages(instance, run.run_id)) for run in (ui, cli, orphan)] == [1, 1, 1]
+
+
 def test_a_killed_cli_run_frees_its_slot_and_its_step_dies_with_it(cached, spawn) -> None:
     """`kill -9` of `dagster asset materialize --select latents`, then the same command again (the issue's case)."""
     forget_latents(cached[1])
@@ -203,11 +235,12 @@ def test_a_killed_cli_run_frees_its_slot_and_its_step_dies_with_it(cached, spawn
         stop_step_kill_run(killed.pid, step_pid)
         killed.wait()
         assert materializations(instance, run_id) == []  # stopped mid-step, then gone: nothing reported
-        # Loading the definitions reaps before returning, so before a CLI run's step asks for the slot.
-        finished(spawn("load", sys.executable, "-c", "import loraflow.definitions"), RUN_S)
+        # Loading the code location (as Dagster's CLI calls `defs`) reaps before returning, so before a CLI run's step
+        # asks for the slot.
+        finished(spawn("load", sys.executable, "-c", "from loraflow.definitions import defs; defs()"), run_s())
         assert instance.get_run_by_id(run_id).status == DagsterRunStatus.FAILURE
         assert gpu_claims(instance) == []
-        print(f"the next run finished in {finished(materialize_latents(spawn, 'again'), RUN_S):.1f} s")
+        print(f"the next run finished in {finished(materialize_latents(spawn, 'again'), run_s()):.1f} s")
         assert instance.get_run_by_id(run_id).status == DagsterRunStatus.FAILURE  # reported by the next process
         assert_nothing_missing(instance, cached[1])
 
@@ -220,13 +253,13 @@ def test_a_run_waiting_for_the_slot_of_a_killed_run_goes_on(cached, spawn) -> No
         os.kill(step_pid, signal.SIGSTOP)  # it keeps the slot however slowly the next run starts on busy cores
         before = {r.run_id for r in instance.get_runs()}
         waiting = materialize_latents(spawn, "waiting")
-        (waiting_id,) = wait_until("the waiting run created", lambda: new_runs(instance, before), RUN_S,
+        (waiting_id,) = wait_until("the waiting run created", lambda: new_runs(instance, before), run_s(),
                                    waiting.log_path)
-        wait_until("the waiting run blocked by the gpu pool", lambda: blocked(instance, waiting_id), RUN_S,
+        wait_until("the waiting run blocked by the gpu pool", lambda: blocked(instance, waiting_id), run_s(),
                    waiting.log_path)
         stop_step_kill_run(killed.pid, step_pid)
         # its guard looks again within WATCH_INTERVAL_S, and its step asks for the slot again within CLAIM_RETRY_S
-        waiting_s = finished(waiting, WATCH_INTERVAL_S + CLAIM_RETRY_S + RUN_S)
+        waiting_s = finished(waiting, WATCH_INTERVAL_S + CLAIM_RETRY_S + run_s())
         print(f"the waiting run finished {waiting_s:.1f} s after the kill")
         assert instance.get_run_by_id(run_id).status == DagsterRunStatus.FAILURE
         assert instance.get_run_by_id(waiting_id).status == DagsterRunStatus.SUCCESS
@@ -244,21 +277,21 @@ def test_under_dagster_dev_a_killed_run_worker_frees_the_slot_and_the_queued_run
     with dagster_dev(*cached, tmp_path / "dagster_dev.log") as url, instance_of(cached) as instance:
         client = DagsterGraphQLClient("127.0.0.1", port_number=int(url.rsplit(":", 1)[1]))
         first = client.submit_job_execution("cache_dataset", tags={"dagster/partition": PARTITION})
-        wait_until("the first run started", lambda: status(instance, first) == DagsterRunStatus.STARTED, RUN_S)
+        wait_until("the first run started", lambda: status(instance, first) == DagsterRunStatus.STARTED, run_s())
         second = client.submit_job_execution("cache_dataset", tags={"dagster/partition": PARTITION})
 
         def first_in_latents_second_queued() -> int | None:
             assert status(instance, second) == DagsterRunStatus.QUEUED, "two runs of one dataset at once"
             return step_worker(instance, first, "latents")
 
-        step_pid = wait_until("the first run's latents step started", first_in_latents_second_queued, RUN_S)
+        step_pid = wait_until("the first run's latents step started", first_in_latents_second_queued, run_s())
         killed = time.monotonic()
         stop_step_kill_run(executor_pid(instance, first), step_pid)  # the run worker, started by the code server
         wait_until("the killed run reported failed", lambda: status(instance, first) == DagsterRunStatus.FAILURE, 30)
         # the daemon looks every poll_interval_seconds (10 s) for runs ended free_slots_after_run_end_seconds (5) ago
         wait_until("its gpu slot freed", lambda: not gpu_claims(instance), 60)
         slot_s = time.monotonic() - killed
-        wait_until("the queued run finished", lambda: status(instance, second) in FINISHED, RUN_S)
+        wait_until("the queued run finished", lambda: status(instance, second) in FINISHED, run_s())
         done_s = time.monotonic() - killed
         print(f"dagster dev: slot free {slot_s:.1f} s, queued run done {done_s:.1f} s after the kill")
         assert [e.asset_key.path[-1] for e in materialization_keys(instance, first)] == ["clips"]  # no latents
@@ -275,19 +308,19 @@ def test_a_cli_run_waits_for_another_writer_of_its_dataset_and_a_killed_writer_f
     holder = spawn("holder", sys.executable, "-c", "import time\nfrom loraflow.store import Store\n"
                    f"with Store({cache_dir!r}).part_lock({PARTITION!r}):\n    print('held', flush=True)\n"
                    "    time.sleep(600)\n")
-    wait_until("the lock held", lambda: "held" in holder.log_path.read_text(), RUN_S, holder.log_path)
+    wait_until("the lock held", lambda: "held" in holder.log_path.read_text(), run_s(), holder.log_path)
     with instance_of(cached) as instance:
         before = {r.run_id for r in instance.get_runs()}
         dagster = str(Path(sys.executable).with_name("dagster"))
         run = spawn("clips", dagster, "asset", "materialize", "-m", "loraflow.definitions", "--select", "clips",
                     "--partition", PARTITION)
-        (run_id,) = wait_until("the clips run created", lambda: new_runs(instance, before), RUN_S, run.log_path)
-        wait_until("the clips run waiting for the writer", lambda: waiting_for_writer(instance, run_id), RUN_S,
+        (run_id,) = wait_until("the clips run created", lambda: new_runs(instance, before), run_s(), run.log_path)
+        wait_until("the clips run waiting for the writer", lambda: waiting_for_writer(instance, run_id), run_s(),
                    run.log_path)
         time.sleep(2)  # still waiting a while later: nothing it does goes past the lock
         assert run.poll() is None and materializations(instance, run_id) == []
         os.killpg(holder.pid, signal.SIGKILL)
-        print(f"the clips run finished {finished(run, RUN_S):.1f} s after the writer was killed")
+        print(f"the clips run finished {finished(run, run_s()):.1f} s after the writer was killed")
         assert [e.asset_key.path[-1] for e in materialization_keys(instance, run_id)] == ["clips"]
 
 
@@ -299,7 +332,6 @@ SOAK_SEED = 35  # issue 35: any seed gives other moments; this one is the suite'
 FIELD_KILL_S = (4.0, 25.0)  # the field's kills: this long after the command started
 IN_STEP_KILL_S = (0.0, 5.0)  # the others: this long after the run's latents step started, so with the slot held
 # The last run encodes every clip the killed ones left and runs the checks: 273 s on 2 cores at load 14
-LAST_RUN_S = 2 * RUN_S
 
 
 def holders_when_asked(instance: DagsterInstance, run_id: str) -> set[str] | None:
@@ -318,7 +350,7 @@ def test_reruns_after_many_kills_at_random_moments_always_get_the_slot(cached, s
     a random moment (seeded): half at 4-25 s after the command started, as in the field, half 0-5 s into its latents
     step (the `gpu` slot held, whatever the machine's speed). Each run's step asks for the slot only after the runs
     killed before it were reaped (its guard's first pass comes first: no slot held when it asks), and a run's latents
-    step must start within RUN_S. After SOAK_KILLS kills, a last run must finish with every clip's latent listed."""
+    step must start within run_s(). After SOAK_KILLS kills, a last run must finish with every clip's latent listed."""
     rng = random.Random(SOAK_SEED)
     forget_latents(cached[1])
     kills, to_step = {"field": 0, "in step": 0}, []
@@ -343,7 +375,7 @@ def test_reruns_after_many_kills_at_random_moments_always_get_the_slot(cached, s
             started = time.monotonic()
             if mode == "in step":
                 to_step.append(wait_until(f"{name}: latents step started",
-                                          lambda: step_started(name, before, started), RUN_S, process.log_path))
+                                          lambda: step_started(name, before, started), run_s(), process.log_path))
             deadline = time.monotonic() + moment if mode == "in step" else started + moment
             while time.monotonic() < deadline and process.poll() is None:
                 step_started(name, before, started)
@@ -355,7 +387,7 @@ def test_reruns_after_many_kills_at_random_moments_always_get_the_slot(cached, s
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             kills[mode] += 1
-        last_s = finished(materialize_latents(spawn, "last"), LAST_RUN_S)
+        last_s = finished(materialize_latents(spawn, "last"), 2 * run_s())
         print(f"soak (seed {SOAK_SEED}): kills {kills}; the in-step runs reached their latents step "
               f"{min(to_step):.1f}-{max(to_step):.1f} s after their command started; the last run took {last_s:.1f} s")
         assert_nothing_missing(instance, cached[1])

@@ -14,9 +14,10 @@ from dagster import DagsterEventType, DagsterInstance, materialize
 from loraflow.assets.resources import LoraflowResource
 from loraflow.assets.stages import lora
 from loraflow.config import load_config
+from loraflow.pipelines import get_family
 from loraflow.store import Store
 from loraflow.training import loop as T
-from loraflow.training.run import run_dir, upstream_versions
+from loraflow.training.run import current_run_dir
 from tests.factory import REPO, build_caches, make_config
 
 
@@ -38,7 +39,7 @@ def test_rank_0_reports_the_materialization(launched) -> None:
     assert result.success
     (event,) = result.get_asset_materialization_events()
     meta = {k: v.value for k, v in event.materialization.metadata.items()}
-    run = run_dir(config, upstream_versions(Store(config.cache_dir)))
+    run = current_run_dir(config, get_family(config), Store(config.cache_dir))
     assert meta["computed"] == 2 and meta["lora_path"] == str(run / T.LORA_FILE) and Path(meta["lora_path"]).is_file()
     assert event.materialization.tags["dagster/data_version"] == run.name
     history = json.loads((run / "history.json").read_text())

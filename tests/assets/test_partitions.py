@@ -121,10 +121,15 @@ def test_a_dataset_removed_from_the_config_is_no_longer_read_or_cached(setup, ti
     root, _, instance, store = setup
     cats_only = two_dataset_config(tiny_k5, root, keep=("cats",), max_train_steps=2, checkpointing_steps=2)
     resource = LoraflowResource(config_path=str(cats_only))
-    resource.store(resource.load())  # what every asset and check of this config does first
-    assert {r["dataset"] for r in store.read_manifest("clips")} == {"cats"}
-    assert {r["dataset"] for r in store.read_manifest("latents")} == {"cats"}
-    assert store.keys("clips") >= {r["key"] for r in store.read_manifest("clips")}
+    files = {p: p.stat().st_mtime_ns for p in (root / "cache").rglob("*") if p.is_file()}
+    cats_store = resource.store(resource.load())  # what every asset and check of this config does first
+    assert {p: p.stat().st_mtime_ns for p in (root / "cache").rglob("*") if p.is_file()} == files  # a getter
+    assert {r["dataset"] for r in cats_store.read_manifest("clips")} == {"cats"}
+    assert {r["dataset"] for r in cats_store.read_manifest("latents")} == {"cats"}
+    assert cats_store.keys("clips") >= {r["key"] for r in cats_store.read_manifest("clips")}
+    both = LoraflowResource(config_path=str(two_dataset_config(tiny_k5, root, max_train_steps=2)))
+    # the dogs' parts are still the two-dataset config's: taking a dataset out of one config deletes nothing
+    assert {r["dataset"] for r in both.store(both.load()).read_manifest("latents")} == {"cats", "dogs"}
     failed = cache(setup, "dogs", resource)
     assert not failed.success
     types = [e.event_type for e in failed.all_events]
@@ -165,3 +170,22 @@ def test_two_processes_cache_two_datasets_at_once(tiny_k5: Path, tmp_path: Path)
         rows = store.read_manifest(stage)
         assert sorted(r["dataset"] for r in rows) == ["cats", "cats", "dogs"], stage  # neither list overwritten
     assert store.keys("latents") >= {r["key"] for r in store.read_manifest("latents")}
+
+
+def test_a_job_run_before_loraflow_partitions_says_to_run_it(tiny_k5: Path, tmp_path: Path) -> None:
+    """A fresh instance with no partition yet (the README's `loraflow partitions` step skipped): the cache_dataset run
+    fails at its first step with one message naming `loraflow partitions`, not Dagster's "Nonexistent partition
+    keys" when the first output is stored."""
+    from dagster import DagsterInstance
+
+    make_dataset(tmp_path / "cats", ["tabby"])
+    config = two_dataset_config(tiny_k5, tmp_path, keep=("cats",))
+    job = build_defs(LoraflowResource(config_path=str(config))).resolve_job_def("cache_dataset")
+    with DagsterInstance.ephemeral() as instance:
+        # as `dagster job execute --tags '{"dagster/partition": "cats"}'` launches it (partition_key= checks first)
+        result = job.execute_in_process(instance=instance, tags={"dagster/partition": "cats"}, raise_on_error=False)
+    assert not result.success
+    failures = [e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE]
+    assert [e.step_key for e in failures] == ["dataset_files"]
+    message = failures[0].step_failure_data.error.message
+    assert "run `loraflow partitions`" in message and "Nonexistent" not in message, message

@@ -114,7 +114,8 @@ def test_a_latent_the_latents_stage_quarantined_is_not_reported_missing(tmp_path
     store.write_manifest("clips", [clip_row(f"c{i}", "d", f"{i}.mp4").to_row() for i in range(2)], part="d")
     store.put("latents", [{"key": "l0", "latent": np.zeros((1,), np.float32)}])
     store.write_manifest("latents", [{"key": "l0", "clip_key": "c0", "bucket": "b"}], part="d")
-    expected = [PlannedLatent(key=f"l{i}", tiled_key=f"t{i}", clip_key=f"c{i}", bucket="b", dataset="d")
+    expected = [PlannedLatent(key=f"l{i}", tiled_key=f"t{i}", clip_key=f"c{i}", bucket="b", dataset="d",
+                              source=f"{i}.mp4", frames="0-0")
                 for i in range(2)]
     assert [r["clip"] for r in clips_without_latents(expected, store, ["d"])] == ["c1"]
     store.write_manifest("latents_quarantine", [{"key": "l1", "clip_key": "c1", "dataset": "d",
@@ -313,8 +314,9 @@ def test_recache_requests_a_run_per_dataset_partition(tmp_path: Path) -> None:
 
 
 def test_definitions_wire_partitions_jobs_checks_sensor_schedule_and_retries() -> None:
-    from loraflow.definitions import defs
+    from loraflow.definitions import code_location
 
+    defs = code_location()
     assert {s.name for s in defs.schedules} == {"recache"}
     assert {s.name for s in defs.sensors} == {"dataset_watch"}
     graph = defs.resolve_asset_graph()

@@ -25,6 +25,8 @@ CLIP_COLUMNS = {"key": "string", "dataset": "string", "source": "string", "path"
                 "box": INTS, "captions": "list<element: string>", "repeats": "int64",
                 "source_version": "string"}  # added by issue 42 (a manifest without it reads as before)
 MASK_COLUMNS = {"mask": "string", "mask_path": "string", "mask_resize": INTS, "mask_box": INTS}
+# with `video.scene_cuts: detect` only (issue 60; tests/stages/test_scene_cuts.py): ClipRow.scene, after the others
+SCENE_COLUMNS = {"scene": "int64", "start_s": "double", "end_s": "double"}
 QUARANTINE_COLUMNS = {"dataset": "string", "file": "string", "reason": "string", "detail": "string"}
 
 
@@ -48,18 +50,19 @@ def test_the_typed_rows_are_the_manifest_columns(tiny_k5: Path, tmp_path: Path) 
                       "video": {"num_frames": 5}, "conditioning_data": "masks"},
                      {"id": "masks", "dataset_type": "conditioning", "conditioning_type": "mask",
                       "instance_data_dir": str(masks)}]})
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.dataset_sources)
     report = build_clips(config, get_family(config), model_source(config), store)
 
-    manifest = tmp_path / "cache" / "clips" / "manifest" / "v.parquet"
+    manifest = store.manifest_file("clips", "v")  # keyed by the dataset's sources (docs/caches.md)
     assert columns(manifest) == {**CLIP_COLUMNS, **MASK_COLUMNS}  # names, order and types as always written
-    assert [f.name for f in fields(ClipRow)] == [*CLIP_COLUMNS, *PAIRED_COLUMNS]
+    # audio_caption: a column only where a family composes it (Kandinsky 6); scene: SCENE_COLUMNS
+    assert [f.name for f in fields(ClipRow)] == [*CLIP_COLUMNS, *PAIRED_COLUMNS, "audio_caption", "scene"]
     assert [f"mask_{f.name}" if f.name != "key" else "mask" for f in fields(PairedImage)] == [*MASK_COLUMNS]
     rows = store.read_manifest("clips")
     assert [clip.to_row() for clip in read_clips(store)] == rows and len(rows) == 1  # nothing lost either way
     assert rows[0]["mask_path"] == str(masks / "a.png") and rows[0]["captions"] == ["caption a"]
 
-    quarantine = tmp_path / "cache" / "quarantine" / "manifest" / "v.parquet"
+    quarantine = store.manifest_file("quarantine", "v")
     assert columns(quarantine) == QUARANTINE_COLUMNS == {f.name: "string" for f in fields(DroppedFile)}
     assert store.read_manifest("quarantine") == [q.to_row() for q in report.quarantined]
     assert [q.reason for q in report.quarantined] == ["missing_mask"]

@@ -57,7 +57,7 @@ def masked(own_caches: dict[str, Path], output: Path, half: bool, **overrides: A
 
 def use(config: LoraflowConfig) -> LoraflowConfig:
     """The store's clips and latents manifests are this config's (encoding what it lacks)."""
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.dataset_sources)
     build_clips(config, family, model_source(config), store)
     encode_latents(config, family, model_source(config), store)
     return config
@@ -78,13 +78,14 @@ def test_an_all_white_mask_trains_the_unmasked_lora(own_caches: dict[str, Path],
     assert "masks on dataset(s) demo-videos" in masked_loss_metadata(config)["masked_loss"]
     assert masked_loss_metadata(make_config(own_caches, tmp_path / "plain")) == {}
     (own_caches["root"] / "white" / "clip_02.png").unlink()  # a file without its mask: quarantined, with the reason
-    report = build_clips(config, get_family(config), model_source(config), Store(config.cache_dir))
+    store = Store(config.cache_dir, config.dataset_sources)
+    report = build_clips(config, get_family(config), model_source(config), store)
     assert [(Path(q.file).name, q.reason) for q in report.quarantined] == [("clip_02.mp4", "missing_mask")]
 
 
 def test_a_half_mask_zeroes_the_gradient_of_masked_out_latents(own_caches: dict[str, Path], tmp_path: Path) -> None:
     half = masked(own_caches, tmp_path / "half", half=True)
-    store, family = Store(half.cache_dir), get_family(half)
+    store, family = Store(half.cache_dir, half.dataset_sources), get_family(half)
     rows = store.get("latents", {r["key"] for r in store.read_manifest("latents")})
     for row in rows.values():  # area averages: whole cells on each side are exactly 1 and 0
         mask = np.asarray(row[MASK_COLUMN])  # (1, 1, h, w)
@@ -121,7 +122,7 @@ def test_a_half_mask_changes_the_lora_probability_0_does_not_and_a_resume_is_exa
     # 0.25: with seed 42 micro-step 0 skips the masks and 1 applies them (each from its own generator)
     sometimes = half.model_copy(update={"masked_loss_probability": 0.25, "max_train_steps": 2,
                                         "checkpointing_steps": 1, "output_dir": str(tmp_path / "sometimes")})
-    store, family = Store(half.cache_dir), get_family(half)
+    store, family = Store(half.cache_dir, half.dataset_sources), get_family(half)
     samples = D.build_samples(half, store)[:1]
     assert [D.load_micro_batch(sometimes, family, store, samples, k).mask is None for k in range(2)] == [True, False]
     whole = train(sometimes)

@@ -43,7 +43,8 @@ def test_manifests_from_before_a_column_was_added_read_with_its_meaning(tmp_path
 def test_a_tiled_fallback_is_listed_under_its_tiled_key_as_approximate() -> None:
     from loraflow.stages.latents.latents import PlannedLatent
 
-    planned = PlannedLatent(key="exact", tiled_key="tiled", clip_key="c0", bucket="b", dataset="d")
+    planned = PlannedLatent(key="exact", tiled_key="tiled", clip_key="c0", bucket="b", dataset="d", source="0.mp4",
+                            frames="0-0")
     assert planned.listed(False) == LatentRow("exact", "c0", "b", "d", approximate=False)
     assert planned.listed(True) == LatentRow("tiled", "c0", "b", "d", approximate=True)
 
@@ -52,6 +53,7 @@ def test_history_rows_keep_the_keys_a_run_measured() -> None:
     """history.json and the report_to sink: a CPU run without CREPA logs no peak_gib and no crepa_loss (no nulls)."""
     import torch
 
+    from loraflow.training.flops import MicroStepFlops, StepRate
     from loraflow.training.loop import _log_step
 
     class Sink:
@@ -59,11 +61,13 @@ def test_history_rows_keep_the_keys_a_run_measured() -> None:
             self.logged = (values, step)
 
     sink = Sink()
-    row = _log_step(3, 10, 0.5, 1e-4, 0.25, 0.2, 4, torch.device("cpu"), sink, {})
-    assert row == TrainStep(step=3, loss=0.5, lr=1e-4, grad_norm=0.25, ms=200.0, samples_per_s=20.0)
-    assert list(row.json_row()) == ["step", "loss", "lr", "grad_norm", "ms", "samples_per_s"]
-    assert sink.logged == ({"loss": 0.5, "lr": 1e-4, "grad_norm": 0.25, "ms": 200.0, "samples_per_s": 20.0}, 3)
-    crepa = _log_step(3, 10, 0.5, 1e-4, 0.25, 0.2, 4, torch.device("cpu"), None, {"crepa_loss": -0.125})
+    rate = StepRate.of([MicroStepFlops(model=10**12, recompute=0)], 0.2, None)  # the CPU: no peak, no MFU
+    row = _log_step(3, 10, 0.5, 1e-4, 0.25, 0.2, 4, torch.device("cpu"), sink, {}, rate, None)
+    assert row == TrainStep(step=3, loss=0.5, lr=1e-4, grad_norm=0.25, ms=200.0, samples_per_s=20.0, tflops=5.0)
+    assert list(row.json_row()) == ["step", "loss", "lr", "grad_norm", "ms", "samples_per_s", "tflops"]
+    assert sink.logged == ({"loss": 0.5, "lr": 1e-4, "grad_norm": 0.25, "ms": 200.0, "samples_per_s": 20.0,
+                            "tflops": 5.0}, 3)
+    crepa = _log_step(3, 10, 0.5, 1e-4, 0.25, 0.2, 4, torch.device("cpu"), None, {"crepa_loss": -0.125}, rate, None)
     assert crepa.json_row()["crepa_loss"] == -0.125 and TrainStep(**crepa.json_row()) == crepa
 
 
@@ -76,6 +80,8 @@ def test_the_trainers_summary_keeps_its_keys(tmp_path: Path) -> None:
     assert report.summary() == {**{k: getattr(report, k) for k in keys}, "final_loss": 0.75}
     exported = LoraReport(**{**vars(report), "comfyui_lora_path": "c.safetensors"})
     assert list(exported.summary()) == [*keys, "comfyui_lora_path", "final_loss"]
+    both = LoraReport(**{**vars(exported), "musubi_lora_path": "m.safetensors"})
+    assert list(both.summary()) == [*keys, "comfyui_lora_path", "musubi_lora_path", "final_loss"]
 
 
 def test_a_prompts_result_json_has_adapters_only_where_they_rendered() -> None:

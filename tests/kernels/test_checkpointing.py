@@ -18,18 +18,14 @@ import pytest
 import torch
 
 from loraflow import estimates
-from loraflow.config import ConfigError, LoraflowConfig, load_config
+from loraflow.config import ConfigError, LoraflowConfig
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.stages.clips.buckets import latent_geometry
 from loraflow.training.model_setup import load_transformer
-from tests.factory import demo_dict, write_config
+from tests.factory import config_for
 
 CPU = torch.device("cpu")
-
-
-def config_for(tiny_k5: Path, demo_data: Path, root: Path, **overrides: object) -> LoraflowConfig:
-    return load_config(write_config(root / "config.yaml", demo_dict(tiny_k5, demo_data, root, **overrides)))
 
 
 LATENT, TEXT_TOKENS = (16, 2, 16, 16), 5  # the tiny model's forward in these tests, batch 1

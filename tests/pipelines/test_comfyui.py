@@ -350,6 +350,8 @@ def test_lora_format_is_validated() -> None:
     assert parse_config(data).lora_format == "diffusers"
     data["lora_format"] = "comfyui"
     assert parse_config(data).lora_format == "comfyui"
+    data["lora_format"] = "musubi"
+    assert parse_config(data).lora_format == "musubi"
     data["lora_format"] = "kohya"
     with pytest.raises(ConfigError) as info:
         parse_config(data)

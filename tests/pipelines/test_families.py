@@ -38,7 +38,7 @@ from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from loraflow.demo.tiny import build_tiny
-from loraflow.pipelines import family_specs, load_family, plan_family
+from loraflow.pipelines import FamilyPlanning, family_specs, load_family, plan_family
 from loraflow.pipelines.base import ModelFamily, load_component
 from loraflow.pipelines.hunyuanvideo15 import family as hunyuanvideo15
 from loraflow.pipelines.kandinsky5.image import family as kandinsky5_image
@@ -368,24 +368,37 @@ def test_flavour_defaults(module: Any, flavour: str | None, expected: tuple) -> 
 @pytest.mark.parametrize(("family", "flavour"), [(spec.name, flavour) for spec in family_specs()
                                                  for flavour in spec.flavour_names()])
 def test_the_plan_answers_as_the_family(family: str, flavour: str) -> None:
-    """What planning and `loraflow check` ask the plain `FamilyPlan` (no torch: a remembered estimate is found from
-    it) the family object answers alike, for every flavour."""
+    """What planning and `loraflow check` ask (`FamilyPlanning`, one protocol) the plain `FamilyPlan` (no torch: a
+    remembered estimate is found from it) and the family object answer alike, for every flavour."""
     plan = plan_family(SimpleNamespace(model_family=family, model_flavour=flavour))
     loaded = load_family(family, flavour)
-    asked = ("name", "spatial_multiple", "vae_temporal_factor", "max_text_tokens")
+    asked = tuple(FamilyPlanning.__annotations__)
+    assert asked == ("name", "flavour", "spatial_multiple", "vae_temporal_factor", "max_text_tokens")
     assert [getattr(plan, a) for a in asked] == [getattr(loaded, a) for a in asked]
 
 
-def test_hv15_vae_mask_keeps_diffusers_rule() -> None:
-    """The HV1.5 VAE's mid-block mask, which `hunyuanvideo15.frame_causal_mask` builds in diffusers' place (through
-    the class: the replacement is installed): token i sees token j iff j's latent frame is not after i's."""
+def test_hv15_vae_mask_is_diffusers_own_on_the_loaded_vae_alone() -> None:
+    """`setup_vae` gives each mid-block attention of one loaded HV1.5 VAE `frame_causal_mask`, which builds diffusers'
+    mask (token i sees token j iff j's latent frame is not after i's) a frame at a time; diffusers' class keeps its
+    own method, so a VAE not set up (another library's, in the same process) runs as diffusers wrote it."""
     from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
 
+    from loraflow.pipelines.hunyuanvideo15.tiny import hunyuan_video15_vae
+
+    stock = HunyuanVideo15AttnBlock.__dict__["prepare_causal_attention_mask"]
+    vae, other = hunyuan_video15_vae(), hunyuan_video15_vae()
+    hunyuanvideo15.make_family(None).setup_vae(vae)
+    blocks = [m for m in vae.modules() if isinstance(m, HunyuanVideo15AttnBlock)]
+    assert blocks and all(b.prepare_causal_attention_mask is hunyuanvideo15.frame_causal_mask for b in blocks)
+    assert HunyuanVideo15AttnBlock.__dict__["prepare_causal_attention_mask"] is stock
+    assert all(b.prepare_causal_attention_mask is not hunyuanvideo15.frame_causal_mask
+               for b in other.modules() if isinstance(b, HunyuanVideo15AttnBlock))
     n_frame, n_hw = 3, 4
+    mask = blocks[0].prepare_causal_attention_mask(n_frame, n_hw, torch.float32, "cpu", batch_size=2)
+    assert torch.equal(mask, stock.__func__(n_frame, n_hw, torch.float32, "cpu", batch_size=2))
     frame = torch.arange(n_frame * n_hw) // n_hw
-    expected = torch.where(frame[None, :] <= frame[:, None], 0.0, float("-inf"))
-    mask = HunyuanVideo15AttnBlock.prepare_causal_attention_mask(n_frame, n_hw, torch.float32, "cpu", batch_size=2)
-    assert mask.shape == (2, 12, 12) and torch.equal(mask[0], expected) and torch.equal(mask[1], expected)
+    assert mask.shape == (2, 12, 12) and torch.equal(mask[1], torch.where(frame[None, :] <= frame[:, None], 0.0,
+                                                                          float("-inf")))
 
 
 # -- render ------------------------------------------------------------------------------------------------

@@ -133,11 +133,12 @@ def reference_velocity(transformer, x_t, sigma, text_row, image_latent, image_em
     mask = torch.zeros_like(x_t[:, :1])
     mask[:, :, 0] = 1
     qwen = torch.from_numpy(np.array(text_row["text_embeds"]))[None]
-    byt5 = torch.from_numpy(np.array(text_row["byt5_embeds"]))[None]
-    return transformer(
+    byt5_valid = torch.from_numpy(np.array(text_row["byt5_mask"])).bool()
+    byt5 = torch.from_numpy(np.array(text_row["byt5_embeds"]))[None, byt5_valid]  # the valid glyph tokens alone:
+    return transformer(  # a sample's padding reaches none of its valid tokens (training passes none to attention)
         hidden_states=torch.cat([x_t, cond, mask], 1), image_embeds=image_embeds, timestep=sigma * 1000,
         encoder_hidden_states=qwen, encoder_attention_mask=torch.ones(qwen.shape[:2]),
-        encoder_hidden_states_2=byt5, encoder_attention_mask_2=torch.from_numpy(np.array(text_row["byt5_mask"]))[None],
+        encoder_hidden_states_2=byt5, encoder_attention_mask_2=torch.ones(byt5.shape[:2]),
         return_dict=False,
     )[0]
 
@@ -362,3 +363,29 @@ def test_i2v_prob_trains_seeded_micro_batches_as_t2v(trained, root: Path, tmp_pa
     with pytest.raises(ValueError, match="i2v_prob"):  # K5 i2v's image is a clean latent frame, not a condition
         load_config(write_config(tmp_path / "k5.yaml", {**yaml.safe_load((REPO / "configs" / "demo.yaml").read_text()),
                                                           "i2v_prob": 0.3}))
+
+
+def test_left_out_the_validation_size_renders_at_itself_from_a_frame_of_any_aspect(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default size is the one the pipeline renders at when given the frame as validation gives it (already fitted
+    to that size). One demo run in five failed in `validation`: the held-out clip it renders from is the first by key
+    (keys hold the files' mtimes), and when that was clip_04, a 112x64 (HxW) frame, its bucket 80x48 was refused
+    (diffusers maps an 80x48 image to 64x48: its bucket ratios are rounded to 5 digits). Every frame size on the tiny
+    model's 16 px grid up to 4:1, as the clips stage stores them."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    import loraflow.contracts.renders as R
+
+    config = make_config(root, tmp_path / "out", validation_resolution=None)
+    family, model = get_family(config), model_source(config)
+    target = HunyuanVideo15Transformer3DModel.load_config(root / "model" / "transformer")["target_size"]
+    processor = HunyuanVideo15ImageProcessor()
+    store = Store(str(tmp_path / "cache"))
+    frames = [(h, w) for h in range(16, 257, 16) for w in range(16, 257, 16) if max(h, w) / min(h, w) <= 4]
+    store.put("clips", [{"key": f"{h}x{w}", "frames": np.zeros((1, h, w, 3), np.uint8)} for h, w in frames])
+    assert "112x64" in {f"{h}x{w}" for h, w in frames}
+    for h, w in frames:
+        monkeypatch.setattr(R, "conditioning_clip", lambda *_, key=f"{h}x{w}": key)
+        settings = render_settings(config, family, model, store)  # raised ValueError for 112x64
+        size = (settings.height, settings.width)
+        assert tuple(processor.calculate_default_height_width(*size, target)) == size, (h, w, size)

@@ -85,11 +85,12 @@ def test_each_target_clip_stores_its_source_image_cut_to_the_target_bucket(cache
 
 
 def test_the_clips_preview_shows_each_source_image_below_its_target(cached) -> None:
-    from loraflow.media.previews import THUMB, clip_preview
+    from loraflow.contracts.clip_rows import stored_clips
+    from loraflow.media.previews import PREVIEW_CLIPS, THUMB, clip_preview
 
     config, sources = cached
     store = Store(config.cache_dir)
-    preview = np.asarray(clip_preview(store))
+    preview = np.asarray(clip_preview(stored_clips(store, PREVIEW_CLIPS)))
     first = store.read_manifest("clips")[0]
     source = np.asarray(Image.open(sources / f"{Path(first['path']).stem}.png").convert("RGB"))
     assert preview.shape[0] == 2 * THUMB

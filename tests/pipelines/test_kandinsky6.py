@@ -256,7 +256,9 @@ def test_comfyui_names_are_the_original_nodes() -> None:
 def test_a_distilled_flavour_renders_with_piflow_and_no_guidance(tiny_k6_distilled: Path,
                                                                  text: dict[str, Any]) -> None:
     """The π-Flow checkpoint renders through its own PiflowScheduler, one transformer call per step (guidance 1.0:
-    no negative pass), i2v from a first frame; another guidance is refused before the pipeline runs, naming the key."""
+    no negative pass), i2v from a first frame, its sound sampled with the picture even when only the picture is
+    asked for (the original's rule: `Flavour.sound_required`); another guidance is refused before the pipeline runs,
+    naming the key."""
     from diffusers import PiflowScheduler
 
     from loraflow.pipelines.base import RenderSettings
@@ -269,13 +271,14 @@ def test_a_distilled_flavour_renders_with_piflow_and_no_guidance(tiny_k6_distill
                               flow_shift=5.0)
     image = np.full((32, 48, 3), 120, np.uint8)
     calls = []
-    hook = pipe.transformer.register_forward_hook(lambda m, a, out: calls.append(out))
+    hook = pipe.transformer.register_forward_hook(lambda m, a, kw, out: calls.append(kw), with_kwargs=True)
     try:
         video = family.render(pipe, prompt, negative, settings, lora_scale=0, image=image)
     finally:
         hook.remove()
     assert isinstance(pipe.scheduler, PiflowScheduler) and pipe.scheduler.config.shift == 5.0
     assert video.shape == (9, 32, 48, 3) and video.dtype == np.uint8 and len(calls) == 2
+    assert all(call["audio_hidden_states"] is not None for call in calls)  # both streams, every step
     with pytest.raises(ValueError, match="validation_guidance: 1.0"):
         family.render(pipe, prompt, negative, replace(settings, guidance=5.0), lora_scale=0, image=image)
     assert len(calls) == 2

@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from loraflow.estimates.fake_tensors import fake_mode, fresh_saves, known_values, released_model
+from loraflow.kernels.attention_backend import attention_backend_of
 from loraflow.kernels.quantize import frozen_dtype, store_frozen
 from loraflow.pipelines import get_family
 from loraflow.pipelines.base import RenderSettings
@@ -40,8 +41,8 @@ from loraflow.pipelines.kandinsky5 import common as kandinsky5
 from loraflow.pipelines.kandinsky5.video.family import I2V_MIN_FRAMES
 from loraflow.pipelines.released import released_config
 from loraflow.pipelines.render_memory import RenderPlan, place
-from loraflow.training import loop as T
 from loraflow.training.batches import MicroBatch
+from loraflow.training.step import flow_terms, routing, uses_autocast
 from tests.factory import (
     DEPTH,
     Case,
@@ -94,7 +95,7 @@ def test_nabla_velocity_at_released_size(eager_flex: None) -> None:
     (call,) = seen
     blocks = shape[2] * (shape[3] // 2) * (shape[4] // 2) // 64  # NABLA's 64-token blocks of 2x2 patches
     assert tuple(call["sparse_params"]["sta_mask"].shape) == (1, 1, blocks, blocks)
-    assert kandinsky5.uses_nabla(transformer) and transformer.__dict__.get("_loraflow_flex")
+    assert kandinsky5.uses_nabla(transformer) and attention_backend_of(transformer) == "flex"
 
 
 def test_fp8_layerwise_training_step_at_released_size() -> None:
@@ -107,9 +108,9 @@ def test_fp8_layerwise_training_step_at_released_size() -> None:
     with fake_mode():
         transformer, params = released_transformer(case, config, family)
         transformer.train()
-        with fresh_saves(), known_values(), T.routing(transformer, family, config, draws.seed):
-            loss = T.flow_terms(transformer, family, MicroBatch([], x0, text, draws), torch.device("cpu"),
-                                T.uses_autocast(config, torch.device("cpu"))).flow
+        with fresh_saves(), known_values(), routing(transformer, family, config, draws.seed):
+            loss = flow_terms(transformer, family, MicroBatch([], x0, text, draws), torch.device("cpu"),
+                                uses_autocast(config, torch.device("cpu"))).flow
             loss.backward()
     assert loss.shape == () and loss.dtype == torch.float32
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
@@ -144,6 +145,7 @@ def fake_pipeline(family: Any, flavour: str, plan: RenderPlan = RenderPlan(), mo
         transformer = as_loaded(released_model(flavour, "transformer", **depth(released)), dtype)
         store_frozen(transformer, plan.precision, plan.kept)
         vae = as_loaded(released_model(flavour, "vae"), dtype)
+        family.setup_vae(vae)  # as the family's `load_renderer` does
         pipe = pipeline(transformer=transformer, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
                         tokenizer_2=None, **real)
         place(pipe, plan, family.tread_layout.blocks, torch.device("cpu"))

@@ -19,14 +19,16 @@ import numpy as np
 import pytest
 import torch
 
+import loraflow.media.frames as F
 import loraflow.stages.audio.audio_latents as A
 from loraflow.contracts.audio_rows import OK, audio_latent_length, audio_latents_of, read_audio_rows
 from loraflow.contracts.clip_rows import read_clips
 from loraflow.media.frames import decode_audio
 from loraflow.pipelines.base import load_component, scaled_posterior
 from loraflow.pipelines.kandinsky6.audio_vae import save_tiny_audio_vae
+from loraflow.store import Store
 from tests.factory import clips_config, run_clips
-from tests.media_factory import s16, tone, write_h264, write_video, write_with_sound
+from tests.media_factory import Track, s16, tone, write_h264, write_video, write_with_sound, write_with_tracks
 
 RATE = 44_100
 FPS = 24
@@ -46,16 +48,16 @@ def audio_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def cache_audio(tiny_k5: Path, audio_model: Path, root: Path, write: dict) -> tuple:
-    """The files `write` makes (name -> writer of that path) as one dataset: clips, then audio latents.
-    Returns (report, {(source, first frame): row}, store, config)."""
+def cache_audio(tiny_k5: Path, audio_model: Path, root: Path, write: dict, **dataset: object) -> tuple:
+    """The files `write` makes (name -> writer of that path) as one dataset (`dataset`: more of its settings): clips,
+    then audio latents. Returns (report, {(source, first frame): row}, store, config)."""
     data = root / "data"
     data.mkdir(parents=True)
     for name, writer in write.items():
         writer(data / name)
         (data / name).with_suffix(".txt").write_text("a sound\n")
     config = clips_config(tiny_k5, root, [{"instance_data_dir": str(data),
-                                            "video": {"num_frames": FRAMES, "frame_extraction": "chunk"}}])
+                                            "video": {"num_frames": FRAMES, "frame_extraction": "chunk"}, **dataset}])
     _, store = run_clips(config)
     report = A.encode_audio(config, audio_model, store)
     clips = {c.key: c for c in read_clips(store)}
@@ -174,3 +176,136 @@ def test_a_decoder_that_hangs_is_killed_and_its_clip_tried_again_next_run(
     monkeypatch.setattr(A, "DECODE_TIMEOUT_S", 60.0)
     again = A.encode_audio(config, audio_model, store)
     assert again.computed == 1 and read_audio_rows(store)[row.clip_key].status == OK
+
+
+def test_the_default_track_is_read_not_the_first_and_audio_stream_names_another(
+        tiny_k5: Path, audio_model: Path, tmp_path: Path) -> None:
+    """Commentary (300 Hz, disposition comment) as the first track, the main mix (1000 Hz, flagged default) second, in
+    FLAC (exact, as s16): the clip's latent is the main mix's, and its row says which track it read; with
+    `audio_stream: 0` the commentary's, under another key."""
+    commentary, main = tone(1.2, RATE, 300)[None], tone(1.2, RATE, 1000)[None]
+    tracks = [Track(commentary, RATE, codec="flac", disposition=("comment",)),
+              Track(main, RATE, codec="flac", disposition=("default",))]
+    write = {"film.mkv": lambda p: write_with_tracks(p, FRAMES, tracks)}
+    _, rows, store, _ = cache_audio(tiny_k5, audio_model, tmp_path / "default", write)
+    row = rows[("film.mkv", 0)]
+    assert row.status == OK, row
+    np.testing.assert_array_equal(stored_latent(store, row), encoded(audio_model, s16(main[0, :SAMPLES])))
+    assert row.track.startswith("a:1 of 2 (default; FFmpeg's pick), stream #2: flac 1 ch"), row.track
+    _, named, store, _ = cache_audio(tiny_k5, audio_model, tmp_path / "named", write, audio_stream=0)
+    other = named[("film.mkv", 0)]
+    assert other.status == OK and other.track.startswith("a:0 of 2 (comment; audio_stream)") and other.key != row.key
+    np.testing.assert_array_equal(stored_latent(store, other), encoded(audio_model, s16(commentary[0, :SAMPLES])))
+    _, missing, _, _ = cache_audio(tiny_k5, audio_model, tmp_path / "missing", write, audio_stream=2)
+    assert missing[("film.mkv", 0)].status == "no_audio" and "audio_stream: 2" in missing[("film.mkv", 0)].detail
+
+
+def test_7_1_aac_and_flac_become_latents_of_their_channels_mean(
+        tiny_k5: Path, audio_model: Path, tmp_path: Path) -> None:
+    """Eight channels of eight tones: PyAV 18.1 counts 9 planes in such a planar frame and `to_ndarray()` crashed the
+    worker (decode_timeout, every run). FLAC (16-bit, at 44.1 kHz: not resampled) reaches the VAE as the mean of its
+    channels within 16-bit storage (1.6e-5); AAC (lossy) correlates > 0.99 with that mean (the tones are orthogonal: one
+    channel alone would give 0.12-0.53; FLAC's exact check is the one that sees a channel missing). Channel 3 is the
+    LFE, which AAC low-passes (a 450 Hz tone there comes back at 0.24 of itself): it gets 60 Hz."""
+    hz = [300 + 50 * c if c != 3 else 60 for c in range(8)]
+    channels = np.stack([tone(1.2, RATE, hz[c], amplitude=0.1 + 0.05 * c) for c in range(8)])
+    write = {"cinema.mkv": lambda p: write_with_sound(p, FRAMES, channels, RATE, "7.1", codec="flac"),
+             "cinema.mp4": lambda p: write_with_sound(p, FRAMES, channels, RATE, "7.1", codec="aac")}
+    report, rows, store, _ = cache_audio(tiny_k5, audio_model, tmp_path, write)
+    assert {source: r.status for (source, _), r in rows.items()} == {"cinema.mkv": OK, "cinema.mp4": OK}, rows
+    assert all("8 ch (7.1)" in r.track for r in rows.values())
+    mean = s16(channels[:, :SAMPLES]).mean(axis=0)
+    flac = decode_audio(tmp_path / "data" / "cinema.mkv", 0.0, SAMPLES, RATE).waveform
+    np.testing.assert_allclose(flac, mean, atol=1e-6)
+    np.testing.assert_array_equal(stored_latent(store, rows[("cinema.mkv", 0)]), encoded(audio_model, flac))
+    aac = decode_audio(tmp_path / "data" / "cinema.mp4", 0.0, SAMPLES, RATE).waveform
+    settled = round(0.05 * RATE)  # past the encoder's priming
+    assert np.corrcoef(aac[settled:], mean[settled:])[0, 1] > 0.99
+    assert report.computed == 2 and not report.quarantined
+
+
+def test_a_track_that_crashes_the_decoder_is_stored_so_the_next_run_crashes_nothing(
+        tiny_k5: Path, audio_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that dies of a segmentation fault reading the sound (planted: its audio reader dereferences address 0,
+    a real SIGSEGV in the real worker process): the clip's row says so (decoder_crash, naming the signal, not "the
+    file is corrupt, re-encode the video") and is stored, so the next run, crashing workers still, computes 0."""
+    write = {"crash.mov": lambda p: write_with_sound(p, FRAMES, tone(1.2, RATE, 440)[None], RATE)}
+    boot = F._WORKER_BOOT.replace(
+        "from loraflow.media.frames import _serve;",
+        "import ctypes, loraflow.media.audio_worker as w; w.clip_audio_local = lambda *a: ctypes.string_at(0); "
+        "from loraflow.media.frames import _serve;")
+    assert boot != F._WORKER_BOOT
+    F._close_all_workers()  # idle workers booted without the fault
+    monkeypatch.setattr(F, "_WORKER_BOOT", boot)
+    try:
+        report, rows, store, config = cache_audio(tiny_k5, audio_model, tmp_path, write)
+        (row,) = rows.values()
+        assert row.status == "decoder_crash" and "SIGSEGV" in row.detail and "corrupt" not in row.detail, row
+        assert report.computed == 1 and row.key in store.keys(A.STAGE)
+        again = A.encode_audio(config, audio_model, store)
+        assert (again.computed, again.reused) == (0, 1)
+        assert read_audio_rows(store)[row.clip_key].status == "decoder_crash"
+    finally:
+        F._close_all_workers()
+
+
+def test_a_drift_of_exactly_one_frame_is_kept_and_sound_over_full_scale_is_clipped_and_said(
+        tiny_k5: Path, audio_model: Path, tmp_path: Path) -> None:
+    """A 25-frame clip of a 25 fps source taken 1:1 at 24 fps spans 1.000 s and plays 1.0417 s: exactly one frame (at
+    24 fps) of drift, which the rule allows (float rounding made it 1/24 + 7e-17 and called it out_of_sync). A float
+    track peaking at 1.65 reaches the VAE clipped to [-1, 1], and its ok row says so."""
+    loud = tone(1.2, RATE, 440, amplitude=1.65)
+    write = {"pal.mov": lambda p: write_with_sound(p, FRAMES, tone(1.2, RATE, 440)[None], RATE, fps=25),
+             "loud.mov": lambda p: write_with_sound(p, FRAMES, loud[None], RATE, codec="pcm_f32le")}
+    report, rows, store, _ = cache_audio(tiny_k5, audio_model, tmp_path, write)
+    assert rows[("pal.mov", 0)].status == OK, rows[("pal.mov", 0)].detail
+    row = rows[("loud.mov", 0)]
+    assert row.status == OK and "peaks at 1.65" in row.detail, row
+    expected = np.clip(loud[:SAMPLES].astype(np.float32), -1, 1)
+    np.testing.assert_array_equal(stored_latent(store, row), encoded(audio_model, expected))
+    assert [c.clip_key for c in report.clipped] == [row.clip_key]
+
+
+def test_an_audio_latent_that_is_not_finite_is_refused_and_the_others_stored(
+        tiny_k5: Path, audio_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real tiny audio VAE, its log-mel made NaN (a forward hook on its real `mel_converter` module) for the loud
+    clip only: that clip's row is non_finite_latent, naming the clip and the precision, and holds no latent; the quiet
+    one is stored as it encodes."""
+    write = {"quiet.mov": lambda p: write_with_sound(p, FRAMES, tone(1.2, RATE, 440, amplitude=0.1)[None], RATE),
+             "loud.mov": lambda p: write_with_sound(p, FRAMES, tone(1.2, RATE, 440, amplitude=0.9)[None], RATE)}
+    load = A.load_component
+
+    def poisoned(*args: object, **kwargs: object) -> torch.nn.Module:
+        vae = load(*args, **kwargs)
+        vae.mel_converter.register_forward_hook(
+            lambda _, inputs, out: out * torch.nan if inputs[0].abs().max() > 0.5 else None)
+        return vae
+
+    monkeypatch.setattr(A, "load_component", poisoned)
+    report, rows, store, _ = cache_audio(tiny_k5, audio_model, tmp_path, write)
+    bad, good = rows[("loud.mov", 0)], rows[("quiet.mov", 0)]
+    assert bad.status == "non_finite_latent" and "loud.mov" in bad.detail and "float32" in bad.detail, bad
+    assert [q.reason for q in report.quarantined] == ["non_finite_latent"]
+    assert good.status == OK
+    expected = s16(tone(1.2, RATE, 440, amplitude=0.1)[:SAMPLES])
+    np.testing.assert_array_equal(stored_latent(store, good), encoded(audio_model, expected))
+
+
+def test_a_dataset_taken_out_of_the_config_leaves_no_audio_rows(
+        tiny_k5: Path, audio_model: Path, tmp_path: Path) -> None:
+    """Two datasets with sound, then a config without the second: that config's store reads no audio row of it, as
+    none of its clips and latents (a cache shared by configs keeps every config's parts: docs/caches.md)."""
+    folders = []
+    for name in ("kept", "gone"):
+        folder = tmp_path / name
+        folder.mkdir()
+        write_with_sound(folder / f"{name}.mov", FRAMES, tone(1.2, RATE, 440)[None], RATE)
+        (folder / f"{name}.txt").write_text("a sound\n")
+        folders.append({"instance_data_dir": str(folder), "video": {"num_frames": FRAMES}})
+    both = clips_config(tiny_k5, tmp_path, folders)
+    _, store = run_clips(both)
+    A.encode_audio(both, audio_model, store)
+    assert {r.dataset for r in read_audio_rows(store).values()} == {"d0", "d1"}
+    kept = clips_config(tiny_k5, tmp_path, folders[:1])
+    run_clips(kept)  # the config without d1 reads no row of it (its parts stay: another config may share them)
+    assert {r.dataset for r in read_audio_rows(Store(kept.cache_dir, kept.dataset_sources)).values()} == {"d0"}

@@ -349,14 +349,23 @@ def test_runaway_captions_are_quarantined_by_limits_the_dataset_can_raise(tiny_k
                        fine.name: "caption_too_long"}
 
 
-@pytest.mark.parametrize(("caption", "named"), [("a cat\x00", "U+0000"), ("a \x1b[31mred\x1b[0m cat", "U+001B"),
-                                               ("a\x7fcat", "U+007F")])
+@pytest.mark.parametrize(("caption", "named"), [
+    ("a cat\x00", "U+0000 at character 6 (a NUL mostly means UTF-16"),
+    ("a \x1b[31mred\x1b[0m cat", "U+001B at character 3 (an ESC begins a terminal colour"),  # it spoke of NUL
+    ("a\x7fcat", "U+007F"),
+    # issue 62 item 4: bidi controls and zero-width characters were stored as written (a shown caption spoofed)
+    ("a cat \u202eyrev\u202c", "U+202E at character 7 (a bidi control reorders"),
+    ("a \u2066dog\u2069", "U+2066"),
+    ("a c\u200bat", "U+200B at character 4 (a zero-width character is invisible"),
+    ("a\u200dcat", "U+200D"), ("a\u2060cat", "U+2060"), ("a cat\ufeff", "U+FEFF at character 6"),
+])
 def test_a_caption_with_control_characters_is_quarantined(tiny_k5: Path, tmp_path: Path, caption: str,
                                                           named: str) -> None:
     data = tmp_path / "data"
     bad, tabbed = videos(data, 2, captions=False)
     bad.with_suffix(".txt").write_text(f"a fine caption\n{caption}\n")
-    tabbed.with_suffix(".txt").write_text("a cat\tsitting\r\non a mat\n")  # a tab and Windows line ends are text
+    # a tab and Windows line ends are text; a byte-order mark at a caption's start is the mark, dropped
+    tabbed.with_suffix(".txt").write_text("a cat\tsitting\r\n\ufeffon a mat\n")
     report, store = run_clips(clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data)}]))
     assert {r["source"]: r["captions"] for r in store.read_manifest("clips")} == {
         tabbed.name: ["a cat\tsitting", "on a mat"]}

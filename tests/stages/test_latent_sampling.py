@@ -32,7 +32,7 @@ from loraflow.pipelines.sources import model_source
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.latents.latents import encode_latents, latent_rows
 from loraflow.store import Store
-from tests.factory import demo_dict, write_config
+from tests.factory import config_for, demo_dict, write_config
 from tests.numerics import U32
 
 FAMILIES = {  # family -> (module, frames (F, H, W) the tiny VAE encodes)
@@ -120,7 +120,7 @@ def test_draw_latents_is_mean_plus_std_times_seeded_normal() -> None:
 
 def test_switching_latent_sampling_adds_keys_and_leaves_mode_rows(tiny_k5: Path, demo_data: Path,
                                                                    tmp_path: Path) -> None:
-    as_mode = load_config(write_config(tmp_path / "mode.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))
+    as_mode = config_for(tiny_k5, demo_data, tmp_path, name="mode.yaml")
     as_dist = load_config(write_config(tmp_path / "dist.yaml", demo_dict(tiny_k5, demo_data, tmp_path,
                                                                         latent_sampling="distribution")))
     family, store = get_family(as_mode), Store(as_mode.cache_dir)

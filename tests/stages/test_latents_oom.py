@@ -19,12 +19,11 @@ import torch
 
 import loraflow.stages.latents.latents as L
 from loraflow.assets.checks import clips_without_latents
-from loraflow.config import load_config
 from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.stages.clips.clips import build_clips
 from loraflow.store import Store
-from tests.factory import demo_dict, uninterrupted_latents, write_config
+from tests.factory import config_for, uninterrupted_latents
 
 
 def out_of_memory_unless_tiling(vae: torch.nn.Module) -> None:
@@ -37,7 +36,7 @@ def out_of_memory_unless_tiling(vae: torch.nn.Module) -> None:
 
 def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
         tiny_k5: Path, demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = load_config(write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path)))
+    config = config_for(tiny_k5, demo_data, tmp_path)
     family, store = get_family(config), Store(config.cache_dir)
     build_clips(config, family, model_source(config), store)
     exact = {r.clip_key: r for r in L.latent_rows(config, get_family(config), model_source(config), store)}
@@ -74,3 +73,39 @@ def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
     assert all(not r["approximate"] and r["key"] == exact[r["clip_key"]].key for r in listed)
     for key, row in store.get("latents", keys).items():  # exactly: the bits of a run that never ran short
         assert np.array_equal(row["latent"], reference[key]), key
+
+
+def test_a_clip_whose_latent_is_not_finite_is_quarantined_and_the_others_stored(
+        tiny_k5: Path, demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real tiny VAE, its encoder's output made NaN for the first clip it encodes (a forward hook on the real
+    module, as a VAE run in too narrow a precision overflows): that clip is quarantined (non_finite_latent, its detail
+    naming its file, its frames and the precision) and not stored, the other clips are stored as a clean run stores
+    them, and the blocking check does not count the quarantined one as missing."""
+    config = config_for(tiny_k5, demo_data, tmp_path)
+    family, store = get_family(config), Store(config.cache_dir)
+    build_clips(config, family, model_source(config), store)
+    planned = {r.clip_key: r for r in L.latent_rows(config, family, model_source(config), store)}
+    assert len(planned) >= 2
+    reference = uninterrupted_latents(tiny_k5, demo_data, tmp_path / "reference", [r.key for r in planned.values()])
+    load = L.load_component
+    encoded: list[int] = []
+
+    def overflowing(path: str, name: str, *args, **kwargs):
+        component = load(path, name, *args, **kwargs)
+        if name == "vae":
+            component.encoder.register_forward_hook(
+                lambda _m, _i, out: out * torch.nan if not encoded.append(1) and len(encoded) == 1 else None)
+        return component
+
+    monkeypatch.setattr(L, "load_component", overflowing)
+    report = L.encode_latents(config, family, model_source(config), store)
+    (bad,) = report.quarantined
+    clip = planned[bad.clip_key]
+    assert bad.reason == "non_finite_latent" and bad.key not in store.keys("latents")
+    assert clip.source in bad.detail and f"frames {clip.frames}" in bad.detail and "float32" in bad.detail, bad.detail
+    assert report.computed == len(planned) - 1
+    good = [r.key for r in planned.values() if r.clip_key != bad.clip_key]
+    for key, row in store.get("latents", good).items():
+        assert np.array_equal(row["latent"], reference[key]), key
+    assert {r["clip_key"] for r in store.read_manifest("latents")} == set(planned) - {bad.clip_key}
+    assert clips_without_latents(list(planned.values()), store) == []

@@ -1,4 +1,5 @@
-"""Buckets a NABLA checkpoint can train (loraflow/pipelines/registry.py: bucket_multiple), planned before caching, and
+"""Buckets a NABLA checkpoint can train (loraflow/pipelines/kandinsky5/nabla_buckets.py, the Kandinsky 5 specs'
+`bucket_rule`; `pipelines.bucket_multiple` asks it), planned before caching, and
 `loraflow check` of a Kandinsky 5 Pro HD config before its download: 128-px buckets and a NABLA estimate.
 
 The tiny Kandinsky 5 Video checkpoint with its transformer config switched to `attention_type: nabla` (the weights do

@@ -76,3 +76,28 @@ def test_latent_frames_map_to_the_last_frame_of_their_group() -> None:
     assert latent_frame_indices(1, 4) == [0]
     with pytest.raises(ValueError, match="10 frames is not 1 \\+ 4 k"):
         latent_frame_indices(10, 4)
+
+
+def test_features_that_are_not_finite_are_refused_by_name_and_the_others_stored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real tiny DINOv2, its final layer norm made NaN for the first clip (a forward hook on the real module): the
+    stage stores the other clip's features and fails naming the refused clip, never caching NaN for CREPA to train
+    toward."""
+    import loraflow.stages.teacher.teacher_features as T
+
+    store, clips = clips_store(tmp_path)
+    teacher = Teacher(str(tiny_dinov2(tmp_path / "dinov2")), image_size=16)
+    load, calls = T.load_teacher, []
+
+    def overflowing(*args: object) -> torch.nn.Module:
+        model = load(*args)
+        model.layernorm.register_forward_hook(
+            lambda _m, _i, out: out * torch.nan if not calls.append(1) and len(calls) == 1 else None)
+        return model
+
+    monkeypatch.setattr(T, "load_teacher", overflowing)
+    with pytest.raises(ValueError, match=r"clip c1 \(dataset a\): the teacher, in float32, gave non-finite"):
+        encode_teacher_features(clips, teacher, 4, store, ["a", "b"])
+    stored = store.get(STAGE, store.keys(STAGE))
+    assert [row["clip_key"] for row in stored.values()] == ["c2"]
+    assert all(np.isfinite(row["features"]).all() for row in stored.values())

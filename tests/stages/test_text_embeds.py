@@ -19,7 +19,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from loraflow.config import load_config
 from loraflow.contracts.clip_rows import PairedImage
 from loraflow.contracts.reports import TruncatedText
 from loraflow.contracts.text_set import TextSetRow
@@ -28,12 +27,12 @@ from loraflow.pipelines.sources import model_source
 from loraflow.stages.clips.clips import build_clips
 from loraflow.stages.text.text_embeds import encode_texts, load_encoders, needed_texts, truncation_table
 from loraflow.store import Store
-from tests.factory import REPO, clip_row, demo_dict, write_config
+from tests.factory import REPO, clip_row, config_for
 
 
 def setup(model: Path, data: Path, root: Path, captions: list[str] | None = None, **overrides):
     """Config, family and store with clips built; `captions` replace the clips' captions (one clip each)."""
-    config = load_config(write_config(root / "config.yaml", demo_dict(model, data, root, **overrides)))
+    config = config_for(model, data, root, **overrides)
     family, store = get_family(config), Store(config.cache_dir)
     build_clips(config, family, model_source(config), store)
     if captions is not None:
@@ -85,7 +84,7 @@ def test_killed_text_run_resumes_without_duplicate_or_missing_keys(tiny_k5: Path
 
 def test_a_caption_over_the_token_limit_is_truncated_and_counted(tiny_k5: Path, demo_data: Path,
                                                                  tmp_path: Path) -> None:
-    family = get_family(load_config(write_config(tmp_path / "c.yaml", demo_dict(tiny_k5, demo_data, tmp_path))))
+    family = get_family(config_for(tiny_k5, demo_data, tmp_path, name="c.yaml"))
     long = "x" * (family.max_text_tokens + 50)  # the tiny tokenizer is byte-level: one token per character
     config, family, store = setup(tiny_k5, demo_data, tmp_path, ["a short caption", long, long])
     report = encode_texts(config, family, model_source(config), store)

@@ -145,16 +145,16 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
         loaded = get_peft_model_state_dict(transformer)
         assert all(torch.equal(loaded[k] * (2 if "lora_B" in k else 1), trained[k]) for k in trained), source.name
     store = Store(config.cache_dir)
-    key = run_dir(config, upstream_versions(store, config))
+    key = run_dir(config, upstream_versions(store, config, family))
     copied = tmp_path / "copy.safetensors"
     shutil.copy(run / T.LORA_FILE, copied)
     assert run_dir(make_config(caches, tmp_path / "init", init_lora=str(copied)),
-                     upstream_versions(store, config)) == key  # the path is not the key: the content is
+                     upstream_versions(store, config, family)) == key  # the path is not the key: the content is
     save_file({k: v + (k.endswith("lora_B.weight")) for k, v in load_file(copied).items()}, copied)
     changed = make_config(caches, tmp_path / "init", init_lora=str(copied))
-    assert run_dir(changed, upstream_versions(store, changed)) != key
+    assert run_dir(changed, upstream_versions(store, changed, family)) != key
     plain = make_config(caches, tmp_path / "init")
-    assert run_dir(plain, upstream_versions(store, plain)) != key
+    assert run_dir(plain, upstream_versions(store, plain, family)) != key
     first = train(make_config(caches, tmp_path / "from_file", init_lora=str(run / T.LORA_FILE), max_train_steps=1))
     scratch = json.loads((run / "history.json").read_text())[0]  # the same first batch from peft's init
     assert first.history[0].loss != scratch["loss"]  # train_lora's step 1 ran from the file

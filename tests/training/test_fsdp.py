@@ -23,9 +23,10 @@ import yaml
 from safetensors.torch import load_file
 
 from loraflow.assets.runs.launch import launch_command
+from loraflow.pipelines import get_family
 from loraflow.store import Store
 from loraflow.training import loop as T
-from loraflow.training.run import run_dir, upstream_versions
+from loraflow.training.run import current_run_dir
 from tests.factory import REPO, TWO_RANK_SETTINGS, make_config, run_ranks, same_lora_file, train
 from tests.servers import free_port
 
@@ -93,7 +94,7 @@ def sharded(own_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     torchrun(str(root / "probe.py"), str(root / "fsdp.yaml"), str(root))
     return {"config": config, "yaml": root / "fsdp.yaml", "probe": root,
             "held": [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)],
-            "run": run_dir(config, upstream_versions(Store(config.cache_dir)))}
+            "run": current_run_dir(config, get_family(config), Store(config.cache_dir))}
 
 
 def test_each_rank_holds_half_of_every_parameter(sharded: dict) -> None:
@@ -167,7 +168,7 @@ def test_accelerate_launch_with_the_readme_fsdp_file_trains_the_torchrun_bits(
     run_ranks([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "accelerate.yaml"),
                "--main_process_port", str(free_port()), "-m", "loraflow.train_main", str(tmp_path / "accel.yaml")],
               OMP_NUM_THREADS=str(threads))
-    assert_trained_the_same(run_dir(config, upstream_versions(Store(config.cache_dir))), sharded["run"])
+    assert_trained_the_same(current_run_dir(config, get_family(config), Store(config.cache_dir)), sharded["run"])
 
 
 def assert_trained_the_same(run: Path, reference: Path) -> None:
@@ -186,7 +187,7 @@ def test_the_lora_assets_launch_trains_the_torchrun_bits(sharded: dict, own_cach
     config = make_config(own_caches, tmp_path / "asset", num_processes=2, fsdp=True, **TWO_RANK_SETTINGS)
     (threads,) = {held["threads"] for held in sharded["held"]}
     run_ranks(launch_command(str(tmp_path / "asset.yaml"), config.num_processes), OMP_NUM_THREADS=str(threads))
-    assert_trained_the_same(run_dir(config, upstream_versions(Store(config.cache_dir))), sharded["run"])
+    assert_trained_the_same(current_run_dir(config, get_family(config), Store(config.cache_dir)), sharded["run"])
 
 
 def test_a_sharded_run_resumes_from_its_gathered_checkpoint(sharded: dict) -> None:

@@ -26,11 +26,10 @@ from loraflow.store import Store
 from loraflow.training import loop as T
 from loraflow.training.launch.distributed import World
 from loraflow.training.model_setup import load_transformer
-from loraflow.training.options import progress_renders as PR
 from loraflow.training.options.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
-from loraflow.training.run import run_dir, upstream_versions
+from loraflow.training.run import RunContext, current_run_dir, run_dir, upstream_versions
 from loraflow.validation import validate as V
-from tests.factory import demo_dict, make_config, same_lora_file, train
+from tests.factory import capture_renders, demo_dict, make_config, same_lora_file, train
 
 CPU = torch.device("cpu")
 RENDERS = {"validation_resolution": "64x48", "validation_num_video_frames": 5, "validation_num_inference_steps": 2,
@@ -47,7 +46,7 @@ def test_renders_every_n_steps_and_the_same_lora_as_without(own_caches: dict[str
     settings = {"max_train_steps": 4, **RENDERS}
     rendered = make_config(own_caches, tmp_path / "rendered", validation_steps=2, **settings)
     plain = make_config(own_caches, tmp_path / "plain", **settings)
-    upstream = upstream_versions(Store(plain.cache_dir))
+    upstream = upstream_versions(Store(plain.cache_dir), plain, get_family(plain))
     assert run_dir(rendered, upstream).name == run_dir(plain, upstream).name  # not part of the run
     with_renders, without = train(rendered), train(plain)
     run = Path(with_renders.run_dir)
@@ -70,12 +69,7 @@ def test_the_last_render_is_what_validation_renders(own_caches: dict[str, Path],
     """The frames rendered at the last step equal the validation stage's LoRA render (the diffusers pipeline with
     the exported file at scale 1, same seed; i2v: same first frame); with lora_dropout, only if both run the
     adapter in eval mode. Frames, not mp4s: libx264's threads make the encoded bytes vary with machine load."""
-    written: dict[str, list[np.ndarray]] = {"progress": [], "validation": []}
-    for module, key in ((PR, "progress"), (V, "validation")):
-        keep = module.write_media
-        monkeypatch.setattr(module, "write_media",
-                            lambda frames, stem, fps, sound=None, keep=keep, key=key: written[key].append(frames)
-                            or keep(frames, stem, fps, sound))
+    written = capture_renders(monkeypatch)
     config = make_config(own_caches, tmp_path / "out", max_train_steps=2, validation_steps=2, **{**RENDERS, **flavour})
     report = train(config)
     V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), report.lora_path)
@@ -112,7 +106,8 @@ def test_rendering_leaves_training_as_it_was(own_caches: dict[str, Path], tmp_pa
     before = {k: v.clone() for k, v in transformer.state_dict().items()}
     rngs = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
     out = tmp_path / "run"
-    renders = ProgressRenders(config, family, model_source(config), store, out, transformer, World())
+    run = RunContext(config, family, model_source(config), store, {}, out, World(), CPU)
+    renders = ProgressRenders(run, transformer)
     renders.after_step(3)
     assert (step_folder(out / "validation", 3) / "result.json").is_file()
     after = transformer.state_dict()
@@ -163,7 +158,7 @@ def test_two_ranks_render_once_and_the_lora_asset_shows_the_renders(own_caches: 
     (event,) = result.get_asset_materialization_events()
     shown = event.materialization.metadata["renders_during_training"].value
     assert shown.startswith("![first validation prompt, per step](data:image/png;base64,")
-    run = run_dir(config, upstream_versions(Store(config.cache_dir)))
+    run = current_run_dir(config, get_family(config), Store(config.cache_dir))
     assert sorted(p.name for p in (run / "validation").glob("step-*")) == ["step-0000001", "step-0000002"]
     assert not list(run.glob("validation/**/*.tmp*"))  # every write finished (one writer: rank 0)
 

@@ -35,7 +35,8 @@ from loraflow.training import batches as D
 from loraflow.training import loop as T
 from loraflow.training import model_setup
 from loraflow.training.model_setup import Trainable, load_transformer
-from loraflow.training.run import run_dir, upstream_versions
+from loraflow.training.run import current_run_dir, run_dir, upstream_versions
+from loraflow.training.step import flow_terms, uses_autocast
 from tests.factory import (
     REPO,
     SHORT_CAPTION,
@@ -101,6 +102,16 @@ def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Pa
     assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)  # it did train
 
 
+def test_every_step_counts_its_flops_and_the_run_names_its_attention_kernel(baseline) -> None:
+    """training/flops.py: each history row has the step's model TFLOP/s (no MFU on the CPU: no peak), the report
+    their median and the kernel the run's attention ran (attention.json; on the CPU `auto` is torch's SDPA)."""
+    config, report = baseline
+    rates = sorted(row.tflops for row in report.history)
+    assert len(rates) == 2 and rates[0] > 0 and all(row.mfu is None for row in report.history)
+    assert report.tflops == (rates[0] + rates[1]) / 2 and report.mfu is None
+    assert report.attention_backend == "sdpa" and "tflops" in report.summary() and "mfu" not in report.summary()
+
+
 def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tmp_path: Path) -> None:
     config = make_config(caches, tmp_path / "out", lora_rank=8, lora_include_ffn=True)
     family = get_family(config)
@@ -110,7 +121,7 @@ def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tm
     optimizer = torch.optim.AdamW(params, lr=3e-2)
     losses = []
     for _ in range(30):
-        loss = T.flow_terms(transformer, family, batch, CPU, autocast=False).flow
+        loss = flow_terms(transformer, family, batch, CPU, autocast=False).flow
         loss.backward()
         trainable.collect()
         trainable.step(optimizer, 1.0)
@@ -121,7 +132,7 @@ def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tm
 def test_a_killed_run_resumes_to_the_same_bits(caches: dict[str, Path], tmp_path: Path) -> None:
     settings = {"max_train_steps": 24, "checkpointing_steps": 2, "checkpoints_total_limit": 1, "lora_dropout": 0.1}
     killed = make_config(caches, tmp_path / "killed", **settings)
-    run = run_dir(killed, upstream_versions(Store(killed.cache_dir)))
+    run = current_run_dir(killed, get_family(killed), Store(killed.cache_dir))
     code = ("import sys; from loraflow.config import load_config; from loraflow.training.loop import train_lora; "
             "from loraflow.pipelines import get_family; from loraflow.pipelines.sources import model_source; "
             "from loraflow.store import Store; "
@@ -151,28 +162,43 @@ def test_a_config_change_starts_a_new_run_and_a_rerun_computes_nothing(baseline,
     assert again.computed == 0 and again.reused == 1 and again.data_version == first.data_version
     runtime_only = make_config(caches, Path(config.output_dir), checkpointing_steps=1, gradient_checkpointing=True)
     assert train(runtime_only).computed == 0  # how a run computes is not what it computes
-    changed = make_config(caches, Path(config.output_dir), lora_rank=2, lora_alpha=8)
+    changed = make_config(caches, Path(config.output_dir), lora_rank=2, lora_alpha=8, checkpointing_steps=1)
     report = train(changed)
     assert report.computed == 2 and report.run_dir != first.run_dir
-    assert {v.shape[0] for k, v in load_file(report.lora_path).items() if "lora_A" in k} == {2}
+    saved = load_file(report.lora_path)
+    assert {v.shape[0] for k, v in saved.items() if "lora_A" in k} == {2}
     with safe_open(report.lora_path, "pt") as f:  # unit scale: 8/2 is in lora_B, the header says alpha = rank
         header = json.loads(f.metadata()["lora_adapter_metadata"])
     assert header["transformer.r"] == 2 and header["transformer.lora_alpha"] == 2
+    # on the tensors: a checkpoint holds the adapter as trained (at alpha / r = 4) beside the file written from it,
+    # whose lora_B is it times 4 (exact: a power of two) and lora_A the trained one
+    [checkpoint] = Path(report.run_dir, "checkpoints").glob("step-*")
+    trained, saved = load_file(checkpoint / "lora.safetensors"), load_file(checkpoint / T.LORA_FILE)
+    assert len(trained) == len(saved) > 0 and any(".lora_B." in key for key in saved)
+    for key, tensor in saved.items():
+        [twin] = [k for k in trained if k.endswith(key.removeprefix("transformer."))]
+        assert torch.equal(tensor, trained[twin] * 4 if ".lora_B." in key else trained[twin]), key
 
 
 def test_a_finished_run_without_its_comfyui_file_gets_it_on_reuse(baseline, caches: dict[str, Path]) -> None:
-    """A run finished before the ComfyUI file was written by default (or under `lora_format: diffusers`): reused with
-    the default, its ComfyUI file is converted from the diffusers file, nothing retrained."""
+    """A run finished before the ComfyUI and musubi-tuner files were written by default (or under `lora_format:
+    diffusers`): reused with the default, they are converted from the diffusers file, nothing retrained."""
     from loraflow.pipelines.comfyui import COMFYUI_LORA_FILE
+    from loraflow.pipelines.musubi import MUSUBI_LORA_FILE
 
     config, first = baseline
     run = Path(first.run_dir)
     assert config.lora_format is None and first.comfyui_lora_path == str(run / COMFYUI_LORA_FILE)
+    assert first.musubi_lora_path == str(run / MUSUBI_LORA_FILE)  # and musubi-tuner's (Kandinsky 5: it loads it)
+    musubi = load_file(run / MUSUBI_LORA_FILE)
     (run / COMFYUI_LORA_FILE).unlink()
+    (run / MUSUBI_LORA_FILE).unlink()
     one_file = train(make_config(caches, Path(config.output_dir), lora_format="diffusers"))  # the opt-out
-    assert one_file.computed == 0 and one_file.comfyui_lora_path is None
+    assert one_file.computed == 0 and one_file.comfyui_lora_path is None and one_file.musubi_lora_path is None
     again = train(config)
     assert again.computed == 0 and again.run_dir == str(run)
+    converted = load_file(again.musubi_lora_path)
+    assert converted.keys() == musubi.keys() and all(torch.equal(converted[k], musubi[k]) for k in musubi)
     comfy = load_file(again.comfyui_lora_path)
     ranks = {v.shape[0] for k, v in comfy.items() if k.endswith("lora_down.weight")}
     alphas = {float(v) for k, v in comfy.items() if k.endswith(".alpha")}
@@ -249,7 +275,7 @@ def test_streams_need_cuda_and_fp8_keeps_lora_fp32(caches: dict[str, Path], tmp_
     transformer, params = load_transformer(config, get_family(config), model_source(config), CPU)
     dtypes = {p.dtype for n, p in transformer.named_parameters() if "lora_" not in n}
     assert torch.float8_e4m3fn in dtypes and {p.dtype for p in params} == {torch.float32}
-    assert T.uses_autocast(config, CPU)
+    assert uses_autocast(config, CPU)
     report = train(config)
     assert report.computed == 2 and np.isfinite(report.history[-1].loss)
 
@@ -281,7 +307,8 @@ def test_a_new_validation_prompt_encodes_one_text_and_retrains_nothing(baseline,
     shutil.copytree(caches["root"] / "cache", tmp_path / "cache")
     moved = {"cache_dir": str(tmp_path / "cache")}
     store = Store(tmp_path / "cache")
-    assert upstream_versions(store) == upstream_versions(Store(config.cache_dir))
+    family = get_family(config)
+    assert upstream_versions(store, config, family) == upstream_versions(Store(config.cache_dir), config, family)
     prompted = make_config(caches, Path(config.output_dir), validation_prompt="a red ball rolls", **moved)
     # the new prompt, nothing else
     assert encode_texts(prompted, get_family(prompted), model_source(prompted), store).computed == 1

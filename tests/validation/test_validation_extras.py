@@ -28,7 +28,7 @@ from loraflow.training import loop as T
 from loraflow.training.options import progress_renders as PR
 from loraflow.training.options.progress_renders import step_folder
 from loraflow.validation import validate as V
-from tests.factory import demo_dict, make_config, same_lora_file, train
+from tests.factory import capture_renders, demo_dict, make_config, same_lora_file, train
 
 
 def save_lora_header(path: Path) -> None:
@@ -45,20 +45,9 @@ def plain(caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     return train(make_config(caches, tmp_path_factory.mktemp("plain") / "out", max_train_steps=1, **RENDERS))
 
 
-def capture(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[np.ndarray]]:
-    """The frames each module hands to write_media, in order (frames: mp4 bytes vary with libx264's threads)."""
-    written: dict[str, list[np.ndarray]] = {"progress": [], "validation": []}
-    for module, key in ((PR, "progress"), (V, "validation")):
-        keep = module.write_media
-        monkeypatch.setattr(module, "write_media",
-                            lambda frames, stem, fps, sound=None, keep=keep, key=key: written[key].append(frames)
-                            or keep(frames, stem, fps, sound))
-    return written
-
-
 def test_validation_on_startup_renders_the_base_at_step_0_and_trains_the_same_lora(
         caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    written = capture(monkeypatch)
+    written = capture_renders(monkeypatch)
     config = make_config(caches, tmp_path / "startup", validation_on_startup=True, max_train_steps=1, **RENDERS)
     report = train(config)
     assert Path(report.run_dir).name == Path(plain.run_dir).name  # not part of the run
@@ -78,7 +67,7 @@ def test_validation_renders_other_adapters_beside_the_trained_one(
         caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The trained file given again as another adapter renders the LoRA's frames (its own peft name, same numbers);
     at strength 0.5 it renders something else; the adapters' content and strength key the validation run."""
-    written = capture(monkeypatch)
+    written = capture_renders(monkeypatch)
     lora = Path(plain.lora_path)
     adapters = [{"label": "again", "path": str(lora)}, {"label": "half", "path": str(lora.parent), "strength": 0.5}]
     config = make_config(caches, tmp_path / "out", max_train_steps=1, validation_adapter_config=adapters, **RENDERS)
@@ -132,3 +121,36 @@ def test_the_validation_options_import_under_simpletuners_names(tmp_path: Path) 
     off = import_simpletuner({**single, "validation_adapter_mode": "none"}, [])
     assert not any(k.startswith("validation_adapter") for k in off.config)
     assert sorted(k for k, _, _ in off.unmapped) == sorted(k for k in single if k.startswith("validation_adapter"))
+
+
+def test_a_render_all_of_one_value_is_flagged_in_result_json(
+        caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path) -> None:
+    """A NaN LoRA renders an all-black video, and the step succeeded saying nothing (issue 62 item 4): the renders
+    are flagged in the prompt's result.json and the report (the base too: it runs the LoRA's layers at scale 0, and
+    0 x NaN is NaN). A LoRA that renders a moving picture is not flagged."""
+    from safetensors.torch import load_file
+
+    broken = tmp_path / "nan.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(plain.lora_path).items()}, broken)
+    config = make_config(caches, tmp_path / "out", max_train_steps=1, **RENDERS)
+    report = V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), str(broken))
+    (prompt,) = report.prompts
+    assert prompt.flat == ["base", "LoRA"]
+    assert json.loads((Path(prompt.contact_sheet).parent / "result.json").read_text())["flat"] == ["base", "LoRA"]
+    report = V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), plain.lora_path)
+    assert report.prompts[0].flat is None
+    assert "flat" not in json.loads((Path(report.prompts[0].contact_sheet).parent / "result.json").read_text())
+
+
+def test_a_nan_validation_adapter_is_refused_before_any_render(
+        caches: dict[str, Path], plain: T.LoraReport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It rendered an all-black video and the step succeeded (issue 62 item 4)."""
+    from safetensors.torch import load_file
+
+    broken = tmp_path / "nan.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(plain.lora_path).items()}, broken)
+    written = capture_renders(monkeypatch)
+    config = make_config(caches, tmp_path / "out", max_train_steps=1, validation_adapter_path=str(broken), **RENDERS)
+    with pytest.raises(ValueError, match=f"`validation_adapter_path` {broken}: .* tensor\\(s\\) hold NaN"):
+        V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), plain.lora_path)
+    assert written["validation"] == []

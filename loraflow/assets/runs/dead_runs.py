@@ -20,15 +20,24 @@ by nothing and is watched by nothing (nor is a run whose code server died with i
   container with a PID namespace of its own and the host's name), as with Dagster's default run launcher, which
   starts every run on the machine of its code server.
 
-The guard runs in every main process that loads loraflow.definitions (dagster's CLI, the code server of
-`dagster dev`): once while it loads them, so before the CLI's own run asks for its slot, then on a thread every
-WATCH_INTERVAL_S while that process lives, so a run already waiting for the slot of a run that dies goes on too.
+The guard runs in every main process that loads the code location (`loraflow.definitions.defs`: dagster's CLI, the
+code server of `dagster dev`): once while it loads it, so before the CLI's own run asks for its slot, then on a
+thread every WATCH_INTERVAL_S while that process lives, so a run already waiting for the slot of a run that dies goes
+on too. Importing loraflow.definitions starts nothing.
 
 Freeing a dead run's slot while another process's step asks for one can strand that step: Dagster assigns a waiting
 step a slot only when the step is added while a slot is unassigned, or when an assigned step is removed, and a step
 added just after the dead run's assigned step was removed gets neither (seen after repeated `kill -9`: a free slot, a
 step waiting for good). So every pass also gives the free slots of each pool to its waiting steps, as Dagster would
 have, under a file lock in DAGSTER_HOME so that two processes' guards never both count the same slot free.
+
+A run a code server launched (the UI's, `dagster dev`'s: tagged `dagster/grpc_info`) is that code server's to fail:
+it checks its run workers every half second and reports a dead one failed ("Run execution process ... was terminated
+by signal 9"). The guard checks and reports too, and neither excludes the other: a guard pass that found the run
+still STARTED, then freed its slots while the code server reported, reported it failed a second time (two failure
+messages on one run: test_dead_runs_pg, 2 of 5 runs under load). So the guard fails such a run only once it has seen
+it dead for CODE_SERVER_GRACE_S (a later pass): a live code server has reported it by then, and the run is skipped as
+finished; a run whose code server died with it is failed a pass later than a CLI run is.
 
 And a step worker dies with the run process that started it (`die_with_run`), so it never reports after its run
 failed, nor keeps the GPU.
@@ -55,7 +64,9 @@ PID_EVENTS = {DagsterEventType.ENGINE_EVENT, DagsterEventType.STEP_WORKER_STARTE
 CLOCK_SLACK_S = 2.0  # /proc's boot time is whole seconds and drifts with the clock: a pid counts as reused past this
 WATCH_INTERVAL_S = 15.0  # as often as a blocked step re-asks for its slot at the most (Dagster: every 15 s)
 HOST_TAG = "loraflow/host"  # the machine of a run's processes, on shared run storage (PostgreSQL)
+CODE_SERVER_GRACE_S = WATCH_INTERVAL_S  # a code server's dead run is its own to fail first (it checks every 0.5 s)
 _watching = threading.Event()
+_seen_dead: dict[str, float] = {}  # run id -> when this process first found it dead (time.monotonic)
 
 
 def recorded_pids(instance: DagsterInstance, run_id: str) -> list[tuple[int, float]]:
@@ -105,10 +116,14 @@ def on_this_host(instance: DagsterInstance, run: DagsterRun | None = None) -> bo
     return run is not None and run.tags.get(HOST_TAG) == socket.gethostname()
 
 
-def reap_dead_runs(instance: DagsterInstance) -> list[str]:
-    """Fail the in-progress runs whose recorded processes are all gone and free their pool slots, then give free
-    slots to the steps waiting for them; return the dead runs' ids."""
-    dead = []
+def reap_dead_runs(instance: DagsterInstance, now: float | None = None) -> list[str]:
+    """Fail the in-progress runs whose recorded processes are all gone (a code server's: gone for
+    CODE_SERVER_GRACE_S before `now`, time.monotonic) and free their pool slots, then give free slots to the steps
+    waiting for them; return the dead runs' ids."""
+    from dagster._core.storage.tags import GRPC_INFO_TAG
+
+    now = time.monotonic() if now is None else now
+    dead, found = [], set()
     with _guard_lock(instance):
         for run in instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTING, DagsterRunStatus.STARTED])):
             if not on_this_host(instance, run):
@@ -116,16 +131,19 @@ def reap_dead_runs(instance: DagsterInstance) -> list[str]:
             pids = recorded_pids(instance, run.run_id)
             if not pids or any(process_alive(pid, at) for pid, at in pids):
                 continue
-            # read again: while the pids were checked, the code server may have reported the dead worker's run
-            # failed (a second report gave the run two failure messages: test_dead_runs_pg saw it once in 2 runs)
-            now = instance.get_run_by_id(run.run_id)
-            if now is None or now.is_finished:
+            found.add(run.run_id)
+            if GRPC_INFO_TAG in run.tags and now - _seen_dead.setdefault(run.run_id, now) < CODE_SERVER_GRACE_S:
+                continue  # its code server's to report (module docstring)
+            again = instance.get_run_by_id(run.run_id)  # read again: its code server may have reported it since
+            if again is None or again.is_finished:
                 continue
             # Slots first: a crash between the two leaves a STARTED run with dead pids, which the next pass finds.
             instance.event_log_storage.free_concurrency_slots_for_run(run.run_id)
             instance.report_run_failed(run, f"every process of this run is gone (pids {sorted({p for p, _ in pids})}: "
                                             "killed, out of memory or a power cut); its pool slots were freed")
             dead.append(run.run_id)
+        for run_id in set(_seen_dead) - (found - set(dead)):  # reaped, finished or alive again: forgotten
+            del _seen_dead[run_id]
         assign_free_slots(instance)
     return dead
 

@@ -42,7 +42,7 @@ from loraflow.pipelines.base import (
 from loraflow.pipelines.comfyui import ComfyRule
 from loraflow.pipelines.flavours import Flavour
 from loraflow.pipelines.hunyuanvideo15.attention import key_mask_attention
-from loraflow.pipelines.hunyuanvideo15.spec import SPEC, TEXT_TOKENS
+from loraflow.pipelines.hunyuanvideo15.spec import GLYPH_TOKENS, IMAGE_TOKENS, SPEC, TEXT_TOKENS
 from loraflow.pipelines.sources import ModelSource
 
 if TYPE_CHECKING:
@@ -60,8 +60,6 @@ SYSTEM_MESSAGE = (
 )
 MAX_TEXT_TOKENS = TEXT_TOKENS  # the pipeline's tokenizer_max_length (after the template): every flavour's
 HIDDEN_LAYER = -3  # hidden_states[-3]: the pipeline skips the last two decoder layers
-GLYPH_TOKENS = 256  # the pipeline's tokenizer_2_max_length (ByT5)
-IMAGE_TOKENS = 729  # SigLIP so400m/14-384 tokens; all zero for t2v (the DiT then masks them out)
 IMAGE_COMPONENTS = ("image_encoder", "feature_extractor")  # SigLIP, loaded by the latents stage for i2v
 TEXT_SIGNATURE = content_key(system=SYSTEM_MESSAGE, max_tokens=MAX_TEXT_TOKENS, layer=HIDDEN_LAYER,
                              glyph_tokens=GLYPH_TOKENS, glyph="extract_glyph_texts")
@@ -95,6 +93,15 @@ HUNYUANVIDEO15_COMFYUI_NAMES = (
     ComfyRule(_BLOCK + r"ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.0"),
     ComfyRule(_BLOCK + r"ff_context\.net\.2", r"double_blocks.\1.txt_mlp.2"),
 )
+# musubi-tuner's HunyuanVideo 1.5 model keeps Tencent's split names (kohya-ss/musubi-tuner hunyuan_video_1_5/
+# hunyuan_video_1_5_modules.py `MMDoubleStreamBlock`, `MLP` at 30c658c4f4b0): diffusers' renames above, undone
+_MUSUBI_PARTS = {"attn.to_q": "img_attn_q", "attn.to_k": "img_attn_k", "attn.to_v": "img_attn_v",
+                 "attn.add_q_proj": "txt_attn_q", "attn.add_k_proj": "txt_attn_k", "attn.add_v_proj": "txt_attn_v",
+                 "attn.to_out.0": "img_attn_proj", "attn.to_add_out": "txt_attn_proj",
+                 "ff.net.0.proj": "img_mlp.fc1", "ff.net.2": "img_mlp.fc2",
+                 "ff_context.net.0.proj": "txt_mlp.fc1", "ff_context.net.2": "txt_mlp.fc2"}
+HUNYUANVIDEO15_MUSUBI_NAMES = tuple(ComfyRule(_BLOCK + diffusers.replace(".", r"\."), rf"double_blocks.\1.{musubi}")
+                                    for diffusers, musubi in _MUSUBI_PARTS.items())
 
 
 def chat(text: str) -> list[dict[str, str]]:
@@ -133,6 +140,7 @@ class HunyuanVideo15:
     tread_layout: TokenLayout = TokenLayout("transformer_blocks", rope_arg=4, rope_token_dim=0, output_index=0,
                                             depth="num_layers")
     comfyui_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_COMFYUI_NAMES  # the ComfyUI file
+    musubi_names: tuple[ComfyRule, ...] = HUNYUANVIDEO15_MUSUBI_NAMES  # the musubi-tuner file
     text_twin: ClassVar[None] = None  # no other family encodes its texts alike
 
     @property
@@ -222,6 +230,13 @@ class HunyuanVideo15:
         return ""  # any bucket size trains
 
     # 2. latents ----------------------------------------------------------------------------------
+    def setup_vae(self, vae: torch.nn.Module) -> None:
+        """Each mid-block attention of this VAE builds its mask with `frame_causal_mask` (an attribute of the block,
+        which its forward looks up before the class's staticmethod)."""
+        for block in vae.modules():
+            if isinstance(block, HunyuanVideo15AttnBlock):
+                block.prepare_causal_attention_mask = frame_causal_mask
+
     def vae_encode(self, vae: torch.nn.Module, frames: torch.Tensor, sampling: str = "mode") -> torch.Tensor:
         """uint8 (B, F, H, W, 3) -> (B, 32, T, H/16, W/16); `latent_dist.mode()` * scaling, as the i2v pipeline
         encodes its image (HVI:386-387) and the decoder divides by scaling only (HV:825). Distribution:
@@ -329,7 +344,9 @@ class HunyuanVideo15:
     ) -> HunyuanVideo15Pipeline:
         """The t2v pipeline, or for i2v the image-to-video one (which also loads image_encoder, feature_extractor)."""
         pipeline = HunyuanVideo15ImageToVideoPipeline if self.flavour.image_is_first_frame else HunyuanVideo15Pipeline
-        return load_pipeline(pipeline, model, lora_path, device, transformer, plan, self.tread_layout.blocks)
+        pipe = load_pipeline(pipeline, model, lora_path, device, transformer, plan, self.tread_layout.blocks)
+        self.setup_vae(pipe.vae)
+        return pipe
 
     @torch.no_grad()
     def render(
@@ -388,9 +405,6 @@ def frame_causal_mask(n_frame: int, n_hw: int, dtype: torch.dtype, device: torch
         mask[frame * n_hw:(frame + 1) * n_hw, :(frame + 1) * n_hw] = 0
     return mask if batch_size is None else mask.unsqueeze(0).expand(batch_size, -1, -1)
 
-
-# every HV1.5 VAE in the process (encode, validation decode, the estimates' fake ones) builds its mask so
-HunyuanVideo15AttnBlock.prepare_causal_attention_mask = staticmethod(frame_causal_mask)
 
 
 def make_family(flavour: str | None) -> HunyuanVideo15:

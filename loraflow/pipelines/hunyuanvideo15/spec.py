@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 
 from loraflow.pipelines.citations import cite
-from loraflow.pipelines.flavours import QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
-from loraflow.pipelines.sources import ModelSource
+from loraflow.pipelines.flavours import QWEN_TOKENIZERS, TWO_ENCODER_PARTS, ComponentFolders, FamilySpec, Flavour
 
 _SIGLIP_PARTS = ("image_encoder", "feature_extractor")
 # The guide's environment variables; read as diffusers component folders, not the original release's
@@ -25,6 +24,8 @@ _GUIDE_FOLDERS = (
     ("text_encoder", "HUNYUANVIDEO_TEXT_ENCODER_PATH"), ("image_encoder", "HUNYUANVIDEO_VISION_ENCODER_PATH"),
 )
 TEXT_TOKENS = 1000  # the pipelines' tokenizer_max_length, after the template's crop
+GLYPH_TOKENS = 256  # the pipeline's tokenizer_2_max_length (ByT5)
+IMAGE_TOKENS = 729  # SigLIP so400m/14-384 tokens; all zero for t2v (the DiT then masks them out)
 _CONVERT = "scripts/convert_hunyuan_video1_5_to_diffusers.py"
 
 
@@ -82,7 +83,7 @@ def _flavour(name: str, shift: float, steps: int = 30) -> Flavour:
                    sources=tuple(sources.items()), classes=CLASSES)
 
 
-def render_size(flavour: Flavour, model: ModelSource, height: int, width: int) -> tuple[int, int] | None:
+def render_size(flavour: Flavour, model: ComponentFolders, height: int, width: int) -> tuple[int, int] | None:
     """(height, width) the flavour's pipeline renders at when validation asks for (height, width); None: unknown
     until the checkpoint's configs are here. t2v renders as asked. i2v takes no size: it crop-resizes the image to
     the size bucket of transformer `target_size` (patches of the VAE's spatial factor) closest to the image's aspect
@@ -109,6 +110,25 @@ def render_size(flavour: Flavour, model: ModelSource, height: int, width: int) -
     return buckets[min(same_side)[1]]
 
 
+def attention_note(flavour: Flavour, transformer_config: dict, bucket: tuple[int, int, int], text_tokens: int) -> str:
+    """`loraflow check`'s line on the joint attention's work a step at batch 1 leaves out (attention.py: no mask, no
+    padded tokens): t2v's 729 zero image tokens, against the masked call over every token (the estimate's caption
+    and glyphs are all valid tokens). 4 * L^2 * heads * head_dim FLOPs per block forward (QK^T and PV), twice that
+    backward."""
+    frames, height, width = bucket
+    video = ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)  # VAE 4x in time, 16x in space, patch 1
+    kept = video + text_tokens + GLYPH_TOKENS
+    line = "attention: no mask at batch 1 (every text token valid), so SDPA may take its flash or cuDNN kernel"
+    if flavour.image_is_first_frame:
+        return f"{line}; i2v's 729 image tokens are valid and stay"
+    per_pair = 3 * 4 * transformer_config["num_attention_heads"] * transformer_config["attention_head_dim"] \
+        * transformer_config["num_layers"]
+    saved = per_pair * ((kept + IMAGE_TOKENS) ** 2 - kept ** 2)
+    share = 1 - kept ** 2 / (kept + IMAGE_TOKENS) ** 2
+    return (f"{line}; t2v's 729 zero image tokens are left out: {saved / 1e12:.4g} TFLOP of attention a step "
+            f"saved ({100 * share:.1f}% of it; {video} video + {text_tokens + GLYPH_TOKENS} text tokens)")
+
+
 SPEC = FamilySpec(
     name="hunyuanvideo-1.5",
     description="HunyuanVideo 1.5 at 480p and 720p, text-to-video and image-to-video, and its distilled releases",
@@ -123,5 +143,7 @@ SPEC = FamilySpec(
     module="loraflow.pipelines.hunyuanvideo15.family",
     tiny_module="loraflow.pipelines.hunyuanvideo15.tiny",
     simpletuner_names=("hunyuanvideo", "hunyuanvideo-1.5"),
+    ffn_classes=("FeedForward",),  # diffusers attention.FeedForward (transformer_hunyuan_video15.py ff, ff_context)
     render_size=render_size,
+    attention_note=attention_note,
 )

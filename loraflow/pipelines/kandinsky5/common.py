@@ -42,6 +42,9 @@ KANDINSKY5_COMFYUI_NAMES = (
         r"((?:text|visual)_transformer_blocks\.\d+\.(?:self_attention|cross_attention|feed_forward)\.\w+)", r"\1"
     ),
 )
+# musubi-tuner's Kandinsky 5 DiT (kohya-ss/musubi-tuner kandinsky5/models/dit.py, nn.py at 30c658c4f4b0) keeps the
+# same module names too: its names are the diffusers ones (pipelines/musubi.py)
+KANDINSKY5_MUSUBI_NAMES = KANDINSKY5_COMFYUI_NAMES
 
 
 def template_crop(tokenizer: Any, template: str) -> int:
@@ -93,15 +96,10 @@ def uses_nabla(transformer: torch.nn.Module) -> bool:
 
 def use_flex_attention(transformer: torch.nn.Module) -> None:
     """NABLA's mask is a flex-attention BlockMask, which only diffusers' "flex" backend takes (the default native
-    backend fails on it). Once per model, and for this model only: `set_attention_backend` also makes its backend
-    the process-wide default of every other model (diffusers' registry), which is put back."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+    backend fails on it): this model's attention runs flex (kernels/attention_backend.py, for this model only)."""
+    from loraflow.kernels.attention_backend import set_attention_backend
 
-    if not transformer.__dict__.get("_loraflow_flex"):
-        default = _AttentionBackendRegistry._active_backend
-        transformer.set_attention_backend("flex")  # each attention processor of this model keeps "flex"
-        _AttentionBackendRegistry.set_active_backend(default)
-        transformer.__dict__["_loraflow_flex"] = True
+    set_attention_backend(transformer, "flex")
 
 
 def nabla_params(pipeline: type, transformer: torch.nn.Module, hidden: torch.Tensor) -> dict[str, Any] | None:
@@ -165,6 +163,7 @@ class Kandinsky5Shared:
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=3, rope_token_dim=1,
                                             depth="num_visual_blocks")
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY5_COMFYUI_NAMES  # one transformer class: one ComfyUI file
+    musubi_names: tuple[ComfyRule, ...] = KANDINSKY5_MUSUBI_NAMES  # and one musubi-tuner file
     # Video i2v's image is latent frame 0 itself (`conditioning_frames`), and Image i2i's source latent needs the VAE
     # only: no component and nothing cached beside the latent (i2i names its `image_condition`: "source_image")
     image_condition_components: tuple[str, ...] = ()
@@ -244,6 +243,9 @@ class Kandinsky5Shared:
 
     def size_problem(self, model: ModelSource | str | Path, height: int, width: int) -> str:
         return ""  # any bucket size trains
+
+    def setup_vae(self, vae: torch.nn.Module) -> None:
+        """Nothing: Kandinsky's VAEs (HunyuanVideo's, Flux's) run as diffusers loads them."""
 
     def image_condition(self, vae: torch.nn.Module, parts: Sequence[Any], clip: Mapping[str, Any]) -> None:
         """Nothing cached beside the latent: video i2v's image is latent frame 0 itself (`conditioning_frames`);

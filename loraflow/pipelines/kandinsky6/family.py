@@ -121,6 +121,7 @@ class Kandinsky6(Kandinsky5Shared):
     tread_layout: TokenLayout = TokenLayout("visual_transformer_blocks", rope_arg=5, rope_token_dim=0,
                                             output_index=0, depth="num_visual_blocks")
     comfyui_names: tuple[ComfyRule, ...] = KANDINSKY6_COMFYUI_NAMES
+    musubi_names: tuple[ComfyRule, ...] = ()  # musubi-tuner has no Kandinsky 6 model (pipelines/musubi.py)
     image_condition_components: tuple[str, ...] = ()  # the VAE alone encodes the image
     # i2v: "first_frame", the latents stage caches each clip's first frame encoded alone (the appended tail frame);
     # `make_family` sets it from the flavour
@@ -254,7 +255,8 @@ class Kandinsky6(Kandinsky5Shared):
     def render(self, pipe: Kandinsky6TI2VAPipeline, prompt: TextRow, negative: TextRow, settings: RenderSettings,
                lora_scale: float | None = 1.0, image: np.ndarray | None = None, sound: bool = False
                ) -> np.ndarray | Rendered:
-        """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size): the video alone (`sample_audio=False`), or
+        """t2v, or i2v from `image` (uint8 (H, W, 3) at the render size): the video alone (`sample_audio=False`; a
+        π-Flow distilled flavour samples its sound all the same, as the original must: `Flavour.sound_required`), or
         with `sound` both streams denoised together, as the release renders (K6:667 `sample_audio` defaults to True),
         and the waveform the vocoder makes of the audio latents (K6:950-955: (B, samples) at the audio VAE's
         `sample_rate`, K6:254-256) over the video's span. The pipeline renders whole audio latent frames
@@ -275,10 +277,10 @@ class Kandinsky6(Kandinsky5Shared):
             height=settings.height, width=settings.width, num_frames=settings.num_frames,
             frame_rate=self.flavour.fps, num_inference_steps=settings.num_inference_steps,
             guidance_scale=settings.guidance, generator=torch.Generator().manual_seed(settings.seed),
-            sample_audio=sound, output_type="np",
+            sample_audio=sound or bool(self.flavour.sound_required), output_type="np",
         )
         video = (np.clip(out.frames[0], 0, 1) * 255).round().astype(np.uint8)  # (F, H, W, 3)
-        if not sound:
+        if not sound:  # a distilled flavour's sound is sampled all the same (`Flavour.sound_required`), not returned
             return video
         rate = int(pipe.audio_sample_rate)
         samples = round(settings.num_frames / self.flavour.fps * rate)

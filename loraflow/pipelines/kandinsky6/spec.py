@@ -20,6 +20,10 @@ as t2v (`i2v_prob`). The original's other schemes ("pretrain": the image in the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
 from loraflow.pipelines.citations import cite
 from loraflow.pipelines.flavours import CLIP_TOKENIZERS, QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
 
@@ -52,8 +56,12 @@ SOURCES = {
                                     "pipeline/pipeline.py Kandinsky6Pipeline fps=24.0)"),
     "num_frames": cite("diffusers 0.42.1", "pipeline_kandinsky6_ti2va.py __call__ num_frames=121: 5 s at 24 fps and "
                                            "the first frame (kandinsky-6 README.md: 5-second clips)"),
-    "size": cite("diffusers 0.42.1", "pipeline_kandinsky6_ti2va.py __call__ height=512, width=768 (the kandinsky-6 "
-                                     "fork's pipeline/config.py GenerationConfig height 512, width 768)"),
+    "size": cite("kandinsky-6", "comfyui/kandinsky6/register.py:11-13 @8195e72: Lite's sizes are those of the "
+                                "original's preset k6_lite_121_480_864 (121 frames, 480x864), the release's render "
+                                "size in every example (the model card's \"native 480x864\", as issue 58 quotes it); "
+                                "diffusers 0.42.1 pipeline_kandinsky6_ti2va.py:651-652 __call__ height=512, "
+                                "width=768 and the fork's pipeline/config.py:125-126 GenerationConfig are code "
+                                "defaults no example uses"),
     "text_tokens": cite("kandinsky-6", "comfyui/kandinsky6/nodes.py _tokenize_k6: \"Canonical K6 admits at most 1024 "
                                        "caption tokens after its 129-token prompt prefix\" (diffusers 0.42.1 "
                                        "__call__ max_sequence_length=1024; the fork's TextEmbedderConfig max_length "
@@ -61,8 +69,11 @@ SOURCES = {
     "conditioning_frames": cite("diffusers 0.42.1", "pipeline_kandinsky6_ti2va.py __call__ step 6: the image is an "
                                                     "appended tail frame (`tail_cond`); every generated latent frame "
                                                     "is noised and stepped"),
-    "training_shift": cite("loraflow", "the render shift: no release states a training shift (the original "
-                                       "repository ships no trainer)"),
+    "training_shift": cite("loraflow", "the render shift, the checkpoint's scheduler_config.json once on disk "
+                                       "(training_shift_from_checkpoint): no release states a training shift (the "
+                                       "original repository ships no trainer; KozlovKY/kandinsky-6@60c4ff6 "
+                                       "kandinsky/pipeline/config.py:131 GenerationConfig scheduler_scale 10.0 is "
+                                       "its sampler's default, which a checkpoint's scheduler config overrides)"),
 }
 
 
@@ -91,9 +102,56 @@ def _flavour(task: str, size: str, stage: str) -> Flavour:
                       f"{_TABLE}: {steps} steps"),
     }
     classes = {**CLASSES, "scheduler": SCHEDULERS["piflow" if distilled else "flow"]}
-    return Flavour(name(task, size, stage), task, 24.0, 121, (512, 768), 5.0, guidance, PARTS,
+    return Flavour(name(task, size, stage), task, 24.0, 121, (480, 864), 5.0, guidance, PARTS,
                    repo=repo(size, stage), steps=steps, text_tokens=TEXT_TOKENS, sources=tuple(sources.items()),
-                   classes=classes)
+                   classes=classes, training_shift_from_checkpoint=True,
+                   sound_required=_sound_required(task, size) if distilled else "",
+                   transformer_problem=partial(_i2v_token_types, name(task, size, stage)) if task == "i2v" else None)
+
+
+def _i2v_token_types(flavour: str, transformer_config: Mapping[str, Any]) -> str:
+    """i2v marks the image's tail frame as visual token type 1 (diffusers 0.42.1 pipeline_kandinsky6_ti2va.py
+    `visual_token_type_ids`), which a transformer without the token-type embedding refuses at its first call
+    (transformer_kandinsky6.py:782-783: "`visual_token_type_ids` requires `visual_token_type_num_embeddings > 0`")."""
+    count = int(transformer_config.get("visual_token_type_num_embeddings") or 0)
+    if count >= 2:
+        return ""
+    t2v = flavour.removesuffix("-i2v") + "-t2v"
+    return (f"flavour '{flavour}' conditions on the image as visual token type 1, but this transformer's config.json "
+            f"has visual_token_type_num_embeddings {count}: a text-to-video checkpoint without the I2VA token types "
+            "(kandinskylab/kandinsky-6@8195e72 comfyui/kandinsky6/register.py:29-30: \"The T2VA Lite ships without the "
+            f"I2VA token types\"). Use flavour '{t2v}' with this checkpoint, or an image-to-video checkpoint with them "
+            "(pro-i2v, pro-distill-i2v, lite-distill-i2v: 2 in their released configs)")
+
+
+def _sound_required(task: str, size: str) -> str:
+    """Why a π-Flow distilled flavour trains and renders its sound always, and what to fine-tune for video alone."""
+    others = " or ".join(f"'{name(task, size, stage)}' ({repo(size, stage)})" for stage in ("sft", "pretrain"))
+    return (f"is π-Flow distilled, which the original samples with both streams or not at all (KozlovKY/kandinsky-6"
+            f"@60c4ff6 kandinsky/core/algo/piflow_sampler.py:70 \"base-model PiFlow requires both video and audio "
+            f"latents\"; kandinsky/pipeline/pipeline.py Kandinsky6Pipeline.__call__: \"piflow.enabled requires "
+            f"sample_audio=True\"): set train_audio: true (its renders then carry the sound), or fine-tune {others} "
+            f"for the picture alone")
+
+
+def compose_prompt(caption: str, audio_caption: str, speech: tuple[str, ...] = ()) -> str:
+    """The release's canonical prompt of a clip: the video caption, each spoken line inside `<S>…<E>` after it, then
+    the audio caption inside `<AUDCAP>…<ENDAUDCAP>`; a part left empty is left out (no audio caption: the caption and
+    its speech alone, as the node encodes a prompt without one).
+
+    Sources: the release's ComfyUI node kandinskylab/kandinsky-6@9d2ffe1 comfyui/kandinsky6/nodes.py
+    `Kandinsky6TextEncode.encode` (`f"{video_caption} <AUDCAP>{audio_caption}<ENDAUDCAP>"` when the audio caption is
+    not blank, else the video caption alone); its `video_caption` input: "Spoken lines go here too, wrapped in
+    <S>...<E>", and its `audio_caption`: "Not for spoken lines". The order of speech and sound: the original's t2va
+    beautifier examples (KozlovKY/kandinsky-6@60c4ff6 kandinsky/core/components/beautifier/qwen25.py
+    `_t2va_instruction`, example 2: the description, then `<S>I'm glad we've found common ground.<E>` and the other
+    lines, then `<AUDCAP> Soft instrumental music …<ENDAUDCAP>` last); diffusers 0.42.1
+    pipeline_kandinsky6_ti2va.py:84-86 (`_T2VA_EXPANSION_INSTRUCTION`: direct speech between <S> and <E>, general
+    audio descriptions between <AUDCAP> and <ENDAUDCAP>)."""
+    text = " ".join([caption, *(f"<S>{line}<E>" for line in speech if line)]).strip()
+    if audio_caption.strip():
+        text = f"{text} <AUDCAP>{audio_caption}<ENDAUDCAP>".strip()
+    return text
 
 
 def is_distilled(flavour: Flavour) -> bool:
@@ -111,4 +169,5 @@ SPEC = FamilySpec(
     vae_temporal_factor=4,
     module="loraflow.pipelines.kandinsky6.family",
     tiny_module="loraflow.pipelines.kandinsky6.tiny",
+    compose_prompt=compose_prompt,
 )

@@ -38,7 +38,9 @@ SHIFT = 5.0  # the released schedulers' shift (spec.py cites it)
 def transformer(n_grid: int = 1) -> Kandinsky6Transformer3DModel:
     """Released Lite's layout at width 32 (2 heads of 4+6+6 rope axes; the audio stream 16 wide, one head of the same
     axes: `ca_rope` applies each stream's rope to the other's keys), one text block, two fused blocks; every flag the
-    released configs set (released/k6-lite.transformer.json). `n_grid` > 1: the π-Flow head."""
+    released configs set (released/k6-lite.transformer.json), and the two I2VA token types, which the released Lite
+    sft and pretrain lack (that file cites it), so that one tiny checkpoint runs t2v and i2v. `n_grid` > 1: the π-Flow
+    head."""
     return Kandinsky6Transformer3DModel(
         in_visual_dim=16, out_visual_dim=16 * n_grid, in_text_dim=TEXT_DIM, in_text_dim2=TEXT_DIM, time_dim=32,
         patch_size=(1, 2, 2), model_dim=32, ff_dim=64, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6),

@@ -13,6 +13,7 @@ train, encode and render through loraflow's own code (tests/pipelines/test_relea
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -102,3 +103,81 @@ def released_config(flavour_or_repo: str, component: str) -> dict:
 def components(flavour_or_repo: str) -> list[str]:
     """The components of a flavour with a released config (CREPA's teacher included)."""
     return sorted({*FLAVOURS[REPOS.get(flavour_or_repo, flavour_or_repo)], CREPA_ENCODER})
+
+
+# -- bounds on a checkpoint's own config.json, from the released ones ------------------------------------------------
+# A component's config.json says how much is built from it (`num_visual_blocks: 1000000000` is a billion blocks,
+# built on the meta device by every estimate and by from_pretrained): a size past HEADROOM x the largest of its
+# family's released configs, or a list longer than HEADROOM x the longest, is refused before anything is built. 4x:
+# room for a checkpoint a size above the released ones (Kandinsky 5 Pro is 2.3x Lite's width), none for a typo or a
+# hostile file. Only integers and list lengths are bounded (they count modules and channels; the tiny test models are
+# far below); floats (eps, ratios) and keys no released config has are left to the model's class.
+HEADROOM = 4
+MAX_MODEL_CONFIG_BYTES = 1 << 20  # 1 MiB: the released configs are 0.5-5 KB
+FAMILIES = {f.name: spec.name for spec in (K5_VIDEO, K5_IMAGE, HV15, K6) for f in spec.flavours}
+
+
+def _sizes(value: Any, path: str = "") -> Iterator[tuple[str, int]]:
+    """(dotted key, integer) for every integer in a config and the length of every list (`key (length)`)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _sizes(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        yield f"{path} (length)", len(value)
+        for item in value:
+            yield from _sizes(item, f"{path}[]")
+
+
+@cache
+def released_sizes(flavour: str, component: str) -> dict[str, tuple[int, int]]:
+    """{dotted key: (smallest, largest)} over the released configs of `component` in the flavour's family."""
+    family = FAMILIES[flavour]
+    stems = {FLAVOURS[f][component] for f, named in FAMILIES.items() if named == family and component in FLAVOURS[f]}
+    ranges: dict[str, tuple[int, int]] = {}
+    for stem in stems:
+        for key, size in _sizes(_read(f"{stem}.{component}.json")["config"]):
+            low, high = ranges.get(key, (size, size))
+            ranges[key] = (min(low, size), max(high, size))
+    return ranges
+
+
+def read_model_config(path: Path) -> dict[str, Any]:
+    """A component's config.json as a dict, read at most MAX_MODEL_CONFIG_BYTES; ValueError naming the file and what
+    is wrong otherwise (a truncated download, a file without read permission, another format)."""
+    def unreadable(why: str) -> ValueError:
+        return ValueError(f"{path} is not a readable model config ({why}): download or copy that component again")
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_MODEL_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise unreadable(exc.strerror or type(exc).__name__) from None
+    if len(data) > MAX_MODEL_CONFIG_BYTES:
+        raise unreadable(f"over {MAX_MODEL_CONFIG_BYTES >> 20} MiB; a model's config.json is a few KB")
+    try:
+        config = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise unreadable(f"not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise unreadable(f"a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def size_problems(config: dict[str, Any], path: Path, flavour: str, component: str) -> list[str]:
+    """Each integer (or list length) of a component's config past HEADROOM x its family's largest released one."""
+    if flavour not in FAMILIES or component not in FLAVOURS[flavour]:
+        return []
+    ranges, problems = released_sizes(flavour, component), []
+    for key, size in _sizes(config):
+        if key in ranges and size > HEADROOM * max(ranges[key][1], 1):
+            low, high = ranges[key]
+            released = f"{low}" if low == high else f"{low} to {high}"
+            problems.append(f"{path}: `{key}` is {size}; {FAMILIES[flavour]}'s released {component} configs have "
+                            f"{released}, and loraflow builds at most {HEADROOM * max(high, 1)} ({HEADROOM}x): a "
+                            "config past that is refused before anything is built from it. Fix the file, or point "
+                            "`pretrained_model_name_or_path` at a checkpoint of this family")
+    return problems

@@ -7,6 +7,7 @@ check`'s plan (bucket_plan.py), which both use them.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import random
@@ -21,9 +22,8 @@ from loraflow.contracts.reports import BucketRow
 from loraflow.pipelines import nearest_multiple
 from loraflow.pipelines.sources import ModelSource, as_source
 
-if TYPE_CHECKING:  # the family protocol module imports torch; planning must stay light
-    from loraflow.pipelines import FamilyPlan
-    from loraflow.pipelines.base import ModelFamily
+if TYPE_CHECKING:  # planning asks the plain protocol (`FamilyPlanning`): no torch
+    from loraflow.pipelines import FamilyPlanning
 
 # Sources at most 5% faster than the target fps are taken 1:1, not resampled: 25 -> 24 fps would drop every 25th
 # frame (a judder each second, and a 49-frame clip becomes 47, too short for 49), while playing 25 fps footage 4%
@@ -104,6 +104,16 @@ def select_clips(
         usable = min(len(timeline), max_frames or len(timeline))
         return [timeline[: round_down_4k1(usable)]]
     return [timeline[s : s + num_frames] for s in clip_starts(len(timeline), num_frames, mode, stride, samples)]
+
+
+def scene_timelines(timeline: Sequence[int], cuts: Sequence[int]) -> list[list[int]]:
+    """The resampled timeline split at the scene cuts (each the first source frame of a new scene, sorted): one list
+    a scene, in order, with the timeline's frames of that scene (a scene with none of them: an empty list), so a
+    clip chosen inside one list never spans a cut."""
+    scenes: list[list[int]] = [[] for _ in range(len(cuts) + 1)]
+    for frame in timeline:
+        scenes[bisect.bisect_right(cuts, frame)].append(frame)
+    return scenes
 
 
 def frames_for_bucket(frames: int, frame_interval: int | None) -> int:
@@ -206,7 +216,7 @@ class LatentGeometry:
         return c * t * h * w * LATENT_BYTES
 
 
-def latent_geometry(model: ModelSource | str | Path, family: FamilyPlan | ModelFamily) -> LatentGeometry:
+def latent_geometry(model: ModelSource | str | Path, family: FamilyPlanning) -> LatentGeometry:
     """Read the VAE's factors from its config.json (no weights): the family gives the temporal factor.
 
     Video VAEs name `spatial_compression_ratio`; image VAEs (AutoencoderKL) downsample once per block after
@@ -219,7 +229,7 @@ def latent_geometry(model: ModelSource | str | Path, family: FamilyPlan | ModelF
     return vae_geometry(json.loads(path.read_text()), family)
 
 
-def vae_geometry(vae: dict, family: ModelFamily) -> LatentGeometry:
+def vae_geometry(vae: dict, family: FamilyPlanning) -> LatentGeometry:
     """`latent_geometry` of a VAE config dict."""
     spatial = vae.get("spatial_compression_ratio") or 2 ** (len(vae["block_out_channels"]) - 1)
     return LatentGeometry(

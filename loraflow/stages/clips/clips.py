@@ -5,7 +5,9 @@ missing clips at their bucket size -> store frames -> manifest row with captions
 used becomes a quarantine row with a reason; every other file proceeds. Every folder entry that is no media file
 (a broken link, a GIF, a stray note: `dataset_folder`) gets a quarantine row too.
 
-Captions: stages/clips/captions.py (each caption_strategy, and its rules).
+Captions: stages/clips/captions.py (each caption_strategy, and its rules). A family whose release captions the sound
+in its prompt (`FamilySpec.compose_prompt`, Kandinsky 6) gets each caption composed with the file's audio caption and
+speech (`read_sound_captions`): the row's `captions` are then what the text encoder reads.
 
 i2v: the conditioning image is the first frame of the stored clip (`condition_frame`), i.e. source frame
 indices[0] after cropping, so it always matches the clip's first latent frame.
@@ -19,8 +21,11 @@ Masked loss pairs each file with its mask image the same way, into `mask*` colum
 
 from __future__ import annotations
 
+import glob
 import logging
 from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,37 +34,55 @@ from tqdm import tqdm
 
 from loraflow.config import DatasetConfig, LoraflowConfig, select_datasets
 from loraflow.config.dataset import DEFAULT_MAX_UPSCALE, is_mask_dataset
-from loraflow.contracts.clip_rows import ClipRow, DroppedFile, PairedImage, source_version
-from loraflow.contracts.reports import ClipsReport, DropReason
+from loraflow.contracts.clip_rows import ClipRow, ClipScene, DroppedFile, PairedImage, source_version
+from loraflow.contracts.reports import ClipsReport, DropReason, SceneRow
 from loraflow.keys import content_key, data_version, file_identity
 from loraflow.media.frames import ProbeCache, decode_frames
 from loraflow.media.types import IMAGE_EXTENSIONS, MediaError, Probe
-from loraflow.pipelines import bucket_multiple
+from loraflow.pipelines import bucket_multiple, family_spec
 from loraflow.pipelines.sources import ModelSource
 from loraflow.stages.clips import buckets
 from loraflow.stages.clips.buckets import LatentGeometry, latent_geometry, tally_buckets
-from loraflow.stages.clips.captions import read_captions
-from loraflow.stages.clips.dataset_folder import Listing, link_outside, list_folder, printable, read_or_quarantine
+from loraflow.stages.clips.captions import TEXT_FILES, read_captions, read_scene_captions, read_sound_captions
+from loraflow.stages.clips.dataset_folder import SCENE_CAPTION, Listing, link_outside, printable, read_or_quarantine
+from loraflow.stages.clips.hub_dataset import readable
 from loraflow.store import Store
 
-if TYPE_CHECKING:  # planning needs the family's plain spec only (`plan_family`); base imports torch
-    from loraflow.pipelines import FamilyPlan
-    from loraflow.pipelines.base import ModelFamily
+if TYPE_CHECKING:  # planning asks the plain protocol (`FamilyPlanning`): no torch
+    from loraflow.pipelines import FamilyPlanning
 
 log = logging.getLogger(__name__)
 CODE_VERSION = "clips-1"  # bump when the decoded frames would change for the same plan
+@dataclass(frozen=True)
+class ClipPlan:
+    """One clip a source yields, before decoding: its source frame indices, its bucket size, and its scene (from 1;
+    None: the file is one scene)."""
+    indices: list[int]
+    height: int
+    width: int
+    scene: int | None
+
+
 def plan_clips(
-    path: Path, info: Probe, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
-    images_allowed: bool = False,
-) -> list[dict[str, Any]]:
+    path: Path, info: Probe, dataset: DatasetConfig, family: FamilyPlanning, model: ModelSource | str,
+    images_allowed: bool = False, cuts: Sequence[int] | None = None,
+) -> list[ClipPlan]:
     """The clips a source yields: frame indices, bucket size and crop, before any decoding.
 
     `images_allowed`: the dataset i2v validation renders from (`config.render_dataset_id`) may hold images.
+    `cuts`: the video's scene cuts (`video.scene_cuts: detect`, the first frame of each new scene): each clip then
+    lies inside one scene, whose number (from 1) its plan says; None: the file is one scene, the plans say none.
     """
     video = dataset.video
     is_image = info.is_image or dataset.dataset_type == "image"
     _check_aspect(path, info, dataset)
-    clips = [[0]] if is_image else _video_clips(path, info, dataset, video.frame_rate or family.flavour.fps)
+    fps = video.frame_rate or family.flavour.fps
+    if is_image:
+        clips: list[tuple[list[int], int | None]] = [([0], None if cuts is None else 1)]
+    elif cuts is None:
+        clips = [(indices, None) for indices in _video_clips(path, info, dataset, fps)]
+    else:
+        clips = _scene_clips(path, info, dataset, fps, cuts)
     height, width = buckets.bucket_size(info.height, info.width, dataset.resolution, bucket_multiple(family, model),
                                         dataset.resolution_type, dataset.crop_aspect, dataset.crop_aspect_buckets)
     problem = family.size_problem(model, height, width)
@@ -68,24 +91,53 @@ def plan_clips(
                          f"dataset '{dataset.id}'")
     _check_source_size(path, info, dataset, (height, width))
     planned = []
-    for indices in clips:
+    for indices, scene in clips:
         if video.bucket_strategy == "resolution_frames" and len(indices) > 1:
             indices = indices[: buckets.frames_for_bucket(len(indices), video.frame_interval)]
-        planned.append({"indices": indices, "height": height, "width": width})
-    _check_clip_lengths(path, {len(p["indices"]) for p in planned}, family, images_allowed, is_image)
+        planned.append(ClipPlan(indices, height, width, scene))
+    _check_clip_lengths(path, {len(p.indices) for p in planned}, family, images_allowed, is_image)
     return planned
 
 
 def _video_clips(path: Path, info: Probe, dataset: DatasetConfig, target_fps: float | None) -> list[list[int]]:
     """A video's clips as source frame indices; a drop for its length names both rates and both frame counts."""
-    video = dataset.video
     timeline = buckets.resampled_indices(info.num_frames, info.fps, target_fps, info.frame_times)
     counts = f"{path.name}: {buckets.resampling_note(info.num_frames, info.fps, target_fps, len(timeline))}; "
+    return _timeline_clips(timeline, dataset, counts)
+
+
+def _scene_clips(path: Path, info: Probe, dataset: DatasetConfig, target_fps: float | None,
+                 cuts: Sequence[int]) -> list[tuple[list[int], int]]:
+    """The clips of each scene (numbered from 1), each scene taken as a video of its own; a scene too short or too
+    long for the dataset yields none, and a file none of whose scenes yields a clip is dropped, saying why for each."""
+    timeline = buckets.resampled_indices(info.num_frames, info.fps, target_fps, info.frame_times)
+    scenes = buckets.scene_timelines(timeline, cuts)
+    bounds = [0, *cuts, info.num_frames]
+    clips, skipped = [], []
+    for number, scene in enumerate(scenes, 1):
+        where = f"scene {number} (frames {bounds[number - 1]}-{bounds[number] - 1}): "
+        try:
+            clips += [(indices, number) for indices in _timeline_clips(scene, dataset, where)]
+        except MediaError as exc:
+            skipped.append(exc)
+    if not clips:
+        note = buckets.resampling_note(info.num_frames, info.fps, target_fps, len(timeline))
+        shown = "; ".join(str(exc) for exc in skipped[:3]) + ("; ..." if len(skipped) > 3 else "")
+        raise MediaError(skipped[0].reason, f"{path.name}: {note}; none of its {len(scenes)} scenes (video.scene_cuts "
+                         f"detect) yields a clip: {shown}")
+    return clips
+
+
+def _timeline_clips(timeline: list[int], dataset: DatasetConfig, counts: str) -> list[list[int]]:
+    """The clips of a (resampled) timeline under the dataset's clip mode; `counts` starts each drop's message."""
+    video = dataset.video
     if video.min_frames and len(timeline) < video.min_frames:
         raise MediaError("too_short", f"{counts}{len(timeline)} < min_frames {video.min_frames}")
     if video.max_frames and len(timeline) > video.max_frames and video.frame_extraction != "full":
         raise MediaError("too_long", f"{counts}{len(timeline)} > max_frames {video.max_frames}")
     try:
+        if not timeline:
+            raise buckets.TooShort
         return buckets.select_clips(timeline, video.num_frames, video.frame_extraction, video.max_frames,
                                     video.frame_stride, video.frame_sample)
     except buckets.TooShort:
@@ -117,7 +169,7 @@ def _check_source_size(path: Path, info: Probe, dataset: DatasetConfig, bucket: 
                      "lower `minimum_image_size` (0 keeps every size)")
 
 
-def _check_clip_lengths(path: Path, lengths: set[int], family: FamilyPlan | ModelFamily, images_allowed: bool,
+def _check_clip_lengths(path: Path, lengths: set[int], family: FamilyPlanning, images_allowed: bool,
                         is_image: bool) -> None:
     """What the flavour can train on, by the planned lengths (`frame_extraction: full` ignores `num_frames`)."""
     if family.flavour.num_frames == 1 and lengths - {1}:
@@ -129,7 +181,7 @@ def _check_clip_lengths(path: Path, lengths: set[int], family: FamilyPlan | Mode
                          "after a clean first frame, so it needs videos")
 
 
-def plan_files(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
+def plan_files(config: LoraflowConfig, family: FamilyPlanning, model: ModelSource | str,
                dataset: DatasetConfig, listing: Listing, probes: ProbeCache,
                progress: bool = False) -> tuple[list[ClipRow], list[DroppedFile]]:
     """The one per-file planner, for the clips stage and `loraflow check`'s plan (bucket_plan.py): the clips of
@@ -143,33 +195,100 @@ def plan_files(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: 
                                    sources=config.source_images(dataset))
         except MediaError as exc:
             quarantine.append(dropped(dataset.id, path, exc))
+        quarantine += _unmatched_scene_captions(path, dataset, probes)
     return manifest, quarantine
 
 
-def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlan | ModelFamily, model: ModelSource | str,
+def _unmatched_scene_captions(path: Path, dataset: DatasetConfig, probes: ProbeCache) -> list[DroppedFile]:
+    """A `not_used` row for each scene caption file NAME.nnnn.txt beside `path` whose scene the cut list lacks."""
+    cuts = probes.scene_lists.get(str(path))
+    if cuts is None or dataset.caption_strategy not in TEXT_FILES:
+        return []
+    rows, video = [], dataset.video
+    for caption in sorted(path.parent.glob(f"{glob.escape(path.stem)}.*")):
+        scene = SCENE_CAPTION.match(caption.stem)
+        if caption.suffix.lower() == ".txt" and scene and scene["stem"] == path.stem and \
+                not 1 <= int(scene["scene"]) <= len(cuts) + 1:
+            rows.append(dropped(dataset.id, caption, MediaError(
+                "not_used", f"{printable(caption.name)}: the caption of scene {int(scene['scene'])}, but "
+                f"{printable(path.name)} has {len(cuts) + 1} scenes (scene_threshold {video.scene_threshold:g}, "
+                f"min_scene_len {video.min_scene_len:g} s); nothing reads it: rename or remove it")))
+    return rows
+
+
+def _clip_rows(path: Path, dataset: DatasetConfig, family: FamilyPlanning, model: ModelSource | str,
                probes: ProbeCache, images_allowed: bool, sources: DatasetConfig | None = None) -> list[ClipRow]:
     """The file's clips; `sources`: the conditioning dataset holding its i2i source image or its loss mask."""
     check_name(path)
     identity = read_or_quarantine(lambda: file_identity(path, dataset.instance_data_dir or ""), path)
-    captions = tuple(read_captions(path, dataset))
+    scenes_on = dataset.video.scene_cuts == "detect"
+    # scenes: the captions are read once the scenes are known
+    captions, audio_caption = ((), "") if scenes_on else composed_captions(path, dataset, family)
     info = probes.probe(path, identity)
+    cuts = _cuts(path, identity, info, dataset, probes) if scenes_on else None
     source = _source_image(path, dataset, sources, probes) if sources else None
     column = "mask" if is_mask_dataset(sources) else "condition"
+    plans = plan_clips(path, info, dataset, family, model, images_allowed, cuts)
+    by_scene = {number: compose_sound(captions, path, dataset, family) for number, captions in
+                read_scene_captions(path, dataset, sorted({p.scene for p in plans})).items()} if scenes_on else {}
     rows = []
-    for plan in plan_clips(path, info, dataset, family, model, images_allowed):
-        size = (plan["height"], plan["width"])
+    for plan in plans:
+        if scenes_on:
+            captions, audio_caption = by_scene[plan.scene]
+        size = (plan.height, plan.width)
         paired = {column: source[0]} if source else {}  # t2v/t2i keys stay as they were
-        key = content_key(source=identity, indices=plan["indices"], size=size, crop=dataset.crop_style,
+        key = content_key(source=identity, indices=plan.indices, size=size, crop=dataset.crop_style,
                           code=CODE_VERSION, **paired)
         crop = buckets.crop_plan((info.height, info.width), size, dataset.crop_style, seed=key)
         rows.append(ClipRow(
             key=key, dataset=dataset.id, source=identity["path"], path=str(path),
-            bucket=buckets.bucket_label(*size, len(plan["indices"])), height=size[0], width=size[1],
-            num_frames=len(plan["indices"]), indices=tuple(plan["indices"]), resize=crop.resize, box=crop.box,
-            captions=captions, repeats=dataset.repeats, source_version=source_version(identity),
+            bucket=buckets.bucket_label(*size, len(plan.indices)), height=size[0], width=size[1],
+            num_frames=len(plan.indices), indices=tuple(plan.indices), resize=crop.resize, box=crop.box,
+            captions=captions, repeats=dataset.repeats,
+            source_version=source_version(identity), audio_caption=audio_caption,
+            scene=_clip_scene(plan.scene, plan.indices, info) if scenes_on else None,
             **({column: _paired_image(source, size, dataset.crop_style, key)} if source else {}),
         ))
     return rows
+
+
+def composed_captions(path: Path, dataset: DatasetConfig,
+                      family: FamilyPlanning) -> tuple[tuple[str, ...], str]:
+    """The file's captions as its family's text encoder reads them, and its audio caption ("" none): each caption
+    composed with the audio caption and speech where the family composes its prompt; the plain captions else."""
+    return compose_sound(tuple(read_captions(path, dataset)), path, dataset, family)
+
+
+def compose_sound(captions: tuple[str, ...], path: Path, dataset: DatasetConfig,
+                  family: FamilyPlanning) -> tuple[tuple[str, ...], str]:
+    """`captions` (the file's, or one scene's) composed with the file's audio caption and speech where the family
+    composes its prompt; the plain captions else. With the audio caption ("" none)."""
+    compose = family_spec(family.name).compose_prompt
+    if compose is None:
+        return captions, ""
+    audio, speech = read_sound_captions(path, dataset)
+    if not audio and not speech:
+        return captions, ""  # the plain captions: their text keys stay as they were
+    return tuple(compose(caption, audio, speech) for caption in captions), audio
+
+
+def _cuts(path: Path, identity: dict[str, Any], info: Probe, dataset: DatasetConfig,
+          probes: ProbeCache) -> tuple[int, ...]:
+    """A video's scene cuts (cached with its probe); an image is one scene, without cuts."""
+    if info.is_image or dataset.dataset_type == "image":
+        return ()
+    return probes.scenes(path, identity, info, dataset.video.scene_threshold, dataset.video.min_scene_len)
+
+
+def _clip_scene(number: int, indices: Sequence[int], info: Probe) -> ClipScene:
+    """The clip's scene and its span of the source in seconds (a VFR file by its frame times)."""
+    if info.is_image:
+        return ClipScene(number, 0.0, 0.0)
+
+    def time(i: int) -> float:
+        return info.frame_times[i] if info.frame_times else i / info.fps
+
+    return ClipScene(number, round(time(indices[0]), 6), round(time(indices[-1]) + 1 / info.fps, 6))
 
 
 def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
@@ -185,6 +304,11 @@ def _source_image(path: Path, dataset: DatasetConfig, sources: DatasetConfig,
     except MediaError as exc:
         raise MediaError(exc.reason, f"{relative}: its {_paired_word(sources)} {identity['path']}: {exc}") from None
     return identity, found, info
+
+
+def reads_sound_captions(family: FamilyPlanning) -> bool:
+    """Whether the family reads NAME.audio.txt and NAME.speech.txt (`FamilySpec.compose_prompt`)."""
+    return family_spec(family.name).compose_prompt is not None
 
 
 def check_name(path: Path) -> Path:
@@ -262,29 +386,19 @@ def _decode_cropped(path: str, indices: tuple[int, ...], resize: tuple[int, int]
     return np.ascontiguousarray(frames[:, top : top + height, left : left + width])
 
 
-DATASET_STAGES = ("clips", "quarantine", "latents", "latents_quarantine")  # one manifest part per dataset id
-
-
-def drop_removed_datasets(config: LoraflowConfig, store: Store) -> list[str]:
-    """Drop the manifest parts of datasets no longer in the config, so no stage reads their rows again.
-    Their shards stay until an explicit `store.clean`: a dataset added back costs nothing to re-plan."""
-    ids = [d.id for d in config.training_datasets]
-    return sorted({name for stage in DATASET_STAGES for name in store.drop_parts(stage, ids)})
-
-
 def build_clips(
-    config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource, store: Store,
+    config: LoraflowConfig, family: FamilyPlanning, model: ModelSource, store: Store,
     datasets: list[str] | None = None,
 ) -> ClipsReport:
     """Plan the datasets (`datasets` ids; None: every training dataset), decode what the store lacks, and write
     each dataset's manifest part of current clips (one dataset's run never touches another's part)."""
+    store = store.keyed(config.dataset_sources)  # its parts keyed by the datasets' sources, whoever opened it
     selected = select_datasets(config, datasets)
     for dataset in selected:  # a missing source folder fails like a missing dataset folder, before any work
         sources = config.source_images(dataset)
         if sources is not None and not Path(sources.instance_data_dir or "").is_dir():
             raise FileNotFoundError(f"dataset '{sources.id}' (source images of '{dataset.id}'): instance_data_dir "
                                     f"{sources.instance_data_dir} is not a folder")
-    drop_removed_datasets(config, store)
     manifest, quarantine = [], []
     probes = ProbeCache(store)
     for dataset in selected:
@@ -310,13 +424,26 @@ def build_clips(
         buckets=tuple(tally_buckets([(r.dataset, r.height, r.width, r.num_frames) for r in manifest],
                                     _geometry(model, family))),
         dropped=dropped_table(quarantine),
+        scenes=scene_table(manifest, probes),
     )
 
 
-def _plan_dataset(config: LoraflowConfig, family: FamilyPlan | ModelFamily, model: ModelSource,
+def scene_table(manifest: list[ClipRow], probes: ProbeCache) -> tuple[SceneRow, ...]:
+    """Per file with scene cuts on: the scenes its cut list says, and those yielding a clip."""
+    used: dict[tuple[str, str, str], set[int]] = {}
+    for row in manifest:
+        if row.scene is not None and row.path in probes.scene_lists:
+            used.setdefault((row.dataset, row.source, row.path), set()).add(row.scene.number)
+    return tuple(SceneRow(dataset, source, len(probes.scene_lists[path]) + 1, len(numbers),
+                          probes.scene_lists[path], path) for (dataset, source, path), numbers in used.items())
+
+
+def _plan_dataset(config: LoraflowConfig, family: FamilyPlanning, model: ModelSource,
                   dataset: DatasetConfig, probes: ProbeCache) -> tuple[list[ClipRow], list[DroppedFile]]:
-    """A dataset's clips, and a quarantine row for every entry of its folder that yields none."""
-    planned = plan_files(config, family, model, dataset, list_folder(dataset), probes)
+    """A dataset's clips, and a quarantine row for every entry of its folder (or row of its Hugging Face dataset)
+    that yields none."""
+    folder_dataset, listing = readable(dataset, config.cache_dir, reads_sound_captions(family))
+    planned = plan_files(config, family, model, folder_dataset, listing, probes)
     probes.commit()
     return planned
 
@@ -340,7 +467,7 @@ def _decode_missing(todo: list[ClipRow], store: Store, shard_clips: int = 8) -> 
     return failed
 
 
-def _geometry(model: ModelSource, family: FamilyPlan | ModelFamily) -> LatentGeometry | None:
+def _geometry(model: ModelSource, family: FamilyPlanning) -> LatentGeometry | None:
     """The VAE's factors for the latent estimate; None (estimate unknown) when the checkpoint has no vae config."""
     try:
         return latent_geometry(model, family)

@@ -10,14 +10,18 @@ hidden file named like media: the dataset_watch sensor does not watch hidden fil
 `allow_links_outside: true`; captions, metadata files and masks are held to the same test, `link_outside()`, where
 they are read),
 `unreadable` (a folder the OS will not list) and `not_used` (any other file nothing reads: a caption whose video is
-gone, `.txt` files under a caption_strategy other than textfile, notes; `.txt` in any case, as cameras and Windows
-tools write `.TXT`). Other hidden entries (.DS_Store, .git) are not data: neither read nor listed.
+gone, a scene's caption NAME.nnnn.txt while `video.scene_cuts` is off, `.txt` files under a caption_strategy other
+than textfile, notes; `.txt` in any case, as cameras and Windows tools write `.TXT`). Other hidden entries
+(.DS_Store, .git) are not data: neither read nor listed. A sound caption (`a.audio.txt`, `a.speech.txt` beside
+`a.mp4`: stages/clips/captions.py) is read where the family reads them (`sound_captions`) and is `not_used`
+elsewhere; `a.audio.txt` beside a video `a.audio.*` is that video's caption.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +32,7 @@ from loraflow.config.dataset import DatasetConfig
 from loraflow.media.types import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 
 T = TypeVar("T")
+SCENE_CAPTION = re.compile(r"^(?P<stem>.+)\.(?P<scene>\d{4,})$")  # a scene's caption file's stem: NAME.nnnn
 
 MEDIA_EXTENSIONS = VIDEO_EXTENSIONS | IMAGE_EXTENSIONS
 # Formats FFmpeg or Pillow read that datasets do not take: named, so that each is reported with how to convert it.
@@ -37,14 +42,18 @@ OTHER_MEDIA_EXTENSIONS = frozenset({
 })
 
 
+SOUND_CAPTION_KINDS = ("audio", "speech")  # NAME.audio.txt, NAME.speech.txt
+
+
 @dataclass
 class Listing:
     files: list[Path] = field(default_factory=list)  # media files: each becomes clips or its own quarantine row
     others: list[tuple[Path, MediaError]] = field(default_factory=list)  # every other entry, with why
 
 
-def list_folder(dataset: DatasetConfig) -> Listing:
-    """Walk `instance_data_dir` (links to folders not followed), sorting every entry into files and others."""
+def list_folder(dataset: DatasetConfig, sound_captions: bool = False) -> Listing:
+    """Walk `instance_data_dir` (links to folders not followed), sorting every entry into files and others;
+    `sound_captions`: the family reads NAME.audio.txt and NAME.speech.txt (`FamilySpec.compose_prompt`)."""
     root = Path(dataset.instance_data_dir or "")
     if not root.is_dir():
         raise FileNotFoundError(f"dataset '{dataset.id}': instance_data_dir {root} is not a folder")
@@ -62,7 +71,7 @@ def list_folder(dataset: DatasetConfig) -> Listing:
                 listing.files.append(here / name)
             else:
                 plain.append(here / name)
-    listing.others += [(p, e) for p in plain if (e := _unused(p, dataset, root, media_stems))]
+    listing.others += [(p, e) for p in plain if (e := _unused(p, dataset, root, media_stems, sound_captions))]
     listing.files.sort()
     listing.others.sort(key=lambda item: item[0])
     return listing
@@ -128,15 +137,29 @@ def _unstattable(path: Path, exc: OSError) -> MediaError:
     return MediaError("unreadable", f"{name}: {exc.strerror or exc}; check that the file is still there and readable")
 
 
-def _unused(path: Path, dataset: DatasetConfig, root: Path, media_stems: set[tuple[Path, str]]) -> MediaError | None:
+def _unused(path: Path, dataset: DatasetConfig, root: Path, media_stems: set[tuple[Path, str]],
+            sound_captions: bool = False) -> MediaError | None:
     """None for a caption or metadata file a source reads; otherwise why nothing reads the file."""
     name, strategy = printable(path.name), dataset.caption_strategy
     if strategy == "metadata" and path.resolve() == (root / (dataset.metadata_file or "")).resolve():
         return None  # an absolute metadata_file stays absolute under the join
     caption = path.suffix.lower() == ".txt"
-    if caption and strategy == "textfile":
+    if caption and strategy in ("textfile", "auto"):
         if (path.parent, path.stem) in media_stems:
             return None
+        owner, _, kind = path.stem.rpartition(".")
+        if kind in SOUND_CAPTION_KINDS and (path.parent, owner) in media_stems:
+            if sound_captions:
+                return None
+            return MediaError("not_used", f"{name}: the {kind} caption of {printable(owner)}.*, which this model "
+                                          "family does not read (its prompts do not describe the sound)")
+        scene = SCENE_CAPTION.match(path.stem)
+        if scene and (path.parent, scene["stem"]) in media_stems:
+            if dataset.video.scene_cuts == "detect":
+                return None  # a scene's own caption (captions.read_scene_captions)
+            return MediaError("not_used", f"{name}: the caption of scene {int(scene['scene'])} of "
+                              f"{printable(scene['stem'])}.*, but scene cuts are off; nothing reads it (`video."
+                              "scene_cuts: detect` would)")
         return MediaError("not_used", f"{name}: a caption with no video or image named {printable(path.stem)}.* "
                                       "beside it; nothing reads it")
     if caption:

@@ -26,7 +26,7 @@ from loraflow.contracts.reports import BadLatent, LatentsReport, OomFallback
 from loraflow.kernels.devices import free_models, peak_memory_gib, pick_device
 from loraflow.kernels.patch_conv import enable_patch_conv
 from loraflow.keys import Shard, content_key, data_version
-from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component
+from loraflow.pipelines.base import ModelFamily, component_fingerprint, load_component, non_finite, non_finite_detail
 from loraflow.pipelines.sources import ModelSource
 from loraflow.store import Store
 
@@ -45,6 +45,8 @@ class PlannedLatent:
     clip_key: str
     bucket: str
     dataset: str
+    source: str  # the clip's file, dataset-relative
+    frames: str  # its first and last source frame, "0-24"
 
     def listed(self, tiled: bool) -> LatentRow:
         """Its manifest row. An out-of-memory encode that fell back to tiling was stored under the tiled key and is
@@ -77,14 +79,17 @@ def latent_rows(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
         code=CODE_VERSION, **image, **latent_key_part(clip))
     return [
         PlannedLatent(key=key(clip, config.vae_enable_tiling), tiled_key=key(clip, True), clip_key=clip.key,
-                      bucket=clip.bucket, dataset=clip.dataset)
+                      bucket=clip.bucket, dataset=clip.dataset, source=clip.source,
+                      frames=f"{clip.indices[0]}-{clip.indices[-1]}")
         for clip in clips
         if clip.dataset in ids  # a dataset no longer in the config is never encoded or listed
     ]
 
 
-def prepare_vae(vae: torch.nn.Module, config: LoraflowConfig) -> None:
-    """The configured memory features of the VAE (also applied by `loraflow.estimates` to its fake VAE)."""
+def prepare_vae(vae: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> None:
+    """The VAE as the family runs it (`setup_vae`), with the configured memory features (also applied by
+    `loraflow.estimates` to its fake VAE)."""
+    family.setup_vae(vae)
     if config.vae_enable_patch_conv:
         enable_patch_conv(vae)
     if config.vae_enable_tiling:
@@ -99,6 +104,7 @@ def encode_latents(
 ) -> LatentsReport:
     """Encode the datasets' clips (None: every training dataset) the store lacks; write each one's manifest part.
     With a `shard`, only that shard's clips, and no manifest: one of N workers (stages/shard_worker.py)."""
+    store = store.keyed(config.dataset_sources)  # its parts keyed by the datasets' sources, whoever opened it
     planned = [r for r in latent_rows(config, family, model, store, datasets)
                if shard is None or shard.owns(r.clip_key)]
     have = store.keys("latents")
@@ -108,7 +114,7 @@ def encode_latents(
     device = pick_device()
     if todo:
         vae = load_component(model, "vae", torch.float32, str(device))
-        prepare_vae(vae, config)
+        prepare_vae(vae, config, family)
         image = [load_component(model, c, torch.float32, str(device))
                  for c in family.image_condition_components]  # [] or (image encoder, its processor)
         quarantined, fallbacks = _encode(todo, vae, family, store, device, shard_clips, config.latent_sampling, image,
@@ -158,9 +164,14 @@ def _encode(
                 if fallback:
                     log.warning("clip %s ran out of memory; encoded with %s", row.clip_key, fallback)
                     fallbacks.append(OomFallback(clip_key=row.clip_key, fallback=fallback, key=row.key))
-                if not torch.isfinite(latent).all() or not all(np.isfinite(c).all() for c in condition.values()):
+                bad = non_finite({"latent": latent, **condition})
+                if bad:
+                    what = f"{row.source} (clip {row.clip_key}, frames {row.frames})"
                     quarantined.append(BadLatent(key=row.key, clip_key=row.clip_key, dataset=row.dataset,
-                                                 reason="non_finite_latent"))
+                                                 reason="non_finite_latent",
+                                                 detail=non_finite_detail(what, "vae", vae.dtype, bad)
+                                                 + "; the clip is left out of training"))
+                    log.warning("%s", quarantined[-1].detail)
                 elif MASK_COLUMN in condition and not condition[MASK_COLUMN].any():  # nothing to train on
                     quarantined.append(BadLatent(key=row.key, clip_key=row.clip_key, dataset=row.dataset,
                                                  reason="empty_mask"))

@@ -37,7 +37,7 @@ from loraflow.contracts.teacher_features import (
 )
 from loraflow.kernels.devices import free_models, pick_device
 from loraflow.keys import data_version
-from loraflow.pipelines.base import ModelFamily
+from loraflow.pipelines.base import ModelFamily, non_finite, non_finite_detail
 from loraflow.store import Store
 
 log = logging.getLogger(__name__)
@@ -55,13 +55,21 @@ def encode_teacher_features(clips: list[ClipRow], teacher: Teacher, temporal_fac
     if todo:
         device = pick_device()
         model = load_teacher(teacher, device)
+        refused = []
         for row in todo:
             stored = store.get("clips", [row["clip_key"]])[row["clip_key"]]
             frames = torch.from_numpy(np.array(stored["frames"])[row["indices"]])  # (T, H, W, 3) uint8, a copy
-            features = patch_features(model, frames.to(device), teacher.image_size)
-            store.put(STAGE, [{"key": row["key"], "clip_key": row["clip_key"],
-                               "features": features.cpu().half().numpy()}])
+            features = patch_features(model, frames.to(device), teacher.image_size).cpu()
+            bad = non_finite({"features": features, "features as stored (float16)": features.half()})
+            if bad:  # never stored: CREPA would train toward NaN
+                refused.append(non_finite_detail(f"clip {row['clip_key']} (dataset {row['dataset']})", "teacher",
+                                                 features.dtype, bad))
+                continue
+            store.put(STAGE, [{"key": row["key"], "clip_key": row["clip_key"], "features": features.half().numpy()}])
         free_models(model)
+        if refused:  # every trained clip needs its features: the stage fails, the others stay cached
+            raise ValueError(f"{len(refused)} clip(s) have no usable CREPA teacher features (float16 holds up to "
+                             f"65504); use another crepa_encoder_path or turn crepa_enabled off: {'; '.join(refused)}")
     listed = [{"key": r["key"], "clip_key": r["clip_key"], "dataset": r["dataset"]} for r in rows]
     for dataset in datasets:
         store.write_manifest(STAGE, [r for r in listed if r["dataset"] == dataset], part=dataset)
@@ -100,6 +108,7 @@ def patch_features(model: torch.nn.Module, frames: torch.Tensor, image_size: int
 
 def cache_teacher_features(config: LoraflowConfig, family: ModelFamily, store: Store) -> TeacherFeaturesReport:
     """The teacher_features stage for every clip training reads (computes only what the store lacks)."""
+    store = store.keyed(config.dataset_sources)  # its parts keyed by the datasets' sources, whoever opened it
     datasets = [d.id for d in config.training_datasets]
     return encode_teacher_features(trained_clips(store), teacher_of(config), family.vae_temporal_factor, store,
                                    datasets)

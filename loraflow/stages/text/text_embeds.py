@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 from loraflow.config import LoraflowConfig
-from loraflow.contracts.clip_rows import read_clips
+from loraflow.contracts.clip_rows import read_clips, uncaptioned
 from loraflow.contracts.renders import (
     condition_frame,
     conditioning_image,
@@ -78,6 +78,8 @@ def needed_texts(config: LoraflowConfig, family: ModelFamily, model: ModelSource
                  store: Store) -> dict[TextItem, ImageLoader | None]:
     """Every item later stages read, sorted, with how to load the image it sees (None: the text alone)."""
     clips = read_clips(store)
+    if waiting := uncaptioned(clips):  # caption_strategy auto, before its captions: no clip trains on ""
+        raise FileNotFoundError(waiting.strip())
     if not family.flavour.prompt_sees_image:
         texts = {caption for clip in clips for caption in clip.captions}
         texts |= {"", family.default_negative_prompt, *config.validation_prompts.values()}

@@ -10,8 +10,10 @@ travels in the file's header.
 Start: a checkpoint (resume), else `init_lora` (an existing LoRA file), else peft's init.
 
 `init_lora` reads the files users have: diffusers/peft key names (`transformer.<module>.lora_A.weight`, with or
-without the prefix; what loraflow writes) or ComfyUI's (`diffusion_model.<module>.lora_down.weight` / `lora_up` /
-`alpha`, loraflow's ComfyUI file, pipelines/comfyui.py). The file must hold exactly the adapter being trained
+without the prefix; what loraflow writes), ComfyUI's (`diffusion_model.<module>.lora_down.weight` / `lora_up` /
+`alpha`, loraflow's ComfyUI file, pipelines/comfyui.py) or musubi-tuner's (`lora_unet_<module, _>.lora_down.weight`
+..., loraflow's musubi file or musubi's own LoRA of the same modules, pipelines/musubi.py). The file must hold
+exactly the adapter being trained
 (same modules, same rank): anything else is refused, naming the keys, never loaded in part. A ComfyUI module fused
 from several diffusers linears (HunyuanVideo 1.5's q/k/v) is split back into its parts' blocks. The file's scale
 (ComfyUI's alpha / rank, 1 without alpha; a diffusers file's header LoraConfig, which loraflow writes at unit
@@ -30,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loraflow.pipelines.base import ModelFamily
-from loraflow.pipelines.comfyui import PREFIX, SCALED_FACTOR, comfyui_name, module_scale
-from loraflow.safetensors_header import read_adapter_header
+from loraflow.pipelines.comfyui import PREFIX, SCALED_FACTOR, ComfyRule, comfyui_name, module_scale
+from loraflow.pipelines.musubi import MUSUBI_PREFIX, musubi_key
+from loraflow.safetensors_header import non_finite_problem, read_adapter_header
 
 if TYPE_CHECKING:
     from loraflow.config import LoraflowConfig
@@ -41,10 +44,19 @@ if TYPE_CHECKING:
 ADAPTER_PARAMETERS = ("lora_", "lokr_", "hada_")  # peft's LoRA (and DoRA's magnitude), LoKr, LoHa
 
 
-def add_adapter(transformer: torch.nn.Module, config: LoraflowConfig, targets: list[str] | str) -> None:
-    """The configured adapter on `transformer`, its init drawn from `config.seed` (same seed, same adapter)."""
+def adapter_targets(config: LoraflowConfig, family: ModelFamily) -> list[str] | str:
+    """peft `target_modules`: the config's `peft_lora_target_modules` (SimpleTuner's key), else the family's."""
+    if config.peft_lora_target_modules:
+        return list(config.peft_lora_target_modules)
+    return family.lora_targets(config.lora_include_ffn)
+
+
+def add_adapter(transformer: torch.nn.Module, config: LoraflowConfig, family: ModelFamily) -> None:
+    """The configured adapter on `transformer` (`adapter_targets`), its init drawn from `config.seed` (same seed,
+    same adapter)."""
     from peft import LoraConfig
 
+    targets = adapter_targets(config, family)
     torch.manual_seed(config.seed)
     if config.lycoris_config is None:
         transformer.add_adapter(LoraConfig(
@@ -98,17 +110,20 @@ def load_init_lora(path: str, transformer: torch.nn.Module, family: ModelFamily)
 
     from loraflow.training.checkpoints import adapter_config
 
-    read_adapter_header(path, "init_lora")  # checked at load; read again: the file may have changed since
+    header = read_adapter_header(path, "init_lora")  # checked at load; read again: the file may have changed since
+    # training would start from NaN values and its first loss be NaN
+    if problem := non_finite_problem(path, "init_lora", header, "export the LoRA again, or remove init_lora"):
+        raise ValueError(problem)
     wanted, config = get_peft_model_state_dict(transformer), adapter_config(transformer)
     found = load_file(path)
-    broken = {k: int((~torch.isfinite(v)).sum()) for k, v in found.items() if not torch.isfinite(v).all()}
-    if broken:  # training would start from them and its first loss be NaN
-        name, count = next(iter(broken.items()))
-        raise ValueError(f"`init_lora` {path}: {len(broken)} tensor(s) hold NaN or infinite values (e.g. {name}: "
-                         f"{count} of {found[name].numel()}): the file is broken; export the LoRA again, or remove "
-                         "init_lora")
     if any(k.startswith(PREFIX) for k in found):
-        state = _from_comfyui(found, wanted, config, family, path)
+        state = _from_down_up(found, wanted, config, family.comfyui_names, lambda name: PREFIX + name, "ComfyUI",
+                              path)
+    elif any(k.startswith(MUSUBI_PREFIX) for k in found):
+        if not family.musubi_names:
+            raise ValueError(f"`init_lora` {path}: a musubi-tuner LoRA file (`{MUSUBI_PREFIX}...` keys), and "
+                             f"musubi-tuner has no model of {family.name}: give a diffusers or ComfyUI file")
+        state = _from_down_up(found, wanted, config, family.musubi_names, musubi_key, "musubi-tuner", path)
     else:
         state = _from_diffusers(found, _header_config(path), config)
     missing, extra = sorted(set(wanted) - set(state)), sorted(set(state) - set(wanted))
@@ -146,17 +161,18 @@ def _from_diffusers(found: dict[str, torch.Tensor], file_config: dict | None,
     return state
 
 
-def _from_comfyui(found: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor], config: dict,
-                  family: ModelFamily, path: str) -> dict[str, torch.Tensor]:
-    """peft tensors for `wanted`'s modules from a ComfyUI file (the inverse of comfyui.to_comfyui)."""
+def _from_down_up(found: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor], config: dict,
+                  rules: tuple[ComfyRule, ...], stem: Any, reader: str, path: str) -> dict[str, torch.Tensor]:
+    """peft tensors for `wanted`'s modules from a file in sd-scripts' layout, ComfyUI's or musubi-tuner's names
+    (`rules`, `stem`: the inverse of comfyui.down_up_tensors)."""
     state, used = {}, set()
     for key in wanted:
         match = re.fullmatch(r"(.+)\.lora_A\.weight", key)
         if match is None:
             continue  # lora_B: taken with its lora_A
         module = match[1]
-        name, part, parts = comfyui_name(family.comfyui_names, module)
-        down_key, up_key, alpha_key = (f"{PREFIX}{name}.{s}" for s in ("lora_down.weight", "lora_up.weight", "alpha"))
+        name, part, parts = comfyui_name(rules, module, reader)
+        down_key, up_key, alpha_key = (f"{stem(name)}.{s}" for s in ("lora_down.weight", "lora_up.weight", "alpha"))
         if down_key not in found or up_key not in found:
             continue  # reported as missing
         down, up = found[down_key].float(), found[up_key].float()
@@ -169,6 +185,7 @@ def _from_comfyui(found: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor
         used |= {down_key, up_key, alpha_key}
     unused = sorted(set(found) - used)
     if unused:
-        raise ValueError(f"`init_lora` {path}: {len(unused)} ComfyUI tensors have no module in this config's adapter "
-                         f"(e.g. {unused[:2]}): set lora_include_ffn as the file was trained, or remove init_lora")
+        raise ValueError(f"`init_lora` {path}: {len(unused)} {reader} tensors have no module in this config's "
+                         f"adapter (e.g. {unused[:2]}): set lora_include_ffn as the file was trained, or remove "
+                         "init_lora")
     return state

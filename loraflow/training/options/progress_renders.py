@@ -24,25 +24,24 @@ import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from PIL import Image
 
 from loraflow.atomic import write_json
-from loraflow.config import LoraflowConfig
 from loraflow.contracts.renders import conditioning_image, negative_prompt, prompt_image, render_settings, render_video
 from loraflow.contracts.text_set import cached_texts
 from loraflow.kernels.devices import peak_memory_gib
 from loraflow.media.previews import contact_sheet
 from loraflow.media.writers import read_media, save_png, slug, write_media
-from loraflow.pipelines.base import ModelFamily
 from loraflow.pipelines.render_memory import RenderPlan
-from loraflow.pipelines.sources import ModelSource
-from loraflow.store import Store
-from loraflow.training.launch.distributed import World, barrier
+from loraflow.training.launch.distributed import barrier
 from loraflow.training.options.adapters import ADAPTER_PARAMETERS
+
+if TYPE_CHECKING:
+    from loraflow.training.run import RunContext
 
 log = logging.getLogger(__name__)
 RESULT = "result.json"
@@ -57,11 +56,11 @@ class ProgressRenders:
     renders step 0 (validation_on_startup), `after_step` a multiple of validation_steps, on rank 0 while every rank
     waits for it."""
 
-    def __init__(self, config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store, out: Path,
-                 transformer: torch.nn.Module, world: World) -> None:
+    def __init__(self, run: RunContext, transformer: torch.nn.Module) -> None:
+        config, family, model, store = run.config, run.family, run.model, run.store
         self.every, self.on_startup = config.validation_steps or 0, config.validation_on_startup
-        self.family, self.model, self.transformer, self.world = family, model, transformer, world
-        self.folder = out / "validation"
+        self.family, self.model, self.transformer, self.world = family, model, transformer, run.world
+        self.folder = run.out / "validation"
         self.pipe: Any = None  # loaded at the first render
         # the VAE in the transformer's dtype (as the pipelines expect), tiled if the config says so; the transformer
         # stays as training holds it

@@ -100,7 +100,8 @@ class Kandinsky5Image(Kandinsky5Shared):
     prompt_templates: ClassVar[dict[str, str]] = {"original": ORIGINAL_TEMPLATE, "diffusers": DIFFUSERS_TEMPLATE}
     task: ClassVar[str] = "t2i"
     pipeline_class: ClassVar[type] = Kandinsky5T2IPipeline  # what `load_renderer` loads
-    # flavour, template, text_components, tread_layout, comfyui_names, image_condition_*: Kandinsky5Shared's
+    # flavour, template, text_components, tread_layout, comfyui_names, musubi_names, image_condition_*:
+    # Kandinsky5Shared's
     name: str = SPEC.name
     spatial_multiple: int = SPEC.spatial_multiple
     vae_temporal_factor: int = SPEC.vae_temporal_factor

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from loraflow.pipelines.citations import K5_IMAGE_SCALE, K5_IMAGE_TEXT, cite
 from loraflow.pipelines.flavours import TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.kandinsky5.nabla_buckets import nabla_buckets
 from loraflow.pipelines.kandinsky5.video.spec import KANDINSKY5_CLASSES
 
 IMAGE_CLASSES = {**KANDINSKY5_CLASSES, "vae": ("diffusers.AutoencoderKL",)}  # Flux's 2D VAE
@@ -61,6 +62,8 @@ SPEC = FamilySpec(
     prompt_templates=("original", "diffusers"),  # kandinsky5/common.py: the original's, diffusers 0.42.1's
     module="loraflow.pipelines.kandinsky5.image.family",
     tiny_module="loraflow.pipelines.kandinsky5.image.tiny",
-    simpletuner_names=("kandinsky5-image",),
+    simpletuner_names=("kandinsky5-image", "kandinsky5_image"),
+    ffn_classes=("Kandinsky5FeedForward",),  # diffusers transformer_kandinsky.py
     size_checked=("i2i-lite-sft", "i2i-lite-pretrain"),
+    bucket_rule=nabla_buckets,  # the transformer's NABLA blocks, where its config attends so
 )

@@ -70,7 +70,8 @@ def template_crop(tokenizer: Any, template: str = "original") -> int:
 @dataclass(frozen=True)
 class Kandinsky5Video(Kandinsky5Shared):
     prompt_templates: ClassVar[dict[str, str]] = {"original": ORIGINAL_TEMPLATE, "diffusers": DIFFUSERS_TEMPLATE}
-    # flavour, template, text_components, tread_layout, comfyui_names, image_condition_*: Kandinsky5Shared's
+    # flavour, template, text_components, tread_layout, comfyui_names, musubi_names, image_condition_*:
+    # Kandinsky5Shared's
     name: str = SPEC.name
     spatial_multiple: int = SPEC.spatial_multiple
     vae_temporal_factor: int = SPEC.vae_temporal_factor

@@ -26,6 +26,7 @@ from loraflow.pipelines.citations import (
     cite,
 )
 from loraflow.pipelines.flavours import CLIP_TOKENIZERS, QWEN_TOKENIZERS, TWO_ENCODER_PARTS, FamilySpec, Flavour
+from loraflow.pipelines.kandinsky5.nabla_buckets import nabla_buckets
 
 # The classes a Kandinsky 5 checkpoint's model_index.json may name (`Flavour.classes`): what diffusers'
 # Kandinsky5{T2V,I2V,T2I,I2I}Pipeline annotate (tests/pipelines/test_families.py reads them); the Video VAE here,
@@ -187,5 +188,7 @@ SPEC = FamilySpec(
     prompt_templates=("original", "diffusers"),  # kandinsky5/common.py: the original's, diffusers 0.42.1's
     module="loraflow.pipelines.kandinsky5.video.family",
     tiny_module="loraflow.pipelines.kandinsky5.video.tiny",
-    simpletuner_names=("kandinsky5-video",),
+    simpletuner_names=("kandinsky5-video", "kandinsky5_video"),
+    ffn_classes=("Kandinsky5FeedForward",),  # diffusers transformer_kandinsky.py
+    bucket_rule=nabla_buckets,  # the transformer's NABLA blocks, where its config attends so
 )

@@ -1,0 +1,66 @@
+"""Every `benchmarks/bench_*.py` runs in its `--quick` form, into a temporary results folder
+(`LORAFLOW_BENCH_RESULTS`, benchmarks/record.py), and the JSON it writes records the commit it was made at.
+A benchmark that no test runs rots: four of them crashed at the commit this test came with (the training report's
+`tables`, the clips row's `dataset`, `quantize_int8`'s key, the scale benchmark's image dataset on an i2v flavour).
+The quick runs whose fresh processes take minutes on a loaded 2-core host are in the soak marker (`make soak`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.factory import REPO
+
+sys.path.insert(0, str(REPO))
+from benchmarks import record  # noqa: E402
+
+SCRIPTS = sorted(path.name for path in (REPO / "benchmarks").glob("bench_*.py"))
+# quick runs of one to six minutes at load 10 (fresh processes, each importing torch): a clone's demo, 12 scale
+# steps in their own processes, three `loraflow check` processes, three VAE processes
+SLOW = {"bench_demo.py", "bench_scale.py", "bench_check.py", "bench_patch_conv.py"}
+
+
+def committed_results() -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in (REPO / "benchmarks" / "results").glob("*.json")}
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.soak) if s in SLOW else s for s in SCRIPTS])
+def test_each_benchmark_runs_quick_and_its_json_names_the_commit(script: str, tmp_path: Path) -> None:
+    before = committed_results()
+    env = {**os.environ, record.RESULTS_ENV: str(tmp_path / "results"), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, f"{script} --quick failed:\n{done.stderr[-4000:]}"
+    written = sorted((tmp_path / "results").glob("*.json"))
+    assert written, f"{script} --quick wrote no results JSON under {record.RESULTS_ENV}"
+    for path in written:
+        result = json.loads(path.read_text())
+        assert result["commit"] == record.commit(REPO) != "unknown", path.name
+        assert result["quick"] is True, path.name
+    assert committed_results() == before, "a quick run wrote over benchmarks/results"
+
+
+def test_a_results_json_made_outside_git_says_unknown(tmp_path: Path) -> None:
+    record.write(tmp_path / "r.json", {"x": 1}, made_at=record.commit(tmp_path))
+    assert json.loads((tmp_path / "r.json").read_text()) == {"commit": "unknown", "x": 1}
+    assert list(tmp_path.iterdir()) == [tmp_path / "r.json"]  # the temporary file renamed, none left beside
+
+
+def test_every_results_json_names_its_commit() -> None:
+    """The committed results: each made at a commit (or, made before it was recorded, left as it was, listed)."""
+    made_before = {name for name, body in committed_results().items() if b'"commit"' not in body}
+    assert made_before <= MADE_BEFORE_COMMITS_WERE_RECORDED, sorted(made_before - MADE_BEFORE_COMMITS_WERE_RECORDED)
+
+
+# results measured before every JSON recorded its commit (each names it in docs/benchmarks.md where known): a rerun
+# of the benchmark adds it; none may join the list
+MADE_BEFORE_COMMITS_WERE_RECORDED = {
+    "decode_cpu.json", "decode_ts_cpu.json", "fp32_modules_cpu.json", "gpu_nvidia-h200.json", "imports_cpu.json",
+    "latents_cpu.json", "patch_conv_cpu.json", "patch_conv_cpu_bf16.json", "s3_read_cpu.json", "scale_cpu.json",
+    "text_embeds_cpu.json", "text_precision_cpu.json", "train_step_cpu.json",
+}
