@@ -8,7 +8,10 @@ Numbers: the tiny Kandinsky 5 Video transformer (loraflow/demo/tiny.py; Lite and
 count per block is Pro's too: only the widths differ), prepared as `train_lora` prepares it
 (training/model_setup.prepare_transformer: LoRA rank 16, fp32 adapter), one micro-step through `flow_terms` on a
 fixed batch. Operations are counted by a TorchDispatchMode switched on by block 0's forward and backward hooks, so
-only that block's own work is counted. Step times are this CPU's at tiny widths, where a step is nearly all overhead:
+only that block's own work is counted, by kind and by origin: the innermost Python frame of loraflow, peft or
+diffusers that called down to it, or autograd's engine (`backward`). loraflow's own code dispatches none inside a
+block (tests/training/test_block_ops.py): what a step issues per block is diffusers' block, peft's LoRA wrappers
+and their backward. Step times are this CPU's at tiny widths, where a step is nearly all overhead:
 compare the rows with each other, within one run.
 
     python benchmarks/bench_block_ops.py           # writes benchmarks/results/block_ops_cpu.json (compile: minutes)
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 import tempfile
 import time
@@ -39,15 +43,18 @@ SETUPS = {  # name -> the config keys that change a block's operations
 
 def prepared(tiny: Path, **settings: Any) -> tuple[Any, Any, Any]:
     """(config, family, transformer) as train_lora prepares them."""
+    import torch
+
     from loraflow.config import parse_config
     from loraflow.pipelines import get_family
     from loraflow.pipelines.base import load_component
-    from loraflow.training.model_setup import base_dtype, prepare_transformer
+    from loraflow.training.model_setup import base_dtype, enable_offload, prepare_transformer
 
     config = parse_config({"model_family": "kandinsky5-video", "pretrained_model_name_or_path": str(tiny),
                            "datasets": [{"id": "d", "instance_data_dir": str(tiny)}], "lora_rank": 16, **settings})
     family = get_family(config)
     transformer, _ = prepare_transformer(load_component(tiny, "transformer", base_dtype(config)), config, family)
+    enable_offload(transformer, config, family, torch.device("cpu"))  # nothing offloaded: it must add nothing
     transformer.train()
     return config, family, transformer
 
@@ -72,18 +79,35 @@ def micro_step(config: Any, family: Any, transformer: Any) -> Any:
     return run
 
 
-def block_ops(config: Any, family: Any, transformer: Any) -> collections.Counter:
-    """The ATen operations visual block 0 dispatches in one forward + backward, by kind."""
+# whose Python code dispatched an operation: the innermost frame of one of these, or autograd's engine (backward)
+ORIGINS = {"loraflow": f"{os.sep}loraflow{os.sep}", "peft": f"{os.sep}peft{os.sep}",
+           "diffusers": f"{os.sep}diffusers{os.sep}", "backward": f"{os.sep}torch{os.sep}autograd{os.sep}"}
+
+
+def origin(frame: Any) -> str:
+    """The package whose code (innermost first) called down to an operation: `loraflow`, `peft`, `diffusers`, or
+    `backward` (the autograd engine, reached from `.backward()` with no model code between), else `other`."""
+    while frame is not None:
+        for name, folder in ORIGINS.items():
+            if folder in frame.f_code.co_filename:
+                return name
+        frame = frame.f_back
+    return "other"
+
+
+def block_ops(config: Any, family: Any, transformer: Any) -> tuple[collections.Counter, collections.Counter]:
+    """The ATen operations visual block 0 dispatches in one forward + backward, by kind and by origin."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counting(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
-            self.inside, self.ops = False, collections.Counter()
+            self.inside, self.ops, self.origins = False, collections.Counter(), collections.Counter()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             if self.inside:
                 self.ops[func.overloadpacket.__name__] += 1
+                self.origins[origin(sys._getframe(1))] += 1
             return func(*args, **(kwargs or {}))
 
     counting = Counting()
@@ -102,7 +126,7 @@ def block_ops(config: Any, family: Any, transformer: Any) -> collections.Counter
         run()
     for hook in hooks:
         hook.remove()
-    return counting.ops
+    return counting.ops, counting.origins
 
 
 def step_ms(run: Any, rounds: int = 5, steps: int = 4) -> float:
@@ -132,13 +156,13 @@ def main() -> None:
         tiny = build_tiny("kandinsky5-video", Path(folder) / "k5")
         for name, settings in SETUPS.items():
             config, family, transformer = prepared(tiny, **settings)
-            ops = block_ops(config, family, transformer)
+            ops, origins = block_ops(config, family, transformer)
             row: dict[str, Any] = {"settings": settings, "ops_per_block": sum(ops.values()),
-                                   "by_kind": dict(ops.most_common())}
+                                   "by_origin": dict(origins.most_common()), "by_kind": dict(ops.most_common())}
             if not args.quick:
                 row["step_ms"] = round(step_ms(micro_step(config, family, transformer)), 2)
             result["setups"][name] = row
-            print(f"{name}: {row['ops_per_block']} ops per block fwd+bwd"
+            print(f"{name}: {row['ops_per_block']} ops per block fwd+bwd ({row['by_origin']})"
                   + (f", {row['step_ms']} ms per step" if "step_ms" in row else ""), flush=True)
         if not args.quick:
             config, family, transformer = prepared(tiny, dynamo_use_regional_compilation=True)
