@@ -145,6 +145,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the counts only (no timing, no compile)")
     args = parser.parse_args()
+    # the compile row times a cold compile: inductor's cache of earlier runs (in /tmp) would make it a cache read
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-block-ops-inductor-")
     import torch
 
     from benchmarks import record
