@@ -21,8 +21,10 @@ compare the rows with each other, within one run.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -146,7 +148,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the counts only (no timing, no compile)")
     args = parser.parse_args()
     # the compile row times a cold compile: inductor's cache of earlier runs (in /tmp) would make it a cache read
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-block-ops-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor = tempfile.mkdtemp(prefix="bench-block-ops-inductor-")
+    atexit.register(shutil.rmtree, inductor, ignore_errors=True)
     import torch
 
     from benchmarks import record
