@@ -2,11 +2,7 @@
 
 Layout under the root:
     <stage>/shards/<uuid>.parquet     committed rows; every row has a `key` column
-    <stage>/manifest-<sources>.parquet
-                                      the stage's current item set (what downstream stages read), keyed by the
-                                      sources of the config that wrote it (the text set: one per config), or
-    <stage>/manifest.parquet          the same, written by a store that was not given the sources (or before the
-                                      whole manifest was keyed): read while the keyed file is missing, or
+    <stage>/manifest.parquet          the stage's current item set (what downstream stages read), or
     <stage>/manifest/<part>/<source>.parquet
                                       the same, one file per part: clips and latents keep one per dataset, so
                                       two datasets cached at once never replace each other's list, keyed by the
@@ -292,13 +288,10 @@ class Store:
         a mix); a part goes before the whole file is removed (readers prefer parts).
         """
         table = pa.Table.from_pylist(list(rows))
-        whole = {self._manifest_path(stage), self._legacy_path(stage)}
         if part is None:
             for path in filter(None, (self._part_file(stage, name) for name in self.manifest_parts(stage))):
                 self._remove(path)
             self._write_atomic(table, self._manifest_path(stage))
-            for path in whole - {self._manifest_path(stage)}:  # the keyed file replaces the one of no sources
-                self._remove(path)
         else:
             path = self._manifest_path(stage, part)
             if self.sources is None or part not in self.sources:  # the file a read of this part reads
@@ -306,8 +299,7 @@ class Store:
             self._write_atomic(table, path)
             if path != self._legacy_path(stage, part):  # the keyed part replaces the one of no source
                 self._remove(self._legacy_path(stage, part))
-            for path in whole:
-                self._remove(path)
+            self._remove(self._manifest_path(stage))
 
     def read_manifest(self, stage: str, parts: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """The stage's current items: its parts' rows in part order (the whole file if it has no parts).
@@ -317,7 +309,7 @@ class Store:
         """
         names = self.manifest_parts(stage)
         if parts is None and not names:
-            return self._read_table(stage, self._whole_file(stage))
+            return self._read_table(stage, self._manifest_path(stage))
         parts = self.parts if parts is None else frozenset(parts)
         if parts is not None:
             missing = sorted(set(parts) - set(names))
@@ -414,17 +406,13 @@ class Store:
     def _manifest_path(self, stage: str, part: str | None = None) -> str:
         """Where this store writes the stage's manifest, or one part of it (keyed by its source when known)."""
         if part is None:
-            return self._legacy_path(stage) if self.sources is None else \
-                f"{self._dir(stage)}/manifest-{_digest(json.dumps(self.sources, sort_keys=True))}.parquet"
+            return f"{self._dir(stage)}/manifest.parquet"
         if self.sources is not None and part in self.sources:
             return f"{self._dir(stage)}/manifest/{part_file_stem(part)}/{self.sources[part]}.parquet"
         return self._legacy_path(stage, part)
 
-    def _legacy_path(self, stage: str, part: str | None = None) -> str:
-        """The file of no sources: the whole manifest, or one part (any dataset id is a file name)."""
-        if part is None:
-            return f"{self._dir(stage)}/manifest.parquet"
-        return f"{self._dir(stage)}/manifest/{part_file_stem(part)}.parquet"
+    def _legacy_path(self, stage: str, part: str) -> str:
+        return f"{self._dir(stage)}/manifest/{part_file_stem(part)}.parquet"  # any dataset id is a file name
 
     def _read_table(self, stage: str, path: str) -> list[dict[str, Any]]:
         if not self.fs.exists(path):
@@ -447,30 +435,8 @@ class Store:
     def manifest_keys(self, stage: str) -> set[str]:
         """Every key the stage's manifest lists, in all its parts, from every source (neither a view's restriction
         nor `sources` applies here: `clean` keeps what any config sharing the store lists)."""
-        paths = [p for files in self._listed_parts(stage).values() for p in files] or self._whole_manifests(stage)
+        paths = [p for files in self._listed_parts(stage).values() for p in files] or [self._manifest_path(stage)]
         return {row["key"] for path in paths if self.fs.exists(path) for row in self._read_table(stage, path)}
-
-    def _whole_file(self, stage: str) -> str:
-        """The whole manifest this store reads: the one keyed by its sources, else the one of no sources (a cache
-        written before whole manifests were keyed); a store of no sources reads that, else the one keyed file, and
-        raises where several configs keyed theirs, as `_part_file` does."""
-        if self.sources is not None:
-            keyed = self._manifest_path(stage)
-            return keyed if self.fs.exists(keyed) else self._legacy_path(stage)
-        files = self._whole_manifests(stage)
-        if len(files) > 1 and self._legacy_path(stage) not in files:
-            raise ValueError(f"stage '{stage}' of the store at {self.url} holds {len(files)} manifests of configs "
-                             "sharing the store: open it with one config's sources, "
-                             "Store(cache_dir, config.dataset_sources)")
-        return self._legacy_path(stage) if len(files) != 1 else files[0]
-
-    def _whole_manifests(self, stage: str) -> list[str]:
-        """Every whole manifest of the stage, of any config's sources and of none."""
-        try:
-            names = self.fs.ls(self._dir(stage), detail=False)
-        except FileNotFoundError:
-            return []
-        return sorted(n for n in names if re.fullmatch(r"manifest(-[0-9a-f]{16})?\.parquet", n.rsplit("/", 1)[-1]))
 
     def clean(self, stage: str, keep: set[str] | None = None) -> int:
         """Delete shards none of whose keys are in `keep` (default: what any manifest part lists).

@@ -25,23 +25,6 @@ from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
 FIRST_LAST_MIN_FRAMES = 9  # 3 latent frames: `i2v_mode: first_last` gives 2 clean, so one carries the loss
-# The config keys, besides a dataset's own entry, that change what the caching stages list for a dataset (the model
-# and its components, how the latents, text embeddings, sound, teacher features and captions are made): part of the
-# dataset's manifest fingerprint (`dataset_sources`). The memory features that leave every value as it is
-# (`vae_enable_slicing`, `vae_enable_patch_conv`, `offload_during_startup`) stay out: turning one on after an OOM
-# keeps the cache. tests/config/test_dataset_sources.py holds the caching stages' reads of the config to this list.
-LISTING_KEYS = (
-    "model_family", "model_flavour", "pretrained_model_name_or_path", "revision", "vae_path", "text_encoder_path",
-    "vision_encoder_path", "kandinsky5_prompt_template", "text_encoder_1_precision", "vae_enable_tiling",
-    "latent_sampling", "train_audio", "clips_without_audio", "caption_model_path", "caption_prompt",
-    "caption_max_new_tokens", "caption_prefix", "crepa_encoder", "crepa_encoder_path", "crepa_encoder_image_size",
-)
-
-
-def resolved(folder: str | None) -> str | None:
-    """A model folder with links followed (a Hub id, a URL or a folder not there yet as it is): one folder written
-    two ways is one."""
-    return os.path.realpath(folder) if folder and "://" not in folder and os.path.exists(folder) else folder
 
 
 class LoraflowConfig(ConfigFields):
@@ -365,28 +348,20 @@ class LoraflowConfig(ConfigFields):
 
     @property
     def dataset_sources(self) -> dict[str, str]:
-        """Each training dataset's id -> a fingerprint of where its files come from and of what the caching stages
-        make of them: its folder resolved (links followed), a Hugging Face dataset's name, split and revision, its
-        i2i source images' or masks' folder; its entry's settings (frames, buckets, captions, repeats) and the
-        config keys of `LISTING_KEYS` (the model, the encoders' settings). The store keys each dataset's manifest
-        parts by it (`Store(cache_dir, sources)`), so two configs sharing one cache_dir with one id never read each
-        other's clips, latents or captions: not with other folders, not with one folder and other settings."""
+        """Each training dataset's id -> a fingerprint of where its files come from: its folder resolved (links
+        followed), a Hugging Face dataset's name, split and revision too, and its i2i source images' or masks'
+        folder. The store keys each dataset's manifest parts by it (`Store(cache_dir, sources)`), so two configs
+        sharing one cache_dir with one id and other folders never read each other's clips."""
         def where(dataset: DatasetConfig) -> dict[str, Any]:
             folder = dataset.instance_data_dir  # a Hub dataset's default folder is under the shared cache_dir
             hub = [dataset.dataset_name, dataset.split, dataset.revision] if dataset.type != "local" else None
-            settings = dataset.model_dump(mode="json", exclude={"id", "instance_data_dir"})
-            return {"folder": os.path.realpath(folder) if folder and "://" not in folder else folder, "hub": hub,
-                    "settings": settings}
+            return {"folder": os.path.realpath(folder) if folder and "://" not in folder else folder, "hub": hub}
 
-        model = {key: getattr(self, key) for key in LISTING_KEYS}
-        for key in ("pretrained_model_name_or_path", "vae_path", "text_encoder_path", "vision_encoder_path",
-                    "caption_model_path", "crepa_encoder_path"):
-            model[key] = resolved(model[key])
         fingerprints = {}
         for dataset in self.training_datasets:
             paired = self.source_images(dataset)
-            fingerprints[dataset.id] = content_key(source=where(dataset), paired=where(paired) if paired else None,
-                                                   model=model)[:16]
+            fingerprints[dataset.id] = content_key(source=where(dataset),
+                                                   paired=where(paired) if paired else None)[:16]
         return fingerprints
 
     def folder_dataset(self, dataset: DatasetConfig) -> DatasetConfig:
