@@ -81,17 +81,25 @@ def micro_step(config: Any, family: Any, transformer: Any) -> Any:
     return run
 
 
-# whose Python code dispatched an operation: the innermost frame of one of these, or autograd's engine (backward)
-ORIGINS = {"loraflow": f"{os.sep}loraflow{os.sep}", "peft": f"{os.sep}peft{os.sep}",
-           "diffusers": f"{os.sep}diffusers{os.sep}", "backward": f"{os.sep}torch{os.sep}autograd{os.sep}"}
+def package_folders() -> dict[str, str]:
+    """Whose Python code dispatched an operation: each package's own folder (a path prefix, so a checkout that sits
+    in a folder named `loraflow` or holds its venv inside attributes each frame to the right package)."""
+    import diffusers
+    import peft
+    import torch.autograd
+
+    import loraflow
+
+    return {name: os.path.dirname(module.__file__) + os.sep for name, module in
+            (("loraflow", loraflow), ("peft", peft), ("diffusers", diffusers), ("backward", torch.autograd))}
 
 
-def origin(frame: Any) -> str:
+def origin(frame: Any, folders: dict[str, str]) -> str:
     """The package whose code (innermost first) called down to an operation: `loraflow`, `peft`, `diffusers`, or
     `backward` (the autograd engine, reached from `.backward()` with no model code between), else `other`."""
     while frame is not None:
-        for name, folder in ORIGINS.items():
-            if folder in frame.f_code.co_filename:
+        for name, folder in folders.items():
+            if frame.f_code.co_filename.startswith(folder):
                 return name
         frame = frame.f_back
     return "other"
@@ -109,9 +117,10 @@ def block_ops(config: Any, family: Any, transformer: Any) -> tuple[collections.C
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             if self.inside:
                 self.ops[func.overloadpacket.__name__] += 1
-                self.origins[origin(sys._getframe(1))] += 1
+                self.origins[origin(sys._getframe(1), folders)] += 1
             return func(*args, **(kwargs or {}))
 
+    folders = package_folders()
     counting = Counting()
 
     def enter(*_: Any) -> None:
