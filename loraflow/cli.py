@@ -156,7 +156,7 @@ def check(config_path: str, estimate: bool = True) -> int:
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
                     ("dataset", "file", "reason", "detail")))
     try:
-        changed = changed_sources(Store(config.cache_dir, config.dataset_sources), config.dataset_folders)
+        changed = changed_sources(Store(config.cache_dir, config.manifest_names), config.dataset_folders)
     except CacheFileRefused as exc:  # a truncated or foreign cache file crashed check
         problems.append(str(exc))
         changed = []
@@ -250,7 +250,7 @@ def _auto_captions(config: LoraflowConfig, model: ModelSource, dataset: str) -> 
 
     if dataset not in auto_datasets(config):
         return None
-    store = Store(config.cache_dir, config.dataset_sources)
+    store = Store(config.cache_dir, config.manifest_names)
     with store.part_lock(dataset):
         return build_captions(config, model, store, [dataset])
 
@@ -261,7 +261,7 @@ def export_captions(config_path: str, folder: str, datasets: list[str] | None) -
     from loraflow.store import Store
 
     config = load_config(config_path)
-    written, kept = export(config, Store(config.cache_dir, config.dataset_sources), Path(folder), datasets)
+    written, kept = export(config, Store(config.cache_dir, config.manifest_names), Path(folder), datasets)
     print(f"captions export: {len(written)} caption file(s) written under {folder}"
           + (f"; {len(kept)} already there kept (e.g. {kept[0]})" if kept else ""))
     return 0

@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import quote
@@ -34,6 +34,34 @@ PART_STEM_LIMIT = 255 - 45
 def part_file_stem(part: str) -> str:
     """A store part's name (a dataset id) as the stem of its files: any id, reversibly (`unquote`)."""
     return quote(part, safe="")
+
+
+@dataclass(frozen=True)
+class ManifestNames:
+    """The names a config's manifests have in a store shared by configs: per stage, each dataset id -> a digest of
+    everything that stage's list of the dataset is made from (`LoraflowConfig.manifest_names`). Two configs whose
+    lists would differ write and read files of other names; a config that changes one stage's settings re-lists that
+    stage and those made from it, and keeps the rest.
+
+    `aliases`: a list written beside a stage's own (its quarantine) has that stage's names. `every_stage`: the names of
+    a stage `by_stage` does not know (a store opened with one mapping for all, as the store's tests do); without it
+    such a stage raises, so a new caching stage cannot list unnamed."""
+
+    by_stage: Mapping[str, Mapping[str, str]]
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    every_stage: Mapping[str, str] | None = None
+
+    def of(self, stage: str) -> Mapping[str, str]:
+        """Dataset id -> the name of its list of `stage`."""
+        named = self.by_stage.get(self.aliases.get(stage, stage), self.every_stage)
+        if named is None:
+            raise KeyError(f"stage '{stage}' has no manifest names: say what its list is made from in STAGE_INPUTS "
+                           "(loraflow/config/loraflow_config.py)")
+        return named
+
+    def whole(self, stage: str) -> str:
+        """The name of the stage's one manifest of every dataset (the text set): a digest of its parts' names."""
+        return content_key(parts=dict(self.of(stage)))[:16]
 
 
 def hash_seed(**fields: Any) -> int:

@@ -2,14 +2,17 @@
 
 Layout under the root:
     <stage>/shards/<uuid>.parquet     committed rows; every row has a `key` column
-    <stage>/manifest.parquet          the stage's current item set (what downstream stages read), or
-    <stage>/manifest/<part>/<source>.parquet
+    <stage>/manifest-<name>.parquet   the stage's current item set (what downstream stages read), named by what it is
+                                      made from (`ManifestNames`: the text set, one per config sharing the store), or
+    <stage>/manifest/<part>/<name>.parquet
                                       the same, one file per part: clips and latents keep one per dataset, so
-                                      two datasets cached at once never replace each other's list, keyed by the
-                                      dataset's source too (`sources`), so two configs sharing the store with one
-                                      dataset id and other folders never read each other's list
-    <stage>/manifest/<part>.parquet   a part written before parts were keyed by source, or by a store that was not
-                                      given the sources: read while the keyed file is missing, replaced by it
+                                      two datasets cached at once never replace each other's list; named by what
+                                      the stage's list of that dataset is made from (its files, its entry's and the
+                                      stage's settings), so two configs sharing the store with one dataset id never
+                                      read each other's list, whatever differs between them
+    <stage>/manifest.parquet,
+    <stage>/manifest/<part>.parquet   the same, written before manifests were named, or by a store that was not
+                                      given the names: read while the named file is missing, replaced by it
 
 A shard is written to a temporary name and renamed into place, so a reader never sees half a shard: the
 set of keys in committed shards is the resume point of a killed run. A write that fails removes its temporary file
@@ -49,7 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from loraflow.atomic import disk_full_named, fsync_file, left_by_dead_writer, tmp_name
-from loraflow.keys import part_file_stem
+from loraflow.keys import ManifestNames, part_file_stem
 
 SHAPE_SUFFIX = "__shape"
 ROW_GROUP_BYTES = 4 << 20  # a training batch reads a few rows of a shard: groups small enough to skip the rest
@@ -154,15 +157,17 @@ def _compression(table: pa.Table, name: str) -> str:
 class Store:
     """put/get/keys over Parquet shards under one fsspec root."""
 
-    def __init__(self, root: str, sources: Mapping[str, str] | None = None) -> None:
-        """`sources`: each dataset id -> the fingerprint of its source (`LoraflowConfig.dataset_sources`): this store
-        reads and writes the manifest parts of those datasets from those sources only, and lists no other part. A
-        store shared by configs is safe this way: shards are keyed by content, a config's manifests by its sources.
-        None (a store that knows no config): every part, by id."""
+    def __init__(self, root: str, names: ManifestNames | Mapping[str, str] | None = None) -> None:
+        """`names`: a config's manifest names (`LoraflowConfig.manifest_names`), or one mapping of dataset id -> name
+        for every stage: this store reads and writes the manifests of those datasets under those names only, and
+        lists no other part. A store shared by configs is safe this way: shards are keyed by content, a config's
+        manifests by what they are made from. None (a store that knows no config): every part, by id."""
         # no listing cache (s3fs keeps one per client): other processes and hosts commit shards to the same folders
         self.fs, self.root = fsspec.core.url_to_fs(root, use_listings_cache=False)
         self.url = root
-        self.sources = None if sources is None else dict(sources)
+        if names is not None and not isinstance(names, ManifestNames):
+            names = ManifestNames({}, every_stage=dict(names))
+        self.names = names
         self.parts: frozenset[str] | None = None  # see only_parts
         self._index: dict[str, list[list[str]]] = {}  # shard path -> its keys, per row group
         self._footers: dict[str, pq.FileMetaData] = {}  # shard path -> its Parquet footer
@@ -288,18 +293,23 @@ class Store:
         a mix); a part goes before the whole file is removed (readers prefer parts).
         """
         table = pa.Table.from_pylist(list(rows))
+        whole = {self._manifest_path(stage), self._legacy_path(stage)}
         if part is None:
             for path in filter(None, (self._part_file(stage, name) for name in self.manifest_parts(stage))):
                 self._remove(path)
-            self._write_atomic(table, self._manifest_path(stage))
+            path = self._manifest_path(stage) if self.names is not None else self._whole_file(stage)  # what it reads
+            self._write_atomic(table, path)
+            for other in whole - {path}:  # the named file replaces the one of no name
+                self._remove(other)
         else:
             path = self._manifest_path(stage, part)
-            if self.sources is None or part not in self.sources:  # the file a read of this part reads
+            if part not in self._names(stage):  # the file a read of this part reads
                 path = self._part_file(stage, part) or path
             self._write_atomic(table, path)
-            if path != self._legacy_path(stage, part):  # the keyed part replaces the one of no source
+            if path != self._legacy_path(stage, part):  # the named part replaces the one of no name
                 self._remove(self._legacy_path(stage, part))
-            self._remove(self._manifest_path(stage))
+            for path in whole:
+                self._remove(path)
 
     def read_manifest(self, stage: str, parts: Iterable[str] | None = None) -> list[dict[str, Any]]:
         """The stage's current items: its parts' rows in part order (the whole file if it has no parts).
@@ -309,23 +319,29 @@ class Store:
         """
         names = self.manifest_parts(stage)
         if parts is None and not names:
-            return self._read_table(stage, self._manifest_path(stage))
+            return self._read_table(stage, self._whole_file(stage))
         parts = self.parts if parts is None else frozenset(parts)
         if parts is not None:
             missing = sorted(set(parts) - set(names))
             if missing:
-                raise FileNotFoundError(f"stage '{stage}' has no manifest for {', '.join(missing)} at {self.url}: "
-                                        "materialize it for those first")
+                made = " made with this config's settings" if self.names is not None else ""
+                raise FileNotFoundError(f"stage '{stage}' has no manifest for {', '.join(missing)}{made} at "
+                                        f"{self.url}: cache them first (`loraflow cache CONFIG --dataset ID`, or the "
+                                        "`cache_dataset` job)")
             names = [n for n in names if n in parts]
         paths = [self._part_file(stage, name) or self._manifest_path(stage, name) for name in names]
         return [row for path in paths for row in self._read_table(stage, path)]
 
     def manifest_parts(self, stage: str) -> list[str]:
-        """Names of the stage's manifest parts, sorted: with `sources`, those of its datasets only (a part another
+        """Names of the stage's manifest parts, sorted: with `names`, those of its datasets only (a part another
         config wrote into a shared store, or one of a dataset taken out of the config, is not this store's)."""
-        if self.sources is not None:
-            return sorted(name for name in self.sources if self._part_file(stage, name) is not None)
+        if self.names is not None:
+            return sorted(part for part in self._names(stage) if self._part_file(stage, part) is not None)
         return sorted(self._listed_parts(stage))
+
+    def _names(self, stage: str) -> Mapping[str, str]:
+        """Dataset id -> the name of its list of `stage` ({}: a store that knows no config)."""
+        return {} if self.names is None else self.names.of(stage)
 
     def _listed_parts(self, stage: str) -> dict[str, list[str]]:
         """Every part file of the stage by part name, whoever wrote it: the unkeyed file first, then the keyed ones."""
@@ -344,18 +360,18 @@ class Store:
         return {name: files for name, files in found.items() if files}
 
     def _part_file(self, stage: str, part: str) -> str | None:
-        """The file holding one part's rows (None: none). With `sources`: the file keyed by the dataset's source, or
-        an unkeyed one (a cache written before parts were keyed) until the stage writes the keyed one. Without (a
-        store that knows no config): the unkeyed file, else the one keyed file; one id from several sources raises
-        (which is current is the config's to say: an object store's times are too coarse to tell the last written)."""
-        if self.sources is not None and part in self.sources:
+        """The file holding one part's rows (None: none). With `names`: the file of the part's name, or an unnamed
+        one (a cache written before parts were named) until the stage writes the named one. Without (a store that
+        knows no config): the unnamed file, else the one named file; several names raise (which is current is the
+        config's to say: an object store's times are too coarse to tell the last written)."""
+        if part in self._names(stage):
             return next((p for p in (self._manifest_path(stage, part), self._legacy_path(stage, part))
                          if self.fs.exists(p)), None)
         files = self._listed_parts(stage).get(part, [])
         if len(files) > 1 and not files[0].endswith(f"/{part_file_stem(part)}.parquet"):
-            raise ValueError(f"stage '{stage}' of the store at {self.url} holds manifests of dataset '{part}' from "
-                             f"{len(files)} sources (configs sharing the store): open it with one config's sources, "
-                             "Store(cache_dir, config.dataset_sources)")
+            raise ValueError(f"stage '{stage}' of the store at {self.url} holds {len(files)} manifests of dataset "
+                             f"'{part}' (configs sharing the store, or other settings): open it with one config's "
+                             "names, Store(cache_dir, config.manifest_names)")
         return files[0] if files else None
 
     @contextlib.contextmanager
@@ -388,13 +404,11 @@ class Store:
             return Path(self.root) / ".locks"
         return Path(tempfile.gettempdir()) / "loraflow-locks" / _digest(self.fs.unstrip_protocol(self.root))
 
-    def keyed(self, sources: Mapping[str, str]) -> Store:
-        """This store with its manifest parts keyed by `sources`; itself when it has its own (a config's store). What
-        each stage that writes parts does first, so no part is written unkeyed whoever opened the store."""
-        if self.sources is not None:
-            return self
+    def named(self, names: ManifestNames) -> Store:
+        """This store with its manifests named by `names` (a config's, `LoraflowConfig.manifest_names`). What each
+        stage does first, so it reads and writes its config's lists whoever opened the store, or with whose names."""
         view = copy.copy(self)
-        view.sources = dict(sources)
+        view.names = names
         return view
 
     def only_parts(self, parts: Iterable[str]) -> Store:
@@ -404,15 +418,19 @@ class Store:
         return view
 
     def _manifest_path(self, stage: str, part: str | None = None) -> str:
-        """Where this store writes the stage's manifest, or one part of it (keyed by its source when known)."""
+        """Where this store writes the stage's manifest, or one part of it (named when the names are known)."""
         if part is None:
-            return f"{self._dir(stage)}/manifest.parquet"
-        if self.sources is not None and part in self.sources:
-            return f"{self._dir(stage)}/manifest/{part_file_stem(part)}/{self.sources[part]}.parquet"
+            return self._legacy_path(stage) if self.names is None else \
+                f"{self._dir(stage)}/manifest-{self.names.whole(stage)}.parquet"
+        if part in self._names(stage):
+            return f"{self._dir(stage)}/manifest/{part_file_stem(part)}/{self._names(stage)[part]}.parquet"
         return self._legacy_path(stage, part)
 
-    def _legacy_path(self, stage: str, part: str) -> str:
-        return f"{self._dir(stage)}/manifest/{part_file_stem(part)}.parquet"  # any dataset id is a file name
+    def _legacy_path(self, stage: str, part: str | None = None) -> str:
+        """The file of no name: the whole manifest, or one part (any dataset id is a file name)."""
+        if part is None:
+            return f"{self._dir(stage)}/manifest.parquet"
+        return f"{self._dir(stage)}/manifest/{part_file_stem(part)}.parquet"
 
     def _read_table(self, stage: str, path: str) -> list[dict[str, Any]]:
         if not self.fs.exists(path):
@@ -433,10 +451,29 @@ class Store:
             pass
 
     def manifest_keys(self, stage: str) -> set[str]:
-        """Every key the stage's manifest lists, in all its parts, from every source (neither a view's restriction
-        nor `sources` applies here: `clean` keeps what any config sharing the store lists)."""
-        paths = [p for files in self._listed_parts(stage).values() for p in files] or [self._manifest_path(stage)]
+        """Every key the stage's manifest lists, in all its parts, of every name (neither a view's restriction nor
+        `names` applies here: `clean` keeps what any config sharing the store lists)."""
+        paths = [p for files in self._listed_parts(stage).values() for p in files] or self._whole_manifests(stage)
         return {row["key"] for path in paths if self.fs.exists(path) for row in self._read_table(stage, path)}
+
+    def _whole_file(self, stage: str) -> str:
+        """The whole manifest this store reads: the one of its name, else the unnamed one (a cache written before
+        whole manifests were named). A store of no names reads the unnamed one, else the one named file, and raises
+        where there are several, as `_part_file` does."""
+        if self.names is not None:
+            named = self._manifest_path(stage)
+            return named if self.fs.exists(named) else self._legacy_path(stage)
+        files = self._whole_manifests(stage)
+        if len(files) > 1 and self._legacy_path(stage) not in files:
+            raise ValueError(f"stage '{stage}' of the store at {self.url} holds {len(files)} manifests (configs "
+                             "sharing the store, or other settings): open it with one config's names, "
+                             "Store(cache_dir, config.manifest_names)")
+        return self._legacy_path(stage) if len(files) != 1 else files[0]
+
+    def _whole_manifests(self, stage: str) -> list[str]:
+        """Every whole manifest of the stage, of any name and of none."""
+        return [p for p in self._parquet_files(self._dir(stage))
+                if re.fullmatch(r"manifest(-[0-9a-f]{16})?\.parquet", p.rsplit("/", 1)[-1])]
 
     def clean(self, stage: str, keep: set[str] | None = None) -> int:
         """Delete shards none of whose keys are in `keep` (default: what any manifest part lists).

@@ -42,7 +42,7 @@ def train_config_file(config_path: str) -> LoraReport:
     from loraflow.training.loop import train_lora
 
     config = load_config(config_path)
-    return train_lora(config, get_family(config), model_source(config), Store(config.cache_dir, config.dataset_sources))
+    return train_lora(config, get_family(config), model_source(config), Store(config.cache_dir, config.manifest_names))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

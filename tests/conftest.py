@@ -195,7 +195,7 @@ def validation_inputs(tiny_k5: Path, tmp_path_factory: pytest.TempPathFactory) -
     root = tmp_path_factory.mktemp("validate")
     data = validation_dict(tiny_k5, root)
     config = parse_config(data)
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)  # tests of other settings read theirs: store.named
     fill_validation_store(config, store)
     return data, store, random_lora(config, root / "lora")
 

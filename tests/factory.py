@@ -211,7 +211,7 @@ def run_clips(config: LoraflowConfig) -> tuple[Any, Any]:
     from loraflow.store import Store
 
     family = get_family(config)
-    store = Store(config.cache_dir, config.dataset_sources)
+    store = Store(config.cache_dir, config.manifest_names)
     return build_clips(config, family, model_source(config), store), store
 
 
@@ -246,23 +246,37 @@ def forget_latents(config: Path) -> None:
 SHORT_CAPTION = "a dot"
 
 
-def build_caches(tiny_k5: Path, demo_data: Path, root: Path) -> dict[str, Path]:
-    """clips, latents and text_embeds of the two-clip dataset under root/cache; clip_00 is also there as clip_00b
-    with a short caption, so one bucket holds two text lengths (what K5 batching must never mix)."""
+def cache_for(config: LoraflowConfig) -> Store:
+    """clips, captions, latents, sound and text_embeds for `config` in its cache_dir, as the `cache_dataset` and
+    `train_and_validate` jobs make them: what is there already is reused (content keys), and each list is written
+    under the config's names, beside those of other configs or settings. The config's store."""
     from loraflow.pipelines import get_family
     from loraflow.pipelines.sources import model_source
+    from loraflow.stages.audio.audio_latents import encode_audio
+    from loraflow.stages.captions.captions import auto_datasets, build_captions
     from loraflow.stages.clips.clips import build_clips
     from loraflow.stages.latents.latents import encode_latents
     from loraflow.stages.text.text_embeds import encode_texts
     from loraflow.store import Store
 
+    family, model, store = get_family(config), model_source(config), Store(config.cache_dir, config.manifest_names)
+    build_clips(config, family, model, store)
+    if auto_datasets(config):
+        build_captions(config, model, store)
+    encode_latents(config, family, model, store)
+    if config.train_audio:
+        encode_audio(config, model, store)
+    encode_texts(config, family, model, store)
+    return store
+
+
+def build_caches(tiny_k5: Path, demo_data: Path, root: Path) -> dict[str, Path]:
+    """clips, latents and text_embeds of the two-clip dataset under root/cache; clip_00 is also there as clip_00b
+    with a short caption, so one bucket holds two text lengths (what K5 batching must never mix)."""
     data = two_clips(demo_data, root / "data")
     shutil.copy(demo_data / "clip_00.mp4", data / "clip_00b.mp4")  # same bucket as clip_00, another text length
     (data / "clip_00b.txt").write_text(SHORT_CAPTION)
-    config = make_config({"model": tiny_k5, "data": data, "root": root}, root / "output")
-    family, store = get_family(config), Store(config.cache_dir, config.dataset_sources)
-    for op in (build_clips, encode_latents, encode_texts):
-        op(config, family, model_source(config), store)
+    cache_for(make_config({"model": tiny_k5, "data": data, "root": root}, root / "output"))
     return {"model": tiny_k5, "data": data, "root": root}
 
 
@@ -273,7 +287,7 @@ def train(config: LoraflowConfig):
     from loraflow.store import Store
     from loraflow.training import loop
 
-    store = Store(config.cache_dir, config.dataset_sources)  # the config's own parts, as the lora asset opens it
+    store = Store(config.cache_dir, config.manifest_names)  # the config's own parts, as the lora asset opens it
     return loop.train_lora(config, get_family(config), model_source(config), store)
 
 
@@ -298,7 +312,7 @@ def fixed_batch(config: LoraflowConfig, micro_step: int = 0) -> MicroBatch:
     from loraflow.store import Store
     from loraflow.training import batches
 
-    store = Store(config.cache_dir, config.dataset_sources)
+    store = Store(config.cache_dir, config.manifest_names)
     plan = batches.BatchPlan(batches.build_samples(config, store), config.train_batch_size, config.seed)
     return batches.load_micro_batch(config, get_family(config), store, plan(micro_step), micro_step)
 

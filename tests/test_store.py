@@ -205,7 +205,7 @@ def test_a_store_with_sources_reads_and_lists_its_own_datasets_parts_only(store:
     theirs.write_manifest("stage", [{"key": "b1"}], part="b")
     assert mine.manifest_parts("stage") == ["a"] and mine.read_manifest("stage") == [{"key": "mine"}]
     assert theirs.read_manifest("stage") == [{"key": "theirs"}, {"key": "b1"}]
-    with pytest.raises(ValueError, match="holds manifests of dataset 'a' from 2 sources"):
+    with pytest.raises(ValueError, match="holds 2 manifests of dataset 'a'"):
         store.read_manifest("stage", parts=["a"])  # a store without sources does not pick one
     assert store.read_manifest("stage", parts=["b"]) == [{"key": "b1"}]  # the one source of b: no doubt
     store.write_manifest("stage", [{"key": "b2"}], part="b")  # into the file it reads
@@ -403,3 +403,20 @@ def test_a_tampered_shard_is_named_with_what_to_do(spoil: Any, words: str, tmp_p
     with pytest.raises(CacheFileRefused) as caught:
         Store(str(tmp_path)).get("latents", ["a"])
     assert f"{shard} in the cache {words}" in str(caught.value) and "delete it" in str(caught.value)
+
+
+def test_whole_manifests_of_configs_sharing_the_store_stand_beside_each_other(store: Store) -> None:
+    """The text set is one manifest per config: keyed by the config's sources, so a config with another model or
+    other settings (other sources) never reads or replaces another's list, and clean keeps what each lists."""
+    for key in ("old", "mine", "theirs", "gone"):
+        store.put("stage", [{"key": key, "x": 1}])
+    store.write_manifest("stage", [{"key": "old"}])  # no sources: what loraflow wrote before whole files were keyed
+    mine, theirs = Store(store.url, {"a": "settings-1"}), Store(store.url, {"a": "settings-2"})
+    assert mine.read_manifest("stage") == [{"key": "old"}]  # read until its own replaces it
+    mine.write_manifest("stage", [{"key": "mine"}])
+    theirs.write_manifest("stage", [{"key": "theirs"}])
+    assert mine.read_manifest("stage") == [{"key": "mine"}] and theirs.read_manifest("stage") == [{"key": "theirs"}]
+    with pytest.raises(ValueError, match=r"holds 2 manifests \(configs sharing the store"):
+        store.read_manifest("stage")  # a store without sources does not pick one
+    assert store.clean("stage") == 2  # "old" (replaced) and "gone": neither config lists them
+    assert store.keys("stage") == {"mine", "theirs"}

@@ -48,7 +48,7 @@ class LoraflowResource(ConfigurableResource):
     def store(self, config: LoraflowConfig) -> Store:
         """The config's store, keyed by its datasets' sources: no stage reads the manifest parts of a dataset taken
         out of the config, nor those another config sharing the cache_dir wrote (`Store`'s `sources`)."""
-        return Store(config.cache_dir, config.dataset_sources)
+        return Store(config.cache_dir, config.manifest_names)
 
     def dataset(self, config: LoraflowConfig, partition_key: str) -> str:
         """The dataset a partition stands for; a partition whose dataset left the config fails without retries."""

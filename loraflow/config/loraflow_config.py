@@ -19,12 +19,34 @@ from loraflow.config.dataset import DatasetConfig, is_mask_dataset
 from loraflow.config.errors import ConfigError, describe
 from loraflow.config.fields import ConfigFields
 from loraflow.config.validation_adapters import ValidationAdapter, check_adapters
-from loraflow.keys import content_key
+from loraflow.keys import ManifestNames, content_key
 from loraflow.pipelines import family_flavour, family_spec, known_flavour
 from loraflow.pipelines.flavours import NOT_DIFFUSERS, Flavour
 
 DEFAULT_PROMPT_NAME = "validation"  # the shortname of `validation_prompt` among the validation prompts
 FIRST_LAST_MIN_FRAMES = 9  # 3 latent frames: `i2v_mode: first_last` gives 2 clean, so one carries the loss
+
+# What each caching stage's list of a dataset is made from besides the dataset itself (its files and its entry's
+# settings, `dataset_sources`): the config keys that change the stage's items, and the stages whose items it takes.
+# The store names each stage's manifest of a dataset by a digest of all of it (`manifest_names`), so two configs
+# sharing one cache_dir never read each other's lists, and a config that changes one stage's keys (`latent_sampling`)
+# re-lists that stage and those made from it, never its clips. The memory features that leave every value as it is
+# (`vae_enable_slicing`, `vae_enable_patch_conv`, `offload_during_startup`) are in none: turning one on after an OOM
+# keeps the cache. tests/config/test_manifest_names.py holds each stage's reads of the config to its keys.
+MODEL_KEYS = ("model_family", "model_flavour", "pretrained_model_name_or_path", "revision")
+STAGE_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # stage -> (config keys, stages it takes)
+    "clips": ((*MODEL_KEYS, "vae_path"), ()),  # frame counts and buckets follow the VAE's compression
+    "captions": (("caption_model_path", "caption_prompt", "caption_max_new_tokens", "caption_prefix"), ("clips",)),
+    "latents": ((*MODEL_KEYS, "vae_path", "vae_enable_tiling", "latent_sampling"), ("clips",)),
+    "audio_latents": (MODEL_KEYS, ("clips",)),  # the sound of each clip, whatever training then does with it
+    "teacher_features": (("crepa_encoder", "crepa_encoder_path", "crepa_encoder_image_size"), ("clips",)),
+    "text_embeds": ((*MODEL_KEYS, "text_encoder_path", "vision_encoder_path", "kandinsky5_prompt_template",
+                     "text_encoder_1_precision", "validation_prompt", "validation_audio_prompt", "user_prompt_library",
+                     "validation_negative_prompt"), ("clips", "captions")),
+}
+WRITTEN_BESIDE = {"quarantine": "clips", "latents_quarantine": "latents"}  # a list a stage writes beside its own
+MODEL_FOLDER_KEYS = ("pretrained_model_name_or_path", "vae_path", "text_encoder_path", "vision_encoder_path",
+                     "caption_model_path", "crepa_encoder_path")  # one folder written two ways is one
 
 
 class LoraflowConfig(ConfigFields):
@@ -348,21 +370,42 @@ class LoraflowConfig(ConfigFields):
 
     @property
     def dataset_sources(self) -> dict[str, str]:
-        """Each training dataset's id -> a fingerprint of where its files come from: its folder resolved (links
-        followed), a Hugging Face dataset's name, split and revision too, and its i2i source images' or masks'
-        folder. The store keys each dataset's manifest parts by it (`Store(cache_dir, sources)`), so two configs
-        sharing one cache_dir with one id and other folders never read each other's clips."""
+        """Each training dataset's id -> a fingerprint of its files and what its entry asks of them: its folder
+        resolved (links followed), a Hugging Face dataset's name, split and revision, its i2i source images' or
+        masks' folder, and those entries' settings (frames, buckets, captions), and whether validation renders from
+        it. What `manifest_names` starts from."""
         def where(dataset: DatasetConfig) -> dict[str, Any]:
             folder = dataset.instance_data_dir  # a Hub dataset's default folder is under the shared cache_dir
             hub = [dataset.dataset_name, dataset.split, dataset.revision] if dataset.type != "local" else None
-            return {"folder": os.path.realpath(folder) if folder and "://" not in folder else folder, "hub": hub}
+            return {"folder": os.path.realpath(folder) if folder and "://" not in folder else folder, "hub": hub,
+                    "settings": dataset.model_dump(mode="json", exclude={"id", "instance_data_dir"})}
 
         fingerprints = {}
         for dataset in self.training_datasets:
             paired = self.source_images(dataset)
-            fingerprints[dataset.id] = content_key(source=where(dataset),
-                                                   paired=where(paired) if paired else None)[:16]
+            fingerprints[dataset.id] = content_key(source=where(dataset), paired=where(paired) if paired else None,
+                                                   renders_from=dataset.id == self.render_dataset_id)[:16]
         return fingerprints
+
+    @property
+    def manifest_names(self) -> ManifestNames:
+        """The names of this config's manifests in the store: per caching stage, each dataset id -> a digest of its
+        `dataset_sources` fingerprint, the stage's config keys and the names of the stages it takes (STAGE_INPUTS).
+        What every store of a config is opened with (`Store(cache_dir, config.manifest_names)`)."""
+        def setting(key: str) -> Any:
+            value = getattr(self, key)
+            if key in MODEL_FOLDER_KEYS and value and "://" not in value and os.path.exists(value):
+                return os.path.realpath(value)
+            return value
+
+        named: dict[str, dict[str, str]] = {}
+        for stage, (keys, inputs) in STAGE_INPUTS.items():  # each stage after those it takes
+            settings = {key: setting(key) for key in keys}
+            named[stage] = {}
+            for dataset, source in self.dataset_sources.items():
+                made_from = [named[i][dataset] for i in inputs] if inputs else source
+                named[stage][dataset] = content_key(settings=settings, made_from=made_from)[:16]
+        return ManifestNames(named, aliases=WRITTEN_BESIDE)
 
     def folder_dataset(self, dataset: DatasetConfig) -> DatasetConfig:
         """`dataset` as the clips stage reads it (`DatasetConfig.as_folder`)."""

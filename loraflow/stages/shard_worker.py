@@ -45,7 +45,7 @@ def cache_shard(config: LoraflowConfig, family: ModelFamily, model: ModelSource,
 
     if torch.cuda.device_count() > 1:  # N local processes (`run_workers`, Dagster's multiprocess executor) see all
         torch.cuda.set_device(shard.index % torch.cuda.device_count())
-    store = Store(config.cache_dir, config.dataset_sources)
+    store = Store(config.cache_dir, config.manifest_names)
     return encode_latents(config, family, model, store, datasets=[dataset], shard=shard)
 
 
@@ -75,7 +75,7 @@ def cache_dataset(config_path: str, config: LoraflowConfig, family: ModelFamily,
     from loraflow.stages.clips.clips import build_clips
     from loraflow.stages.latents.latents import encode_latents
 
-    store = Store(config.cache_dir, config.dataset_sources)
+    store = Store(config.cache_dir, config.manifest_names)
     with store.part_lock(dataset, on_wait=lambda: log.info("waiting for another process writing '%s'", dataset)):
         clips = build_clips(config, family, model, store, datasets=[dataset])
     failed = run_workers(config_path, dataset, workers)

@@ -96,6 +96,7 @@ def at_training_shift(config: LoraflowConfig, family: ModelFamily, model: ModelS
 def train_lora(config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store) -> LoraReport:
     """Train (or resume, or reuse) the run of these caches and config; under a launcher, as one of its ranks."""
     family = at_training_shift(config, family, model)
+    store = store.named(config.manifest_names)  # the config's own lists, whoever opened the store
     # 1. plan: inputs, run folder, samples, the same on every rank; a finished run is reused as it is
     world, device = join(config.num_processes, config.fsdp)
     changed = changed_sources(store, config.dataset_folders) if world.main else []

@@ -64,6 +64,7 @@ RESULTS = "results.json"
 def validate(config: LoraflowConfig, family: ModelFamily, model: ModelSource, store: Store,
              lora_path: str) -> ValidationReport:
     """Render every validation prompt (base and LoRA) and measure eval loss; reuse a finished run."""
+    store = store.named(config.manifest_names)  # the config's own lists, whoever opened the store
     # 1. plan: settings, prompts, eval clips, and the run's key
     settings = render_settings(config, family, model, store)
     # precision, offload and tiling for the card (estimates/render.py): what changes numbers is part of the key

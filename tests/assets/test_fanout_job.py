@@ -21,7 +21,7 @@ def test_one_step_per_shard_then_cache_dataset_computes_nothing(tiny_k5: Path, d
     resource = LoraflowResource(
         config_path=str(write_config(tmp_path / "c.yaml", demo_dict(tiny_k5, demo_data, tmp_path))))
     config = resource.load()
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     clips = build_clips(config, get_family(config), model_source(config), store, datasets=["demo-videos"])
     assert not clips.quarantined, clips.quarantined  # (a decode_timeout here means a host too loaded for this test)
     instance = DagsterInstance.ephemeral()

@@ -48,7 +48,7 @@ def test_the_recache_schedule_cuts_scenes_and_captions_raw_footage(tiny_k5: Path
             runs.append(job.execute_in_process(instance=instance, partition_key=request.partition_key,
                                                tags=request.tags, run_config=QUIET))
     assert all(run.success for run in runs)
-    clips = read_clips(Store(config.cache_dir))
+    clips = read_clips(Store(config.cache_dir, config.manifest_names))
     assert {c.scene.number for c in clips} == {1, 2}  # clips on both sides of the cut
     assert all((c.indices[0] < CUT) == (c.indices[-1] < CUT) for c in clips), "a clip spans the cut"
     assert all(c.captions and c.captions[0] for c in clips)  # every clip captioned by the captioner

@@ -124,7 +124,7 @@ def _family(config):
 def _store(config):
     from loraflow.store import Store
 
-    return Store(config.cache_dir)
+    return Store(config.cache_dir, config.manifest_names)
 
 
 def test_report_to_wandb_offline_logs_the_crepa_term_and_trains_the_same(guide_caches: dict[str, Path], plain,

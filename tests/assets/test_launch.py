@@ -39,7 +39,7 @@ def test_rank_0_reports_the_materialization(launched) -> None:
     assert result.success
     (event,) = result.get_asset_materialization_events()
     meta = {k: v.value for k, v in event.materialization.metadata.items()}
-    run = current_run_dir(config, get_family(config), Store(config.cache_dir))
+    run = current_run_dir(config, get_family(config), Store(config.cache_dir, config.manifest_names))
     assert meta["computed"] == 2 and meta["lora_path"] == str(run / T.LORA_FILE) and Path(meta["lora_path"]).is_file()
     assert event.materialization.tags["dagster/data_version"] == run.name
     history = json.loads((run / "history.json").read_text())

@@ -149,7 +149,7 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.store import Store
 config = load_config(sys.argv[1])
-store = Store(config.cache_dir)
+store = Store(config.cache_dir, config.manifest_names)
 for _ in range(3):  # several manifest writes each, so the two processes' writes interleave
     build_clips(config, get_family(config), model_source(config), store, datasets=[sys.argv[2]])
     encode_latents(config, get_family(config), model_source(config), store, datasets=[sys.argv[2]])

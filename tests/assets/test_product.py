@@ -89,7 +89,7 @@ def test_every_check_runs_in_the_job_and_passes_on_a_clean_materialization(train
 def test_coverage_checks_name_the_clip_without_a_latent_and_the_caption_without_an_embedding(trained) -> None:
     _, config, root = trained
     resource = LoraflowResource(config_path=str(config))
-    store = Store(str(root / "cache"))
+    store = resource.store(resource.load())  # the config's own manifests, which the checks read
     latents_rows = store.read_manifest("latents")
     texts = store.read_manifest("text_embeds")
     clip = next(c for c in store.read_manifest("clips") if c["key"] == latents_rows[0]["clip_key"])

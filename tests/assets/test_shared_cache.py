@@ -1,10 +1,11 @@
 """Two configs sharing one cache_dir (issue 62 item 2, issue 59 item 3): shards are keyed by content, so the two share
-them; each config's manifest parts are keyed by its datasets' sources (`LoraflowConfig.dataset_sources`), so neither
+them; each config's manifests are named by what they are made from (`LoraflowConfig.manifest_names`), so neither
 reads nor deletes the other's. Two deployments: each its own Dagster instance and config, one cache_dir."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dagster import DagsterInstance
@@ -19,10 +20,11 @@ from tests.assets.test_partitions import make_dataset
 from tests.factory import demo_dict, write_config
 
 
-def config_of(model: Path, root: Path, name: str, datasets: dict[str, Path]) -> Path:
-    """A config of `datasets` (id -> folder) with the cache under root/cache and its own output folder."""
+def config_of(model: Path, root: Path, name: str, datasets: dict[str, Path], **dataset_settings: Any) -> Path:
+    """A config of `datasets` (id -> folder, each with `dataset_settings`) with the cache under root/cache and its
+    own output folder."""
     config = demo_dict(model, root, root, max_train_steps=2, checkpointing_steps=2, output_dir=str(root / name))
-    media = config["datasets"][0]
+    media = {**config["datasets"][0], **dataset_settings}
     config["datasets"] = [{**media, "id": id_, "instance_data_dir": str(folder)} for id_, folder in datasets.items()]
     config["datasets"] += demo_dict(model, root, root)["datasets"][1:]
     return write_config(root / f"{name}.yaml", config)
@@ -58,7 +60,7 @@ def test_two_configs_with_one_dataset_id_and_other_folders_never_read_each_other
         clips = read_clips(store)
         assert {c.captions for c in clips} == captions, config.name
         assert {r["clip_key"] for r in store.read_manifest("latents")} == {c.key for c in clips}, config.name
-    with pytest.raises(ValueError, match="holds manifests of dataset 'videos' from 2 sources"):
+    with pytest.raises(ValueError, match="holds 2 manifests of dataset 'videos'"):
         read_clips(Store(str(tmp_path / "cache")))  # a store that knows no config does not pick one of the two
 
 
@@ -75,3 +77,20 @@ def test_a_dataset_of_another_config_is_neither_read_nor_deleted(tiny_k5: Path, 
     for config in (mine, theirs):  # the getter every asset and check calls first: it writes and deletes nothing
         store_of(config)
     assert files_under(tmp_path / "cache") == before
+
+
+def test_two_configs_with_one_dataset_folder_and_other_settings_never_read_each_others_clips(
+        tiny_k5: Path, tmp_path: Path) -> None:
+    videos = make_dataset(tmp_path / "videos", ["tabby", "pug"])
+    mine = config_of(tiny_k5, tmp_path, "mine", {"videos": videos})
+    theirs = config_of(tiny_k5, tmp_path, "theirs", {"videos": videos},
+                       video={"num_frames": 9, "min_frames": 9, "bucket_strategy": "aspect_ratio"})
+    cache(mine, "videos")
+    cache(theirs, "videos")
+    sizes = {}
+    for config in (mine, theirs):
+        store = store_of(config)
+        clips = read_clips(store)
+        sizes[config.name] = {c.bucket for c in clips}
+        assert {r["clip_key"] for r in store.read_manifest("latents")} == {c.key for c in clips}, config.name
+    assert sizes["mine.yaml"].isdisjoint(sizes["theirs.yaml"]), sizes  # 64 px buckets and 32 px ones

@@ -82,6 +82,6 @@ def test_check_warns_and_recaching_clears_it(changed_after_caching: dict, capsys
         instance=instance, partition_key=DATASET, run_config=QUIET)
     assert recached.success and clips_status(instance) == ("FRESH", [])
     loaded = load_config(config)
-    assert changed_sources(Store(loaded.cache_dir), loaded.dataset_folders) == []
+    assert changed_sources(Store(loaded.cache_dir, loaded.manifest_names), loaded.dataset_folders) == []
     assert main(["check", str(config), "--no-estimates"]) == 0
     assert "changed since it was cached" not in capsys.readouterr().out

@@ -50,7 +50,7 @@ def test_the_typed_rows_are_the_manifest_columns(tiny_k5: Path, tmp_path: Path) 
                       "video": {"num_frames": 5}, "conditioning_data": "masks"},
                      {"id": "masks", "dataset_type": "conditioning", "conditioning_type": "mask",
                       "instance_data_dir": str(masks)}]})
-    store = Store(config.cache_dir, config.dataset_sources)
+    store = Store(config.cache_dir, config.manifest_names)
     report = build_clips(config, get_family(config), model_source(config), store)
 
     manifest = store.manifest_file("clips", "v")  # keyed by the dataset's sources (docs/caches.md)

@@ -26,12 +26,11 @@ from loraflow.pipelines import get_family
 from loraflow.pipelines.sources import model_source
 from loraflow.simpletuner import import_simpletuner
 from loraflow.stages.clips.clips import build_clips
-from loraflow.stages.latents.latents import encode_latents
 from loraflow.store import Store
 from loraflow.training import batches as D
 from loraflow.training import loop as T
 from loraflow.training.model_setup import load_transformer
-from tests.factory import demo_dict, make_config, same_lora_file, train
+from tests.factory import cache_for, demo_dict, make_config, same_lora_file, train
 from tests.numerics import U32, gamma
 
 CPU = torch.device("cpu")
@@ -56,10 +55,8 @@ def masked(own_caches: dict[str, Path], output: Path, half: bool, **overrides: A
 
 
 def use(config: LoraflowConfig) -> LoraflowConfig:
-    """The store's clips and latents manifests are this config's (encoding what it lacks)."""
-    family, store = get_family(config), Store(config.cache_dir, config.dataset_sources)
-    build_clips(config, family, model_source(config), store)
-    encode_latents(config, family, model_source(config), store)
+    """The config's lists cached beside the others (encoding what the store lacks)."""
+    cache_for(config)
     return config
 
 
@@ -78,14 +75,14 @@ def test_an_all_white_mask_trains_the_unmasked_lora(own_caches: dict[str, Path],
     assert "masks on dataset(s) demo-videos" in masked_loss_metadata(config)["masked_loss"]
     assert masked_loss_metadata(make_config(own_caches, tmp_path / "plain")) == {}
     (own_caches["root"] / "white" / "clip_02.png").unlink()  # a file without its mask: quarantined, with the reason
-    store = Store(config.cache_dir, config.dataset_sources)
+    store = Store(config.cache_dir, config.manifest_names)
     report = build_clips(config, get_family(config), model_source(config), store)
     assert [(Path(q.file).name, q.reason) for q in report.quarantined] == [("clip_02.mp4", "missing_mask")]
 
 
 def test_a_half_mask_zeroes_the_gradient_of_masked_out_latents(own_caches: dict[str, Path], tmp_path: Path) -> None:
     half = masked(own_caches, tmp_path / "half", half=True)
-    store, family = Store(half.cache_dir, half.dataset_sources), get_family(half)
+    store, family = Store(half.cache_dir, half.manifest_names), get_family(half)
     rows = store.get("latents", {r["key"] for r in store.read_manifest("latents")})
     for row in rows.values():  # area averages: whole cells on each side are exactly 1 and 0
         mask = np.asarray(row[MASK_COLUMN])  # (1, 1, h, w)
@@ -122,7 +119,7 @@ def test_a_half_mask_changes_the_lora_probability_0_does_not_and_a_resume_is_exa
     # 0.25: with seed 42 micro-step 0 skips the masks and 1 applies them (each from its own generator)
     sometimes = half.model_copy(update={"masked_loss_probability": 0.25, "max_train_steps": 2,
                                         "checkpointing_steps": 1, "output_dir": str(tmp_path / "sometimes")})
-    store, family = Store(half.cache_dir, half.dataset_sources), get_family(half)
+    store, family = Store(half.cache_dir, half.manifest_names), get_family(half)
     samples = D.build_samples(half, store)[:1]
     assert [D.load_micro_batch(sometimes, family, store, samples, k).mask is None for k in range(2)] == [True, False]
     whole = train(sometimes)

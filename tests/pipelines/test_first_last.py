@@ -46,7 +46,7 @@ def run(tiny_k5: Path, demo_data: Path, tmp_path_factory: pytest.TempPathFactory
 def test_first_last_runs_the_dag_and_caches_the_last_frame_encoded_alone(run) -> None:
     """The latent's first and last frames are those frames encoded alone (what validation gives the pipeline);
     the key is not an `i2v_mode: first` key, so a cache built without the last frame is encoded again."""
-    store, family = Store(run.cache_dir), get_family(run)
+    store, family = Store(run.cache_dir, run.manifest_names), get_family(run)
     first = get_family(run.model_copy(update={"i2v_mode": "first"}))
     vae = load_component(run.pretrained_model_name_or_path, "vae")
     from loraflow.stages.latents.latents import latent_rows
@@ -91,7 +91,7 @@ def test_the_renderer_keeps_the_last_frame_and_first_renders_as_before(run) -> N
     """Every transformer call sees the last latent frame clean (the last image's latent, drawn from the render seed
     after the noise and the first frame, as the pipeline draws the first frame's) and marked; the decoded latent's
     last frame is it. `i2v_mode: first` renders bit for bit as the pipeline called as before this mode existed."""
-    store, family = Store(run.cache_dir), get_family(run)
+    store, family = Store(run.cache_dir, run.manifest_names), get_family(run)
     settings = render_settings(run, family, model_source(run), store)
     images = conditioning_image(store, conditioning_clip(run, family, store), settings, last=True)
     texts = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}

@@ -35,7 +35,7 @@ from loraflow.training import batches as D
 from loraflow.training import loop as T
 from loraflow.validation.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
 from loraflow.validation.validate import conditioning_image, render_settings, validate
-from tests.factory import REPO, demo_dict, write_config
+from tests.factory import REPO, demo_dict, run_clips, write_config
 
 I2V = "i2v-480p"
 CPU = torch.device("cpu")
@@ -64,7 +64,7 @@ def root(demo_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         for ext in (".mp4", ".txt"):
             shutil.copy(demo_data / f"{stem}{ext}", root / "data" / f"{stem}{ext}")
     config = make_config(root, root / "output")
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     for op in (build_clips, encode_latents, encode_texts):
         op(config, family, model_source(config), store)
     return root
@@ -95,7 +95,7 @@ def test_the_tiny_folder_loads_the_i2v_pipeline_alone(root: Path) -> None:
 
 def test_i2v_rows_cache_the_pipelines_image_latent_and_siglip_tokens(root: Path, tmp_path: Path) -> None:
     config = make_config(root, root / "output")
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(root / "model")
     rows = store.read_manifest("latents")
     assert rows
@@ -113,7 +113,7 @@ def test_i2v_rows_cache_the_pipelines_image_latent_and_siglip_tokens(root: Path,
     # t2v keys stay what they were, i2v keys differ from them; the latent column is the whole clip's either way
     shutil.copytree(root / "cache", tmp_path / "cache")  # t2v rewrites the latents manifest: on a copy
     t2v = make_config(root, tmp_path / "out", model_flavour="t2v-480p", cache_dir=str(tmp_path / "cache"))
-    store = Store(t2v.cache_dir)
+    store = run_clips(t2v)[1]  # the t2v flavour's clips: the i2v ones listed again, nothing decoded
     t2v_keys = {r.clip_key: r.key for r in latent_rows(t2v, get_family(t2v), model_source(t2v), store)}
     assert all(t2v_keys[r["clip_key"]] != r["key"] for r in rows)
     assert "image_condition" not in repr(latent_rows(t2v, get_family(t2v), model_source(t2v), store))
@@ -149,7 +149,7 @@ def test_two_hv_i2v_steps_equal_a_hand_written_reference(trained, root: Path) ->
     ops on the same shapes as training's step, in this process (tests/training/test_train.py's reference test says
     why)."""
     config, report = trained
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     transformer = HunyuanVideo15Transformer3DModel.from_pretrained(root / "model" / "transformer")
     transformer.requires_grad_(False)
     torch.manual_seed(config.seed)
@@ -185,7 +185,7 @@ def test_two_hv_i2v_steps_equal_a_hand_written_reference(trained, root: Path) ->
 
 def test_hv_i2v_eval_loss_uses_the_cached_condition(trained) -> None:
     config, report = trained
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     row = store.read_manifest("latents")[0]
     text_key = text_lookup(store)["", ""]
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
@@ -213,7 +213,7 @@ def test_hv_i2v_validation_renders_from_the_first_frame(trained) -> None:
     """Every transformer call sees the conditioning image's latent in frame 0 of the cond channels (zeros after),
     mask 1 on frame 0 only, and the image's SigLIP tokens; the mp4s have the configured frame count."""
     config, report = trained
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     settings = render_settings(config, family, model_source(config))
     image = conditioning_image(store, conditioning_clip(config, family, store), settings)
     assert image.shape == (settings.height, settings.width, 3) == (48, 64, 3)
@@ -320,7 +320,7 @@ def test_left_out_the_validation_size_is_the_bucket_the_pipeline_renders_the_fir
     from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 
     config = make_config(root, tmp_path / "out", validation_resolution=None)
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     first = condition_frame(store, conditioning_clip(config, family, store))
     settings = render_settings(config, family, model_source(config), store)
     target = HunyuanVideo15Transformer3DModel.load_config(root / "model" / "transformer")["target_size"]
@@ -341,7 +341,7 @@ def test_i2v_prob_trains_seeded_micro_batches_as_t2v(trained, root: Path, tmp_pa
     draws = [D.trains_as_i2v(mixed, step) for step in range(16)]
     assert set(draws[:2]) == {True, False} and draws == [D.trains_as_i2v(mixed, step) for step in range(16)]
     assert draws != [D.trains_as_i2v(mixed.model_copy(update={"seed": 7}), step) for step in range(16)]
-    store, family = Store(mixed.cache_dir), get_family(mixed)
+    store, family = Store(mixed.cache_dir, mixed.manifest_names), get_family(mixed)
     plan = D.BatchPlan(D.build_samples(mixed, store), mixed.train_batch_size, mixed.seed)
     batches = {task: D.load_micro_batch(mixed, family, store, plan(step), step)
                for task, step in (("i2v", draws.index(True)), ("t2v", draws.index(False)))}

@@ -65,7 +65,7 @@ def cached(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoraflowConfig, Pa
     Image.fromarray(np.full((64, 64, 3), 128, np.uint8)).save(targets / "orphan.png")
     (targets / "orphan.txt").write_text("make it grey")
     config = i2i_config(root, model, (targets, sources))
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     assert build_clips(config, family, model_source(config), store).quarantined[0].reason == "missing_source_image"
     encode_latents(config, family, model_source(config), store)
     encode_texts(config, family, model_source(config), store)
@@ -74,7 +74,7 @@ def cached(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoraflowConfig, Pa
 
 def test_each_target_clip_stores_its_source_image_cut_to_the_target_bucket(cached) -> None:
     config, sources = cached
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     clips = store.read_manifest("clips")
     assert sorted(Path(c["path"]).stem for c in clips) == ["edit_00", "edit_01", "edit_02", "edit_03"]  # not orphan
     for clip in clips:
@@ -89,7 +89,7 @@ def test_the_clips_preview_shows_each_source_image_below_its_target(cached) -> N
     from loraflow.media.previews import PREVIEW_CLIPS, THUMB, clip_preview
 
     config, sources = cached
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     preview = np.asarray(clip_preview(stored_clips(store, PREVIEW_CLIPS)))
     first = store.read_manifest("clips")[0]
     source = np.asarray(Image.open(sources / f"{Path(first['path']).stem}.png").convert("RGB"))
@@ -101,7 +101,7 @@ def test_the_clips_preview_shows_each_source_image_below_its_target(cached) -> N
 
 def test_the_source_latent_is_cached_beside_the_target_latent(cached) -> None:
     config, _ = cached
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     vae = load_component(config.pretrained_model_name_or_path, "vae")
     rows = store.read_manifest("latents")
     assert len(rows) == 4  # the four edit pairs (the orphan target was quarantined)
@@ -118,7 +118,7 @@ def test_prompt_embeddings_are_keyed_by_text_and_source_image(cached) -> None:
     """Each caption and the empty prompt once per source image, the validation prompts once with the render's
     image; the stored rows are what the family encodes for that text and image."""
     config, _ = cached
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     clips = store.read_manifest("clips")
     texts = text_lookup(store)
     for clip in clips:
@@ -158,7 +158,7 @@ def velocity_by_hand(transformer: torch.nn.Module, x_t: torch.Tensor, sigma: tor
 def test_two_i2i_steps_equal_a_hand_written_reference(cached, tmp_path: Path) -> None:
     config, _ = cached
     config = config.model_copy(update={"output_dir": str(tmp_path / "out")})
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     report = T.train_lora(config, family, model_source(config), store)
     transformer, params, optimizer = reference_lora(Path(config.pretrained_model_name_or_path), config)
     plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
@@ -187,7 +187,7 @@ def test_two_i2i_steps_equal_a_hand_written_reference(cached, tmp_path: Path) ->
 def test_i2i_validation_renders_from_a_source_image(cached, tmp_path: Path) -> None:
     config, sources = cached
     config = config.model_copy(update={"output_dir": str(tmp_path / "out")})
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     lora = T.train_lora(config, family, model_source(config), store).lora_path
     report = validate(config, family, model_source(config), store, lora)
     out = Path(report.prompts[0].lora).parents[1]
@@ -204,7 +204,7 @@ def test_i2i_eval_loss_without_validation_prompts(cached, tmp_path: Path) -> Non
     config, _ = cached  # no prompt: nothing renders, so no negative prompt is encoded (nor looked up)
     config = parse_config({**config.model_dump(mode="json", exclude_none=True), "output_dir": str(tmp_path / "out"),
                            "validation_prompt": None, "eval_holdout_fraction": 0.5})
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)  # its own text set
     encode_texts(config, family, model_source(config), store)
     lora = T.train_lora(config, family, model_source(config), store).lora_path
     report = validate(config, family, model_source(config), store, lora)
@@ -218,7 +218,7 @@ def test_a_source_image_pairs_by_exact_name_and_an_ambiguous_one_is_quarantined(
     targets, sources = make_demo_edits(tmp_path / "targets", tmp_path / "sources")
     config = i2i_config(tmp_path, tmp_path / "model", (targets, sources))
     edits, paired = config.training_datasets[0], config.source_images(config.training_datasets[0])
-    probes = ProbeCache(Store(config.cache_dir))
+    probes = ProbeCache(Store(config.cache_dir, config.manifest_names))
     Image.open(sources / "edit_00.png").save(sources / "edit_00.v2.png")  # another stem: never its pair
     Image.open(sources / "edit_00.png").save(sources / "[edit_00].png")  # glob characters: just a name
     assert _source_image(targets / "edit_00.png", edits, paired, probes)[1] == sources / "edit_00.png"
@@ -241,7 +241,7 @@ def test_a_source_too_large_for_the_prompt_is_quarantined_before_decoding(cached
     big = config.model_dump(mode="json", exclude_none=True)
     big["datasets"][0]["resolution"] = 1792
     big = parse_config({**big, "pretrained_model_name_or_path": str(model), "cache_dir": str(tmp_path / "cache")})
-    report = build_clips(big, family, model_source(big), Store(big.cache_dir))
+    report = build_clips(big, family, model_source(big), Store(big.cache_dir, big.manifest_names))
     too_large = [q for q in report.quarantined if q.reason == "source_too_large"]
     assert report.computed == 0 and len(too_large) == len(report.quarantined) - 1 >= 3  # and the orphan
     assert "lower `resolution` (1792) of dataset 'edits'" in too_large[0].detail
@@ -310,7 +310,7 @@ def test_k5_image_trains_with_crepa_on_single_frames_and_an_int8_base(cached, tm
     config, _ = cached
     settings = config.model_dump(mode="json", exclude_none=True)
     plain = parse_config({**settings, "output_dir": str(tmp_path / "plain")})
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     guided = parse_config({**settings, "output_dir": str(tmp_path / "guided"), "base_model_precision": "int8-quanto",
                            "crepa_enabled": True, "crepa_block_index": 1, "crepa_encoder_image_size": 16,
                            "crepa_encoder_path": str(tiny_dinov2(tmp_path / "dinov2"))})

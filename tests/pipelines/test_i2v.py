@@ -26,7 +26,7 @@ from loraflow.training import batches as D
 from loraflow.training import loop as T
 from loraflow.validation.evaluation import EVAL_SIGMAS, EvalItem, eval_losses, noise_seed
 from loraflow.validation.validate import conditioning_image, render_settings, validate
-from tests.factory import make_config, reference_lora
+from tests.factory import cache_for, make_config, reference_lora, run_clips
 from tests.numerics import assert_float64_close
 
 I2V = "i2v-lite-5s"
@@ -34,9 +34,11 @@ I2V = "i2v-lite-5s"
 
 @pytest.fixture(scope="module")
 def trained(own_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    config = make_config(own_caches, tmp_path_factory.mktemp("i2v-run") / "out", model_flavour=I2V,
-                         validation_num_video_frames=17)
-    return config, T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
+    root = tmp_path_factory.mktemp("i2v-run")
+    shutil.copytree(own_caches["root"] / "cache", root / "cache")  # its i2v lists beside the t2v ones, in a copy
+    config = make_config(own_caches, root / "out", model_flavour=I2V, validation_num_video_frames=17,
+                         cache_dir=str(root / "cache"))
+    return config, T.train_lora(config, get_family(config), model_source(config), cache_for(config))
 
 
 def test_every_k5_i2v_flavour_gives_one_clean_frame_and_t2v_none() -> None:
@@ -70,8 +72,9 @@ def test_i2v_latents_hold_the_first_frame_encoded_alone(own_caches: dict[str, Pa
 
     config = make_config(own_caches, tmp_path / "out", model_flavour=I2V, cache_dir=str(tmp_path / "cache"))
     shutil.copytree(own_caches["root"] / "cache", tmp_path / "cache")
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir), get_family(config)  # the t2v lists: the only ones
     t2v_rows = {r["clip_key"]: r["key"] for r in store.read_manifest("latents")}
+    store = run_clips(config)[1]  # the i2v flavour's clips (the t2v ones, listed again: nothing decoded)
     # new keys: i2v latents differ
     assert encode_latents(config, family, model_source(config), store).computed == len(t2v_rows)
     vae = load_component(own_caches["model"], "vae")
@@ -91,7 +94,7 @@ def test_two_i2v_steps_equal_a_hand_written_reference(trained, own_caches: dict[
     mask marks frame 0, visual_cond is zero; the loss covers latent frames 1.. only. AdamW by hand. Bit for bit: the
     same ops on the same shapes as training's step, in this process (test_train.py's reference test says why)."""
     config, report = trained
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     transformer, params, optimizer = reference_lora(own_caches["model"], config)
     plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     for step, logged in enumerate(report.history):
@@ -127,7 +130,7 @@ def test_two_i2v_steps_equal_a_hand_written_reference(trained, own_caches: dict[
 
 def test_i2v_eval_loss_is_the_masked_loss(trained) -> None:
     config, report = trained
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     row = store.read_manifest("latents")[0]
     text_key = text_lookup(store)["", ""]
     transformer = load_component(config.pretrained_model_name_or_path, "transformer")
@@ -154,7 +157,7 @@ def test_i2v_validation_renders_from_the_first_frame(trained, own_caches: dict[s
     from the render seed; t2v sees noise there. Pixels can't show it: the tiny VAE is random, so a decoded frame
     does not resemble its input. The mp4s have the configured frame count."""
     config, report = trained
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     settings = render_settings(config, family, model_source(config))
     clip_key = conditioning_clip(config, family, store)
     image = conditioning_image(store, clip_key, settings)

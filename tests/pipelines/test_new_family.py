@@ -122,7 +122,7 @@ def test_build_tiny_writes_the_familys_checkpoint(root: Path) -> None:
 
 def test_the_stages_cache_and_train_the_family(root: Path) -> None:
     config = make_config(root)
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     for op in (build_clips, encode_latents, encode_texts):
         assert op(config, family, model_source(config), store).computed > 0
     keys = [row["key"] for row in store.read_manifest("text_embeds")]

@@ -308,4 +308,4 @@ def test_a_dataset_taken_out_of_the_config_leaves_no_audio_rows(
     assert {r.dataset for r in read_audio_rows(store).values()} == {"d0", "d1"}
     kept = clips_config(tiny_k5, tmp_path, folders[:1])
     run_clips(kept)  # the config without d1 reads no row of it (its parts stay: another config may share them)
-    assert {r.dataset for r in read_audio_rows(Store(kept.cache_dir, kept.dataset_sources)).values()} == {"d0"}
+    assert {r.dataset for r in read_audio_rows(Store(kept.cache_dir, kept.manifest_names)).values()} == {"d0"}

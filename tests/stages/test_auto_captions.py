@@ -40,7 +40,7 @@ def auto_config(model: Path, root: Path, data: Path, vl: Path, **overrides: obje
 
 
 def captioned(config) -> dict[str, tuple[str, ...]]:
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)  # the config's captions, beside those of other prompts
     build = build_captions(config, model_source(config), store)
     return build, {Path(c.path).name: c.captions for c in read_clips(store)}
 
@@ -125,7 +125,7 @@ def test_a_checkpoint_without_a_full_vl_model_and_its_processor_says_what_to_set
     config = clips_config(tiny_k5, tmp_path, [{"instance_data_dir": str(data), "caption_strategy": "auto"}])
     run_clips(config)
     with pytest.raises(FileNotFoundError, match="set `caption_model_path`"):
-        build_captions(config, model_source(config), Store(config.cache_dir))
+        build_captions(config, model_source(config), Store(config.cache_dir, config.manifest_names))
 
 
 def test_the_graph_has_the_captions_asset_only_for_auto_configs(tiny_k5: Path, tiny_vl: Path,
@@ -187,7 +187,7 @@ def test_with_scene_cuts_a_scene_of_its_own_caption_keeps_it_and_export_writes_o
                           caption_model_path=str(tiny_vl), caption_max_new_tokens=6)
     run_clips(config)
     report, _ = captioned(config)
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     by_scene = {}
     for clip in read_clips(store):
         by_scene.setdefault(clip.scene.number, set()).add(clip.captions)
@@ -213,7 +213,7 @@ def test_the_generated_captions_train(tiny_k5: Path, tiny_vl: Path, tmp_path: Pa
                          caption_model_path=str(tiny_vl), caption_max_new_tokens=6, caption_prefix="sks, ")
     settings["datasets"][0]["caption_strategy"] = "auto"
     config = load_config(write_config(tmp_path / "config.yaml", settings))
-    family, model, store = get_family(config), model_source(config), Store(config.cache_dir)
+    family, model, store = get_family(config), model_source(config), Store(config.cache_dir, config.manifest_names)
     run_clips(config)
     build_captions(config, model, store)
     encode_latents(config, family, model, store)

@@ -282,9 +282,10 @@ def test_changed_resolution_redecodes_only_that_dataset(tiny_k5: Path, tmp_path:
     first, store = run_clips(clips_config(tiny_k5, tmp_path, sets))
     assert first.computed == 3
     sets[1]["resolution"] = 32
-    second, _ = run_clips(clips_config(tiny_k5, tmp_path, sets))
+    second, changed = run_clips(clips_config(tiny_k5, tmp_path, sets))
     assert (second.computed, second.reused) == (1, 2)
-    assert {r["dataset"]: r["height"] for r in store.read_manifest("clips")} == {"a": 64, "b": 32}
+    assert {r["dataset"]: r["height"] for r in changed.read_manifest("clips")} == {"a": 64, "b": 32}
+    assert {r["dataset"]: r["height"] for r in store.read_manifest("clips")} == {"a": 64, "b": 64}  # the first's list
 
 
 def test_file_mtime_alone_changes_identity(tiny_k5: Path, tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ def test_four_workers_cache_one_dataset_and_a_killed_one_resumes_its_share_only(
     data = many_clips(demo_data, tmp_path / "data", COPIES)
     config_path = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, data, tmp_path))
     config = load_config(config_path)
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     build_clips(config, get_family(config), model_source(config), store, datasets=["demo-videos"])
     rows = latent_rows(config, get_family(config), model_source(config), store, ["demo-videos"])
     owner = {r.key: next(i for i in range(WORKERS) if Shard(i, WORKERS).owns(r.clip_key)) for r in rows}
@@ -79,7 +79,7 @@ def test_four_workers_cache_one_dataset_and_a_killed_one_resumes_its_share_only(
     after = committed_by_shard(shards, owner)
     assert all(sorted(after[i]) == sorted(set(after[i])) and len(after[i]) == share[i] for i in range(WORKERS))
     assert {r["key"] for r in Store(config.cache_dir).read_manifest("latents", parts=["demo-videos"])} == set(owner)
-    for key, row in Store(config.cache_dir).get("latents", list(owner)).items():
+    for key, row in Store(config.cache_dir, config.manifest_names).get("latents", list(owner)).items():
         assert row["latent"].shape[0] == 16 and np.isfinite(row["latent"]).all(), key
 
 

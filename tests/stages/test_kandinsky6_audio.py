@@ -47,7 +47,7 @@ from loraflow.training.checkpoints import LORA_FILE
 from loraflow.training.model_setup import load_transformer
 from loraflow.training.run import current_run_dir, run_dir, upstream_versions
 from loraflow.training.step import FlowTerms, flow_terms
-from tests.factory import demo_dict, run_ranks, same_lora_file, write_config
+from tests.factory import cache_for, demo_dict, run_ranks, same_lora_file, write_config
 from tests.media_factory import tone, write_h264, write_with_sound
 
 RATE = 44_100
@@ -72,7 +72,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, caption in (("low", "a low hum"), ("high", "a high whistle"), ("silent", "a silent square")):
         (data / f"{name}.txt").write_text(caption + "\n")
     config = make_config(root, "video_only")
-    family, store, model = get_family(config), Store(config.cache_dir), model_source(config)
+    family, store, model = get_family(config), Store(config.cache_dir, config.manifest_names), model_source(config)
     for op in (build_clips, encode_latents, encode_texts):
         op(config, family, model, store)
     encode_audio(config, model, store)
@@ -130,7 +130,7 @@ def test_joint_training_trains_the_sound(trained: tuple[LoraflowConfig, Path]) -
     """Each step of a batch with sound logs a finite, positive audio term; a step of the silent clip (video_only) logs
     none (0): its video trained alone. The weights only the audio term reaches are trained (lora_B starts at zero)."""
     config, run = trained
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     plan = BatchPlan(build_samples(config, store), config.train_batch_size, config.seed)
     lora = load_file(str(run / LORA_FILE))
     sound_only = {k: v for k, v in lora.items() if SOUND_ONLY.search(k) and "lora_B" in k}
@@ -182,7 +182,7 @@ def test_a_clip_without_sound_trains_its_picture_alone_or_is_left_out(root: Path
     with sound gets a finite, positive audio term that reaches the sound-only weights. leave_out: the silent clip
     has no sample, and the run trains on the other two."""
     config = make_config(root, "video_only")
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     names = sources(store)
     clip_of = {r.key: r.clip_key for r in read_latent_rows(store)}
     samples = build_samples(config, store)
@@ -225,7 +225,7 @@ def test_tread_routes_the_picture_and_the_sound_still_trains(trained: tuple[Lora
     config, run = trained
     route = {"selection_ratio": 0.0, "start_layer_idx": 1, "end_layer_idx": 1}  # the tiny transformer's last block
     zero = make_config(root, "video_only", name="tread-0", tread_config={"routes": [route]})
-    report = T.train_lora(zero, get_family(zero), model_source(zero), Store(zero.cache_dir))
+    report = T.train_lora(zero, get_family(zero), model_source(zero), Store(zero.cache_dir, zero.manifest_names))
     plain, routed = load_file(str(run / LORA_FILE)), load_file(str(Path(report.run_dir) / LORA_FILE))
     assert Path(report.run_dir) != run and plain.keys() == routed.keys()
     assert all(torch.equal(plain[k], routed[k]) for k in plain)
@@ -250,7 +250,7 @@ def test_crepa_aligns_the_picture_and_the_sound_still_trains(trained: tuple[Lora
     before = json.loads((run / "history.json").read_text())[:3]
     assert [row["audio_loss"] > 0 for row in before] == [True, True, False]
     zero = make_config(root, "video_only", steps=3, name="crepa-0", crepa_lambda=0.0, **teacher)
-    store = Store(zero.cache_dir)
+    store = Store(zero.cache_dir, zero.manifest_names)
     cache_teacher_features(zero, get_family(zero), store)
     history = T.train_lora(zero, get_family(zero), model_source(zero), store).history
     assert [(s.loss, s.audio_loss, s.grad_norm) for s in history] == [
@@ -275,7 +275,7 @@ def test_the_distilled_sound_head_trains_each_grid_velocity_as_piflow_reads_it(r
     family = get_family(make_config(root, "video_only", name="distill", model_flavour="lite-distill-t2v",
                                     pretrained_model_name_or_path=str(distilled)))
     config = make_config(root, "video_only")  # the caches: the distilled checkpoint's VAE and encoders are the same
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     sample = next(s for s in build_samples(config, store) if s.audio_key)
     batch = load_micro_batch(config, family, store, [sample, sample], 3)
     transformer = load_component(distilled, "transformer")
@@ -301,7 +301,7 @@ def i2v_cache(root: Path) -> Path:
     cache = root / "cache-i2v"
     shutil.copytree(root / "cache", cache)
     config = make_config(root, "video_only", name="i2v", model_flavour="lite-i2v", cache_dir=str(cache))
-    encode_latents(config, get_family(config), model_source(config), Store(cache))
+    cache_for(config)
     return cache
 
 
@@ -314,7 +314,7 @@ def test_i2v_gives_the_first_frame_and_the_sound_in_one_call_or_trains_as_t2v(i2
 
     config = make_config(root, "video_only", name="i2v-mixed", model_flavour="lite-i2v", i2v_prob=0.3,
                          cache_dir=str(i2v_cache))
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     assert [trains_as_i2v(config, k) for k in (0, 1)] == [False, True]
     sample = next(s for s in build_samples(config, store) if s.audio_key)
     image = torch.from_numpy(np.asarray(store.get("latents", {sample.latent_key})[sample.latent_key]["image_latent"]))
@@ -358,7 +358,7 @@ def test_both_streams_are_noised_at_the_samples_one_sigma(root: Path) -> None:
     from loraflow.kernels.flow_matching import noisy_sample
 
     config = make_config(root, "video_only")
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     sample = next(s for s in build_samples(config, store) if s.audio_key)
     batch = load_micro_batch(config, family, store, [sample, sample], 3)
     stored = store.get("audio_latents", {sample.audio_key})[sample.audio_key]["audio_latent"]
@@ -378,7 +378,7 @@ def test_two_processes_one_with_sound_one_without_equal_one_process(root: Path) 
     accumulating the same two micro-steps, bit for bit (tests/training/test_distributed.py says why it can; the
     launcher gives each rank one thread, so the reference trains with one)."""
     two = make_config(root, "video_only", steps=3, name="two", num_processes=2)
-    plan = BatchPlan(build_samples(two, Store(two.cache_dir)), 1, two.seed)
+    plan = BatchPlan(build_samples(two, Store(two.cache_dir, two.manifest_names)), 1, two.seed)
     heard = [bool(plan(k)[0].audio_key) for k in range(6)]  # rank 0 takes micro-steps 0, 2, 4; rank 1 1, 3, 5
     assert any(heard[2 * k] != heard[2 * k + 1] for k in range(3))
     run_ranks(launch_command(str(root / "two.yaml"), 2))
@@ -386,10 +386,10 @@ def test_two_processes_one_with_sound_one_without_equal_one_process(root: Path) 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        report = T.train_lora(one, get_family(one), model_source(one), Store(one.cache_dir))
+        report = T.train_lora(one, get_family(one), model_source(one), Store(one.cache_dir, one.manifest_names))
     finally:
         torch.set_num_threads(threads)
-    launched = current_run_dir(two, get_family(two), Store(two.cache_dir))
+    launched = current_run_dir(two, get_family(two), Store(two.cache_dir, two.manifest_names))
     history = json.loads((launched / "history.json").read_text())
     assert [(r.loss, r.grad_norm, r.audio_loss) for r in report.history] == [
         (r["loss"], r["grad_norm"], r["audio_loss"]) for r in history]
@@ -402,7 +402,7 @@ def test_what_the_sound_decides_is_in_the_run_key(root: Path) -> None:
     `clips_without_audio` taken out of the run key (its setting's run_key "never")."""
     video_only, left_out = make_config(root, "video_only", steps=3, name="key-a"), make_config(
         root, "leave_out", steps=3, name="key-b")
-    store = Store(video_only.cache_dir)
+    store = Store(video_only.cache_dir, video_only.manifest_names)
     upstream = upstream_versions(store, video_only, get_family(video_only))
     assert upstream["audio_latents"] and upstream == upstream_versions(store, left_out, get_family(left_out))
     assert run_dir(video_only, upstream) != run_dir(left_out, upstream)
@@ -424,5 +424,5 @@ def test_loraflow_cache_caches_the_sound_too(root: Path, tmp_path: Path) -> None
                            "demo-videos"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "audio latents computed 3, reused 0" in done.stdout
-    rows = read_audio_rows(Store(config.cache_dir))
+    rows = read_audio_rows(Store(config.cache_dir, config.manifest_names))
     assert sorted(r.status for r in rows.values()) == ["no_audio", "ok", "ok"]

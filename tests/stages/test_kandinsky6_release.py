@@ -67,7 +67,7 @@ def test_the_encoded_text_is_the_releases_prompt(tiny: Path, data: Path, tmp_pat
     release's order: speech inside the video caption, the sound last), which the text stage encodes; the clip without
     keeps its plain caption, keyed as before."""
     config = config_at(tmp_path, tiny, data, train_audio=True)
-    family, model, store = get_family(config), model_source(config), Store(config.cache_dir)
+    family, model, store = get_family(config), model_source(config), Store(config.cache_dir, config.manifest_names)
     build_clips(config, family, model, store)
     captions = {c.source: c.captions for c in read_clips(store)}
     assert captions == {"dog.mp4": (COMPOSED,), "cat.mp4": ("a cat sleeps",)}
@@ -88,14 +88,14 @@ def test_metadata_columns_compose_alike(tiny: Path, tmp_path: Path) -> None:
     values.pop("model_flavour")
     values["datasets"][0].update(caption_strategy="metadata", metadata_file="meta.jsonl")
     config = load_config(write_config(tmp_path / "meta.yaml", values))
-    build_clips(config, get_family(config), model_source(config), Store(config.cache_dir))
-    assert [c.captions for c in read_clips(Store(config.cache_dir))] == [(COMPOSED,)]
+    build_clips(config, get_family(config), model_source(config), Store(config.cache_dir, config.manifest_names))
+    assert [c.captions for c in read_clips(Store(config.cache_dir, config.manifest_names))] == [(COMPOSED,)]
 
 
 def test_other_families_read_no_sound_captions(tiny: Path, data: Path, tmp_path: Path) -> None:
     """Kandinsky 5 reads neither file: its captions stay plain and the two files are listed as not used."""
     config = config_at(tmp_path, tiny, data, family="kandinsky5-video")
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     plan = plan_family(config)
     build_clips(config, plan, config.pretrained_model_name_or_path, store)
     assert {c.source: c.captions for c in read_clips(store)}["dog.mp4"] == (CAPTION,)
@@ -113,7 +113,7 @@ def test_a_videos_own_caption_is_not_anothers_sound(tiny: Path, tmp_path: Path) 
         (data / f"{name}.txt").write_text(f"caption of {name}\n")
     (data / "x.audio.txt").write_text("the caption of x.audio.mp4\n")
     config = config_at(tmp_path / "run", tiny, data)
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     build_clips(config, get_family(config), model_source(config), store)
     assert {c.source: c.captions for c in read_clips(store)} == {"x.audio.mp4": ("the caption of x.audio.mp4",)}
     assert [(Path(q["file"]).name, q["reason"]) for q in store.read_manifest("quarantine")] == [
@@ -140,7 +140,7 @@ def test_the_validation_prompt_takes_the_same_form(tiny: Path, data: Path, tmp_p
 def test_text_keys_of_plain_captions_are_unchanged(tiny: Path, data: Path, tmp_path: Path) -> None:
     """A caption without an audio caption is the text it was: its key is `text_key` of that text."""
     config = config_at(tmp_path, tiny, data)
-    family, model, store = get_family(config), model_source(config), Store(config.cache_dir)
+    family, model, store = get_family(config), model_source(config), Store(config.cache_dir, config.manifest_names)
     build_clips(config, family, model, store)
     encode_texts(config, family, model, store)
     rows = {row["text"]: row["key"] for row in store.read_manifest("text_embeds")}

@@ -57,7 +57,7 @@ def make_config(root: Path, family: str, model: Path, home: Path | None = None) 
 
 
 def run(config: LoraflowConfig, ops: tuple) -> list[int]:
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     return [op(config, family, model_source(config), store).computed for op in ops]
 
 
@@ -83,7 +83,7 @@ def test_a_text_encoded_otherwise_is_keyed_as_kandinsky6s(root: Path) -> None:
 
 def test_kandinsky6_trains_renders_and_a_rerun_computes_nothing(root: Path) -> None:
     config = make_config(root, "kandinsky6", root / "k6")
-    family, store, model = get_family(config), Store(config.cache_dir), model_source(config)
+    family, store, model = get_family(config), Store(config.cache_dir, config.manifest_names), model_source(config)
     run(config, CACHES)  # computed, or reused from another test of the module
     assert T.train_lora(config, family, model, store).computed == config.max_train_steps
     lora = current_lora_path(config, family, store)
@@ -145,7 +145,7 @@ def test_a_train_audio_config_caches_the_sound_and_trains(root: Path) -> None:
                      max_train_steps=2, checkpointing_steps=100)
     data.pop("model_flavour")
     config = load_config(write_config(root / "k6-audio.yaml", data))
-    store, model = Store(config.cache_dir), model_source(config)
+    store, model = Store(config.cache_dir, config.manifest_names), model_source(config)
     run(config, CACHES)
     report = encode_audio(config, model, store)
     rows = read_audio_rows(store)

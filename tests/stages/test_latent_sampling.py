@@ -123,15 +123,17 @@ def test_switching_latent_sampling_adds_keys_and_leaves_mode_rows(tiny_k5: Path,
     as_mode = config_for(tiny_k5, demo_data, tmp_path, name="mode.yaml")
     as_dist = load_config(write_config(tmp_path / "dist.yaml", demo_dict(tiny_k5, demo_data, tmp_path,
                                                                         latent_sampling="distribution")))
-    family, store = get_family(as_mode), Store(as_mode.cache_dir)
+    family, store = get_family(as_mode), Store(as_mode.cache_dir, as_mode.manifest_names)
     build_clips(as_mode, family, model_source(as_mode), store)
     first = encode_latents(as_mode, family, model_source(as_mode), store)
     mode_keys = {r["key"] for r in store.read_manifest("latents")}
     shards = Path(as_mode.cache_dir) / "latents" / "shards"
     mode_shards = {p.name: p.read_bytes() for p in shards.glob("*.parquet")}
 
-    switched = encode_latents(as_dist, family, model_source(as_dist), store)
-    dist_keys = {r["key"] for r in store.read_manifest("latents")}
+    switched = encode_latents(as_dist, family, model_source(as_dist), store)  # the clips as_mode listed: its own
+    assert as_dist.manifest_names.of("clips") == as_mode.manifest_names.of("clips")
+    dist_keys = {r["key"] for r in store.named(as_dist.manifest_names).read_manifest("latents")}
+    assert {r["key"] for r in store.named(as_mode.manifest_names).read_manifest("latents")} == mode_keys  # kept
     assert (switched.computed, switched.reused) == (first.computed, 0)
     assert len(dist_keys) == len(mode_keys) and not dist_keys & mode_keys
     assert {p.name: p.read_bytes() for p in shards.glob("*.parquet") if p.name in mode_shards} == mode_shards

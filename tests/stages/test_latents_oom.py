@@ -37,7 +37,7 @@ def out_of_memory_unless_tiling(vae: torch.nn.Module) -> None:
 def test_a_tiled_fallback_is_listed_as_approximate_and_redone_exactly(
         tiny_k5: Path, demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = config_for(tiny_k5, demo_data, tmp_path)
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     build_clips(config, family, model_source(config), store)
     exact = {r.clip_key: r for r in L.latent_rows(config, get_family(config), model_source(config), store)}
     assert all(r.key != r.tiled_key for r in exact.values())  # tiling is off in the demo config
@@ -82,7 +82,7 @@ def test_a_clip_whose_latent_is_not_finite_is_quarantined_and_the_others_stored(
     naming its file, its frames and the precision) and not stored, the other clips are stored as a clean run stores
     them, and the blocking check does not count the quarantined one as missing."""
     config = config_for(tiny_k5, demo_data, tmp_path)
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     build_clips(config, family, model_source(config), store)
     planned = {r.clip_key: r for r in L.latent_rows(config, family, model_source(config), store)}
     assert len(planned) >= 2

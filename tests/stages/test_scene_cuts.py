@@ -66,7 +66,7 @@ def test_clips_lie_inside_scenes_on_both_sides_of_the_cut_and_the_fade_is_no_cut
     assert [source_of(stored[c.key]["frames"][0]) for c in clips[:3]] == [BLUE, BLUE, YELLOW]
     (row,) = report.scenes
     assert (row.file, row.scenes, row.used, row.cuts) == ("long.mp4", 2, 2, (CUT,))
-    manifest = pq.read_schema(Store(config.cache_dir, config.dataset_sources).manifest_file("clips", "d0"))
+    manifest = pq.read_schema(Store(config.cache_dir, config.manifest_names).manifest_file("clips", "d0"))
     assert {f.name: str(f.type) for f in manifest} == {**CLIP_COLUMNS, **SCENE_COLUMNS}  # the columns, pinned
 
 
@@ -99,9 +99,10 @@ def test_a_rerun_reuses_the_cut_list(tiny_k5: Path, tmp_path: Path, fresh_proces
     assert read_clips(store) == first and report.computed == 0
     # another threshold is another cut list: detected, and stored beside the first
     monkeypatch.setattr(frames, "_run_in_worker", original)
-    run_clips(scene_config(tiny_k5, tmp_path, tmp_path / "data", scene_cuts="detect", scene_threshold=200.0))
+    _, other = run_clips(scene_config(tiny_k5, tmp_path, tmp_path / "data", scene_cuts="detect", scene_threshold=200.0))
     assert len(store.keys("scenes")) == 2
-    assert {c.scene.number for c in read_clips(store)} == {1}  # nothing changes that much: one scene
+    assert {c.scene.number for c in read_clips(other)} == {1}  # nothing changes that much: one scene
+    assert read_clips(store) == first  # the first threshold's list stands beside it
 
 
 def test_the_picture_shows_each_cut_between_its_two_sources(tiny_k5: Path, tmp_path: Path,

@@ -33,7 +33,7 @@ from tests.factory import REPO, clip_row, config_for
 def setup(model: Path, data: Path, root: Path, captions: list[str] | None = None, **overrides):
     """Config, family and store with clips built; `captions` replace the clips' captions (one clip each)."""
     config = config_for(model, data, root, **overrides)
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     build_clips(config, family, model_source(config), store)
     if captions is not None:
         clip = store.read_manifest("clips")[0]
@@ -156,7 +156,8 @@ def test_a_lower_precision_text_encoder_is_its_own_cache_entry(tiny_k5: Path, de
     config_low = config.model_copy(update={"text_encoder_1_precision": precision})
     low = encode_texts(config_low, family, model_source(config_low), store)
     assert low.computed == fp32.computed and low.reused == 0  # a different precision is a different key
-    after = {r["text"]: r["key"] for r in store.read_manifest("text_embeds")}
+    after = {r["text"]: r["key"] for r in store.named(config_low.manifest_names).read_manifest("text_embeds")}
+    assert {r["text"]: r["key"] for r in store.named(config.manifest_names).read_manifest("text_embeds")} == before
     text = "a blue bird on a wire"
     rows = store.get("text_embeds", [before[text], after[text]])
     full, half = rows[before[text]], rows[after[text]]

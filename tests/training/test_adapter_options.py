@@ -144,7 +144,7 @@ def test_init_lora_starts_from_the_file_exactly_and_keys_the_run_by_its_content(
         start_adapter(transformer, None, doubled.init_lora, family)
         loaded = get_peft_model_state_dict(transformer)
         assert all(torch.equal(loaded[k] * (2 if "lora_B" in k else 1), trained[k]) for k in trained), source.name
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     key = run_dir(config, upstream_versions(store, config, family))
     copied = tmp_path / "copy.safetensors"
     shutil.copy(run / T.LORA_FILE, copied)

@@ -62,7 +62,7 @@ def keep_transformer(*args, **kwargs):
     return run_steps(*args, **kwargs)
 T.run_steps = keep_transformer
 config = load_config(config_path)
-T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
+T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir, config.manifest_names))
 rank = world_from_env().rank
 (probe / f"rank{rank}.threads").write_text(str(torch.get_num_threads()))
 save_file(lora_state(kept["transformer"]), probe / f"rank{rank}.safetensors")
@@ -87,7 +87,7 @@ def two_ranks(own_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     (root / "probe.py").write_text(PROBE)
     launch(root / "two.yaml", str(root / "probe.py"), str(root / "two.yaml"), str(root))
     return {"config": config, "yaml": root / "two.yaml", "probe": root,
-            "run": current_run_dir(config, get_family(config), Store(config.cache_dir))}
+            "run": current_run_dir(config, get_family(config), Store(config.cache_dir, config.manifest_names))}
 
 
 def test_ranks_hold_identical_weights_and_only_rank_0_writes(two_ranks: dict) -> None:

@@ -43,7 +43,7 @@ from loraflow.store import Store
 
 config = load_config(sys.argv[1]).model_copy(update={"fsdp": True})
 dist.init_process_group("gloo")
-T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
+T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir, config.manifest_names))
 dist.destroy_process_group()
 '''
 # Runs train_lora as one rank and records what this rank holds: every parameter's local and full element count.
@@ -73,7 +73,7 @@ def count(*args, **kwargs):
     return run_steps(*args, **kwargs)
 T.run_steps = count
 config = load_config(config_path)
-T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir))
+T.train_lora(config, get_family(config), model_source(config), Store(config.cache_dir, config.manifest_names))
 (probe / f"rank{world_from_env().rank}.json").write_text(json.dumps(held))
 leave()
 '''
@@ -94,7 +94,7 @@ def sharded(own_caches: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     torchrun(str(root / "probe.py"), str(root / "fsdp.yaml"), str(root))
     return {"config": config, "yaml": root / "fsdp.yaml", "probe": root,
             "held": [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)],
-            "run": current_run_dir(config, get_family(config), Store(config.cache_dir))}
+            "run": current_run_dir(config, get_family(config), Store(config.cache_dir, config.manifest_names))}
 
 
 def test_each_rank_holds_half_of_every_parameter(sharded: dict) -> None:

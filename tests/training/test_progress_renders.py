@@ -29,7 +29,7 @@ from loraflow.training.model_setup import load_transformer
 from loraflow.training.options.progress_renders import ProgressRenders, progress_sheet_path, rendering, step_folder
 from loraflow.training.run import RunContext, current_run_dir, run_dir, upstream_versions
 from loraflow.validation import validate as V
-from tests.factory import capture_renders, demo_dict, make_config, same_lora_file, train
+from tests.factory import cache_for, capture_renders, demo_dict, make_config, same_lora_file, train
 
 CPU = torch.device("cpu")
 RENDERS = {"validation_resolution": "64x48", "validation_num_video_frames": 5, "validation_num_inference_steps": 2,
@@ -46,7 +46,7 @@ def test_renders_every_n_steps_and_the_same_lora_as_without(own_caches: dict[str
     settings = {"max_train_steps": 4, **RENDERS}
     rendered = make_config(own_caches, tmp_path / "rendered", validation_steps=2, **settings)
     plain = make_config(own_caches, tmp_path / "plain", **settings)
-    upstream = upstream_versions(Store(plain.cache_dir), plain, get_family(plain))
+    upstream = upstream_versions(Store(plain.cache_dir, plain.manifest_names), plain, get_family(plain))
     assert run_dir(rendered, upstream).name == run_dir(plain, upstream).name  # not part of the run
     with_renders, without = train(rendered), train(plain)
     run = Path(with_renders.run_dir)
@@ -70,9 +70,12 @@ def test_the_last_render_is_what_validation_renders(own_caches: dict[str, Path],
     the exported file at scale 1, same seed; i2v: same first frame); with lora_dropout, only if both run the
     adapter in eval mode. Frames, not mp4s: libx264's threads make the encoded bytes vary with machine load."""
     written = capture_renders(monkeypatch)
-    config = make_config(own_caches, tmp_path / "out", max_train_steps=2, validation_steps=2, **{**RENDERS, **flavour})
+    shutil.copytree(own_caches["root"] / "cache", tmp_path / "cache")  # i2v's lists beside t2v's, in a copy
+    config = make_config(own_caches, tmp_path / "out", max_train_steps=2, validation_steps=2,
+                         cache_dir=str(tmp_path / "cache"), **{**RENDERS, **flavour})
+    store = cache_for(config)
     report = train(config)
-    V.validate(config, get_family(config), model_source(config), Store(config.cache_dir), report.lora_path)
+    V.validate(config, get_family(config), model_source(config), store, report.lora_path)
     (ours,), (base, lora) = written["progress"], written["validation"]  # validation writes base.mp4, then lora.mp4
     # bit for bit by construction: the exported file holds training's fp32 adapter, both renders run it unmerged at
     # scale 1 through the same pipeline call, in this process (same kernels, same thread count)
@@ -98,7 +101,7 @@ def test_the_lora_is_the_same_with_renders_under_memory_features(own_caches: dic
 
 def test_rendering_leaves_training_as_it_was(own_caches: dict[str, Path], tmp_path: Path) -> None:
     config = make_config(own_caches, tmp_path / "out", validation_steps=1, **RENDERS)
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     transformer, params = load_transformer(config, family, model_source(config), CPU)
     for p in params:  # non-zero B: the adapter acts
         p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
@@ -158,7 +161,7 @@ def test_two_ranks_render_once_and_the_lora_asset_shows_the_renders(own_caches: 
     (event,) = result.get_asset_materialization_events()
     shown = event.materialization.metadata["renders_during_training"].value
     assert shown.startswith("![first validation prompt, per step](data:image/png;base64,")
-    run = current_run_dir(config, get_family(config), Store(config.cache_dir))
+    run = current_run_dir(config, get_family(config), Store(config.cache_dir, config.manifest_names))
     assert sorted(p.name for p in (run / "validation").glob("step-*")) == ["step-0000001", "step-0000002"]
     assert not list(run.glob("validation/**/*.tmp*"))  # every write finished (one writer: rank 0)
 

@@ -66,7 +66,7 @@ def test_two_steps_equal_a_hand_written_reference(baseline, caches: dict[str, Pa
     of the velocity it is given, which is this one's), and its gradient 2/N * d is this one's 2d * 1/N (the factor 2
     is exact)."""
     config, report = baseline
-    store, family = Store(config.cache_dir), get_family(config)
+    store, family = Store(config.cache_dir, config.manifest_names), get_family(config)
     transformer, params, optimizer = reference_lora(caches["model"], config)
     plan = D.BatchPlan(D.build_samples(config, store), 1, config.seed)
     for step, logged in enumerate(report.history):
@@ -132,7 +132,7 @@ def test_overfitting_one_fixed_batch_lowers_the_loss(caches: dict[str, Path], tm
 def test_a_killed_run_resumes_to_the_same_bits(caches: dict[str, Path], tmp_path: Path) -> None:
     settings = {"max_train_steps": 24, "checkpointing_steps": 2, "checkpoints_total_limit": 1, "lora_dropout": 0.1}
     killed = make_config(caches, tmp_path / "killed", **settings)
-    run = current_run_dir(killed, get_family(killed), Store(killed.cache_dir))
+    run = current_run_dir(killed, get_family(killed), Store(killed.cache_dir, killed.manifest_names))
     code = ("import sys; from loraflow.config import load_config; from loraflow.training.loop import train_lora; "
             "from loraflow.pipelines import get_family; from loraflow.pipelines.sources import model_source; "
             "from loraflow.store import Store; "
@@ -223,7 +223,7 @@ def test_caption_dropout_trains_on_the_cached_empty_prompt(caches: dict[str, Pat
 
 def test_batches_of_two_never_mix_text_lengths(caches: dict[str, Path], tmp_path: Path) -> None:
     config = make_config(caches, tmp_path / "out", train_batch_size=2, max_train_steps=2)
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     samples = D.build_samples(config, store)
     short = next(r["key"] for r in store.read_manifest("text_embeds") if r["text"] == SHORT_CAPTION)
     bucket = next(s.group[0] for s in samples if s.text_key == short)

@@ -40,7 +40,7 @@ def sound_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoraflowConf
                            eval_holdout_fraction=0)
     del data["user_prompt_library"]
     config = parse_config(data)
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     fill_validation_store(config, store)
     return config, store, random_lora(config, root / "lora")
 

@@ -116,8 +116,9 @@ def test_same_prompt_and_seed_give_the_same_video_and_a_finished_run_is_reused(v
     # another seed renders elsewhere and differently (one prompt, no eval: just the seed at work)
     one = {"validation_prompt": None, "user_prompt_library": {"blue": VALIDATION_LIBRARY["blue"]},
            "eval_holdout_fraction": 0}
-    other = validate(parse_config({**data, **one, "validation_seed": 8}), get_family(config), model_source(config),
-                     store, str(lora))
+    seeded = parse_config({**data, **one, "validation_seed": 8})
+    encode_texts(seeded, get_family(seeded), model_source(seeded), store)  # its text set: one prompt (all reused)
+    other = validate(seeded, get_family(config), model_source(config), store, str(lora))
     assert other.data_version != first.data_version and other.settings.seed == 8 and other.computed == 1
     assert not np.array_equal(decode(other.prompts[0].lora)[0], after)
 
@@ -172,7 +173,7 @@ def test_a_prompt_rendered_alone_in_a_fresh_process_gives_the_same_video(validat
             "from loraflow.pipelines import get_family; from loraflow.pipelines.sources import model_source; "
             "from loraflow.store import Store; c = load_config(sys.argv[1]); "
             "print(json.dumps(dataclasses.asdict(validate(c, get_family(c), model_source(c), "
-            "Store(c.cache_dir), sys.argv[2]).prompts[0])))")
+            "Store(c.cache_dir, c.manifest_names), sys.argv[2]).prompts[0])))")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "alone.yaml"), str(lora)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -264,7 +265,7 @@ def test_eval_loss_of_the_same_clips_is_the_same_whatever_their_files_mtimes(
             os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + shift_ns))
         config = load_config(write_config(tmp_path / name / "config.yaml", demo_dict(
             tiny_k5, data, tmp_path / name, eval_holdout_fraction=0.2)))
-        family, store = get_family(config), Store(config.cache_dir)
+        family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
         build_clips(config, family, model_source(config), store)
         encode_latents(config, family, model_source(config), store)
         encode_texts(config, family, model_source(config), store)
@@ -316,7 +317,7 @@ def test_every_validation_text_is_encoded_by_the_text_embeds_stage(validation_in
     assert set(config.validation_prompts.values()) <= texts
     assert negative_prompt(config, get_family(config)) not in texts  # "blurry" is new: the stage must add it
     encode_texts(config, get_family(config), model_source(config), store)
-    assert "blurry" in {r["text"] for r in store.read_manifest("text_embeds")}
+    assert "blurry" in {r["text"] for r in store.named(config.manifest_names).read_manifest("text_embeds")}
 
 
 def test_prompt_library_file_is_read_relative_to_the_config(tiny_k5: Path, tmp_path: Path) -> None:
@@ -362,7 +363,7 @@ def test_image_family_renders_base_and_lora_as_pngs(tmp_path: Path) -> None:
         model, tmp_path, model_family="kandinsky5-image", model_flavour="t2i-lite-sft", user_prompt_library=None,
         validation_resolution="64x48", validation_num_video_frames=None, eval_holdout_fraction=0.0,
         datasets=[{"id": "images", "instance_data_dir": str(tmp_path / "images"), "dataset_type": "image"}]))
-    store = Store(config.cache_dir)
+    store = Store(config.cache_dir, config.manifest_names)
     store.write_manifest("clips", [])  # no captions needed: only the validation texts
     encode_texts(config, get_family(config), model_source(config), store)
     report = validate(config, get_family(config), model_source(config), store,

@@ -116,7 +116,7 @@ def encode_audio(config: LoraflowConfig, model: ModelSource, store: Store,
                  datasets: list[str] | None = None) -> AudioLatentsReport:
     """The audio rows of the datasets' clips (None: every training dataset): encodes what the store lacks (the audio
     VAE loads only then), writes each dataset's manifest part."""
-    store = store.keyed(config.dataset_sources)  # its parts keyed by the datasets' sources, whoever opened it
+    store = store.named(config.manifest_names)  # its manifests named by what they are made from, whoever opened it
     planned = planned_audio(config, model, store, datasets)
     have = store.keys(STAGE)
     todo = list({p.key: p for p in planned if p.key not in have}.values())  # clips of one span share a row

@@ -87,7 +87,7 @@ def build_captions(config: LoraflowConfig, model: ModelSource, store: Store,
                    datasets: list[str] | None = None) -> CaptionsReport:
     """Caption the clips of the `auto` datasets (`datasets` ids; None: all) that have no user caption and no cached
     caption under today's key, and write each dataset's manifest part of its captions."""
-    store = store.keyed(config.dataset_sources)  # its parts keyed by the datasets' sources, whoever opened it
+    store = store.named(config.manifest_names)  # its manifests named by what they are made from, whoever opened it
     chosen = [d.id for d in select_datasets(config, datasets) if d.caption_strategy == "auto"]
     clips = [c for c in read_clips(store, parts=chosen, captioned=False) if not c.captions]
     if not clips:

@@ -392,7 +392,7 @@ def build_clips(
 ) -> ClipsReport:
     """Plan the datasets (`datasets` ids; None: every training dataset), decode what the store lacks, and write
     each dataset's manifest part of current clips (one dataset's run never touches another's part)."""
-    store = store.keyed(config.dataset_sources)  # its parts keyed by the datasets' sources, whoever opened it
+    store = store.named(config.manifest_names)  # its manifests named by what they are made from, whoever opened it
     selected = select_datasets(config, datasets)
     for dataset in selected:  # a missing source folder fails like a missing dataset folder, before any work
         sources = config.source_images(dataset)

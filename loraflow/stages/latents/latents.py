@@ -104,7 +104,7 @@ def encode_latents(
 ) -> LatentsReport:
     """Encode the datasets' clips (None: every training dataset) the store lacks; write each one's manifest part.
     With a `shard`, only that shard's clips, and no manifest: one of N workers (stages/shard_worker.py)."""
-    store = store.keyed(config.dataset_sources)  # its parts keyed by the datasets' sources, whoever opened it
+    store = store.named(config.manifest_names)  # its manifests named by what they are made from, whoever opened it
     planned = [r for r in latent_rows(config, family, model, store, datasets)
                if shard is None or shard.owns(r.clip_key)]
     have = store.keys("latents")

@@ -108,7 +108,7 @@ def patch_features(model: torch.nn.Module, frames: torch.Tensor, image_size: int
 
 def cache_teacher_features(config: LoraflowConfig, family: ModelFamily, store: Store) -> TeacherFeaturesReport:
     """The teacher_features stage for every clip training reads (computes only what the store lacks)."""
-    store = store.keyed(config.dataset_sources)  # its parts keyed by the datasets' sources, whoever opened it
+    store = store.named(config.manifest_names)  # its manifests named by what they are made from, whoever opened it
     datasets = [d.id for d in config.training_datasets]
     return encode_teacher_features(trained_clips(store), teacher_of(config), family.vae_temporal_factor, store,
                                    datasets)

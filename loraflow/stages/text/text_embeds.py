@@ -31,8 +31,8 @@ Store schema (`text_embeds/shards/*.parquet`, one row per distinct key):
     byt5_embeds      float32 (L2, 1472)   HunyuanVideo 1.5: Glyph-ByT5 tokens (one zero token when no quotes)
     byt5_mask        float32 (L2,)        HunyuanVideo 1.5: its mask
 Tensors of varying length are flat lists plus a `<name>__shape` column (see store.py). The manifest
-(`text_embeds/manifest.parquet`) lists the current text set: key, text, image, n_tokens, truncated
-(`contracts/text_set.TextSetRow`).
+(`text_embeds/manifest-<name>.parquet`, one per config sharing the cache: store.py) lists the current text set:
+key, text, image, n_tokens, truncated (`contracts/text_set.TextSetRow`).
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def encode_texts(
 ) -> TextEmbedsReport:
     """Encode the texts not yet in the store (shortest first, `batch_texts` per shard) and list the text set."""
     started = time.perf_counter()
+    store = store.named(config.manifest_names)  # its text set named by what it is made from, whoever opened it
     precision = config.text_encoder_1_precision
     encoders = {name: component_fingerprint(model, name) for name in family.text_components}
     items = needed_texts(config, family, model, store)
