@@ -414,6 +414,11 @@ def run_command(argv: list[str] | None) -> int:
     except ConfigError as exc:  # every problem, each naming its key: no traceback for a bad config
         print(exc, file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`loraflow check CONFIG | head -1`): nothing to say, no traceback
+        # what stdout still buffers goes nowhere: the flush at exit does not meet the closed pipe again
+        # (the signal module's "Note on SIGPIPE")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (HubUnreachable, DiskFull) as exc:  # no network, no space: what to do, no traceback from inside a library
         print(f"loraflow {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -75,6 +75,31 @@ def test_check_names_a_missing_model_and_a_missing_dataset_folder_together(
     assert "estimate needs the model's config files" in out
 
 
+def test_check_into_a_pipe_whose_reader_left_exits_1_without_a_traceback(tmp_path: Path) -> None:
+    """`loraflow check CONFIG | head -1`: the reader gone, check's next write meets a closed pipe; it exits 1 and
+    prints no BrokenPipeError traceback. The read end is closed before the child starts, and `-u` makes check's first
+    line (config ok) a write of its own, as the line past stdout's buffer is in a long report: a broken pipe on the
+    first line, every run. Seen failing without the handler in `run_command`: the traceback on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.factory import REPO
+
+    config = write_config(tmp_path / "config.yaml", {
+        "model_family": "kandinsky5-video", "pretrained_model_name_or_path": str(tmp_path / "no-model"),
+        "datasets": [{"id": "gone", "instance_data_dir": str(tmp_path / "no-data")}],
+    })
+    child = subprocess.Popen([sys.executable, "-u", "-m", "loraflow.cli", "check", str(config)], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert child.stdout is not None
+    child.stdout.close()  # the reader leaves before check writes a line
+    err = child.communicate(timeout=600)[1]
+    assert child.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err[-3000:]
+
+
 def test_check_prints_the_bucket_plan_and_dropped_files(
         tiny_k5: Path, demo_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "data"
