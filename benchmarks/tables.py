@@ -132,8 +132,19 @@ def h200() -> str:
                     f"bf16 matmul peak, {made['results']['matmul_peak']['tflops']:.1f} TFLOP/s. HunyuanVideo 1.5 "
                     f"720p render 1280x720x121, fp8: one denoise call {render['denoise_peak_gib']:.2f} GiB in "
                     f"{render['denoise_s']:.1f} s, the tiled VAE decode {render['decode_tiled_peak_gib']:.2f} GiB in "
-                    f"{render['decode_tiled_s']:.1f} s; the whole-latent decode: {render['decode']}.")
+                    f"{render['decode_tiled_s']:.1f} s; the whole-latent decode: {render['decode']}. "
+                    + estimates_now(made))
 
+
+def estimates_now(made: dict[str, Any]) -> str:
+    """The estimates of the table's rows as `gpu_estimates.json` holds them now, where they moved since the run's."""
+    now = results("gpu_estimates.json")
+    moved = [f"{label.split(',')[0]} {now['estimates'][name]['peak_allocated_gib']:.2f} GiB (was "
+             f"{made['results'][name]['estimate']['peak_allocated_gib']:.2f})" for name, label in H200.items()
+             if f"{now['estimates'][name]['peak_allocated_gib']:.2f}"
+             != f"{made['results'][name]['estimate']['peak_allocated_gib']:.2f}"]
+    return (f"The estimates as the code makes them now (`gpu_estimates.json`, commit {now['commit'][:7]}): "
+            + ("; ".join(moved) if moved else "as above") + ".")
 
 
 # -- check_cpu.json -------------------------------------------------------------------------------------------
@@ -400,6 +411,7 @@ def h200_values() -> dict[str, str]:
     return {"h200-machine": machine["card"],
             "h200-software": f"torch {machine['torch']}, diffusers {machine['diffusers']}, transformers "
                              f"{machine['transformers']}, peft {machine['peft']}, {machine['date']}",
+            "h200-estimates-at": re.search(r"commit (\w+)", machine["estimates"])[1],
             "h200-matmul": f"**{peak['tflops']:.1f} TFLOP/s**", "h200-matmul-size": f"{peak['size']}³",
             "h200-within": f"{100 * worst[-2]:.0f}%",
             "h200-pro-load": f"{pro['load']['load_peak_gib']:.1f} GiB",
