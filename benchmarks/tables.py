@@ -1,12 +1,15 @@
-"""The tables of README.md and docs/benchmarks.md that come from a results JSON, written from it.
+"""The tables and the numbers of README.md and docs/benchmarks.md that come from a results JSON, written from it.
 
 Each table sits between `<!-- table:NAME -->` and `<!-- /table:NAME -->` (a NAME may appear in several files: the
-same table each time), and `TABLES[NAME]` writes it from `benchmarks/results/`. Rerun after a benchmark:
+same table each time), and `TABLES[NAME]` writes it from `benchmarks/results/`. A number in the prose sits between
+`<!-- value:NAME -->` and `<!-- /value -->` on one line (`The demo took <!-- value:demo-fresh -->252 s<!-- /value -->,
+setup included`: the comments do not show in rendered Markdown), and `values()[NAME]` writes it. Rerun after a
+benchmark:
 
-    .venv/bin/python benchmarks/tables.py           # rewrites every marked table in place
-    .venv/bin/python benchmarks/tables.py --check   # exit 1, naming each table whose text is not its JSON's
+    .venv/bin/python benchmarks/tables.py           # rewrites every marked table and value in place
+    .venv/bin/python benchmarks/tables.py --check   # exit 1, naming each table or value whose text is not its JSON's
 
-tests/test_docs.py fails while a marked table differs from what its JSON gives, or a marker has no table here.
+tests/test_docs.py fails while a marked table or value differs from what its JSON gives, or a marker has none here.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = (ROOT / "docs" / "benchmarks.md",)  # the README quotes no measured number: it links to these
 MARKED = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
+VALUE = re.compile(r"(<!-- value:([\w-]+) -->)(.*?)(<!-- /value -->)")  # `.`: not across a line
 
 
 def results(name: str) -> dict[str, Any]:
@@ -128,7 +132,19 @@ def h200() -> str:
                     f"bf16 matmul peak, {made['results']['matmul_peak']['tflops']:.1f} TFLOP/s. HunyuanVideo 1.5 "
                     f"720p render 1280x720x121, fp8: one denoise call {render['denoise_peak_gib']:.2f} GiB in "
                     f"{render['denoise_s']:.1f} s, the tiled VAE decode {render['decode_tiled_peak_gib']:.2f} GiB in "
-                    f"{render['decode_tiled_s']:.1f} s; the whole-latent decode: {render['decode']}.")
+                    f"{render['decode_tiled_s']:.1f} s; the whole-latent decode: {render['decode']}. "
+                    + estimates_now(made))
+
+
+def estimates_now(made: dict[str, Any]) -> str:
+    """The estimates of the table's rows as `gpu_estimates.json` holds them now, where they moved since the run's."""
+    now = results("gpu_estimates.json")
+    moved = [f"{label.split(',')[0]} {now['estimates'][name]['peak_allocated_gib']:.2f} GiB (was "
+             f"{made['results'][name]['estimate']['peak_allocated_gib']:.2f})" for name, label in H200.items()
+             if f"{now['estimates'][name]['peak_allocated_gib']:.2f}"
+             != f"{made['results'][name]['estimate']['peak_allocated_gib']:.2f}"]
+    return (f"The estimates as the code makes them now (`gpu_estimates.json`, commit {now['commit'][:7]}): "
+            + ("; ".join(moved) if moved else "as above") + ".")
 
 
 # -- check_cpu.json -------------------------------------------------------------------------------------------
@@ -345,40 +361,136 @@ def scripts() -> str:
 
 
 
+# -- the numbers in the prose: `<!-- value:NAME -->TEXT<!-- /value -->` ---------------------------------------------
+def demo_values() -> dict[str, str]:
+    made = results("demo_cpu.json")
+    host, shift = made["host"], made["shift_px"]
+    return {"demo-cores": f"{host['cores']} cores",
+            "demo-at": f"commit {made['commit'][:7]}, load {host['load_1min_before_after'][0]:.1f}",
+            "demo-lora-px": f"{shift['lora']:+.2f} px", "demo-base-px": f"{shift['base']:+.2f} px",
+            "demo-loss-drop": f"{-made['eval_loss']['change']:.0%}",
+            "demo-fresh": f"{made['make_demo_fresh_clone_s']:.0f} s", "demo-setup": f"{made['setup_s']:.0f} s",
+            "demo-again": f"{made['make_demo_again_s']:.0f} s"}
+
+
+def scale_values() -> dict[str, str]:
+    made = results("scale_cpu.json")
+    big = made["100000"]
+    # every timed step's growth but text_embeds' first run (the same 103 texts encoded cold at both sizes)
+    growth = [times[key] for step, times in made["growth_per_10x"].items() for key in times
+              if (key == "s" or key.endswith("_s")) and (step, key) != ("text_embeds", "first_s")]
+
+    def per_clip(step: str) -> str:
+        return f"{1000 * big[step]['s'] / big[step]['clips']:.1f} ms"
+    return {"scale-growth": f"{min(growth):.0f}-{max(growth):.0f}x",
+            "scale-tick": f"{big['sensor']['first_tick_s']:.1f} s at 100k images ({big['sensor']['files'] // 1000}k "
+                          "files with captions)",
+            "scale-check-probe": f"{per_clip('plan')} each: {big['plan']['s']:.0f} s at 100k",
+            "scale-cold-probe": per_clip("probe_cold")}
+
+
+def check_values() -> dict[str, str]:
+    made = results("check_cpu.json")
+    pro = first(made["rows"], config="kandinsky5-video t2v-pro-sft-5s-hd")
+    return {"check-before": made["before"][:7], "check-commit": made["commit"][:7],
+            "check-cores": f"{made['host']['cores']}-core", "check-pro-before": f"{pro['before']['first_cpu_s']} s CPU"}
+
+
+RENDER_STEPS, CALLS_PER_STEP, LATENT_CLIPS = 50, 2, 6  # as the prose says: 50 steps, CFG's two calls; run.py's 6 clips
+
+
+def h200_values() -> dict[str, str]:
+    made = results("gpu_nvidia-h200.json")
+    run, machine, now = made["results"], made["machine"], results("gpu_estimates.json")["estimates"]
+    render, pro, lite = run["render_hv15_720p"], run["train_k5_pro_fp8"], run["train_k5_checkpointing"]
+    # each measurement's worst memory ratio; the sentence says "within X% but one": X is the second worst
+    worst = sorted(max(abs(ratio - 1) for key, ratio in r["measured_over_estimate"].items() if key.endswith("_gib"))
+                   for r in run.values() if any(key.endswith("_gib") for key in r["measured_over_estimate"]))
+    card_mib = int(re.search(r"(\d+) MiB", machine["card"])[1])
+    peak = run["matmul_peak"]
+    return {"h200-machine": machine["card"],
+            "h200-software": f"torch {machine['torch']}, diffusers {machine['diffusers']}, transformers "
+                             f"{machine['transformers']}, peft {machine['peft']}, {machine['date']}",
+            "h200-estimates-at": re.search(r"commit (\w+)", machine["estimates"])[1],
+            "h200-matmul": f"**{peak['tflops']:.1f} TFLOP/s**", "h200-matmul-size": f"{peak['size']}³",
+            "h200-within": f"{100 * worst[-2]:.0f}%",
+            "h200-pro-load": f"{pro['load']['load_peak_gib']:.1f} GiB",
+            "h200-pro-after": f"{pro['load']['after_load_gib']:.1f}",
+            "h200-pro-weights": f"{pro['estimate']['parts_gib']['weights']:.1f}",
+            "h200-pro-estimate": f"{now['train_k5_pro_fp8']['peak_allocated_gib']:.1f} GiB",
+            "h200-card-gib": f"{card_mib / 1024:.0f} GiB",
+            "h200-decode-activations": f"{render['estimate']['decode_activations_gib']:.1f} GiB",
+            "h200-tiled": f"{render['decode_tiled_peak_gib']:.0f} GiB",
+            "h200-denoise-s": f"{render['denoise_s']:.1f} s",
+            "h200-render-minutes": f"about {RENDER_STEPS * CALLS_PER_STEP * render['denoise_s'] / 60:.0f} minutes",
+            "h200-denoise-peak": f"{render['denoise_peak_gib']:.1f} GiB",
+            "h200-decode-tiled-peak": f"{render['decode_tiled_peak_gib']:.1f} GiB",
+            "h200-vae-256": f"{run['vae_encode_hv15_256x73']['peak_allocated_gib']:.1f} GiB",
+            "h200-mfu-plain": f"{run['train_k5_plain']['mfu']:.0%}", "h200-mfu-checkpointing": f"{lite['mfu']:.1%}",
+            "h200-tread-speedup": f"{lite['seconds_per_step'] / run['train_k5_tread0.5']['seconds_per_step']:.1f}x",
+            "h200-mfu-tread": f"{run['train_k5_tread0.5']['mfu']:.0%}", "h200-mfu-pro": f"{pro['mfu']:.0%}",
+            "h200-pro-tokens": f"{pro['visual_tokens']:,}",
+            "h200-budget": f"{made['budget_s'] / 60:.0f} minutes",
+            "h200-encode-one": f"{run['vae_encode_hv15_768x81']['seconds']:.1f} s",
+            "h200-encode-six": f"about {LATENT_CLIPS * run['vae_encode_hv15_768x81']['seconds']:.0f} s"}
+
+
+def values() -> dict[str, str]:
+    """Every value NAME's text, from the JSONs as they are now."""
+    return {**demo_values(), **scale_values(), **check_values(), **h200_values()}
+
+
 TABLES: dict[str, Callable[[], str]] = {"seed-guides": seed_guides, "estimates-released": estimates_released,
                                         "renders": renders, "h200": h200, "check-times": check_times,
                                         "scripts": scripts}
 
 
 def rewritten(text: str) -> str:
-    """`text` with every marked table written from its JSON (an unknown NAME: KeyError naming it)."""
+    """`text` with every marked table and value written from its JSON (an unknown NAME: KeyError naming it; a value
+    whose closing marker is not on its line: ValueError)."""
     def table(match: re.Match) -> str:
         if match.group(2) not in TABLES:
             raise KeyError(f"<!-- table:{match.group(2)} -->: no such table in benchmarks/tables.py "
                            f"(known: {', '.join(TABLES)})")
         return match.group(1) + TABLES[match.group(2)]() + match.group(4)
-    return MARKED.sub(table, text)
+
+    fresh = values()
+
+    def value(match: re.Match) -> str:
+        if match.group(2) not in fresh:
+            raise KeyError(f"<!-- value:{match.group(2)} -->: no such value in benchmarks/tables.py "
+                           f"(known: {', '.join(fresh)})")
+        return match.group(1) + fresh[match.group(2)] + match.group(4)
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.count("<!-- value:") != len(VALUE.findall(line)):
+            raise ValueError(f"line {n}: a <!-- value:NAME --> without its <!-- /value --> on the same line")
+        if re.match(r"\s*(?:[-*] +)?<!-- value:", line):  # CommonMark opens an HTML block there: shown raw
+            raise ValueError(f"line {n}: a <!-- value:NAME --> begins the line: put a word of the text before it")
+    return VALUE.sub(value, MARKED.sub(table, text))
 
 
 def differing(path: Path) -> list[str]:
-    """The marked tables of `path` whose text is not what their JSON gives."""
+    """The marked tables of `path` whose text is not what their JSON gives, then its values (`value:NAME`)."""
     text = path.read_text()
     fresh = {m.group(2): m.group(3) for m in MARKED.finditer(rewritten(text))}
-    return [m.group(2) for m in MARKED.finditer(text) if fresh[m.group(2)] != m.group(3)]
+    now = values()
+    return [m.group(2) for m in MARKED.finditer(text) if fresh[m.group(2)] != m.group(3)] + \
+        [f"value:{m.group(2)}" for m in VALUE.finditer(text) if now[m.group(2)] != m.group(3)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 if a table differs")
+    parser.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 if a table or value differs")
     check = parser.parse_args().check
     stale = [f"{path.relative_to(ROOT)}: {name}" for path in DOCS for name in differing(path)]
     if check:
-        sys.exit("tables differing from their JSON (run benchmarks/tables.py):\n" + "\n".join(stale) if stale else 0)
+        sys.exit("tables and values differing from their JSON (run benchmarks/tables.py):\n" + "\n".join(stale)
+                 if stale else 0)
     for path in DOCS:
         text = path.read_text()
         if rewritten(text) != text:
             path.write_text(rewritten(text))
-    print("\n".join(f"rewrote {line}" for line in stale) or "every table is its JSON's")
+    print("\n".join(f"rewrote {line}" for line in stale) or "every table and value is its JSON's")
 
 
 if __name__ == "__main__":

@@ -238,9 +238,10 @@ def test_the_flavour_table_is_the_flavours() -> None:
     assert shown.group(1) == flavour_table()
 
 
-def test_every_table_from_a_results_json_is_its_json() -> None:
-    """The marked tables of docs/benchmarks.md (`<!-- table:NAME -->`) are what benchmarks/tables.py
-    writes from benchmarks/results/: a number edited by hand, or a JSON rerun without `benchmarks/tables.py`, fails."""
+def test_every_table_and_number_from_a_results_json_is_its_json() -> None:
+    """The marked tables of docs/benchmarks.md (`<!-- table:NAME -->`) and the marked numbers of its text
+    (`<!-- value:NAME -->TEXT<!-- /value -->`) are what benchmarks/tables.py writes from benchmarks/results/: a number
+    edited by hand, or a JSON rerun without `benchmarks/tables.py`, fails."""
     import sys
 
     sys.path.insert(0, str(REPO))
@@ -249,5 +250,7 @@ def test_every_table_from_a_results_json_is_its_json() -> None:
     marked = {path.name: [m.group(2) for m in tables.MARKED.finditer(path.read_text())] for path in tables.DOCS}
     assert all(marked.values()), f"a file without marked tables: {marked}"
     assert set(tables.TABLES) == {name for names in marked.values() for name in names}, "a table in no file"
-    stale = {path.name: tables.differing(path) for path in tables.DOCS}
-    assert not any(stale.values()), f"tables differing from their JSON (run benchmarks/tables.py): {stale}"
+    stale = {path.name: tables.differing(path) for path in tables.DOCS}  # a broken or unknown marker raises here
+    assert not any(stale.values()), f"tables or values differing from their JSON (run benchmarks/tables.py): {stale}"
+    valued = {m.group(2) for path in tables.DOCS for m in tables.VALUE.finditer(path.read_text())}
+    assert set(tables.values()) == valued, f"values in no file: {set(tables.values()) - valued}"
