@@ -391,6 +391,19 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
+def reader_left(stream: object) -> bool:
+    """Whether the pipe `stream` writes to has lost its reader: poll reports an error on a pipe's write end then."""
+    import select
+
+    try:
+        fd = stream.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):  # no file of its own (a test's capture)
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
 def run_command(argv: list[str] | None) -> int:
     from loraflow.atomic import DiskFull
 
@@ -415,6 +428,8 @@ def run_command(argv: list[str] | None) -> int:
         print(exc, file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader left (`loraflow check CONFIG | head -1`): nothing to say, no traceback
+        if not reader_left(sys.stdout):  # another pipe broke (a worker's): an error of its own, to be seen
+            raise
         # what stdout still buffers goes nowhere: the flush at exit does not meet the closed pipe again
         # (the signal module's "Note on SIGPIPE")
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

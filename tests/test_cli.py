@@ -100,6 +100,19 @@ def test_check_into_a_pipe_whose_reader_left_exits_1_without_a_traceback(tmp_pat
     assert "Traceback" not in err and "BrokenPipeError" not in err, err[-3000:]
 
 
+def test_a_broken_pipe_that_is_not_stdouts_is_not_swallowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a stdout whose reader left ends the command quietly: a pipe of the command's own that breaks (a worker's)
+    is an error, raised as it came. Seen swallowed when the handler took every BrokenPipeError."""
+    import loraflow.cli as cli
+
+    def broken(*args: object, **kwargs: object) -> int:
+        raise BrokenPipeError(32, "a worker's pipe")
+
+    monkeypatch.setattr(cli, "check", broken)
+    with pytest.raises(BrokenPipeError, match="a worker's pipe"):
+        cli.run_command(["check", str(tmp_path / "config.yaml")])
+
+
 def test_check_prints_the_bucket_plan_and_dropped_files(
         tiny_k5: Path, demo_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "data"
