@@ -12,7 +12,8 @@ Layout under the root:
                                       read each other's list, whatever differs between them
     <stage>/manifest.parquet,
     <stage>/manifest/<part>.parquet   the same, written before manifests were named, or by a store that was not
-                                      given the names: read while the named file is missing, replaced by it
+                                      given the names: read by such a store only (which config wrote it is unknown:
+                                      a config's store makes its named list anew, from the shards), replaced by it
 
 A shard is written to a temporary name and renamed into place, so a reader never sees half a shard: the
 set of keys in committed shards is the resume point of a killed run. A write that fails removes its temporary file
@@ -320,7 +321,10 @@ class Store:
         names = self.manifest_parts(stage)
         if parts is None and not names:
             return self._read_table(stage, self._whole_file(stage))
-        parts = self.parts if parts is None else frozenset(parts)
+        if parts is None:  # a config's store reads every dataset of the config: one not cached for it raises
+            parts = self.parts if self.parts is not None or self.names is None else frozenset(self._names(stage))
+        else:
+            parts = frozenset(parts)
         if parts is not None:
             missing = sorted(set(parts) - set(names))
             if missing:
@@ -364,9 +368,9 @@ class Store:
         one (a cache written before parts were named) until the stage writes the named one. Without (a store that
         knows no config): the unnamed file, else the one named file; several names raise (which is current is the
         config's to say: an object store's times are too coarse to tell the last written)."""
-        if part in self._names(stage):
-            return next((p for p in (self._manifest_path(stage, part), self._legacy_path(stage, part))
-                         if self.fs.exists(p)), None)
+        if part in self._names(stage):  # its own name only: an unnamed file may be any config's
+            path = self._manifest_path(stage, part)
+            return path if self.fs.exists(path) else None
         files = self._listed_parts(stage).get(part, [])
         if len(files) > 1 and not files[0].endswith(f"/{part_file_stem(part)}.parquet"):
             raise ValueError(f"stage '{stage}' of the store at {self.url} holds {len(files)} manifests of dataset "
@@ -434,7 +438,9 @@ class Store:
 
     def _read_table(self, stage: str, path: str) -> list[dict[str, Any]]:
         if not self.fs.exists(path):
-            raise FileNotFoundError(f"stage '{stage}' has no manifest at {self.url}: materialize it first")
+            made = " made with this config's settings" if self.names is not None else ""
+            raise FileNotFoundError(f"stage '{stage}' has no manifest{made} at {self.url}: make it first (`loraflow "
+                                    "cache CONFIG`, or the `cache_dataset` and `train_and_validate` jobs)")
         with _reading(path), self.fs.open(path, "rb") as f:
             parquet = pq.ParquetFile(f)
             _own_file(path, parquet)
@@ -460,9 +466,8 @@ class Store:
         """The whole manifest this store reads: the one of its name, else the unnamed one (a cache written before
         whole manifests were named). A store of no names reads the unnamed one, else the one named file, and raises
         where there are several, as `_part_file` does."""
-        if self.names is not None:
-            named = self._manifest_path(stage)
-            return named if self.fs.exists(named) else self._legacy_path(stage)
+        if self.names is not None:  # its own name only: an unnamed file may be any config's
+            return self._manifest_path(stage)
         files = self._whole_manifests(stage)
         if len(files) > 1 and self._legacy_path(stage) not in files:
             raise ValueError(f"stage '{stage}' of the store at {self.url} holds {len(files)} manifests (configs "

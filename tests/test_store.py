@@ -213,10 +213,14 @@ def test_a_store_with_sources_reads_and_lists_its_own_datasets_parts_only(store:
     assert store.manifest_parts("stage") == ["a", "b"]
 
 
-def test_a_part_written_before_parts_were_keyed_is_read_until_the_keyed_one_replaces_it(store: Store) -> None:
-    store.write_manifest("stage", [{"key": "old"}], part="a")  # unkeyed: what loraflow wrote before sources
+def test_a_part_written_before_parts_were_named_is_not_a_configs_and_its_named_one_replaces_it(store: Store) -> None:
+    """Which config wrote an unnamed part is unknown (every config sharing the cache read it before): a config's
+    store does not read it, and says what to run; its named list, made anew from the shards, replaces it."""
+    store.write_manifest("stage", [{"key": "old"}], part="a")  # unnamed: what loraflow wrote before names
     keyed = Store(store.url, {"a": "folder-1"})
-    assert keyed.manifest_parts("stage") == ["a"] and keyed.read_manifest("stage") == [{"key": "old"}]
+    assert keyed.manifest_parts("stage") == []
+    with pytest.raises(FileNotFoundError, match="has no manifest made with this config's settings .*loraflow cache"):
+        keyed.read_manifest("stage")
     keyed.write_manifest("stage", [{"key": "new"}], part="a")
     assert keyed.read_manifest("stage") == store.read_manifest("stage") == [{"key": "new"}]  # the old one is gone
 
@@ -412,7 +416,8 @@ def test_whole_manifests_of_configs_sharing_the_store_stand_beside_each_other(st
         store.put("stage", [{"key": key, "x": 1}])
     store.write_manifest("stage", [{"key": "old"}])  # no sources: what loraflow wrote before whole files were keyed
     mine, theirs = Store(store.url, {"a": "settings-1"}), Store(store.url, {"a": "settings-2"})
-    assert mine.read_manifest("stage") == [{"key": "old"}]  # read until its own replaces it
+    with pytest.raises(FileNotFoundError, match="made with this config's settings"):
+        mine.read_manifest("stage")  # not a config's: which one wrote it is unknown
     mine.write_manifest("stage", [{"key": "mine"}])
     theirs.write_manifest("stage", [{"key": "theirs"}])
     assert mine.read_manifest("stage") == [{"key": "mine"}] and theirs.read_manifest("stage") == [{"key": "theirs"}]
@@ -420,3 +425,15 @@ def test_whole_manifests_of_configs_sharing_the_store_stand_beside_each_other(st
         store.read_manifest("stage")  # a store without sources does not pick one
     assert store.clean("stage") == 2  # "old" (replaced) and "gone": neither config lists them
     assert store.keys("stage") == {"mine", "theirs"}
+
+
+def test_a_configs_store_reads_every_dataset_of_the_config_or_raises_naming_the_missing(store: Store) -> None:
+    """A config whose second dataset has no list of its names (its settings changed, not cached again) is refused,
+    naming it: training on the first alone dropped the second without a word."""
+    config = Store(store.url, {"a": "settings-1", "b": "settings-2"})
+    config.write_manifest("stage", [{"key": "a1"}], part="a")
+    with pytest.raises(FileNotFoundError, match=r"no manifest for b made with this config's settings .*cache them"):
+        config.read_manifest("stage")
+    assert config.read_manifest("stage", parts=["a"]) == [{"key": "a1"}]  # asked for a alone: a alone
+    config.write_manifest("stage", [{"key": "b1"}], part="b")
+    assert config.read_manifest("stage") == [{"key": "a1"}, {"key": "b1"}]

@@ -46,8 +46,8 @@ class LoraflowResource(ConfigurableResource):
             raise Failure(description=str(exc), metadata={"config": self.config_path}, allow_retries=False) from None
 
     def store(self, config: LoraflowConfig) -> Store:
-        """The config's store, keyed by its datasets' sources: no stage reads the manifest parts of a dataset taken
-        out of the config, nor those another config sharing the cache_dir wrote (`Store`'s `sources`)."""
+        """The config's store, its manifests named by the config (`manifest_names`): no stage reads the lists of a
+        dataset taken out of the config, nor those another config or other settings wrote into the cache_dir."""
         return Store(config.cache_dir, config.manifest_names)
 
     def dataset(self, config: LoraflowConfig, partition_key: str) -> str:

@@ -36,13 +36,20 @@ FIRST_LAST_MIN_FRAMES = 9  # 3 latent frames: `i2v_mode: first_last` gives 2 cle
 MODEL_KEYS = ("model_family", "model_flavour", "pretrained_model_name_or_path", "revision")
 STAGE_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # stage -> (config keys, stages it takes)
     "clips": ((*MODEL_KEYS, "vae_path"), ()),  # frame counts and buckets follow the VAE's compression
-    "captions": (("caption_model_path", "caption_prompt", "caption_max_new_tokens", "caption_prefix"), ("clips",)),
-    "latents": ((*MODEL_KEYS, "vae_path", "vae_enable_tiling", "latent_sampling"), ("clips",)),
+    "captions": (("caption_model_path", "caption_prompt", "caption_max_new_tokens", "caption_prefix",
+                  "text_encoder_path"), ("clips",)),  # without caption_model_path, the text encoder captions
+    # i2v_mode: which frames are given (the key's last_frame_given); the image encoder: HunyuanVideo 1.5 i2v's tokens
+    "latents": ((*MODEL_KEYS, "vae_path", "vae_enable_tiling", "latent_sampling", "i2v_mode", "vision_encoder_path"),
+                ("clips",)),
     "audio_latents": (MODEL_KEYS, ("clips",)),  # the sound of each clip, whatever training then does with it
-    "teacher_features": (("crepa_encoder", "crepa_encoder_path", "crepa_encoder_image_size"), ("clips",)),
+    "teacher_features": (("crepa_encoder", "crepa_encoder_path", "crepa_encoder_image_size"),
+                         ("clips", "latents")),  # the clips that have latents
     "text_embeds": ((*MODEL_KEYS, "text_encoder_path", "vision_encoder_path", "kandinsky5_prompt_template",
                      "text_encoder_1_precision", "validation_prompt", "validation_audio_prompt", "user_prompt_library",
-                     "validation_negative_prompt"), ("clips", "captions")),
+                     "validation_negative_prompt",
+                     # what picks the image i2i's validation prompts see (contracts.renders): the clip and its size
+                     "validation_resolution", "validation_using_datasets", "eval_dataset_id", "eval_holdout_fraction",
+                     "seed"), ("clips", "captions")),
 }
 WRITTEN_BESIDE = {"quarantine": "clips", "latents_quarantine": "latents"}  # a list a stage writes beside its own
 MODEL_FOLDER_KEYS = ("pretrained_model_name_or_path", "vae_path", "text_encoder_path", "vision_encoder_path",
