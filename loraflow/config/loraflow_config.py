@@ -399,8 +399,14 @@ class LoraflowConfig(ConfigFields):
         """The names of this config's manifests in the store: per caching stage, each dataset id -> a digest of its
         `dataset_sources` fingerprint, the stage's config keys and the names of the stages it takes (STAGE_INPUTS).
         What every store of a config is opened with (`Store(cache_dir, config.manifest_names)`)."""
+        from loraflow.pipelines.sources import FOLDER_KEYS
+
+        from_environment = dict(self.flavour.folder_variables)  # component -> the guide's variable (HunyuanVideo 1.5)
+
         def setting(key: str) -> Any:
             value = getattr(self, key)
+            if value is None and from_environment.get(FOLDER_KEYS.get(key, "")):  # as `component_folders` takes it
+                value = os.environ.get(from_environment[FOLDER_KEYS[key]])
             if key in MODEL_FOLDER_KEYS and value and "://" not in value and os.path.exists(value):
                 return os.path.realpath(value)
             return value

@@ -35,6 +35,11 @@ NOT_KEYS = {
 }
 
 
+# the names read the flavour (its components' environment variables): another one that is
+VALID_OTHER = {"model_family": {"model_family": "kandinsky5-image", "model_flavour": None},
+               "model_flavour": {"model_flavour": "t2v-lite-pretrain-5s"}}
+
+
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory) -> LoraflowConfig:
     root = tmp_path_factory.mktemp("names")
@@ -55,7 +60,8 @@ def made_from(stage: str) -> set[str]:
 def test_each_key_renames_its_stage_and_the_stages_made_from_it_only(config: LoraflowConfig) -> None:
     for stage, (keys, _) in STAGE_INPUTS.items():
         for key in keys:
-            changed = config.model_copy(update={key: f"another {key}"})  # no validation: the names' reach only
+            update = VALID_OTHER.get(key, {key: f"another {key}"})
+            changed = config.model_copy(update=update)  # no validation: the names' reach only
             expected = {s for s in STAGE_INPUTS if any(key in STAGE_INPUTS[m][0] for m in made_from(s))}
             assert changed_stages(config, changed) == expected, key
     assert config.manifest_names.of("quarantine") == config.manifest_names.of("clips")
@@ -105,3 +111,19 @@ def test_every_config_key_a_caching_stage_reads_is_in_its_keys_or_said_why_not()
     assert not unsaid, ("a caching stage reads these config keys: add each to its stage's keys in STAGE_INPUTS "
                         f"(loraflow_config.py) if it changes what the stage lists, else to NOT_KEYS with why: {unsaid}")
     assert set(NOT_KEYS) <= read, f"NOT_KEYS names what no stage reads: {set(NOT_KEYS) - read}"
+
+
+def test_a_component_the_guides_environment_variable_gives_names_what_it_makes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HunyuanVideo 1.5's guide gives the text and vision encoders by HUNYUANVIDEO_TEXT_ENCODER_PATH and
+    HUNYUANVIDEO_VISION_ENCODER_PATH (`sources.component_folders`): another folder there is another text set."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "videos").mkdir()
+    settings = {**demo_dict(tmp_path / "model", tmp_path / "videos", tmp_path), "model_family": "hunyuanvideo-1.5",
+                "model_flavour": "t2v-480p"}
+    config = load_config(write_config(tmp_path / "c.yaml", settings))
+    monkeypatch.setenv("HUNYUANVIDEO_TEXT_ENCODER_PATH", str(tmp_path / "encoder-1"))
+    first = config.manifest_names.of("text_embeds")
+    monkeypatch.setenv("HUNYUANVIDEO_TEXT_ENCODER_PATH", str(tmp_path / "encoder-2"))
+    assert config.manifest_names.of("text_embeds") != first
+    assert config.manifest_names.of("latents") == config.model_copy().manifest_names.of("latents")
