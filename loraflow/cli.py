@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from loraflow.pipelines import FamilyPlan
     from loraflow.pipelines.sources import ModelSource
     from loraflow.stages.clips.buckets import LatentGeometry
+    from loraflow.store import Store
 
 DEMO_CONFIG = "configs/demo.yaml"
 LORA_PATHS = ("lora_path", "comfyui_lora_path", "musubi_lora_path")  # the lora stage's files: diffusers, its twins
@@ -155,11 +156,15 @@ def check(config_path: str, estimate: bool = True) -> int:
         print(f"\ndropped {len(plan.dropped)} file(s):")
         print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
                     ("dataset", "file", "reason", "detail")))
+    store = Store(config.cache_dir, config.manifest_names)
     try:
-        changed = changed_sources(Store(config.cache_dir, config.manifest_names), config.dataset_folders)
+        changed = changed_sources(store, config.dataset_folders)
+        cached = cached_lists(config, store)
     except CacheFileRefused as exc:  # a truncated or foreign cache file crashed check
         problems.append(str(exc))
-        changed = []
+        changed, cached = [], ""
+    if cached:
+        print(f"\n{cached}")
     if changed:  # a warning, not a problem: training on the caches as they are is allowed
         print(f"\nwarning: {changed_sources_warning(changed)}")
     if problems:
@@ -167,6 +172,25 @@ def check(config_path: str, estimate: bool = True) -> int:
         print("\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         return 2
     return 0
+
+
+def cached_lists(config: LoraflowConfig, store: Store) -> str:
+    """What the cache holds for these settings (each stage's lists of the config's names), or "" when it holds
+    nothing yet: after a change of settings, which stages the next run makes anew."""
+    stages = ["clips", "latents", *(["audio_latents"] if config.train_audio else [])]
+    datasets = sorted(config.dataset_sources)
+    listed = {stage: store.manifest_parts(stage) for stage in stages}
+    text_set = store.fs.exists(store.manifest_file("text_embeds"))
+    if not any(listed.values()) and not text_set and not store.fs.exists(store.root):
+        return ""
+    lines = [f"cached for these settings (cache_dir {config.cache_dir}):"]
+    for stage, parts in listed.items():
+        missing = [d for d in datasets if d not in parts]
+        todo = (f"; not for {', '.join(missing)}: `loraflow cache CONFIG --dataset ID` (or the `cache_dataset` job) "
+                "makes them") if missing else ""
+        lines.append(f"  {stage}: {len(parts)} of {len(datasets)} dataset(s){todo}")
+    lines.append(f"  text_embeds: {'made' if text_set else 'not yet: the `train_and_validate` job makes it'}")
+    return "\n".join(lines)
 
 
 def released_problems(config: LoraflowConfig, family: FamilyPlan) -> list[str]:

@@ -641,3 +641,18 @@ def test_check_names_the_attention_kernel_and_what_hunyuanvideo_t2v_leaves_out(
     saved = 3 * 4 * 16 * 128 * 54 * ((kept + 729) ** 2 - kept ** 2)
     assert f"t2v's 729 zero image tokens are left out: {saved / 1e12:.4g} TFLOP of attention a step saved" in out
     assert f"{video} video + 1256 text tokens" in out
+
+
+def test_check_says_which_stages_the_cache_holds_for_these_settings(own_caches: dict[str, Path], tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """After a change of settings (`latent_sampling`), check says the latents are not cached for them, the clips
+    are, and what makes them (the lists are named by what they are made from: docs/caches.md)."""
+    shutil.copytree(own_caches["root"] / "cache", tmp_path / "cache")
+    settings = demo_dict(own_caches["model"], own_caches["data"], tmp_path)
+    for name, update in (("same", {}), ("sampled", {"latent_sampling": "distribution"})):
+        config = write_config(tmp_path / f"{name}.yaml", {**settings, **update})
+        assert main(["check", "--no-estimates", str(config)]) == 0
+        out = capsys.readouterr().out
+        assert "  clips: 1 of 1 dataset(s)\n" in out and "  text_embeds: made" in out, out
+        latents = "1 of 1 dataset(s)\n" if not update else "0 of 1 dataset(s); not for demo-videos"
+        assert f"  latents: {latents}" in out, out
