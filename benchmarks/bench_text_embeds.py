@@ -105,7 +105,7 @@ def tiny_pipeline(count: int) -> dict[str, Any]:
     config = parse_config({"model_family": "kandinsky5-video", "pretrained_model_name_or_path": str(model),
                            "cache_dir": str(WORK / "cache"), "output_dir": str(WORK / "output"),
                            "datasets": [{"id": "d", "instance_data_dir": str(WORK / "data")}]})
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)  # the clips it lists
     texts = captions(count)
     store.write_manifest("clips", [clip_row(f"k{i}", "d", f"clip{i}.mp4", captions=(t,)).to_row()
                                    for i, t in enumerate(texts)])

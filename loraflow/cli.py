@@ -152,10 +152,6 @@ def check(config_path: str, estimate: bool = True) -> int:
         print(f"\nwarning: train_audio: {plan.without_audio_caption} of {plan.clips} clip(s) have no audio caption "
               "(NAME.audio.txt beside the file; the `audio_caption` column of a metadata_file): they train their "
               "sound with the plain caption, which does not describe it (docs/families.md, Kandinsky 6 captions)")
-    if plan.dropped:
-        print(f"\ndropped {len(plan.dropped)} file(s):")
-        print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
-                    ("dataset", "file", "reason", "detail")))
     store = Store(config.cache_dir, config.manifest_names)
     try:
         changed = changed_sources(store, config.dataset_folders)
@@ -165,6 +161,10 @@ def check(config_path: str, estimate: bool = True) -> int:
         changed, cached = [], ""
     if cached:
         print(f"\n{cached}")
+    if plan.dropped:
+        print(f"\ndropped {len(plan.dropped)} file(s):")
+        print(table([(d.dataset, Path(d.file).name, d.reason, d.detail) for d in plan.dropped],
+                    ("dataset", "file", "reason", "detail")))
     if changed:  # a warning, not a problem: training on the caches as they are is allowed
         print(f"\nwarning: {changed_sources_warning(changed)}")
     if problems:

@@ -46,11 +46,12 @@ STAGE_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # stage ->
                          ("clips", "latents")),  # the clips that have latents
     "text_embeds": ((*MODEL_KEYS, "text_encoder_path", "vision_encoder_path", "kandinsky5_prompt_template",
                      "text_encoder_1_precision", "validation_prompt", "validation_audio_prompt", "user_prompt_library",
-                     "validation_negative_prompt",
-                     # what picks the image i2i's validation prompts see (contracts.renders): the clip and its size
-                     "validation_resolution", "validation_using_datasets", "eval_dataset_id", "eval_holdout_fraction",
-                     "seed"), ("clips", "captions")),
+                     "validation_negative_prompt"), ("clips", "captions")),
 }
+# The text set's keys too where prompts see an image (i2i): what picks the image its validation prompts see
+# (contracts.renders: the clip and its size)
+PROMPT_IMAGE_KEYS = ("validation_resolution", "validation_using_datasets", "eval_dataset_id", "eval_holdout_fraction",
+                     "seed")
 WRITTEN_BESIDE = {"quarantine": "clips", "latents_quarantine": "latents"}  # a list a stage writes beside its own
 MODEL_FOLDER_KEYS = ("pretrained_model_name_or_path", "vae_path", "text_encoder_path", "vision_encoder_path",
                      "caption_model_path", "crepa_encoder_path")  # one folder written two ways is one
@@ -413,6 +414,8 @@ class LoraflowConfig(ConfigFields):
 
         named: dict[str, dict[str, str]] = {}
         for stage, (keys, inputs) in STAGE_INPUTS.items():  # each stage after those it takes
+            if stage == "text_embeds" and self.flavour.prompt_sees_image:
+                keys = (*keys, *PROMPT_IMAGE_KEYS)
             settings = {key: setting(key) for key in keys}
             named[stage] = {}
             for dataset, source in self.dataset_sources.items():

@@ -146,7 +146,7 @@ def test_latent_check_lists_wrong_shapes_and_non_finite_values(tmp_path: Path) -
 
 def test_empty_captions_warn_and_list_the_clip(tmp_path: Path, tiny_k5: Path, demo_data: Path) -> None:
     config = write_config(tmp_path / "config.yaml", demo_dict(tiny_k5, demo_data, tmp_path))
-    store = Store(str(tmp_path / "cache"))
+    store = Store(str(tmp_path / "cache"), load_config(config).manifest_names)  # the list the check reads
     store.write_manifest("clips", [clip_row("k", "demo-videos", "quiet.mp4", captions=("",)).to_row(),
                                    clip_row("k", "demo-videos", "loud.mp4", captions=("a dog",)).to_row()])
     result = captions_not_empty(direct(LoraflowResource(config_path=str(config))))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loraflow.config import LoraflowConfig, load_config
-from loraflow.config.loraflow_config import STAGE_INPUTS, WRITTEN_BESIDE
+from loraflow.config.loraflow_config import PROMPT_IMAGE_KEYS, STAGE_INPUTS, WRITTEN_BESIDE
 from tests.factory import REPO, demo_dict, write_config
 
 # Each stage folder -> the manifests its code writes (the folder's reads of the config must be in their keys).
@@ -127,3 +127,13 @@ def test_a_component_the_guides_environment_variable_gives_names_what_it_makes(
     monkeypatch.setenv("HUNYUANVIDEO_TEXT_ENCODER_PATH", str(tmp_path / "encoder-2"))
     assert config.manifest_names.of("text_embeds") != first
     assert config.manifest_names.of("latents") == config.model_copy().manifest_names.of("latents")
+
+
+def test_what_picks_i2is_validation_image_renames_its_text_set_only_where_prompts_see_an_image(
+        config: LoraflowConfig) -> None:
+    i2i = config.model_copy(update={"model_family": "kandinsky5-image", "model_flavour": "i2i-lite-sft"})
+    assert i2i.flavour.prompt_sees_image and not config.flavour.prompt_sees_image
+    for key in PROMPT_IMAGE_KEYS:
+        update = {key: 7 if key == "seed" else f"another {key}"}
+        assert changed_stages(i2i, i2i.model_copy(update=update)) == {"text_embeds"}, key
+        assert changed_stages(config, config.model_copy(update=update)) == set(), key
