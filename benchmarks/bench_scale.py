@@ -99,7 +99,7 @@ def step(name: str, config_path: str) -> dict[str, Any]:
     from loraflow.store import Store
 
     config = load_config(config_path)
-    family, store = get_family(config), Store(config.cache_dir)
+    family, store = get_family(config), Store(config.cache_dir, config.manifest_names)
     dataset = config.training_datasets[0]
     out: dict[str, Any] = {}
     if name == "plan":
@@ -122,9 +122,10 @@ def step(name: str, config_path: str) -> dict[str, Any]:
     elif name == "manifest":
         rows = json.loads(Path(config.cache_dir, "planned.json").read_text())
         _, out["write_s"] = timed(lambda: store.write_manifest("clips", rows, part=dataset.id))
-        read, out["read_s"] = timed(lambda: Store(config.cache_dir).read_manifest("clips", parts=[dataset.id]))
+        read, out["read_s"] = timed(lambda: Store(config.cache_dir, config.manifest_names).read_manifest(
+            "clips", parts=[dataset.id]))
         out["rows"] = len(read)
-        out["bytes"] = os.path.getsize(Path(config.cache_dir, "clips", "manifest", f"{dataset.id}.parquet"))
+        out["bytes"] = os.path.getsize(store.manifest_file("clips", dataset.id))
     elif name == "sensor":
         out.update(sensor_ticks(config_path, dataset.instance_data_dir or ""))
     elif name == "text_embeds":
